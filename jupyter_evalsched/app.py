@@ -1,0 +1,174 @@
+"""The Jupyter server extension: configuration, the scheduler singleton, the REST handlers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jupyter_core.paths import jupyter_data_dir, jupyter_runtime_dir
+from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.utils import url_path_join
+from tornado.ioloop import PeriodicCallback
+from traitlets import Bool, Dict, Float, Int, List, Type, Unicode, default, validate
+
+from .scheduler import policy
+from .scheduler.gpus import GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
+from .scheduler.service import Scheduler, SchedulerConfig
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(float(text))
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number") from None
+
+
+class EvalSchedApp(ExtensionApp):
+    """One evaluation scheduler per host: queue, VRAM ledger, run subprocesses, shared models."""
+
+    name = "jupyter_evalsched"
+    load_other_extensions = True
+
+    runs_dir = Unicode(
+        help="Where run directories live. Default: $EVALSCHED_RUNS_DIR, else <jupyter data dir>/evalsched/runs."
+    ).tag(config=True)
+
+    @default("runs_dir")
+    def _default_runs_dir(self) -> str:
+        return os.environ.get("EVALSCHED_RUNS_DIR") or os.path.join(jupyter_data_dir(), "evalsched", "runs")
+
+    virtual_gpus = List(
+        Int(),
+        help="Sizes in MB of virtual GPUs for a host without any (e.g. [24000, 24000]). "
+        "Default: $EVALSCHED_VIRTUAL_GPUS (comma-separated). Empty: discover real GPUs through NVML.",
+    ).tag(config=True)
+
+    @default("virtual_gpus")
+    def _default_virtual_gpus(self) -> list[int]:
+        return parse_sizes(os.environ.get("EVALSCHED_VIRTUAL_GPUS", ""))
+
+    gpu_probe_class = Type(
+        default_value=NvmlProbe,
+        klass=object,
+        help="The GPU probe used when no virtual GPUs are declared (must provide devices() and processes()).",
+    ).tag(config=True)
+
+    reserve_vram_mb = Int(
+        512, help="VRAM kept free on each real GPU (CUDA context of the model host, fragmentation)."
+    ).tag(config=True)
+
+    usable_vram_mb = Dict(
+        key_trait=Int(),
+        value_trait=Int(),
+        help="Per-device usable VRAM in MB, {gpu_index: mb}; wins over everything else.",
+    ).tag(config=True)
+
+    default_usable_vram_mb = Int(
+        None, allow_none=True, help="Usable VRAM for every device. Default: $EVALSCHED_USABLE_VRAM_MB."
+    ).tag(config=True)
+
+    @default("default_usable_vram_mb")
+    def _default_usable(self) -> int | None:
+        return _env_int("EVALSCHED_USABLE_VRAM_MB")
+
+    cpu_slots = Int(help="CPU slots runs may take. Default: $EVALSCHED_CPU_SLOTS, else the host's cores.").tag(config=True)
+
+    @default("cpu_slots")
+    def _default_cpu_slots(self) -> int:
+        return _env_int("EVALSCHED_CPU_SLOTS") or os.cpu_count() or 1
+
+    @validate("cpu_slots")
+    def _check_cpu_slots(self, proposal):
+        if proposal["value"] < 1:
+            raise ValueError("cpu_slots must be at least 1")
+        return proposal["value"]
+
+    cancel_grace_s = Float(10.0, help="Seconds between SIGTERM and SIGKILL when a run is cancelled or times out.").tag(config=True)
+    sweep_interval_s = Float(1.0, help="Backstop sweep period; admission itself happens on events.").tag(config=True)
+    progress_interval_s = Float(0.2, help="How often running runs' summary.json files are checked for progress.").tag(config=True)
+    starvation_s = Float(600.0, help="A head-of-queue job waiting this long gets its resources reserved.").tag(config=True)
+    starvation_passes = Int(50, help="... or after being passed over this many times.").tag(config=True)
+    aging_s = Float(3600.0, help="A queued job is promoted one priority lane per this many seconds of waiting.").tag(config=True)
+    fsync = Bool(False, help="fsync run files on every write (survives power loss, costs throughput).").tag(config=True)
+    run_env = Dict(value_trait=Unicode(), help="Environment added to every run (under the spec's own env).").tag(config=True)
+
+    models = List(
+        Dict(),
+        help="Shared models: a list of dicts (name, task or loader, model, device, dtype, "
+        "max_batch_size, max_wait_ms, vram_mb, ...). See the README.",
+    ).tag(config=True)
+
+    def initialize_settings(self) -> None:
+        probe: GpuProbe
+        if self.virtual_gpus:
+            probe = VirtualProbe(list(self.virtual_gpus))
+        else:
+            probe = self.gpu_probe_class()
+        model_host = None
+        if self.models:
+            from .shared_models.manager import ModelHostManager
+
+            model_host = ModelHostManager(
+                list(self.models),
+                socket_dir=Path(jupyter_runtime_dir()) / f"evalsched-models-{os.getpid()}",
+                log=self.log,
+            )
+        config = SchedulerConfig(
+            runs_dir=Path(self.runs_dir).expanduser(),
+            cpu_slots=self.cpu_slots,
+            reserve_mb=self.reserve_vram_mb,
+            usable_override=dict(self.usable_vram_mb),
+            env_usable_mb=self.default_usable_vram_mb,
+            policy=policy.PolicyConfig(
+                starvation_s=self.starvation_s, starvation_passes=self.starvation_passes, aging_s=self.aging_s
+            ),
+            cancel_grace_s=self.cancel_grace_s,
+            sweep_interval_s=self.sweep_interval_s,
+            progress_interval_s=self.progress_interval_s,
+            default_cwd=str(Path(self.serverapp.root_dir).expanduser()),
+            fsync=self.fsync,
+            run_env=dict(self.run_env),
+        )
+        self.scheduler = Scheduler(config, probe, models=model_host)
+        self.model_host = model_host
+        self.settings.update(evalsched_scheduler=self.scheduler, evalsched_model_host=model_host)
+
+    def initialize_handlers(self) -> None:
+        from .handlers import handlers
+
+        self.handlers.extend(handlers())
+
+    async def _start_jupyter_server_extension(self, serverapp) -> None:
+        if self.model_host is not None:
+            await self.model_host.start()
+        await self.scheduler.start()
+        # Live runs count as activity, so that JupyterHub never culls a server with work in flight.
+        self._activity = PeriodicCallback(self._report_activity, 5000)
+        self._activity.start()
+        self.log.info(
+            "evalsched: scheduling into %s with %d GPU(s) and %d CPU slots; API at %s",
+            self.scheduler.store.root,
+            len(self.scheduler.ledger()["devices"]),
+            self.cpu_slots,
+            url_path_join(serverapp.base_url, "evalsched/"),
+        )
+
+    def _report_activity(self) -> None:
+        if self.scheduler.has_live_runs:
+            from jupyter_server._tz import utcnow
+
+            self.serverapp.web_app.settings["evalsched_last_activity"] = utcnow()
+
+    async def stop_extension(self) -> None:
+        activity = getattr(self, "_activity", None)
+        if activity is not None:
+            activity.stop()
+        await self.scheduler.stop()
+        if self.model_host is not None:
+            await self.model_host.stop()
+
+
+main = launch_new_instance = EvalSchedApp.launch_instance

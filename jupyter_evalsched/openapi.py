@@ -1,0 +1,143 @@
+"""The OpenAPI 3 document of the REST API, built from the pydantic models so it cannot drift."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from . import __version__
+from .models import STATES, ErrorBody, EpisodeList, EvalSpec, Ledger, ModelList, QueueView, RunDetail, RunList, RunRecord
+
+_MODELS = (EvalSpec, RunRecord, RunDetail, RunList, QueueView, Ledger, EpisodeList, ModelList, ErrorBody)
+
+
+@lru_cache(maxsize=1)
+def _components() -> dict[str, Any]:
+    _, schema = models_json_schema(
+        [(m, "validation" if m is EvalSpec else "serialization") for m in _MODELS],
+        ref_template="#/components/schemas/{model}",
+    )
+    return schema.get("$defs", {})
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(name: str, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _errors(*codes: int) -> dict:
+    text = {
+        400: "the request is malformed (not JSON, a bad query parameter)",
+        401: "not authenticated",
+        403: "not authorized",
+        404: "unknown run id",
+        409: "the operation does not fit the run's state",
+        413: "the body is too large",
+        422: "the spec is invalid, can never fit, names an unknown model or dependency",
+        503: "the runs directory cannot be written or the scheduler is not running",
+    }
+    return {str(c): _json("ErrorBody", text[c]) for c in (401, 403, *codes)}
+
+
+RUN_ID_PARAM = {
+    "name": "run_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
+}
+
+
+@lru_cache(maxsize=4)
+def openapi_document(base_url: str = "/") -> dict[str, Any]:
+    prefix = base_url.rstrip("/") + "/evalsched"
+    paths = {
+        "/runs": {
+            "get": {
+                "summary": "List runs, newest first",
+                "operationId": "listRuns",
+                "parameters": [
+                    {"name": "state", "in": "query", "required": False, "description": "comma-separated states: " + ", ".join(STATES),
+                     "schema": {"type": "string"}},
+                    {"name": "limit", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 100000, "default": 100}},
+                ],
+                "responses": {"200": _json("RunList", "the runs"), **_errors(400)},
+            },
+            "post": {
+                "summary": "Submit a run",
+                "operationId": "submitRun",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("EvalSpec")}}},
+                "responses": {"201": _json("RunRecord", "the queued run"), **_errors(400, 413, 422, 503)},
+            },
+        },
+        "/runs/{run_id}": {
+            "parameters": [RUN_ID_PARAM],
+            "get": {
+                "summary": "One run with its summary",
+                "operationId": "getRun",
+                "responses": {"200": _json("RunDetail", "the run"), **_errors(404)},
+            },
+            "delete": {
+                "summary": "Delete a finished run's directory",
+                "operationId": "deleteRun",
+                "responses": {"204": {"description": "deleted"}, **_errors(404, 409, 503)},
+            },
+        },
+        "/runs/{run_id}/cancel": {
+            "parameters": [RUN_ID_PARAM],
+            "post": {
+                "summary": "Cancel a queued or running run",
+                "operationId": "cancelRun",
+                "responses": {"200": _json("RunRecord", "the run"), **_errors(404, 409)},
+            },
+        },
+        "/runs/{run_id}/logs": {
+            "parameters": [RUN_ID_PARAM],
+            "get": {
+                "summary": "The run's stdout or stderr",
+                "operationId": "getLogs",
+                "parameters": [
+                    {"name": "stream", "in": "query", "required": False, "schema": {"type": "string", "enum": ["stdout", "stderr"]}},
+                    {"name": "tail", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0, "maximum": 1000000}},
+                ],
+                "responses": {"200": {"description": "the log text", "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(400, 404)},
+            },
+        },
+        "/runs/{run_id}/episodes": {
+            "parameters": [RUN_ID_PARAM],
+            "get": {
+                "summary": "The run's finished episodes",
+                "operationId": "getEpisodes",
+                "responses": {"200": _json("EpisodeList", "the episodes"), **_errors(404)},
+            },
+        },
+        "/queue": {"get": {"summary": "Queued runs in admission order, running runs, the ledger", "operationId": "getQueue",
+                           "responses": {"200": _json("QueueView", "the queue"), **_errors()}}},
+        "/ledger": {"get": {"summary": "The per-GPU VRAM ledger and CPU slots", "operationId": "getLedger",
+                            "responses": {"200": _json("Ledger", "the ledger"), **_errors()}}},
+        "/models": {"get": {"summary": "Shared models", "operationId": "getModels",
+                            "responses": {"200": _json("ModelList", "the models"), **_errors()}}},
+        "/status": {"get": {"summary": "Version, runs directory and counts", "operationId": "getStatus",
+                            "responses": {"200": {"description": "status", "content": {"application/json": {"schema": {"type": "object"}}}}, **_errors()}}},
+        "/openapi.json": {"get": {"summary": "This document", "operationId": "getOpenAPI",
+                                  "responses": {"200": {"description": "OpenAPI 3", "content": {"application/json": {"schema": {"type": "object"}}}}, **_errors()}}},
+        "/events": {"get": {"summary": "WebSocket: a snapshot, then one message per run change", "operationId": "events",
+                            "responses": {"101": {"description": "switching to the WebSocket protocol"}, **_errors(400)}}},
+    }
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "jupyter_evalsched", "version": __version__,
+                 "description": "The per-host evaluation scheduler of this Jupyter server. Authenticate as for any Jupyter API (Authorization: token ...)."},
+        "servers": [{"url": prefix}],
+        "components": {
+            "schemas": _components(),
+            "securitySchemes": {"token": {"type": "apiKey", "in": "header", "name": "Authorization"}},
+        },
+        "security": [{"token": []}],
+        "paths": paths,
+    }

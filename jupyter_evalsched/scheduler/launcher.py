@@ -1,0 +1,204 @@
+"""Start run subprocesses, signal their process groups, and notice their exit at once.
+
+Runs start in a new session (``setsid``) so that one signal reaches the run and every worker it
+forked. The run sets ``PR_SET_PDEATHSIG`` itself right after exec (no ``preexec_fn``: it can
+deadlock a threaded parent) and checks that its parent is still us. The death signal is tied to
+the *thread* that forked the run, so spawns must happen on the event-loop thread, which lives as
+long as the server.
+
+Exit is noticed through a pidfd registered with the event loop: the next admission happens in
+the same loop iteration as the exit, not at the next tick of a sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from .. import store
+
+log = logging.getLogger(__name__)
+
+ExitCallback = Callable[[str, int], None]
+
+
+class SpawnError(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class RunProcess:
+    run_id: str
+    popen: subprocess.Popen
+    create_time: float
+    pidfd: int | None = None
+    kill_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def process_create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def is_same_process(pid: int | None, create_time: float | None) -> bool:
+    """True only when ``pid`` is alive *and* is the process that started at ``create_time``:
+    a recycled pid belongs to another process and must never be mistaken for a run."""
+    if not pid or create_time is None:
+        return False
+    now = process_create_time(pid)
+    return now is not None and abs(now - create_time) < 0.05
+
+
+class Launcher:
+    def __init__(self, on_exit: ExitCallback, python: str = sys.executable) -> None:
+        self._on_exit = on_exit
+        self._python = python
+        self._procs: dict[str, RunProcess] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    @property
+    def running_pids(self) -> set[int]:
+        return {p.pid for p in self._procs.values()}
+
+    def pid_of(self, run_id: str) -> int | None:
+        proc = self._procs.get(run_id)
+        return proc.pid if proc else None
+
+    def spawn(self, run_id: str, run_dir: Path, cwd: str, env: dict[str, str]) -> RunProcess:
+        assert self._loop is not None, "Launcher.bind(loop) first"
+        try:
+            out = os.open(run_dir / store.STDOUT, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            err = os.open(run_dir / store.STDERR, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise SpawnError(f"cannot open the run's log files: {exc.strerror or exc}") from exc
+        try:
+            popen = subprocess.Popen(
+                [self._python, "-m", "jupyter_evalsched.runner", "--run-dir", str(run_dir)],
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise SpawnError(f"{type(exc).__name__}: {exc.strerror or exc} (cwd {cwd!r})") from exc
+        finally:
+            os.close(out)
+            os.close(err)
+        create_time = process_create_time(popen.pid) or 0.0
+        proc = RunProcess(run_id, popen, create_time)
+        self._procs[run_id] = proc
+        self._watch(proc)
+        return proc
+
+    def _watch(self, proc: RunProcess) -> None:
+        try:
+            proc.pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            proc.pidfd = None  # no pidfd: the service's periodic sweep calls poll()
+            return
+        self._loop.add_reader(proc.pidfd, self._exited, proc.run_id)
+
+    def _exited(self, run_id: str) -> None:
+        proc = self._procs.get(run_id)
+        if proc is None:
+            return
+        code = proc.popen.poll()
+        if code is None:
+            return
+        self._finish(proc, code)
+
+    def poll(self) -> None:
+        """Backstop for hosts without pidfd (and for missed wake-ups)."""
+        for proc in list(self._procs.values()):
+            code = proc.popen.poll()
+            if code is not None:
+                self._finish(proc, code)
+
+    def _finish(self, proc: RunProcess, code: int) -> None:
+        self._procs.pop(proc.run_id, None)
+        if proc.pidfd is not None:
+            self._loop.remove_reader(proc.pidfd)
+            os.close(proc.pidfd)
+            proc.pidfd = None
+        if proc.kill_timer is not None:
+            proc.kill_timer.cancel()
+        # The leader is gone; anything it left in its group (a forked child that outlived it)
+        # goes too. The group id cannot be reused yet: it is the leader's pid, just reaped.
+        _killpg(proc.pid, signal.SIGKILL)
+        try:
+            self._on_exit(proc.run_id, code)
+        except Exception:
+            log.exception("exit handler failed for run %s", proc.run_id)
+
+    def terminate(self, run_id: str, grace_s: float) -> bool:
+        """SIGTERM to the run's group, SIGKILL after ``grace_s``. False when it is not ours."""
+        proc = self._procs.get(run_id)
+        if proc is None:
+            return False
+        _killpg(proc.pid, signal.SIGTERM)
+        if proc.kill_timer is None:
+            proc.kill_timer = self._loop.call_later(grace_s, _killpg, proc.pid, signal.SIGKILL)
+        return True
+
+    def kill_all(self) -> list[str]:
+        """On shutdown: SIGKILL every run group and reap; returns the run ids that were killed."""
+        killed = []
+        for proc in list(self._procs.values()):
+            _killpg(proc.pid, signal.SIGKILL)
+            try:
+                proc.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("run %s (pid %s) did not die on SIGKILL", proc.run_id, proc.pid)
+            if proc.pidfd is not None:
+                self._loop.remove_reader(proc.pidfd)
+                os.close(proc.pidfd)
+            if proc.kill_timer is not None:
+                proc.kill_timer.cancel()
+            killed.append(proc.run_id)
+        self._procs.clear()
+        return killed
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_stale_group(pid: int, create_time: float | None) -> None:
+    """Kill a run left by a previous server, but only if it really is that run."""
+    if is_same_process(pid, create_time):
+        _killpg(pid, signal.SIGKILL)
+        try:
+            psutil.Process(pid).wait(timeout=2)
+        except (psutil.NoSuchProcess, psutil.TimeoutExpired, ChildProcessError):
+            pass
+
+
+def signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"SIG{-code}"

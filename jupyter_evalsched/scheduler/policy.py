@@ -1,0 +1,305 @@
+"""The admission policy: which queued jobs start now, on which GPUs, and why the others wait.
+
+Pure: plain data in, a decision out, no I/O and no clock (the caller passes waiting times).
+That keeps it testable in microseconds with property-based tests.
+
+Rules, in order of precedence:
+- dependencies: a job whose dependency ended in any state but ``succeeded`` fails without running;
+  one whose dependency has not finished waits and takes nothing;
+- lanes ``high`` > ``normal`` > ``low``, FIFO (submission ``seq``) within a lane; a job is promoted
+  one lane per ``aging_s`` of waiting so that low-priority work cannot starve;
+- a job that fits may start ahead of one that does not (backfill) ...
+- ... unless the head of the queue is starving (waited ``starvation_s`` or passed over
+  ``starvation_passes`` times): then the GPUs and CPU slots it needs are reserved for it and no
+  job behind it may take them. Reserved devices only drain, so the head eventually fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+LANES = ("high", "normal", "low")
+LANE_INDEX = {name: i for i, name in enumerate(LANES)}
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedJob:
+    id: str
+    seq: int
+    priority: str = "normal"
+    marginal_vram_mb: int = 0
+    gpus: int = 1
+    exclusive: bool = False
+    cpus: int = 1
+    depends_on: tuple[str, ...] = ()
+    waited_s: float = 0.0
+    passed_over: int = 0
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.marginal_vram_mb > 0 or self.exclusive
+
+
+@dataclass(frozen=True, slots=True)
+class RunningJob:
+    id: str
+    devices: tuple[int, ...] = ()
+    marginal_vram_mb: int = 0
+    exclusive: bool = False
+    cpus: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    index: int
+    usable_mb: int
+    # VRAM held by processes the scheduler does not manage (observed through NVML).
+    unmanaged_mb: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    devices: tuple[Device, ...]
+    cpu_slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    starvation_s: float = 600.0
+    starvation_passes: int = 50
+    aging_s: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    id: str
+    devices: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Decision:
+    starts: list[Start] = field(default_factory=list)
+    # id -> pending reason ("code" or "code: sentence"), for every queued job that does not start
+    waiting: dict[str, str] = field(default_factory=dict)
+    # id -> the dependency that did not succeed; these jobs end ``failed`` without running
+    dependency_failed: dict[str, str] = field(default_factory=dict)
+    # ids of waiting jobs that a later job overtook in this decision (feeds ``passed_over``)
+    passed_over: list[str] = field(default_factory=list)
+    reserved_for: str | None = None
+
+
+def effective_lane(job: QueuedJob, config: PolicyConfig) -> int:
+    lane = LANE_INDEX.get(job.priority, 1)
+    if config.aging_s > 0:
+        lane -= int(job.waited_s // config.aging_s)
+    return max(lane, 0)
+
+
+def admission_order(jobs: Iterable[QueuedJob], config: PolicyConfig) -> list[QueuedJob]:
+    """Highest effective lane first, then submission order."""
+    return sorted(jobs, key=lambda j: (effective_lane(j, config), j.seq))
+
+
+def never_fits(job: QueuedJob, capacity: Capacity) -> str | None:
+    """Why the job could not start even on an idle host, or None when it could."""
+    if job.cpus > capacity.cpu_slots:
+        return f"needs {job.cpus} CPU slots; the host has {capacity.cpu_slots}"
+    if not job.uses_gpu:
+        return None
+    if job.gpus > len(capacity.devices):
+        have = len(capacity.devices)
+        return f"needs {job.gpus} GPU{'s' if job.gpus > 1 else ''}; the host has {have}"
+    roomy = [d for d in capacity.devices if d.usable_mb >= job.marginal_vram_mb]
+    if len(roomy) < job.gpus:
+        best = max((d.usable_mb for d in capacity.devices), default=0)
+        return (
+            f"needs {job.marginal_vram_mb} MB on {_gpus(job.gpus)}; the largest usable is {best} MB"
+            + ("" if job.gpus == 1 else f" and only {len(roomy)} GPU(s) have {job.marginal_vram_mb} MB")
+        )
+    return None
+
+
+class _Book:
+    """Mutable accounting for one decision: free VRAM, run counts and exclusivity per device."""
+
+    __slots__ = ("free", "usable", "unmanaged", "runs", "exclusive", "cpu_free", "cpu_total")
+
+    def __init__(self, capacity: Capacity, running: Sequence[RunningJob]):
+        self.usable = {d.index: d.usable_mb for d in capacity.devices}
+        self.unmanaged = {d.index: d.unmanaged_mb for d in capacity.devices}
+        self.free = {d.index: d.usable_mb - d.unmanaged_mb for d in capacity.devices}
+        self.runs = {d.index: 0 for d in capacity.devices}
+        self.exclusive: dict[int, str] = {}
+        self.cpu_total = capacity.cpu_slots
+        self.cpu_free = capacity.cpu_slots
+        for run in running:
+            self.take(run.id, run.devices, run.marginal_vram_mb, run.exclusive, run.cpus)
+
+    def take(self, run_id: str, devices: Iterable[int], marginal: int, exclusive: bool, cpus: int) -> None:
+        for index in devices:
+            if index not in self.free:
+                continue  # a device that disappeared from the host; nothing to account
+            # An exclusive run allocates the device's whole usable memory.
+            self.free[index] -= self.usable[index] if exclusive else marginal
+            self.runs[index] += 1
+            if exclusive:
+                self.exclusive[index] = run_id
+        self.cpu_free -= cpus
+
+    def candidates(self, job: QueuedJob, blocked: frozenset[int]) -> list[int]:
+        """Devices the job could use now, best fit first (least free left over, then index)."""
+        out = []
+        for index, free in self.free.items():
+            if index in blocked or index in self.exclusive:
+                continue
+            if job.exclusive:
+                # Exclusive means nothing else on the device: no run of ours, no foreign process.
+                if self.runs[index] == 0 and self.unmanaged[index] == 0 and free >= job.marginal_vram_mb:
+                    out.append(index)
+            elif free >= job.marginal_vram_mb:
+                out.append(index)
+        out.sort(key=lambda i: (self.free[i], i))
+        return out
+
+
+def decide(
+    queued: Sequence[QueuedJob],
+    running: Sequence[RunningJob],
+    capacity: Capacity,
+    dependency_states: Mapping[str, str],
+    config: PolicyConfig = PolicyConfig(),
+) -> Decision:
+    """Decide which of ``queued`` start now.
+
+    ``dependency_states`` maps run ids to their state; a dependency absent from it counts as
+    failed (it cannot succeed any more).
+    """
+    decision = Decision()
+    book = _Book(capacity, running)
+
+    eligible: list[QueuedJob] = []
+    for job in queued:
+        verdict = _dependency_verdict(job, dependency_states)
+        if verdict is None:
+            eligible.append(job)
+        elif verdict[0] == "failed":
+            decision.dependency_failed[job.id] = verdict[1]
+        else:
+            decision.waiting[job.id] = verdict[1]
+
+    ordered = admission_order(eligible, config)
+    reserved_devices: frozenset[int] = frozenset()
+    reserved_cpus = 0
+    waiting_ahead: list[str] = []
+
+    for position, job in enumerate(ordered):
+        blocked = reserved_devices
+        placement = _place(job, book, blocked)
+        cpu_ok = job.cpus <= book.cpu_free - (reserved_cpus if decision.reserved_for else 0)
+
+        if placement is not None and cpu_ok:
+            decision.starts.append(Start(job.id, placement))
+            book.take(job.id, placement, job.marginal_vram_mb, job.exclusive, job.cpus)
+            decision.passed_over.extend(waiting_ahead)
+            continue
+
+        waiting_ahead.append(job.id)
+        if decision.reserved_for is not None:
+            # Would it have fitted without the reservation? Then the reservation is the reason.
+            if _place(job, book, frozenset()) is not None and job.cpus <= book.cpu_free:
+                decision.waiting[job.id] = (
+                    f"reserved_for:{decision.reserved_for}: "
+                    f"{_describe_reservation(reserved_devices, reserved_cpus)} held for an older job"
+                )
+                continue
+        decision.waiting[job.id] = _why_waiting(job, book, placement is not None, blocked)
+
+        if position == 0 and _starving(job, config):
+            decision.reserved_for = job.id
+            reserved_devices = frozenset(_reservation_devices(job, book))
+            reserved_cpus = job.cpus
+    return decision
+
+
+def _starving(job: QueuedJob, config: PolicyConfig) -> bool:
+    return job.waited_s >= config.starvation_s or job.passed_over >= config.starvation_passes
+
+
+def _dependency_verdict(job: QueuedJob, states: Mapping[str, str]) -> tuple[str, str] | None:
+    pending = []
+    for dep in job.depends_on:
+        state = states.get(dep)
+        if state == "succeeded":
+            continue
+        if state in ("queued", "running"):
+            pending.append(f"{dep} is {state}")
+            continue
+        return ("failed", dep)
+    if pending:
+        return ("waiting", "waiting_dependency: " + "; ".join(pending))
+    return None
+
+
+def _place(job: QueuedJob, book: _Book, blocked: frozenset[int]) -> tuple[int, ...] | None:
+    if not job.uses_gpu:
+        return ()
+    candidates = book.candidates(job, blocked)
+    if len(candidates) < job.gpus:
+        return None
+    return tuple(sorted(candidates[: job.gpus]))
+
+
+def _reservation_devices(job: QueuedJob, book: _Book) -> list[int]:
+    """The devices a starving job will get once they drain: the ones closest to fitting it."""
+    if not job.uses_gpu:
+        return []
+    able = [i for i, usable in book.usable.items() if usable - book.unmanaged[i] >= job.marginal_vram_mb]
+    if not able:
+        able = list(book.usable)
+    able.sort(key=lambda i: (-book.free[i], book.runs[i], i))
+    return able[: job.gpus]
+
+
+def _describe_reservation(devices: frozenset[int], cpus: int) -> str:
+    parts = []
+    if devices:
+        parts.append("GPU " + ", ".join(str(i) for i in sorted(devices)))
+    if cpus:
+        parts.append(f"{cpus} CPU slot{'s' if cpus != 1 else ''}")
+    return " and ".join(parts) if parts else "resources"
+
+
+def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[int]) -> str:
+    if not placed:
+        if job.exclusive:
+            busy = ", ".join(
+                f"GPU {i}: {book.runs[i]} run{'s' if book.runs[i] != 1 else ''}"
+                for i in sorted(book.runs)
+                if book.runs[i]
+            )
+            return (
+                f"waiting_gpu_exclusive: needs {_gpus(job.gpus)} with nothing else on "
+                f"{'it' if job.gpus == 1 else 'them'}; {busy or 'none idle'}"
+            )
+        usable_now = {i: f for i, f in book.free.items() if i not in book.exclusive}
+        if usable_now:
+            best = max(usable_now, key=lambda i: (usable_now[i], -i))
+            best_free = max(usable_now[best], 0)
+            most = f"most free is {best_free} MB (GPU {best})"
+        else:
+            most = "every GPU is held by an exclusive run"
+        roomy = sum(1 for f in usable_now.values() if f >= job.marginal_vram_mb)
+        text = f"waiting_vram: needs {job.marginal_vram_mb} MB on {_gpus(job.gpus)}; "
+        if job.gpus > 1:
+            text += f"{roomy} of {job.gpus} have room; "
+        text += most
+        unmanaged = sum(book.unmanaged.values())
+        if unmanaged:
+            text += f"; {unmanaged} MB held by processes outside the scheduler"
+        return text
+    return f"waiting_cpu: needs {job.cpus} CPU slot{'s' if job.cpus != 1 else ''}; {max(book.cpu_free, 0)} of {book.cpu_total} free"
+
+
+def _gpus(n: int) -> str:
+    return "1 GPU" if n == 1 else f"each of {n} GPUs"

@@ -1,0 +1,88 @@
+"""Shared fixtures: a real Jupyter server (pytest-jupyter) with the extension and virtual GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+pytest_plugins = ("pytest_jupyter.jupyter_server",)
+
+VIRTUAL_GPUS = [24000, 24000]
+
+
+@pytest.fixture
+def evalsched_config():
+    """Override in a test module to change the extension's traitlets."""
+    return {}
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    path = tmp_path / "runs"
+    return path
+
+
+@pytest.fixture
+def jp_server_config(runs_dir, evalsched_config):
+    cfg = {
+        "runs_dir": str(runs_dir),
+        "virtual_gpus": VIRTUAL_GPUS,
+        "cpu_slots": 8,
+        "cancel_grace_s": 2.0,
+        "sweep_interval_s": 0.5,
+        "progress_interval_s": 0.05,
+    }
+    cfg.update(evalsched_config)
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_evalsched": True}},
+        "EvalSchedApp": cfg,
+    }
+
+
+@pytest.fixture
+def evalsched(jp_serverapp, jp_asyncio_loop):
+    """The extension's scheduler, started. pytest-jupyter never runs the server's IO loop
+    start-up hook, so the extensions' async start is driven here, on the test's loop."""
+    jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
+    point = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"]
+    return point.app.scheduler
+
+
+@pytest.fixture
+def api(jp_fetch, evalsched):
+    """JSON helper over jp_fetch: ``await api("POST", "runs", body)`` -> (status, parsed body)."""
+
+    async def call(method: str, path: str, body=None, params=None, raw: bool = False):
+        kwargs = {"method": method, "raise_error": False}
+        if body is not None:
+            kwargs["body"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        elif method in ("POST", "PUT", "PATCH"):
+            kwargs["body"] = b""
+        if params:
+            kwargs["params"] = params
+        resp = await jp_fetch("evalsched", *path.split("/"), **kwargs)
+        text = resp.body.decode() if resp.body else ""
+        if raw:
+            return resp.code, text
+        return resp.code, (json.loads(text) if text else None)
+
+    return call
+
+
+@pytest.fixture
+def wait_for(api):
+    async def wait(run_id: str, states=("succeeded", "failed", "cancelled", "aborted"), timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            code, rec = await api("GET", f"runs/{run_id}")
+            assert code == 200, rec
+            if rec["state"] in states:
+                return rec
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id} still {rec['state']} ({rec.get('reason')}) after {timeout}s")
+            await asyncio.sleep(0.02)
+
+    return wait
