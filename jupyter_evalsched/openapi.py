@@ -130,7 +130,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                             "responses": {"101": {"description": "switching to the WebSocket protocol"}, **_errors(400)}}},
     }
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "jupyter_evalsched", "version": __version__,
                  "description": "The per-host evaluation scheduler of this Jupyter server. Authenticate as for any Jupyter API (Authorization: token ...)."},
         "servers": [{"url": prefix}],

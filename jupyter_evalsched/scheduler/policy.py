@@ -87,6 +87,8 @@ class Decision:
     # ids of waiting jobs that a later job overtook in this decision (feeds ``passed_over``)
     passed_over: list[str] = field(default_factory=list)
     reserved_for: str | None = None
+    reserved_devices: tuple[int, ...] = ()
+    reserved_cpus: int = 0
 
 
 def effective_lane(job: QueuedJob, config: PolicyConfig) -> int:
@@ -219,6 +221,8 @@ def decide(
             decision.reserved_for = job.id
             reserved_devices = frozenset(_reservation_devices(job, book))
             reserved_cpus = job.cpus
+            decision.reserved_devices = tuple(sorted(reserved_devices))
+            decision.reserved_cpus = reserved_cpus
     return decision
 
 

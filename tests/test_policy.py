@@ -1,0 +1,289 @@
+"""The admission policy with plain data, and properties over random job mixes (hypothesis)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jupyter_evalsched.scheduler.policy import (
+    Capacity,
+    Device,
+    PolicyConfig,
+    QueuedJob,
+    RunningJob,
+    admission_order,
+    decide,
+    effective_lane,
+    never_fits,
+)
+
+ONE_GPU = Capacity(devices=(Device(0, 24000),), cpu_slots=8)
+TWO_GPUS = Capacity(devices=(Device(0, 24000), Device(1, 24000)), cpu_slots=8)
+
+
+def q(id, seq, **kw):
+    return QueuedJob(id=id, seq=seq, **kw)
+
+
+def test_second_big_job_waits_for_vram_with_numbers():
+    d = decide([q("a", 1, marginal_vram_mb=16000), q("b", 2, marginal_vram_mb=16000)], [], ONE_GPU, {})
+    assert [s.id for s in d.starts] == ["a"]
+    assert d.starts[0].devices == (0,)
+    assert d.waiting["b"] == "waiting_vram: needs 16000 MB on 1 GPU; most free is 8000 MB (GPU 0)"
+
+
+def test_cpu_only_jobs_take_cpu_slots_and_no_gpu():
+    jobs = [q(f"j{i}", i, cpus=3) for i in range(4)]
+    d = decide(jobs, [], ONE_GPU, {})
+    assert [s.id for s in d.starts] == ["j0", "j1"]
+    assert all(s.devices == () for s in d.starts)
+    assert d.waiting["j2"] == "waiting_cpu: needs 3 CPU slots; 2 of 8 free"
+
+
+def test_multi_gpu_job_gets_k_devices_each_with_room():
+    running = [RunningJob("r", (0,), 10000)]
+    d = decide([q("a", 1, marginal_vram_mb=15000, gpus=2)], running, TWO_GPUS, {})
+    assert d.starts == [] and d.waiting["a"].startswith("waiting_vram: needs 15000 MB on each of 2 GPUs; 1 of 2 have room")
+    d = decide([q("a", 1, marginal_vram_mb=14000, gpus=2)], running, TWO_GPUS, {})
+    assert d.starts[0].devices == (0, 1)
+
+
+def test_best_fit_keeps_the_emptier_gpu_for_big_jobs():
+    running = [RunningJob("r", (1,), 10000)]
+    d = decide([q("small", 1, marginal_vram_mb=4000), q("big", 2, marginal_vram_mb=20000)], running, TWO_GPUS, {})
+    placed = {s.id: s.devices for s in d.starts}
+    assert placed == {"small": (1,), "big": (0,)}
+
+
+def test_exclusive_needs_an_idle_gpu_and_blocks_it():
+    running = [RunningJob("r0", (0,), 1000)]
+    d = decide([q("x", 1, exclusive=True), q("y", 2, marginal_vram_mb=1000)], running, TWO_GPUS, {})
+    placed = {s.id: s.devices for s in d.starts}
+    assert placed["x"] == (1,)
+    assert placed["y"] == (0,)  # GPU 1 is held whole by the exclusive run
+    d = decide([q("z", 3, marginal_vram_mb=10)], [RunningJob("x", (0,), 0, exclusive=True)], ONE_GPU, {})
+    assert d.starts == [] and d.waiting["z"].startswith("waiting_vram")
+    d = decide([q("x2", 1, exclusive=True)], running, ONE_GPU, {})
+    assert d.waiting["x2"] == "waiting_gpu_exclusive: needs 1 GPU with nothing else on it; GPU 0: 1 run"
+
+
+def test_exclusive_waits_for_foreign_processes_too():
+    cap = Capacity(devices=(Device(0, 24000, unmanaged_mb=2000),), cpu_slots=4)
+    d = decide([q("x", 1, exclusive=True)], [], cap, {})
+    assert d.starts == []
+
+
+def test_unmanaged_vram_reduces_free_and_is_named_in_the_reason():
+    cap = Capacity(devices=(Device(0, 24000, unmanaged_mb=10000),), cpu_slots=4)
+    d = decide([q("a", 1, marginal_vram_mb=16000)], [], cap, {})
+    assert d.waiting["a"] == (
+        "waiting_vram: needs 16000 MB on 1 GPU; most free is 14000 MB (GPU 0); "
+        "10000 MB held by processes outside the scheduler"
+    )
+
+
+def test_lanes_then_fifo():
+    jobs = [q("low", 1, priority="low"), q("n1", 2), q("high", 3, priority="high"), q("n2", 4)]
+    assert [j.id for j in admission_order(jobs, PolicyConfig())] == ["high", "n1", "n2", "low"]
+
+
+def test_aging_promotes_one_lane_per_period():
+    cfg = PolicyConfig(aging_s=100)
+    assert effective_lane(q("a", 1, priority="low", waited_s=99), cfg) == 2
+    assert effective_lane(q("a", 1, priority="low", waited_s=100), cfg) == 1
+    assert effective_lane(q("a", 1, priority="low", waited_s=250), cfg) == 0
+
+
+def test_backfill_lets_a_small_job_pass_a_big_one():
+    running = [RunningJob("r", (0,), 16000)]
+    d = decide([q("big", 1, marginal_vram_mb=16000), q("small", 2, marginal_vram_mb=4000)], running, ONE_GPU, {})
+    assert [s.id for s in d.starts] == ["small"]
+    assert d.passed_over == ["big"]
+
+
+def test_starving_head_reserves_its_gpu_and_cpus():
+    running = [RunningJob("r", (0,), 16000)]
+    big = q("big", 1, marginal_vram_mb=16000, waited_s=601)
+    d = decide([big, q("small", 2, marginal_vram_mb=4000)], running, ONE_GPU, {})
+    assert d.starts == []
+    assert d.reserved_for == "big"
+    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job"
+    # Passed over too often counts the same as waiting too long.
+    d = decide([q("big", 1, marginal_vram_mb=16000, passed_over=50), q("small", 2, marginal_vram_mb=4000)], running, ONE_GPU, {})
+    assert d.reserved_for == "big" and d.starts == []
+
+
+def test_reservation_leaves_other_gpus_usable():
+    running = [RunningJob("r", (0,), 16000)]
+    big = q("big", 1, marginal_vram_mb=16000, gpus=1, waited_s=10_000)
+    cap = Capacity(devices=(Device(0, 24000), Device(1, 10000)), cpu_slots=8)
+    d = decide([big, q("small", 2, marginal_vram_mb=4000)], running, cap, {})
+    assert [(s.id, s.devices) for s in d.starts] == [("small", (1,))]
+
+
+def test_dependencies_wait_then_fail_without_running():
+    deps = {"d1": "running", "d2": "succeeded", "d3": "failed"}
+    d = decide([q("a", 1, depends_on=("d1", "d2")), q("b", 2, depends_on=("d2",)), q("c", 3, depends_on=("d3",))], [], ONE_GPU, deps)
+    assert [s.id for s in d.starts] == ["b"]
+    assert d.waiting["a"] == "waiting_dependency: d1 is running"
+    assert d.dependency_failed == {"c": "d3"}
+    d = decide([q("e", 1, depends_on=("gone",))], [], ONE_GPU, {})
+    assert d.dependency_failed == {"e": "gone"}
+
+
+def test_never_fits():
+    assert never_fits(q("a", 1, marginal_vram_mb=30000), ONE_GPU) == "needs 30000 MB on 1 GPU; the largest usable is 24000 MB"
+    assert never_fits(q("a", 1, marginal_vram_mb=1, gpus=3), TWO_GPUS) == "needs 3 GPUs; the host has 2"
+    assert never_fits(q("a", 1, cpus=9), TWO_GPUS) == "needs 9 CPU slots; the host has 8"
+    assert never_fits(q("a", 1, exclusive=True), Capacity((), 4)) == "needs 1 GPU; the host has 0"
+    assert never_fits(q("a", 1, marginal_vram_mb=24000), ONE_GPU) is None
+    assert never_fits(q("a", 1), Capacity((), 1)) is None
+
+
+# ---------------------------------------------------------------- properties
+
+jobs_st = st.lists(
+    st.builds(
+        lambda i, prio, vram, gpus, excl, cpus, waited, passed: (prio, vram, gpus, excl, cpus, waited, passed),
+        st.integers(0, 10**6),
+        st.sampled_from(["high", "normal", "low"]),
+        st.sampled_from([0, 0, 1000, 4000, 8000, 12000, 16000, 20000, 24000]),
+        st.integers(1, 3),
+        st.sampled_from([False, False, False, True]),
+        st.integers(0, 4),
+        st.floats(0, 2000),
+        st.integers(0, 60),
+    ),
+    max_size=25,
+)
+
+capacity_st = st.builds(
+    lambda sizes, unmanaged, cpus: Capacity(
+        tuple(Device(i, s, min(u, s)) for i, (s, u) in enumerate(zip(sizes, unmanaged + [0] * len(sizes)))), cpus
+    ),
+    st.lists(st.sampled_from([8000, 16000, 24000, 40000]), min_size=0, max_size=4),
+    st.lists(st.sampled_from([0, 0, 0, 2000, 9000]), max_size=4),
+    st.integers(1, 12),
+)
+
+
+def _queued(raw):
+    return [
+        QueuedJob(id=f"q{i}", seq=i, priority=p, marginal_vram_mb=v, gpus=g, exclusive=e, cpus=c, waited_s=w, passed_over=po)
+        for i, (p, v, g, e, c, w, po) in enumerate(raw)
+    ]
+
+
+def _running_from(decision, queued_by_id):
+    out = []
+    for s in decision.starts:
+        j = queued_by_id[s.id]
+        out.append(RunningJob(s.id, s.devices, j.marginal_vram_mb, j.exclusive, j.cpus))
+    return out
+
+
+def _check_no_overcommit(running, cap):
+    usable = {d.index: d.usable_mb - d.unmanaged_mb for d in cap.devices}
+    used = {i: 0 for i in usable}
+    holders = {i: [] for i in usable}
+    for r in running:
+        for dev in r.devices:
+            used[dev] += (next(d.usable_mb for d in cap.devices if d.index == dev)) if r.exclusive else r.marginal_vram_mb
+            holders[dev].append(r)
+    for i in usable:
+        assert used[i] <= max(usable[i], 0) or all(r.marginal_vram_mb == 0 and not r.exclusive for r in holders[i])
+        if any(r.exclusive for r in holders[i]):
+            assert len(holders[i]) == 1, f"exclusive GPU {i} shared: {holders[i]}"
+    assert sum(r.cpus for r in running) <= cap.cpu_slots
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=jobs_st, cap=capacity_st, pre=jobs_st)
+def test_ledger_never_overcommits(raw, cap, pre):
+    # Start from whatever an earlier decision admitted, then admit more: still never overcommitted.
+    first = _queued(pre)
+    d1 = decide([j for j in first if never_fits(j, cap) is None], [], cap, {})
+    running = _running_from(d1, {j.id: j for j in first})
+    _check_no_overcommit(running, cap)
+    second = [replace(j, id="n" + j.id, seq=100 + j.seq) for j in _queued(raw)]
+    second = [j for j in second if never_fits(j, cap) is None]
+    d2 = decide(second, running, cap, {})
+    _check_no_overcommit(running + _running_from(d2, {j.id: j for j in second}), cap)
+    # Every queued job either starts or has a reason.
+    assert {s.id for s in d2.starts} | set(d2.waiting) == {j.id for j in second}
+    for reason in d2.waiting.values():
+        assert reason.split(":")[0] in {"waiting_vram", "waiting_cpu", "waiting_gpu_exclusive", "reserved_for"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=jobs_st, cap=capacity_st)
+def test_fifo_within_a_lane_among_jobs_that_fit(raw, cap):
+    """If a later job of the same lane started while an earlier one waits, the earlier one did
+    not fit: placing it first (alone, on the same state) must fail or be blocked by a reservation."""
+    cfg = PolicyConfig()
+    jobs = [j for j in _queued(raw) if never_fits(j, cap) is None]
+    d = decide(jobs, [], cap, {}, cfg)
+    started = [s.id for s in d.starts]
+    by_id = {j.id: j for j in jobs}
+    order = [j.id for j in admission_order(jobs, cfg)]
+    for waiting_id in d.waiting:
+        w = by_id[waiting_id]
+        for sid in started:
+            s = by_id[sid]
+            if effective_lane(s, cfg) == effective_lane(w, cfg) and order.index(sid) > order.index(waiting_id):
+                # Replay: admit only what started before w in order, then try w.
+                before = [x for x in started if order.index(x) < order.index(waiting_id)]
+                running = _running_from(type(d)(starts=[st_ for st_ in d.starts if st_.id in before]), by_id)
+                alone = decide([w], running, cap, {}, cfg)
+                assert alone.starts == [] or d.waiting[waiting_id].startswith("reserved_for"), (waiting_id, sid)
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=jobs_st, cap=capacity_st)
+def test_anti_starvation_reservation_is_never_taken(raw, cap):
+    """Once the head of the queue starves, nothing behind it takes what it reserved."""
+    cfg = PolicyConfig(starvation_s=600, starvation_passes=50)
+    jobs = [j for j in _queued(raw) if never_fits(j, cap) is None]
+    if not jobs:
+        return
+    # Half-fill every GPU so that the head may not fit, then make the head starve.
+    half = [RunningJob(f"r{d.index}", (d.index,), d.usable_mb // 2, False, 1) for d in cap.devices][: cap.cpu_slots]
+    head = admission_order(jobs, cfg)[0]
+    jobs = [replace(j, waited_s=10_000) if j.id == head.id else j for j in jobs]
+    d = decide(jobs, half, cap, {}, cfg)
+    if d.reserved_for is None:
+        assert head.id in {s.id for s in d.starts}
+        return
+    assert d.reserved_for == head.id and head.id not in {s.id for s in d.starts}
+    by_id = {j.id: j for j in jobs}
+    for s in d.starts:
+        assert not set(s.devices) & set(d.reserved_devices), (s, d.reserved_devices)
+    cpu_free = cap.cpu_slots - sum(r.cpus for r in half)
+    taken = sum(by_id[s.id].cpus for s in d.starts)
+    assert taken == 0 or cpu_free - taken >= d.reserved_cpus
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 40))
+def test_a_starving_head_eventually_runs(n):
+    """Simulate: small jobs keep arriving and finishing; the big head job must start within a
+    bounded number of rounds once it starves (its GPU drains)."""
+    cap = ONE_GPU
+    cfg = PolicyConfig(starvation_s=1e9, starvation_passes=5)
+    big = QueuedJob("big", 0, marginal_vram_mb=20000)
+    running: list[RunningJob] = [RunningJob("s0", (0,), 6000)]
+    passed = 0
+    for round_ in range(200):
+        smalls = [QueuedJob(f"s{round_}-{k}", 1 + round_ * 10 + k, marginal_vram_mb=6000) for k in range(n % 4 + 1)]
+        head = QueuedJob("big", 0, marginal_vram_mb=20000, passed_over=passed)
+        d = decide([head, *smalls], running, cap, {}, cfg)
+        if "big" in {s.id for s in d.starts}:
+            assert round_ <= cfg.starvation_passes + 5
+            return
+        passed += d.passed_over.count("big")
+        by_id = {j.id: j for j in smalls}
+        # The oldest running small job finishes each round; new ones start.
+        running = running[1:] + _running_from(d, by_id)
+    raise AssertionError("the big job starved")

@@ -1,0 +1,342 @@
+"""The scheduler inside a real Jupyter server: admission, run processes, ends of runs, files.
+
+Tests are plain ``async def`` (no asyncio mark): pytest-jupyter runs them on the server's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+CRASH = "jupyter_evalsched.examples.basic:crash"
+NOOP = "jupyter_evalsched.examples.basic:noop"
+
+
+@pytest.fixture
+def evalsched_config():
+    return {"virtual_gpus": [24000]}
+
+
+def spec(entry=SLEEPY, vram=0, episodes=1, sleep_s=0.05, **kw):
+    body = {"entrypoint": entry, "episodes": episodes, "params": {"sleep_s": sleep_s}, "scheduling": {"marginal_vram_mb": vram}}
+    sched = kw.pop("scheduling", {})
+    body["scheduling"].update(sched)
+    body.update(kw)
+    return body
+
+
+async def submit(api, body):
+    code, rec = await api("POST", "runs", body)
+    assert code == 201, rec
+    return rec
+
+
+def ledger_total(evalsched) -> int:
+    return max(d["allocated_mb"] for d in evalsched.ledger()["devices"])
+
+
+async def test_two_big_runs_share_one_gpu_in_turn(api, wait_for, evalsched, runs_dir):
+    """16000 + 16000 MB on a 24000 MB GPU: the second waits with a reason, starts within
+    100 ms of the first finishing, and the ledger never shows more than 24000 MB."""
+    seen_max = 0
+
+    def watch(_event):
+        nonlocal seen_max
+        seen_max = max(seen_max, ledger_total(evalsched))
+
+    evalsched.subscribe(watch)
+    a = await submit(api, spec(vram=16000, episodes=4, sleep_s=0.1))
+    b = await submit(api, spec(vram=16000, episodes=1, sleep_s=0.01))
+    await asyncio.sleep(0.05)
+    code, queue = await api("GET", "queue")
+    assert [r["id"] for r in queue["queued"]] == [b["id"]]
+    assert queue["queued"][0]["reason"] == "waiting_vram: needs 16000 MB on 1 GPU; most free is 8000 MB (GPU 0)"
+    assert [r["id"] for r in queue["running"]] == [a["id"]]
+    dev = queue["ledger"]["devices"][0]
+    assert (dev["allocated_mb"], dev["free_mb"], dev["runs"]) == (16000, 8000, [{"id": a["id"], "marginal_vram_mb": 16000}])
+
+    ra = await wait_for(a["id"])
+    rb = await wait_for(b["id"])
+    assert ra["state"] == rb["state"] == "succeeded"
+    # The second run's admission follows the first's exit: job.json records both times.
+    job_a = json.loads((runs_dir / a["id"] / "job.json").read_text())
+    job_b = json.loads((runs_dir / b["id"] / "job.json").read_text())
+    from datetime import datetime
+
+    gap = datetime.fromisoformat(job_b["started_at"]) - datetime.fromisoformat(job_a["finished_at"])
+    assert gap.total_seconds() < 0.1, gap
+    assert seen_max <= 24000
+    evalsched.unsubscribe(watch)
+
+
+async def test_run_directory_contract(api, wait_for, runs_dir):
+    rec = await submit(api, spec(entry="jupyter_evalsched.examples.basic:accuracy_toy", episodes=5))
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded" and final["reason"] is None and final["exit_code"] == 0
+    assert final["progress"] == {"done": 5, "total": 5}
+    run = runs_dir / rec["id"]
+    names = {p.name for p in run.iterdir()}
+    assert {"spec.json", "shared_urls.json", "job.json", "summary.json", "episodes.jsonl", "stdout.log", "stderr.log", "_DONE"} <= names
+    assert json.loads((run / "shared_urls.json").read_text()) == {"models": {}}
+    saved = json.loads((run / "spec.json").read_text())
+    assert saved["scheduling"] == {"marginal_vram_mb": 0, "gpus": 1, "exclusive_gpu": False, "priority": "normal", "cpus": 1}
+    assert saved["name"] == "basic.accuracy_toy" and saved["seed"] == 0 and saved["cwd"]
+    job = json.loads((run / "job.json").read_text())
+    assert job["state"] == "succeeded" and job["seq"] >= 1 and job["pid_create_time"] > 0
+    for field in ("submitted_at", "started_at", "finished_at"):
+        assert job[field].endswith("+00:00") and "." in job[field]
+    summary = final["summary"]
+    assert summary["status"] == "succeeded" and summary["episodes_done"] == 5
+    assert set(summary["metrics"]["accuracy"]) >= {"mean", "std", "min", "max", "count"}
+    code, eps = await api("GET", f"runs/{rec['id']}/episodes")
+    assert [e["index"] for e in sorted(eps["episodes"], key=lambda e: e["index"])] == [0, 1, 2, 3, 4]
+    assert (run / "stdout.log").stat().st_mode & 0o077 == 0  # owner-only
+
+
+@pytest.mark.parametrize(
+    "how, reason_prefix",
+    [
+        ("exception", "exception: RuntimeError"),
+        ("memoryerror", "exception: MemoryError"),
+        ("segfault", "signal:SIGSEGV"),
+        ("sigkill", "signal:SIGKILL"),
+        ("exit", "exit_code:3"),
+    ],
+)
+async def test_runs_that_die_fail_with_a_reason_and_siblings_succeed(api, wait_for, runs_dir, how, reason_prefix):
+    sibling = await submit(api, spec(episodes=3, sleep_s=0.05))
+    bad = await submit(api, spec(entry=CRASH, params={"how": how, "code": 3}))
+    final = await wait_for(bad["id"])
+    assert final["state"] == "failed"
+    assert final["reason"].startswith(reason_prefix), final["reason"]
+    assert (runs_dir / bad["id"] / "_DONE").exists()
+    if how == "exception":
+        assert final["summary"]["error"]["type"] == "RuntimeError" and "Traceback" in final["summary"]["error"]["traceback"]
+    assert (await wait_for(sibling["id"]))["state"] == "succeeded"
+
+
+async def test_cancel_queued_and_running(api, wait_for, runs_dir):
+    running = await submit(api, spec(vram=20000, episodes=100, sleep_s=0.1))
+    queued = await submit(api, spec(vram=20000))
+    await wait_for(running["id"], states=("running",))
+    code, rec = await api("POST", f"runs/{queued['id']}/cancel")
+    assert code == 200 and rec["state"] == "cancelled" and rec["reason"].startswith("cancelled")
+    assert (runs_dir / queued["id"] / "_DONE").exists()
+    code, rec = await api("POST", f"runs/{running['id']}/cancel")
+    assert code == 200
+    final = await wait_for(running["id"], timeout=5)
+    assert final["state"] == "cancelled" and final["reason"].startswith("cancelled")
+    assert not psutil.pid_exists(final["pid"]) or psutil.Process(final["pid"]).status() == psutil.STATUS_ZOMBIE
+    code, err = await api("POST", f"runs/{running['id']}/cancel")
+    assert code == 409 and "already ended" in err["message"]
+
+
+async def test_cancel_reaches_a_run_that_ignores_sigterm(api, wait_for):
+    rec = await submit(api, spec(entry=CRASH, params={"how": "ignore_sigterm"}))
+    await wait_for(rec["id"], states=("running",))
+    await asyncio.sleep(0.3)  # let it install its handler
+    t0 = time.monotonic()
+    await api("POST", f"runs/{rec['id']}/cancel")
+    final = await wait_for(rec["id"], timeout=10)
+    assert final["state"] == "cancelled"
+    assert time.monotonic() - t0 >= 1.5  # SIGKILL came after the grace (2 s in the test config)
+
+
+async def test_forked_children_do_not_outlive_the_run(api, wait_for, runs_dir, tmp_path):
+    rec = await submit(api, spec(entry=CRASH, params={"how": "fork_and_exit"}))
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded"
+    child = int(final["summary"]["metrics"]["child_pid"]["max"])
+    deadline = time.monotonic() + 1
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_timeout(api, wait_for):
+    rec = await submit(api, spec(episodes=100, sleep_s=0.2, timeout_s=0.5))
+    final = await wait_for(rec["id"], timeout=10)
+    assert final["state"] == "failed" and final["reason"].startswith("timeout")
+
+
+async def test_dependencies(api, wait_for, runs_dir):
+    first = await submit(api, spec(episodes=2, sleep_s=0.1))
+    second = await submit(api, spec(depends_on=[first["id"]]))
+    bad = await submit(api, spec(entry=CRASH, params={"how": "exception"}))
+    after_bad = await submit(api, spec(depends_on=[bad["id"]]))
+    chained = await submit(api, spec(depends_on=[after_bad["id"]]))
+    await asyncio.sleep(0.05)
+    code, rec = await api("GET", f"runs/{second['id']}")
+    if rec["state"] == "queued":
+        assert rec["reason"].startswith(f"waiting_dependency: {first['id']} is")
+    assert (await wait_for(second["id"]))["state"] == "succeeded"
+    r = await wait_for(after_bad["id"])
+    assert r["state"] == "failed" and r["reason"].startswith(f"dependency_failed:{bad['id']}")
+    assert r["pid"] is None and (runs_dir / after_bad["id"] / "_DONE").exists()
+    r = await wait_for(chained["id"])
+    assert r["state"] == "failed" and r["reason"].startswith(f"dependency_failed:{after_bad['id']}")
+
+
+async def test_priorities_and_exclusive(api, wait_for, evalsched):
+    blocker = await submit(api, spec(vram=24000, episodes=3, sleep_s=0.1))
+    low = await submit(api, spec(vram=1000, scheduling={"priority": "low"}))
+    normal = await submit(api, spec(vram=1000))
+    high = await submit(api, spec(vram=1000, scheduling={"priority": "high"}))
+    excl = await submit(api, spec(scheduling={"exclusive_gpu": True, "priority": "high"}))
+    await asyncio.sleep(0.05)
+    code, queue = await api("GET", "queue")
+    assert [r["id"] for r in queue["queued"]] == [high["id"], excl["id"], normal["id"], low["id"]]
+    reasons = {r["id"]: r["reason"] for r in queue["queued"]}
+    assert reasons[excl["id"]].startswith("waiting_gpu_exclusive")
+    for rec in (blocker, low, normal, high, excl):
+        assert (await wait_for(rec["id"]))["state"] == "succeeded"
+
+
+async def test_submission_errors(api, tmp_path):
+    code, err = await api("POST", "runs", "{not json")
+    assert code == 400 and "not valid JSON" in err["message"]
+    code, err = await api("POST", "runs", {"episodes": 1})
+    assert code == 422 and "entrypoint" in err["message"]
+    code, err = await api("POST", "runs", spec(vram=-5))
+    assert code == 422 and err["detail"][0]["loc"] == ["scheduling", "marginal_vram_mb"]
+    code, err = await api("POST", "runs", spec(vram=30000))
+    assert code == 422 and "can never fit" in err["message"] and "24000" in err["message"]
+    code, err = await api("POST", "runs", spec(vram=1000, scheduling={"gpus": 2}))
+    assert code == 422 and "the host has 1" in err["message"]
+    code, err = await api("POST", "runs", spec(models=["nope"]))
+    assert code == 422 and "unknown shared model 'nope'" in err["message"]
+    code, err = await api("POST", "runs", spec(depends_on=["20990101T000000.000000-abcdef"]))
+    assert code == 422 and "unknown run id" in err["message"]
+    code, err = await api("POST", "runs", spec(cwd=str(tmp_path / "missing")))
+    assert code == 422 and err["detail"][0]["loc"] == ["cwd"]
+    code, err = await api("POST", "runs", spec(entry="nothere.py:episode", cwd=str(tmp_path)))
+    assert code == 422 and "not found" in err["message"]
+    code, err = await api("POST", "runs", '{"entrypoint": "a:b", "params": {"x": NaN}}')
+    assert code == 400
+    code, err = await api("POST", "runs", "[" * 100_000 + "]" * 100_000)
+    assert code in (400, 422)
+    code, err = await api("POST", "runs", {"entrypoint": "a:b", "bogus": 1})
+    assert code == 422 and err["detail"][0]["loc"] == ["bogus"]
+
+
+async def test_unknown_ids_and_state_conflicts(api, wait_for):
+    for path in ("runs/nope", "runs/..%2Fetc", "runs/nope/logs", "runs/nope/episodes"):
+        code, err = await api("GET", path)
+        assert code == 404, path
+        assert "no run" in err["message"]
+    code, _ = await api("POST", "runs/nope/cancel")
+    assert code == 404
+    code, _ = await api("DELETE", "runs/..%2F..%2Fetc")
+    assert code == 404
+    rec = await submit(api, spec(episodes=50, sleep_s=0.1))
+    await wait_for(rec["id"], states=("running",))
+    code, err = await api("DELETE", f"runs/{rec['id']}")
+    assert code == 409
+    await api("POST", f"runs/{rec['id']}/cancel")
+    await wait_for(rec["id"])
+    code, _ = await api("DELETE", f"runs/{rec['id']}")
+    assert code == 204
+    code, _ = await api("GET", f"runs/{rec['id']}")
+    assert code == 404
+    code, err = await api("GET", "runs", params={"state": "bogus"})
+    assert code == 400
+    code, err = await api("GET", "runs", params={"limit": "0"})
+    assert code == 400
+
+
+async def test_list_logs_and_filters(api, wait_for, tmp_path):
+    (tmp_path / "talk.py").write_text(
+        "def episode(ctx, index):\n    for i in range(30):\n        print('line', index, i)\n    return {'i': index}\n"
+    )
+    rec = await submit(api, {"entrypoint": "talk.py:episode", "episodes": 2, "cwd": str(tmp_path)})
+    await wait_for(rec["id"])
+    code, text = await api("GET", f"runs/{rec['id']}/logs", params={"tail": "3"}, raw=True)
+    assert code == 200 and text.splitlines() == ["line 1 27", "line 1 28", "line 1 29"]
+    code, text = await api("GET", f"runs/{rec['id']}/logs", params={"stream": "stderr"}, raw=True)
+    assert code == 200
+    code, err = await api("GET", f"runs/{rec['id']}/logs", params={"stream": "x"})
+    assert code == 400
+    other = await submit(api, spec())
+    await wait_for(other["id"])
+    code, listing = await api("GET", "runs")
+    assert [r["id"] for r in listing["runs"]][:2] == [other["id"], rec["id"]] and listing["total"] == 2
+    code, listing = await api("GET", "runs", params={"state": "failed,cancelled"})
+    assert listing == {"runs": [], "total": 0}
+    code, listing = await api("GET", "runs", params={"limit": "1"})
+    assert len(listing["runs"]) == 1 and listing["total"] == 2
+
+
+async def test_source_runs_from_eval_py(api, wait_for, runs_dir):
+    src = "import math\n\ndef episode(ctx, index):\n    return {'root': math.sqrt(index), 'seed': ctx.seed}\n"
+    rec = await submit(api, {"source": src, "episodes": 3, "seed": 10})
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded" and final["name"] == "eval"
+    assert (runs_dir / rec["id"] / "eval.py").read_text() == src
+    assert final["summary"]["metrics"]["seed"]["max"] == 12
+
+
+async def test_gpu_runs_get_their_devices(api, wait_for, tmp_path):
+    (tmp_path / "env.py").write_text(
+        "import os\n\ndef episode(ctx, index):\n    print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER'], ctx.devices)\n    return {}\n"
+    )
+    gpu = await submit(api, {"entrypoint": "env.py:episode", "cwd": str(tmp_path), "scheduling": {"marginal_vram_mb": 100}})
+    cpu = await submit(api, {"entrypoint": "env.py:episode", "cwd": str(tmp_path)})
+    await wait_for(gpu["id"])
+    await wait_for(cpu["id"])
+    _, out = await api("GET", f"runs/{gpu['id']}/logs", raw=True)
+    assert out.strip() == "0 PCI_BUS_ID [0]"
+    _, out = await api("GET", f"runs/{cpu['id']}/logs", raw=True)
+    assert out.strip() == "PCI_BUS_ID []"
+
+
+async def test_events_stream(jp_ws_fetch, api, wait_for):
+    first = await submit(api, spec(episodes=3, sleep_s=0.1))
+    await wait_for(first["id"])
+    ws = await jp_ws_fetch("evalsched", "events")
+    snapshot = json.loads(await ws.read_message())
+    assert snapshot["type"] == "snapshot" and set(snapshot["queue"]) == {"queued", "running", "ledger"}
+    rec = await submit(api, spec(episodes=4, sleep_s=0.15))
+    seen = []
+    progress = []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        msg = json.loads(await asyncio.wait_for(ws.read_message(), 10))
+        run = msg["run"]
+        if run["id"] != rec["id"]:
+            continue
+        if not seen or seen[-1] != run["state"]:
+            seen.append(run["state"])
+        progress.append(run["progress"]["done"])
+        if run["state"] == "succeeded":
+            break
+    ws.close()
+    assert seen == ["queued", "running", "succeeded"]
+    assert 0 < max(p for p in progress[:-1]) or len(set(progress)) > 2, progress
+    # A late subscriber gets a snapshot that includes the finished state in nothing queued/running.
+    ws2 = await jp_ws_fetch("evalsched", "events")
+    snap = json.loads(await ws2.read_message())
+    assert snap["queue"]["queued"] == [] and snap["queue"]["running"] == []
+    ws2.close()
+
+
+async def test_openapi_documents_every_route(api):
+    code, doc = await api("GET", "openapi.json")
+    assert code == 200 and doc["openapi"].startswith("3.")
+    assert set(doc["paths"]) >= {"/runs", "/runs/{run_id}", "/runs/{run_id}/cancel", "/runs/{run_id}/logs",
+                                 "/runs/{run_id}/episodes", "/queue", "/ledger", "/models", "/events", "/openapi.json"}
+    assert "EvalSpec" in doc["components"]["schemas"]
+    assert "422" in doc["paths"]["/runs"]["post"]["responses"]
+    from openapi_spec_validator import validate
+
+    validate(doc)
+
+
+async def test_models_endpoint_without_models(api):
+    assert await api("GET", "models") == (200, {"models": []})
