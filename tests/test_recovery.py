@@ -1,0 +1,151 @@
+"""Restart recovery (rule 4) with real `jupyter server` processes: SIGKILL, clean shutdown,
+recycled PIDs. In-flight runs are lost and say so (`aborted`); nothing else is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from jupyter_evalsched.client import LocalServer
+
+SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+FAST = ["--EvalSchedApp.cancel_grace_s=2.0", "--EvalSchedApp.sweep_interval_s=0.5", "--EvalSchedApp.progress_interval_s=0.05"]
+
+
+def wait_until(predicate, timeout=15.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s")
+        time.sleep(interval)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def long_run(vram: int, **kw) -> dict:
+    return short_run(vram, episodes=1000, params={"sleep_s": 0.1}, **kw)
+
+
+def short_run(vram: int, **kw) -> dict:
+    # The cwd outlives each server (a server's own root_dir is removed with it).
+    spec = {"entrypoint": SLEEPY, "episodes": 1, "params": {"sleep_s": 0.01}, "cwd": "/", "scheduling": {"marginal_vram_mb": vram}}
+    spec.update(kw)
+    return spec
+
+
+def test_sigkill_of_the_server_aborts_running_and_requeues_queued(tmp_path):
+    runs = tmp_path / "runs"
+    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = server.client()
+        a = c.submit(long_run(10000))
+        b = c.submit(long_run(10000))
+        q1 = c.submit(short_run(10000, episodes=2))
+        q2 = c.submit(short_run(10000, depends_on=[q1["id"]]))
+        wait_until(lambda: all(c.get(r["id"])["state"] == "running" for r in (a, b)))
+        pids = [c.get(r["id"])["pid"] for r in (a, b)]
+        assert c.get(q1["id"])["state"] == "queued"
+        server.process.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: not any(alive(p) for p in pids), timeout=5)
+        assert time.monotonic() - t0 < 1.0, "run processes outlived the server by more than a second"
+        server.process.wait()
+    finally:
+        server.cleanup()
+
+    restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = restarted.client()
+        for r in (a, b):
+            rec = c.get(r["id"])
+            assert rec["state"] == "aborted" and rec["reason"].startswith("server_restart"), rec
+            assert (runs / r["id"] / "_DONE").exists()
+        done = wait_until(lambda: (lambda x: x if x["state"] in ("succeeded", "failed") else None)(c.get(q2["id"])), timeout=20)
+        assert done["state"] == "succeeded"
+        r1, r2 = c.get(q1["id"]), c.get(q2["id"])
+        assert r1["state"] == "succeeded" and r1["started_at"] < r2["started_at"]
+        listing = c.list(limit=100)
+        assert sorted(r["id"] for r in listing) == sorted(r["id"] for r in (a, b, q1, q2))  # nothing lost or doubled
+    finally:
+        restarted.cleanup()
+
+
+def test_clean_shutdown_keeps_queued_runs_in_order(tmp_path):
+    runs = tmp_path / "runs"
+    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = server.client()
+        running = c.submit(long_run(24000))
+        queued = [c.submit(short_run(24000)) for _ in range(3)]
+        wait_until(lambda: c.get(running["id"])["state"] == "running")
+    finally:
+        server.stop()
+        server.cleanup()
+    job = json.loads((runs / running["id"] / "job.json").read_text())
+    assert job["state"] == "aborted" and (runs / running["id"] / "_DONE").exists()
+
+    restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = restarted.client()
+        finals = [wait_until(lambda r=r: (lambda x: x if x["state"] == "succeeded" else None)(c.get(r["id"])), timeout=20) for r in queued]
+        starts = [f["started_at"] for f in finals]
+        assert starts == sorted(starts), "queued runs did not keep their order across the restart"
+    finally:
+        restarted.cleanup()
+
+
+@pytest.fixture
+def stranger():
+    """A live process that is not a run: its pid will be recorded as a run's, as after pid reuse."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+async def test_a_recycled_pid_is_not_mistaken_for_the_run(jp_serverapp, runs_dir, stranger, jp_asyncio_loop):
+    run_id = "20260101T000000.000000-abcdef"
+    run = runs_dir / run_id
+    run.mkdir(parents=True)
+    (run / "spec.json").write_text(json.dumps({"entrypoint": "x:y", "episodes": 1, "cwd": "/", "scheduling": {}}))
+    (run / "job.json").write_text(json.dumps({
+        "id": run_id, "name": "x", "state": "running", "reason": None, "priority": "normal",
+        "submitted_at": "2026-01-01T00:00:00.000000+00:00", "started_at": "2026-01-01T00:00:01.000000+00:00",
+        "finished_at": None, "pid": stranger.pid, "pid_create_time": psutil.Process(stranger.pid).create_time() - 3600,
+        "devices": [], "exit_code": None, "progress": {"done": 0, "total": 1}, "marginal_vram_mb": 0, "depends_on": [], "seq": 1,
+    }))
+    await jp_serverapp.extension_manager.start_all_extensions()
+    scheduler = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
+    rec = scheduler.get(run_id).record
+    assert rec["state"] == "aborted" and rec["reason"].startswith("server_restart")
+    assert stranger.poll() is None, "an unrelated process with a recycled pid was killed"
+    assert (run / "_DONE").exists()
+
+
+async def test_recovery_tolerates_garbage(jp_serverapp, runs_dir):
+    runs_dir.mkdir(parents=True)
+    (runs_dir / "broken").mkdir()
+    (runs_dir / "broken" / "job.json").write_text("{not json")
+    (runs_dir / ".staging-20260101T000000.000000-aaaaaa").mkdir()  # a submission never acknowledged
+    (runs_dir / "a-file").write_text("x")
+    os.symlink("/etc", runs_dir / "evil")
+    await jp_serverapp.extension_manager.start_all_extensions()
+    scheduler = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
+    assert scheduler.counts["total"] == 0
+    assert (runs_dir / "broken" / "job.json").read_text() == "{not json"  # left as it was
+    assert not (runs_dir / ".staging-20260101T000000.000000-aaaaaa").exists()
