@@ -116,7 +116,10 @@ class RunsHandler(EvalSchedHandler):
     @authorized
     async def post(self) -> None:
         spec = parse_spec(self.request.body)
-        record = self.call(self.scheduler.submit, spec)
+        try:
+            record = await self.scheduler.submit(spec)
+        except SchedulerError as exc:
+            raise ApiError(exc.status, exc.message, exc.detail) from None
         self.set_header("Location", self.request.path.rstrip("/") + "/" + record["id"])
         self.send_json(record, status=201)
 

@@ -182,7 +182,13 @@ class RunStore:
         try:
             os.mkdir(staging, 0o700)
             for name, data in files.items():
-                atomic_write_bytes(staging / name, data, fsync=self.fsync)
+                # No temp file needed: nobody sees the staging directory until its rename.
+                fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
             os.rename(staging, final)
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)

@@ -39,7 +39,6 @@ class SpawnError(Exception):
 class RunProcess:
     run_id: str
     popen: subprocess.Popen
-    create_time: float
     pidfd: int | None = None
     kill_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -105,8 +104,7 @@ class Launcher:
         finally:
             os.close(out)
             os.close(err)
-        create_time = process_create_time(popen.pid) or 0.0
-        proc = RunProcess(run_id, popen, create_time)
+        proc = RunProcess(run_id, popen)
         self._procs[run_id] = proc
         self._watch(proc)
         return proc

@@ -165,17 +165,28 @@ class _Book:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What a starving job holds: carried over when a decision is made for new jobs only."""
+
+    job_id: str
+    devices: tuple[int, ...]
+    cpus: int
+
+
 def decide(
     queued: Sequence[QueuedJob],
     running: Sequence[RunningJob],
     capacity: Capacity,
     dependency_states: Mapping[str, str],
     config: PolicyConfig = PolicyConfig(),
+    reservation: Reservation | None = None,
 ) -> Decision:
     """Decide which of ``queued`` start now.
 
     ``dependency_states`` maps run ids to their state; a dependency absent from it counts as
-    failed (it cannot succeed any more).
+    failed (it cannot succeed any more). ``reservation`` is one still held from an earlier
+    decision, for a decision about newly submitted jobs alone (nothing else changed since).
     """
     decision = Decision()
     book = _Book(capacity, running)
@@ -193,6 +204,11 @@ def decide(
     ordered = admission_order(eligible, config)
     reserved_devices: frozenset[int] = frozenset()
     reserved_cpus = 0
+    if reservation is not None:
+        decision.reserved_for = reservation.job_id
+        reserved_devices = frozenset(reservation.devices)
+        reserved_cpus = reservation.cpus
+        decision.reserved_devices, decision.reserved_cpus = reservation.devices, reservation.cpus
     waiting_ahead: list[str] = []
 
     for position, job in enumerate(ordered):
@@ -217,7 +233,7 @@ def decide(
                 continue
         decision.waiting[job.id] = _why_waiting(job, book, placement is not None, blocked)
 
-        if position == 0 and _starving(job, config):
+        if position == 0 and reservation is None and _starving(job, config):
             decision.reserved_for = job.id
             reserved_devices = frozenset(_reservation_devices(job, book))
             reserved_cpus = job.cpus

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -24,7 +25,7 @@ from .. import store
 from ..models import TERMINAL_STATES, EvalSpec, is_valid_run_id, utcnow_iso
 from . import policy
 from .gpus import GpuProbe
-from .launcher import Launcher, SpawnError, is_same_process, kill_stale_group, signal_name
+from .launcher import Launcher, SpawnError, kill_stale_group, process_create_time, signal_name
 from .ledger import DeviceBudget, Unmanaged, capacity, device_budgets, ledger_view, unmanaged_by_device
 
 log = logging.getLogger("jupyter_evalsched")
@@ -84,6 +85,7 @@ class Job:
     timed_out: bool = False
     timeout_handle: asyncio.TimerHandle | None = None
     summary_key: tuple[int, int] | None = None
+    done_exists: bool = False
 
     @property
     def id(self) -> str:
@@ -134,7 +136,14 @@ class Scheduler:
         self._version = 0
         self._queue_cache: tuple[int, bytes] | None = None
         self._started = False
+        self._creating: set[str] = set()
+        self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
         self.last_activity: datetime | None = None
+        self._deferred: list[Job] | None = None  # terminal writes held back during an exit's admission
+        # Set after a full decision that changed nothing: a new job may then be decided alone.
+        self._settled = False
+        self._reservation: policy.Reservation | None = None
+        self._head_lane = len(policy.LANES)
         self.admissions = 0
 
     # ----------------------------------------------------------------- life cycle
@@ -170,6 +179,7 @@ class Scheduler:
             if job is not None:
                 self._finalize(job, "aborted", "server_restart: the server shut down while it ran", admit=False)
         self._started = False
+        self._io.shutdown(wait=True)
 
     def _compute_budgets(self) -> list[DeviceBudget]:
         return device_budgets(
@@ -263,11 +273,12 @@ class Scheduler:
             return self.config.default_cwd
         return os.path.normpath(os.path.join(self.config.default_cwd, os.path.expanduser(cwd)))
 
-    def submit(self, spec: EvalSpec) -> dict:
+    async def submit(self, spec: EvalSpec) -> dict:
+        """Validate, write the run directory, queue. Returns once ``job.json`` is on disk."""
         self._require_started()
         self.validate_for_host(spec)
         run_id = store.new_run_id()
-        while run_id in self._jobs:
+        while run_id in self._jobs or run_id in self._creating:
             run_id = store.new_run_id()
         spec_dict = spec.model_dump(mode="json")
         spec_dict["cwd"] = self._resolve_cwd(spec.cwd)
@@ -305,26 +316,62 @@ class Scheduler:
         }
         if spec.source is not None:
             files[store.EVAL_SOURCE] = spec.source.encode()
+        # Creating files costs about a millisecond each on these disks, mostly waiting: done in
+        # a thread pool, several submissions overlap and the event loop stays free.
+        self._creating.add(run_id)
         try:
-            self.store.create(run_id, files)
+            await self._loop.run_in_executor(self._io, self.store.create, run_id, files)
         except store.StoreError as exc:
-            self._seq -= 1
             raise Unavailable(str(exc)) from exc
+        finally:
+            self._creating.discard(run_id)
         job = Job(record=record, spec=spec_dict, submitted_ts=time.time())
         self._jobs[run_id] = job
         self._queued[run_id] = job
         self._changed(job)
-        self.request_admission()
+        if self._settled and not self._admit_scheduled and self._can_decide_alone(job):
+            self._admit_new(job)
+        else:
+            self.request_admission()
         return record
 
     # ----------------------------------------------------------------- admission
 
     def request_admission(self) -> None:
         """Coalesce admission requests made in one loop iteration into one decision."""
+        self._settled = False
         if self._loop is None or self._admit_scheduled:
             return
         self._admit_scheduled = True
         self._loop.call_soon(self._admit)
+
+    def _can_decide_alone(self, job: Job) -> bool:
+        """A new job can be decided on its own when nothing else changed since the last full
+        decision (the waiting jobs still cannot start) and it does not outrank the head of the
+        queue (which would move the anti-starvation reservation)."""
+        if job.record["depends_on"]:
+            return all(self._jobs[d].state in ("queued", "running", "succeeded") for d in job.record["depends_on"] if d in self._jobs)
+        lane = policy.LANE_INDEX[job.record["priority"]]
+        return lane >= self._head_lane
+
+    def _admit_new(self, job: Job) -> None:
+        """Admission for one newly submitted job: O(running), not O(queue). With 10,000 jobs
+        queued, a full decision per submission would make a burst of submissions quadratic."""
+        cap = capacity(self._budgets, self.config.cpu_slots, self._unmanaged)
+        deps = {d: self._jobs[d].state for d in job.record["depends_on"] if d in self._jobs}
+        decision = policy.decide([self._as_queued(job, time.time())], self._running_jobs(), cap, deps,
+                                 self.config.policy, reservation=self._reservation)
+        if decision.dependency_failed or decision.starts:
+            if decision.starts:
+                # Everything already waiting was overtaken by this newcomer.
+                for waiting in self._queued.values():
+                    if waiting is not job:
+                        waiting.passed_over += 1
+            self._apply(decision)
+            return
+        for run_id, reason in decision.waiting.items():
+            job.record["reason"] = reason
+        self._version += 1
 
     def _admit(self) -> None:
         self._admit_scheduled = False
@@ -332,43 +379,55 @@ class Scheduler:
             return
         for _ in range(100):  # dependency failures can cascade down a chain
             if not self._queued:
+                self._settled, self._reservation, self._head_lane = True, None, len(policy.LANES)
                 return
             decision = self._decide()
-            for run_id, dep in decision.dependency_failed.items():
-                job = self._queued[run_id]
-                dep_state = self._jobs[dep].state if dep in self._jobs else "deleted"
-                self._finalize(job, "failed", f"dependency_failed:{dep}: {dep} ended {dep_state}", admit=False)
-            for start in decision.starts:
-                self._launch(self._queued[start.id], start.devices)
-            for run_id in decision.passed_over:
-                job = self._queued.get(run_id)
-                if job is not None:
-                    job.passed_over += 1
-            for run_id, reason in decision.waiting.items():
-                job = self._queued.get(run_id)
-                if job is not None and job.record["reason"] != reason:
-                    job.record["reason"] = reason
-                    self._version += 1
-            if not decision.dependency_failed:
+            self._reservation = (
+                policy.Reservation(decision.reserved_for, decision.reserved_devices, decision.reserved_cpus)
+                if decision.reserved_for else None
+            )
+            # Settled from here on, unless carrying the decision out asks for another one.
+            self._settled = True
+            if not self._apply(decision):
                 return
+
+    def _apply(self, decision: policy.Decision) -> bool:
+        """Carry a decision out; True when dependency failures call for another decision."""
+        for run_id, dep in decision.dependency_failed.items():
+            job = self._queued[run_id]
+            dep_state = self._jobs[dep].state if dep in self._jobs else "deleted"
+            self._finalize(job, "failed", f"dependency_failed:{dep}: {dep} ended {dep_state}", admit=False)
+        for start in decision.starts:
+            self._launch(self._queued[start.id], start.devices)
+        for run_id in decision.passed_over:
+            job = self._queued.get(run_id)
+            if job is not None:
+                job.passed_over += 1
+        for run_id, reason in decision.waiting.items():
+            job = self._queued.get(run_id)
+            if job is not None and job.record["reason"] != reason:
+                job.record["reason"] = reason
+                self._version += 1
+        return bool(decision.dependency_failed)
+
+    def _as_queued(self, job: Job, now: float) -> policy.QueuedJob:
+        return policy.QueuedJob(
+            id=job.id,
+            seq=job.record["seq"],
+            priority=job.record["priority"],
+            marginal_vram_mb=job.record["marginal_vram_mb"],
+            gpus=job.scheduling.get("gpus", 1),
+            exclusive=job.scheduling.get("exclusive_gpu", False),
+            cpus=job.scheduling.get("cpus", 1),
+            depends_on=tuple(job.record["depends_on"]),
+            waited_s=now - job.submitted_ts,
+            passed_over=job.passed_over,
+        )
 
     def _decide(self) -> policy.Decision:
         now = time.time()
-        queued = [
-            policy.QueuedJob(
-                id=job.id,
-                seq=job.record["seq"],
-                priority=job.record["priority"],
-                marginal_vram_mb=job.record["marginal_vram_mb"],
-                gpus=job.scheduling.get("gpus", 1),
-                exclusive=job.scheduling.get("exclusive_gpu", False),
-                cpus=job.scheduling.get("cpus", 1),
-                depends_on=tuple(job.record["depends_on"]),
-                waited_s=now - job.submitted_ts,
-                passed_over=job.passed_over,
-            )
-            for job in self._queued.values()
-        ]
+        queued = [self._as_queued(job, now) for job in self._queued.values()]
+        self._head_lane = min((policy.effective_lane(q, self.config.policy) for q in queued), default=len(policy.LANES))
         deps = {}
         for job in self._queued.values():
             for dep in job.record["depends_on"]:
@@ -425,7 +484,7 @@ class Scheduler:
         except (SpawnError, OSError) as exc:
             self._finalize(job, "failed", f"exception: could not start the run: {_one_line(str(exc))}")
             return
-        job.record.update(pid=proc.pid, pid_create_time=proc.create_time)
+        job.record.update(pid=proc.pid, pid_create_time=process_create_time(proc.pid))
         timeout = job.spec.get("timeout_s")
         if timeout:
             job.timeout_handle = self._loop.call_later(timeout, self._on_timeout, job.id)
@@ -442,6 +501,8 @@ class Scheduler:
         env["EVALSCHED_RUN_ID"] = job.id
         env["EVALSCHED_PARENT_PID"] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
+        if self.config.fsync:
+            env["EVALSCHED_FSYNC"] = "1"
         return env
 
     # ----------------------------------------------------------------- ends of runs
@@ -450,9 +511,17 @@ class Scheduler:
         job = self._running.get(run_id)
         if job is None:
             return
-        self._conclude_from_disk(job, exit_code=code)
-        # Admit right here, in the same loop iteration as the exit: a freed GPU is reused at once.
-        self._admit()
+        # Admit right here, in the same loop iteration as the exit, and before the finished
+        # run's files are written: a freed GPU is reused at once. Should the server die in
+        # between, recovery still finds the run's own _DONE, or marks it aborted.
+        self._deferred = []
+        try:
+            self._conclude_from_disk(job, exit_code=code)
+            self._admit()
+        finally:
+            deferred, self._deferred = self._deferred, None
+            for late in deferred:
+                self._write_terminal(late)
 
     def _conclude_from_disk(self, job: Job, exit_code: int | None) -> None:
         run_dir = self.store.run_dir(job.id)
@@ -484,15 +553,22 @@ class Scheduler:
             job.timeout_handle = None
         rec = job.record
         rec.update(state=state, reason=reason, finished_at=utcnow_iso())
+        job.done_exists = done_exists
+        if self._deferred is not None:
+            self._deferred.append(job)
+        else:
+            self._write_terminal(job)
+        self._changed(job)
+        if admit:
+            self.request_admission()
+
+    def _write_terminal(self, job: Job) -> None:
         self._persist(job)
-        if not done_exists:
+        if not job.done_exists:
             try:
                 self.store.mark_done(job.id)
             except OSError as exc:
                 log.error("evalsched: cannot write _DONE for %s: %s", job.id, exc)
-        self._changed(job)
-        if admit:
-            self.request_admission()
 
     def _on_timeout(self, run_id: str) -> None:
         job = self._running.get(run_id)
@@ -541,7 +617,8 @@ class Scheduler:
     def list_runs(self, states: set[str] | None = None, limit: int = 100) -> tuple[list[dict], int]:
         out = []
         total = 0
-        for job in reversed(self._jobs.values()):
+        # Concurrent submissions may be registered slightly out of order: sort by submission.
+        for job in sorted(self._jobs.values(), key=lambda j: j.record["seq"], reverse=True):
             if states and job.state not in states:
                 continue
             total += 1

@@ -1,0 +1,155 @@
+"""Admission latency and no-op turnaround of the scheduler, each against a baseline measured in
+the same run (these machines are noisy: never compare with a number from another run).
+
+    .venv/bin/python bench/bench_scheduler.py [--rounds 30]
+
+1. Admission latency: two runs that cannot share the GPU (16000 MB each on a 24000 MB virtual
+   GPU). Measured from the first run's exit (its ``_DONE``, written just before it exits, and the
+   moment the scheduler notices the exit) to the second run's spawn. Baseline: the same scheduler
+   with exit notification disabled, so that only its 1 s backstop sweep notices exits — the
+   once-a-second tick that event-driven admission replaces.
+2. No-op turnaround: ``submit`` of a run whose episode does nothing → its terminal state, against
+   ``Popen`` + ``wait`` of ``python -c pass`` with the same interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jupyter_evalsched.models import EvalSpec
+from jupyter_evalsched.scheduler.gpus import VirtualProbe
+from jupyter_evalsched.scheduler.launcher import Launcher
+from jupyter_evalsched.scheduler.service import Scheduler, SchedulerConfig
+
+NOOP = "jupyter_evalsched.examples.basic:noop"
+
+
+class TimedScheduler(Scheduler):
+    """Records when each exit is noticed and each spawn returns (monotonic clock)."""
+
+    def __init__(self, *a, event_driven: bool = True, **kw):
+        super().__init__(*a, **kw)
+        self.noticed: dict[str, float] = {}
+        self.spawned: dict[str, float] = {}
+        self.finished: dict[str, asyncio.Future] = {}
+        if not event_driven:
+            self.launcher._watch = lambda proc: setattr(proc, "pidfd", None)  # only the sweep notices exits
+        spawn = self.launcher.spawn
+
+        def timed_spawn(run_id, *args):
+            proc = spawn(run_id, *args)
+            self.spawned[run_id] = time.monotonic()
+            return proc
+
+        self.launcher.spawn = timed_spawn
+        self.launcher._on_exit = self._timed_exit
+
+    def _timed_exit(self, run_id: str, code: int) -> None:
+        self.noticed[run_id] = time.monotonic()
+        self._on_exit(run_id, code)
+
+    def _changed(self, job):
+        super()._changed(job)
+        fut = self.finished.get(job.id)
+        if fut is not None and job.state in ("succeeded", "failed", "cancelled", "aborted") and not fut.done():
+            fut.set_result(time.monotonic())
+
+
+def mono_of_wall(wall: float) -> float:
+    return time.monotonic() - (time.time() - wall)
+
+
+async def admission_latency(rounds: int, event_driven: bool, root: Path) -> tuple[list[float], list[float]]:
+    runs = root / ("event" if event_driven else "tick")
+    sched = TimedScheduler(
+        SchedulerConfig(runs_dir=runs, cpu_slots=4, sweep_interval_s=1.0, progress_interval_s=10),
+        VirtualProbe([24000]),
+        event_driven=event_driven,
+    )
+    await sched.start()
+    from_done, from_notice = [], []
+    try:
+        for _ in range(rounds):
+            spec = EvalSpec(entrypoint=NOOP, episodes=1, cwd=str(root), scheduling={"marginal_vram_mb": 16000})
+            a = await sched.submit(spec)
+            b = await sched.submit(spec)
+            sched.finished[b["id"]] = asyncio.get_running_loop().create_future()
+            await asyncio.wait_for(sched.finished[b["id"]], 30)
+            done_mtime = (runs / a["id"] / "_DONE").stat().st_mtime
+            from_done.append(sched.spawned[b["id"]] - mono_of_wall(done_mtime))
+            from_notice.append(sched.spawned[b["id"]] - sched.noticed[a["id"]])
+    finally:
+        await sched.stop()
+    return from_done, from_notice
+
+
+async def noop_turnaround(rounds: int, root: Path) -> list[float]:
+    sched = TimedScheduler(SchedulerConfig(runs_dir=root / "noop", cpu_slots=4, progress_interval_s=10), VirtualProbe([]))
+    await sched.start()
+    out = []
+    try:
+        for _ in range(rounds):
+            t0 = time.monotonic()
+            rec = await sched.submit(EvalSpec(entrypoint=NOOP, episodes=1, cwd=str(root)))
+            fut = sched.finished.setdefault(rec["id"], asyncio.get_running_loop().create_future())
+            t1 = await asyncio.wait_for(fut, 30)
+            out.append(t1 - t0)
+            assert sched.get(rec["id"]).state == "succeeded"
+    finally:
+        await sched.stop()
+    return out
+
+
+def bare_popen(rounds: int) -> list[float]:
+    out = []
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        subprocess.Popen([sys.executable, "-c", "pass"]).wait()
+        out.append(time.monotonic() - t0)
+    return out
+
+
+def ms(xs: list[float]) -> str:
+    xs = sorted(xs)
+    p90 = xs[min(len(xs) - 1, int(len(xs) * 0.9))]
+    return f"median {statistics.median(xs) * 1000:8.2f} ms   p90 {p90 * 1000:8.2f} ms   (n={len(xs)})"
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--tick-rounds", type=int, default=8)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        print(f"python {sys.executable}; {os.cpu_count()} cores\n")
+        ev_done, ev_notice = await admission_latency(args.rounds, True, root)
+        tick_done, tick_notice = await admission_latency(args.tick_rounds, False, root)
+        print("1. admission latency: a run's exit -> the next admitted run's spawn")
+        print(f"   event-driven, from _DONE        {ms(ev_done)}")
+        print(f"   event-driven, from exit noticed {ms(ev_notice)}")
+        print(f"   baseline 1 s sweep, from _DONE  {ms(tick_done)}")
+        print(f"   ratio baseline/event-driven (median, from _DONE): {statistics.median(tick_done) / statistics.median(ev_done):.1f}x")
+        print(f"   target: <= 10 ms median -> {'met' if statistics.median(ev_done) <= 0.010 else 'NOT met'}\n")
+
+        bare = bare_popen(args.rounds)
+        noop = await noop_turnaround(args.rounds, root)
+        bare2 = bare_popen(args.rounds)  # again after, so that drift on a noisy host shows
+        base = statistics.median(bare + bare2)
+        print("2. no-op run turnaround: submit -> succeeded")
+        print(f"   Popen(python -c pass).wait()    {ms(bare + bare2)}")
+        print(f"   no-op run through the scheduler {ms(noop)}")
+        ratio = statistics.median(noop) / base
+        print(f"   ratio run/bare interpreter (median): {ratio:.2f}x   target: <= 2x -> {'met' if ratio <= 2 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

