@@ -11,6 +11,7 @@ from jupyter_server.utils import url_path_join
 from tornado.ioloop import PeriodicCallback
 from traitlets import Bool, Dict, Float, Int, List, Type, Unicode, default, validate
 
+from .primary import HostRole
 from .scheduler import policy
 from .scheduler.gpus import GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
 from .scheduler.service import Scheduler, SchedulerConfig
@@ -95,6 +96,18 @@ class EvalSchedApp(ExtensionApp):
     fsync = Bool(False, help="fsync run files on every write (survives power loss, costs throughput).").tag(config=True)
     run_env = Dict(value_trait=Unicode(), help="Environment added to every run (under the spec's own env).").tag(config=True)
 
+    single_primary = Bool(
+        True,
+        help="Run one scheduler per user per host: the first server takes a host-wide lock and "
+        "schedules; further servers forward /evalsched/ to it and take over when it exits.",
+    ).tag(config=True)
+
+    lock_dir = Unicode(help="Where the primary's lock and address live. Default: $EVALSCHED_LOCK_DIR, else the Jupyter runtime dir.").tag(config=True)
+
+    @default("lock_dir")
+    def _default_lock_dir(self) -> str:
+        return os.environ.get("EVALSCHED_LOCK_DIR") or jupyter_runtime_dir()
+
     models = List(
         Dict(),
         help="Shared models: a list of dicts (name, task or loader, model, device, dtype, "
@@ -134,7 +147,8 @@ class EvalSchedApp(ExtensionApp):
         )
         self.scheduler = Scheduler(config, probe, models=model_host)
         self.model_host = model_host
-        self.settings.update(evalsched_scheduler=self.scheduler, evalsched_model_host=model_host)
+        self.role = HostRole(Path(self.lock_dir))
+        self.settings.update(evalsched_scheduler=self.scheduler, evalsched_model_host=model_host, evalsched_role=self.role)
 
     def initialize_handlers(self) -> None:
         from .handlers import handlers
@@ -142,19 +156,52 @@ class EvalSchedApp(ExtensionApp):
         self.handlers.extend(handlers())
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
-        if self.model_host is not None:
-            await self.model_host.start()
-        await self.scheduler.start()
         # Live runs count as activity, so that JupyterHub never culls a server with work in flight.
         self._activity = PeriodicCallback(self._report_activity, 5000)
         self._activity.start()
+        self._promotion = None
+        if not self.single_primary or self.role.try_acquire():
+            await self._become_primary()
+            return
+        primary = self.role.primary()
         self.log.info(
-            "evalsched: scheduling into %s with %d GPU(s) and %d CPU slots; API at %s",
+            "evalsched: another server (pid %s, %s) is this host's scheduler; forwarding /evalsched/ to it",
+            primary.pid if primary else "?", primary.url if primary else "address not yet advertised",
+        )
+        self._promotion = PeriodicCallback(self._try_promotion, 1000)
+        self._promotion.start()
+
+    async def _become_primary(self) -> None:
+        if self.model_host is not None:
+            await self.model_host.start()
+        await self.scheduler.start()
+        if self.single_primary:
+            token = getattr(self.serverapp.identity_provider, "token", "") or ""
+            self.role.advertise(self._own_url(), token, str(self.scheduler.store.root))
+            primary = self.role.primary()
+            self.scheduler.primary_info = primary.public() if primary else None
+        self.log.info(
+            "evalsched: this server schedules into %s with %d GPU(s) and %d CPU slots; API at %s",
             self.scheduler.store.root,
             len(self.scheduler.ledger()["devices"]),
             self.cpu_slots,
-            url_path_join(serverapp.base_url, "evalsched/"),
+            url_path_join(self.serverapp.base_url, "evalsched/"),
         )
+
+    def _own_url(self) -> str:
+        app = self.serverapp
+        host = app.ip if app.ip not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        scheme = "https" if app.certfile else "http"
+        return f"{scheme}://{host}:{app.port}{app.base_url}"
+
+    async def _try_promotion(self) -> None:
+        if self.role.is_primary or not self.role.try_acquire():
+            return
+        self._promotion.stop()
+        self.log.warning("evalsched: the primary server is gone; this server takes over the host's scheduler")
+        await self._become_primary()
 
     def _report_activity(self) -> None:
         if self.scheduler.has_live_runs:
@@ -163,12 +210,14 @@ class EvalSchedApp(ExtensionApp):
             self.serverapp.web_app.settings["evalsched_last_activity"] = utcnow()
 
     async def stop_extension(self) -> None:
-        activity = getattr(self, "_activity", None)
-        if activity is not None:
-            activity.stop()
-        await self.scheduler.stop()
-        if self.model_host is not None:
-            await self.model_host.stop()
+        for timer in (getattr(self, "_activity", None), getattr(self, "_promotion", None)):
+            if timer is not None:
+                timer.stop()
+        if self.role.is_primary or not self.single_primary:
+            await self.scheduler.stop()
+            if self.model_host is not None:
+                await self.model_host.stop()
+        self.role.release()
 
 
 main = launch_new_instance = EvalSchedApp.launch_instance

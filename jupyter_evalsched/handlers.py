@@ -9,7 +9,9 @@ client sends can produce a 500.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
 from typing import Any
 
 from jupyter_core.utils import ensure_async
@@ -19,6 +21,7 @@ from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from pydantic import ValidationError
 from tornado import web, websocket
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from . import store
 from .models import STATES, EvalSpec, is_valid_run_id
@@ -38,6 +41,27 @@ class ApiError(web.HTTPError):
         super().__init__(status, "%s", message, reason=reason)
         self.message = message
         self.detail = detail
+
+
+def delegated(method):
+    """On a secondary server, answer by forwarding the request to the host's primary.
+
+    Applied inside ``@web.authenticated`` and ``@authorized``: this server authenticates and
+    authorizes its own client first, then speaks to the primary with the primary's credentials.
+    """
+
+    @functools.wraps(method)
+    async def wrapper(self, *args, **kwargs):
+        if not is_delegating(self):
+            return await method(self, *args, **kwargs)
+        await self.forward_to_primary()
+
+    return wrapper
+
+
+def is_delegating(handler) -> bool:
+    role = handler.settings.get("evalsched_role")
+    return role is not None and not role.is_primary and handler.extensionapp.single_primary
 
 
 class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
@@ -63,6 +87,38 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
             self.log.error("evalsched: unexpected error", exc_info=kwargs["exc_info"])
             body = {"message": f"internal error: {type(exc).__name__}", "reason": None}
         self.finish(json.dumps(body))
+
+    async def forward_to_primary(self) -> None:
+        role = self.settings["evalsched_role"]
+        primary = role.primary()
+        if primary is None:
+            raise ApiError(503, "this host's primary evalsched server is starting or changing; retry in a few seconds")
+        suffix = self.request.path[len(self.base_url.rstrip("/")):].lstrip("/")
+        url = primary.url.rstrip("/") + "/" + suffix
+        if self.request.query:
+            url += "?" + self.request.query
+        headers = {"Content-Type": self.request.headers.get("Content-Type", "application/json")}
+        if primary.token:
+            headers["Authorization"] = f"token {primary.token}"
+        body = self.request.body if self.request.method in ("POST", "PUT", "PATCH") else None
+        try:
+            resp = await AsyncHTTPClient().fetch(
+                url, method=self.request.method, headers=headers, body=body,
+                raise_error=False, request_timeout=60, follow_redirects=False,
+                allow_nonstandard_methods=True,
+            )
+        except (OSError, HTTPClientError) as exc:
+            raise ApiError(503, f"this host's primary evalsched server (pid {primary.pid}) is not answering "
+                                f"({exc}); a server takes over within seconds: retry") from None
+        if resp.code == 599:
+            raise ApiError(503, f"this host's primary evalsched server (pid {primary.pid}) is not answering "
+                                f"({resp.error}); a server takes over within seconds: retry")
+        self.set_status(resp.code)
+        for name in ("Content-Type", "Location"):
+            if name in resp.headers:
+                self.set_header(name, resp.headers[name])
+        self.set_header("X-Evalsched-Primary", str(primary.pid))
+        self.finish(resp.body or b"")
 
     def send_json(self, obj: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -100,6 +156,7 @@ class RunsHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def get(self) -> None:
         states = None
         text = self.get_argument("state", None)
@@ -114,6 +171,7 @@ class RunsHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def post(self) -> None:
         spec = parse_spec(self.request.body)
         try:
@@ -157,6 +215,7 @@ class RunHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def get(self, run_id: str) -> None:
         job = self.job_or_404(run_id)
         loop = asyncio.get_running_loop()
@@ -165,6 +224,7 @@ class RunHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def delete(self, run_id: str) -> None:
         self.call(self.scheduler.delete, run_id)
         self.set_status(204)
@@ -174,6 +234,7 @@ class RunHandler(EvalSchedHandler):
 class CancelHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
+    @delegated
     async def post(self, run_id: str) -> None:
         self.send_json(self.call(self.scheduler.cancel, run_id))
 
@@ -183,6 +244,7 @@ class LogsHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def get(self, run_id: str) -> None:
         job = self.job_or_404(run_id)
         stream = self.get_argument("stream", "stdout")
@@ -200,6 +262,7 @@ class EpisodesHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def get(self, run_id: str) -> None:
         job = self.job_or_404(run_id)
         path = self.scheduler.run_dir(job.id) / store.EPISODES
@@ -228,6 +291,7 @@ class QueueHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def get(self) -> None:
         self.send_json(self.scheduler.queue_view_json())
 
@@ -237,6 +301,7 @@ class LedgerHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def get(self) -> None:
         self.send_json(self.scheduler.ledger())
 
@@ -246,6 +311,7 @@ class ModelsHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def get(self) -> None:
         host = self.settings.get("evalsched_model_host")
         models = await host.describe() if host is not None else []
@@ -258,13 +324,20 @@ class StatusHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
+        """This server's own view: its role, and which server is the host's primary."""
         from . import __version__
 
-        self.send_json({
+        role = self.settings["evalsched_role"]
+        primary = role.primary()
+        body = {
             "version": __version__,
-            "runs_dir": str(self.scheduler.store.root),
-            "counts": self.scheduler.counts,
-        })
+            "role": "secondary" if is_delegating(self) else "primary",
+            "pid": os.getpid(),
+            "primary": primary.public() if primary else None,
+        }
+        if not is_delegating(self):
+            body.update(runs_dir=str(self.scheduler.store.root), counts=self.scheduler.counts)
+        self.send_json(body)
 
 
 class OpenAPIHandler(EvalSchedHandler):
@@ -272,6 +345,7 @@ class OpenAPIHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
+    @delegated
     async def get(self) -> None:
         from .openapi import openapi_document
 
@@ -299,11 +373,43 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
         if res is not None:
             await res
 
-    def open(self, *args: Any, **kwargs: Any) -> None:
+    async def open(self, *args: Any, **kwargs: Any) -> None:
+        if is_delegating(self):
+            await self._relay_from_primary()
+            return
         scheduler: Scheduler = self.settings["evalsched_scheduler"]
         self._scheduler = scheduler
         self.write_message(json.dumps({"type": "snapshot", "queue": scheduler.queue_view()}, separators=(",", ":")))
         scheduler.subscribe(self._on_event)
+
+    async def _relay_from_primary(self) -> None:
+        """A secondary relays the primary's stream; when the primary goes, the socket closes and
+        the client reconnects (to whichever server then is primary, through this one)."""
+        primary = self.settings["evalsched_role"].primary()
+        if primary is None:
+            self.close(1013, "the host's primary evalsched server is changing; reconnect")
+            return
+        url = "ws" + primary.url[len("http"):].rstrip("/") + "/evalsched/events"
+        headers = {"Authorization": f"token {primary.token}"} if primary.token else {}
+        try:
+            self._upstream = await websocket.websocket_connect(HTTPRequest(url, headers=headers, request_timeout=10))
+        except Exception as exc:
+            self.close(1011, f"the primary evalsched server is not answering: {exc}"[:120])
+            return
+        asyncio.ensure_future(self._pump())
+
+    async def _pump(self) -> None:
+        upstream = self._upstream
+        while True:
+            message = await upstream.read_message()
+            if message is None:
+                self.close(1012, "the primary evalsched server went away; reconnect")
+                return
+            try:
+                self.write_message(message)
+            except websocket.WebSocketClosedError:
+                upstream.close()
+                return
 
     def _on_event(self, event: dict) -> None:
         try:
@@ -315,6 +421,9 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
         pass  # the stream is one-way; pings are handled by tornado
 
     def on_close(self) -> None:
+        upstream = getattr(self, "_upstream", None)
+        if upstream is not None:
+            upstream.close()
         scheduler = getattr(self, "_scheduler", None)
         if scheduler is not None:
             scheduler.unsubscribe(self._on_event)

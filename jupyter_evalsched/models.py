@@ -220,6 +220,7 @@ class LedgerDevice(BaseModel):
     allocated_mb: int
     free_mb: int
     unmanaged_mb: int = 0
+    unmanaged_processes: list[dict[str, Any]] = Field(default_factory=list)
     exclusive: str | None = Field(None, description="id of the exclusive run holding the device")
     runs: list[LedgerRun] = Field(default_factory=list)
 
@@ -234,7 +235,16 @@ class Ledger(BaseModel):
     cpu_slots: CpuSlots
 
 
+class PrimaryServer(BaseModel):
+    url: str
+    pid: int
+    hostname: str = ""
+    runs_dir: str = ""
+    since: float = 0.0
+
+
 class QueueView(BaseModel):
+    primary: PrimaryServer | None = Field(None, description="the server that schedules for this host")
     queued: list[RunRecord]
     running: list[RunRecord]
     ledger: Ledger

@@ -301,7 +301,7 @@ async def test_events_stream(jp_ws_fetch, api, wait_for):
     await wait_for(first["id"])
     ws = await jp_ws_fetch("evalsched", "events")
     snapshot = json.loads(await ws.read_message())
-    assert snapshot["type"] == "snapshot" and set(snapshot["queue"]) == {"queued", "running", "ledger"}
+    assert snapshot["type"] == "snapshot" and set(snapshot["queue"]) == {"primary", "queued", "running", "ledger"}
     rec = await submit(api, spec(episodes=4, sleep_s=0.15))
     seen = []
     progress = []

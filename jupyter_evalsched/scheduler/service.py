@@ -145,6 +145,7 @@ class Scheduler:
         self._reservation: policy.Reservation | None = None
         self._head_lane = len(policy.LANES)
         self.admissions = 0
+        self.primary_info: dict | None = None  # which server schedules for this host (set by the app)
 
     # ----------------------------------------------------------------- life cycle
 
@@ -639,6 +640,7 @@ class Scheduler:
 
     def queue_view(self) -> dict:
         return {
+            "primary": self.primary_info,
             "queued": [j.record for j in self.queued_in_order()],
             "running": sorted((j.record for j in self._running.values()), key=lambda r: r["started_at"] or ""),
             "ledger": self.ledger(),
