@@ -252,7 +252,11 @@ class LogsHandler(EvalSchedHandler):
             raise ApiError(400, f"stream must be 'stdout' or 'stderr', got {stream!r}")
         tail = self.int_arg("tail", None, 0, 1_000_000)
         path = self.scheduler.run_dir(job.id) / (store.STDOUT if stream == "stdout" else store.STDERR)
-        text = await asyncio.get_running_loop().run_in_executor(None, store.tail_lines, path, tail)
+        try:
+            text = await asyncio.get_running_loop().run_in_executor(None, store.tail_lines, path, tail)
+        except OSError as exc:
+            # ELOOP for a planted symbolic link, ENOTDIR/EACCES for a tampered run directory.
+            raise ApiError(409, f"the {stream} log of run {job.id} cannot be read: {exc.strerror or exc}") from None
         self.set_header("Content-Type", "text/plain; charset=utf-8")
         self.finish(text)
 

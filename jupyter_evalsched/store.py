@@ -74,9 +74,20 @@ def touch_done(run_dir: Path) -> None:
     os.close(fd)
 
 
+def open_nofollow(path: Path) -> int:
+    """Open a run file for reading, following a symbolic link neither at the file nor at its
+    directory (the run directory): a link planted there cannot make us read outside."""
+    path = Path(path)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
 def read_bytes_nofollow(path: Path, max_bytes: int | None = None) -> bytes:
-    """Read a file without following a symbolic link at its last component."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """Read a run file without following symbolic links (see ``open_nofollow``)."""
+    fd = open_nofollow(path)
     with os.fdopen(fd, "rb") as f:
         return f.read() if max_bytes is None else f.read(max_bytes)
 
@@ -88,7 +99,7 @@ def read_json_nofollow(path: Path) -> Any:
 def tail_lines(path: Path, n: int | None, max_bytes: int = 8 * 1024 * 1024) -> str:
     """The last ``n`` lines of a log (all when None), reading at most ``max_bytes`` from the end."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_nofollow(path)
     except FileNotFoundError:
         return ""
     with os.fdopen(fd, "rb") as f:

@@ -340,3 +340,36 @@ async def test_openapi_documents_every_route(api):
 
 async def test_models_endpoint_without_models(api):
     assert await api("GET", "models") == (200, {"models": []})
+
+
+async def test_polling_is_not_activity_but_live_runs_are(api, wait_for, jp_serverapp, evalsched):
+    settings = jp_serverapp.web_app.settings
+    await api("GET", "queue")
+    before = settings.get("api_last_activity")
+    for path in ("queue", "ledger", "runs", "models"):
+        await api("GET", path)
+    assert settings.get("api_last_activity") == before
+    app = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+    rec = await submit(api, spec(episodes=20, sleep_s=0.05))
+    await wait_for(rec["id"], states=("running",))
+    app._report_activity()
+    mark = settings["evalsched_last_activity"]
+    assert jp_serverapp.web_app.last_activity() >= mark
+    await wait_for(rec["id"])
+    app._report_activity()
+    assert settings["evalsched_last_activity"] == mark  # nothing live: no more activity
+
+
+async def test_run_files_are_read_without_following_links(api, wait_for, runs_dir):
+    rec = await submit(api, spec(episodes=1))
+    await wait_for(rec["id"])
+    run = runs_dir / rec["id"]
+    (run / "stdout.log").unlink()
+    (run / "stdout.log").symlink_to("/etc/passwd")
+    code, err = await api("GET", f"runs/{rec['id']}/logs")
+    assert code == 409 and "root:" not in json.dumps(err)
+    (run / "episodes.jsonl").unlink()
+    (run / "episodes.jsonl").symlink_to("/etc/passwd")
+    assert await api("GET", f"runs/{rec['id']}/episodes") == (200, {"episodes": []})
+    code, _ = await api("DELETE", f"runs/{rec['id']}")
+    assert code == 204 and Path("/etc/passwd").exists()

@@ -105,17 +105,23 @@ def admission_order(jobs: Iterable[QueuedJob], config: PolicyConfig) -> list[Que
 
 def never_fits(job: QueuedJob, capacity: Capacity) -> str | None:
     """Why the job could not start even on an idle host, or None when it could."""
+    why = never_fits_field(job, capacity)
+    return why[1] if why else None
+
+
+def never_fits_field(job: QueuedJob, capacity: Capacity) -> tuple[str, str] | None:
+    """(the scheduling field at fault, why) when the job could never start on this host."""
     if job.cpus > capacity.cpu_slots:
-        return f"needs {job.cpus} CPU slots; the host has {capacity.cpu_slots}"
+        return "cpus", f"needs {job.cpus} CPU slots; the host has {capacity.cpu_slots}"
     if not job.uses_gpu:
         return None
     if job.gpus > len(capacity.devices):
         have = len(capacity.devices)
-        return f"needs {job.gpus} GPU{'s' if job.gpus > 1 else ''}; the host has {have}"
+        return "gpus", f"needs {job.gpus} GPU{'s' if job.gpus > 1 else ''}; the host has {have}"
     roomy = [d for d in capacity.devices if d.usable_mb >= job.marginal_vram_mb]
     if len(roomy) < job.gpus:
         best = max((d.usable_mb for d in capacity.devices), default=0)
-        return (
+        return "marginal_vram_mb", (
             f"needs {job.marginal_vram_mb} MB on {_gpus(job.gpus)}; the largest usable is {best} MB"
             + ("" if job.gpus == 1 else f" and only {len(roomy)} GPU(s) have {job.marginal_vram_mb} MB")
         )

@@ -134,7 +134,7 @@ class Scheduler:
         self._unmanaged: dict[int, Unmanaged] = {}
         self._budgets: list[DeviceBudget] = []
         self._version = 0
-        self._queue_cache: tuple[int, bytes] | None = None
+        self._queue_cache: tuple[int, bytes, float] | None = None
         self._started = False
         self._creating: set[str] = set()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
@@ -245,10 +245,9 @@ class Scheduler:
             id="-", seq=0, priority=sched.priority, marginal_vram_mb=sched.marginal_vram_mb,
             gpus=sched.gpus, exclusive=sched.exclusive_gpu, cpus=sched.cpus,
         )
-        why = policy.never_fits(probe_job, capacity(self._budgets, self.config.cpu_slots, {}))
+        why = policy.never_fits_field(probe_job, capacity(self._budgets, self.config.cpu_slots, {}))
         if why:
-            loc = ["scheduling", "cpus"] if "CPU" in why else ["scheduling", "marginal_vram_mb" if "MB" in why else "gpus"]
-            errors.append({"loc": loc, "msg": f"can never fit on this host: {why}", "type": "never_fits"})
+            errors.append({"loc": ["scheduling", why[0]], "msg": f"can never fit on this host: {why[1]}", "type": "never_fits"})
         known_models = set(self.models.names())
         for name in spec.models:
             if name not in known_models:
@@ -649,10 +648,12 @@ class Scheduler:
     def queue_view_json(self) -> bytes:
         """The queue view serialised, cached until the next change (GET /queue is polled)."""
         cached = self._queue_cache
-        if cached is not None and cached[0] == self._version:
+        now = time.monotonic()
+        # Also expire after a second: aging reorders the queue with time alone.
+        if cached is not None and cached[0] == self._version and now - cached[2] < 1.0:
             return cached[1]
         data = _dumps(self.queue_view())
-        self._queue_cache = (self._version, data)
+        self._queue_cache = (self._version, data, now)
         return data
 
     def summary(self, run_id: str) -> dict | None:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up a fresh machine of this project's kind (Debian 12, Python 3.11, Node 20, no GPU):
+# Debian's Chromium for the browser test, a virtualenv with the CPU build of torch, the package
+# (editable) with its test and model extras, and the JupyterLab extension built and linked.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  fi
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# The CPU build of torch (an unpinned torch would pull a multi-GB CUDA build on this kind of host).
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q editables "hatchling>=1.21" "hatch-jupyter-builder>=0.9" "jupyterlab>=4.4,<5"
+# The Lab extension: built with JupyterLab's own yarn (jlpm), offline-safe (see labextension/).
+( export PATH="$PWD/.venv/bin:$PATH"; cd labextension && jlpm install --immutable && jlpm build:prod )
+.venv/bin/python -m pip install -q -e ".[models,test]" --no-build-isolation
+.venv/bin/jupyter labextension develop --overwrite . >/dev/null
+.venv/bin/jupyter server extension list 2>&1 | grep -q "jupyter_evalsched.*OK" || { echo "server extension not OK" >&2; exit 1; }
+echo "setup done: .venv ready"
