@@ -9,7 +9,7 @@ from jupyter_core.paths import jupyter_data_dir, jupyter_runtime_dir
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.utils import url_path_join
 from tornado.ioloop import PeriodicCallback
-from traitlets import Bool, Dict, Float, Int, List, Type, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, Int, List, Type, Unicode, default, validate
 
 from .primary import HostRole
 from .scheduler import policy
@@ -108,6 +108,23 @@ class EvalSchedApp(ExtensionApp):
     def _default_lock_dir(self) -> str:
         return os.environ.get("EVALSCHED_LOCK_DIR") or jupyter_runtime_dir()
 
+    slurm_enabled = Bool(
+        help="Allow runs to be handed to SLURM (spec 'executor': 'slurm'). Default: $EVALSCHED_SLURM is 1."
+    ).tag(config=True)
+
+    @default("slurm_enabled")
+    def _default_slurm_enabled(self) -> bool:
+        return os.environ.get("EVALSCHED_SLURM", "") in ("1", "true", "yes")
+
+    default_executor = Enum(
+        ["local", "slurm"], "local", help="Where runs execute when their spec does not say: 'local' or 'slurm'."
+    ).tag(config=True)
+
+    slurm = Dict(
+        help="SLURM settings: partition, account, extra_sbatch_args (list), python (the interpreter "
+        "on the compute nodes). Run directories must be on a filesystem the nodes share."
+    ).tag(config=True)
+
     models = List(
         Dict(),
         help="Shared models: a list of dicts (name, task or loader, model, device, dtype, "
@@ -144,8 +161,16 @@ class EvalSchedApp(ExtensionApp):
             default_cwd=str(Path(self.serverapp.root_dir).expanduser()),
             fsync=self.fsync,
             run_env=dict(self.run_env),
+            default_executor=self.default_executor,
         )
-        self.scheduler = Scheduler(config, probe, models=model_host)
+        slurm = None
+        if self.slurm_enabled:
+            from .scheduler.slurm import SlurmConfig, SlurmExecutor
+
+            slurm = SlurmExecutor(SlurmConfig(**dict(self.slurm)))
+        elif self.default_executor == "slurm":
+            raise ValueError("EvalSchedApp.default_executor is 'slurm' but slurm_enabled is False")
+        self.scheduler = Scheduler(config, probe, models=model_host, slurm=slurm)
         self.model_host = model_host
         self.role = HostRole(Path(self.lock_dir))
         self.settings.update(evalsched_scheduler=self.scheduler, evalsched_model_host=model_host, evalsched_role=self.role)

@@ -236,7 +236,11 @@ class CancelHandler(EvalSchedHandler):
     @authorized
     @delegated
     async def post(self, run_id: str) -> None:
-        self.send_json(self.call(self.scheduler.cancel, run_id))
+        try:
+            record = await self.scheduler.cancel(run_id)
+        except SchedulerError as exc:
+            raise ApiError(exc.status, exc.message, exc.detail) from None
+        self.send_json(record)
 
 
 class LogsHandler(EvalSchedHandler):

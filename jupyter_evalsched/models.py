@@ -82,6 +82,9 @@ class EvalSpec(_Strict):
     timeout_s: float | None = Field(None, gt=0, le=365 * 24 * 3600)
     depends_on: list[str] = Field(default_factory=list, max_length=1000)
     scheduling: Scheduling = Field(default_factory=Scheduling)
+    executor: Literal["local", "slurm"] | None = Field(
+        None, description="where the run executes: this host's ledger ('local') or SLURM; default: the server's"
+    )
 
     @field_validator("name")
     @classmethod

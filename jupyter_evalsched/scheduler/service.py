@@ -26,6 +26,7 @@ from ..models import TERMINAL_STATES, EvalSpec, is_valid_run_id, utcnow_iso
 from . import policy
 from .gpus import GpuProbe
 from .launcher import Launcher, SpawnError, kill_stale_group, process_create_time, signal_name
+from .remote import SlurmRuns
 from .ledger import DeviceBudget, Unmanaged, capacity, device_budgets, ledger_view, unmanaged_by_device
 
 log = logging.getLogger("jupyter_evalsched")
@@ -73,6 +74,7 @@ class SchedulerConfig:
     fsync: bool = False
     # Environment given to every run on top of the server's (e.g. PYTHONPATH for tests).
     run_env: dict[str, str] = field(default_factory=dict)
+    default_executor: str = "local"
 
 
 @dataclass
@@ -99,6 +101,10 @@ class Job:
     def scheduling(self) -> dict:
         return self.spec.get("scheduling", {})
 
+    @property
+    def remote(self) -> bool:
+        return self.record.get("executor") == "slurm"
+
 
 class ModelRegistry:
     """What the scheduler needs of the shared-model host (see shared_models.manager)."""
@@ -117,7 +123,7 @@ class ModelRegistry:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, probe: GpuProbe, models: Any = None) -> None:
+    def __init__(self, config: SchedulerConfig, probe: GpuProbe, models: Any = None, slurm: Any = None) -> None:
         self.config = config
         self.probe = probe
         self.models = models if models is not None else ModelRegistry()
@@ -146,6 +152,7 @@ class Scheduler:
         self._head_lane = len(policy.LANES)
         self.admissions = 0
         self.primary_info: dict | None = None  # which server schedules for this host (set by the app)
+        self.slurm = SlurmRuns(self, slurm) if slurm is not None else None
 
     # ----------------------------------------------------------------- life cycle
 
@@ -215,7 +222,12 @@ class Scheduler:
             self._jobs[run_id] = job
             self._seq = max(self._seq, int(record.get("seq", 0)))
             state = record.get("state")
-            if state == "queued":
+            if job.remote and state in ("queued", "running"):
+                if self.slurm is None:
+                    self._finalize(job, "aborted", "server_restart: SLURM is not enabled on this server any more", admit=False)
+                else:
+                    self.slurm.jobs[run_id] = job  # SLURM jobs outlive the server: track them again
+            elif state == "queued":
                 record["reason"] = None
                 self._queued[run_id] = job
             elif state == "running":
@@ -241,11 +253,18 @@ class Scheduler:
         """Checks that need the host: never-fits, unknown models and dependencies, the cwd."""
         errors: list[dict] = []
         sched = spec.scheduling
+        executor = spec.executor or self.config.default_executor
+        if executor == "slurm":
+            if self.slurm is None:
+                errors.append({"loc": ["executor"], "msg": "SLURM is not enabled on this server (EvalSchedApp.slurm_enabled)", "type": "unsupported"})
+            if spec.models:
+                errors.append({"loc": ["models"], "msg": "shared models serve local runs only: a SLURM run on another node "
+                               "cannot reach this host's model host; load the model in the eval instead", "type": "unsupported"})
         probe_job = policy.QueuedJob(
             id="-", seq=0, priority=sched.priority, marginal_vram_mb=sched.marginal_vram_mb,
             gpus=sched.gpus, exclusive=sched.exclusive_gpu, cpus=sched.cpus,
         )
-        why = policy.never_fits_field(probe_job, capacity(self._budgets, self.config.cpu_slots, {}))
+        why = None if executor == "slurm" else policy.never_fits_field(probe_job, capacity(self._budgets, self.config.cpu_slots, {}))
         if why:
             errors.append({"loc": ["scheduling", why[0]], "msg": f"can never fit on this host: {why[1]}", "type": "never_fits"})
         known_models = set(self.models.names())
@@ -309,7 +328,11 @@ class Scheduler:
             "pid_create_time": None,
             "run_dir": str(self.store.run_dir(run_id)),
             "metrics": {},
+            "executor": spec.executor or self.config.default_executor,
         }
+        if record["executor"] == "slurm":
+            record.update(slurm_job_id=None, slurm_state=None)
+        spec_dict["executor"] = record["executor"]
         files = {
             store.SPEC: _dumps(spec_dict),
             store.JOB: _dumps(record),
@@ -327,6 +350,10 @@ class Scheduler:
             self._creating.discard(run_id)
         job = Job(record=record, spec=spec_dict, submitted_ts=time.time())
         self._jobs[run_id] = job
+        if job.remote:
+            self._changed(job)
+            self.slurm.add(job)
+            return record
         self._queued[run_id] = job
         self._changed(job)
         if self._settled and not self._admit_scheduled and self._can_decide_alone(job):
@@ -505,6 +532,17 @@ class Scheduler:
             env["EVALSCHED_FSYNC"] = "1"
         return env
 
+    def _remote_env(self, job: Job) -> dict[str, str]:
+        """What a SLURM run gets on top of what sbatch exports: no parent pid (its parent is
+        SLURM's step daemon) and no device indices (SLURM sets CUDA_VISIBLE_DEVICES from gres)."""
+        env = dict(self.config.run_env)
+        env.update(job.spec.get("env") or {})
+        env["EVALSCHED_RUN_ID"] = job.id
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.config.fsync:
+            env["EVALSCHED_FSYNC"] = "1"
+        return env
+
     # ----------------------------------------------------------------- ends of runs
 
     def _on_exit(self, run_id: str, code: int) -> None:
@@ -548,6 +586,10 @@ class Scheduler:
         """Record a terminal state: job.json first, then _DONE, last."""
         self._queued.pop(job.id, None)
         self._running.pop(job.id, None)
+        if self.slurm is not None:
+            self.slurm.jobs.pop(job.id, None)
+            if self._loop is not None:
+                self._loop.call_soon(self.slurm.advance)  # SLURM runs may wait on this one
         if job.timeout_handle is not None:
             job.timeout_handle.cancel()
             job.timeout_handle = None
@@ -586,8 +628,11 @@ class Scheduler:
             raise UnknownRun(f"no run with id {run_id!r}")
         return job
 
-    def cancel(self, run_id: str) -> dict:
+    async def cancel(self, run_id: str) -> dict:
         job = self.get(run_id)
+        if job.remote and job.state in ("queued", "running"):
+            await self.slurm.cancel(job)
+            return job.record
         if job.state == "queued":
             self._finalize(job, "cancelled", "cancelled: cancelled through the API while queued")
         elif job.state == "running":
@@ -602,7 +647,8 @@ class Scheduler:
         job = self.get(run_id)
         if job.state not in TERMINAL_STATES:
             raise StateConflict(f"run {run_id} is {job.state}; cancel it before deleting it")
-        dependents = [j.id for j in self._queued.values() if run_id in j.record["depends_on"]]
+        dependents = [j.id for j in self._jobs.values()
+                      if j.state in ("queued", "running") and run_id in j.record["depends_on"]]
         if dependents:
             raise StateConflict(f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}")
         try:
@@ -638,10 +684,15 @@ class Scheduler:
         return ledger_view(self._budgets, self.config.cpu_slots, self._running_jobs(), self._unmanaged)
 
     def queue_view(self) -> dict:
+        queued = [j.record for j in self.queued_in_order()]
+        running = list(j.record for j in self._running.values())
+        if self.slurm is not None:
+            queued += sorted(self.slurm.queued(), key=lambda r: r["seq"])
+            running += self.slurm.running()
         return {
             "primary": self.primary_info,
-            "queued": [j.record for j in self.queued_in_order()],
-            "running": sorted((j.record for j in self._running.values()), key=lambda r: r["started_at"] or ""),
+            "queued": queued,
+            "running": sorted(running, key=lambda r: r["started_at"] or ""),
             "ledger": self.ledger(),
         }
 
@@ -665,11 +716,12 @@ class Scheduler:
 
     @property
     def has_live_runs(self) -> bool:
-        return bool(self._running)
+        return bool(self._running) or bool(self.slurm and self.slurm.jobs)
 
     @property
     def counts(self) -> dict[str, int]:
-        return {"queued": len(self._queued), "running": len(self._running), "total": len(self._jobs)}
+        remote = len(self.slurm.jobs) if self.slurm else 0
+        return {"queued": len(self._queued), "running": len(self._running), "slurm": remote, "total": len(self._jobs)}
 
     # ----------------------------------------------------------------- events
 
@@ -710,6 +762,9 @@ class Scheduler:
                 self.launcher.poll()
                 await self._refresh_unmanaged()
                 self._admit()
+                if self.slurm is not None:
+                    self.slurm.advance()
+                    await self.slurm.sweep()
             except Exception:
                 log.exception("evalsched: sweep failed")
 
