@@ -396,9 +396,10 @@ class Scheduler:
                         waiting.passed_over += 1
             self._apply(decision)
             return
-        for run_id, reason in decision.waiting.items():
-            job.record["reason"] = reason
-        self._version += 1
+        for reason in decision.waiting.values():
+            if job.record["reason"] != reason:
+                job.record["reason"] = reason
+                self._changed(job)
 
     def _admit(self) -> None:
         self._admit_scheduled = False
@@ -434,7 +435,7 @@ class Scheduler:
             job = self._queued.get(run_id)
             if job is not None and job.record["reason"] != reason:
                 job.record["reason"] = reason
-                self._version += 1
+                self._changed(job)  # why a run waits is news to the widget and the panel
         return bool(decision.dependency_failed)
 
     def _as_queued(self, job: Job, now: float) -> policy.QueuedJob:

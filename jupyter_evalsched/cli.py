@@ -1,0 +1,525 @@
+"""``jupyter evalsched ...``: submit, list, status, wait, cancel, delete, logs, queue, demo.
+
+Exit status: 0 on success; 1 when ``wait`` (or ``submit --wait``, ``demo``) sees a run end in any
+state but ``succeeded``; 2 for usage errors and client errors (no server, invalid spec, HTTP
+errors), reported as one line on stderr. ``--json`` prints machine-readable output on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from .client import (
+    SPEC_FILE_SUFFIXES,
+    SPEC_FLAGS,
+    TERMINAL_STATES,
+    EvalSchedClient,
+    EvalSchedClientError,
+    LocalServer,
+    SpecError,
+    WaitTimeout,
+    _TextProgress,
+    apply_spec_options,
+    elapsed_s,
+    format_duration,
+    format_metrics,
+    load_spec_file,
+)
+
+PROG = "jupyter evalsched"
+
+
+# --------------------------------------------------------------------------- output helpers
+
+
+def _print_json(value: Any) -> None:
+    json.dump(value, sys.stdout, indent=2, sort_keys=False)
+    sys.stdout.write("\n")
+
+
+def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], max_width: int = 60) -> str:
+    """A plain left-aligned text table; cells longer than ``max_width`` are cut with an ellipsis."""
+    def cell(v: Any) -> str:
+        s = "" if v is None else str(v)
+        s = " ".join(s.split())
+        return s if len(s) <= max_width else s[: max_width - 1] + "…"
+
+    text_rows = [[cell(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in text_rows) for i in range(len(headers))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in text_rows]
+    return "\n".join(lines)
+
+
+def _progress(rec: dict) -> str:
+    prog = rec.get("progress") or {}
+    return f"{prog.get('done', 0)}/{prog.get('total', 0)}"
+
+
+def _bar(fraction: float, width: int = 24) -> str:
+    fraction = min(max(fraction, 0.0), 1.0)
+    filled = int(round(fraction * width))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | None = None) -> str:
+    """One text bar per GPU (allocated out of usable), then the CPU slots. ``names`` maps run ids
+    to shorter labels."""
+    names = names or {}
+    if not ledger:
+        return "ledger: unavailable"
+    lines = []
+    for dev in ledger.get("devices") or []:
+        usable = int(dev.get("usable_mb") or 0)
+        allocated = int(dev.get("allocated_mb") or 0)
+        extra = []
+        if dev.get("baseline_mb"):
+            extra.append(f"models {dev['baseline_mb']} MB")
+        if dev.get("unmanaged_mb"):
+            extra.append(f"other {dev['unmanaged_mb']} MB")
+        if dev.get("exclusive"):
+            extra.append(f"exclusive {names.get(dev['exclusive'], dev['exclusive'])}")
+        runs = ", ".join(f"{names.get(r.get('id'), r.get('id'))}:{r.get('marginal_vram_mb')}"
+                         for r in dev.get("runs") or [])
+        lines.append(
+            f"GPU {dev.get('index')} {_bar(allocated / usable if usable else 0.0, width)} "
+            f"{allocated:>6}/{usable} MB  free {dev.get('free_mb')} MB"
+            + (f"  ({'; '.join(extra)})" if extra else "") + (f"  runs: {runs}" if runs else ""))
+    if not lines:
+        lines.append("no GPUs (CPU-only runs)")
+    cpu = ledger.get("cpu_slots") or {}
+    if cpu:
+        lines.append(f"CPU slots {cpu.get('allocated', 0)}/{cpu.get('total', 0)}")
+    return "\n".join(lines)
+
+
+def format_queue(view: dict) -> str:
+    running = view.get("running") or []
+    queued = view.get("queued") or []
+    out = [format_ledger(view.get("ledger")), "", f"RUNNING ({len(running)})"]
+    if running:
+        out.append(format_table(
+            [(r.get("id"), r.get("name"), r.get("priority"), r.get("marginal_vram_mb"),
+              ",".join(str(d) for d in r.get("devices") or []) or "-", _progress(r),
+              format_duration(elapsed_s(r))) for r in running],
+            ["ID", "NAME", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "ELAPSED"]))
+    out += ["", f"QUEUED ({len(queued)}, in admission order)"]
+    if queued:
+        out.append(format_table(
+            [(i + 1, q.get("id"), q.get("name"), q.get("priority"), q.get("marginal_vram_mb"),
+              q.get("reason") or "") for i, q in enumerate(queued)],
+            ["#", "ID", "NAME", "PRIORITY", "VRAM_MB", "REASON"], max_width=90))
+    return "\n".join(out)
+
+
+class _Screen:
+    """Redraws a block of text in place on a terminal; elsewhere prints it only when it changes."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._lines = 0
+        self._last_key: Any = None
+
+    def draw(self, text: str, key: Any = None) -> None:
+        if self.tty:
+            # Lines are clipped to the terminal's width: a wrapped line would break the count of
+            # lines to move back up over at the next redraw.
+            columns = max(20, shutil.get_terminal_size().columns - 1)
+            lines = [line if len(line) <= columns else line[: columns - 1] + "…" for line in text.split("\n")]
+            if self._lines:
+                self.stream.write(f"\x1b[{self._lines}F\x1b[J")
+            self.stream.write("\n".join(lines) + "\n")
+            self._lines = len(lines)
+        else:
+            key = text if key is None else key
+            if key == self._last_key:
+                return
+            self._last_key = key
+            self.stream.write(text + "\n\n")
+        self.stream.flush()
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _client(args: argparse.Namespace) -> EvalSchedClient:
+    return EvalSchedClient(args.url, args.token)
+
+
+def _record_line(rec: dict) -> str:
+    parts = [rec.get("id", "?"), rec.get("name") or "", rec.get("state", "?")]
+    if rec.get("reason"):
+        parts.append(rec["reason"])
+    return "  ".join(str(p) for p in parts if p != "")
+
+
+def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namespace,
+                     timeout: float | None) -> int:
+    handle = client.handle(run_id)
+    reporter = _TextProgress(handle, stream=sys.stderr) if not args.quiet else None
+    try:
+        rec = client.wait(run_id, timeout=timeout, on_update=reporter.update if reporter else None)
+    except WaitTimeout as e:
+        if reporter:
+            reporter.finish(e.record or {})
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if reporter:
+            reporter.finish({})
+        print(f"{PROG}: stopped waiting; run {run_id} goes on (cancel it with `{PROG} cancel {run_id}`)",
+              file=sys.stderr)
+        return 130
+    if reporter:
+        reporter.finish(rec)
+    if args.json:
+        _print_json(rec)
+    else:
+        line = _record_line(rec)
+        metrics = format_metrics(rec, limit=8)
+        print(line + (f"  {metrics}" if metrics else ""))
+    return 0 if rec.get("state") == "succeeded" else 1
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    if args.target is None:
+        if not args.source_file:
+            raise SpecError("submit needs a spec file, an entrypoint or --source-file")
+        base = {}  # the server's default entrypoint for a source: eval.py:episode
+    elif args.target.endswith(SPEC_FILE_SUFFIXES):
+        base = load_spec_file(args.target)
+    elif ":" in args.target:
+        base = {"entrypoint": args.target}
+    else:
+        raise SpecError(f"{args.target!r} is neither a spec file (.json, .yaml) nor an entrypoint "
+                        "('pkg.module:function' or 'path/file.py:function')")
+    if args.source_file:
+        try:
+            with open(args.source_file, encoding="utf-8") as f:
+                base["source"] = f.read()
+        except OSError as e:
+            raise SpecError(f"cannot read {args.source_file}: {e.strerror or e}") from None
+    spec = apply_spec_options(base, args, default_cwd=os.getcwd())
+    client = _client(args)
+    rec = client.submit(spec)
+    if args.wait:
+        if not args.json:
+            print(f"submitted {_record_line(rec)}", file=sys.stderr)
+        return _wait_and_report(client, rec["id"], args, args.wait_timeout)
+    if args.json:
+        _print_json(rec)
+    else:
+        print(_record_line(rec))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    runs = _client(args).list(state=args.state, limit=args.limit)
+    if args.json:
+        _print_json(runs)
+        return 0
+    print(format_table(
+        [(r.get("id"), r.get("name"), r.get("state"), r.get("priority"), r.get("marginal_vram_mb"),
+          _progress(r), (r.get("submitted_at") or "")[:19].replace("T", " "), r.get("reason") or "")
+         for r in runs],
+        ["ID", "NAME", "STATE", "PRIORITY", "VRAM_MB", "PROGRESS", "SUBMITTED (UTC)", "REASON"]))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    rec = _client(args).get(args.run_id)
+    if args.json:
+        _print_json(rec)
+        return 0
+    keys = ["id", "name", "state", "reason", "priority", "submitted_at", "started_at", "finished_at",
+            "pid", "devices", "exit_code", "marginal_vram_mb", "depends_on", "executor", "run_dir"]
+    for key in keys:
+        if key in rec and rec[key] not in (None, [], ""):
+            print(f"{key:<17}{rec[key]}")
+    print(f"{'progress':<17}{_progress(rec)}")
+    summary = rec.get("summary") or {}
+    for name, stats in (summary.get("metrics") or {}).items():
+        if isinstance(stats, dict):
+            desc = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items())
+            print(f"{'metric ' + name:<17}{desc}")
+    error = summary.get("error")
+    if error:
+        print(f"{'error':<17}{error.get('type')}: {error.get('message')}")
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    return _wait_and_report(_client(args), args.run_id, args, args.timeout)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    rec = _client(args).cancel(args.run_id)
+    _print_json(rec) if args.json else print(_record_line(rec))
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    _client(args).delete(args.run_id)
+    _print_json({"id": args.run_id, "deleted": True}) if args.json else print(f"deleted {args.run_id}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if not args.follow:
+        text = client.logs(args.run_id, stream=args.stream, tail=args.tail)
+        if args.json:
+            _print_json({"id": args.run_id, "stream": args.stream, "text": text})
+        else:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        return 0
+    # Follow: print what is new at every poll until the run is terminal. The state is read before
+    # the log, so the last read after a terminal state holds everything the run wrote.
+    printed = 0
+    first = True
+    try:
+        while True:
+            state = client.get(args.run_id).get("state")
+            text = client.logs(args.run_id, stream=args.stream)
+            if len(text) < printed:  # the file was replaced: start over
+                printed = 0
+            new = text[printed:]
+            if first and args.tail is not None:
+                new = "".join(new.splitlines(keepends=True)[-args.tail:]) if args.tail > 0 else ""
+            first = False
+            if new:
+                sys.stdout.write(new)
+                sys.stdout.flush()
+            printed = len(text)
+            if state in TERMINAL_STATES:
+                return 0
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if not args.watch:
+        view = client.queue()
+        _print_json(view) if args.json else print(format_queue(view))
+        return 0
+    screen = _Screen()
+    try:
+        while True:
+            view = client.queue()
+            if args.json:
+                print(json.dumps(view), flush=True)
+            else:
+                screen.draw(time.strftime("%H:%M:%S  ") + client.base_url + "\n\n" + format_queue(view),
+                            key=json.dumps(view, sort_keys=True, default=str))
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def demo_plan(sleep_s: float, episodes: int) -> list[tuple[str, dict]]:
+    """The demo's runs: on two 24000 MB GPUs, three 16000 MB runs cannot all run at once, the
+    exclusive run waits for an empty GPU, the high-priority run overtakes both, and one CPU run
+    waits for the first run (its ``depends_on`` is filled in at submission)."""
+    entry = "jupyter_evalsched.examples.basic:sleepy"
+
+    def spec(name: str, vram: int = 0, priority: str = "normal", exclusive: bool = False) -> dict:
+        return {"name": name, "entrypoint": entry, "episodes": episodes,
+                "params": {"sleep_s": sleep_s}, "seed": 1000 * len(name) + ord(name[-1]),
+                "scheduling": {"marginal_vram_mb": vram, "priority": priority, "exclusive_gpu": exclusive}}
+
+    return [
+        ("big-a", spec("big-a", 16000)),
+        ("big-b", spec("big-b", 16000)),
+        ("big-c", spec("big-c", 16000)),
+        ("exclusive", spec("exclusive", 0, exclusive=True)),
+        ("urgent", spec("urgent", 16000, priority="high")),
+        ("after-a", {**spec("after-a"), "depends_on": ["@big-a"]}),
+    ]
+
+
+def _demo_frame(client: EvalSchedClient, ids: dict[str, str], records: dict[str, dict],
+                t0: float) -> tuple[str, Any]:
+    view = client.queue()
+    order = {q["id"]: i + 1 for i, q in enumerate(view.get("queued") or [])}
+    rows = []
+    for label, rid in ids.items():
+        rec = records[rid]
+        pos = f"#{order[rid]}" if rid in order else ""
+        rows.append((label, rec.get("state"), pos, rec.get("priority"), rec.get("marginal_vram_mb"),
+                     ",".join(str(d) for d in rec.get("devices") or []) or "-", _progress(rec),
+                     rec.get("reason") or ""))
+    table = format_table(rows, ["RUN", "STATE", "QUEUE", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "REASON"],
+                         max_width=70)
+    labels = {rid: label for label, rid in ids.items()}
+    text = f"t={time.monotonic() - t0:5.1f}s\n{format_ledger(view.get('ledger'), names=labels)}\n\n{table}"
+    key = [(r[1], r[2], r[7]) for r in rows]  # what a non-terminal log should report: changes only
+    return text, key
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    server = None
+    try:
+        if args.url:
+            client = EvalSchedClient(args.url, args.token)
+            print(f"using the server at {client.base_url}", file=sys.stderr)
+        else:
+            print("starting a private Jupyter server with two virtual 24000 MB GPUs …", file=sys.stderr)
+            server = LocalServer(virtual_gpus="24000,24000", cpu_slots=8)
+            client = server.client()
+            print(f"server at {client.base_url} (runs in {server.runs_dir})", file=sys.stderr)
+
+        ids: dict[str, str] = {}
+        for label, spec in demo_plan(args.sleep, args.episodes):
+            spec = dict(spec)
+            spec["depends_on"] = [ids[d[1:]] if d.startswith("@") else d for d in spec.get("depends_on", [])]
+            spec.setdefault("cwd", os.getcwd())
+            ids[label] = client.submit(spec)["id"]
+
+        t0 = time.monotonic()
+        screen = _Screen()
+        records: dict[str, dict] = {}
+        while True:
+            for rid in ids.values():
+                records[rid] = client.get(rid)
+            text, key = _demo_frame(client, ids, records, t0)
+            if not args.json:
+                screen.draw(text, key=key)
+            if all(r.get("state") in TERMINAL_STATES for r in records.values()):
+                break
+            if time.monotonic() - t0 > args.timeout:
+                print(f"{PROG}: demo runs did not finish within {args.timeout:g} s", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+
+        final = [records[rid] for rid in ids.values()]
+        if args.json:
+            _print_json({"runs": final})
+        else:
+            print("\nfinal:")
+            print(format_table(
+                [(label, rec.get("id"), rec.get("state"), format_duration(elapsed_s(rec)),
+                  ",".join(str(d) for d in rec.get("devices") or []) or "-",
+                  format_metrics(rec), rec.get("reason") or "")
+                 for label, rec in zip(ids, final)],
+                ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS", "REASON"]))
+        ok = all(r.get("state") == "succeeded" for r in final)
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if server is not None:
+            print("stopping the server …", file=sys.stderr)
+            server.cleanup()
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Global options are accepted before and after the subcommand; SUPPRESS keeps a subparser's
+    # unset copy from overwriting a value given before the subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS,
+                        help="server base URL (default: EVALSCHED_URL, else the running Jupyter server)")
+    common.add_argument("--token", default=argparse.SUPPRESS, help="server token (default: EVALSCHED_TOKEN)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+
+    parser = argparse.ArgumentParser(prog=PROG, parents=[common],
+                                     description="Submit and watch evaluation runs on the host's scheduler.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("submit", cmd_submit, "submit a run from a spec file (.json/.yaml) or an entrypoint")
+    p.add_argument("target", metavar="SPEC_OR_ENTRYPOINT", nargs="?",
+                   help="spec.json / spec.yaml, or 'pkg.module:function' / 'path/file.py:function' "
+                        "(optional with --source-file)")
+    for flag_args, flag_kwargs in SPEC_FLAGS:
+        p.add_argument(*flag_args, **flag_kwargs)
+    p.add_argument("--source-file", metavar="FILE",
+                   help="send FILE as the spec's source, saved as the run's eval.py; the entrypoint "
+                        "defaults to eval.py:episode")
+    p.add_argument("--wait", action="store_true", help="wait for the run; exit 0 only if it succeeded")
+    # --timeout is the run's timeout_s (a spec flag), so waiting has its own option.
+    p.add_argument("--wait-timeout", dest="wait_timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --wait: stop waiting after SECONDS (exit 1)")
+    p.add_argument("-q", "--quiet", action="store_true", help="with --wait: no progress bar")
+
+    p = add("list", cmd_list, "list runs, newest first")
+    p.add_argument("--state", help="only these states, comma-separated (e.g. queued,running)")
+    p.add_argument("--limit", type=int, help="at most this many runs (server default 100)")
+
+    p = add("status", cmd_status, "show one run's record and metrics")
+    p.add_argument("run_id", metavar="ID")
+
+    p = add("wait", cmd_wait, "wait for a run with a progress bar; exit 0 only if it succeeded")
+    p.add_argument("run_id", metavar="ID")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop waiting after SECONDS (exit 1)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    p = add("cancel", cmd_cancel, "cancel a queued or running run")
+    p.add_argument("run_id", metavar="ID")
+
+    p = add("delete", cmd_delete, "delete a finished run's directory")
+    p.add_argument("run_id", metavar="ID")
+
+    p = add("logs", cmd_logs, "print a run's stdout or stderr")
+    p.add_argument("run_id", metavar="ID")
+    p.add_argument("--stream", choices=["stdout", "stderr"], default="stdout")
+    p.add_argument("--tail", type=int, metavar="N", help="only the last N lines")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
+
+    p = add("queue", cmd_queue, "show the queue and the VRAM ledger")
+    p.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="with --watch")
+
+    p = add("demo", cmd_demo, "start a private server on two virtual GPUs, queue a few runs and watch them")
+    p.add_argument("--sleep", type=float, default=0.5, metavar="SECONDS", help="sleep per episode (default 0.5)")
+    p.add_argument("--episodes", type=int, default=4, help="episodes per run (default 4)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="give up after SECONDS")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name, default in (("url", None), ("token", None), ("json", False)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    try:
+        return args.func(args)
+    except EvalSchedClientError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling: no traceback
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `... | head`
+        try:
+            sys.stdout.close()
+        except Exception:
+            pass
+        return 0
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

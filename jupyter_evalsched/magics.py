@@ -1,0 +1,204 @@
+"""IPython magics: ``%eval_submit``, ``%%eval_submit`` and ``%eval_queue``.
+
+Load with ``%load_ext jupyter_evalsched``. Errors (no server, invalid spec, a run that can never
+fit) are printed as one line on stderr and the magic returns None: a library traceback would only
+hide the message.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Any
+
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+
+from .client import (
+    SPEC_FILE_SUFFIXES,
+    SPEC_FLAGS,
+    EvalSchedClient,
+    EvalSchedClientError,
+    RunHandle,
+    SpecError,
+    apply_spec_options,
+    load_spec_file,
+)
+
+__all__ = ["EvalSchedMagics", "load_ipython_extension", "unload_ipython_extension"]
+
+
+def _parse(magic_func, line: str):
+    """Parse the magic's flags with POSIX shell quoting (IPython's own splitter keeps the quotes,
+    so ``--param cfg='{"a": 1}'`` or ``--name "my run"`` would arrive quoted)."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as e:
+        raise UsageError(f"cannot split the arguments: {e}") from None
+    return magic_func.parser.parse_args(argv)  # MagicArgumentParser raises UsageError itself
+
+
+def _spec_flags(func):
+    # Added in reverse because decorators stack bottom-up: the help then lists them in order.
+    for args, kwargs in reversed(SPEC_FLAGS):
+        func = magic_arguments.argument(*args, **kwargs)(func)
+    return func
+
+
+@magics_class
+class EvalSchedMagics(Magics):
+    """Submit evaluation runs to the host's scheduler and watch its queue."""
+
+    def __init__(self, shell=None, client: EvalSchedClient | None = None):
+        super().__init__(shell)
+        self._client = client
+        self._client_key: tuple | None = None
+
+    @property
+    def client(self) -> EvalSchedClient:
+        """The client in use; set it to point the magics at a given server."""
+        # Re-discover when EVALSCHED_URL/TOKEN change in the kernel (os.environ[...] = ...).
+        key = (os.environ.get("EVALSCHED_URL"), os.environ.get("EVALSCHED_TOKEN"))
+        if self._client is None or (self._client_key is not None and key != self._client_key):
+            self._client = EvalSchedClient()
+            self._client_key = key
+        return self._client
+
+    @client.setter
+    def client(self, value: EvalSchedClient | None) -> None:
+        self._client = value
+        self._client_key = None
+
+    # ------------------------------------------------------------------ %eval_submit
+
+    @line_cell_magic
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument(
+        "target", nargs="?", metavar="ARG",
+        help="line form only: a .json/.yaml spec file, else the name of a dict spec in the "
+             "namespace, else an entrypoint ('pkg.module:function' or 'path/file.py:function')")
+    @_spec_flags
+    @magic_arguments.argument("--out", metavar="VAR", help="also store the run handle in the variable VAR")
+    def eval_submit(self, line: str, cell: str | None = None) -> RunHandle | None:
+        """Submit an evaluation run to the host's scheduler and return its handle.
+
+        Line form::
+
+            %eval_submit jupyter_evalsched.examples.basic:sleepy --episodes 5 --param sleep_s=0.2
+            %eval_submit spec.yaml --priority high
+            %eval_submit my_spec --vram 16000 --out h      # my_spec: a dict in the namespace
+
+        Cell form: the cell is the eval's source, saved as the run's ``eval.py``; the entrypoint
+        is ``eval.py:episode``::
+
+            %%eval_submit --episodes 3 --param k=2
+            def episode(ctx, index):
+                return {"score": index * ctx.params["k"]}
+
+        Flags override what the spec file or dict says; ``--depends-on``, ``--model`` and
+        ``--param`` add to it. ``--depends-on`` takes a run id or the name of a run handle
+        variable (``--depends-on h``). ``cwd`` is the kernel's working directory unless the spec sets it.
+        Both forms return a handle (``h = _`` works after the cell form) with ``id``, ``run_dir``,
+        ``status()``, ``record()``, ``wait(timeout=None)``, ``summary()``, ``episodes()``,
+        ``logs(stream="stdout", tail=None)`` and ``cancel()``; displaying it shows live progress.
+        """
+        args = _parse(self.eval_submit, line)
+        try:
+            if args.out is not None and not args.out.isidentifier():
+                raise SpecError(f"--out expects a variable name, got {args.out!r}")
+            self._resolve_handles(args)
+            if cell is not None:
+                if args.target is not None:
+                    raise SpecError("%%eval_submit takes flags only: the cell is the eval's source "
+                                    f"(got ARG {args.target!r})")
+                if not cell.strip():
+                    raise SpecError("%%eval_submit: the cell is empty; it should define episode(ctx, index)")
+                base: dict = {"source": cell}
+            else:
+                if args.target is None:
+                    raise SpecError("%eval_submit needs ARG: a spec file, a dict spec or an entrypoint")
+                base = self._resolve_target(args.target)
+            spec = apply_spec_options(base, args, default_cwd=os.getcwd())
+            handle = self.client.handle(self.client.submit(spec))
+        except EvalSchedClientError as e:
+            print(f"eval_submit: {e}", file=sys.stderr)
+            return None
+        if args.out:
+            self.shell.user_ns[args.out] = handle
+        return handle
+
+    def _resolve_target(self, target: str) -> dict:
+        if target.endswith(SPEC_FILE_SUFFIXES):
+            return load_spec_file(os.path.expanduser(target))
+        ns = self.shell.user_ns if self.shell is not None else {}
+        if target.isidentifier() and target in ns:
+            value = ns[target]
+            if isinstance(value, dict):
+                return dict(value)
+            raise SpecError(f"{target} is a {type(value).__name__}, not a dict spec")
+        if ":" in target:
+            return {"entrypoint": target}
+        if target.isidentifier():
+            raise SpecError(f"{target!r} is neither a spec file, a dict in the namespace, "
+                            "nor an entrypoint ('pkg.module:function' or 'path/file.py:function')")
+        raise SpecError(f"{target!r} is not a spec file (.json, .yaml), a dict spec or an entrypoint")
+
+    def _resolve_handles(self, args: Any) -> None:
+        """``--depends-on h1`` where ``h1`` is a run handle in the namespace means its id."""
+        if not args.depends_on or self.shell is None:
+            return
+        resolved = []
+        for value in args.depends_on:
+            obj = self.shell.user_ns.get(value) if value.isidentifier() else None
+            resolved.append(obj.id if isinstance(obj, RunHandle) else value)
+        args.depends_on = resolved
+
+    # ------------------------------------------------------------------ %eval_queue
+
+    @line_magic
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("--out", metavar="VAR", help="also store the widget in the variable VAR")
+    @magic_arguments.argument("--poll", action="store_true",
+                              help="poll REST instead of using the event stream (e.g. behind a proxy "
+                                   "that drops WebSockets)")
+    def eval_queue(self, line: str) -> None:
+        """Show the host's evaluation queue as a live widget: running runs with progress and
+        metrics, queued runs in admission order with their reasons, recently finished runs, one
+        VRAM bar per GPU and a cancel button per run. ``close()`` on the widget stops its updates.
+        """
+        args = _parse(self.eval_queue, line)
+        if args.out is not None and not args.out.isidentifier():
+            print(f"eval_queue: --out expects a variable name, got {args.out!r}", file=sys.stderr)
+            return None
+        try:
+            from .widget import QueueWidget
+
+            widget = QueueWidget(self.client, use_events=not args.poll)
+        except ImportError as e:
+            print(f"eval_queue: ipywidgets is needed: {e}", file=sys.stderr)
+            return None
+        except EvalSchedClientError as e:
+            print(f"eval_queue: {e}", file=sys.stderr)
+            return None
+        if args.out:
+            self.shell.user_ns[args.out] = widget
+        from IPython.display import display
+
+        display(widget)
+        return None
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(EvalSchedMagics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    magics = ipython.magics_manager.registry.pop("EvalSchedMagics", None)
+    for kind in ("line", "cell"):
+        table = ipython.magics_manager.magics[kind]
+        for name in ("eval_submit", "eval_queue"):
+            bound = table.get(name)
+            if magics is not None and getattr(bound, "__self__", None) is magics:
+                del table[name]

@@ -1,0 +1,682 @@
+"""ipywidgets 8 views of the scheduler: :class:`QueueWidget` (queue, VRAM ledger, cancel buttons)
+and :class:`RunProgress` (one run).
+
+Live updates come from the ``/evalsched/events`` WebSocket, read by one background thread per
+widget, so the kernel is never blocked; when the socket cannot be opened (a proxy that drops
+WebSockets, websocket libraries missing) the same thread polls REST instead and retries the
+socket now and then. All widget mutations after construction happen on that one thread (comm
+messages go out through ipykernel's thread-safe IOPub socket); button clicks, which arrive on the
+kernel's main thread, only call REST and wake the thread. The thread ends on ``close()``, when
+the widget's comm is gone (``Widget.close_all()``), and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import colorsys
+import hashlib
+import html
+import threading
+import time
+import weakref
+from datetime import datetime
+from typing import Any
+
+import ipywidgets as widgets
+
+from .client import (
+    TERMINAL_STATES,
+    EvalSchedClient,
+    EvalSchedClientError,
+    EventStreamClosed,
+    RunHandle,
+    elapsed_s,
+    format_duration,
+    format_metrics,
+    metric_means,
+    parse_time,
+)
+
+__all__ = ["QueueWidget", "RunProgress", "ledger_html"]
+
+_LIVE_FEEDS: "weakref.WeakSet[_LiveFeed]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_feeds() -> None:
+    # Kernel shutdown: stop the threads before the interpreter tears modules down under them.
+    for feed in list(_LIVE_FEEDS):
+        feed.stop(join=False)
+
+
+class _LiveFeed:
+    """One background thread: WebSocket events when possible, REST polling otherwise.
+
+    It calls ``owner._feed_event(event)`` for every event and ``owner._feed_tick(live, woken)``
+    every ``tick_s``; the tick returns False to end the feed (e.g. the run finished). The owner
+    is held weakly, so a forgotten widget does not keep a thread alive.
+    """
+
+    def __init__(self, client: EvalSchedClient, owner: Any, *, use_events: bool = True,
+                 tick_s: float = 0.25, reconnect_s: float = 5.0, name: str = "evalsched-widget"):
+        self.client = client
+        self._owner = weakref.ref(owner)
+        self.use_events = use_events
+        self.tick_s = tick_s
+        self.reconnect_s = reconnect_s
+        self.mode = "starting"  # "live" (events), "polling" (REST only), "stopped"
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._woken = threading.Event()
+        self._stream = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _LIVE_FEEDS.add(self)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def wake(self) -> None:
+        """Ask for a REST refresh at the next tick (after a cancel click, say)."""
+        self._woken.set()
+
+    def stop(self, join: bool = True, timeout: float = 3.0) -> None:
+        self._stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.close()  # unblocks a pending receive
+        if join and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        next_connect = 0.0
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                owner = self._owner()
+                if owner is None or not owner._feed_alive():
+                    return
+                if self._stream is None and self.use_events and time.monotonic() >= next_connect:
+                    try:
+                        self._stream = self.client.events(connect_timeout=5.0)
+                        self.mode = "live"
+                        failures = 0
+                    except Exception as e:  # any failure to connect: poll instead
+                        self.mode = "polling"
+                        self.last_error = f"events unavailable: {e}"
+                        failures += 1
+                        next_connect = time.monotonic() + min(60.0, self.reconnect_s * failures)
+                elif self._stream is None and not self.use_events:
+                    self.mode = "polling"
+                event = None
+                if self._stream is not None:
+                    try:
+                        event = self._stream.next_event(timeout=self.tick_s)
+                    except EventStreamClosed as e:
+                        self._stream = None
+                        if self._stop.is_set():
+                            return
+                        self.mode = "polling"
+                        self.last_error = f"event stream lost: {e}"
+                        next_connect = time.monotonic() + 1.0
+                else:
+                    self._stop.wait(self.tick_s)
+                if self._stop.is_set():
+                    return
+                woken = self._woken.is_set()
+                self._woken.clear()
+                try:
+                    if event is not None:
+                        owner._feed_event(event)
+                    if owner._feed_tick(self.mode == "live", woken) is False:
+                        return
+                except Exception as e:  # noqa: BLE001: the feed must survive any one bad update
+                    self.last_error = f"{type(e).__name__}: {e}"
+                del owner
+        finally:
+            if self._stream is not None:
+                self._stream.close()
+                self._stream = None
+            self.mode = "stopped"
+            _LIVE_FEEDS.discard(self)
+
+
+# --------------------------------------------------------------------------- rendering helpers
+
+
+def _color(run_id: str) -> str:
+    hue = int(hashlib.sha1(run_id.encode()).hexdigest()[:6], 16) / 0xFFFFFF
+    r, g, b = colorsys.hls_to_rgb(hue, 0.55, 0.55)
+    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+
+
+_STATE_COLORS = {
+    "queued": "#888", "running": "#1f77b4", "succeeded": "#2ca02c",
+    "failed": "#d62728", "cancelled": "#ff7f0e", "aborted": "#9467bd",
+}
+
+
+def _badge(state: str) -> str:
+    color = _STATE_COLORS.get(state, "#555")
+    return (f"<span style='background:{color};color:white;border-radius:3px;padding:0 4px;"
+            f"font-size:85%'>{html.escape(state)}</span>")
+
+
+def _esc(value: Any) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str:
+    """One bar per GPU: shared-model baseline, each run's allocation, unmanaged VRAM, free."""
+    if not ledger:
+        return "<i>no ledger yet</i>"
+    names = names or {}
+    parts = []
+    for dev in ledger.get("devices") or []:
+        total = max(int(dev.get("total_mb") or 0), 1)
+        baseline = int(dev.get("baseline_mb") or 0)
+        unmanaged = int(dev.get("unmanaged_mb") or 0)
+        usable = int(dev.get("usable_mb") or 0)
+        allocated = int(dev.get("allocated_mb") or 0)
+        free = int(dev.get("free_mb") or 0)
+        scale = max(total, baseline + unmanaged + usable, 1)
+        segs = []
+
+        def seg(mb: int, color: str, title: str, label: str = "") -> None:
+            if mb > 0:
+                pct = 100.0 * mb / scale
+                segs.append(f"<div title='{_esc(title)}' style='width:{pct:.2f}%;background:{color};"
+                            f"overflow:hidden;white-space:nowrap;font-size:80%;color:white;"
+                            f"padding-left:2px;box-sizing:border-box'>{_esc(label)}</div>")
+
+        seg(baseline, "#7f7f7f", f"shared models: {baseline} MB", "models")
+        seg(unmanaged, "#bcbd22", f"not ours: {unmanaged} MB", "other")
+        runs = dev.get("runs") or []
+        exclusive = dev.get("exclusive")
+        for run in runs:
+            rid = run.get("id", "?")
+            mb = int(run.get("marginal_vram_mb") or 0)
+            if exclusive == rid:
+                mb = max(mb, allocated)
+            label = names.get(rid) or rid
+            seg(mb, _color(rid), f"{label} ({rid}): {mb} MB", label)
+        seg(free, "#e8f4e8", f"free: {free} MB")
+        used_pct = 100.0 * allocated / usable if usable else 0.0
+        excl = f" · exclusive: {_esc(names.get(exclusive, exclusive))}" if exclusive else ""
+        parts.append(
+            f"<div style='margin:2px 0'><b>GPU {_esc(dev.get('index'))}</b> {_esc(dev.get('name', ''))} · "
+            f"allocated {allocated} / usable {usable} MB ({used_pct:.0f}%) · free {free} MB"
+            f"{f' · models {baseline} MB' if baseline else ''}"
+            f"{f' · other {unmanaged} MB' if unmanaged else ''}{excl}"
+            f"<div style='display:flex;height:14px;border:1px solid #999;border-radius:2px;"
+            f"background:#f4f4f4;width:100%;max-width:640px'>{''.join(segs)}</div></div>")
+    if not parts:
+        parts.append("<div><i>no GPUs: CPU-only runs</i></div>")
+    cpu = ledger.get("cpu_slots") or {}
+    if cpu:
+        parts.append(f"<div>CPU slots: {int(cpu.get('allocated', 0))} / {int(cpu.get('total', 0))} in use</div>")
+    return "".join(parts)
+
+
+def _age(value: str | None) -> str:
+    t = parse_time(value)
+    if t is None:
+        return "-"
+    return format_duration((datetime.now(t.tzinfo) - t).total_seconds())
+
+
+class _RunRow(widgets.HBox):
+    """One run in the queue widget: label, progress bar, cancel button."""
+
+    def __init__(self, run_id: str, on_cancel):
+        self.run_id = run_id
+        self.label = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", min_width="0"))
+        self.bar = widgets.IntProgress(min=0, max=1, value=0, layout=widgets.Layout(width="160px"))
+        self.button = widgets.Button(description="Cancel", icon="times", tooltip=f"cancel {run_id}",
+                                     layout=widgets.Layout(width="auto"))
+        self.button.on_click(lambda _b: on_cancel(run_id))
+        super().__init__(children=[self.label, self.bar, self.button],
+                         layout=widgets.Layout(align_items="center", width="100%"))
+
+    def update(self, rec: dict, metrics: str) -> None:
+        state = rec.get("state", "?")
+        prog = rec.get("progress") or {}
+        done, total = int(prog.get("done") or 0), int(prog.get("total") or 0)
+        details = []
+        if state == "running":
+            details.append(f"{done}/{total} · {format_duration(elapsed_s(rec))}")
+            if rec.get("devices"):
+                details.append("GPU " + ",".join(str(d) for d in rec["devices"]))
+            if metrics:
+                details.append(metrics)
+        elif state == "queued":
+            details.append(f"waiting {_age(rec.get('submitted_at'))}")
+            if rec.get("reason"):
+                details.append(rec["reason"])
+        else:
+            details.append(format_duration(elapsed_s(rec)))
+            if rec.get("reason") and state != "succeeded":
+                details.append(rec["reason"])
+            if metrics:
+                details.append(metrics)
+        vram = int(rec.get("marginal_vram_mb") or 0)
+        self.label.value = (
+            f"{_badge(state)} <b>{_esc(rec.get('name'))}</b> <code style='font-size:80%'>{_esc(self.run_id)}</code>"
+            f" · {_esc(rec.get('priority', 'normal'))}{f' · {vram} MB' if vram else ''}"
+            f" · <span style='color:#555'>{_esc(' · '.join(details))}</span>")
+        with self.bar.hold_sync():
+            self.bar.max = max(total, 1)
+            self.bar.value = min(done, max(total, 1))
+            self.bar.bar_style = {"succeeded": "success", "failed": "danger", "aborted": "danger",
+                                  "cancelled": "warning"}.get(state, "info" if state == "running" else "")
+        self.bar.layout.visibility = "visible" if state != "queued" else "hidden"
+        terminal = state in TERMINAL_STATES
+        self.button.layout.visibility = "hidden" if terminal else "visible"
+        self.button.disabled = terminal
+
+    def close(self) -> None:
+        for child in (self.label, self.bar, self.button):
+            child.close()
+        super().close()
+
+
+# --------------------------------------------------------------------------- the queue widget
+
+
+class QueueWidget(widgets.VBox):
+    """The host's queue: running runs with progress, elapsed time and latest metrics; queued runs in
+    admission order with their pending reason; recently finished runs; one VRAM bar per GPU; a
+    cancel button per run. Updates live in a background thread; ``close()`` stops it.
+
+    ``queue_view`` holds the latest queue view (queued, running, ledger) as received, and
+    ``update_count`` counts renders: both are there for programs and tests.
+    """
+
+    def __init__(self, client: EvalSchedClient | None = None, *, finished_limit: int = 8,
+                 max_queued_rows: int = 50, poll_s: float = 1.0, safety_poll_s: float = 3.0,
+                 use_events: bool = True, live: bool = True):
+        self.client = client if client is not None else EvalSchedClient()
+        self.finished_limit = finished_limit
+        self.max_queued_rows = max_queued_rows
+        self.poll_s = poll_s
+        self.safety_poll_s = safety_poll_s
+        self.queue_view: dict = {"queued": [], "running": [], "ledger": None}
+        self.finished: list[dict] = []
+        self._finished_events: list[dict] = []  # terminal records from events since the last refresh
+        self.update_count = 0
+        self.error: str | None = None
+        self._summaries: dict[str, tuple[Any, float, dict | None]] = {}  # id -> (progress, t, summary)
+        self._rows: dict[str, _RunRow] = {}
+        self._refresh_due = True
+        self._settle_at: float | None = None  # a second refresh shortly after a state change
+        self._last_refresh = 0.0
+        self._last_render = 0.0
+        self._dirty = False
+        self._closed = False
+
+        self._header = widgets.HTML()
+        self._ledger = widgets.HTML()
+        self._running_title = widgets.HTML()
+        self._queued_title = widgets.HTML()
+        self._finished_title = widgets.HTML()
+        self._more = widgets.HTML()
+        self._rows_box = widgets.VBox(layout=widgets.Layout(width="100%"))
+        super().__init__(children=[self._header, self._ledger, self._rows_box],
+                         layout=widgets.Layout(width="100%"))
+        self.add_class("jupyter-evalsched-queue")
+
+        self._feed = _LiveFeed(self.client, self, use_events=use_events)
+        # A first synchronous read, so that the widget is filled the moment it is displayed.
+        self._safe_refresh()
+        self._render()
+        if live:
+            self._feed.start()
+
+    # ---- feed callbacks (background thread)
+
+    def _feed_alive(self) -> bool:
+        return not self._closed and self.comm is not None
+
+    def _feed_event(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind == "snapshot" and isinstance(event.get("queue"), dict):
+            self._apply_view(event["queue"])
+            self._dirty = True
+        elif kind == "run" and isinstance(event.get("run"), dict):
+            rec = event["run"]
+            rid = rec.get("id")
+            running = {r["id"]: r for r in self.queue_view.get("running") or []}
+            queued = list(self.queue_view.get("queued") or [])
+            old = running.get(rid) or next((q for q in queued if q.get("id") == rid), None)
+            if old is not None and old.get("state") == rec.get("state"):
+                # Progress of a known run: patch it in place; the ledger has not changed.
+                old.update(rec)
+            else:
+                # A state change moves runs between lists and changes the ledger and the queue
+                # order: ask the server for the authoritative view (debounced by the tick), and
+                # once more a little later: the scheduler's admission pass, which sets the
+                # pending reasons of queued runs, follows the event and emits none itself.
+                self._refresh_due = True
+                self._settle_at = time.monotonic() + 0.5
+                if rec.get("state") in TERMINAL_STATES:
+                    self._finished_events.append(rec)
+                    self._merge_finished(self.finished, [rec])
+            self._dirty = True
+
+    def _feed_tick(self, live: bool, woken: bool) -> bool:
+        now = time.monotonic()
+        interval = self.safety_poll_s if live else self.poll_s
+        settle = self._settle_at is not None and now >= self._settle_at
+        if settle:
+            self._settle_at = None
+        if woken or settle or self._refresh_due or now - self._last_refresh >= interval:
+            self._safe_refresh()
+            self._dirty = True
+        if self._fetch_running_summaries():
+            self._dirty = True
+        # Re-render at most 4 times a second, and once a second anyway for the elapsed clocks.
+        if (self._dirty and now - self._last_render >= 0.25) or now - self._last_render >= 1.0:
+            self._render()
+        return True
+
+    # ---- data
+
+    def _apply_view(self, view: dict) -> None:
+        self.queue_view = {"queued": list(view.get("queued") or []),
+                           "running": list(view.get("running") or []),
+                           "ledger": view.get("ledger")}
+
+    def _safe_refresh(self) -> None:
+        self._refresh_due = False
+        self._last_refresh = time.monotonic()
+        try:
+            view = self.client.queue()
+            # Listed newest-submitted first: read more than shown, then order by end time.
+            finished = self.client.list(state=sorted(TERMINAL_STATES), limit=max(50, self.finished_limit))
+        except EvalSchedClientError as e:
+            self.error = str(e)
+            return
+        self.error = None
+        self._apply_view(view)
+        # Terminal events since the last refresh are merged in (a long run that just ended can be
+        # older than the 50 listed); a deleted run drops out here.
+        events, self._finished_events = self._finished_events, []
+        self._merge_finished(finished, events)
+
+    def _merge_finished(self, base: list[dict], extra: list[dict]) -> None:
+        """Recently finished runs, the most recently finished first."""
+        by_id = {}
+        for rec in list(base) + list(extra):
+            if rec.get("id"):
+                by_id[rec["id"]] = rec
+        ordered = sorted(by_id.values(), key=lambda r: r.get("finished_at") or "", reverse=True)
+        self.finished = ordered[: self.finished_limit]
+
+    def _fetch_running_summaries(self, budget: int = 8) -> bool:
+        """Latest metrics of running runs whose records do not carry them (older servers):
+        re-read the run's summary when its progress moved, at most once a second per run."""
+        changed = False
+        now = time.monotonic()
+        live_ids = set()
+        for rec in self.queue_view.get("running") or []:
+            rid = rec.get("id")
+            if "metrics" in rec:
+                continue
+            live_ids.add(rid)
+            progress = rec.get("progress")
+            seen = self._summaries.get(rid)
+            if budget <= 0 or (seen and (seen[0] == progress or now - seen[1] < 1.0)):
+                continue
+            if not (progress or {}).get("done"):
+                continue
+            budget -= 1
+            try:
+                summary = self.client.get(rid).get("summary")
+            except EvalSchedClientError:
+                summary = seen[2] if seen else None
+            self._summaries[rid] = (progress, now, summary)
+            changed = True
+        for rid in list(self._summaries):
+            if rid not in live_ids:
+                del self._summaries[rid]
+        return changed
+
+    # ---- rendering
+
+    def _names(self) -> dict[str, str]:
+        names = {}
+        for key in ("queued", "running"):
+            for rec in self.queue_view.get(key) or []:
+                names[rec.get("id")] = rec.get("name") or rec.get("id")
+        return names
+
+    def _row(self, rec: dict) -> _RunRow:
+        rid = rec["id"]
+        row = self._rows.get(rid)
+        if row is None:
+            row = self._rows[rid] = _RunRow(rid, self._cancel)
+        return row
+
+    def _render(self) -> None:
+        if self._closed:
+            return
+        self._last_render = time.monotonic()
+        self._dirty = False
+        view = self.queue_view
+        running = list(view.get("running") or [])
+        queued = list(view.get("queued") or [])
+        active_ids = {r.get("id") for r in running} | {q.get("id") for q in queued}
+        finished = [f for f in self.finished if f.get("id") not in active_ids][: self.finished_limit]
+
+        mode = self._feed.mode
+        status = {"live": "<span style='color:#2ca02c'>● live</span>",
+                  "polling": "<span style='color:#ff7f0e'>● polling</span>",
+                  "stopped": "<span style='color:#888'>■ stopped</span>"}.get(mode, "<span style='color:#888'>○ connecting</span>")
+        err = self.error or (self._feed.last_error if mode == "polling" else None)
+        self._header.value = (
+            f"<b>Evaluation queue</b> · {_esc(self.client.base_url)} · {status}"
+            f" · {len(running)} running · {len(queued)} queued"
+            + (f"<br><span style='color:#d62728'>{_esc(err)}</span>" if err else ""))
+        self._ledger.value = ledger_html(view.get("ledger"), self._names())
+
+        children: list[widgets.Widget] = []
+        self._running_title.value = f"<b>Running ({len(running)})</b>"
+        children.append(self._running_title)
+        for rec in running:
+            fetched = self._summaries.get(rec["id"])
+            row = self._row(rec)
+            row.update(rec, format_metrics(fetched[2] if fetched else rec, limit=3))
+            children.append(row)
+        self._queued_title.value = f"<b>Queued ({len(queued)})</b> <span style='color:#555'>in admission order</span>"
+        children.append(self._queued_title)
+        for rec in queued[: self.max_queued_rows]:
+            row = self._row(rec)
+            row.update(rec, "")
+            children.append(row)
+        if len(queued) > self.max_queued_rows:
+            self._more.value = f"<i>… and {len(queued) - self.max_queued_rows} more queued</i>"
+            children.append(self._more)
+        if finished:
+            self._finished_title.value = "<b>Recently finished</b>"
+            children.append(self._finished_title)
+            for rec in finished:
+                row = self._row(rec)
+                row.update(rec, format_metrics(rec, limit=3))
+                children.append(row)
+
+        shown = {c.run_id for c in children if isinstance(c, _RunRow)}
+        for rid in [r for r in self._rows if r not in shown]:
+            self._rows.pop(rid).close()
+        if tuple(children) != tuple(self._rows_box.children):
+            self._rows_box.children = tuple(children)
+        self.update_count += 1
+
+    # ---- actions
+
+    def _cancel(self, run_id: str) -> None:
+        # Runs on the kernel's main thread (comm message); only REST here, the feed re-renders.
+        try:
+            self.client.cancel(run_id)
+        except EvalSchedClientError as e:
+            self.error = f"cancel {run_id}: {e}"
+        self._feed.wake()
+
+    def refresh(self) -> None:
+        """Re-read the queue now (the background thread does this by itself)."""
+        self._feed.wake()
+
+    @property
+    def mode(self) -> str:
+        """``live`` (events), ``polling`` (REST fallback), ``starting`` or ``stopped``."""
+        return self._feed.mode
+
+    def close(self) -> None:
+        """Stop live updates and close the widget and its children."""
+        if self._closed:
+            return
+        self._closed = True
+        self._feed.stop(join=True)
+        for row in list(self._rows.values()):
+            row.close()
+        self._rows.clear()
+        for w in (self._header, self._ledger, self._running_title, self._queued_title,
+                  self._finished_title, self._more, self._rows_box):
+            w.close()
+        super().close()
+
+
+# --------------------------------------------------------------------------- one run
+
+
+class RunProgress(widgets.VBox):
+    """One run: a progress bar with state, elapsed time, reason and latest metrics, and a cancel
+    button. ``live=True`` follows the run in a background thread until it ends; ``live=False``
+    leaves the updates to the caller (``update(record)``), as ``RunHandle.wait`` does."""
+
+    def __init__(self, run: RunHandle | str | dict, client: EvalSchedClient | None = None, *,
+                 live: bool = True, poll_s: float = 1.0, safety_poll_s: float = 5.0):
+        if isinstance(run, RunHandle):
+            self.handle = run
+        else:
+            self.handle = RunHandle(client if client is not None else EvalSchedClient(), run)
+        self.client = self.handle.client
+        self.run_id = self.handle.id
+        self.poll_s = poll_s
+        self.safety_poll_s = safety_poll_s
+        self.record: dict = dict(self.handle._record or {"id": self.run_id, "state": "queued"})
+        self.update_count = 0
+        self._closed = False
+        self._last_get = 0.0
+        self._refresh_due = False
+
+        self._title = widgets.HTML()
+        self._bar = widgets.IntProgress(min=0, max=1, value=0, layout=widgets.Layout(width="240px"))
+        self._status = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
+        self._button = widgets.Button(description="Cancel", icon="times", layout=widgets.Layout(width="auto"))
+        self._button.on_click(lambda _b: self._cancel())
+        super().__init__(children=[self._title, widgets.HBox(
+            [self._bar, self._status, self._button], layout=widgets.Layout(align_items="center"))])
+        self.add_class("jupyter-evalsched-run")
+
+        self._feed = _LiveFeed(self.client, self, name=f"evalsched-run-{self.run_id}")
+        if live:
+            self._safe_get()
+        self.update(self.record)
+        if live and self.record.get("state") not in TERMINAL_STATES:
+            self._feed.start()
+
+    def update(self, record: dict) -> None:
+        """Show ``record`` (a run record, with or without ``summary``)."""
+        if self._closed:
+            return
+        if "summary" not in record and "summary" in self.record:
+            record = {**record, "summary": self.record.get("summary")}
+        self.record = record
+        state = record.get("state", "?")
+        prog = record.get("progress") or {}
+        done, total = int(prog.get("done") or 0), int(prog.get("total") or 0)
+        self._title.value = (f"<b>{_esc(record.get('name') or self.run_id)}</b> "
+                             f"<code style='font-size:80%'>{_esc(self.run_id)}</code>")
+        with self._bar.hold_sync():
+            self._bar.max = max(total, 1)
+            self._bar.value = min(done, max(total, 1)) if total else (1 if state == "succeeded" else 0)
+            self._bar.bar_style = {"succeeded": "success", "failed": "danger", "aborted": "danger",
+                                   "cancelled": "warning", "running": "info"}.get(state, "")
+        parts = [f"{done}/{total}" if total else "", format_duration(elapsed_s(record))
+                 if record.get("started_at") else f"waiting {_age(record.get('submitted_at'))}"]
+        if record.get("reason") and state != "succeeded":
+            parts.append(record["reason"])
+        metrics = format_metrics(record)
+        if metrics:
+            parts.append(metrics)
+        self._status.value = f"{_badge(state)} {_esc(' · '.join(p for p in parts if p))}"
+        terminal = state in TERMINAL_STATES
+        self._button.disabled = terminal
+        self._button.layout.visibility = "hidden" if terminal else "visible"
+        self.update_count += 1
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return metric_means(self.record)
+
+    # ---- feed callbacks
+
+    def _feed_alive(self) -> bool:
+        return not self._closed and self.comm is not None
+
+    def _feed_event(self, event: dict) -> None:
+        if event.get("type") != "run":
+            return
+        rec = event.get("run") or {}
+        if rec.get("id") != self.run_id:
+            return
+        progressed = rec.get("progress") != self.record.get("progress")
+        changed_state = rec.get("state") != self.record.get("state")
+        self.update(rec)
+        if changed_state or (progressed and "metrics" not in rec):
+            self._refresh_due = True  # read the full record (summary.json) for the metrics
+
+    def _feed_tick(self, live: bool, woken: bool) -> bool:
+        now = time.monotonic()
+        interval = self.safety_poll_s if live else self.poll_s
+        if woken or (self._refresh_due and now - self._last_get >= 1.0) or now - self._last_get >= interval \
+                or self.record.get("state") in TERMINAL_STATES:
+            self._refresh_due = False
+            self._safe_get()
+            self.update(self.record)
+        elif self.record.get("state") == "running":
+            self.update(self.record)  # the elapsed clock
+        # A terminal record read from REST carries the final summary: nothing more will change.
+        return not (self.record.get("state") in TERMINAL_STATES and "summary" in self.record)
+
+    def _safe_get(self) -> None:
+        self._last_get = time.monotonic()
+        try:
+            self.record = self.client.get(self.run_id)
+        except EvalSchedClientError as e:
+            self._status.value = f"<span style='color:#d62728'>{_esc(e)}</span>"
+
+    def _cancel(self) -> None:
+        try:
+            self.update(self.client.cancel(self.run_id))
+        except EvalSchedClientError as e:
+            self._status.value = f"<span style='color:#d62728'>{_esc(e)}</span>"
+        self._feed.wake()
+
+    @property
+    def mode(self) -> str:
+        return self._feed.mode
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._feed.stop(join=True)
+        for w in (self._title, self._bar, self._status, self._button):
+            w.close()
+        for child in self.children:
+            child.close()
+        super().close()

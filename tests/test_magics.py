@@ -1,0 +1,159 @@
+"""The magics through a real IPython shell, against a real server subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from IPython.testing import globalipapp
+
+from jupyter_evalsched.client import SPEC_FLAGS, RunHandle
+
+try:
+    from .live_server import SLEEPY, clean_queue, client, live_server, wait_state  # noqa: F401
+except ImportError:
+    from live_server import SLEEPY, clean_queue, client, live_server, wait_state  # noqa: F401
+
+
+@pytest.fixture
+def ip(live_server, monkeypatch, tmp_path):
+    monkeypatch.setenv("EVALSCHED_URL", live_server.url)
+    monkeypatch.setenv("EVALSCHED_TOKEN", live_server.token)
+    monkeypatch.chdir(tmp_path)
+    globalipapp.start_ipython()  # once per process; later calls are no-ops
+    shell = globalipapp.get_ipython()
+    shell.run_line_magic("load_ext", "jupyter_evalsched")
+    yield shell
+    shell.run_line_magic("unload_ext", "jupyter_evalsched")
+
+
+def _spec(handle: RunHandle) -> dict:
+    with open(os.path.join(handle.run_dir, "spec.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_every_flag_is_documented(ip):
+    doc = ip.find_line_magic("eval_submit").__doc__
+    for flag_args, _ in SPEC_FLAGS:
+        assert flag_args[0] in doc
+    assert "--out" in doc and "%%eval_submit" in doc
+    assert "--poll" in ip.find_line_magic("eval_queue").__doc__
+
+
+def test_line_magic_flags_become_the_spec(ip, client, clean_queue, tmp_path):
+    dep = ip.run_line_magic("eval_submit", f"{SLEEPY} --episodes 1 --param sleep_s=0.01 --out first")
+    assert isinstance(dep, RunHandle) and ip.user_ns["first"] is dep
+    wait_state(client, dep.id)
+    h = ip.run_line_magic(
+        "eval_submit",
+        f"{SLEEPY} --name 'my run' --episodes 3 --vram 1000 --gpus 2 --cpus 2 --priority high "
+        "--exclusive --depends-on first --param sleep_s=0.01 --param tag=hello "
+        "--param cfg='{\"a\": [1, 2]}' --workers 2 --timeout 60 --seed 5")
+    assert isinstance(h, RunHandle)
+    spec = _spec(h)
+    assert spec["name"] == "my run" and spec["episodes"] == 3 and spec["workers"] == 2
+    assert spec["seed"] == 5 and spec["timeout_s"] == 60
+    assert spec["params"] == {"sleep_s": 0.01, "tag": "hello", "cfg": {"a": [1, 2]}}
+    assert spec["depends_on"] == [dep.id]  # a handle's variable name stands for its id
+    assert spec["scheduling"] == {"marginal_vram_mb": 1000, "gpus": 2, "exclusive_gpu": True,
+                                  "priority": "high", "cpus": 2}
+    assert spec["cwd"] == str(tmp_path)
+    final = h.wait(timeout=30, progress=False)
+    assert final["state"] == "succeeded" and final["summary"]["episodes_done"] == 3
+
+
+def test_spec_from_dict_and_files(ip, clean_queue, tmp_path):
+    ip.user_ns["base_spec"] = {"entrypoint": SLEEPY, "episodes": 2, "params": {"sleep_s": 0.01, "k": 1}}
+    h = ip.run_line_magic("eval_submit", "base_spec --param k=2 --priority low")
+    assert _spec(h)["params"] == {"sleep_s": 0.01, "k": 2} and h.record()["priority"] == "low"
+    assert ip.user_ns["base_spec"]["params"]["k"] == 1  # not modified
+
+    (tmp_path / "s.json").write_text(json.dumps({"entrypoint": SLEEPY, "name": "from-json"}))
+    (tmp_path / "s.yaml").write_text(f"entrypoint: {SLEEPY}\nname: from-yaml\nepisodes: 2\n")
+    assert ip.run_line_magic("eval_submit", "s.json").record()["name"] == "from-json"
+    hy = ip.run_line_magic("eval_submit", "s.yaml --episodes 1")
+    assert hy.record()["name"] == "from-yaml" and _spec(hy)["episodes"] == 1
+
+
+def test_cell_magic_source_and_underscore(ip, clean_queue):
+    cell = ("import math\n"
+            "def episode(ctx, index):\n"
+            "    print('hello from', index)\n"
+            "    return {'value': index * ctx.params['k'], 'root': math.sqrt(index)}\n")
+    result = ip.run_cell(f"%%eval_submit --episodes 4 --param k=2 --name cellrun\n{cell}", store_history=True)
+    assert result.success
+    ip.run_cell("h = _", store_history=True)
+    h = ip.user_ns["h"]
+    assert isinstance(h, RunHandle) and result.result is h
+    final = h.wait(timeout=30, progress=False)
+    assert final["state"] == "succeeded", final
+    assert final["summary"]["metrics"]["value"]["mean"] == pytest.approx((0 + 2 + 4 + 6) / 4)
+    with open(os.path.join(h.run_dir, "eval.py"), encoding="utf-8") as f:
+        assert f.read() == cell
+    assert "hello from 3" in h.logs()
+    df = h.episodes()
+    assert list(df["value"]) == [0, 2, 4, 6]
+
+
+def test_errors_are_one_line_without_traceback(ip, capsys, monkeypatch):
+    cases = [
+        (f"{SLEEPY} --vram -5", "eval_submit: 422: scheduling.marginal_vram_mb: Input should be greater than or equal to 0"),
+        (f"{SLEEPY} --vram 30000", "eval_submit: 422: "),  # never fits on 24000 MB GPUs
+        (f"{SLEEPY} --model nosuchmodel", "eval_submit: 422: "),
+        (f"{SLEEPY} --depends-on 00000000T000000.000000-000000", "eval_submit: 422: "),
+        ("undefined_name", "eval_submit: 'undefined_name' is neither a spec file"),
+        ("missing.yaml", "eval_submit: cannot read spec file missing.yaml"),
+        (f"{SLEEPY} --out 1bad", "eval_submit: --out expects a variable name"),
+    ]
+    for line, expected in cases:
+        assert ip.run_line_magic("eval_submit", line) is None, line
+        err = capsys.readouterr().err
+        assert err.startswith(expected) and err.count("\n") == 1 and "Traceback" not in err, (line, err)
+
+    ip.user_ns["not_a_dict"] = [1, 2]
+    assert ip.run_line_magic("eval_submit", "not_a_dict") is None
+    assert "is a list, not a dict spec" in capsys.readouterr().err
+
+    assert ip.run_cell_magic("eval_submit", "", "   \n") is None
+    assert "the cell is empty" in capsys.readouterr().err
+
+    # Bad flags: IPython's UsageError, also one line and no traceback.
+    result = ip.run_cell(f"%eval_submit {SLEEPY} --episodes many")
+    assert not result.success
+    out = capsys.readouterr()
+    assert "UsageError" in out.err + out.out and "Traceback" not in out.err + out.out
+
+    monkeypatch.setenv("EVALSCHED_URL", "http://127.0.0.1:9/")
+    assert ip.run_line_magic("eval_submit", SLEEPY) is None
+    err = capsys.readouterr().err
+    assert err.startswith("eval_submit: cannot reach http://127.0.0.1:9/") and err.count("\n") == 1
+
+
+def test_handle_methods(ip, capsys, clean_queue):
+    h = ip.run_line_magic("eval_submit", f"{SLEEPY} --episodes 3 --param sleep_s=0.05 --seed 9")
+    assert h.status() in ("queued", "running", "succeeded")
+    assert h.record()["id"] == h.id
+    final = h.wait(timeout=30)  # with the text progress bar (no kernel here)
+    assert final["state"] == "succeeded"
+    err = capsys.readouterr().err
+    assert "3/3" in err and "succeeded" in err and "score=" in err
+    assert h.summary()["metrics"]["score"]["count"] == 3
+    assert len(h.episodes()) == 3
+    assert isinstance(h.logs(), str) and isinstance(h.logs("stderr", tail=2), str)
+    assert os.path.isdir(h.run_dir)
+
+    long = ip.run_line_magic("eval_submit", f"{SLEEPY} --episodes 1 --param sleep_s=30")
+    assert long.cancel()["state"] in ("running", "cancelled")
+    assert long.wait(timeout=20, progress=False)["state"] == "cancelled"
+
+
+def test_eval_queue_widget(ip, capsys):
+    ip.run_line_magic("eval_queue", "--out qw --poll")
+    widget = ip.user_ns["qw"]
+    try:
+        assert widget.mode in ("starting", "polling")
+        assert widget.queue_view["ledger"]["devices"][0]["usable_mb"] == 24000
+    finally:
+        widget.close()
+    assert not widget._feed.alive

@@ -1,0 +1,179 @@
+"""The widgets' models follow a real server: queue, ledger, progress, cancel, close."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from jupyter_evalsched.client import EvalSchedClientError
+from jupyter_evalsched.widget import QueueWidget, RunProgress, _RunRow, ledger_html
+
+try:
+    from .live_server import SLEEPY, clean_queue, client, live_server, wait_state, wait_until  # noqa: F401
+except ImportError:
+    from live_server import SLEEPY, clean_queue, client, live_server, wait_state, wait_until  # noqa: F401
+
+
+def _big(name: str, sleep_s: float = 30, episodes: int = 1) -> dict:
+    return {"name": name, "entrypoint": SLEEPY, "episodes": episodes, "params": {"sleep_s": sleep_s},
+            "scheduling": {"marginal_vram_mb": 16000}}
+
+
+def _rows(widget: QueueWidget) -> dict[str, _RunRow]:
+    return {c.run_id: c for c in widget._rows_box.children if isinstance(c, _RunRow)}
+
+
+def _feed_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("evalsched-")]
+
+
+@pytest.mark.parametrize("use_events", [True, False], ids=["events", "polling"])
+def test_queue_widget_follows_queue_and_ledger_then_stops_when_closed(client, clean_queue, use_events):
+    widget = QueueWidget(client, use_events=use_events, poll_s=0.3)
+    try:
+        wait_until(lambda: widget.mode == ("live" if use_events else "polling"), timeout=10)
+        ids = [client.submit(_big(f"w{i}"))["id"] for i in range(3)]
+        # The model receives the new queue and ledger without being asked to.
+        wait_until(lambda: len(widget.queue_view["running"]) == 2 and len(widget.queue_view["queued"]) == 1,
+                   timeout=10, message=f"widget saw {widget.queue_view}")
+        devices = widget.queue_view["ledger"]["devices"]
+        wait_until(lambda: [d["allocated_mb"] for d in widget.queue_view["ledger"]["devices"]] == [16000, 16000],
+                   timeout=5)
+        assert {d["index"] for d in devices} == {0, 1}
+        # ... and renders it: bars name the runs, the queued row gives its reason.
+        wait_until(lambda: "w0" in widget._ledger.value and "w1" in widget._ledger.value, timeout=5)
+        rows = wait_until(lambda: (r := _rows(widget)) and ids[2] in r and r, timeout=5)
+        # The pending reason is set by the admission pass after the submission's event.
+        wait_until(lambda: "waiting_vram" in rows[ids[2]].label.value, timeout=2)
+        assert rows[ids[0]].bar.layout.visibility == "visible"
+
+        # The cancel button of the queued run cancels it; the widget sees the change.
+        rows[ids[2]].button.click()
+        assert wait_state(client, ids[2], timeout=5)["state"] == "cancelled"
+        wait_until(lambda: not widget.queue_view["queued"], timeout=5)
+
+        count = widget.update_count
+        widget.close()
+        assert widget.mode == "stopped" and not widget._feed.alive
+        # Closed: further changes do not reach it.
+        client.cancel(ids[0])
+        time.sleep(1.5)
+        assert widget.update_count == count
+        assert len(widget.queue_view["running"]) == 2
+    finally:
+        widget.close()
+
+
+def test_queue_widget_falls_back_to_polling_when_the_socket_fails(client, clean_queue, monkeypatch):
+    def broken(*args, **kwargs):
+        raise EvalSchedClientError("proxy dropped the WebSocket")
+
+    monkeypatch.setattr(client, "events", broken)
+    widget = QueueWidget(client, poll_s=0.3)
+    try:
+        wait_until(lambda: widget.mode == "polling", timeout=5)
+        rid = client.submit(_big("polled"))["id"]
+        wait_until(lambda: rid in [r["id"] for r in widget.queue_view["running"]], timeout=5)
+        wait_until(lambda: "proxy dropped the WebSocket" in widget._header.value, timeout=5)
+    finally:
+        widget.close()
+    assert not widget._feed.alive
+
+
+def test_run_progress_follows_one_run_to_the_end(client, clean_queue):
+    rec = client.submit({"entrypoint": SLEEPY, "episodes": 4, "params": {"sleep_s": 0.1}, "name": "followed"})
+    progress = RunProgress(rec["id"], client)
+    try:
+        wait_until(lambda: progress.record["state"] == "succeeded", timeout=20)
+        wait_until(lambda: not progress._feed.alive, timeout=5)  # it stops by itself at the end
+        assert progress._bar.value == progress._bar.max == 4
+        assert progress._bar.bar_style == "success"
+        assert "score=" in progress._status.value and 0 <= progress.metrics["score"] < 1
+        assert progress._button.disabled
+    finally:
+        progress.close()
+
+
+def test_closing_widgets_leaves_no_threads(client):
+    before = len(_feed_threads())
+    widgets = [QueueWidget(client) for _ in range(3)]
+    wait_until(lambda: all(w.mode == "live" for w in widgets), timeout=10)
+    assert len(_feed_threads()) >= before + 3
+    for w in widgets:
+        w.close()
+    wait_until(lambda: len(_feed_threads()) <= before, timeout=5)
+
+
+def test_ledger_html_shows_baseline_runs_and_free():
+    ledger = {"devices": [{"index": 0, "name": "A100", "total_mb": 40000, "baseline_mb": 14000,
+                           "usable_mb": 26000, "allocated_mb": 16000, "free_mb": 10000,
+                           "runs": [{"id": "r1", "marginal_vram_mb": 16000}]}],
+              "cpu_slots": {"total": 8, "allocated": 1}}
+    html = ledger_html(ledger, {"r1": "<evil>"})
+    assert "allocated 16000 / usable 26000 MB" in html and "models 14000 MB" in html
+    assert "free 10000 MB" in html and "&lt;evil&gt;" in html and "<evil>" not in html
+    assert "CPU slots: 1 / 8" in html
+
+
+def test_feed_thread_updates_reach_a_real_kernels_frontend(live_server, clean_queue, monkeypatch, tmp_path):
+    """In a real ipykernel, comm messages sent by the feed thread reach the frontend: nbclient
+    records the widget state it receives, and the row of a run that finished while the kernel
+    slept (nothing on the main thread touched the widget) says ``succeeded``."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    for key, value in live_server.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("JPY_PARENT_PID", raising=False)
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("%load_ext jupyter_evalsched\n%eval_queue --out w"),
+        nbformat.v4.new_code_cell(
+            f"h = %eval_submit {SLEEPY} --name in-kernel --episodes 3 --param sleep_s=0.2\n"
+            "import time\n"
+            "for _ in range(100):\n"
+            "    time.sleep(0.1)\n"
+            "    if h.status() == 'succeeded':\n"
+            "        break\n"
+            "time.sleep(1.5)  # the feed's next refresh and render\n"
+            "print(h.id, w.mode)"),
+        nbformat.v4.new_code_cell("w.close()"),
+    ])
+    NotebookClient(nb, timeout=60, kernel_name="python3", store_widget_state=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    run_id, mode = nb.cells[1].outputs[-1]["text"].split()
+    assert mode == "live"
+    states = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    labels = [m["state"].get("value", "") for m in states.values() if m.get("model_name") == "HTMLModel"]
+    row = [v for v in labels if run_id in v and "in-kernel" in v and "<code" in v]
+    assert row and ">succeeded<" in row[-1], row
+
+
+def test_interpreter_exit_with_live_widgets_is_clean(live_server, clean_queue, tmp_path):
+    """A kernel that shuts down with widgets still open exits at once and prints nothing."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from jupyter_evalsched.client import EvalSchedClient\n"
+        "from jupyter_evalsched.widget import QueueWidget, RunProgress\n"
+        "c = EvalSchedClient()\n"
+        f"rec = c.submit({{'entrypoint': {SLEEPY!r}, 'episodes': 1, 'params': {{'sleep_s': 30}}}})\n"
+        "widgets = [QueueWidget(c), QueueWidget(c, use_events=False), RunProgress(rec['id'], c)]\n"
+        "time.sleep(1.0)\n"
+        "assert all(w.mode in ('live', 'polling') for w in widgets), [w.mode for w in widgets]\n"
+        "print('ok', flush=True)\n")
+    env = dict(os.environ, **live_server.env)
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=30, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok" and proc.stderr == ""
+    assert time.monotonic() - started < 10
