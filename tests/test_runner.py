@@ -570,7 +570,11 @@ def test_unwritable_summary_exits_74_without_done(tmp_path, started, workers):
         import os, threading
 
         def episode(ctx, index):
-            open(os.path.join(ctx.run_dir, f"pid-{index}"), "w").write(str(os.getpid()))
+            # Atomically: a worker killed mid-write must not leave an empty pid file behind.
+            tmp = os.path.join(ctx.run_dir, f".tmp-pid-{index}")
+            with open(tmp, "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(tmp, os.path.join(ctx.run_dir, f"pid-{index}"))
             if index == 1:
                 writer = os.getpid() if ctx.params["workers"] == 1 else os.getppid()
                 os.mkdir(os.path.join(ctx.run_dir, f".summary.json.{writer}.{threading.get_ident()}.tmp"))

@@ -1,0 +1,729 @@
+/**
+ * The live state behind the panel: queue, running runs, ledger, recently finished runs and the
+ * latest summaries.
+ *
+ * Fed by `WS /evalsched/events` (a snapshot, then one message per run change). A `Poll` of the
+ * REST API (GET /evalsched/queue and the recently finished runs) runs beside it: every few
+ * seconds (with exponential backoff on failures) while the socket is unavailable, and only as a
+ * slow resynchronisation while the socket is live. It stands by while the page is hidden.
+ */
+import { ServerConnection } from '@jupyterlab/services';
+import { IDisposable } from '@lumino/disposable';
+import { Poll } from '@lumino/polling';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import {
+  EvalSchedAPI,
+  EvalSchedError,
+  EventMessage,
+  ExtensionMissingError,
+  ILedger,
+  IMetricStats,
+  IQueueView,
+  IRunRecord,
+  ISummary,
+  isTerminal,
+  TERMINAL_STATES
+} from './api';
+
+/** How the model currently gets its data. */
+export type ConnectionMode = 'connecting' | 'live' | 'polling' | 'offline';
+
+export interface IModelError {
+  /** `missing`: the server extension is not enabled; `error`: anything else. */
+  kind: 'missing' | 'error';
+  message: string;
+}
+
+export interface IModelOptions {
+  /** Polling interval in seconds (when the socket is unavailable). */
+  refreshInterval: number;
+  /** Longest interval in seconds that polling backs off to after failures. */
+  maxRefreshInterval: number;
+  /** Use `WS /evalsched/events` for live updates. */
+  useWebSocket: boolean;
+  /** How many recently finished runs to keep. */
+  finishedLimit: number;
+}
+
+export const DEFAULT_OPTIONS: IModelOptions = {
+  refreshInterval: 5,
+  maxRefreshInterval: 60,
+  useWebSocket: true,
+  finishedLimit: 20
+};
+
+/** Resynchronise through REST this often while the socket is live (ms). */
+const LIVE_RESYNC_MS = 30000;
+/** Fetch a running run's summary at most this often (ms). */
+const SUMMARY_THROTTLE_MS = 1500;
+/** Coalesce ledger refetches after state changes (ms). */
+const LEDGER_DEBOUNCE_MS = 100;
+/** Coalesce queue refetches after state changes (ms); longer for long queues. */
+const QUEUE_DEBOUNCE_MS = 150;
+const QUEUE_DEBOUNCE_LONG_MS = 2000;
+const LONG_QUEUE = 1000;
+/** Reconnection delays of the event socket (ms). */
+const RECONNECT_MIN_MS = 1000;
+const RECONNECT_MAX_MS = 30000;
+
+/** True when the server puts the latest metrics into the run record (no summary read needed). */
+export function hasMetrics(record: IRunRecord): boolean {
+  const metrics = record.metrics;
+  return !!metrics && typeof metrics === 'object' && !Array.isArray(metrics);
+}
+
+/** The latest metrics of a run: from its record when present, else from its summary. */
+export function latestMetrics(
+  record: IRunRecord | undefined,
+  summary: ISummary | null | undefined
+): { [name: string]: IMetricStats } {
+  const fromRecord =
+    record && hasMetrics(record) ? (record.metrics as { [name: string]: IMetricStats }) : null;
+  const fromSummary = summary?.metrics ?? null;
+  if (fromRecord && fromSummary) {
+    // Whichever saw more episodes.
+    const done = summary?.episodes_done ?? -1;
+    return done >= (record?.progress?.done ?? 0) ? fromSummary : fromRecord;
+  }
+  return fromRecord ?? fromSummary ?? {};
+}
+
+const PRIORITY_RANK: { [p: string]: number } = { high: 0, normal: 1, low: 2 };
+
+export class EvalSchedModel implements IDisposable {
+  constructor(api: EvalSchedAPI, options: Partial<IModelOptions> = {}) {
+    this.api = api;
+    this._options = { ...DEFAULT_OPTIONS, ...options };
+    this._poll = new Poll({
+      auto: false,
+      factory: () => this._pollTick(),
+      frequency: this._frequency(),
+      name: 'jupyter-evalsched:queue',
+      standby: 'when-hidden'
+    });
+  }
+
+  readonly api: EvalSchedAPI;
+
+  /** Emitted whenever the queue, ledger, finished list, connection or error changes. */
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  /** Emitted with a run id when that run's summary was (re)fetched. */
+  get summaryChanged(): ISignal<this, string> {
+    return this._summaryChanged;
+  }
+
+  /** Emitted with a run record whenever the record of that run changes. */
+  get runChanged(): ISignal<this, IRunRecord> {
+    return this._runChanged;
+  }
+
+  get queued(): ReadonlyArray<IRunRecord> {
+    return this._queued;
+  }
+
+  get running(): ReadonlyArray<IRunRecord> {
+    return this._running;
+  }
+
+  get finished(): ReadonlyArray<IRunRecord> {
+    return this._finished;
+  }
+
+  get ledger(): ILedger | null {
+    return this._ledger;
+  }
+
+  get mode(): ConnectionMode {
+    return this._mode;
+  }
+
+  get error(): IModelError | null {
+    return this._error;
+  }
+
+  /** True once the first queue view arrived. */
+  get loaded(): boolean {
+    return this._loaded;
+  }
+
+  get options(): Readonly<IModelOptions> {
+    return this._options;
+  }
+
+  get isDisposed(): boolean {
+    return this._isDisposed;
+  }
+
+  /** The known record of a run (queued, running or recently finished). */
+  getRun(id: string): IRunRecord | undefined {
+    return this._records.get(id);
+  }
+
+  /** The latest fetched summary of a run: undefined when never fetched, null when none. */
+  getSummary(id: string): ISummary | null | undefined {
+    return this._summaries.get(id);
+  }
+
+  /** Start fetching: a first REST read at once, and the event socket. Idempotent. */
+  start(): void {
+    if (this._started || this._isDisposed) {
+      return;
+    }
+    this._started = true;
+    this._setMode(this._options.useWebSocket ? 'connecting' : 'polling');
+    void this._poll.start();
+    if (this._options.useWebSocket) {
+      this._connect();
+    }
+  }
+
+  /** Apply new settings. */
+  configure(options: Partial<IModelOptions>): void {
+    const before = this._options;
+    this._options = { ...this._options, ...options };
+    this._poll.frequency = this._frequency();
+    if (this._options.finishedLimit !== before.finishedLimit) {
+      this._trimFinished();
+      this._changed.emit();
+    }
+    if (!this._started) {
+      return;
+    }
+    if (before.useWebSocket && !this._options.useWebSocket) {
+      this._closeSocket();
+      this._clearReconnect();
+      this._setMode('polling');
+      this._poll.frequency = this._frequency();
+      void this._poll.refresh();
+    } else if (!before.useWebSocket && this._options.useWebSocket) {
+      this._connect();
+    }
+  }
+
+  /** Refetch everything now (the refresh button). */
+  async refresh(): Promise<void> {
+    if (this._isDisposed) {
+      return;
+    }
+    if (!this._started) {
+      this.start();
+    } else if (this._options.useWebSocket && !this._socket) {
+      this._clearReconnect();
+      this._reconnectDelay = RECONNECT_MIN_MS;
+      this._connect();
+    }
+    await this._poll.refresh();
+    await this._poll.tick.catch(() => undefined);
+  }
+
+  /** Fetch (again) the record and summary of a run. */
+  async fetchSummary(id: string): Promise<ISummary | null> {
+    const detail = await this.api.getRun(id);
+    this._lastSummaryFetch.set(id, Date.now());
+    const summary = detail.summary ?? null;
+    this._summaries.set(id, summary);
+    const record = { ...detail } as IRunRecord;
+    delete record.summary;
+    if (this._upsert(record, true)) {
+      this._changed.emit();
+    }
+    this._summaryChanged.emit(id);
+    return summary;
+  }
+
+  /** Cancel a run; the new record comes back at once and through the event stream. */
+  async cancel(id: string): Promise<IRunRecord> {
+    const record = await this.api.cancelRun(id);
+    if (this._upsert(record, true)) {
+      this._onStateChange();
+    }
+    this._changed.emit();
+    return record;
+  }
+
+  /** Submit a spec; the new run appears at once (and through the event stream). */
+  async submit(spec: Record<string, unknown>): Promise<IRunRecord> {
+    const record = await this.api.submitRun(spec);
+    if (this._upsert(record, true)) {
+      this._onStateChange();
+    }
+    this._changed.emit();
+    return record;
+  }
+
+  dispose(): void {
+    if (this._isDisposed) {
+      return;
+    }
+    this._isDisposed = true;
+    this._closeSocket();
+    this._clearReconnect();
+    for (const timer of [this._queueTimer, this._ledgerTimer]) {
+      if (timer !== null) {
+        clearTimeout(timer);
+      }
+    }
+    for (const timer of this._summaryTimers.values()) {
+      clearTimeout(timer);
+    }
+    this._summaryTimers.clear();
+    this._poll.dispose();
+    Signal.clearData(this);
+  }
+
+  // ---------------------------------------------------------------- socket
+
+  private _connect(): void {
+    if (this._isDisposed || this._socket) {
+      return;
+    }
+    let socket: WebSocket;
+    try {
+      socket = this.api.openEvents();
+    } catch (reason) {
+      console.warn('jupyter-evalsched: cannot open the event socket', reason);
+      this._onSocketLost();
+      return;
+    }
+    this._socket = socket;
+    let gotSnapshot = false;
+    socket.onmessage = (event: MessageEvent) => {
+      let message: EventMessage;
+      try {
+        message = JSON.parse(String(event.data));
+      } catch {
+        console.warn('jupyter-evalsched: unparsable event', event.data);
+        return;
+      }
+      if (!gotSnapshot && message.type === 'snapshot') {
+        gotSnapshot = true;
+        this._reconnectDelay = RECONNECT_MIN_MS;
+        this._setMode('live');
+        // Polling becomes a slow resynchronisation while the socket is live.
+        this._poll.frequency = this._frequency();
+      }
+      this._onMessage(message);
+    };
+    socket.onclose = () => {
+      if (this._socket !== socket) {
+        return;
+      }
+      this._socket = null;
+      this._onSocketLost();
+    };
+    socket.onerror = () => {
+      // onclose follows.
+    };
+  }
+
+  private _onSocketLost(): void {
+    if (this._isDisposed) {
+      return;
+    }
+    // Poll the REST API until the socket is back.
+    const wasLive = this._mode === 'live';
+    if (this._mode !== 'offline') {
+      this._setMode('polling');
+    }
+    this._poll.frequency = this._frequency();
+    if (wasLive) {
+      void this._poll.refresh();
+    }
+    // Without the server extension there is no socket to come back to: the poll (backing off)
+    // notices when the extension appears and reconnects then.
+    if (this._options.useWebSocket && this._error?.kind !== 'missing') {
+      this._clearReconnect();
+      const delay = this._reconnectDelay;
+      this._reconnectDelay = Math.min(delay * 2, RECONNECT_MAX_MS);
+      this._reconnectTimer = setTimeout(() => {
+        this._reconnectTimer = null;
+        this._connect();
+      }, delay);
+    }
+  }
+
+  private _closeSocket(): void {
+    const socket = this._socket;
+    this._socket = null;
+    if (socket) {
+      socket.onmessage = null;
+      socket.onclose = null;
+      socket.onerror = null;
+      socket.close();
+    }
+  }
+
+  private _clearReconnect(): void {
+    if (this._reconnectTimer !== null) {
+      clearTimeout(this._reconnectTimer);
+      this._reconnectTimer = null;
+    }
+  }
+
+  private _onMessage(message: EventMessage): void {
+    switch (message.type) {
+      case 'snapshot': {
+        const queue = (message as { queue: IQueueView }).queue;
+        if (this._applyQueue(queue)) {
+          this._setError(null);
+          this._changed.emit();
+        }
+        break;
+      }
+      case 'run': {
+        const record = (message as { run: IRunRecord }).run;
+        if (record && typeof record.id === 'string') {
+          if (this._upsert(record, true)) {
+            this._onStateChange();
+          }
+          this._changed.emit();
+        }
+        break;
+      }
+      case 'ledger': {
+        const ledger = (message as { ledger?: ILedger }).ledger;
+        if (ledger && Array.isArray(ledger.devices)) {
+          this._ledger = ledger;
+          this._changed.emit();
+        }
+        break;
+      }
+      default:
+        break;
+    }
+  }
+
+  // ---------------------------------------------------------------- REST
+
+  private async _pollTick(): Promise<void> {
+    try {
+      const [queue] = await Promise.all([this.api.getQueue(), this._fetchFinished()]);
+      this._applyQueue(queue);
+      this._setError(null);
+      this._changed.emit();
+      if (this._options.useWebSocket && !this._socket && this._reconnectTimer === null) {
+        this._connect();
+      }
+    } catch (reason) {
+      this._handleError(reason);
+      throw reason; // makes the poll back off
+    }
+  }
+
+  /** Read the recently finished runs (the event stream's snapshot holds the queue only). */
+  private async _fetchFinished(): Promise<void> {
+    const limit = this._options.finishedLimit;
+    if (limit <= 0) {
+      this._finished = [];
+      return;
+    }
+    const list = await this.api.listRuns({ states: TERMINAL_STATES as string[], limit });
+    if (!list || !Array.isArray(list.runs)) {
+      return;
+    }
+    for (const record of list.runs) {
+      this._merge(record);
+    }
+    // Runs that ended since the list was read (seen through events) stay in.
+    const listed = new Set(list.runs.map(r => r.id));
+    const extra = this._finished.filter(r => !listed.has(r.id));
+    this._finished = [...extra, ...list.runs]
+      .map(r => this._records.get(r.id) ?? r)
+      .filter(r => isTerminal(r.state));
+    this._sortFinished();
+    this._trimFinished();
+    for (const record of this._finished) {
+      if (!this._summaries.has(record.id) && !hasMetrics(record)) {
+        this._queueSummaryFetch(record.id, 0);
+      }
+    }
+  }
+
+  /**
+   * A run changed state: allocations, the admission order and the pending reasons of the other
+   * queued runs may all have changed, and run events do not carry those. Re-read the queue view
+   * (coalesced); with a long queue, read the small ledger at once and the view less often.
+   */
+  private _onStateChange(): void {
+    if (this._queued.length > LONG_QUEUE) {
+      this._scheduleLedgerFetch();
+    }
+    this._scheduleQueueFetch();
+  }
+
+  private _scheduleLedgerFetch(): void {
+    if (this._ledgerTimer !== null) {
+      return;
+    }
+    this._ledgerTimer = setTimeout(() => {
+      this._ledgerTimer = null;
+      this.api
+        .getLedger()
+        .then(ledger => {
+          if (ledger && Array.isArray(ledger.devices)) {
+            this._ledger = ledger;
+            this._changed.emit();
+          }
+        })
+        .catch(reason => this._handleError(reason));
+    }, LEDGER_DEBOUNCE_MS);
+  }
+
+  /** Refetch the queue view (authoritative admission order), coalescing bursts. */
+  private _scheduleQueueFetch(): void {
+    if (this._queueTimer !== null) {
+      return;
+    }
+    const delay = this._queued.length > LONG_QUEUE ? QUEUE_DEBOUNCE_LONG_MS : QUEUE_DEBOUNCE_MS;
+    this._queueTimer = setTimeout(() => {
+      this._queueTimer = null;
+      this.api
+        .getQueue()
+        .then(queue => {
+          if (this._applyQueue(queue)) {
+            this._changed.emit();
+          }
+        })
+        .catch(reason => this._handleError(reason));
+    }, delay);
+  }
+
+  private _handleError(reason: unknown): void {
+    if (reason instanceof ExtensionMissingError) {
+      this._setError({ kind: 'missing', message: reason.message });
+    } else if (reason instanceof EvalSchedError) {
+      this._setError({ kind: 'error', message: `${reason.message} (HTTP ${reason.status})` });
+    } else if (reason instanceof ServerConnection.NetworkError) {
+      this._setError({ kind: 'error', message: 'The Jupyter server cannot be reached.' });
+      this._setMode('offline');
+    } else {
+      this._setError({
+        kind: 'error',
+        message: reason instanceof Error ? reason.message : String(reason)
+      });
+    }
+    this._changed.emit();
+  }
+
+  // ---------------------------------------------------------------- state
+
+  /** Replace queue, running and ledger with a queue view. O(n). */
+  private _applyQueue(queue: IQueueView): boolean {
+    if (!queue || !Array.isArray(queue.queued) || !Array.isArray(queue.running)) {
+      return false;
+    }
+    const previous = new Set<string>();
+    for (const r of this._queued) {
+      previous.add(r.id);
+    }
+    for (const r of this._running) {
+      previous.add(r.id);
+    }
+    for (const record of queue.queued) {
+      this._merge(record);
+      previous.delete(record.id);
+    }
+    for (const record of queue.running) {
+      this._merge(record);
+      previous.delete(record.id);
+    }
+    this._queued = queue.queued.map(r => this._records.get(r.id) ?? r);
+    this._running = queue.running.map(r => this._records.get(r.id) ?? r);
+    this._finished = this._finished.map(r => this._records.get(r.id) ?? r);
+    if (queue.ledger && Array.isArray(queue.ledger.devices)) {
+      this._ledger = queue.ledger;
+    }
+    this._loaded = true;
+    // Runs that left the queue without an event we saw: they ended; read their final record.
+    for (const id of previous) {
+      const known = this._records.get(id);
+      if (known && !isTerminal(known.state)) {
+        this._queueSummaryFetch(id, 0);
+      }
+    }
+    for (const record of this._running) {
+      this._maybeFetchRunningSummary(record);
+    }
+    return true;
+  }
+
+  /** Merge a record into the known records, without touching the lists. */
+  private _merge(record: IRunRecord): { merged: IRunRecord; before?: IRunRecord } {
+    const before = this._records.get(record.id);
+    const merged = before ? { ...before, ...record } : record;
+    this._records.set(record.id, merged);
+    if (before) {
+      if (
+        before.state !== merged.state ||
+        before.progress?.done !== merged.progress?.done ||
+        before.reason !== merged.reason ||
+        before.finished_at !== merged.finished_at
+      ) {
+        this._runChanged.emit(merged);
+      }
+    }
+    return { merged, before };
+  }
+
+  /**
+   * Merge a record from an event (or an answer) and move it to the list of its state.
+   * Returns true when the run is new or its state changed.
+   */
+  private _upsert(record: IRunRecord, place: boolean): boolean {
+    const { merged, before } = this._merge(record);
+    const stateChanged = !before || before.state !== merged.state;
+    const progressChanged =
+      !before ||
+      before.progress?.done !== merged.progress?.done ||
+      before.progress?.total !== merged.progress?.total;
+    const replace = (list: IRunRecord[]) => {
+      const i = list.findIndex(r => r.id === record.id);
+      if (i >= 0) {
+        list = list.slice();
+        list[i] = merged;
+      }
+      return list;
+    };
+    this._queued = replace(this._queued);
+    this._running = replace(this._running);
+    this._finished = replace(this._finished);
+    if (place && stateChanged) {
+      this._queued = this._queued.filter(r => r.id !== record.id);
+      this._running = this._running.filter(r => r.id !== record.id);
+      this._finished = this._finished.filter(r => r.id !== record.id);
+      if (merged.state === 'queued') {
+        // Placed by lane now; the scheduler's order (aging, reservations) comes with the next
+        // read of the queue view.
+        this._insertQueued(merged);
+      } else if (merged.state === 'running') {
+        this._running.push(merged);
+      } else if (isTerminal(merged.state)) {
+        this._finished.unshift(merged);
+        this._sortFinished();
+        this._trimFinished();
+      }
+    }
+    if (isTerminal(merged.state)) {
+      // The final summary: read once when we see the run end (unless the record has metrics).
+      if (stateChanged && before && !hasMetrics(merged)) {
+        this._queueSummaryFetch(record.id, 0);
+      }
+    } else if (merged.state === 'running' && (progressChanged || stateChanged)) {
+      this._maybeFetchRunningSummary(merged);
+    }
+    return stateChanged;
+  }
+
+  /** Insert a queued run after the last one of its priority lane or a higher one. */
+  private _insertQueued(record: IRunRecord): void {
+    const rank = PRIORITY_RANK[record.priority] ?? 1;
+    let at = this._queued.length;
+    while (at > 0 && (PRIORITY_RANK[this._queued[at - 1].priority] ?? 1) > rank) {
+      at--;
+    }
+    this._queued.splice(at, 0, record);
+  }
+
+  private _sortFinished(): void {
+    const key = (r: IRunRecord) => r.finished_at ?? r.submitted_at ?? '';
+    this._finished.sort((a, b) => (key(a) < key(b) ? 1 : key(a) > key(b) ? -1 : 0));
+  }
+
+  private _trimFinished(): void {
+    const limit = Math.max(0, this._options.finishedLimit);
+    if (this._finished.length > limit) {
+      this._finished = this._finished.slice(0, limit);
+    }
+  }
+
+  private _maybeFetchRunningSummary(record: IRunRecord): void {
+    if (!record.progress || record.progress.done <= 0 || hasMetrics(record)) {
+      // Nothing yet, or the server already puts the latest metrics into the record.
+      return;
+    }
+    const summary = this._summaries.get(record.id);
+    if (summary && (summary.episodes_done ?? -1) >= record.progress.done) {
+      return;
+    }
+    const last = this._lastSummaryFetch.get(record.id) ?? 0;
+    const wait = Math.max(0, last + SUMMARY_THROTTLE_MS - Date.now());
+    this._queueSummaryFetch(record.id, wait);
+  }
+
+  private _queueSummaryFetch(id: string, delay: number): void {
+    if (this._summaryTimers.has(id) || this._isDisposed) {
+      return;
+    }
+    const timer = setTimeout(() => {
+      this._summaryTimers.delete(id);
+      this.fetchSummary(id).catch(reason => {
+        if (reason instanceof EvalSchedError && reason.status === 404) {
+          // Deleted meanwhile: forget it.
+          this._forget(id);
+          this._changed.emit();
+        } else {
+          console.warn(`jupyter-evalsched: cannot read run ${id}`, reason);
+        }
+      });
+    }, delay);
+    this._summaryTimers.set(id, timer);
+  }
+
+  private _forget(id: string): void {
+    this._records.delete(id);
+    this._summaries.delete(id);
+    this._lastSummaryFetch.delete(id);
+    this._queued = this._queued.filter(r => r.id !== id);
+    this._running = this._running.filter(r => r.id !== id);
+    this._finished = this._finished.filter(r => r.id !== id);
+  }
+
+  private _setMode(mode: ConnectionMode): void {
+    if (this._mode !== mode) {
+      this._mode = mode;
+      this._changed.emit();
+    }
+  }
+
+  private _setError(error: IModelError | null): void {
+    this._error = error;
+    if (error === null && this._mode === 'offline') {
+      this._mode = this._socket ? 'live' : 'polling';
+    }
+  }
+
+  private _frequency(): { interval: number; max: number; backoff: boolean } {
+    const fast = Math.max(0.5, this._options.refreshInterval) * 1000;
+    const max = Math.max(fast, LIVE_RESYNC_MS, this._options.maxRefreshInterval * 1000);
+    const interval = this._mode === 'live' ? LIVE_RESYNC_MS : fast;
+    return { interval, max, backoff: true };
+  }
+
+  private _options: IModelOptions;
+  private _poll: Poll;
+  private _socket: WebSocket | null = null;
+  private _reconnectTimer: ReturnType<typeof setTimeout> | null = null;
+  private _reconnectDelay = RECONNECT_MIN_MS;
+  private _queueTimer: ReturnType<typeof setTimeout> | null = null;
+  private _ledgerTimer: ReturnType<typeof setTimeout> | null = null;
+  private _summaryTimers = new Map<string, ReturnType<typeof setTimeout>>();
+  private _lastSummaryFetch = new Map<string, number>();
+  private _records = new Map<string, IRunRecord>();
+  private _summaries = new Map<string, ISummary | null>();
+  private _queued: IRunRecord[] = [];
+  private _running: IRunRecord[] = [];
+  private _finished: IRunRecord[] = [];
+  private _ledger: ILedger | null = null;
+  private _mode: ConnectionMode = 'connecting';
+  private _error: IModelError | null = null;
+  private _loaded = false;
+  private _started = false;
+  private _isDisposed = false;
+  private _changed = new Signal<this, void>(this);
+  private _summaryChanged = new Signal<this, string>(this);
+  private _runChanged = new Signal<this, IRunRecord>(this);
+}

@@ -1,0 +1,605 @@
+"""The JupyterLab side panel, in a real JupyterLab and a real Chromium.
+
+A `jupyter lab` subprocess (random port, token, non-root base URL, isolated Jupyter directories,
+virtual 24 GB GPU) serves the prebuilt `jupyter-evalsched` lab extension and the server extension.
+Playwright drives Debian's Chromium: the panel must show the ledger, the queue with its pending
+reason, progress, metrics, logs, finished runs, and cancel runs through a confirmation dialog,
+live over the event socket and, when told not to use it, by polling the REST API. A second server
+without the server extension checks that the panel says so.
+
+Needs: the package installed (``pip install -e .``) with the lab extension built and linked
+(``jupyter labextension develop --overwrite .``), /usr/bin/chromium and the playwright package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+BASE_URL = "/lab-test/"
+PANEL = "#jupyter-evalsched-panel"
+PANEL_TAB = '.lm-TabBar-tab[data-id="jupyter-evalsched-panel"]'
+VRAM = 24000
+SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+# Generous: runs are real subprocesses and CI machines have two cores.
+UI_TIMEOUT_MS = 30_000
+
+
+def _bin(name: str) -> str:
+    """An executable of this interpreter's environment (the venv), whatever PATH says."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _isolated_env(root: Path) -> dict[str, str]:
+    """Environment of a server: own HOME, Jupyter config/data/runtime dirs and runs dir.
+
+    The venv's share/jupyter (where the lab extension is linked) and etc/jupyter (which enables
+    the server extension) stay on the Jupyter paths: they come from sys.prefix, not from HOME.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EVALSCHED_", "JUPYTER_"))}
+    dirs = {name: root / name for name in ("home", "config", "data", "runtime", "runs", "work")}
+    for path in dirs.values():
+        path.mkdir(parents=True, exist_ok=True)
+    env.update(
+        HOME=str(dirs["home"]),
+        JUPYTER_CONFIG_DIR=str(dirs["config"]),
+        JUPYTER_DATA_DIR=str(dirs["data"]),
+        JUPYTER_RUNTIME_DIR=str(dirs["runtime"]),
+        JUPYTER_PLATFORM_DIRS="0",
+        EVALSCHED_VIRTUAL_GPUS=str(VRAM),
+        EVALSCHED_RUNS_DIR=str(dirs["runs"]),
+        EVALSCHED_CPU_SLOTS="4",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+class LabServer:
+    """A `jupyter lab` subprocess; this object holds the server's own PID (no shell between)."""
+
+    def __init__(self, root: Path, *, evalsched: bool = True) -> None:
+        self.root = root
+        self.port = _free_port()
+        self.token = secrets.token_hex(16)
+        self.url = f"http://127.0.0.1:{self.port}{BASE_URL}"
+        self.env = _isolated_env(root)
+        if not evalsched:
+            # The user config dir has the last word over the venv's conf.d auto-enable file.
+            (root / "config" / "jupyter_server_config.json").write_text(
+                json.dumps({"ServerApp": {"jpserver_extensions": {"jupyter_evalsched": False}}})
+            )
+        # No "get notified about Jupyter news?" toast over the side panel.
+        _write_settings(self, "@jupyterlab/apputils-extension", "notification", {"fetchNews": "false", "checkForUpdates": False})
+        self.log_path = root / "jupyter-lab.log"
+        self._log = open(self.log_path, "wb")
+        argv = [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.base_url={BASE_URL}",
+            f"--ServerApp.root_dir={root / 'work'}",
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ]
+        # exec semantics: Popen of the interpreter itself, so self.proc.pid is the server's PID.
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=root / "work",
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    # -- REST helpers (token auth, like any client of the contract) --------------------------
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path.lstrip("/"),
+            data=data,
+            method=method,
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                raw = resp.read()
+                status = resp.status
+                ctype = resp.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as err:
+            raw = err.read()
+            status = err.code
+            ctype = err.headers.get("Content-Type", "")
+        if "json" in ctype:
+            return status, json.loads(raw or b"null")
+        return status, raw.decode(errors="replace")
+
+    def submit(self, spec: dict) -> dict:
+        status, record = self.request("POST", "evalsched/runs", spec)
+        assert status == 201, (status, record)
+        return record
+
+    def run(self, run_id: str) -> dict:
+        status, record = self.request("GET", f"evalsched/runs/{run_id}")
+        assert status == 200, (status, record)
+        return record
+
+    def wait_ready(self, *, evalsched: bool, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                status, last = self.request("GET", "api/status")
+                if status == 200:
+                    if not evalsched:
+                        return
+                    status, last = self.request("GET", "evalsched/queue")
+                    if status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError) as err:
+                last = err
+            time.sleep(0.25)
+        raise AssertionError(f"jupyter lab not ready after {timeout}s ({last!r}):\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop this server (and only it): SIGTERM, then SIGKILL after a grace period."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def _start(root: Path, *, evalsched: bool = True) -> LabServer:
+    server = LabServer(root, evalsched=evalsched)
+    try:
+        server.wait_ready(evalsched=evalsched)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+    server = _start(tmp_path_factory.mktemp("lab"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    # Function scope on purpose: Playwright's sync API runs an event loop of its own, and
+    # pytest-jupyter's autouse loop fixture (tests/conftest.py) must not see it running when it
+    # closes its loop after each test.
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is not installed")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+class PageErrors:
+    """Uncaught page errors and console errors of our own code, checked at the end of a test."""
+
+    def __init__(self, page: Any) -> None:
+        self.errors: list[str] = []
+        page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
+        page.on(
+            "console",
+            lambda msg: self.errors.append(f"console: {msg.text}")
+            if msg.type == "error" and "evalsched" in msg.text.lower()
+            else None,
+        )
+
+
+def _open_lab(browser: Any, server: LabServer) -> tuple[Any, Any, PageErrors]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    errors = PageErrors(page)
+    page.goto(f"{server.url}lab?token={server.token}", wait_until="domcontentloaded", timeout=60_000)
+    # The layout restorer may bring up another side panel first: wait for ours to be attached,
+    # then make it visible through its tab in the side bar.
+    page.wait_for_selector(PANEL, state="attached", timeout=60_000)
+    page.wait_for_selector(PANEL_TAB, state="visible", timeout=60_000)
+    if not page.locator(PANEL).is_visible():
+        page.click(PANEL_TAB)
+    page.wait_for_selector(PANEL, state="visible")
+    return context, page, errors
+
+
+def _run(page: Any, run_id: str, state: str | None = None) -> Any:
+    selector = f'{PANEL} .jp-EvalSched-run[data-run-id="{run_id}"]'
+    if state:
+        selector += f'[data-state="{state}"]'
+    return page.locator(selector)
+
+
+def _wait_run(page: Any, run_id: str, state: str, section: str | None = None) -> Any:
+    locator = _run(page, run_id, state)
+    locator.wait_for(state="visible")
+    if section:
+        assert locator.get_attribute("data-section") == section
+    return locator
+
+
+def _gpu(page: Any, index: int = 0) -> Any:
+    return page.locator(f'{PANEL} .jp-EvalSched-gpu[data-index="{index}"]')
+
+
+def _wait_gpu(page: Any, *, allocated: int, runs: str | None = None, index: int = 0) -> None:
+    selector = f'{PANEL} .jp-EvalSched-gpu[data-index="{index}"][data-allocated-mb="{allocated}"]'
+    if runs is not None:
+        selector += f'[data-runs="{runs}"]'
+    page.wait_for_selector(selector)
+
+
+def _confirm_dialog(page: Any, accept: bool) -> None:
+    dialog = page.locator(".jp-Dialog")
+    dialog.wait_for(state="visible")
+    assert "Cancel run?" in dialog.inner_text()
+    if accept:
+        dialog.locator("button.jp-mod-warn").click()
+    else:
+        dialog.locator("button.jp-mod-reject").click()
+    dialog.wait_for(state="detached")
+
+
+def _write_settings(server: LabServer, package: str, plugin: str, settings: dict) -> None:
+    """JupyterLab user settings (read by the server on each page load)."""
+    path = Path(server.env["JUPYTER_CONFIG_DIR"]) / "lab" / "user-settings" / package
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{plugin}.jupyterlab-settings").write_text(json.dumps(settings))
+
+
+def _write_user_settings(server: LabServer, settings: dict) -> None:
+    """Settings of our plugin (schema/plugin.json)."""
+    _write_settings(server, "jupyter-evalsched", "plugin", settings)
+
+
+def _set_theme(server: LabServer, theme: str) -> None:
+    _write_settings(server, "@jupyterlab/apputils-extension", "themes", {"theme": theme})
+
+
+def _wait_idle(server: LabServer, timeout: float = 60.0) -> None:
+    """Until nothing is queued or running (tests of the module share one server)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, view = server.request("GET", "evalsched/queue")
+        assert status == 200, view
+        if not view["queued"] and not view["running"]:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the scheduler is still busy: {view}")
+
+
+def test_panel_live(lab: LabServer, browser: Any) -> None:
+    """Over the event socket: ledger, queue with reason, progress, metrics, logs, cancel."""
+    _write_user_settings(lab, {})
+    context, page, errors = _open_lab(browser, lab)
+    try:
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]')
+        gpu = _gpu(page)
+        gpu.wait_for(state="visible")
+        assert gpu.get_attribute("data-usable-mb") == str(VRAM)
+        assert gpu.get_attribute("data-allocated-mb") == "0"
+        assert gpu.get_attribute("data-free-mb") == str(VRAM)
+        assert page.locator(f"{PANEL} .jp-EvalSched-banner").is_hidden()
+
+        # -- admission against the ledger: the second 16 GB run waits for VRAM ---------------
+        spec = {
+            "entrypoint": SLEEPY,
+            "episodes": 5,
+            "params": {"sleep_s": 0.4},
+            "scheduling": {"marginal_vram_mb": 16000},
+        }
+        first = lab.submit({**spec, "name": "first-16g"})
+        second = lab.submit({**spec, "name": "second-16g"})
+        a, b = first["id"], second["id"]
+
+        _wait_run(page, a, "running", "running")
+        _wait_gpu(page, allocated=16000, runs=a)
+        seg = gpu.locator(f'.jp-EvalSched-seg[data-run-id="{a}"]')
+        assert seg.get_attribute("data-mb") == "16000"
+        assert a in (seg.get_attribute("title") or "") and "first-16g" in (seg.get_attribute("title") or "")
+        queued = _wait_run(page, b, "queued", "queued")
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-run[data-run-id="{b}"][data-reason-code="waiting_vram"]')
+        assert "waiting_vram" in queued.locator(".jp-EvalSched-reason").inner_text()
+        assert queued.locator(".jp-EvalSched-position").inner_text() == "#1"
+
+        # progress of the running run moves (done/total), then it succeeds with its metrics
+        page.wait_for_function(
+            """([sel]) => { const el = document.querySelector(sel);
+                 return el && Number(el.dataset.progressDone) >= 1 && el.dataset.progressTotal === '5'; }""",
+            arg=[f'{PANEL} .jp-EvalSched-run[data-run-id="{a}"]'],
+        )
+        done_a = _wait_run(page, a, "succeeded", "finished")
+        assert done_a.get_attribute("data-progress-done") == "5"
+        score = done_a.locator('.jp-EvalSched-metric[data-metric="score"]')
+        score.wait_for(state="visible")
+        assert 0.0 <= float(score.get_attribute("data-value")) < 1.0
+
+        # the queued run is admitted when the first one leaves the ledger
+        _wait_run(page, b, "running", "running")
+        _wait_gpu(page, allocated=16000, runs=b)
+        _wait_run(page, b, "succeeded", "finished")
+        _wait_gpu(page, allocated=0, runs="")
+        assert lab.run(b)["state"] == "succeeded"
+
+        # -- detail: summary metrics and the tail of the logs -------------------------------
+        printer = lab.submit(
+            {
+                "name": "printer",
+                "source": "def episode(ctx, index):\n"
+                "    print(f'hello from episode {index}', flush=True)\n"
+                "    return {'value': index * 1.5}\n",
+                "episodes": 3,
+            }
+        )
+        p = printer["id"]
+        row = _wait_run(page, p, "succeeded", "finished")
+        row.locator('[data-testid="evalsched-details"]').click()
+        detail = row.locator(".jp-EvalSched-detail")
+        detail.wait_for(state="visible")
+        detail.locator('tr[data-metric="value"]').wait_for(state="visible")
+        assert detail.locator('tr[data-metric="value"] td').nth(1).inner_text() == "1.5"  # mean of 0, 1.5, 3
+        log = detail.locator('[data-testid="evalsched-log"]')
+        page.wait_for_function(
+            "([sel]) => (document.querySelector(sel)?.textContent || '').includes('hello from episode 2')",
+            arg=[f'{PANEL} .jp-EvalSched-run[data-run-id="{p}"] [data-testid="evalsched-log"]'],
+        )
+        assert "hello from episode 0" in log.inner_text()
+        # the same detail in a main-area tab
+        detail.locator('[data-testid="evalsched-open-tab"]').click()
+        tab = page.locator(f'.jp-MainAreaWidget[id="jupyter-evalsched-run-{p}"]')
+        tab.wait_for(state="visible")
+        tab.locator('tr[data-metric="value"]').wait_for(state="visible")
+        page.wait_for_function(
+            "([sel]) => (document.querySelector(sel)?.textContent || '').includes('hello from episode 2')",
+            arg=[f'.jp-MainAreaWidget[id="jupyter-evalsched-run-{p}"] [data-testid="evalsched-log"]'],
+        )
+
+        # -- cancel: a queued run, then a running one (after first keeping it) -------------
+        long_spec = {
+            "entrypoint": SLEEPY,
+            "episodes": 400,
+            "params": {"sleep_s": 0.25},
+            "scheduling": {"marginal_vram_mb": 16000},
+        }
+        c = lab.submit({**long_spec, "name": "long-running"})["id"]
+        d = lab.submit({**long_spec, "name": "long-queued", "scheduling": {**long_spec["scheduling"], "priority": "high"}})["id"]
+        _wait_run(page, c, "running", "running")
+        _wait_run(page, d, "queued", "queued")
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-run[data-run-id="{d}"][data-reason-code="waiting_vram"]')
+        _wait_gpu(page, allocated=16000, runs=c)
+        page.wait_for_function(
+            "([sel]) => Number(document.querySelector(sel)?.dataset.progressDone) >= 2",
+            arg=[f'{PANEL} .jp-EvalSched-run[data-run-id="{c}"]'],
+        )
+        _run(page, c).locator('.jp-EvalSched-metric[data-metric="score"]').wait_for(state="visible")
+
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel.png"))
+
+        _run(page, d).locator('[data-testid="evalsched-cancel"]').click()
+        _confirm_dialog(page, accept=True)
+        cancelled_d = _wait_run(page, d, "cancelled", "finished")
+        assert cancelled_d.get_attribute("data-reason-code") == "cancelled"
+        assert lab.run(d)["state"] == "cancelled"
+
+        _run(page, c).locator('[data-testid="evalsched-cancel"]').click()
+        _confirm_dialog(page, accept=False)
+        time.sleep(0.5)
+        assert lab.run(c)["state"] == "running"
+        assert _run(page, c, "running").is_visible()
+
+        _run(page, c).locator('[data-testid="evalsched-cancel"]').click()
+        _confirm_dialog(page, accept=True)
+        cancelled_c = _wait_run(page, c, "cancelled", "finished")
+        assert cancelled_c.get_attribute("data-reason-code") == "cancelled"
+        assert cancelled_c.locator('[data-testid="evalsched-cancel"]').is_hidden()
+        _wait_gpu(page, allocated=0, runs="")
+        record = lab.run(c)
+        assert record["state"] == "cancelled" and record["reason"].startswith("cancelled")
+        assert 2 <= record["progress"]["done"] < 400
+
+        assert page.locator(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]').is_visible()
+        assert errors.errors == []
+    except BaseException:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-live-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        context.close()
+        _write_user_settings(lab, {})
+
+
+def test_panel_polling_fallback(lab: LabServer, browser: Any) -> None:
+    """Without the event socket the panel polls GET /evalsched/queue and still follows runs."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {"useWebSocket": False, "refreshInterval": 0.5})
+    _set_theme(lab, "JupyterLab Dark")
+    context, page, errors = _open_lab(browser, lab)
+    try:
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="polling"]')
+        _gpu(page).wait_for(state="visible")
+        spec = {
+            "entrypoint": SLEEPY,
+            "episodes": 8,
+            "params": {"sleep_s": 0.4},
+            "scheduling": {"marginal_vram_mb": 20000},
+        }
+        x = lab.submit({**spec, "name": "poll-a"})["id"]
+        y = lab.submit({**spec, "name": "poll-b"})["id"]
+        _wait_run(page, x, "running", "running")
+        _wait_gpu(page, allocated=20000, runs=x)
+        _wait_run(page, y, "queued", "queued")
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-run[data-run-id="{y}"][data-reason-code="waiting_vram"]')
+        page.wait_for_selector('body[data-jp-theme-light="false"]', state="attached")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-dark.png"))
+        _wait_run(page, x, "succeeded", "finished")
+        _wait_run(page, y, "running", "running")
+        _wait_run(page, y, "succeeded", "finished")
+        _wait_gpu(page, allocated=0, runs="")
+        # earlier runs of the module are listed as recently finished too (REST list, newest first)
+        finished = page.locator(f'{PANEL} .jp-EvalSched-list[data-section="finished"] .jp-EvalSched-run')
+        ids = [finished.nth(i).get_attribute("data-run-id") for i in range(finished.count())]
+        assert ids[:2] == [y, x]
+
+        # the submit form: a spec the server rejects shows its field errors, a valid one runs
+        page.locator(f"{PANEL} .jp-EvalSched-submit > summary").click()
+        form = page.locator(f"{PANEL} .jp-EvalSched-form")
+        form.locator('[data-testid="evalsched-submit-entrypoint"]').fill("not an entrypoint")
+        form.locator('[data-testid="evalsched-submit"]').click()
+        message = form.locator(".jp-EvalSched-formMessage.jp-mod-error")
+        message.wait_for(state="visible")
+        assert "entrypoint" in message.inner_text()
+        form.locator('[data-testid="evalsched-submit-entrypoint"]').fill(SLEEPY)
+        form.locator('[data-testid="evalsched-submit-name"]').fill("from-the-form")
+        form.locator('[data-testid="evalsched-submit-episodes"]').fill("2")
+        form.locator('[data-testid="evalsched-submit-params"]').fill('{"sleep_s": 0.1}')
+        form.locator('[data-testid="evalsched-submit"]').click()
+        page.wait_for_function(
+            "([sel]) => /Submitted \\S+ \\(/.test(document.querySelector(sel)?.textContent || '')",
+            arg=[f"{PANEL} .jp-EvalSched-formMessage"],
+        )
+        submitted = re.search(r"Submitted (\S+) \(", form.locator(".jp-EvalSched-formMessage").inner_text()).group(1)
+        _wait_run(page, submitted, "succeeded", "finished")
+        record = lab.run(submitted)
+        assert record["name"] == "from-the-form" and record["progress"] == {"done": 2, "total": 2}
+        assert page.locator(f'{PANEL} .jp-EvalSched-conn[data-mode="polling"]').is_visible()
+        assert errors.errors == []
+    except BaseException:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-polling-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        context.close()
+        _write_user_settings(lab, {})
+        _set_theme(lab, "JupyterLab Light")
+
+
+def test_panel_without_server_extension(tmp_path: Path, browser: Any) -> None:
+    """The server extension disabled: /evalsched/ answers 404 and the panel says so."""
+    server = _start(tmp_path, evalsched=False)
+    try:
+        status, _ = server.request("GET", "evalsched/queue")
+        assert status == 404
+        context, page, _errors = _open_lab(browser, server)
+        try:
+            banner = page.locator(f'{PANEL} .jp-EvalSched-banner[data-kind="missing"]')
+            banner.wait_for(state="visible")
+            assert "jupyter_evalsched server extension is not enabled" in banner.inner_text()
+            assert page.locator(f"{PANEL} .jp-EvalSched-gpu").count() == 0
+        finally:
+            context.close()
+    finally:
+        server.stop()
+
+
+def test_browser_check(tmp_path: Path) -> None:
+    """JupyterLab's own check: the server starts with every extension and the page config builds."""
+    env = _isolated_env(tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab.browser_check",
+            "--no-chrome-test",
+            "--allow-root",
+            f"--ServerApp.port={_free_port()}",
+            f"--ServerApp.root_dir={tmp_path / 'work'}",
+        ],
+        cwd=tmp_path / "work",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "Test Complete" in output, output[-4000:]
+    assert re.search(r"jupyter_evalsched \| extension was successfully loaded", output), output[-4000:]
+
+
+def test_labextension_listed(tmp_path: Path) -> None:
+    """`jupyter labextension list` finds jupyter-evalsched, enabled and OK."""
+    env = _isolated_env(tmp_path)
+    proc = subprocess.run(
+        [_bin("jupyter"), "labextension", "list"],
+        cwd=tmp_path,
+        env={**env, "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    assert proc.returncode == 0, output
+    line = next((ln for ln in output.splitlines() if "jupyter-evalsched" in ln), None)
+    assert line is not None, output
+    assert re.search(r"jupyter-evalsched v\S+ enabled\s+OK", line), line
+    # The prebuilt bundle is really there (not a dangling link): its remote entry exists.
+    ext = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "jupyter-evalsched"
+    meta = json.loads((ext / "package.json").read_text())
+    assert meta["name"] == "jupyter-evalsched"
+    assert (ext / meta["jupyterlab"]["_build"]["load"]).is_file()
+    assert (ext / "schemas" / "jupyter-evalsched" / "plugin.json").is_file()
