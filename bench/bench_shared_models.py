@@ -135,6 +135,7 @@ def throughput(url: str, clients: int, seconds: float) -> tuple[float, list[floa
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - began
+    model.close()  # idle open connections would make the host wait max_wait_ms for them later
     return sum(counts) / elapsed, [x for per in latencies for x in per]
 
 
@@ -149,6 +150,21 @@ def median_call_s(fn, arg, calls: int) -> float:
     return statistics.median(samples)
 
 
+def interleaved_medians(first, second, arg, calls: int) -> tuple[float, float]:
+    """Median latency of two callables, timed alternately (the same noise for both)."""
+    for _ in range(10):
+        first(arg), second(arg)
+    a, b = [], []
+    for _ in range(calls):
+        started = time.perf_counter()
+        first(arg)
+        middle = time.perf_counter()
+        second(arg)
+        a.append(middle - started)
+        b.append(time.perf_counter() - middle)
+    return statistics.median(a), statistics.median(b)
+
+
 async def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     try:
@@ -161,12 +177,17 @@ async def main() -> dict:
     parser.add_argument("--seconds", type=float, default=6.0, help="duration of each throughput run")
     parser.add_argument("--calls", type=int, default=300, help="calls per latency measurement")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op CPU threads of every process that runs the model (hosts, own copies, "
+                             "in-process baseline); 1 keeps the figures stable on a busy machine")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # own copies and the in-process baseline
+        os.environ[variable] = str(args.threads)
 
     work_dir = tempfile.mkdtemp(prefix="bench-shared-models-")
     tiny_dir = os.path.join(work_dir, "tiny-bert")
-    base = model_declaration(args.model, tiny_dir)
+    base = {**model_declaration(args.model, tiny_dir), "cpu_threads": args.threads}
     manager = ModelHostManager(
         [
             {"name": "batched", **base, "max_batch_size": 8, "max_wait_ms": 5},
@@ -176,7 +197,7 @@ async def main() -> dict:
         socket_parent=work_dir,
     )
     await manager.start()
-    results: dict = {"model": args.model, "cpus": os.cpu_count(), "json": args.json}
+    results: dict = {"model": args.model, "cpus": os.cpu_count(), "threads": args.threads, "json": args.json}
     try:
         urls = await manager.urls_for(["batched", "unbatched", "upper"])
         started = time.perf_counter()
@@ -192,9 +213,11 @@ async def main() -> dict:
         await asyncio.to_thread(stop_all, clients)
         loader = base["loader"]
         kwargs = json.dumps({"model": base["model"]})
+        alone = await asyncio.to_thread(start_all, [[OWN_COPY, loader, kwargs, *SENTENCES]])
+        one_rss, one_pss = memory_of([alone[0].pid])  # measured alone, so that PSS is not split
+        await asyncio.to_thread(stop_all, alone)
         owners = await asyncio.to_thread(start_all, [[OWN_COPY, loader, kwargs, *SENTENCES] for _ in range(4)])
         own_rss, own_pss = memory_of([p.pid for p in owners])
-        one_rss, one_pss = memory_of([owners[0].pid])
         await asyncio.to_thread(stop_all, owners)
         results["memory"] = {
             "one_process_with_model_mb": round(one_rss / 2**20),
@@ -212,8 +235,16 @@ async def main() -> dict:
 
         # (b) throughput, 8 concurrent clients
         await asyncio.to_thread(connect(urls["unbatched"]), SENTENCES[0])  # load outside the timing
-        batched_rate, batched_lat = await asyncio.to_thread(throughput, urls["batched"], 8, args.seconds)
-        unbatched_rate, unbatched_lat = await asyncio.to_thread(throughput, urls["unbatched"], 8, args.seconds)
+        # Alternate short rounds, so that a change in the machine's load hits both alike.
+        rates: dict[str, list[float]] = {"batched": [], "unbatched": []}
+        latencies: dict[str, list[float]] = {"batched": [], "unbatched": []}
+        for _ in range(3):
+            for name in ("batched", "unbatched"):
+                rate, lat = await asyncio.to_thread(throughput, urls[name], 8, args.seconds / 3)
+                rates[name].append(rate)
+                latencies[name] += lat
+        batched_rate, unbatched_rate = statistics.mean(rates["batched"]), statistics.mean(rates["unbatched"])
+        batched_lat, unbatched_lat = latencies["batched"], latencies["unbatched"]
         figures = {d["name"]: d for d in await manager.describe()}
         results["throughput"] = {
             "clients": 8,
@@ -227,18 +258,20 @@ async def main() -> dict:
             "load_count": figures["batched"]["load_count"],
         }
 
-        # (c) per-call overhead, one caller
-        shared_s = await asyncio.to_thread(median_call_s, connect(urls["batched"]), SENTENCES[2], args.calls)
+        # (c) per-call overhead, one caller: the same model in this process, the two kinds of
+        # call interleaved so that both see the same load on the machine.
+        import importlib
+
+        module, function = base["loader"].split(":")
+        in_process = getattr(importlib.import_module(module), function)(model=base["model"])
+        shared = connect(urls["batched"])
+        shared_s, local_s = await asyncio.to_thread(
+            interleaved_medians, shared, lambda text: in_process([text])[0], SENTENCES[2], args.calls
+        )
         roundtrip_s = await asyncio.to_thread(median_call_s, connect(urls["upper"]), "ping", args.calls * 3)
+        shared.close()
     finally:
         await manager.stop()
-
-    # The same model, in this process (imports torch here: measured last, after the hosts are gone).
-    import importlib
-
-    module, function = base["loader"].split(":")
-    in_process = getattr(importlib.import_module(module), function)(model=base["model"])
-    local_s = median_call_s(lambda text: in_process([text]), SENTENCES[2], args.calls)
     results["overhead"] = {
         "in_process_ms": round(local_s * 1000, 3),
         "shared_ms": round(shared_s * 1000, 3),
@@ -252,14 +285,17 @@ async def main() -> dict:
 def report(results: dict) -> None:
     m, t, o = results["memory"], results["throughput"], results["overhead"]
     print(f"shared models benchmark - model: {results['model']}, {results['cpus']} CPUs, "
+          f"{results['threads']} intra-op thread(s) per model process, "
           f"first load in the host {results['host_first_load_s']} s")
     print("(a) memory, RSS (PSS)")
     print(f"    one process holding the model      {m['one_process_with_model_mb']:6d} MB")
     print(f"    host {m['host_mb']} MB + 4 clients of {m['client_process_mb']} MB"
           f"  = {m['shared_4_runs_rss_mb']:6d} MB ({m['shared_4_runs_pss_mb']} MB)"
-          f"  -> {m['shared_over_one']}x one process ({m['pss_shared_over_one']}x)   target <= 1.25x")
+          f"  -> {m['shared_over_one']}x one process   target <= 1.25x")
     print(f"    4 processes with their own copy     {m['own_copies_4_runs_rss_mb']:6d} MB"
-          f" ({m['own_copies_4_runs_pss_mb']} MB)  -> {m['own_over_one']}x one process ({m['pss_own_over_one']}x)")
+          f" ({m['own_copies_4_runs_pss_mb']} MB)  -> {m['own_over_one']}x one process")
+    print(f"    PSS sums over one process alone: shared {m['pss_shared_over_one']}x, own copies {m['pss_own_over_one']}x"
+          " (PSS splits library pages with every process mapping them, also unrelated ones)")
     print(f"(b) throughput, {t['clients']} concurrent clients, one input per call")
     print(f"    batched (max 8, 5 ms)   {t['batched_calls_per_s']:8.1f} calls/s  p50 {t['batched_p50_ms']} ms"
           f"  mean batch {t['mean_batch_size']}  sizes {t['batch_sizes']}")

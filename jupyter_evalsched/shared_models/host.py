@@ -1,0 +1,517 @@
+"""The model host: one long-lived process per shared model, a child of the Jupyter server.
+
+Started by ``ModelHostManager`` as::
+
+    python -m jupyter_evalsched.shared_models.host --socket PATH --config JSON --parent-pid PID
+
+It serves one model on a Unix socket (0600, in the manager's 0700 directory, peers checked with
+SO_PEERCRED). The model is loaded at the first request (or at start with ``preload``) and stays
+loaded. A crash or an out-of-memory while loading or running it ends this process only: the
+server, its scheduler and the other models' hosts go on, and the manager starts a new host.
+
+Threads: the main thread accepts connections; one thread per connection reads requests (one at a
+time per connection) and waits for their answers; one batcher thread owns the model, loads it,
+gathers queued inputs into batches (up to ``max_batch_size``, waiting at most ``max_wait_ms``
+for more, and not at all when every connected client already has a request queued) and answers
+each request with its slice of the outputs, in order. The size of every batch run is recorded.
+
+Events for the manager go to the original stdout as JSON lines (``ready``, ``loading``,
+``loaded``, ``load_failed``); fd 1 is pointed at stderr so that prints of a loader cannot
+corrupt them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import importlib
+import json
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections import Counter, deque
+
+from .config import ModelConfig, parse_model
+from .protocol import ProtocolError, recv_message, send_message
+
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+
+
+# -- output conversion ----------------------------------------------------------------------
+
+
+def to_plain(value):
+    """Convert a model output to plain Python: tensors and arrays to lists, numpy scalars to
+    floats/ints/bools. Raises TypeError for objects that have no plain form."""
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return value
+    if kind is list or kind is tuple:
+        return kind(to_plain(item) for item in value)
+    if isinstance(value, dict):
+        return {to_plain(key): to_plain(item) for key, item in value.items()}
+    if hasattr(value, "detach") and hasattr(value, "cpu") and hasattr(value, "tolist"):  # torch.Tensor
+        return value.detach().cpu().tolist()
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # numpy array or scalar
+        return to_plain(value.tolist())
+    # Subclasses of plain types (numpy.float64 is a float) would pickle as their own class.
+    for base in (bool, int, float, str, bytes):
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_plain(item) for item in value]
+    raise TypeError(f"the model returned a {kind.__module__}.{kind.__qualname__}, which has no plain-data form")
+
+
+def _error_dict(exc: BaseException, phase: str) -> dict:
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc) or repr(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "phase": phase,
+    }
+
+
+# -- the served model -----------------------------------------------------------------------
+
+
+class _PipelineCaller:
+    """Calls a transformers pipeline on a whole batch at once."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.unpad = getattr(pipe, "task", None) == "feature-extraction"
+
+    def __call__(self, inputs: list, **kwargs):
+        outputs = self.pipe(inputs, **{"batch_size": len(inputs), **kwargs})
+        if self.unpad:
+            from .loaders import unpad_feature_extraction
+
+            outputs = unpad_feature_extraction(self.pipe, inputs, outputs, kwargs)
+        return outputs
+
+
+def load_callable(config: ModelConfig):
+    """Build the batch callable of a model: ``fn(list_of_inputs, **kwargs) -> list_of_outputs``."""
+    options = dict(config.options)
+    # main() narrows CUDA_VISIBLE_DEVICES to the model's GPU, which is then cuda:0 in here.
+    device = "cuda:0" if config.gpu_index is not None else config.device
+    if config.task is not None:
+        from transformers import pipeline  # imported here only: the host stays light until a load
+
+        if config.dtype is not None:
+            options.setdefault("dtype", config.dtype)
+        return _PipelineCaller(pipeline(config.task, model=config.model, device=device, **options))
+    module_name, function_name = config.loader.split(":", 1)
+    loader = getattr(importlib.import_module(module_name), function_name)
+    fn = loader(model=config.model, device=device, dtype=config.dtype, **options)
+    if not callable(fn):
+        raise TypeError(f"loader {config.loader} returned a {type(fn).__name__}, not a callable")
+    return fn
+
+
+class _Call:
+    """One client request: its inputs, and the outputs filled in batch by batch."""
+
+    __slots__ = ("inputs", "kwargs", "key", "outputs", "remaining", "error", "done")
+
+    def __init__(self, inputs: list, kwargs: dict):
+        self.inputs = inputs
+        self.kwargs = kwargs
+        # Only requests with equal keyword arguments can share a forward pass.
+        self.key = pickle.dumps(sorted(kwargs.items()), protocol=5) if kwargs else b""
+        self.outputs: list = [None] * len(inputs)
+        self.remaining = len(inputs)
+        self.error: dict | None = None
+        self.done = threading.Event()
+
+
+class ModelHost:
+    def __init__(self, config: ModelConfig, socket_path: str, emit):
+        self.config = config
+        self.socket_path = socket_path
+        self.emit = emit
+        self.cond = threading.Condition()
+        self.queue: deque[tuple[_Call, int]] = deque()  # one entry per input, in arrival order
+        self.fn = None
+        self.state = "not_loaded"
+        self.error: dict | None = None
+        self.failed_at = 0.0
+        self.load_count = 0
+        self.load_seconds: float | None = None
+        self.outstanding = 0  # requests queued or being computed
+        self.callers = 0  # open connections that have sent a call
+        self.requests = 0
+        self.failed_requests = 0
+        self.batches = 0
+        self.inputs = 0
+        self.batch_sizes: Counter[int] = Counter()
+        self.forward_seconds = 0.0  # time spent in the model (and output conversion)
+
+    # -- figures --
+
+    def _error(self, exc: BaseException, phase: str) -> dict:
+        error = _error_dict(exc, phase)
+        if isinstance(exc, MemoryError):
+            cap = self.config.max_memory_mb
+            limit = f"; this host's address space is capped at max_memory_mb={cap}" if cap else ""
+            detail = f" ({exc})" if str(exc) else ""
+            error["message"] = f"out of memory while {'loading the model' if phase == 'load' else 'running a batch'}{detail}{limit}"
+        return error
+
+    def describe(self) -> dict:
+        with self.cond:
+            return {
+                "name": self.config.name,
+                "state": self.state,
+                "device": self.config.device,
+                "vram_mb": self.config.vram_mb,
+                "pid": os.getpid(),
+                "requests": self.requests,
+                "failed_requests": self.failed_requests,
+                "batches": self.batches,
+                "inputs": self.inputs,
+                "mean_batch_size": round(self.inputs / self.batches, 3) if self.batches else 0.0,
+                "batch_sizes": {str(size): count for size, count in sorted(self.batch_sizes.items())},
+                "mean_batch_ms": round(1000 * self.forward_seconds / self.batches, 3) if self.batches else 0.0,
+                "max_batch_size": self.config.max_batch_size,
+                "max_wait_ms": self.config.max_wait_ms,
+                "load_count": self.load_count,
+                "load_seconds": self.load_seconds,
+                "error": self.error and {k: self.error[k] for k in ("type", "message")},
+                "queued": len(self.queue),
+                "callers": self.callers,
+            }
+
+    # -- the batcher thread --
+
+    def run_batcher(self) -> None:
+        try:
+            self._batch_forever()
+        except BaseException:
+            # Without its batcher the host would accept requests and never answer them: end the
+            # process instead, so that callers get HostDied and the manager starts a new host.
+            traceback.print_exc()
+            os._exit(70)
+
+    def _batch_forever(self) -> None:
+        if self.config.preload:
+            self._load()
+        while True:
+            with self.cond:
+                while not self.queue:
+                    self.cond.wait()
+            if self.state != "loaded":
+                self._load()
+                if self.state != "loaded":
+                    self._fail_queued(self.error)
+                    continue
+            call_batch = self._gather()
+            if call_batch:
+                self._run(call_batch)
+
+    def _load(self) -> None:
+        with self.cond:
+            self.state = "loading"
+            self.load_count += 1
+        self.emit("loading", load_count=self.load_count)
+        started = time.monotonic()
+        try:
+            fn = load_callable(self.config)
+        except BaseException as exc:  # a loader's SystemExit or MemoryError is a failed load too
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            error = self._error(exc, "load")
+            del exc
+            gc.collect()  # give back what a half-done load allocated
+            with self.cond:
+                self.state, self.error, self.failed_at = "failed", error, time.monotonic()
+            self.emit("load_failed", error=error, load_count=self.load_count)
+            return
+        with self.cond:
+            self.fn, self.state, self.error = fn, "loaded", None
+            self.load_seconds = round(time.monotonic() - started, 3)
+        self.emit("loaded", seconds=self.load_seconds, load_count=self.load_count)
+
+    def _fail_queued(self, error: dict) -> None:
+        with self.cond:
+            calls = {id(call): call for call, _ in self.queue}
+            self.queue.clear()
+            for call in calls.values():
+                self._finish(call, error)
+
+    def _gather(self) -> list[tuple[_Call, int]]:
+        """Take the next batch off the queue: entries with the head's kwargs, up to the limit."""
+        limit = self.config.max_batch_size
+        deadline = time.monotonic() + self.config.max_wait_ms / 1000.0
+        with self.cond:
+            while True:
+                # Drop entries of requests that already failed.
+                while self.queue and self.queue[0][0].error is not None:
+                    self.queue.popleft()
+                if not self.queue:
+                    return []
+                key = self.queue[0][0].key
+                compatible = sum(1 for call, _ in self.queue if call.key == key and call.error is None)
+                if compatible >= limit:
+                    break
+                # Waiting helps only if some connected client could still send: when every caller
+                # already has a request queued, nobody else can join this batch.
+                if self.outstanding >= self.callers:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.cond.wait(remaining)
+            batch: list[tuple[_Call, int]] = []
+            kept: deque[tuple[_Call, int]] = deque()
+            for entry in self.queue:
+                call = entry[0]
+                if call.error is not None:
+                    continue
+                if call.key == key and len(batch) < limit:
+                    batch.append(entry)
+                else:
+                    kept.append(entry)
+            self.queue = kept
+            return batch
+
+    def _forward(self, entries: list[tuple[_Call, int]]) -> list:
+        inputs = [call.inputs[index] for call, index in entries]
+        with self.cond:
+            self.batches += 1
+            self.inputs += len(inputs)
+            self.batch_sizes[len(inputs)] += 1
+        started = time.perf_counter()
+        try:
+            outputs = self.fn(inputs, **entries[0][0].kwargs)
+            if not isinstance(outputs, list):
+                outputs = list(outputs)
+            if len(outputs) != len(inputs):
+                raise ValueError(f"the model returned {len(outputs)} outputs for a batch of {len(inputs)} inputs")
+            return [to_plain(output) for output in outputs]
+        finally:
+            self.forward_seconds += time.perf_counter() - started
+
+    def _run(self, entries: list[tuple[_Call, int]]) -> None:
+        try:
+            outputs = self._forward(entries)
+        except BaseException as exc:  # a model's sys.exit() must not end the batcher thread
+            calls = list({id(call): call for call, _ in entries}.values())
+            if len(calls) == 1:
+                with self.cond:
+                    self._finish(calls[0], self._error(exc, "call"))
+                return
+            # Several requests shared the failed batch: run each alone, so that one bad input
+            # fails its own request only.
+            del exc
+            for call in calls:
+                self._run([entry for entry in entries if entry[0] is call])
+            return
+        with self.cond:
+            for (call, index), output in zip(entries, outputs):
+                call.outputs[index] = output
+                call.remaining -= 1
+                if call.remaining == 0:
+                    self._finish(call, None)
+
+    def _finish(self, call: _Call, error: dict | None) -> None:
+        """Complete a request (with ``self.cond`` held)."""
+        if call.done.is_set():
+            return
+        call.error = error
+        self.outstanding -= 1
+        if error is None:
+            self.requests += 1
+        else:
+            self.failed_requests += 1
+        call.done.set()
+        self.cond.notify_all()
+
+    # -- connections --
+
+    def submit(self, inputs: list, kwargs: dict) -> dict:
+        call = _Call(inputs, kwargs)
+        with self.cond:
+            if self.state == "failed" and time.monotonic() < self.failed_at + self.config.load_retry_s:
+                # Fail fast instead of loading a failing model again for every request.
+                error = dict(self.error)
+                wait = self.failed_at + self.config.load_retry_s - time.monotonic()
+                error["message"] += f" (the next load attempt is allowed in {wait:.0f} s)"
+                self.failed_requests += 1
+                return {"ok": False, "error": error}
+            self.outstanding += 1
+            self.queue.extend((call, index) for index in range(len(inputs)))
+            self.cond.notify_all()
+        call.done.wait()
+        if call.error is not None:
+            return {"ok": False, "error": call.error}
+        return {"ok": True, "outputs": call.outputs}
+
+    def serve_connection(self, conn: socket.socket) -> None:
+        is_caller = False
+        try:
+            if not _peer_is_owner(conn):
+                return
+            # The greeting tells the client that this host accepted the connection: a connection
+            # that breaks before it was never served, so the client may safely connect again.
+            send_message(conn, {"ok": True, "hello": {"model": self.config.name, "pid": os.getpid()}})
+            while True:
+                try:
+                    message = recv_message(conn, plain_only=False)
+                except (ProtocolError, OSError):
+                    return
+                if message.get("op") == "call" and not is_caller:
+                    # Only connections that send calls count as callers for the batching wait.
+                    is_caller = True
+                    with self.cond:
+                        self.callers += 1
+                        self.cond.notify_all()
+                send_message(conn, self._handle(message))
+        except OSError:
+            return
+        finally:
+            if is_caller:
+                with self.cond:
+                    self.callers -= 1
+                    self.cond.notify_all()
+            conn.close()
+
+    def _handle(self, message: dict) -> dict:
+        op = message.get("op")
+        if message.get("model") != self.config.name:
+            return _bad_request(f"this host serves {self.config.name!r}, not {message.get('model')!r}")
+        if op == "describe":
+            return {"ok": True, "describe": self.describe()}
+        if op == "ping":
+            return {"ok": True}
+        if op != "call":
+            return _bad_request(f"unknown op {op!r}")
+        inputs, kwargs = message.get("inputs"), message.get("kwargs", {})
+        if not isinstance(inputs, list) or not inputs:
+            return _bad_request("'inputs' must be a non-empty list")
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            return _bad_request("'kwargs' must be a dict with string keys")
+        return self.submit(inputs, kwargs)
+
+    def serve_forever(self) -> None:
+        listener = _listen(self.socket_path)
+        threading.Thread(target=self.run_batcher, name="batcher", daemon=True).start()
+        self.emit("ready", socket=self.socket_path)
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=self.serve_connection, args=(conn,), daemon=True).start()
+
+
+def _bad_request(message: str) -> dict:
+    return {"ok": False, "error": {"type": "BadRequest", "message": message, "phase": "call"}}
+
+
+def _peer_is_owner(conn: socket.socket) -> bool:
+    """Defence in depth over the 0600 socket: serve only processes of our own user."""
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (AttributeError, OSError):
+        return True  # no SO_PEERCRED on this platform: the file permissions still apply
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
+def _listen(path: str) -> socket.socket:
+    """Bind under a temporary name with a 0600 mode, then rename into place atomically."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.unlink(temporary)
+    except FileNotFoundError:
+        pass
+    previous_umask = os.umask(0o177)
+    try:
+        listener.bind(temporary)
+    finally:
+        os.umask(previous_umask)
+    os.chmod(temporary, 0o600)
+    listener.listen(256)
+    os.replace(temporary, path)
+    return listener
+
+
+# -- process set-up -------------------------------------------------------------------------
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """PR_SET_PDEATHSIG after exec (no preexec_fn), then close the race with a getppid check."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 == PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _limit_memory(max_memory_mb: int | None) -> None:
+    if max_memory_mb:
+        import resource
+
+        limit = max_memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _event_writer():
+    """Keep the real stdout for events; point fd 1 (and print) at stderr."""
+    stream = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    lock = threading.Lock()
+
+    def emit(event: str, **fields) -> None:
+        line = json.dumps({"event": event, "time": time.time(), **fields}, default=str)
+        with lock:
+            try:
+                stream.write(line + "\n")
+            except (OSError, ValueError):
+                pass  # the manager is gone; the death signal ends us
+
+    return emit
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jupyter_evalsched.shared_models.host")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--config", required=True, help="the model's declaration, as JSON")
+    parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--failed-load", default=None, help="a previous host's load failure, as JSON")
+    args = parser.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    config = parse_model(json.loads(args.config))
+    emit = _event_writer()
+    _limit_memory(config.max_memory_mb)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if config.cpu_threads:
+        # Before torch is imported: its OpenMP/MKL pools read these once. On a busy host, fewer
+        # threads than cores avoids the OpenMP barrier stalls of preempted workers.
+        for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ[variable] = str(config.cpu_threads)
+    if config.gpu_index is not None:
+        # See only the model's GPU, numbered as NVML numbers it: no CUDA context on other GPUs.
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(config.gpu_index)
+    host = ModelHost(config, args.socket, emit)
+    if args.failed_load:
+        # The previous host died while loading: answer with that error for load_retry_s.
+        host.state, host.error, host.failed_at = "failed", json.loads(args.failed_load), time.monotonic()
+    host.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

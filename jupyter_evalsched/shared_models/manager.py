@@ -1,0 +1,425 @@
+"""The server side of the shared models: starts, watches and restarts one host process per model.
+
+``ModelHostManager`` is built by the app from the ``EvalSchedApp.models`` traitlet (a list of
+dicts, validated by ``config.parse_models``: a bad declaration is a ValueError naming the model and
+the field). Everything it does on the event loop is non-blocking: the hosts are asyncio
+subprocesses whose events (JSON lines on their stdout) are read by a watcher task, and figures are
+fetched over asyncio Unix streams. Inference never runs in the server process.
+
+Why one host process per model: a crash, an OOM or a runaway allocation while loading or running
+one model (RLIMIT_AS is per process) takes down that model's host only, never the server, the
+scheduler, or the other models. The cost is one interpreter (and, on a GPU, one CUDA context) per
+model, which the declared ``vram_mb`` should include.
+
+When a host dies, the requests it was serving fail at once with ``SharedModelError`` (HostDied),
+and the manager starts a new host after a hold (backoff: 0.5 s, doubling per consecutive early
+death, at most 60 s) so that a crash-looping model cannot spin. The new host loads the model at
+the next request. A host that died while loading tells the next host, which answers requests
+with that error for the model's ``load_retry_s`` instead of loading again at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import time
+from typing import Any, Iterable
+
+from .client import make_url
+from .config import ModelConfig, parse_models
+from .protocol import HEADER, PlainUnpickler, encode
+
+HOLD_BASE_S = 0.5
+HOLD_MAX_S = 60.0
+EARLY_DEATH_S = 60.0  # a host that dies sooner than this after its start counts as crash-looping
+READY_TIMEOUT_S = 10.0
+STOP_GRACE_S = 5.0
+DESCRIBE_TIMEOUT_S = 2.0
+_SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS: keep a margin
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def restart_hold_s(early_deaths: int) -> float:
+    """How long a dead host stays down: 0.5 s, doubling with each consecutive early death."""
+    return min(HOLD_BASE_S * 2 ** max(0, early_deaths - 1), HOLD_MAX_S)
+
+
+def _describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "an unknown status"
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class _Host:
+    """What the manager knows about one model and its host process."""
+
+    def __init__(self, config: ModelConfig, socket_path: str):
+        self.config = config
+        self.socket_path = socket_path
+        self.url = make_url(socket_path, config.name)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.started_at = 0.0
+        self.ready = asyncio.Event()
+        self.state = "not_loaded"
+        self.error: dict | None = None
+        self.load_count = 0
+        self.load_seconds: float | None = None
+        self.starts = 0
+        self.deaths = 0
+        self.early_deaths = 0  # consecutive deaths soon after start: the hold grows with them
+        self.held_until = 0.0
+        self.respawn: asyncio.Task | None = None
+        self.watcher: asyncio.Task | None = None
+        self.lock = asyncio.Lock()
+        self.inherited_failure: dict | None = None  # a load failure to hand to the next host
+        self.last_figures: dict = {}
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class ModelHostManager:
+    """Owns the shared-model hosts of this Jupyter server. See the module docstring.
+
+    ``models``: the operator's declarations (list of dicts). ``socket_dir``: the private directory
+    of the sockets, created 0700 (it must not exist as anything but our own directory); or else
+    ``socket_parent``: where a fresh private directory is made (default: the system temp dir).
+    Unix socket paths are limited to about 100 bytes: a longer or unusable place falls back to a
+    fresh directory under /tmp. ``log_dir``: where each host's stderr goes (``<name>.log``;
+    default: the socket directory). ``env``: extra environment of the hosts.
+    """
+
+    def __init__(
+        self,
+        models: Iterable[dict] | None = None,
+        *,
+        socket_dir: str | os.PathLike | None = None,
+        socket_parent: str | os.PathLike | None = None,
+        log_dir: str | None = None,
+        env: dict[str, str] | None = None,
+        log: logging.Logger | None = None,
+    ):
+        self.configs: list[ModelConfig] = parse_models(list(models) if models is not None else [])
+        self.requested_socket_dir = os.fspath(socket_dir) if socket_dir is not None else None
+        self.socket_parent = os.fspath(socket_parent) if socket_parent is not None else None
+        self.log_dir = log_dir
+        self.env = dict(env or {})
+        self.log = log or logging.getLogger("jupyter_evalsched.shared_models")
+        self.socket_dir: str | None = None
+        self._hosts: dict[str, _Host] = {}
+        self._stopping = False
+        self._started = False
+
+    # -- synchronous queries (no host needed) ---------------------------------------------------
+
+    def names(self) -> list[str]:
+        return [config.name for config in self.configs]
+
+    def baseline_mb_by_device(self) -> dict[int, int]:
+        """Declared VRAM of the shared models per GPU index (the ledger's baseline)."""
+        baseline: dict[int, int] = {}
+        for config in self.configs:
+            if config.gpu_index is not None and config.vram_mb:
+                baseline[config.gpu_index] = baseline.get(config.gpu_index, 0) + config.vram_mb
+        return baseline
+
+    def pids(self) -> set[int]:
+        return {host.proc.pid for host in self._hosts.values() if host.alive}
+
+    def url(self, name: str) -> str:
+        """The URL of a model (stable for the manager's lifetime); ValueError if unknown."""
+        return self._host(name).url
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the private socket directory; start the hosts of models declared ``preload``."""
+        if self._started:
+            return
+        self._started = True
+        self._stopping = False
+        self.socket_dir = self._make_socket_dir()
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+        for index, config in enumerate(self.configs):
+            self._hosts[config.name] = _Host(config, os.path.join(self.socket_dir, f"m{index}.sock"))
+        await asyncio.gather(*(self._ensure_running(h) for h in self._hosts.values() if h.config.preload))
+
+    async def stop(self) -> None:
+        """Stop every host (SIGTERM, then SIGKILL after a grace period) and remove the sockets."""
+        self._stopping = True
+        hosts = list(self._hosts.values())
+        for host in hosts:
+            if host.respawn is not None:
+                host.respawn.cancel()
+        await asyncio.gather(*(self._terminate(host) for host in hosts), return_exceptions=True)
+        for host in hosts:
+            if host.watcher is not None:
+                host.watcher.cancel()
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+        self._started = False
+
+    async def urls_for(self, names: Iterable[str]) -> dict[str, str]:
+        """URLs of the named models, for ``shared_urls.json``; starts their hosts if needed (the
+        models themselves load at the first request). ValueError for an unknown name."""
+        hosts = [self._host(name) for name in names]
+        await asyncio.gather(*(self._ensure_running(host) for host in hosts))
+        return {host.config.name: host.url for host in hosts}
+
+    async def describe(self) -> list[dict[str, Any]]:
+        """One dict per model (JSON-able): name, state, device, vram_mb, requests, batches,
+        mean_batch_size, load_count, error, plus pid, restarts, batch_sizes and more."""
+        return list(await asyncio.gather(*(self._describe_one(self._hosts.get(c.name), c) for c in self.configs)))
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _host(self, name: str) -> _Host:
+        if not self._started:
+            raise RuntimeError("ModelHostManager.start() has not been awaited")
+        try:
+            return self._hosts[name]
+        except KeyError:
+            known = ", ".join(self.names()) or "none"
+            raise ValueError(f"unknown shared model {name!r} (declared: {known})") from None
+
+    def _make_socket_dir(self) -> str:
+        if self.requested_socket_dir:
+            path = os.path.abspath(self.requested_socket_dir)
+            if len(os.path.join(path, "m999.sock")) <= _SUN_PATH_MAX and self._own_private_dir(path):
+                return path
+            self.log.warning("shared models: cannot use %s for sockets; using a directory under /tmp", path)
+            return tempfile.mkdtemp(prefix="evalsched-models-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        parent = self.socket_parent or tempfile.gettempdir()
+        if len(os.path.join(parent, "evalsched-models-XXXXXXXX", "m999.sock")) > _SUN_PATH_MAX:
+            parent = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+        os.makedirs(parent, exist_ok=True)
+        path = tempfile.mkdtemp(prefix="evalsched-models-", dir=parent)  # created 0700
+        os.chmod(path, 0o700)
+        return path
+
+    @staticmethod
+    def _own_private_dir(path: str) -> bool:
+        """Create ``path`` 0700, or accept an existing real directory of ours (made 0700)."""
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                return False  # a symlink or someone else's directory: never put sockets there
+            os.chmod(path, 0o700)
+            return True
+        except OSError:
+            return False
+
+    def _host_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        # The host must import this package even from a source checkout that is not installed.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    async def _ensure_running(self, host: _Host) -> None:
+        async with host.lock:
+            if not (self._stopping or host.alive or (host.respawn is not None and not host.respawn.done())):
+                await self._spawn_or_hold(host)
+        if host.alive and not host.ready.is_set():
+            try:
+                await asyncio.wait_for(host.ready.wait(), READY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self.log.warning("shared model %s: host not ready after %s s", host.config.name, READY_TIMEOUT_S)
+
+    async def _spawn(self, host: _Host) -> None:
+        args = [
+            sys.executable, "-m", "jupyter_evalsched.shared_models.host",
+            "--socket", host.socket_path,
+            "--config", json.dumps(host.config.as_dict()),
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        if host.inherited_failure is not None:
+            args += ["--failed-load", json.dumps(host.inherited_failure)]
+            host.inherited_failure = None
+        log_path = os.path.join(self.log_dir or self.socket_dir, f"{host.config.name}.log")
+        with open(log_path, "ab") as log_file:
+            # Spawned from the event-loop thread, which lives as long as the server: the host's
+            # PR_SET_PDEATHSIG fires when the forking thread exits.
+            host.proc = await asyncio.create_subprocess_exec(
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_file,
+                env=self._host_env(),
+                start_new_session=True,
+            )
+        host.ready = asyncio.Event()
+        host.started_at = time.monotonic()
+        host.starts += 1
+        if host.state == "loaded" or host.state == "loading":
+            host.state = "not_loaded"
+        self.log.info("shared model %s: host started (pid %d)", host.config.name, host.proc.pid)
+        host.watcher = asyncio.get_running_loop().create_task(self._watch(host, host.proc))
+
+    async def _watch(self, host: _Host, proc: asyncio.subprocess.Process) -> None:
+        """Follow a host's events until it exits, then record the death and schedule a restart."""
+        assert proc.stdout is not None
+        while True:
+            line = await proc.stdout.readline()
+            if not line:
+                break
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            self._on_event(host, event)
+        returncode = await proc.wait()
+        if self._stopping or host.proc is not proc:
+            return
+        self._on_death(host, returncode)
+
+    def _on_event(self, host: _Host, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "ready":
+            host.ready.set()
+        elif kind == "loading":
+            host.state = "loading"
+            host.load_count += 1
+        elif kind == "loaded":
+            host.state, host.error = "loaded", None
+            host.load_seconds = event.get("seconds")
+            self.log.info("shared model %s: loaded in %s s", host.config.name, host.load_seconds)
+        elif kind == "load_failed":
+            error = event.get("error") or {}
+            host.state = "failed"
+            host.error = {"type": error.get("type"), "message": error.get("message")}
+            self.log.error("shared model %s: load failed: %s: %s", host.config.name, error.get("type"),
+                           error.get("message"))
+
+    def _on_death(self, host: _Host, returncode: int) -> None:
+        now = time.monotonic()
+        host.deaths += 1
+        lived = now - host.started_at
+        host.early_deaths = host.early_deaths + 1 if lived < EARLY_DEATH_S else 1
+        hold = restart_hold_s(host.early_deaths)
+        host.held_until = now + hold
+        how = _describe_exit(returncode)
+        if host.state == "loading":
+            hint = " (out of memory?)" if returncode == -signal.SIGKILL else ""
+            message = f"the model host (pid {host.proc.pid}) died with {how}{hint} while loading the model"
+            host.state = "failed"
+            host.error = {"type": "HostDied", "message": message}
+            host.inherited_failure = {"type": "HostDied", "message": message, "phase": "load"}
+        else:
+            message = (f"the model host (pid {host.proc.pid}) died with {how}; "
+                       f"a new host starts in {hold:.1f} s and loads the model at the next request")
+            if host.state == "loaded":
+                host.state = "not_loaded"
+            if host.state != "failed":
+                host.error = {"type": "HostDied", "message": message}
+        self.log.error("shared model %s: %s", host.config.name, message)
+        host.last_figures = {}
+        host.respawn = asyncio.get_running_loop().create_task(self._respawn_after(host, hold))
+
+    async def _respawn_after(self, host: _Host, hold: float) -> None:
+        await asyncio.sleep(hold)
+        async with host.lock:
+            if not self._stopping and not host.alive:
+                await self._spawn_or_hold(host)
+
+    async def _spawn_or_hold(self, host: _Host) -> None:
+        """Spawn; if even that fails (no memory, no file descriptors), record it and retry later,
+        so that callers see a clear error rather than an exception in the scheduler."""
+        try:
+            await self._spawn(host)
+        except Exception as exc:
+            host.early_deaths += 1
+            hold = restart_hold_s(host.early_deaths)
+            host.held_until = time.monotonic() + hold
+            host.error = {"type": "HostStartFailed", "message": f"cannot start the model host: {exc}"}
+            self.log.error("shared model %s: cannot start its host (%s); next try in %.1f s",
+                           host.config.name, exc, hold)
+            host.respawn = asyncio.get_running_loop().create_task(self._respawn_after(host, hold))
+
+    async def _terminate(self, host: _Host) -> None:
+        proc = host.proc
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+        except ProcessLookupError:
+            return
+        except asyncio.TimeoutError:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                return
+            await proc.wait()
+
+    async def _fetch_figures(self, host: _Host) -> dict:
+        """The live figures of a running host, over its socket (non-blocking)."""
+        reader, writer = await asyncio.open_unix_connection(host.socket_path)
+
+        async def read_message():
+            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+            return PlainUnpickler(io.BytesIO(await reader.readexactly(size))).load()
+
+        try:
+            await read_message()  # the host's greeting
+            writer.write(encode({"op": "describe", "model": host.config.name}))
+            await writer.drain()
+            reply = await read_message()
+        finally:
+            writer.close()
+        if not isinstance(reply, dict) or not reply.get("ok"):
+            raise ConnectionError(f"bad describe reply: {reply!r}")
+        return reply["describe"]
+
+    async def _describe_one(self, host: _Host | None, config: ModelConfig) -> dict[str, Any]:
+        figures: dict = {}
+        if host is not None and host.alive and host.ready.is_set():
+            try:
+                figures = await asyncio.wait_for(self._fetch_figures(host), DESCRIBE_TIMEOUT_S)
+                host.last_figures = figures
+            except Exception:  # busy, dying or restarting: show the last figures we had
+                figures = host.last_figures
+        now = time.monotonic()
+        return {
+            "name": config.name,
+            "state": host.state if host else "not_loaded",
+            "device": config.device,
+            "vram_mb": config.vram_mb,
+            "requests": figures.get("requests", 0),
+            "batches": figures.get("batches", 0),
+            "mean_batch_size": figures.get("mean_batch_size", 0.0),
+            "load_count": host.load_count if host else 0,
+            "error": host.error if host else None,
+            "inputs": figures.get("inputs", 0),
+            "failed_requests": figures.get("failed_requests", 0),
+            "batch_sizes": figures.get("batch_sizes", {}),
+            "mean_batch_ms": figures.get("mean_batch_ms", 0.0),
+            "max_batch_size": config.max_batch_size,
+            "max_wait_ms": config.max_wait_ms,
+            "load_seconds": host.load_seconds if host else None,
+            "pid": host.proc.pid if host and host.alive else None,
+            "restarts": max(0, host.starts - 1) if host else 0,
+            "held_s": round(max(0.0, host.held_until - now), 3) if host and not host.alive else 0.0,
+        }

@@ -1,0 +1,64 @@
+"""Standard-library shared models for tests and benchmarks (no torch: they start in milliseconds).
+
+Each function is a loader: ``"loader": "jupyter_evalsched.shared_models.testing:upper"``, with its
+keyword arguments given in the model's ``options``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def upper(model=None, device="cpu", dtype=None, batch_ms: float = 0.0, item_ms: float = 0.0):
+    """Upper-cases strings. Each batch sleeps ``batch_ms`` plus ``item_ms`` per input, the cost
+    shape of an accelerator's forward pass (a fixed launch cost, a small per-item cost)."""
+
+    def call(inputs: list, suffix: str = "") -> list:
+        delay = batch_ms + item_ms * len(inputs)
+        if delay:
+            time.sleep(delay / 1000.0)
+        return [str(text).upper() + suffix for text in inputs]
+
+    return call
+
+
+def fail_on_load(model=None, device="cpu", dtype=None, message: str = "this loader always fails"):
+    """A loader that raises."""
+    raise RuntimeError(message)
+
+
+def allocate_on_load(model=None, device="cpu", dtype=None, megabytes: int = 1 << 20):
+    """A loader that tries to hold ``megabytes`` of memory (to be capped with ``max_memory_mb``)."""
+    hoard = bytearray(megabytes * 1024 * 1024)
+    return lambda inputs: [len(hoard)] * len(inputs)
+
+
+def fail_on_input(model=None, device="cpu", dtype=None, poison: str = "boom"):
+    """Echoes its inputs, but a batch containing ``poison`` raises ValueError."""
+
+    def call(inputs: list) -> list:
+        if poison in inputs:
+            raise ValueError(f"poisoned input {poison!r}")
+        return list(inputs)
+
+    return call
+
+
+def crash_on_input(model=None, device="cpu", dtype=None, trigger: str = "crash"):
+    """Echoes its inputs, but kills its own process (SIGKILL) when it sees ``trigger``: a model
+    whose kernel crashes the host."""
+
+    def call(inputs: list) -> list:
+        if trigger in inputs:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return list(inputs)
+
+    return call
+
+
+def crash_on_load(model=None, device="cpu", dtype=None):
+    """A loader that kills its own process (SIGKILL), like the kernel's OOM killer would."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(10)  # not reached

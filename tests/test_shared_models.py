@@ -1,0 +1,608 @@
+"""Shared model singletons (issue #4): real host processes, real sockets, a real tiny BERT.
+
+One ``ModelHostManager`` serves the whole module (module-scoped loop), so the tiny model's
+~8 s of imports is paid once. Tests that count requests or batches use a model of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from jupyter_evalsched.shared_models.client import SharedModelError, connect, make_url, parse_url
+from jupyter_evalsched.shared_models.config import parse_models
+from jupyter_evalsched.shared_models.manager import HOLD_BASE_S, ModelHostManager, restart_hold_s
+
+REPO = Path(__file__).resolve().parents[1]
+TESTING = "jupyter_evalsched.shared_models.testing:"
+TINY_LOADER = "jupyter_evalsched.shared_models.tiny:load_tiny"
+module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+def _models(tiny_dir: str) -> list[dict]:
+    upper = {"loader": TESTING + "upper"}
+    return [
+        {"name": "tiny", "loader": TINY_LOADER, "model": tiny_dir, "max_batch_size": 8, "max_wait_ms": 20},
+        {**upper, "name": "upper", "options": {"batch_ms": 20}, "max_wait_ms": 20},
+        {**upper, "name": "upper-batching", "options": {"batch_ms": 20}, "max_wait_ms": 20},
+        {**upper, "name": "upper-small", "max_batch_size": 8, "max_wait_ms": 0},
+        {**upper, "name": "slow", "options": {"batch_ms": 600}},
+        {"name": "poison", "loader": TESTING + "fail_on_input", "max_wait_ms": 200},
+        {"name": "bad", "loader": TESTING + "fail_on_load", "options": {"message": "checkpoint is corrupt"}},
+        {"name": "hog", "loader": TESTING + "allocate_on_load", "options": {"megabytes": 4096},
+         "max_memory_mb": 512},
+        {"name": "crash-load", "loader": TESTING + "crash_on_load"},
+        {"name": "crash-call", "loader": TESTING + "crash_on_input"},
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("tiny") / "bert")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def manager(tmp_path_factory, tiny_dir):
+    host_manager = ModelHostManager(_models(tiny_dir), socket_parent=str(tmp_path_factory.mktemp("sock")))
+    await host_manager.start()
+    yield host_manager
+    await host_manager.stop()
+
+
+async def _url(manager: ModelHostManager, name: str) -> str:
+    return (await manager.urls_for([name]))[name]
+
+
+async def _describe(manager: ModelHostManager, name: str) -> dict:
+    return next(d for d in await manager.describe() if d["name"] == name)
+
+
+async def _wait_for(predicate, timeout: float = 15.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+def _in_threads(count: int, work) -> list:
+    """Run ``work(i)`` in ``count`` threads at once; return the results (or exceptions) in order."""
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(work, i) for i in range(count)]
+        results = []
+        for future in futures:
+            try:
+                results.append(future.result(timeout=60))
+            except Exception as exc:  # collected: tests assert on them
+                results.append(exc)
+        return results
+
+
+# -- configuration (no processes) ----------------------------------------------------------------
+
+
+def test_config_defaults_and_baseline():
+    configs = parse_models(
+        [
+            {"name": "a", "task": "feature-extraction", "model": "/m", "device": "cuda:1", "vram_mb": 900},
+            {"name": "b", "loader": "pkg.mod:fn", "device": 1, "vram_mb": 100},
+            {"name": "c", "loader": "pkg.mod:fn"},
+        ]
+    )
+    assert [c.name for c in configs] == ["a", "b", "c"]
+    assert configs[1].device == "cuda:1"
+    assert configs[2].device == "cpu" and configs[2].max_batch_size == 8 and configs[2].max_wait_ms == 5.0
+    manager = ModelHostManager(
+        [
+            {"name": "a", "loader": "m:f", "device": "cuda:1", "vram_mb": 900},
+            {"name": "b", "loader": "m:f", "device": "cuda", "vram_mb": 300},
+            {"name": "c", "loader": "m:f", "device": "cuda:1", "vram_mb": 100},
+            {"name": "d", "loader": "m:f", "vram_mb": 5000},  # CPU: no GPU baseline
+        ]
+    )
+    assert manager.names() == ["a", "b", "c", "d"]
+    assert manager.baseline_mb_by_device() == {1: 1000, 0: 300}
+
+
+@pytest.mark.parametrize(
+    ("declaration", "field"),
+    [
+        ({"loader": "m:f"}, "'name'"),
+        ({"name": "x y", "loader": "m:f"}, "'name'"),
+        ({"name": "m1"}, "'task'"),
+        ({"name": "m1", "task": "feature-extraction", "loader": "m:f", "model": "/p"}, "'task'"),
+        ({"name": "m1", "task": "feature-extraction"}, "'model'"),
+        ({"name": "m1", "loader": "not a loader"}, "'loader'"),
+        ({"name": "m1", "loader": "m:f", "device": "gpu0"}, "'device'"),
+        ({"name": "m1", "loader": "m:f", "dtype": "float8"}, "'dtype'"),
+        ({"name": "m1", "loader": "m:f", "max_batch_size": 0}, "'max_batch_size'"),
+        ({"name": "m1", "loader": "m:f", "max_batch_size": "8"}, "'max_batch_size'"),
+        ({"name": "m1", "loader": "m:f", "max_wait_ms": -1}, "'max_wait_ms'"),
+        ({"name": "m1", "loader": "m:f", "vram_mb": -5}, "'vram_mb'"),
+        ({"name": "m1", "loader": "m:f", "max_memory_mb": 1024, "device": "cuda:0"}, "'max_memory_mb'"),
+        ({"name": "m1", "loader": "m:f", "batch": 4}, "'batch'"),
+        ({"name": "m1", "loader": "m:f", "options": ["x"]}, "'options'"),
+        ({"name": "m1", "loader": "m:f", "cpu_threads": 0}, "'cpu_threads'"),
+        ({"name": "m1", "loader": "m:f", "preload": "yes"}, "'preload'"),
+    ],
+)
+def test_config_errors_name_the_model_and_the_field(declaration, field):
+    with pytest.raises(ValueError) as error:
+        ModelHostManager([declaration])
+    message = str(error.value)
+    assert field in message
+    if declaration.get("name") == "m1":
+        assert "'m1'" in message
+
+
+def test_config_rejects_duplicates_and_non_lists():
+    with pytest.raises(ValueError, match="'dup'.*declared twice"):
+        parse_models([{"name": "dup", "loader": "m:f"}, {"name": "dup", "loader": "m:g"}])
+    with pytest.raises(ValueError, match="list of dicts"):
+        parse_models({"name": "x"})
+    with pytest.raises(ValueError, match="#1: must be a dict"):
+        parse_models([{"name": "ok", "loader": "m:f"}, "nope"])
+
+
+def test_url_round_trip_and_rejects():
+    url = make_url("/tmp/some dir/m0.sock", "mini lm")
+    assert parse_url(url) == ("/tmp/some dir/m0.sock", "mini lm")
+    for bad in ("http://x/y?model=a", "unix://relative?model=a", "unix:///tmp/a.sock", "unix://host/a.sock?model=a"):
+        with pytest.raises(ValueError):
+            parse_url(bad)
+
+
+def test_restart_hold_backs_off_and_is_capped():
+    holds = [restart_hold_s(n) for n in range(1, 12)]
+    assert holds[0] == HOLD_BASE_S
+    assert all(b >= a for a, b in zip(holds, holds[1:]))
+    assert holds[1] == 2 * HOLD_BASE_S and holds[-1] == 60.0
+
+
+def test_client_imports_only_the_standard_library():
+    code = (
+        "import sys; import jupyter_evalsched.shared_models as sm; "
+        "from jupyter_evalsched.shared_models.client import connect; "
+        "heavy = ('torch', 'transformers', 'pydantic', 'numpy', 'tornado', 'jupyter_server', 'tokenizers'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert out.stdout.strip() == "[]"
+
+
+# -- the host ------------------------------------------------------------------------------------
+
+
+@module_loop
+async def test_socket_is_private(manager):
+    url = await _url(manager, "upper")
+    path, name = parse_url(url)
+    assert name == "upper"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+
+
+def _connect_as_nobody(url: str) -> str:
+    """Fork, drop to uid/gid 65534, try a call; return what happened (the interpreter stays)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls and the stdlib client, then _exit
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                connect(url, connect_timeout=0.5)("x")
+                outcome = "connected"
+            except SharedModelError as exc:
+                outcome = f"{exc.remote_type} {exc.remote_message}"
+            os.write(write_end, outcome.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        outcome = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return outcome
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+@module_loop
+async def test_other_users_cannot_connect(manager):
+    url = await _url(manager, "upper")
+    outcome = await asyncio.to_thread(_connect_as_nobody, url)
+    assert outcome.startswith("HostUnavailable") and "ermission denied" in outcome, outcome
+
+
+TINY_CLIENT = r"""
+import json, sys, time
+from jupyter_evalsched.shared_models.client import connect
+model = connect(sys.argv[1])
+texts = json.loads(sys.argv[2])
+model(texts[0])                       # connect and register before the common start
+time.sleep(max(0.0, float(sys.argv[3]) - time.time()))
+print(json.dumps([model(text) for text in texts]))
+"""
+
+# The reference: the same tiny model loaded in a plain process, called one input at a time.
+TINY_REFERENCE = r"""
+import json, sys
+from jupyter_evalsched.shared_models.tiny import load_tiny
+model = load_tiny(sys.argv[1])
+print(json.dumps({text: model([text])[0] for text in json.loads(sys.argv[2])}))
+"""
+
+SENTENCES = [
+    "the cat sat on the mat",
+    "a dog ran in the big green garden today",
+    "stocks fell sharply",
+    "the team won the football match",
+    "she bought apples at the market",
+    "it is very cold outside",
+]
+
+
+def _python(code: str, *args: str):
+    return asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+
+
+@module_loop
+async def test_four_processes_share_one_load_with_correct_batched_outputs(manager, tiny_dir):
+    url = await _url(manager, "tiny")
+    lag = {"max": 0.0}
+
+    async def ticker():  # the server's loop must stay responsive while the model works
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            lag["max"] = max(lag["max"], time.monotonic() - before - 0.01)
+
+    ticking = asyncio.get_running_loop().create_task(ticker())
+    reference = await _python(TINY_REFERENCE, tiny_dir, json.dumps(SENTENCES))  # meanwhile
+    assert await asyncio.to_thread(connect(url), ["warm"])  # the first request loads the model
+    start_at = time.time() + 2.0  # a common start, once every client process is up
+    texts = [SENTENCES[i:] + SENTENCES[:i] for i in range(4)]
+    procs = [await _python(TINY_CLIENT, url, json.dumps(texts[i]), str(start_at)) for i in range(4)]
+    results = await asyncio.gather(*(p.communicate() for p in procs + [reference]))
+    ticking.cancel()
+    for proc, (out, err) in zip(procs + [reference], results):
+        assert proc.returncode == 0, err.decode()[-3000:]
+    outputs = [json.loads(out) for out, _ in results[:4]]
+    expected = json.loads(results[4][0])
+
+    import numpy as np
+
+    for client_texts, client_outputs in zip(texts, outputs):
+        assert len(client_outputs) == len(client_texts)
+        for text, output in zip(client_texts, client_outputs):
+            got, want = np.asarray(output), np.asarray(expected[text])
+            assert got.shape == want.shape == (1, len(text.split()) + 2, 32)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    described = await _describe(manager, "tiny")
+    assert described["load_count"] == 1, described
+    assert described["state"] == "loaded" and described["error"] is None
+    assert described["requests"] == 1 + 4 * (len(SENTENCES) + 1)
+    assert described["mean_batch_size"] > 1, described
+    assert lag["max"] < 0.5, lag
+    assert described["pid"] in manager.pids()
+
+
+@module_loop
+async def test_batching_records_every_batch(manager):
+    url = await _url(manager, "upper-batching")
+    client = connect(url)
+    barrier = threading.Barrier(4)
+
+    def work(i):
+        client(f"warm-{i}")
+        barrier.wait()
+        return [client(f"t{i}-{k}") for k in range(10)]
+
+    results = await asyncio.to_thread(_in_threads, 4, work)
+    for i, outputs in enumerate(results):
+        assert outputs == [f"T{i}-{k}" for k in range(10)]
+    described = await _describe(manager, "upper-batching")
+    sizes = {int(size): count for size, count in described["batch_sizes"].items()}
+    assert sum(size * count for size, count in sizes.items()) == described["inputs"] == 44
+    assert sum(sizes.values()) == described["batches"]
+    assert described["requests"] == 44
+    assert described["mean_batch_size"] > 1.5, described
+    assert max(sizes) <= 4
+
+
+@module_loop
+async def test_single_list_kwargs_and_large_requests(manager):
+    client = connect(await _url(manager, "upper-small"))
+    assert await asyncio.to_thread(client, "one") == "ONE"
+    assert await asyncio.to_thread(client, ["a", "b"]) == ["A", "B"]
+    assert await asyncio.to_thread(client, []) == []
+    assert await asyncio.to_thread(client, ("tu", "ple")) == "('TU', 'PLE')"  # a tuple is one input
+    words = [f"w{i}" for i in range(21)]
+    assert await asyncio.to_thread(client, words) == [w.upper() for w in words]
+    sizes = (await _describe(manager, "upper-small"))["batch_sizes"]
+    assert max(int(size) for size in sizes) == 8  # a request larger than max_batch_size is split
+
+    # Requests with different kwargs are never mixed in one batch.
+    def work(i):
+        suffix = "!" if i % 2 else "?"
+        return [client(f"k{i}-{n}", suffix=suffix) for n in range(5)]
+
+    results = await asyncio.to_thread(_in_threads, 4, work)
+    for i, outputs in enumerate(results):
+        assert outputs == [f"K{i}-{n}" + ("!" if i % 2 else "?") for n in range(5)]
+
+
+@module_loop
+async def test_a_bad_input_fails_only_its_own_request(manager):
+    client = connect(await _url(manager, "poison"))
+    barrier = threading.Barrier(4)
+
+    def work(i):
+        client("warm")
+        barrier.wait()
+        return client("boom" if i == 2 else f"fine-{i}")
+
+    results = await asyncio.to_thread(_in_threads, 4, work)
+    assert [results[i] for i in (0, 1, 3)] == ["fine-0", "fine-1", "fine-3"]
+    error = results[2]
+    assert isinstance(error, SharedModelError)
+    assert error.remote_type == "ValueError" and "poisoned input 'boom'" in error.remote_message
+    assert error.phase == "call" and "raise ValueError" in error.remote_traceback
+    described = await _describe(manager, "poison")
+    assert any(int(size) > 1 for size in described["batch_sizes"]), described  # they did share a batch
+    assert described["state"] == "loaded"
+
+
+@module_loop
+async def test_a_loader_that_raises(manager):
+    client = connect(await _url(manager, "bad"))
+    with pytest.raises(SharedModelError) as error:
+        await asyncio.to_thread(client, "x")
+    assert error.value.phase == "load" and error.value.remote_type == "RuntimeError"
+    assert "checkpoint is corrupt" in str(error.value) and "'bad'" in str(error.value)
+    # A second request fails fast with the same error instead of loading again.
+    with pytest.raises(SharedModelError, match="checkpoint is corrupt"):
+        await asyncio.to_thread(client, "y")
+    described = await _describe(manager, "bad")
+    assert described["state"] == "failed" and described["load_count"] == 1
+    assert described["error"] == {"type": "RuntimeError", "message": "checkpoint is corrupt"}
+    assert await asyncio.to_thread(connect(await _url(manager, "upper")), "still") == "STILL"
+
+
+@module_loop
+async def test_a_loader_that_exhausts_memory(manager):
+    client = connect(await _url(manager, "hog"))
+    with pytest.raises(SharedModelError) as error:
+        await asyncio.to_thread(client, "x")
+    assert error.value.remote_type == "MemoryError" and error.value.phase == "load"
+    assert "max_memory_mb=512" in error.value.remote_message
+    described = await _describe(manager, "hog")
+    assert described["state"] == "failed" and described["error"]["type"] == "MemoryError"
+    assert described["pid"] in manager.pids()  # the host survived its loader's failure
+    assert described["restarts"] == 0
+
+
+@module_loop
+async def test_sigkill_of_the_host_mid_call(manager):
+    client = connect(await _url(manager, "slow"))
+    assert await asyncio.to_thread(client, "warm") == "WARM"
+    before = await _describe(manager, "slow")
+    in_flight = asyncio.ensure_future(asyncio.to_thread(client, "in flight"))
+    await asyncio.sleep(0.2)
+    os.kill(before["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(SharedModelError) as error:
+        await in_flight
+    assert time.monotonic() - killed_at < 2.0  # an error, not a hang
+    assert error.value.remote_type == "HostDied" and "not retried" in error.value.remote_message
+
+    # The manager notices the death (a call racing the death itself may also get HostDied: there
+    # is no telling whether a dying host read it). The next call waits for the restarted host,
+    # which loads the model again.
+    async def noticed():
+        return (await _describe(manager, "slow"))["pid"] != before["pid"]
+
+    await _wait_for(noticed)
+    assert await asyncio.to_thread(client, "after") == "AFTER"
+    after = await _describe(manager, "slow")
+    assert after["pid"] != before["pid"] and after["restarts"] == 1
+    assert after["load_count"] == 2 and after["state"] == "loaded" and after["error"] is None
+    assert await asyncio.to_thread(connect(await _url(manager, "upper")), "others") == "OTHERS"
+
+
+@module_loop
+async def test_a_call_timeout_does_not_leave_a_stale_answer(manager):
+    client = connect(await _url(manager, "slow"), timeout=0.2)
+    with pytest.raises(SharedModelError) as error:
+        await asyncio.to_thread(client, "late")
+    assert error.value.remote_type == "TimeoutError"
+    client.timeout = None  # for the next connection: the late answer to "late" must not be read
+    assert await asyncio.to_thread(client, "next") == "NEXT"
+
+
+@module_loop
+async def test_a_host_killed_while_loading_is_held_and_fails_fast(manager):
+    client = connect(await _url(manager, "crash-load"))
+    with pytest.raises(SharedModelError) as error:
+        await asyncio.to_thread(client, "x")
+    assert error.value.remote_type == "HostDied"
+
+    async def failed():
+        described = await _describe(manager, "crash-load")
+        return described if described["state"] == "failed" else None
+
+    described = await _wait_for(failed)
+    assert described["error"]["type"] == "HostDied"
+    assert "SIGKILL" in described["error"]["message"] and "while loading" in described["error"]["message"]
+    # The restarted host answers with that failure for load_retry_s instead of loading again.
+    started = time.monotonic()
+    with pytest.raises(SharedModelError) as again:
+        await asyncio.to_thread(client, "y")
+    assert again.value.phase == "load" and "while loading" in again.value.remote_message
+    assert time.monotonic() - started < 5
+    described = await _describe(manager, "crash-load")
+    assert described["load_count"] == 1 and described["restarts"] == 1
+
+
+@module_loop
+async def test_a_crash_looping_host_is_held_longer_each_time(manager):
+    client = connect(await _url(manager, "crash-call"))
+    downtimes = []
+    for _ in range(2):
+        old_pid = (await _describe(manager, "crash-call"))["pid"]
+        with pytest.raises(SharedModelError, match="HostDied"):
+            await asyncio.to_thread(client, "crash")
+        died = time.monotonic()
+
+        async def restarted():
+            described = await _describe(manager, "crash-call")
+            return described["pid"] not in (None, old_pid)
+
+        await _wait_for(restarted)
+        downtimes.append(time.monotonic() - died)
+    assert downtimes[0] >= HOLD_BASE_S * 0.8
+    assert downtimes[1] >= 2 * HOLD_BASE_S * 0.9 and downtimes[1] > downtimes[0]
+    assert await asyncio.to_thread(client, "fine") == "fine"
+
+
+@module_loop
+async def test_describe_is_json_and_complete(manager):
+    described = await manager.describe()
+    json.dumps(described)
+    assert [d["name"] for d in described] == manager.names()
+    keys = {"name", "state", "device", "vram_mb", "requests", "batches", "mean_batch_size", "load_count", "error"}
+    for entry in described:
+        assert keys <= set(entry)
+        assert entry["state"] in {"not_loaded", "loading", "loaded", "failed"}
+
+
+@module_loop
+async def test_unknown_model(manager):
+    with pytest.raises(ValueError, match="unknown shared model 'nope'"):
+        await manager.urls_for(["nope"])
+
+
+# -- the examples --------------------------------------------------------------------------------
+
+
+class _Ctx:
+    def __init__(self, client, index: int, episodes: int):
+        import logging
+
+        self.params = {"model": "tiny", "threshold": 0.6}
+        self.index, self.episodes, self.seed = index, episodes, index
+        self.log = logging.getLogger("test")
+        self._client = client
+
+    def model(self, name):
+        assert name == "tiny"
+        return self._client
+
+
+@module_loop
+async def test_example_evals_run_on_a_shared_model(manager):
+    from jupyter_evalsched.examples import shared
+
+    pairs = shared.load_pairs()
+    assert len(pairs) == 40 and {p["label"] for p in pairs} == {"similar", "different"}
+    assert [p["id"] for i in range(3) for p in shared.shard(pairs, i, 3)] == list(range(40))
+    client = connect(await _url(manager, "tiny"))
+    for index in range(2):
+        metrics = await asyncio.to_thread(shared.similarity, _Ctx(client, index, 2), index)
+        assert 0.0 <= metrics["accuracy"] <= 1.0 and -1.0 <= metrics["cosine_similar"] <= 1.0
+        recall = await asyncio.to_thread(shared.retrieval, _Ctx(client, index, 2), index)
+        assert 0.0 <= recall["recall_at_1"] <= 1.0
+
+
+# -- lifecycle -----------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_stop_ends_hosts_and_removes_sockets(tmp_path):
+    manager = ModelHostManager([{"name": "u", "loader": TESTING + "upper"}], socket_dir=tmp_path / "s")
+    await manager.start()
+    url = await manager.urls_for(["u"])
+    assert await asyncio.to_thread(connect(url["u"]), "x") == "X"
+    (pid,) = manager.pids()
+    await manager.stop()
+    assert manager.pids() == set() and not (tmp_path / "s").exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+SERVER_STANDIN = r"""
+import asyncio, sys
+from jupyter_evalsched.shared_models.manager import ModelHostManager
+async def main():
+    m = ModelHostManager([{"name": "u", "loader": "jupyter_evalsched.shared_models.testing:upper"}])
+    await m.start()
+    await m.urls_for(["u"])
+    print(*m.pids(), flush=True)
+    await asyncio.sleep(60)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.asyncio
+async def test_hosts_die_with_the_server():
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SERVER_STANDIN, stdout=asyncio.subprocess.PIPE, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    host_pid = int((await asyncio.wait_for(server.stdout.readline(), 20)).decode())
+    os.kill(host_pid, 0)
+    server.kill()
+    await server.wait()
+
+    async def gone():
+        try:
+            os.kill(host_pid, 0)
+        except ProcessLookupError:
+            return True
+        # A zombie counts as gone: its parent (the killed server) is no longer there to reap it.
+        try:
+            return Path(f"/proc/{host_pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    await _wait_for(gone, timeout=5)
+
+
+@pytest.mark.asyncio
+async def test_a_host_that_cannot_start_is_reported_not_raised(tmp_path, monkeypatch):
+    manager = ModelHostManager([{"name": "u", "loader": TESTING + "upper"}], socket_parent=tmp_path)
+    await manager.start()
+    try:
+        monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+        urls = await manager.urls_for(["u"])  # the submission goes on; the run gets the error
+        (described,) = await manager.describe()
+        assert described["error"]["type"] == "HostStartFailed" and "no-such-python" in described["error"]["message"]
+        assert described["held_s"] > 0 and manager.pids() == set()
+        with pytest.raises(SharedModelError, match="HostUnavailable"):
+            await asyncio.to_thread(connect(urls["u"], connect_timeout=0.3), "x")
+        monkeypatch.undo()
+        # After the hold, the manager tries again, and the model is served.
+        assert await asyncio.to_thread(connect(urls["u"], connect_timeout=10), "x") == "X"
+    finally:
+        await manager.stop()
