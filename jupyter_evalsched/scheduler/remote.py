@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from .. import store
 from ..models import utcnow_iso
+from .slurm import pending_reason, verdict
 
 if TYPE_CHECKING:
     from .service import Job, Scheduler
@@ -78,7 +79,7 @@ class SlurmRuns:
                     s._version += 1
                 continue
             self._submitting.add(job.id)
-            job.record["reason"] = "slurm_submitting: handing the run to sbatch"
+            job.record["reason"] = "waiting_cpu: being handed to SLURM (sbatch)"
             asyncio.ensure_future(self._submit(job, slurm_deps))
 
     async def _submit(self, job: "Job", dep_ids: list[str]) -> None:
@@ -94,7 +95,8 @@ class SlurmRuns:
             s._finalize(job, "failed", f"exception: sbatch refused the run: {' '.join(str(exc).split())[:400]}")
             return
         self._submitting.discard(job.id)
-        job.record.update(slurm_job_id=str(job_id), slurm_state="PENDING", reason="slurm_pending: submitted")
+        job.record.update(slurm_job_id=str(job_id), slurm_state="PENDING",
+                          reason=f"waiting_cpu: SLURM job {job_id} submitted, not yet scheduled")
         s._persist(job)
         s._changed(job)
         if job.cancel_requested:
@@ -135,7 +137,7 @@ class SlurmRuns:
                 s._persist(job)
                 s._changed(job)
             elif job.state == "queued":
-                reason = f"slurm_pending: {st.reason or st.state}"
+                reason = pending_reason(st, uses_gpu=_uses_gpu(job))
                 if reason != job.record["reason"] or changed:
                     job.record["reason"] = reason
                     s._changed(job)
@@ -146,6 +148,9 @@ class SlurmRuns:
         run_dir = s.store.run_dir(job.id)
         summary = _read_summary(run_dir)
         s._apply_summary(job, summary)
+        if job.record.get("started_at") is None and isinstance(summary, dict):
+            # A short job can start and end between two sweeps: its own summary knows when.
+            job.record["started_at"] = summary.get("started_at")
         if st is not None:
             job.record["exit_code"] = st.exit_code
         if (run_dir / store.DONE).exists() and isinstance(summary, dict) and summary.get("status") in ("succeeded", "failed"):
@@ -158,9 +163,8 @@ class SlurmRuns:
         if st is None:
             s._finalize(job, "failed", "exit_code:None: SLURM lost track of the job")
             return
-        from .slurm import verdict
-
-        state, reason = verdict(st)
+        run_ids = {j.record["slurm_job_id"]: j.id for j in s._jobs.values() if j.record.get("slurm_job_id")}
+        state, reason = verdict(st, run_ids)
         if job.cancel_requested and state != "succeeded":
             state, reason = "cancelled", f"cancelled: cancelled through the API (scancel {st.job_id})"
         s._finalize(job, state, reason)
@@ -182,6 +186,11 @@ class SlurmRuns:
             await s._loop.run_in_executor(s._io, self.executor.cancel, job.record["slurm_job_id"])
         except Exception as exc:
             log.warning("evalsched: scancel %s failed: %s", job.record.get("slurm_job_id"), exc)
+
+
+def _uses_gpu(job) -> bool:
+    sched = job.spec.get("scheduling") or {}
+    return bool(sched.get("marginal_vram_mb") or sched.get("exclusive_gpu"))
 
 
 def _read_summary(run_dir):

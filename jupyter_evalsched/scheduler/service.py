@@ -536,7 +536,8 @@ class Scheduler:
     def _remote_env(self, job: Job) -> dict[str, str]:
         """What a SLURM run gets on top of what sbatch exports: no parent pid (its parent is
         SLURM's step daemon) and no device indices (SLURM sets CUDA_VISIBLE_DEVICES from gres)."""
-        env = dict(self.config.run_env)
+        env = dict(os.environ)  # sbatch runs with exactly this; the executor strips what must not travel
+        env.update(self.config.run_env)
         env.update(job.spec.get("env") or {})
         env["EVALSCHED_RUN_ID"] = job.id
         env["PYTHONUNBUFFERED"] = "1"

@@ -1,0 +1,72 @@
+"""Shared models through the server: runs name a model in their spec and reach the one copy
+the server's model host loaded (#4), the ledger counts the model's VRAM as baseline."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+UPPER = "jupyter_evalsched.shared_models.testing:upper"
+
+EVAL = """
+def episode(ctx, index):
+    shout = ctx.model("shout")
+    out = shout(["run", str(index)])
+    assert out == ["RUN", str(index)], out
+    return {"ok": 1}
+"""
+
+
+@pytest.fixture
+def evalsched_config():
+    return {
+        "virtual_gpus": [24000],
+        "models": [
+            {"name": "shout", "loader": UPPER, "options": {"batch_ms": 20}, "max_wait_ms": 20},
+            {"name": "on-gpu", "loader": UPPER, "device": 0, "vram_mb": 6000},
+        ],
+    }
+
+
+async def test_four_runs_share_one_load(api, wait_for):
+    ids = []
+    for _ in range(4):
+        code, rec = await api("POST", "runs", {"source": EVAL, "episodes": 5, "models": ["shout"]})
+        assert code == 201, rec
+        ids.append(rec["id"])
+    for run_id in ids:
+        final = await wait_for(run_id, timeout=60)
+        assert final["state"] == "succeeded", final
+    code, body = await api("GET", "models")
+    shout = next(m for m in body["models"] if m["name"] == "shout")
+    assert shout["state"] == "loaded" and shout["load_count"] == 1
+    assert shout["requests"] == 20 and shout["batches"] <= 20 and shout["mean_batch_size"] >= 1.0
+    on_gpu = next(m for m in body["models"] if m["name"] == "on-gpu")
+    assert on_gpu["state"] == "not_loaded"  # lazily: nobody used it
+
+
+async def test_model_vram_is_the_ledger_baseline(api):
+    code, ledger = await api("GET", "ledger")
+    dev = ledger["devices"][0]
+    assert (dev["total_mb"], dev["baseline_mb"], dev["usable_mb"], dev["free_mb"]) == (24000, 6000, 18000, 18000)
+    code, err = await api("POST", "runs", {"entrypoint": "a:b", "scheduling": {"marginal_vram_mb": 20000}})
+    assert code == 422 and "18000" in err["message"]
+
+
+async def test_a_killed_model_host_fails_only_its_callers(api, wait_for, evalsched):
+    code, rec = await api("POST", "runs", {"source": EVAL, "episodes": 2, "models": ["shout"]})
+    assert (await wait_for(rec["id"], timeout=60))["state"] == "succeeded"
+    for pid in evalsched.models.pids():
+        os.kill(pid, signal.SIGKILL)
+    await asyncio.sleep(0.3)
+    # The server still answers, and the next run gets a restarted host.
+    code, queue = await api("GET", "queue")
+    assert code == 200
+    code, rec = await api("POST", "runs", {"source": EVAL, "episodes": 2, "models": ["shout"]})
+    assert (await wait_for(rec["id"], timeout=60))["state"] == "succeeded"
+    code, body = await api("GET", "models")
+    shout = next(m for m in body["models"] if m["name"] == "shout")
+    assert shout["load_count"] == 2

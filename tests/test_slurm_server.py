@@ -1,0 +1,138 @@
+"""Runs handed to a real single-node SLURM through the REST API (#8): the same spec, the same
+run-directory contract; one squeue per sweep; tracked again after a server restart.
+Needs the daemons of scripts/start_slurm.sh (CI starts them)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from jupyter_evalsched.client import LocalServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+CRASH = "jupyter_evalsched.examples.basic:crash"
+FAST = ["--EvalSchedApp.sweep_interval_s=0.5", "--EvalSchedApp.progress_interval_s=0.1"]
+TERMINAL = ("succeeded", "failed", "cancelled", "aborted")
+
+
+def slurm_run(entry=SLEEPY, episodes=1, sleep_s=0.05, **kw):
+    return {"entrypoint": entry, "episodes": episodes, "params": {"sleep_s": sleep_s}, "cwd": "/", "executor": "slurm", **kw}
+
+
+def wait_until(predicate, timeout=60.0, interval=0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s")
+        time.sleep(interval)
+
+
+def final(client, run_id, timeout=120):
+    return wait_until(lambda: (lambda r: r if r["state"] in TERMINAL else None)(client.get(run_id)), timeout)
+
+
+def server(runs: Path) -> LocalServer:
+    return LocalServer(virtual_gpus="24000", runs_dir=str(runs), env={"EVALSCHED_SLURM": "1"}, extra_args=FAST)
+
+
+@pytest.fixture
+def cleanup(tmp_path):
+    """SLURM jobs outlive the server: whatever a failed test left behind is scancel'd."""
+    yield
+    import subprocess
+
+    for job_file in (tmp_path / "runs").glob("*/job.json"):
+        job = json.loads(job_file.read_text())
+        if job.get("slurm_job_id") and not (job_file.parent / "_DONE").exists():
+            subprocess.run(["scancel", job["slurm_job_id"]], check=False)
+
+
+def test_slurm_runs_through_the_api(tmp_path, cleanup):
+    runs = tmp_path / "runs"
+    with server(runs) as srv:
+        c = srv.client()
+        # The time limit is whole minutes: submit it first so that the rest overlaps its wait.
+        slow = c.submit(slurm_run(episodes=1000, sleep_s=1, timeout_s=30))
+        ok = c.submit(slurm_run(episodes=3, params={"sleep_s": 0.1}, scheduling={"marginal_vram_mb": 1000}))
+        bad = c.submit(slurm_run(entry=CRASH, params={"how": "exception"}))
+        first = c.submit(slurm_run(episodes=2))
+        second = c.submit(slurm_run(depends_on=[first["id"]]))
+        after_bad = c.submit(slurm_run(depends_on=[bad["id"]]))
+        doomed = c.submit(slurm_run(episodes=1000, sleep_s=1))
+
+        rec = wait_until(lambda: (lambda r: r if r["state"] == "running" else None)(c.get(doomed["id"])))
+        assert rec["executor"] == "slurm" and rec["slurm_job_id"] and rec["slurm_state"] == "RUNNING"
+        view = c.queue()
+        assert doomed["id"] in [r["id"] for r in view["running"]]
+        assert all(d["allocated_mb"] == 0 for d in view["ledger"]["devices"])  # SLURM places these runs
+        c.cancel(doomed["id"])
+
+        r = final(c, ok["id"])
+        assert r["state"] == "succeeded" and r["summary"]["episodes_done"] == 3
+        r = final(c, bad["id"])
+        assert r["state"] == "failed" and r["reason"].startswith("exception: RuntimeError")
+        assert final(c, second["id"])["state"] == "succeeded"
+        assert final(c, first["id"])["started_at"] <= c.get(second["id"])["started_at"]
+        r = final(c, after_bad["id"])
+        assert r["state"] == "failed" and r["reason"].startswith("dependency_failed:")
+        r = final(c, doomed["id"])
+        assert r["state"] == "cancelled" and r["reason"].startswith("cancelled")
+        r = final(c, slow["id"], timeout=180)
+        assert r["state"] == "failed" and r["reason"].startswith("timeout"), r["reason"]
+
+        for rec in (ok, bad, first, second, after_bad, doomed, slow):
+            run = runs / rec["id"]
+            assert (run / "_DONE").exists(), rec["id"]
+            job = json.loads((run / "job.json").read_text())
+            assert job["state"] in TERMINAL and job["executor"] == "slurm"
+        assert (runs / ok["id"] / "summary.json").exists() and (runs / ok["id"] / "slurm.sbatch").exists()
+
+
+def test_slurm_runs_survive_a_server_restart(tmp_path, cleanup):
+    runs = tmp_path / "runs"
+    srv = server(runs)
+    try:
+        c = srv.client()
+        rec = c.submit(slurm_run(episodes=8, sleep_s=1))
+        wait_until(lambda: c.get(rec["id"])["state"] == "running")
+    finally:
+        srv.stop()
+        srv.cleanup()
+    with server(runs) as again:
+        c = again.client()
+        assert c.get(rec["id"])["state"] in ("running", "succeeded")  # tracked, not aborted
+        r = final(c, rec["id"])
+        assert r["state"] == "succeeded" and r["summary"]["episodes_done"] == 8
+
+
+async def test_one_squeue_per_sweep_with_many_jobs(jp_serverapp, runs_dir, tmp_path):
+    """The service's sweep asks SLURM once for all tracked jobs (fake commands count calls)."""
+    from jupyter_evalsched.scheduler.slurm import SlurmCommands, SlurmConfig, SlurmExecutor
+
+    squeue = tmp_path / "squeue"
+    squeue.write_text("#!/bin/sh\necho call >> %s\n" % (tmp_path / "squeue.calls"))
+    squeue.chmod(0o755)
+    await jp_serverapp.extension_manager.start_all_extensions()
+    sched = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
+    from jupyter_evalsched.scheduler.remote import SlurmRuns
+
+    executor = SlurmExecutor(SlurmConfig(commands=SlurmCommands(squeue=str(squeue), scontrol="/bin/false")))
+    sched.slurm = SlurmRuns(sched, executor)
+    from jupyter_evalsched.scheduler.service import Job
+
+    for i in range(300):
+        job = Job(record={"id": f"r{i}", "state": "running", "slurm_job_id": str(1000 + i), "depends_on": [],
+                          "reason": None, "executor": "slurm", "seq": i}, spec={}, submitted_ts=0)
+        sched.slurm.jobs[job.id] = job
+    executor.calls.clear()
+    await sched.slurm.sweep()
+    assert executor.calls["squeue"] == 1
+    sched.slurm.jobs.clear()
