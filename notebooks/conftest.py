@@ -30,6 +30,9 @@ _saved_env: dict[str, str | None] = {}
 
 
 def _running_notebooks(config) -> bool:
+    # `pytest -m slow` deselects the notebooks: no server (and no model load) for nothing.
+    if (config.getoption("markexpr", default="") or "").strip() == "slow":
+        return False
     return bool(config.getoption("nbval", default=False) or config.getoption("nbval_lax", default=False))
 
 
