@@ -27,6 +27,9 @@ export PATH="$PWD/.venv/bin:$PATH"
 ( cd labextension && jlpm install --immutable >/dev/null )
 .venv/bin/python -m pip install -q -e ".[models,test]" --no-build-isolation
 .venv/bin/jupyter labextension develop --overwrite . >/dev/null 2>&1
-.venv/bin/jupyter labextension list 2>&1 | grep -q "jupyter-evalsched.*enabled.*OK" || { echo "lab extension not OK" >&2; exit 1; }
-.venv/bin/jupyter server extension list 2>&1 | grep -q "jupyter_evalsched.*OK" || { echo "server extension not OK" >&2; exit 1; }
+# (Output captured first: with pipefail, `grep -q` closing the pipe early would fail the check.)
+labext=$(.venv/bin/jupyter labextension list 2>&1)
+grep -q "jupyter-evalsched.*enabled.*OK" <<<"$labext" || { echo "lab extension not OK: $labext" >&2; exit 1; }
+serverext=$(.venv/bin/jupyter server extension list 2>&1)
+grep -q "jupyter_evalsched .*OK" <<<"$serverext" || { echo "server extension not OK: $serverext" >&2; exit 1; }
 echo "setup done: .venv ready"
