@@ -53,6 +53,9 @@ def delegated(method):
     @functools.wraps(method)
     async def wrapper(self, *args, **kwargs):
         if not is_delegating(self):
+            if not self.scheduler.started:
+                # Until recovery has read the runs directory, "no such run" would be a lie.
+                raise ApiError(503, "the scheduler is starting (reading the runs directory); retry in a moment")
             return await method(self, *args, **kwargs)
         await self.forward_to_primary()
 
@@ -386,6 +389,9 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
             await self._relay_from_primary()
             return
         scheduler: Scheduler = self.settings["evalsched_scheduler"]
+        if not scheduler.started:
+            self.close(1013, "the scheduler is starting; reconnect in a moment")
+            return
         self._scheduler = scheduler
         self.write_message(json.dumps({"type": "snapshot", "queue": scheduler.queue_view()}, separators=(",", ":")))
         scheduler.subscribe(self._on_event)

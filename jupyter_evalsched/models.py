@@ -125,6 +125,11 @@ class EvalSpec(_Strict):
         for key, value in v.items():
             if not key or "=" in key or "\x00" in key or "\x00" in value:
                 raise ValueError(f"invalid environment variable {key!r}")
+            try:  # the environment is bytes: a lone surrogate (valid in JSON) cannot be passed on
+                key.encode("utf-8")
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"environment variable {key!r} is not valid UTF-8") from None
         return v
 
     @field_validator("cwd")

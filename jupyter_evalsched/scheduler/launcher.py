@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -41,6 +42,7 @@ class RunProcess:
     popen: subprocess.Popen
     pidfd: int | None = None
     kill_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    spawned_at: float = field(default_factory=time.time)
 
     @property
     def pid(self) -> int:
@@ -148,6 +150,9 @@ class Launcher:
             self._on_exit(proc.run_id, code)
         except Exception:
             log.exception("exit handler failed for run %s", proc.run_id)
+        # A descendant that left the group (setsid) escaped that killpg. Looked for off the
+        # event loop, after the exit is recorded: the next admission does not wait for /proc.
+        self._loop.run_in_executor(None, kill_escaped, proc.run_id, proc.spawned_at)
 
     def terminate(self, run_id: str, grace_s: float) -> bool:
         """SIGTERM to the run's group, SIGKILL after ``grace_s``. False when it is not ours."""
@@ -173,6 +178,7 @@ class Launcher:
                 os.close(proc.pidfd)
             if proc.kill_timer is not None:
                 proc.kill_timer.cancel()
+            kill_escaped(proc.run_id, proc.spawned_at)
             killed.append(proc.run_id)
         self._procs.clear()
         return killed
@@ -183,6 +189,30 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def kill_escaped(run_id: str, since: float) -> list[int]:
+    """Kill the processes a run left outside its process group (a descendant that called
+    ``setsid``): they still carry ``EVALSCHED_RUN_ID=<run_id>`` in their environment. Only
+    processes started after ``since`` (the run's spawn) are looked at. Best effort: a process
+    that clears its environment escapes this too; a per-run cgroup is the complete answer."""
+    needle = b"EVALSCHED_RUN_ID=" + run_id.encode()
+    me = os.getpid()
+    killed = []
+    for p in psutil.process_iter(["create_time"]):
+        try:
+            if p.pid == me or (p.info["create_time"] or 0.0) < since - 1.0:
+                continue
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            p.kill()
+            killed.append(p.pid)
+        except (OSError, psutil.Error):
+            continue
+    if killed:
+        log.warning("run %s left %d process(es) outside its process group; killed %s", run_id, len(killed), killed)
+    return killed
 
 
 def kill_stale_group(pid: int, create_time: float | None) -> None:

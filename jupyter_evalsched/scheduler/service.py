@@ -25,7 +25,7 @@ from .. import store
 from ..models import TERMINAL_STATES, EvalSpec, is_valid_run_id, utcnow_iso
 from . import policy
 from .gpus import GpuProbe
-from .launcher import Launcher, SpawnError, kill_stale_group, process_create_time, signal_name
+from .launcher import Launcher, SpawnError, kill_escaped, kill_stale_group, process_create_time, signal_name
 from .remote import SlurmRuns
 from .ledger import DeviceBudget, Unmanaged, capacity, device_budgets, ledger_view, unmanaged_by_device
 
@@ -143,6 +143,7 @@ class Scheduler:
         self._queue_cache: tuple[int, bytes, float] | None = None
         self._started = False
         self._creating: set[str] = set()
+        self._unwritten: set[str] = set()  # runs whose job.json or _DONE a write refused
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
         self.last_activity: datetime | None = None
         self._deferred: list[Job] | None = None  # terminal writes held back during an exit's admission
@@ -237,6 +238,7 @@ class Scheduler:
                     self._conclude_from_disk(job, exit_code=record.get("exit_code"))
                 else:
                     kill_stale_group(record.get("pid") or 0, record.get("pid_create_time"))
+                    kill_escaped(run_id, record.get("pid_create_time") or 0.0)
                     self._running[run_id] = job
                     self._finalize(job, "aborted", "server_restart: the server died or shut down while it ran", admit=False)
             elif state in TERMINAL_STATES:
@@ -509,7 +511,7 @@ class Scheduler:
         try:
             store.atomic_write_json(run_dir / store.SHARED_URLS, {"models": urls})
             proc = self.launcher.spawn(job.id, run_dir, job.spec["cwd"], self._run_env(job, devices))
-        except (SpawnError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a run admitted but not started must not hold its resources
             self._finalize(job, "failed", f"exception: could not start the run: {_one_line(str(exc))}")
             return
         job.record.update(pid=proc.pid, pid_create_time=process_create_time(proc.pid))
@@ -606,13 +608,19 @@ class Scheduler:
         if admit:
             self.request_admission()
 
-    def _write_terminal(self, job: Job) -> None:
-        self._persist(job)
+    def _write_terminal(self, job: Job, quiet: bool = False) -> None:
+        # _DONE only once job.json holds the terminal state: a _DONE beside a job.json that still
+        # says "running" would make the next start conclude the run from stale files.
+        if not self._persist(job, quiet=quiet):
+            return
         if not job.done_exists:
             try:
                 self.store.mark_done(job.id)
+                job.done_exists = True
             except OSError as exc:
-                log.error("evalsched: cannot write _DONE for %s: %s", job.id, exc)
+                self._unwritten.add(job.id)
+                if not quiet:
+                    log.error("evalsched: cannot write _DONE for %s: %s", job.id, exc)
 
     def _on_timeout(self, run_id: str) -> None:
         job = self._running.get(run_id)
@@ -717,6 +725,11 @@ class Scheduler:
         return self.store.run_dir(self.get(run_id).id)
 
     @property
+    def started(self) -> bool:
+        """True once recovery has read the runs directory (and until stop())."""
+        return self._started
+
+    @property
     def has_live_runs(self) -> bool:
         return bool(self._running) or bool(self.slurm and self.slurm.jobs)
 
@@ -744,12 +757,28 @@ class Scheduler:
             except Exception:
                 log.exception("evalsched: event listener failed")
 
-    def _persist(self, job: Job) -> None:
+    def _persist(self, job: Job, quiet: bool = False) -> bool:
         try:
             self.store.write_job(job.id, job.record)
         except (store.StoreError, OSError) as exc:
-            # The state stays right in memory; the next transition retries the write.
-            log.error("evalsched: cannot write job.json of %s: %s", job.id, exc)
+            # The state stays right in memory; the sweep retries the write (_retry_writes).
+            self._unwritten.add(job.id)
+            if not quiet:
+                log.error("evalsched: cannot write job.json of %s: %s", job.id, exc)
+            return False
+        self._unwritten.discard(job.id)
+        return True
+
+    def _retry_writes(self) -> None:
+        """Write what a full or read-only disk refused, once it takes writes again."""
+        for run_id in list(self._unwritten):
+            job = self._jobs.get(run_id)
+            if job is None or not self.store.run_dir(run_id).is_dir():
+                self._unwritten.discard(run_id)  # deleted, or its directory is gone
+            elif job.state in TERMINAL_STATES:
+                self._write_terminal(job, quiet=True)
+            else:
+                self._persist(job, quiet=True)
 
     # ----------------------------------------------------------------- background work
 
@@ -762,6 +791,8 @@ class Scheduler:
             await asyncio.sleep(self.config.sweep_interval_s)
             try:
                 self.launcher.poll()
+                if self._unwritten:
+                    self._retry_writes()
                 await self._refresh_unmanaged()
                 self._admit()
                 if self.slurm is not None:
