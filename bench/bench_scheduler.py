@@ -117,6 +117,23 @@ def bare_popen(rounds: int) -> list[float]:
     return out
 
 
+def file_creations(root: Path, rounds: int, per_round: int = 11) -> list[float]:
+    """What the contract's files cost on this disk: a run directory and the files a no-op run
+    creates (spec, job, shared_urls, two logs, summary, episodes, _DONE, and the atomic-rename
+    temporaries), as plain create+write+close, no fsync."""
+    out = []
+    for i in range(rounds):
+        d = root / f"files-{i}"
+        t0 = time.monotonic()
+        d.mkdir()
+        for k in range(per_round - 1):
+            fd = os.open(d / f"f{k}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, b"{}" * 100)
+            os.close(fd)
+        out.append(time.monotonic() - t0)
+    return out
+
+
 def ms(xs: list[float]) -> str:
     xs = sorted(xs)
     p90 = xs[min(len(xs) - 1, int(len(xs) * 0.9))]
@@ -149,6 +166,9 @@ async def main() -> None:
         print(f"   no-op run through the scheduler {ms(noop)}")
         ratio = statistics.median(noop) / base
         print(f"   ratio run/bare interpreter (median): {ratio:.2f}x   target: <= 2x -> {'met' if ratio <= 2 else 'NOT met'}")
+        files = file_creations(root, args.rounds)
+        print(f"   context: a directory + 10 small files on this disk {ms(files)}")
+        print(f"   ratio (run - file creations)/bare interpreter: {(statistics.median(noop) - statistics.median(files)) / base:.2f}x")
 
 
 if __name__ == "__main__":

@@ -225,9 +225,8 @@ def browser() -> Iterator[Any]:
     # Function scope on purpose: Playwright's sync API runs an event loop of its own, and
     # pytest-jupyter's autouse loop fixture (tests/conftest.py) must not see it running when it
     # closes its loop after each test.
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is not installed")
-    sync_api = pytest.importorskip("playwright.sync_api")
+    assert Path(CHROMIUM).exists(), f"{CHROMIUM} is not installed: run scripts/setup.sh"
+    from playwright import sync_api
     with sync_api.sync_playwright() as pw:
         chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield chromium
