@@ -14,20 +14,10 @@ import psutil
 import pytest
 
 from jupyter_evalsched.client import LocalServer
+from live_server import wait_until
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 FAST = ["--EvalSchedApp.cancel_grace_s=2.0", "--EvalSchedApp.sweep_interval_s=0.5", "--EvalSchedApp.progress_interval_s=0.05"]
-
-
-def wait_until(predicate, timeout=15.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout} s")
-        time.sleep(interval)
 
 
 def alive(pid: int) -> bool:
