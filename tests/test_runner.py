@@ -27,6 +27,7 @@ import pytest
 from jupyter_evalsched.runner import fastjson
 from jupyter_evalsched.runner.context import ModelRegistry, UnknownModelError, parse_devices
 from jupyter_evalsched.runner.results import MetricAggregator, utc_now_iso, validate_metrics
+from run_dirs import filled_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -74,30 +75,6 @@ def runner_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env.update(extra)
     return env
-
-
-def filled_spec(**fields) -> dict:
-    spec = {
-        "name": None,
-        "entrypoint": None,
-        "source": None,
-        "episodes": 1,
-        "params": {},
-        "workers": 1,
-        "seed": 0,
-        "models": [],
-        "env": {},
-        "cwd": None,
-        "timeout_s": None,
-        "depends_on": [],
-        "scheduling": {"marginal_vram_mb": 0, "gpus": 1, "exclusive_gpu": False, "priority": "normal", "cpus": 1},
-    }
-    spec.update(fields)
-    if spec["entrypoint"] is None and spec["source"] is not None:
-        spec["entrypoint"] = "eval.py:episode"
-    if spec["name"] is None:
-        spec["name"] = spec["entrypoint"].rpartition(":")[2]
-    return spec
 
 
 def make_run_dir(tmp_path: Path, run_id: str = "20261129T083000-000001", models: dict | None = None, **spec) -> Path:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_evalsched.scheduler.slurm import SlurmConfig, SlurmError, SlurmExecutor, SlurmJobState, verdict
+from run_dirs import filled_spec
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -52,32 +53,6 @@ def episode(ctx, index):
     time.sleep(ctx.params.get("sleep_s", 0))
     return {"devices": len(ctx.devices)}
 """
-
-
-def filled_spec(**fields) -> dict:
-    spec = {
-        "name": None,
-        "entrypoint": None,
-        "source": None,
-        "episodes": 1,
-        "params": {},
-        "workers": 1,
-        "seed": 0,
-        "models": [],
-        "env": {},
-        "cwd": None,
-        "timeout_s": None,
-        "depends_on": [],
-        "scheduling": {"marginal_vram_mb": 0, "gpus": 1, "exclusive_gpu": False, "priority": "normal", "cpus": 1},
-    }
-    scheduling = fields.pop("scheduling", {})
-    spec.update(fields)
-    spec["scheduling"].update(scheduling)
-    if spec["entrypoint"] is None and spec["source"] is not None:
-        spec["entrypoint"] = "eval.py:episode"
-    if spec["name"] is None:
-        spec["name"] = spec["entrypoint"].rpartition(":")[2]
-    return spec
 
 
 def run_env(**extra: str) -> dict[str, str]:

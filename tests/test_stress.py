@@ -21,6 +21,7 @@ import pytest
 
 from jupyter_evalsched.client import EvalSchedError, LocalServer
 from jupyter_evalsched.models import is_valid_run_id
+from live_server import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -29,17 +30,6 @@ NOOP = "jupyter_evalsched.examples.basic:noop"
 TERMINAL = {"succeeded", "failed", "cancelled", "aborted"}
 FAST = ["--EvalSchedApp.cancel_grace_s=2.0", "--EvalSchedApp.sweep_interval_s=0.5",
         "--EvalSchedApp.progress_interval_s=0.05"]
-
-
-def wait_until(predicate, timeout=15.0, interval=0.02, message=""):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(message or f"not reached within {timeout} s")
-        time.sleep(interval)
 
 
 def alive(pid: int) -> bool:
