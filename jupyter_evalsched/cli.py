@@ -61,6 +61,22 @@ def _progress(rec: dict) -> str:
     return f"{prog.get('done', 0)}/{prog.get('total', 0)}"
 
 
+def format_slurm(rec: dict) -> str:
+    """``slurm:123 RUNNING`` for a SLURM run (``slurm`` alone until sbatch answered), ``""`` for a
+    local run."""
+    if rec.get("executor") != "slurm":
+        return ""
+    job = rec.get("slurm_job_id")
+    head = f"slurm:{job}" if job not in (None, "") else "slurm"
+    return f"{head} {rec['slurm_state']}" if rec.get("slurm_state") else head
+
+
+def format_where(rec: dict) -> str:
+    """Where a run executes, for the GPUS column: ``slurm:123 RUNNING`` for a SLURM run (it is not
+    on this host's GPUs), else its GPU indices (``0,1``), or ``-``."""
+    return format_slurm(rec) or ",".join(str(d) for d in rec.get("devices") or []) or "-"
+
+
 def _bar(fraction: float, width: int = 24) -> str:
     fraction = min(max(fraction, 0.0), 1.0)
     filled = int(round(fraction * width))
@@ -105,15 +121,18 @@ def format_queue(view: dict) -> str:
     if running:
         out.append(format_table(
             [(r.get("id"), r.get("name"), r.get("priority"), r.get("marginal_vram_mb"),
-              ",".join(str(d) for d in r.get("devices") or []) or "-", _progress(r),
-              format_duration(elapsed_s(r))) for r in running],
+              format_where(r), _progress(r), format_duration(elapsed_s(r))) for r in running],
             ["ID", "NAME", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "ELAPSED"]))
     out += ["", f"QUEUED ({len(queued)}, in admission order)"]
     if queued:
+        # A queued SLURM run may already be a PENDING SLURM job: a SLURM column when there is one.
+        slurm = any(format_slurm(q) for q in queued)
         out.append(format_table(
-            [(i + 1, q.get("id"), q.get("name"), q.get("priority"), q.get("marginal_vram_mb"),
-              q.get("reason") or "") for i, q in enumerate(queued)],
-            ["#", "ID", "NAME", "PRIORITY", "VRAM_MB", "REASON"], max_width=90))
+            [(i + 1, q.get("id"), q.get("name"), q.get("priority"), q.get("marginal_vram_mb"))
+             + ((format_slurm(q) or "-",) if slurm else ()) + (q.get("reason") or "",)
+             for i, q in enumerate(queued)],
+            ["#", "ID", "NAME", "PRIORITY", "VRAM_MB"] + (["SLURM"] if slurm else []) + ["REASON"],
+            max_width=90))
     return "\n".join(out)
 
 
@@ -224,12 +243,20 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(runs)
         return 0
-    print(format_table(
-        [(r.get("id"), r.get("name"), r.get("state"), r.get("priority"), r.get("marginal_vram_mb"),
-          _progress(r), (r.get("submitted_at") or "")[:19].replace("T", " "), r.get("reason") or "")
-         for r in runs],
-        ["ID", "NAME", "STATE", "PRIORITY", "VRAM_MB", "PROGRESS", "SUBMITTED (UTC)", "REASON"]))
+    print(format_list(runs))
     return 0
+
+
+def format_list(runs: Sequence[dict]) -> str:
+    """The ``list`` table; a SLURM column (``slurm:123 RUNNING``) when a SLURM run is listed."""
+    slurm = any(format_slurm(r) for r in runs)
+    return format_table(
+        [(r.get("id"), r.get("name"), r.get("state"), r.get("priority"), r.get("marginal_vram_mb"))
+         + ((format_slurm(r) or "-",) if slurm else ())
+         + (_progress(r), (r.get("submitted_at") or "")[:19].replace("T", " "), r.get("reason") or "")
+         for r in runs],
+        ["ID", "NAME", "STATE", "PRIORITY", "VRAM_MB"] + (["SLURM"] if slurm else [])
+        + ["PROGRESS", "SUBMITTED (UTC)", "REASON"])
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -238,7 +265,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_json(rec)
         return 0
     keys = ["id", "name", "state", "reason", "priority", "submitted_at", "started_at", "finished_at",
-            "pid", "devices", "exit_code", "marginal_vram_mb", "depends_on", "executor", "run_dir"]
+            "pid", "devices", "exit_code", "marginal_vram_mb", "depends_on", "executor", "slurm_job_id",
+            "slurm_state", "run_dir"]
     for key in keys:
         if key in rec and rec[key] not in (None, [], ""):
             print(f"{key:<17}{rec[key]}")
@@ -358,7 +386,7 @@ def _demo_frame(client: EvalSchedClient, ids: dict[str, str], records: dict[str,
         rec = records[rid]
         pos = f"#{order[rid]}" if rid in order else ""
         rows.append((label, rec.get("state"), pos, rec.get("priority"), rec.get("marginal_vram_mb"),
-                     ",".join(str(d) for d in rec.get("devices") or []) or "-", _progress(rec),
+                     format_where(rec), _progress(rec),
                      rec.get("reason") or ""))
     table = format_table(rows, ["RUN", "STATE", "QUEUE", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "REASON"],
                          max_width=70)
@@ -410,7 +438,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print("\nfinal:")
             print(format_table(
                 [(label, rec.get("id"), rec.get("state"), format_duration(elapsed_s(rec)),
-                  ",".join(str(d) for d in rec.get("devices") or []) or "-",
+                  format_where(rec),
                   format_metrics(rec), rec.get("reason") or "")
                  for label, rec in zip(ids, final)],
                 ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS", "REASON"]))

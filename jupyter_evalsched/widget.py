@@ -37,7 +37,7 @@ from .client import (
     parse_time,
 )
 
-__all__ = ["QueueWidget", "RunProgress", "ledger_html"]
+__all__ = ["QueueWidget", "RunProgress", "ledger_html", "run_row_html", "slurm_badge"]
 
 _LIVE_FEEDS: "weakref.WeakSet[_LiveFeed]" = weakref.WeakSet()
 
@@ -169,6 +169,30 @@ def _esc(value: Any) -> str:
     return html.escape("" if value is None else str(value))
 
 
+def is_slurm(rec: dict) -> bool:
+    """Whether a run executes under SLURM (never in this host's VRAM ledger, ``devices == []``)."""
+    return rec.get("executor") == "slurm"
+
+
+def slurm_text(rec: dict) -> str:
+    """``SLURM 123 · RUNNING``; ``SLURM · PENDING`` or ``SLURM`` until sbatch answered."""
+    job = rec.get("slurm_job_id")
+    state = rec.get("slurm_state")
+    return " · ".join(p for p in (f"SLURM {job}" if job not in (None, "") else "SLURM", state or "") if p)
+
+
+def slurm_badge(rec: dict) -> str:
+    """The SLURM badge of a run (HTML), or ``""`` for a local run."""
+    if not is_slurm(rec):
+        return ""
+    job = rec.get("slurm_job_id")
+    return (f"<span class='jupyter-evalsched-slurm' data-slurm-job-id='{_esc(job or '')}' "
+            f"data-slurm-state='{_esc(rec.get('slurm_state') or '')}' "
+            f"title='runs under SLURM, not on this host&#x27;s GPUs' "
+            f"style='background:#e6eef7;color:#1f4e79;border:1px solid #9bb7d4;border-radius:3px;"
+            f"padding:0 4px;font-size:85%;white-space:nowrap'>{_esc(slurm_text(rec))}</span>")
+
+
 def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str:
     """One bar per GPU: shared-model baseline, each run's allocation, unmanaged VRAM, free."""
     if not ledger:
@@ -228,6 +252,39 @@ def _age(value: str | None) -> str:
     return format_duration((datetime.now(t.tzinfo) - t).total_seconds())
 
 
+def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str:
+    """The label of one run in the queue widget (HTML): state, name, id, priority, then the VRAM
+    (and GPUs) of a local run or the SLURM badge of a SLURM run, then progress, reason, metrics."""
+    run_id = run_id or rec.get("id")
+    state = rec.get("state", "?")
+    prog = rec.get("progress") or {}
+    done, total = int(prog.get("done") or 0), int(prog.get("total") or 0)
+    slurm = is_slurm(rec)
+    details = []
+    if state == "running":
+        details.append(f"{done}/{total} · {format_duration(elapsed_s(rec))}")
+        if rec.get("devices") and not slurm:
+            details.append("GPU " + ",".join(str(d) for d in rec["devices"]))
+        if metrics:
+            details.append(metrics)
+    elif state == "queued":
+        details.append(f"waiting {_age(rec.get('submitted_at'))}")
+        if rec.get("reason"):
+            details.append(rec["reason"])
+    else:
+        details.append(format_duration(elapsed_s(rec)))
+        if rec.get("reason") and state != "succeeded":
+            details.append(rec["reason"])
+        if metrics:
+            details.append(metrics)
+    vram = int(rec.get("marginal_vram_mb") or 0)
+    # A SLURM run is not on this host's GPUs: its job id and SLURM state instead of the VRAM.
+    where = f" · {slurm_badge(rec)}" if slurm else (f" · {vram} MB" if vram else "")
+    return (f"{_badge(state)} <b>{_esc(rec.get('name'))}</b> <code style='font-size:80%'>{_esc(run_id)}</code>"
+            f" · {_esc(rec.get('priority', 'normal'))}{where}"
+            f" · <span style='color:#555'>{_esc(' · '.join(details))}</span>")
+
+
 class _RunRow(widgets.HBox):
     """One run in the queue widget: label, progress bar, cancel button."""
 
@@ -245,28 +302,7 @@ class _RunRow(widgets.HBox):
         state = rec.get("state", "?")
         prog = rec.get("progress") or {}
         done, total = int(prog.get("done") or 0), int(prog.get("total") or 0)
-        details = []
-        if state == "running":
-            details.append(f"{done}/{total} · {format_duration(elapsed_s(rec))}")
-            if rec.get("devices"):
-                details.append("GPU " + ",".join(str(d) for d in rec["devices"]))
-            if metrics:
-                details.append(metrics)
-        elif state == "queued":
-            details.append(f"waiting {_age(rec.get('submitted_at'))}")
-            if rec.get("reason"):
-                details.append(rec["reason"])
-        else:
-            details.append(format_duration(elapsed_s(rec)))
-            if rec.get("reason") and state != "succeeded":
-                details.append(rec["reason"])
-            if metrics:
-                details.append(metrics)
-        vram = int(rec.get("marginal_vram_mb") or 0)
-        self.label.value = (
-            f"{_badge(state)} <b>{_esc(rec.get('name'))}</b> <code style='font-size:80%'>{_esc(self.run_id)}</code>"
-            f" · {_esc(rec.get('priority', 'normal'))}{f' · {vram} MB' if vram else ''}"
-            f" · <span style='color:#555'>{_esc(' · '.join(details))}</span>")
+        self.label.value = run_row_html(rec, metrics, self.run_id)
         with self.bar.hold_sync():
             self.bar.max = max(total, 1)
             self.bar.value = min(done, max(total, 1))
@@ -383,6 +419,15 @@ class QueueWidget(widgets.VBox):
         return True
 
     # ---- data
+
+    def show_view(self, view: dict, finished: list[dict] | None = None) -> None:
+        """Render ``view`` (a ``GET /evalsched/queue`` answer: queued, running, ledger) and, when
+        given, ``finished`` records, as if they had just been read; for programs and tests, with
+        ``live=False`` (a live widget replaces them at its next refresh)."""
+        self._apply_view(view)
+        if finished is not None:
+            self._merge_finished(finished, [])
+        self._render()
 
     def _apply_view(self, view: dict) -> None:
         self.queue_view = {"queued": list(view.get("queued") or []),
@@ -612,7 +657,8 @@ class RunProgress(widgets.VBox):
         metrics = format_metrics(record)
         if metrics:
             parts.append(metrics)
-        self._status.value = f"{_badge(state)} {_esc(' · '.join(p for p in parts if p))}"
+        slurm = f"{slurm_badge(record)} " if is_slurm(record) else ""
+        self._status.value = f"{_badge(state)} {slurm}{_esc(' · '.join(p for p in parts if p))}"
         terminal = state in TERMINAL_STATES
         self._button.disabled = terminal
         self._button.layout.visibility = "hidden" if terminal else "visible"

@@ -32,6 +32,40 @@ def _sleepy(name: str, vram: int = 0, sleep_s: float = 0.05, episodes: int = 2, 
             "scheduling": {"marginal_vram_mb": vram, **sched}}
 
 
+# --------------------------------------------------------------------------- text output
+
+
+def test_cli_tables_show_slurm_job_and_state():
+    from jupyter_evalsched.cli import format_list, format_queue, format_slurm, format_where
+
+    slurm = {"id": "s1", "name": "remote", "state": "running", "priority": "normal", "devices": [],
+             "marginal_vram_mb": 16000, "progress": {"done": 1, "total": 4},
+             "started_at": "2026-01-01T00:00:00+00:00", "executor": "slurm",
+             "slurm_job_id": "123", "slurm_state": "RUNNING"}
+    pending = {**slurm, "id": "s2", "state": "queued", "slurm_job_id": "124", "slurm_state": "PENDING",
+               "reason": "waiting_cpu: SLURM job 124 submitted, not yet scheduled"}
+    unsubmitted = {**slurm, "id": "s3", "state": "queued", "slurm_job_id": None, "slurm_state": None}
+    local = {"id": "l1", "name": "here", "state": "running", "priority": "normal", "devices": [0, 1],
+             "marginal_vram_mb": 8000, "progress": {"done": 0, "total": 2}, "executor": "local"}
+    assert format_slurm(slurm) == "slurm:123 RUNNING" and format_where(slurm) == "slurm:123 RUNNING"
+    assert format_slurm(unsubmitted) == "slurm" and format_slurm(local) == ""
+    assert format_where(local) == "0,1" and format_where({"id": "x"}) == "-"
+
+    text = format_queue({"running": [slurm, local], "queued": [pending, unsubmitted], "ledger": None})
+    running_row = next(line for line in text.splitlines() if line.startswith("s1 "))
+    assert "slurm:123 RUNNING" in running_row and "1/4" in running_row
+    assert "0,1" in next(line for line in text.splitlines() if line.startswith("l1 "))
+    header = next(line for line in text.splitlines() if line.startswith("#"))
+    assert header.split() == ["#", "ID", "NAME", "PRIORITY", "VRAM_MB", "SLURM", "REASON"]
+    assert "slurm:124 PENDING" in next(line for line in text.splitlines() if " s2 " in line)
+
+    listed = format_list([slurm, local]).splitlines()
+    assert "SLURM" in listed[0].split()
+    assert "slurm:123 RUNNING" in listed[1] and listed[2].split()[5] == "-"
+    # Without a SLURM run the tables are as before: no SLURM column.
+    assert "SLURM" not in format_list([local]) and "SLURM" not in format_queue({"queued": [dict(local, state="queued")]})
+
+
 # --------------------------------------------------------------------------- discovery
 
 

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -602,3 +603,43 @@ def test_labextension_listed(tmp_path: Path) -> None:
     assert meta["name"] == "jupyter-evalsched"
     assert (ext / meta["jupyterlab"]["_build"]["load"]).is_file()
     assert (ext / "schemas" / "jupyter-evalsched" / "plugin.json").is_file()
+
+
+def test_slurm_badge_helpers_without_a_browser(tmp_path: Path) -> None:
+    """The SLURM badge text of a run row (`SLURM 123 · RUNNING`), from the compiled helpers in
+    `labextension/lib/format.js`, run by Node (no browser, no server); and the shipped bundle has
+    the badge (`.jp-EvalSched-slurm`) and the detail rows."""
+    node = shutil.which("node")
+    assert node, "node is needed (it builds the lab extension too)"
+    src = REPO / "labextension" / "src" / "format.ts"
+    lib = REPO / "labextension" / "lib" / "format.js"
+    assert lib.exists() and lib.stat().st_mtime >= src.stat().st_mtime, (
+        "labextension/lib is missing or older than src: run `cd labextension && jlpm build`"
+    )
+    module = tmp_path / "format.mjs"  # an ES module; lib/ has no package.json of its own
+    module.write_text(lib.read_text())
+    script = tmp_path / "check.mjs"
+    script.write_text(
+        "import { executorOf, isSlurm, slurmLabel } from './format.mjs';\n"
+        "const runs = [\n"
+        "  { executor: 'slurm', slurm_job_id: '123', slurm_state: 'RUNNING' },\n"
+        "  { executor: 'slurm', slurm_job_id: '124', slurm_state: 'PENDING' },\n"
+        "  { executor: 'slurm', slurm_job_id: null, slurm_state: null },\n"
+        "  { executor: 'local' },\n"
+        "  {},\n"
+        "];\n"
+        "console.log(JSON.stringify(runs.map(r => [executorOf(r), isSlurm(r), isSlurm(r) ? slurmLabel(r) : ''])));\n"
+    )
+    proc = subprocess.run([node, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [
+        ["slurm", True, "SLURM 123 · RUNNING"],
+        ["slurm", True, "SLURM 124 · PENDING"],
+        ["slurm", True, "SLURM"],
+        ["local", False, ""],
+        ["local", False, ""],
+    ]
+    static = REPO / "jupyter_evalsched" / "labextension" / "static"
+    bundle = "\n".join(p.read_text(errors="replace") for p in static.glob("*.js"))
+    for needle in ("jp-EvalSched-slurm", "data-slurm-job-id", "SLURM job", "SLURM state", "Executor"):
+        assert needle in bundle, f"{needle!r} not in the built lab extension: rebuild it"

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jupyter_evalsched.client import EvalSchedClientError
-from jupyter_evalsched.widget import QueueWidget, RunProgress, _RunRow, ledger_html
+from jupyter_evalsched.widget import QueueWidget, RunProgress, _RunRow, ledger_html, run_row_html
 
 try:
     from .live_server import SLEEPY, clean_queue, client, live_server, wait_state, wait_until  # noqa: F401
@@ -116,6 +116,74 @@ def test_ledger_html_shows_baseline_runs_and_free():
     assert "allocated 16000 / usable 26000 MB" in html and "models 14000 MB" in html
     assert "free 10000 MB" in html and "&lt;evil&gt;" in html and "<evil>" not in html
     assert "CPU slots: 1 / 8" in html
+
+
+class _ViewOnlyClient:
+    """Stands in for a server that has nothing: the widgets below render views fed to them."""
+    base_url = "http://test.invalid/"
+
+    def queue(self) -> dict:
+        return {"queued": [], "running": [], "ledger": None}
+
+    def list(self, **_kw) -> list:
+        return []
+
+
+def _slurm_run(rid: str, state: str, job: str | None, slurm_state: str | None, **extra) -> dict:
+    return {"id": rid, "name": rid, "state": state, "priority": "normal", "reason": None,
+            "submitted_at": "2026-01-01T00:00:00+00:00", "started_at": None, "finished_at": None,
+            "devices": [], "marginal_vram_mb": 16000, "progress": {"done": 1, "total": 4},
+            "executor": "slurm", "slurm_job_id": job, "slurm_state": slurm_state, **extra}
+
+
+def test_queue_widget_shows_slurm_runs_with_job_id_and_state():
+    view = {
+        "running": [
+            _slurm_run("s1", "running", "123", "RUNNING", started_at="2026-01-01T00:00:05+00:00"),
+            {"id": "l1", "name": "l1", "state": "running", "priority": "normal", "devices": [0],
+             "marginal_vram_mb": 8000, "progress": {"done": 0, "total": 2}, "executor": "local",
+             "started_at": "2026-01-01T00:00:05+00:00"},
+        ],
+        "queued": [_slurm_run("s2", "queued", "124", "PENDING",
+                              reason="waiting_cpu: SLURM job 124 submitted, not yet scheduled"),
+                   _slurm_run("s3", "queued", None, None)],
+        "ledger": {"devices": [{"index": 0, "name": "GPU", "total_mb": 24000, "usable_mb": 24000,
+                                "allocated_mb": 8000, "free_mb": 16000,
+                                "runs": [{"id": "l1", "marginal_vram_mb": 8000}]}]},
+    }
+    widget = QueueWidget(_ViewOnlyClient(), live=False)
+    try:
+        widget.show_view(view, finished=[_slurm_run("s0", "succeeded", "122", "COMPLETED",
+                                                     finished_at="2026-01-01T00:01:00+00:00")])
+        rows = _rows(widget)
+        assert set(rows) == {"s0", "s1", "s2", "s3", "l1"}
+        running = rows["s1"].label.value
+        assert "SLURM 123 · RUNNING" in running and "jupyter-evalsched-slurm" in running
+        assert "data-slurm-job-id='123'" in running and "16000 MB" not in running
+        assert "SLURM 124 · PENDING" in rows["s2"].label.value
+        assert "waiting_cpu" in rows["s2"].label.value
+        assert ">SLURM<" in rows["s3"].label.value  # sbatch has not answered: no job id yet
+        assert "SLURM 122 · COMPLETED" in rows["s0"].label.value
+        # A local run keeps its VRAM and GPU text and has no badge.
+        local = rows["l1"].label.value
+        assert "8000 MB" in local and "GPU 0" in local and "SLURM" not in local
+        # SLURM runs are not on this host's GPUs: not in the ledger bars.
+        assert "s1" not in widget._ledger.value
+    finally:
+        widget.close()
+    assert run_row_html(_slurm_run("s4", "running", "9", "COMPLETING")).count("SLURM 9 · COMPLETING") == 1
+
+
+def test_run_progress_shows_the_slurm_badge():
+    progress = RunProgress(_slurm_run("s5", "running", "125", "RUNNING"), _ViewOnlyClient(), live=False)
+    try:
+        assert "SLURM 125 · RUNNING" in progress._status.value
+        progress.update({**progress.record, "state": "succeeded", "slurm_state": "COMPLETED"})
+        assert "SLURM 125 · COMPLETED" in progress._status.value
+        progress.update({"id": "s5", "state": "running", "executor": "local", "devices": [0]})
+        assert "SLURM" not in progress._status.value
+    finally:
+        progress.close()
 
 
 def test_feed_thread_updates_reach_a_real_kernels_frontend(live_server, clean_queue, monkeypatch, tmp_path):

@@ -10,11 +10,13 @@ import { Widget } from '@lumino/widgets';
 
 import { EvalSchedError, IRunRecord, isTerminal, LogStream } from './api';
 import {
+  executorOf,
   formatDuration,
   formatMB,
   formatNumber,
   formatTimestamp,
   h,
+  isSlurm,
   parseTime
 } from './format';
 import { evalschedIcon } from './icon';
@@ -166,7 +168,7 @@ export class RunDetailView implements IDisposable {
     }
     const started = parseTime(record.started_at);
     const finished = parseTime(record.finished_at);
-    const rows: [string, string | null][] = [
+    const rows: [string, string | null, string?][] = [
       [trans.__('Run id'), record.id],
       [trans.__('Name'), record.name],
       [trans.__('State'), record.state],
@@ -182,6 +184,23 @@ export class RunDetailView implements IDisposable {
       [
         trans.__('Episodes'),
         record.progress ? `${record.progress.done} / ${record.progress.total}` : null
+      ],
+      [trans.__('Executor'), executorOf(record), 'executor'],
+      [
+        trans.__('SLURM job'),
+        isSlurm(record) && record.slurm_job_id !== null && record.slurm_job_id !== undefined
+          ? String(record.slurm_job_id)
+          : isSlurm(record) && !isTerminal(record.state)
+            ? trans.__('not submitted yet')
+            : null,
+        'slurm_job_id'
+      ],
+      [
+        trans.__('SLURM state'),
+        isSlurm(record) && typeof record.slurm_state === 'string' && record.slurm_state
+          ? record.slurm_state
+          : null,
+        'slurm_state'
       ],
       [
         trans.__('GPUs'),
@@ -203,11 +222,12 @@ export class RunDetailView implements IDisposable {
         record.depends_on && record.depends_on.length ? record.depends_on.join(', ') : null
       ]
     ];
-    for (const [label, value] of rows) {
+    for (const [label, value, field] of rows) {
       if (value === null || value === '') {
         continue;
       }
-      this._info.append(h('dt', { text: label }), h('dd', { text: value, title: value }));
+      const attrs = field ? { 'data-field': field } : undefined;
+      this._info.append(h('dt', { text: label, attrs }), h('dd', { text: value, title: value, attrs }));
     }
 
     this._metrics.replaceChildren();

@@ -147,3 +147,31 @@ export function h<K extends keyof HTMLElementTagNameMap>(
   }
   return el;
 }
+
+/** The SLURM fields of a run record (absent on local runs and on older servers). */
+export interface ISlurmFields {
+  executor?: unknown;
+  slurm_job_id?: unknown;
+  slurm_state?: unknown;
+  [key: string]: unknown;
+}
+
+/** Where a run executes: `slurm`, or `local` (also when the server does not say). */
+export function executorOf(record: ISlurmFields): string {
+  return typeof record.executor === 'string' && record.executor ? record.executor : 'local';
+}
+
+/** Whether a run executes under SLURM (not on this host's GPUs: it is never in the ledger). */
+export function isSlurm(record: ISlurmFields): boolean {
+  return executorOf(record) === 'slurm';
+}
+
+/**
+ * The compact badge text of a SLURM run: `SLURM 123 · RUNNING`; `SLURM · PENDING` or `SLURM`
+ * while sbatch has not answered (no job id yet).
+ */
+export function slurmLabel(record: ISlurmFields): string {
+  const job = record.slurm_job_id === null || record.slurm_job_id === undefined ? '' : String(record.slurm_job_id);
+  const state = typeof record.slurm_state === 'string' ? record.slurm_state : '';
+  return [job ? `SLURM ${job}` : 'SLURM', state].filter(Boolean).join(' · ');
+}

@@ -25,12 +25,15 @@ import {
 import { RunDetailView } from './detail';
 import {
   colorSlot,
+  executorOf,
   formatAgo,
   formatDuration,
   formatMB,
   formatNumber,
   h,
+  isSlurm,
   parseTime,
+  slurmLabel,
   splitReason
 } from './format';
 import { evalschedIcon } from './icon';
@@ -748,6 +751,7 @@ class RunRow {
     node.dataset.reasonCode = code;
     node.dataset.progressDone = String(record.progress?.done ?? 0);
     node.dataset.progressTotal = String(record.progress?.total ?? 0);
+    node.dataset.executor = executorOf(record);
 
     // Colour chip: matches the run's segment in the ledger bar.
     for (let i = 0; i < COLOR_SLOTS; i++) {
@@ -780,7 +784,21 @@ class RunRow {
         })
       );
     }
-    if (record.marginal_vram_mb > 0) {
+    if (isSlurm(record)) {
+      // Not on this host's GPUs: the SLURM job and its state instead of VRAM and devices.
+      const job = record.slurm_job_id === null || record.slurm_job_id === undefined ? '' : String(record.slurm_job_id);
+      const slurmState = typeof record.slurm_state === 'string' ? record.slurm_state : '';
+      parts.push(
+        h('span', {
+          className: 'jp-EvalSched-slurm',
+          text: slurmLabel(record),
+          title: job
+            ? trans.__('Runs under SLURM as job %1 (%2)', job, slurmState || trans.__('state unknown'))
+            : trans.__('Runs under SLURM; sbatch has not answered yet'),
+          attrs: { 'data-slurm-job-id': job, 'data-slurm-state': slurmState }
+        })
+      );
+    } else if (record.marginal_vram_mb > 0) {
       const where =
         record.devices && record.devices.length
           ? ` · GPU ${record.devices.join(',')}`
