@@ -20,10 +20,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from rest import CRASH, NOOP, SLEEPY, spec, submit
 
-SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
-CRASH = "jupyter_evalsched.examples.basic:crash"
-NOOP = "jupyter_evalsched.examples.basic:noop"
 
 # Evals that damage their own run directory or run out of (capped) memory. Written to a file in
 # tmp_path and used as a file entrypoint ("vandal.py:<function>") with that directory as cwd.
@@ -88,19 +86,6 @@ def capped_oom(ctx, index):
 @pytest.fixture
 def evalsched_config():
     return {"cpu_slots": 16}
-
-
-def spec(entry=SLEEPY, vram=0, episodes=1, sleep_s=0.05, **kw):
-    body = {"entrypoint": entry, "episodes": episodes, "params": {"sleep_s": sleep_s}, "scheduling": {"marginal_vram_mb": vram}}
-    body["scheduling"].update(kw.pop("scheduling", {}))
-    body.update(kw)
-    return body
-
-
-async def submit(api, body):
-    code, rec = await api("POST", "runs", body)
-    assert code == 201, rec
-    return rec
 
 
 def alive(pid: int | None) -> bool:

@@ -13,29 +13,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from rest import CRASH, spec, submit
 
-SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
-CRASH = "jupyter_evalsched.examples.basic:crash"
-NOOP = "jupyter_evalsched.examples.basic:noop"
 
 
 @pytest.fixture
 def evalsched_config():
     return {"virtual_gpus": [24000]}
-
-
-def spec(entry=SLEEPY, vram=0, episodes=1, sleep_s=0.05, **kw):
-    body = {"entrypoint": entry, "episodes": episodes, "params": {"sleep_s": sleep_s}, "scheduling": {"marginal_vram_mb": vram}}
-    sched = kw.pop("scheduling", {})
-    body["scheduling"].update(sched)
-    body.update(kw)
-    return body
-
-
-async def submit(api, body):
-    code, rec = await api("POST", "runs", body)
-    assert code == 201, rec
-    return rec
 
 
 def ledger_total(evalsched) -> int:
