@@ -5,12 +5,12 @@ Needs the daemons of scripts/start_slurm.sh (CI starts them)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from jupyter_evalsched.client import LocalServer
+from live_server import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -22,17 +22,6 @@ TERMINAL = ("succeeded", "failed", "cancelled", "aborted")
 
 def slurm_run(entry=SLEEPY, episodes=1, sleep_s=0.05, **kw):
     return {"entrypoint": entry, "episodes": episodes, "params": {"sleep_s": sleep_s}, "cwd": "/", "executor": "slurm", **kw}
-
-
-def wait_until(predicate, timeout=60.0, interval=0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout} s")
-        time.sleep(interval)
 
 
 def final(client, run_id, timeout=120):
@@ -68,7 +57,7 @@ def test_slurm_runs_through_the_api(tmp_path, cleanup):
         after_bad = c.submit(slurm_run(depends_on=[bad["id"]]))
         doomed = c.submit(slurm_run(episodes=1000, sleep_s=1))
 
-        rec = wait_until(lambda: (lambda r: r if r["state"] == "running" else None)(c.get(doomed["id"])))
+        rec = wait_until(lambda: (lambda r: r if r["state"] == "running" else None)(c.get(doomed["id"])), timeout=60)
         assert rec["executor"] == "slurm" and rec["slurm_job_id"] and rec["slurm_state"] == "RUNNING"
         view = c.queue()
         assert doomed["id"] in [r["id"] for r in view["running"]]
@@ -102,7 +91,7 @@ def test_slurm_runs_survive_a_server_restart(tmp_path, cleanup):
     try:
         c = srv.client()
         rec = c.submit(slurm_run(episodes=8, sleep_s=1))
-        wait_until(lambda: c.get(rec["id"])["state"] == "running")
+        wait_until(lambda: c.get(rec["id"])["state"] == "running", timeout=60)
     finally:
         srv.stop()
         srv.cleanup()
