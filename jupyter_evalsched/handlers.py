@@ -24,7 +24,7 @@ from tornado import web, websocket
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from . import store
-from .models import STATES, EvalSpec, is_valid_run_id
+from .models import STATES, EvalSpec
 from .scheduler.service import Scheduler, SchedulerError
 
 AUTH_RESOURCE = "evalsched"
@@ -458,5 +458,3 @@ def handlers() -> list[tuple[str, type]]:
         (r"/evalsched/openapi.json", OpenAPIHandler),
     ]
 
-
-__all__ = ["handlers", "is_valid_run_id"]

@@ -30,6 +30,7 @@ from jupyter_evalsched.scheduler.slurm import (
     sbatch_options,
     verdict,
 )
+from run_dirs import filled_spec
 
 # ----------------------------------------------------------------------------- captured output
 # `squeue --noheader --states=all --jobs=... --Format=<SQUEUE_FORMAT>` on slurm 22.05.8. Jobs: 16
@@ -90,25 +91,10 @@ SCONTROL_PENDING = (
 )
 INVALID_JOB_ID = "slurm_load_jobs error: Invalid job id specified\n"
 
-SPEC = {
-    "name": "sleepy",
-    "entrypoint": "jupyter_evalsched.examples.basic:sleepy",
-    "source": None,
-    "episodes": 1,
-    "params": {},
-    "workers": 1,
-    "seed": 0,
-    "models": [],
-    "env": {},
-    "cwd": "/tmp",
-    "timeout_s": None,
-    "depends_on": [],
-    "scheduling": {"marginal_vram_mb": 0, "gpus": 1, "exclusive_gpu": False, "priority": "normal", "cpus": 1},
-}
 
 
 def make_spec(**scheduling) -> dict:
-    spec = json.loads(json.dumps(SPEC))
+    spec = filled_spec(name="sleepy", entrypoint="jupyter_evalsched.examples.basic:sleepy", cwd="/tmp")
     for key in ("timeout_s", "cwd", "name"):
         if key in scheduling:
             spec[key] = scheduling.pop(key)

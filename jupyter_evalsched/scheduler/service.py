@@ -151,7 +151,6 @@ class Scheduler:
         self._settled = False
         self._reservation: policy.Reservation | None = None
         self._head_lane = len(policy.LANES)
-        self.admissions = 0
         self.primary_info: dict | None = None  # which server schedules for this host (set by the app)
         self.slurm = SlurmRuns(self, slurm) if slurm is not None else None
 
@@ -405,7 +404,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         self._admit_scheduled = False
-        if not self._started and self._loop is None:
+        if self._loop is None:
             return
         for _ in range(100):  # dependency failures can cascade down a chain
             if not self._queued:
@@ -483,7 +482,6 @@ class Scheduler:
         del self._queued[job.id]
         self._running[job.id] = job
         job.record.update(state="running", reason=None, devices=list(devices), started_at=utcnow_iso())
-        self.admissions += 1
         if job.spec.get("models"):
             # The model host may need starting: do that off this decision, resources held.
             self._persist(job)
