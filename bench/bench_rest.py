@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jupyter_evalsched.client import LocalServer  # noqa: E402
+from jupyter_evalsched.client import LocalServer
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 
@@ -92,19 +92,32 @@ def main() -> None:
     per_client = args.submissions // args.clients
     with LocalServer(virtual_gpus="24000", cpu_slots=4, extra_args=["--EvalSchedApp.sweep_interval_s=1.0"]) as server:
         c = server.client()
-        blocker = c.submit({"entrypoint": SLEEPY, "episodes": 100000, "params": {"sleep_s": 1},
-                            "scheduling": {"exclusive_gpu": True}})
+        blocker = c.submit(
+            {"entrypoint": SLEEPY, "episodes": 100000, "params": {"sleep_s": 1}, "scheduling": {"exclusive_gpu": True}}
+        )
         body = json.dumps({"entrypoint": SLEEPY, "episodes": 1, "scheduling": {"marginal_vram_mb": 1000}}).encode()
 
-        base_rate, base_lat, _, _ = hammer(server.url, server.token, args.clients, per_client, "GET", "/api/status", None)
-        rate, lat, ids, errors = hammer(server.url, server.token, args.clients, per_client, "POST", "/evalsched/runs", body)
+        base_rate, base_lat, _, _ = hammer(
+            server.url, server.token, args.clients, per_client, "GET", "/api/status", None
+        )
+        rate, lat, ids, errors = hammer(
+            server.url, server.token, args.clients, per_client, "POST", "/evalsched/runs", body
+        )
         listed = {r["id"] for r in c.list(state="queued", limit=100000)}
         lost = [i for i in ids if i not in listed]
         print(f"1. submissions over REST, {args.clients} concurrent clients, {len(lat)} requests")
-        print(f"   GET /api/status (baseline)  {base_rate:8.0f} req/s   p50 {pct(base_lat, .5) * 1000:6.2f} ms   p99 {pct(base_lat, .99) * 1000:6.2f} ms")
-        print(f"   POST /evalsched/runs        {rate:8.0f} req/s   p50 {pct(lat, .5) * 1000:6.2f} ms   p99 {pct(lat, .99) * 1000:6.2f} ms")
-        print(f"   ratio submit/status throughput: {rate / base_rate:.2f}   accepted {len(ids)}, errors {len(errors)}, lost {len(lost)}")
-        print(f"   target >= 500/s, p99 < 50 ms, none lost -> {'met' if rate >= 500 and pct(lat, .99) < 0.05 and not lost and not errors else 'NOT met'}\n")
+        print(
+            f"   GET /api/status (baseline)  {base_rate:8.0f} req/s   p50 {pct(base_lat, 0.5) * 1000:6.2f} ms   p99 {pct(base_lat, 0.99) * 1000:6.2f} ms"
+        )
+        print(
+            f"   POST /evalsched/runs        {rate:8.0f} req/s   p50 {pct(lat, 0.5) * 1000:6.2f} ms   p99 {pct(lat, 0.99) * 1000:6.2f} ms"
+        )
+        print(
+            f"   ratio submit/status throughput: {rate / base_rate:.2f}   accepted {len(ids)}, errors {len(errors)}, lost {len(lost)}"
+        )
+        print(
+            f"   target >= 500/s, p99 < 50 ms, none lost -> {'met' if rate >= 500 and pct(lat, 0.99) < 0.05 and not lost and not errors else 'NOT met'}\n"
+        )
         if errors:
             print("   first error:", errors[0])
 
@@ -125,9 +138,13 @@ def main() -> None:
             s_lat.append(time.perf_counter() - t0)
         print(f"2. GET /evalsched/queue with {nq} queued ({len(data) / 1e6:.1f} MB)")
         print(f"   GET /api/status (baseline)  median {statistics.median(s_lat) * 1000:7.2f} ms")
-        print(f"   GET /evalsched/queue        median {statistics.median(q_lat) * 1000:7.2f} ms   p90 {pct(q_lat, .9) * 1000:7.2f} ms")
-        print(f"   ratio queue/status: {statistics.median(q_lat) / statistics.median(s_lat):.1f}x   target <= 50 ms median -> "
-              f"{'met' if statistics.median(q_lat) <= 0.05 else 'NOT met'}")
+        print(
+            f"   GET /evalsched/queue        median {statistics.median(q_lat) * 1000:7.2f} ms   p90 {pct(q_lat, 0.9) * 1000:7.2f} ms"
+        )
+        print(
+            f"   ratio queue/status: {statistics.median(q_lat) / statistics.median(s_lat):.1f}x   target <= 50 ms median -> "
+            f"{'met' if statistics.median(q_lat) <= 0.05 else 'NOT met'}"
+        )
         c.cancel(blocker["id"])
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 
 from jupyter_evalsched.models import EvalSpec
 from jupyter_evalsched.scheduler.gpus import VirtualProbe
-from jupyter_evalsched.scheduler.launcher import Launcher
 from jupyter_evalsched.scheduler.service import Scheduler, SchedulerConfig
 
 NOOP = "jupyter_evalsched.examples.basic:noop"
@@ -92,7 +91,9 @@ async def admission_latency(rounds: int, event_driven: bool, root: Path) -> tupl
 
 
 async def noop_turnaround(rounds: int, root: Path) -> list[float]:
-    sched = TimedScheduler(SchedulerConfig(runs_dir=root / "noop", cpu_slots=4, progress_interval_s=10), VirtualProbe([]))
+    sched = TimedScheduler(
+        SchedulerConfig(runs_dir=root / "noop", cpu_slots=4, progress_interval_s=10), VirtualProbe([])
+    )
     await sched.start()
     out = []
     try:
@@ -154,7 +155,9 @@ async def main() -> None:
         print(f"   event-driven, from _DONE        {ms(ev_done)}")
         print(f"   event-driven, from exit noticed {ms(ev_notice)}")
         print(f"   baseline 1 s sweep, from _DONE  {ms(tick_done)}")
-        print(f"   ratio baseline/event-driven (median, from _DONE): {statistics.median(tick_done) / statistics.median(ev_done):.1f}x")
+        print(
+            f"   ratio baseline/event-driven (median, from _DONE): {statistics.median(tick_done) / statistics.median(ev_done):.1f}x"
+        )
         print(f"   target: <= 10 ms median -> {'met' if statistics.median(ev_done) <= 0.010 else 'NOT met'}\n")
 
         bare = bare_popen(args.rounds)
@@ -165,10 +168,14 @@ async def main() -> None:
         print(f"   Popen(python -c pass).wait()    {ms(bare + bare2)}")
         print(f"   no-op run through the scheduler {ms(noop)}")
         ratio = statistics.median(noop) / base
-        print(f"   ratio run/bare interpreter (median): {ratio:.2f}x   target: <= 2x -> {'met' if ratio <= 2 else 'NOT met'}")
+        print(
+            f"   ratio run/bare interpreter (median): {ratio:.2f}x   target: <= 2x -> {'met' if ratio <= 2 else 'NOT met'}"
+        )
         files = file_creations(root, args.rounds)
         print(f"   context: a directory + 10 small files on this disk {ms(files)}")
-        print(f"   ratio (run - file creations)/bare interpreter: {(statistics.median(noop) - statistics.median(files)) / base:.2f}x")
+        print(
+            f"   ratio (run - file creations)/bare interpreter: {(statistics.median(noop) - statistics.median(files)) / base:.2f}x"
+        )
 
 
 if __name__ == "__main__":

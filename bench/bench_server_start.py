@@ -22,16 +22,32 @@ import urllib.request
 def start_once(with_extension: bool, models: bool) -> tuple[float, bool]:
     tmp = tempfile.mkdtemp(prefix="evalsched-start-")
     token = secrets.token_hex(8)
-    env = dict(os.environ, JUPYTER_RUNTIME_DIR=os.path.join(tmp, "rt"), JUPYTER_CONFIG_DIR=os.path.join(tmp, "cfg"),
-               EVALSCHED_RUNS_DIR=os.path.join(tmp, "runs"), EVALSCHED_VIRTUAL_GPUS="24000,24000",
-               EVALSCHED_LOCK_DIR=os.path.join(tmp, "lock"))
+    env = dict(
+        os.environ,
+        JUPYTER_RUNTIME_DIR=os.path.join(tmp, "rt"),
+        JUPYTER_CONFIG_DIR=os.path.join(tmp, "cfg"),
+        EVALSCHED_RUNS_DIR=os.path.join(tmp, "runs"),
+        EVALSCHED_VIRTUAL_GPUS="24000,24000",
+        EVALSCHED_LOCK_DIR=os.path.join(tmp, "lock"),
+    )
     os.makedirs(env["JUPYTER_CONFIG_DIR"])
     if models:
         with open(os.path.join(env["JUPYTER_CONFIG_DIR"], "jupyter_server_config.json"), "w") as f:
-            json.dump({"EvalSchedApp": {"models": [{"name": "m", "task": "feature-extraction", "model": "/nonexistent"}]}}, f)
+            json.dump(
+                {"EvalSchedApp": {"models": [{"name": "m", "task": "feature-extraction", "model": "/nonexistent"}]}}, f
+            )
     ext = "{'jupyter_evalsched': %s}" % ("True" if with_extension else "False")
-    cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--ip=127.0.0.1", "--port=0",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp}", f"--ServerApp.jpserver_extensions={ext}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyter_server",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        "--port=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={tmp}",
+        f"--ServerApp.jpserver_extensions={ext}",
+    ]
     if os.geteuid() == 0:
         cmd.append("--allow-root")
     t0 = time.monotonic()
@@ -44,7 +60,9 @@ def start_once(with_extension: bool, models: bool) -> tuple[float, bool]:
             try:
                 with open(info) as f:
                     url = json.load(f)["url"]
-                req = urllib.request.Request(url.rstrip("/") + "/api/status", headers={"Authorization": f"token {token}"})
+                req = urllib.request.Request(
+                    url.rstrip("/") + "/api/status", headers={"Authorization": f"token {token}"}
+                )
                 with urllib.request.urlopen(req, timeout=1):
                     break
             except (OSError, ValueError, KeyError):
@@ -74,10 +92,16 @@ def main() -> None:
     base = statistics.median(without)
     print(f"server start -> first answer (median of {args.rounds}, alternated)")
     print(f"   without the extension           {base * 1000:7.0f} ms")
-    print(f"   with the extension              {statistics.median(with_ext) * 1000:7.0f} ms   ratio {statistics.median(with_ext) / base:.2f}x")
-    print(f"   with the extension and a model  {statistics.median(with_models) * 1000:7.0f} ms   ratio {statistics.median(with_models) / base:.2f}x")
+    print(
+        f"   with the extension              {statistics.median(with_ext) * 1000:7.0f} ms   ratio {statistics.median(with_ext) / base:.2f}x"
+    )
+    print(
+        f"   with the extension and a model  {statistics.median(with_models) * 1000:7.0f} ms   ratio {statistics.median(with_models) / base:.2f}x"
+    )
     print(f"   torch loaded in the server process: {'YES' if torch_seen else 'no'}")
-    print(f"   target <= 1.15x, no torch -> {'met' if statistics.median(with_ext) / base <= 1.15 and not torch_seen else 'NOT met'}")
+    print(
+        f"   target <= 1.15x, no torch -> {'met' if statistics.median(with_ext) / base <= 1.15 and not torch_seen else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

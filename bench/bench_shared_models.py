@@ -88,7 +88,9 @@ def memory_of(pids: list[int]) -> tuple[int, int]:
 def start_all(scripts: list[list[str]]) -> list[subprocess.Popen]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     procs = [
-        subprocess.Popen([sys.executable, "-c", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+        )
         for args in scripts
     ]
     for proc in procs:
@@ -177,9 +179,13 @@ async def main() -> dict:
     parser.add_argument("--seconds", type=float, default=6.0, help="duration of each throughput run")
     parser.add_argument("--calls", type=int, default=300, help="calls per latency measurement")
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="intra-op CPU threads of every process that runs the model (hosts, own copies, "
-                             "in-process baseline); 1 keeps the figures stable on a busy machine")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op CPU threads of every process that runs the model (hosts, own copies, "
+        "in-process baseline); 1 keeps the figures stable on a busy machine",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # own copies and the in-process baseline
@@ -284,26 +290,38 @@ async def main() -> dict:
 
 def report(results: dict) -> None:
     m, t, o = results["memory"], results["throughput"], results["overhead"]
-    print(f"shared models benchmark - model: {results['model']}, {results['cpus']} CPUs, "
-          f"{results['threads']} intra-op thread(s) per model process, "
-          f"first load in the host {results['host_first_load_s']} s")
+    print(
+        f"shared models benchmark - model: {results['model']}, {results['cpus']} CPUs, "
+        f"{results['threads']} intra-op thread(s) per model process, "
+        f"first load in the host {results['host_first_load_s']} s"
+    )
     print("(a) memory, RSS (PSS)")
     print(f"    one process holding the model      {m['one_process_with_model_mb']:6d} MB")
-    print(f"    host {m['host_mb']} MB + 4 clients of {m['client_process_mb']} MB"
-          f"  = {m['shared_4_runs_rss_mb']:6d} MB ({m['shared_4_runs_pss_mb']} MB)"
-          f"  -> {m['shared_over_one']}x one process   target <= 1.25x")
-    print(f"    4 processes with their own copy     {m['own_copies_4_runs_rss_mb']:6d} MB"
-          f" ({m['own_copies_4_runs_pss_mb']} MB)  -> {m['own_over_one']}x one process")
-    print(f"    PSS sums over one process alone: shared {m['pss_shared_over_one']}x, own copies {m['pss_own_over_one']}x"
-          " (PSS splits library pages with every process mapping them, also unrelated ones)")
+    print(
+        f"    host {m['host_mb']} MB + 4 clients of {m['client_process_mb']} MB"
+        f"  = {m['shared_4_runs_rss_mb']:6d} MB ({m['shared_4_runs_pss_mb']} MB)"
+        f"  -> {m['shared_over_one']}x one process   target <= 1.25x"
+    )
+    print(
+        f"    4 processes with their own copy     {m['own_copies_4_runs_rss_mb']:6d} MB"
+        f" ({m['own_copies_4_runs_pss_mb']} MB)  -> {m['own_over_one']}x one process"
+    )
+    print(
+        f"    PSS sums over one process alone: shared {m['pss_shared_over_one']}x, own copies {m['pss_own_over_one']}x"
+        " (PSS splits library pages with every process mapping them, also unrelated ones)"
+    )
     print(f"(b) throughput, {t['clients']} concurrent clients, one input per call")
-    print(f"    batched (max 8, 5 ms)   {t['batched_calls_per_s']:8.1f} calls/s  p50 {t['batched_p50_ms']} ms"
-          f"  mean batch {t['mean_batch_size']}  sizes {t['batch_sizes']}")
+    print(
+        f"    batched (max 8, 5 ms)   {t['batched_calls_per_s']:8.1f} calls/s  p50 {t['batched_p50_ms']} ms"
+        f"  mean batch {t['mean_batch_size']}  sizes {t['batch_sizes']}"
+    )
     print(f"    unbatched (max 1)       {t['unbatched_calls_per_s']:8.1f} calls/s  p50 {t['unbatched_p50_ms']} ms")
     print(f"    batched / unbatched = {t['batched_over_unbatched']}x   target >= 2x   (model loads: {t['load_count']})")
     print("(c) per-call latency, one caller, median")
-    print(f"    in-process {o['in_process_ms']} ms, shared {o['shared_ms']} ms: overhead {o['overhead_ms']} ms"
-          f" ({o['shared_over_in_process']}x); protocol round trip {o['protocol_round_trip_us']} us")
+    print(
+        f"    in-process {o['in_process_ms']} ms, shared {o['shared_ms']} ms: overhead {o['overhead_ms']} ms"
+        f" ({o['shared_over_in_process']}x); protocol round trip {o['protocol_round_trip_us']} us"
+    )
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ class EvalSchedApp(ExtensionApp):
     def _default_usable(self) -> int | None:
         return _env_int("EVALSCHED_USABLE_VRAM_MB")
 
-    cpu_slots = Int(help="CPU slots runs may take. Default: $EVALSCHED_CPU_SLOTS, else the host's cores.").tag(config=True)
+    cpu_slots = Int(help="CPU slots runs may take. Default: $EVALSCHED_CPU_SLOTS, else the host's cores.").tag(
+        config=True
+    )
 
     @default("cpu_slots")
     def _default_cpu_slots(self) -> int:
@@ -87,14 +89,24 @@ class EvalSchedApp(ExtensionApp):
             raise ValueError("cpu_slots must be at least 1")
         return proposal["value"]
 
-    cancel_grace_s = Float(10.0, help="Seconds between SIGTERM and SIGKILL when a run is cancelled or times out.").tag(config=True)
+    cancel_grace_s = Float(10.0, help="Seconds between SIGTERM and SIGKILL when a run is cancelled or times out.").tag(
+        config=True
+    )
     sweep_interval_s = Float(1.0, help="Backstop sweep period; admission itself happens on events.").tag(config=True)
-    progress_interval_s = Float(0.2, help="How often running runs' summary.json files are checked for progress.").tag(config=True)
-    starvation_s = Float(600.0, help="A head-of-queue job waiting this long gets its resources reserved.").tag(config=True)
+    progress_interval_s = Float(0.2, help="How often running runs' summary.json files are checked for progress.").tag(
+        config=True
+    )
+    starvation_s = Float(600.0, help="A head-of-queue job waiting this long gets its resources reserved.").tag(
+        config=True
+    )
     starvation_passes = Int(50, help="... or after being passed over this many times.").tag(config=True)
-    aging_s = Float(3600.0, help="A queued job is promoted one priority lane per this many seconds of waiting.").tag(config=True)
+    aging_s = Float(3600.0, help="A queued job is promoted one priority lane per this many seconds of waiting.").tag(
+        config=True
+    )
     fsync = Bool(False, help="fsync run files on every write (survives power loss, costs throughput).").tag(config=True)
-    run_env = Dict(value_trait=Unicode(), help="Environment added to every run (under the spec's own env).").tag(config=True)
+    run_env = Dict(value_trait=Unicode(), help="Environment added to every run (under the spec's own env).").tag(
+        config=True
+    )
 
     single_primary = Bool(
         True,
@@ -102,7 +114,9 @@ class EvalSchedApp(ExtensionApp):
         "schedules; further servers forward /evalsched/ to it and take over when it exits.",
     ).tag(config=True)
 
-    lock_dir = Unicode(help="Where the primary's lock and address live. Default: $EVALSCHED_LOCK_DIR, else the Jupyter runtime dir.").tag(config=True)
+    lock_dir = Unicode(
+        help="Where the primary's lock and address live. Default: $EVALSCHED_LOCK_DIR, else the Jupyter runtime dir."
+    ).tag(config=True)
 
     @default("lock_dir")
     def _default_lock_dir(self) -> str:
@@ -173,7 +187,9 @@ class EvalSchedApp(ExtensionApp):
         self.scheduler = Scheduler(config, probe, models=model_host, slurm=slurm)
         self.model_host = model_host
         self.role = HostRole(Path(self.lock_dir))
-        self.settings.update(evalsched_scheduler=self.scheduler, evalsched_model_host=model_host, evalsched_role=self.role)
+        self.settings.update(
+            evalsched_scheduler=self.scheduler, evalsched_model_host=model_host, evalsched_role=self.role
+        )
 
     def initialize_handlers(self) -> None:
         from .handlers import handlers
@@ -191,7 +207,8 @@ class EvalSchedApp(ExtensionApp):
         primary = self.role.primary()
         self.log.info(
             "evalsched: another server (pid %s, %s) is this host's scheduler; forwarding /evalsched/ to it",
-            primary.pid if primary else "?", primary.url if primary else "address not yet advertised",
+            primary.pid if primary else "?",
+            primary.url if primary else "address not yet advertised",
         )
         self._promotion = PeriodicCallback(self._try_promotion, 1000)
         self._promotion.start()

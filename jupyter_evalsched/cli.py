@@ -13,7 +13,8 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .client import (
     SPEC_FILE_SUFFIXES,
@@ -45,6 +46,7 @@ def _print_json(value: Any) -> None:
 
 def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], max_width: int = 60) -> str:
     """A plain left-aligned text table; cells longer than ``max_width`` are cut with an ellipsis."""
+
     def cell(v: Any) -> str:
         s = "" if v is None else str(v)
         s = " ".join(s.split())
@@ -52,7 +54,7 @@ def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], max_widt
 
     text_rows = [[cell(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in text_rows) for i in range(len(headers))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in text_rows]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)).rstrip() for r in text_rows]
     return "\n".join(lines)
 
 
@@ -100,12 +102,15 @@ def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | 
             extra.append(f"other {dev['unmanaged_mb']} MB")
         if dev.get("exclusive"):
             extra.append(f"exclusive {names.get(dev['exclusive'], dev['exclusive'])}")
-        runs = ", ".join(f"{names.get(r.get('id'), r.get('id'))}:{r.get('marginal_vram_mb')}"
-                         for r in dev.get("runs") or [])
+        runs = ", ".join(
+            f"{names.get(r.get('id'), r.get('id'))}:{r.get('marginal_vram_mb')}" for r in dev.get("runs") or []
+        )
         lines.append(
             f"GPU {dev.get('index')} {_bar(allocated / usable if usable else 0.0, width)} "
             f"{allocated:>6}/{usable} MB  free {dev.get('free_mb')} MB"
-            + (f"  ({'; '.join(extra)})" if extra else "") + (f"  runs: {runs}" if runs else ""))
+            + (f"  ({'; '.join(extra)})" if extra else "")
+            + (f"  runs: {runs}" if runs else "")
+        )
     if not lines:
         lines.append("no GPUs (CPU-only runs)")
     cpu = ledger.get("cpu_slots") or {}
@@ -119,20 +124,39 @@ def format_queue(view: dict) -> str:
     queued = view.get("queued") or []
     out = [format_ledger(view.get("ledger")), "", f"RUNNING ({len(running)})"]
     if running:
-        out.append(format_table(
-            [(r.get("id"), r.get("name"), r.get("priority"), r.get("marginal_vram_mb"),
-              format_where(r), _progress(r), format_duration(elapsed_s(r))) for r in running],
-            ["ID", "NAME", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "ELAPSED"]))
+        out.append(
+            format_table(
+                [
+                    (
+                        r.get("id"),
+                        r.get("name"),
+                        r.get("priority"),
+                        r.get("marginal_vram_mb"),
+                        format_where(r),
+                        _progress(r),
+                        format_duration(elapsed_s(r)),
+                    )
+                    for r in running
+                ],
+                ["ID", "NAME", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "ELAPSED"],
+            )
+        )
     out += ["", f"QUEUED ({len(queued)}, in admission order)"]
     if queued:
         # A queued SLURM run may already be a PENDING SLURM job: a SLURM column when there is one.
         slurm = any(format_slurm(q) for q in queued)
-        out.append(format_table(
-            [(i + 1, q.get("id"), q.get("name"), q.get("priority"), q.get("marginal_vram_mb"))
-             + ((format_slurm(q) or "-",) if slurm else ()) + (q.get("reason") or "",)
-             for i, q in enumerate(queued)],
-            ["#", "ID", "NAME", "PRIORITY", "VRAM_MB"] + (["SLURM"] if slurm else []) + ["REASON"],
-            max_width=90))
+        out.append(
+            format_table(
+                [
+                    (i + 1, q.get("id"), q.get("name"), q.get("priority"), q.get("marginal_vram_mb"))
+                    + ((format_slurm(q) or "-",) if slurm else ())
+                    + (q.get("reason") or "",)
+                    for i, q in enumerate(queued)
+                ],
+                ["#", "ID", "NAME", "PRIORITY", "VRAM_MB"] + (["SLURM"] if slurm else []) + ["REASON"],
+                max_width=90,
+            )
+        )
     return "\n".join(out)
 
 
@@ -178,8 +202,7 @@ def _record_line(rec: dict) -> str:
     return "  ".join(str(p) for p in parts if p != "")
 
 
-def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namespace,
-                     timeout: float | None) -> int:
+def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namespace, timeout: float | None) -> int:
     handle = client.handle(run_id)
     reporter = _TextProgress(handle, stream=sys.stderr) if not args.quiet else None
     try:
@@ -192,8 +215,9 @@ def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namesp
     except KeyboardInterrupt:
         if reporter:
             reporter.finish({})
-        print(f"{PROG}: stopped waiting; run {run_id} goes on (cancel it with `{PROG} cancel {run_id}`)",
-              file=sys.stderr)
+        print(
+            f"{PROG}: stopped waiting; run {run_id} goes on (cancel it with `{PROG} cancel {run_id}`)", file=sys.stderr
+        )
         return 130
     if reporter:
         reporter.finish(rec)
@@ -216,8 +240,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     elif ":" in args.target:
         base = {"entrypoint": args.target}
     else:
-        raise SpecError(f"{args.target!r} is neither a spec file (.json, .yaml) nor an entrypoint "
-                        "('pkg.module:function' or 'path/file.py:function')")
+        raise SpecError(
+            f"{args.target!r} is neither a spec file (.json, .yaml) nor an entrypoint "
+            "('pkg.module:function' or 'path/file.py:function')"
+        )
     if args.source_file:
         try:
             with open(args.source_file, encoding="utf-8") as f:
@@ -251,12 +277,16 @@ def format_list(runs: Sequence[dict]) -> str:
     """The ``list`` table; a SLURM column (``slurm:123 RUNNING``) when a SLURM run is listed."""
     slurm = any(format_slurm(r) for r in runs)
     return format_table(
-        [(r.get("id"), r.get("name"), r.get("state"), r.get("priority"), r.get("marginal_vram_mb"))
-         + ((format_slurm(r) or "-",) if slurm else ())
-         + (_progress(r), (r.get("submitted_at") or "")[:19].replace("T", " "), r.get("reason") or "")
-         for r in runs],
-        ["ID", "NAME", "STATE", "PRIORITY", "VRAM_MB"] + (["SLURM"] if slurm else [])
-        + ["PROGRESS", "SUBMITTED (UTC)", "REASON"])
+        [
+            (r.get("id"), r.get("name"), r.get("state"), r.get("priority"), r.get("marginal_vram_mb"))
+            + ((format_slurm(r) or "-",) if slurm else ())
+            + (_progress(r), (r.get("submitted_at") or "")[:19].replace("T", " "), r.get("reason") or "")
+            for r in runs
+        ],
+        ["ID", "NAME", "STATE", "PRIORITY", "VRAM_MB"]
+        + (["SLURM"] if slurm else [])
+        + ["PROGRESS", "SUBMITTED (UTC)", "REASON"],
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -264,9 +294,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rec)
         return 0
-    keys = ["id", "name", "state", "reason", "priority", "submitted_at", "started_at", "finished_at",
-            "pid", "devices", "exit_code", "marginal_vram_mb", "depends_on", "executor", "slurm_job_id",
-            "slurm_state", "run_dir"]
+    keys = [
+        "id",
+        "name",
+        "state",
+        "reason",
+        "priority",
+        "submitted_at",
+        "started_at",
+        "finished_at",
+        "pid",
+        "devices",
+        "exit_code",
+        "marginal_vram_mb",
+        "depends_on",
+        "executor",
+        "slurm_job_id",
+        "slurm_state",
+        "run_dir",
+    ]
     for key in keys:
         if key in rec and rec[key] not in (None, [], ""):
             print(f"{key:<17}{rec[key]}")
@@ -320,7 +366,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 printed = 0
             new = text[printed:]
             if first and args.tail is not None:
-                new = "".join(new.splitlines(keepends=True)[-args.tail:]) if args.tail > 0 else ""
+                new = "".join(new.splitlines(keepends=True)[-args.tail :]) if args.tail > 0 else ""
             first = False
             if new:
                 sys.stdout.write(new)
@@ -346,8 +392,10 @@ def cmd_queue(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(view), flush=True)
             else:
-                screen.draw(time.strftime("%H:%M:%S  ") + client.base_url + "\n\n" + format_queue(view),
-                            key=json.dumps(view, sort_keys=True, default=str))
+                screen.draw(
+                    time.strftime("%H:%M:%S  ") + client.base_url + "\n\n" + format_queue(view),
+                    key=json.dumps(view, sort_keys=True, default=str),
+                )
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
@@ -363,9 +411,14 @@ def demo_plan(sleep_s: float, episodes: int) -> list[tuple[str, dict]]:
     entry = "jupyter_evalsched.examples.basic:sleepy"
 
     def spec(name: str, vram: int = 0, priority: str = "normal", exclusive: bool = False) -> dict:
-        return {"name": name, "entrypoint": entry, "episodes": episodes,
-                "params": {"sleep_s": sleep_s}, "seed": 1000 * len(name) + ord(name[-1]),
-                "scheduling": {"marginal_vram_mb": vram, "priority": priority, "exclusive_gpu": exclusive}}
+        return {
+            "name": name,
+            "entrypoint": entry,
+            "episodes": episodes,
+            "params": {"sleep_s": sleep_s},
+            "seed": 1000 * len(name) + ord(name[-1]),
+            "scheduling": {"marginal_vram_mb": vram, "priority": priority, "exclusive_gpu": exclusive},
+        }
 
     return [
         ("big-a", spec("big-a", 16000)),
@@ -377,19 +430,28 @@ def demo_plan(sleep_s: float, episodes: int) -> list[tuple[str, dict]]:
     ]
 
 
-def _demo_frame(client: EvalSchedClient, ids: dict[str, str], records: dict[str, dict],
-                t0: float) -> tuple[str, Any]:
+def _demo_frame(client: EvalSchedClient, ids: dict[str, str], records: dict[str, dict], t0: float) -> tuple[str, Any]:
     view = client.queue()
     order = {q["id"]: i + 1 for i, q in enumerate(view.get("queued") or [])}
     rows = []
     for label, rid in ids.items():
         rec = records[rid]
         pos = f"#{order[rid]}" if rid in order else ""
-        rows.append((label, rec.get("state"), pos, rec.get("priority"), rec.get("marginal_vram_mb"),
-                     format_where(rec), _progress(rec),
-                     rec.get("reason") or ""))
-    table = format_table(rows, ["RUN", "STATE", "QUEUE", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "REASON"],
-                         max_width=70)
+        rows.append(
+            (
+                label,
+                rec.get("state"),
+                pos,
+                rec.get("priority"),
+                rec.get("marginal_vram_mb"),
+                format_where(rec),
+                _progress(rec),
+                rec.get("reason") or "",
+            )
+        )
+    table = format_table(
+        rows, ["RUN", "STATE", "QUEUE", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "REASON"], max_width=70
+    )
     labels = {rid: label for label, rid in ids.items()}
     text = f"t={time.monotonic() - t0:5.1f}s\n{format_ledger(view.get('ledger'), names=labels)}\n\n{table}"
     key = [(r[1], r[2], r[7]) for r in rows]  # what a non-terminal log should report: changes only
@@ -436,12 +498,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _print_json({"runs": final})
         else:
             print("\nfinal:")
-            print(format_table(
-                [(label, rec.get("id"), rec.get("state"), format_duration(elapsed_s(rec)),
-                  format_where(rec),
-                  format_metrics(rec), rec.get("reason") or "")
-                 for label, rec in zip(ids, final)],
-                ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS", "REASON"]))
+            print(
+                format_table(
+                    [
+                        (
+                            label,
+                            rec.get("id"),
+                            rec.get("state"),
+                            format_duration(elapsed_s(rec)),
+                            format_where(rec),
+                            format_metrics(rec),
+                            rec.get("reason") or "",
+                        )
+                        for label, rec in zip(ids, final, strict=False)
+                    ],
+                    ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS", "REASON"],
+                )
+            )
         ok = all(r.get("state") == "succeeded" for r in final)
         return 0 if ok else 1
     except KeyboardInterrupt:
@@ -459,13 +532,17 @@ def build_parser() -> argparse.ArgumentParser:
     # Global options are accepted before and after the subcommand; SUPPRESS keeps a subparser's
     # unset copy from overwriting a value given before the subcommand.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", default=argparse.SUPPRESS,
-                        help="server base URL (default: EVALSCHED_URL, else the running Jupyter server)")
+    common.add_argument(
+        "--url",
+        default=argparse.SUPPRESS,
+        help="server base URL (default: EVALSCHED_URL, else the running Jupyter server)",
+    )
     common.add_argument("--token", default=argparse.SUPPRESS, help="server token (default: EVALSCHED_TOKEN)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
-    parser = argparse.ArgumentParser(prog=PROG, parents=[common],
-                                     description="Submit and watch evaluation runs on the host's scheduler.")
+    parser = argparse.ArgumentParser(
+        prog=PROG, parents=[common], description="Submit and watch evaluation runs on the host's scheduler."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
@@ -474,18 +551,29 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("submit", cmd_submit, "submit a run from a spec file (.json/.yaml) or an entrypoint")
-    p.add_argument("target", metavar="SPEC_OR_ENTRYPOINT", nargs="?",
-                   help="spec.json / spec.yaml, or 'pkg.module:function' / 'path/file.py:function' "
-                        "(optional with --source-file)")
+    p.add_argument(
+        "target",
+        metavar="SPEC_OR_ENTRYPOINT",
+        nargs="?",
+        help="spec.json / spec.yaml, or 'pkg.module:function' / 'path/file.py:function' (optional with --source-file)",
+    )
     for flag_args, flag_kwargs in SPEC_FLAGS:
         p.add_argument(*flag_args, **flag_kwargs)
-    p.add_argument("--source-file", metavar="FILE",
-                   help="send FILE as the spec's source, saved as the run's eval.py; the entrypoint "
-                        "defaults to eval.py:episode")
+    p.add_argument(
+        "--source-file",
+        metavar="FILE",
+        help="send FILE as the spec's source, saved as the run's eval.py; the entrypoint defaults to eval.py:episode",
+    )
     p.add_argument("--wait", action="store_true", help="wait for the run; exit 0 only if it succeeded")
     # --timeout is the run's timeout_s (a spec flag), so waiting has its own option.
-    p.add_argument("--wait-timeout", dest="wait_timeout", type=float, default=None, metavar="SECONDS",
-                   help="with --wait: stop waiting after SECONDS (exit 1)")
+    p.add_argument(
+        "--wait-timeout",
+        dest="wait_timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --wait: stop waiting after SECONDS (exit 1)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="with --wait: no progress bar")
 
     p = add("list", cmd_list, "list runs, newest first")

@@ -28,8 +28,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
 
 __all__ = [
     "TERMINAL_STATES",
@@ -51,10 +52,7 @@ __all__ = [
 
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "aborted"})
 
-_HOW_TO_FIX = (
-    "start Jupyter with the jupyter_evalsched extension enabled, "
-    "or set EVALSCHED_URL and EVALSCHED_TOKEN"
-)
+_HOW_TO_FIX = "start Jupyter with the jupyter_evalsched extension enabled, or set EVALSCHED_URL and EVALSCHED_TOKEN"
 
 
 # --------------------------------------------------------------------------- errors
@@ -227,9 +225,7 @@ def discover_server(url: str | None = None, token: str | None = None) -> tuple[s
         tok = token if token is not None else (info.get("token") or "")
         if _probe(base, tok):
             return base, tok
-    raise ServerNotFound(
-        f"found {len(servers)} running Jupyter server(s) but none answers /evalsched/: {_HOW_TO_FIX}"
-    )
+    raise ServerNotFound(f"found {len(servers)} running Jupyter server(s) but none answers /evalsched/: {_HOW_TO_FIX}")
 
 
 def _probe(base: str, token: str, timeout: float = 2.0) -> bool:
@@ -250,18 +246,55 @@ def _probe(base: str, token: str, timeout: float = 2.0) -> bool:
 SPEC_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--name",), dict(help="run name (default: derived from the entrypoint)")),
     (("--episodes",), dict(type=int, metavar="N", help="number of episodes (default 1)")),
-    (("--vram",), dict(type=int, metavar="MB", help="marginal VRAM per GPU in MB, on top of the shared models (default 0: CPU only)")),
+    (
+        ("--vram",),
+        dict(
+            type=int,
+            metavar="MB",
+            help="marginal VRAM per GPU in MB, on top of the shared models (default 0: CPU only)",
+        ),
+    ),
     (("--gpus",), dict(type=int, metavar="N", help="GPUs needed when --vram > 0 or --exclusive (default 1)")),
     (("--cpus",), dict(type=int, metavar="N", help="CPU slots the run takes (default 1)")),
     (("--priority",), dict(choices=["high", "normal", "low"], help="priority lane (default normal)")),
     (("--exclusive",), dict(action="store_true", default=None, help="nothing else may run on the run's GPUs")),
-    (("--depends-on",), dict(action="append", dest="depends_on", metavar="RUN_ID", help="start only after this run succeeded (repeatable)")),
-    (("--param",), dict(action="append", dest="params", metavar="KEY=VALUE", help="eval parameter; VALUE is parsed as JSON when it parses, else kept as a string (repeatable)")),
-    (("--model",), dict(action="append", dest="models", metavar="NAME", help="shared model the eval uses through ctx.model(NAME) (repeatable)")),
+    (
+        ("--depends-on",),
+        dict(
+            action="append",
+            dest="depends_on",
+            metavar="RUN_ID",
+            help="start only after this run succeeded (repeatable)",
+        ),
+    ),
+    (
+        ("--param",),
+        dict(
+            action="append",
+            dest="params",
+            metavar="KEY=VALUE",
+            help="eval parameter; VALUE is parsed as JSON when it parses, else kept as a string (repeatable)",
+        ),
+    ),
+    (
+        ("--model",),
+        dict(
+            action="append",
+            dest="models",
+            metavar="NAME",
+            help="shared model the eval uses through ctx.model(NAME) (repeatable)",
+        ),
+    ),
     (("--workers",), dict(type=int, metavar="N", help="worker processes for the episodes (default 1)")),
     (("--timeout",), dict(type=float, metavar="SECONDS", help="fail the run after this many seconds")),
     (("--seed",), dict(type=int, help="base seed; episode i gets seed + i (default 0)")),
-    (("--executor",), dict(choices=["local", "slurm"], help="where the run executes: this host's ledger or SLURM (default: the server's)")),
+    (
+        ("--executor",),
+        dict(
+            choices=["local", "slurm"],
+            help="where the run executes: this host's ledger or SLURM (default: the server's)",
+        ),
+    ),
 ]
 
 SPEC_FILE_SUFFIXES = (".json", ".yaml", ".yml")
@@ -318,14 +351,25 @@ def apply_spec_options(spec: dict | None, options: Any, *, default_cwd: str | No
     out = json.loads(json.dumps(spec, default=_run_id_of)) if spec else {}
     get = lambda name: getattr(options, name, None)  # noqa: E731
 
-    for flag, key in (("name", "name"), ("episodes", "episodes"), ("workers", "workers"),
-                      ("seed", "seed"), ("timeout", "timeout_s"), ("executor", "executor")):
+    for flag, key in (
+        ("name", "name"),
+        ("episodes", "episodes"),
+        ("workers", "workers"),
+        ("seed", "seed"),
+        ("timeout", "timeout_s"),
+        ("executor", "executor"),
+    ):
         if get(flag) is not None:
             out[key] = get(flag)
 
     sched = dict(out.get("scheduling") or {})
-    for flag, key in (("vram", "marginal_vram_mb"), ("gpus", "gpus"), ("cpus", "cpus"),
-                      ("priority", "priority"), ("exclusive", "exclusive_gpu")):
+    for flag, key in (
+        ("vram", "marginal_vram_mb"),
+        ("gpus", "gpus"),
+        ("cpus", "cpus"),
+        ("priority", "priority"),
+        ("exclusive", "exclusive_gpu"),
+    ):
         if get(flag) is not None:
             sched[key] = get(flag)
     if sched or "scheduling" in out:
@@ -356,7 +400,7 @@ def parse_time(value: str | None) -> datetime | None:
         dt = datetime.fromisoformat(value)
     except ValueError:
         return None
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
 
 
 def elapsed_s(record: dict) -> float | None:
@@ -364,7 +408,7 @@ def elapsed_s(record: dict) -> float | None:
     start = parse_time(record.get("started_at"))
     if start is None:
         return None
-    end = parse_time(record.get("finished_at")) or datetime.now(timezone.utc)
+    end = parse_time(record.get("finished_at")) or datetime.now(UTC)
     return max(0.0, (end - start).total_seconds())
 
 
@@ -437,8 +481,16 @@ class EvalSchedClient:
             headers["Authorization"] = f"token {self.token}"
         return headers
 
-    def request(self, method: str, path: str, *, query: dict | None = None, body: Any = None,
-                raw: bool = False, timeout: float | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict | None = None,
+        body: Any = None,
+        raw: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
         """One REST call; JSON is decoded unless ``raw`` (then the text is returned)."""
         data = None
         headers = self._headers()
@@ -477,11 +529,11 @@ class EvalSchedClient:
             message = str(body.get("message") or "")
             if e.code == 403 and message.lower() in ("", "forbidden"):
                 message = "forbidden: wrong or missing token (set EVALSCHED_TOKEN or pass the token)"
-            return EvalSchedError(e.code, message, detail if isinstance(detail, list) else None,
-                                  body.get("reason"))
+            return EvalSchedError(e.code, message, detail if isinstance(detail, list) else None, body.get("reason"))
         if e.code == 404:
-            return EvalSchedError(404, f"no /evalsched/ API at {self.base_url} "
-                                       "(is the jupyter_evalsched server extension enabled?)")
+            return EvalSchedError(
+                404, f"no /evalsched/ API at {self.base_url} (is the jupyter_evalsched server extension enabled?)"
+            )
         if e.code == 403:
             return EvalSchedError(403, "forbidden: wrong or missing token (set EVALSCHED_TOKEN)")
         return EvalSchedError(e.code, str(e.reason or "HTTP error"))
@@ -509,8 +561,7 @@ class EvalSchedClient:
         return self.request("POST", f"runs/{_quote_id(run_id)}/cancel", body={})
 
     def logs(self, run_id: str, stream: str = "stdout", tail: int | None = None) -> str:
-        return self.request("GET", f"runs/{_quote_id(run_id)}/logs",
-                            query={"stream": stream, "tail": tail}, raw=True)
+        return self.request("GET", f"runs/{_quote_id(run_id)}/logs", query={"stream": stream, "tail": tail}, raw=True)
 
     def episodes(self, run_id: str) -> list[dict]:
         return self.request("GET", f"runs/{_quote_id(run_id)}/episodes")["episodes"]
@@ -528,19 +579,26 @@ class EvalSchedClient:
     def openapi(self) -> dict:
         return self.request("GET", "openapi.json")
 
-    def handle(self, run: str | dict) -> "RunHandle":
+    def handle(self, run: str | dict) -> RunHandle:
         """A :class:`RunHandle` for a run id or record."""
         return RunHandle(self, run)
 
-    def events(self, *, connect_timeout: float = 10.0, backend: str | None = None) -> "EventStream":
+    def events(self, *, connect_timeout: float = 10.0, backend: str | None = None) -> EventStream:
         """The ``/evalsched/events`` WebSocket as an iterator of event dicts (close it, or use ``with``).
 
         The first event is ``{"type": "snapshot", "queue": ...}``, then ``{"type": "run", "run": ...}``.
         """
         return EventStream(self, connect_timeout=connect_timeout, backend=backend)
 
-    def wait(self, run_id: str, timeout: float | None = None, *, use_events: bool = True,
-             on_update: Callable[[dict], None] | None = None, poll_s: float = 1.0) -> dict:
+    def wait(
+        self,
+        run_id: str,
+        timeout: float | None = None,
+        *,
+        use_events: bool = True,
+        on_update: Callable[[dict], None] | None = None,
+        poll_s: float = 1.0,
+    ) -> dict:
         """Block until the run is terminal; return its final record (with ``summary``).
 
         Events wake the wait at once; a REST poll runs as a safety net (every ``poll_s`` without a
@@ -563,8 +621,12 @@ class EvalSchedClient:
             while True:
                 if record.get("state") in TERMINAL_STATES and not fresh:
                     record, fresh = self.get(run_id), True  # the final summary.json is only in a GET
-                key = (record.get("state"), json.dumps(record.get("progress"), sort_keys=True),
-                       record.get("reason"), json.dumps(metric_means(record)))
+                key = (
+                    record.get("state"),
+                    json.dumps(record.get("progress"), sort_keys=True),
+                    record.get("reason"),
+                    json.dumps(metric_means(record)),
+                )
                 if on_update is not None and key != last_seen:
                     on_update(record)
                 last_seen = key
@@ -682,7 +744,7 @@ class EventStream:
             self._closed = True
             self._impl.close()
 
-    def __enter__(self) -> "EventStream":
+    def __enter__(self) -> EventStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -702,8 +764,8 @@ class _WsClientImpl:
         self._websocket = websocket
         try:
             self._ws = websocket.create_connection(
-                url, timeout=connect_timeout, header=[f"{k}: {v}" for k, v in headers.items()],
-                enable_multithread=True)
+                url, timeout=connect_timeout, header=[f"{k}: {v}" for k, v in headers.items()], enable_multithread=True
+            )
         except Exception as e:
             raise EvalSchedClientError(f"cannot open the event stream at {url}: {e}") from None
 
@@ -750,11 +812,12 @@ class _TornadoImpl:
         failure: list[BaseException] = []
 
         async def _main() -> None:
-            request = httpclient.HTTPRequest(url, headers=headers, connect_timeout=connect_timeout,
-                                             request_timeout=connect_timeout)
+            request = httpclient.HTTPRequest(
+                url, headers=headers, connect_timeout=connect_timeout, request_timeout=connect_timeout
+            )
             try:
                 self._conn = await websocket.websocket_connect(request)
-            except BaseException as e:  # noqa: BLE001: reported to the caller
+            except BaseException as e:
                 failure.append(e)
                 ready.set()
                 return
@@ -892,8 +955,7 @@ class RunHandle:
         """
         reporter = _make_reporter(self) if progress else None
         try:
-            record = self.client.wait(self.id, timeout=timeout,
-                                      on_update=reporter.update if reporter else None)
+            record = self.client.wait(self.id, timeout=timeout, on_update=reporter.update if reporter else None)
         except KeyboardInterrupt:
             record = self._record or {"id": self.id, "state": "?"}
             try:
@@ -902,8 +964,10 @@ class RunHandle:
                 pass
             if reporter:
                 reporter.finish(record)
-            print(f"stopped waiting; run {self.id} is still {record.get('state')} "
-                  "(cancel it with .cancel())", file=sys.stderr)
+            print(
+                f"stopped waiting; run {self.id} is still {record.get('state')} (cancel it with .cancel())",
+                file=sys.stderr,
+            )
             return record
         except BaseException:
             if reporter:
@@ -927,12 +991,19 @@ class RunHandle:
         from html import escape
 
         rec = self._record or {"id": self.id}
-        rows = [("id", rec.get("id")), ("name", rec.get("name")), ("state", rec.get("state")),
-                ("reason", rec.get("reason")),
-                ("progress", "{done}/{total}".format(**(rec.get("progress") or {"done": 0, "total": 0}))),
-                ("metrics", format_metrics(rec))]
-        body = "".join(f"<tr><th style='text-align:left'>{escape(k)}</th><td>{escape(str(v))}</td></tr>"
-                       for k, v in rows if v not in (None, ""))
+        rows = [
+            ("id", rec.get("id")),
+            ("name", rec.get("name")),
+            ("state", rec.get("state")),
+            ("reason", rec.get("reason")),
+            ("progress", "{done}/{total}".format(**(rec.get("progress") or {"done": 0, "total": 0}))),
+            ("metrics", format_metrics(rec)),
+        ]
+        body = "".join(
+            f"<tr><th style='text-align:left'>{escape(k)}</th><td>{escape(str(v))}</td></tr>"
+            for k, v in rows
+            if v not in (None, "")
+        )
         return f"<table class='evalsched-run'>{body}</table>"
 
     def _ipython_display_(self) -> None:
@@ -975,8 +1046,10 @@ class _TextProgress:
             state = f"{state} ({rec['reason']})"
         metrics = format_metrics(rec, limit=3)
         name = rec.get("name") or self.handle.id
-        return (f"{name} [{bar}] {done}/{total} {format_duration(elapsed_s(rec))} {state}"
-                f"{'  ' + metrics if metrics else ''}")
+        return (
+            f"{name} [{bar}] {done}/{total} {format_duration(elapsed_s(rec))} {state}"
+            f"{'  ' + metrics if metrics else ''}"
+        )
 
     def update(self, rec: dict) -> None:
         line = self._line(rec)
@@ -1042,10 +1115,18 @@ class LocalServer:
     through a JSON config file. Use it as a context manager, or call :meth:`stop`.
     """
 
-    def __init__(self, *, virtual_gpus: str | None = "24000,24000", cpu_slots: int | None = 8,
-                 runs_dir: str | None = None, models: list[dict] | None = None,
-                 env: dict[str, str] | None = None, extra_args: list[str] | None = None,
-                 startup_timeout: float = 60.0, log_path: str | None = None):
+    def __init__(
+        self,
+        *,
+        virtual_gpus: str | None = "24000,24000",
+        cpu_slots: int | None = 8,
+        runs_dir: str | None = None,
+        models: list[dict] | None = None,
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+        startup_timeout: float = 60.0,
+        log_path: str | None = None,
+    ):
         import secrets
 
         self._tmp = tempfile.mkdtemp(prefix="evalsched-server-")
@@ -1059,12 +1140,14 @@ class LocalServer:
         self.log_path = log_path or os.path.join(self._tmp, "server.log")
 
         server_env = dict(os.environ)
-        server_env.update({
-            "JUPYTER_RUNTIME_DIR": runtime_dir,
-            "JUPYTER_CONFIG_DIR": config_dir,  # the user's own config stays out of it
-            "EVALSCHED_RUNS_DIR": self.runs_dir,
-            "PYTHONUNBUFFERED": "1",
-        })
+        server_env.update(
+            {
+                "JUPYTER_RUNTIME_DIR": runtime_dir,
+                "JUPYTER_CONFIG_DIR": config_dir,  # the user's own config stays out of it
+                "EVALSCHED_RUNS_DIR": self.runs_dir,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         for var in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID"):
             server_env.pop(var, None)
         if virtual_gpus is not None:
@@ -1074,23 +1157,32 @@ class LocalServer:
         # The server must import the same jupyter_evalsched as this client, installed or not.
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         server_env["PYTHONPATH"] = os.pathsep.join(
-            [pkg_parent] + [p for p in server_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+            [pkg_parent] + [p for p in server_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
         if env:
             server_env.update(env)
         if models is not None:
             with open(os.path.join(config_dir, "jupyter_server_config.json"), "w", encoding="utf-8") as f:
                 json.dump({"EvalSchedApp": {"models": models}}, f)
 
-        cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--ip=127.0.0.1",
-               "--ServerApp.port=0", "--ServerApp.port_retries=0",
-               f"--IdentityProvider.token={self.token}",
-               f"--ServerApp.root_dir={self.root_dir}",
-               "--ServerApp.jpserver_extensions={'jupyter_evalsched': True}",
-               *(["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),
-               *(extra_args or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            "--ServerApp.port=0",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root_dir}",
+            "--ServerApp.jpserver_extensions={'jupyter_evalsched': True}",
+            *(["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),
+            *(extra_args or []),
+        ]
         self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(cmd, env=server_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, cwd=self.root_dir)
+        self.process = subprocess.Popen(
+            cmd, env=server_env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.root_dir
+        )
         try:
             self.url = self._wait_ready(runtime_dir, startup_timeout)
         except BaseException:
@@ -1102,14 +1194,18 @@ class LocalServer:
         info_path = os.path.join(runtime_dir, f"jpserver-{self.process.pid}.json")
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerNotFound(f"jupyter server exited with code {self.process.returncode} "
-                                     f"before answering; its log: {self.log_path}\n{self.log_tail()}")
+                raise ServerNotFound(
+                    f"jupyter server exited with code {self.process.returncode} "
+                    f"before answering; its log: {self.log_path}\n{self.log_tail()}"
+                )
             info = _read_server_file(info_path)
             if info is not None and _probe(_normalize_base(info["url"]), self.token, timeout=1.0):
                 return _normalize_base(info["url"])
             time.sleep(0.1)
-        raise ServerNotFound(f"jupyter server did not answer /evalsched/ within {timeout:g} s; "
-                             f"its log: {self.log_path}\n{self.log_tail()}")
+        raise ServerNotFound(
+            f"jupyter server did not answer /evalsched/ within {timeout:g} s; "
+            f"its log: {self.log_path}\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -1144,7 +1240,7 @@ class LocalServer:
         self.stop()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> LocalServer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -83,7 +83,11 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         exc = kwargs.get("exc_info", (None, None, None))[1]
         body: dict[str, Any] = {"message": self._reason, "reason": None}
         if isinstance(exc, ApiError):
-            body = {"message": exc.message, "reason": exc.reason, "detail": exc.detail} if exc.detail is not None else {"message": exc.message, "reason": exc.reason}
+            body = (
+                {"message": exc.message, "reason": exc.reason, "detail": exc.detail}
+                if exc.detail is not None
+                else {"message": exc.message, "reason": exc.reason}
+            )
         elif isinstance(exc, web.HTTPError):
             body = {"message": exc.log_message % exc.args if exc.log_message else self._reason, "reason": exc.reason}
         elif exc is not None:
@@ -96,7 +100,7 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         primary = role.primary()
         if primary is None:
             raise ApiError(503, "this host's primary evalsched server is starting or changing; retry in a few seconds")
-        suffix = self.request.path[len(self.base_url.rstrip("/")):].lstrip("/")
+        suffix = self.request.path[len(self.base_url.rstrip("/")) :].lstrip("/")
         url = primary.url.rstrip("/") + "/" + suffix
         if self.request.query:
             url += "?" + self.request.query
@@ -106,16 +110,27 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         body = self.request.body if self.request.method in ("POST", "PUT", "PATCH") else None
         try:
             resp = await AsyncHTTPClient().fetch(
-                url, method=self.request.method, headers=headers, body=body,
-                raise_error=False, request_timeout=60, follow_redirects=False,
+                url,
+                method=self.request.method,
+                headers=headers,
+                body=body,
+                raise_error=False,
+                request_timeout=60,
+                follow_redirects=False,
                 allow_nonstandard_methods=True,
             )
         except (OSError, HTTPClientError) as exc:
-            raise ApiError(503, f"this host's primary evalsched server (pid {primary.pid}) is not answering "
-                                f"({exc}); a server takes over within seconds: retry") from None
+            raise ApiError(
+                503,
+                f"this host's primary evalsched server (pid {primary.pid}) is not answering "
+                f"({exc}); a server takes over within seconds: retry",
+            ) from None
         if resp.code == 599:
-            raise ApiError(503, f"this host's primary evalsched server (pid {primary.pid}) is not answering "
-                                f"({resp.error}); a server takes over within seconds: retry")
+            raise ApiError(
+                503,
+                f"this host's primary evalsched server (pid {primary.pid}) is not answering "
+                f"({resp.error}); a server takes over within seconds: retry",
+            )
         self.set_status(resp.code)
         for name in ("Content-Type", "Location"):
             if name in resp.headers:
@@ -195,7 +210,9 @@ def parse_spec(body: bytes) -> EvalSpec:
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise ApiError(422, "the spec must be a JSON object", [{"loc": [], "msg": "must be an object", "type": "dict_type"}])
+        raise ApiError(
+            422, "the spec must be a JSON object", [{"loc": [], "msg": "must be an object", "type": "dict_type"}]
+        )
     try:
         return EvalSpec.model_validate(obj)
     except ValidationError as exc:
@@ -403,7 +420,7 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
         if primary is None:
             self.close(1013, "the host's primary evalsched server is changing; reconnect")
             return
-        url = "ws" + primary.url[len("http"):].rstrip("/") + "/evalsched/events"
+        url = "ws" + primary.url[len("http") :].rstrip("/") + "/evalsched/events"
         headers = {"Authorization": f"token {primary.token}"} if primary.token else {}
         try:
             self._upstream = await websocket.websocket_connect(HTTPRequest(url, headers=headers, request_timeout=10))
@@ -457,4 +474,3 @@ def handlers() -> list[tuple[str, type]]:
         (r"/evalsched/events/?", EventsHandler),
         (r"/evalsched/openapi.json", OpenAPIHandler),
     ]
-

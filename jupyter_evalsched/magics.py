@@ -76,9 +76,12 @@ class EvalSchedMagics(Magics):
     @line_cell_magic
     @magic_arguments.magic_arguments()
     @magic_arguments.argument(
-        "target", nargs="?", metavar="ARG",
+        "target",
+        nargs="?",
+        metavar="ARG",
         help="line form only: a .json/.yaml spec file, else the name of a dict spec in the "
-             "namespace, else an entrypoint ('pkg.module:function' or 'path/file.py:function')")
+        "namespace, else an entrypoint ('pkg.module:function' or 'path/file.py:function')",
+    )
     @_spec_flags
     @magic_arguments.argument("--out", metavar="VAR", help="also store the run handle in the variable VAR")
     def eval_submit(self, line: str, cell: str | None = None) -> RunHandle | None:
@@ -111,8 +114,9 @@ class EvalSchedMagics(Magics):
             self._resolve_handles(args)
             if cell is not None:
                 if args.target is not None:
-                    raise SpecError("%%eval_submit takes flags only: the cell is the eval's source "
-                                    f"(got ARG {args.target!r})")
+                    raise SpecError(
+                        f"%%eval_submit takes flags only: the cell is the eval's source (got ARG {args.target!r})"
+                    )
                 if not cell.strip():
                     raise SpecError("%%eval_submit: the cell is empty; it should define episode(ctx, index)")
                 base: dict = {"source": cell}
@@ -141,8 +145,10 @@ class EvalSchedMagics(Magics):
         if ":" in target:
             return {"entrypoint": target}
         if target.isidentifier():
-            raise SpecError(f"{target!r} is neither a spec file, a dict in the namespace, "
-                            "nor an entrypoint ('pkg.module:function' or 'path/file.py:function')")
+            raise SpecError(
+                f"{target!r} is neither a spec file, a dict in the namespace, "
+                "nor an entrypoint ('pkg.module:function' or 'path/file.py:function')"
+            )
         raise SpecError(f"{target!r} is not a spec file (.json, .yaml), a dict spec or an entrypoint")
 
     def _resolve_handles(self, args: Any) -> None:
@@ -160,9 +166,11 @@ class EvalSchedMagics(Magics):
     @line_magic
     @magic_arguments.magic_arguments()
     @magic_arguments.argument("--out", metavar="VAR", help="also store the widget in the variable VAR")
-    @magic_arguments.argument("--poll", action="store_true",
-                              help="poll REST instead of using the event stream (e.g. behind a proxy "
-                                   "that drops WebSockets)")
+    @magic_arguments.argument(
+        "--poll",
+        action="store_true",
+        help="poll REST instead of using the event stream (e.g. behind a proxy that drops WebSockets)",
+    )
     def eval_queue(self, line: str) -> None:
         """Show the host's evaluation queue as a live widget: running runs with progress and
         metrics, queued runs in admission order with their reasons, recently finished runs, one

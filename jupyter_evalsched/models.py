@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import (
@@ -45,7 +45,7 @@ def is_valid_run_id(run_id: str) -> bool:
 
 def utcnow_iso() -> str:
     """ISO 8601 in UTC with microseconds and ``+00:00``, as the contract pins."""
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 class _Strict(BaseModel):
@@ -146,7 +146,7 @@ class EvalSpec(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _fill_defaults(self) -> "EvalSpec":
+    def _fill_defaults(self) -> EvalSpec:
         if self.entrypoint is None:
             if self.source is None:
                 raise ValueError("one of 'entrypoint' or 'source' is required")

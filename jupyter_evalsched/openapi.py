@@ -8,7 +8,18 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from . import __version__
-from .models import STATES, ErrorBody, EpisodeList, EvalSpec, Ledger, ModelList, QueueView, RunDetail, RunList, RunRecord
+from .models import (
+    STATES,
+    EpisodeList,
+    ErrorBody,
+    EvalSpec,
+    Ledger,
+    ModelList,
+    QueueView,
+    RunDetail,
+    RunList,
+    RunRecord,
+)
 
 _MODELS = (EvalSpec, RunRecord, RunDetail, RunList, QueueView, Ledger, EpisodeList, ModelList, ErrorBody)
 
@@ -61,10 +72,19 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "summary": "List runs, newest first",
                 "operationId": "listRuns",
                 "parameters": [
-                    {"name": "state", "in": "query", "required": False, "description": "comma-separated states: " + ", ".join(STATES),
-                     "schema": {"type": "string"}},
-                    {"name": "limit", "in": "query", "required": False,
-                     "schema": {"type": "integer", "minimum": 1, "maximum": 100000, "default": 100}},
+                    {
+                        "name": "state",
+                        "in": "query",
+                        "required": False,
+                        "description": "comma-separated states: " + ", ".join(STATES),
+                        "schema": {"type": "string"},
+                    },
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 100000, "default": 100},
+                    },
                 ],
                 "responses": {"200": _json("RunList", "the runs"), **_errors(400)},
             },
@@ -102,10 +122,23 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "summary": "The run's stdout or stderr",
                 "operationId": "getLogs",
                 "parameters": [
-                    {"name": "stream", "in": "query", "required": False, "schema": {"type": "string", "enum": ["stdout", "stderr"]}},
-                    {"name": "tail", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0, "maximum": 1000000}},
+                    {
+                        "name": "stream",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["stdout", "stderr"]},
+                    },
+                    {
+                        "name": "tail",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 0, "maximum": 1000000},
+                    },
                 ],
-                "responses": {"200": {"description": "the log text", "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(400, 404)},
+                "responses": {
+                    "200": {"description": "the log text", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                    **_errors(400, 404),
+                },
             },
         },
         "/runs/{run_id}/episodes": {
@@ -116,23 +149,65 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "responses": {"200": _json("EpisodeList", "the episodes"), **_errors(404)},
             },
         },
-        "/queue": {"get": {"summary": "Queued runs in admission order, running runs, the ledger", "operationId": "getQueue",
-                           "responses": {"200": _json("QueueView", "the queue"), **_errors()}}},
-        "/ledger": {"get": {"summary": "The per-GPU VRAM ledger and CPU slots", "operationId": "getLedger",
-                            "responses": {"200": _json("Ledger", "the ledger"), **_errors()}}},
-        "/models": {"get": {"summary": "Shared models", "operationId": "getModels",
-                            "responses": {"200": _json("ModelList", "the models"), **_errors()}}},
-        "/status": {"get": {"summary": "Version, runs directory and counts", "operationId": "getStatus",
-                            "responses": {"200": {"description": "status", "content": {"application/json": {"schema": {"type": "object"}}}}, **_errors()}}},
-        "/openapi.json": {"get": {"summary": "This document", "operationId": "getOpenAPI",
-                                  "responses": {"200": {"description": "OpenAPI 3", "content": {"application/json": {"schema": {"type": "object"}}}}, **_errors()}}},
-        "/events": {"get": {"summary": "WebSocket: a snapshot, then one message per run change", "operationId": "events",
-                            "responses": {"101": {"description": "switching to the WebSocket protocol"}, **_errors(400)}}},
+        "/queue": {
+            "get": {
+                "summary": "Queued runs in admission order, running runs, the ledger",
+                "operationId": "getQueue",
+                "responses": {"200": _json("QueueView", "the queue"), **_errors()},
+            }
+        },
+        "/ledger": {
+            "get": {
+                "summary": "The per-GPU VRAM ledger and CPU slots",
+                "operationId": "getLedger",
+                "responses": {"200": _json("Ledger", "the ledger"), **_errors()},
+            }
+        },
+        "/models": {
+            "get": {
+                "summary": "Shared models",
+                "operationId": "getModels",
+                "responses": {"200": _json("ModelList", "the models"), **_errors()},
+            }
+        },
+        "/status": {
+            "get": {
+                "summary": "Version, runs directory and counts",
+                "operationId": "getStatus",
+                "responses": {
+                    "200": {"description": "status", "content": {"application/json": {"schema": {"type": "object"}}}},
+                    **_errors(),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "operationId": "getOpenAPI",
+                "responses": {
+                    "200": {
+                        "description": "OpenAPI 3",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    **_errors(),
+                },
+            }
+        },
+        "/events": {
+            "get": {
+                "summary": "WebSocket: a snapshot, then one message per run change",
+                "operationId": "events",
+                "responses": {"101": {"description": "switching to the WebSocket protocol"}, **_errors(400)},
+            }
+        },
     }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "jupyter_evalsched", "version": __version__,
-                 "description": "The per-host evaluation scheduler of this Jupyter server. Authenticate as for any Jupyter API (Authorization: token ...)."},
+        "info": {
+            "title": "jupyter_evalsched",
+            "version": __version__,
+            "description": "The per-host evaluation scheduler of this Jupyter server. Authenticate as for any Jupyter API (Authorization: token ...).",
+        },
         "servers": [{"url": prefix}],
         "components": {
             "schemas": _components(),

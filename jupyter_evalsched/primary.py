@@ -32,7 +32,13 @@ class PrimaryInfo:
 
     def public(self) -> dict:
         """What clients may see (never the token)."""
-        return {"url": self.url, "pid": self.pid, "hostname": self.hostname, "runs_dir": self.runs_dir, "since": self.since}
+        return {
+            "url": self.url,
+            "pid": self.pid,
+            "hostname": self.hostname,
+            "runs_dir": self.runs_dir,
+            "since": self.since,
+        }
 
 
 class HostRole:
@@ -62,8 +68,14 @@ class HostRole:
         return True
 
     def advertise(self, url: str, token: str, runs_dir: str) -> None:
-        info = {"url": url, "token": token, "pid": os.getpid(), "hostname": socket.gethostname(),
-                "runs_dir": runs_dir, "since": time.time()}
+        info = {
+            "url": url,
+            "token": token,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "runs_dir": runs_dir,
+            "since": time.time(),
+        }
         path = self.lock_dir / INFO_NAME
         tmp = path.with_name(f".{INFO_NAME}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -97,9 +109,14 @@ class HostRole:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             with os.fdopen(fd) as f:
                 raw = json.load(f)
-            info = PrimaryInfo(url=raw["url"], token=raw.get("token", ""), pid=int(raw["pid"]),
-                               hostname=raw.get("hostname", ""), runs_dir=raw.get("runs_dir", ""),
-                               since=float(raw.get("since", 0)))
+            info = PrimaryInfo(
+                url=raw["url"],
+                token=raw.get("token", ""),
+                pid=int(raw["pid"]),
+                hostname=raw.get("hostname", ""),
+                runs_dir=raw.get("runs_dir", ""),
+                since=float(raw.get("since", 0)),
+            )
         except (OSError, ValueError, KeyError, TypeError):
             return None
         self._info_cache = (key, info)

@@ -16,7 +16,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ class StoreError(Exception):
 
 def new_run_id() -> str:
     """Unique, sortable by submission time: ``YYYYmmddTHHMMSS.ffffff-<random>``."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     return now.strftime("%Y%m%dT%H%M%S.%f") + "-" + secrets.token_hex(3)
 
 

@@ -39,7 +39,7 @@ from .client import (
 
 __all__ = ["QueueWidget", "RunProgress", "ledger_html", "run_row_html", "slurm_badge"]
 
-_LIVE_FEEDS: "weakref.WeakSet[_LiveFeed]" = weakref.WeakSet()
+_LIVE_FEEDS: weakref.WeakSet[_LiveFeed] = weakref.WeakSet()
 
 
 @atexit.register
@@ -57,8 +57,16 @@ class _LiveFeed:
     is held weakly, so a forgotten widget does not keep a thread alive.
     """
 
-    def __init__(self, client: EvalSchedClient, owner: Any, *, use_events: bool = True,
-                 tick_s: float = 0.25, reconnect_s: float = 5.0, name: str = "evalsched-widget"):
+    def __init__(
+        self,
+        client: EvalSchedClient,
+        owner: Any,
+        *,
+        use_events: bool = True,
+        tick_s: float = 0.25,
+        reconnect_s: float = 5.0,
+        name: str = "evalsched-widget",
+    ):
         self.client = client
         self._owner = weakref.ref(owner)
         self.use_events = use_events
@@ -133,7 +141,7 @@ class _LiveFeed:
                         owner._feed_event(event)
                     if owner._feed_tick(self.mode == "live", woken) is False:
                         return
-                except Exception as e:  # noqa: BLE001: the feed must survive any one bad update
+                except Exception as e:
                     self.last_error = f"{type(e).__name__}: {e}"
                 del owner
         finally:
@@ -154,15 +162,21 @@ def _color(run_id: str) -> str:
 
 
 _STATE_COLORS = {
-    "queued": "#888", "running": "#1f77b4", "succeeded": "#2ca02c",
-    "failed": "#d62728", "cancelled": "#ff7f0e", "aborted": "#9467bd",
+    "queued": "#888",
+    "running": "#1f77b4",
+    "succeeded": "#2ca02c",
+    "failed": "#d62728",
+    "cancelled": "#ff7f0e",
+    "aborted": "#9467bd",
 }
 
 
 def _badge(state: str) -> str:
     color = _STATE_COLORS.get(state, "#555")
-    return (f"<span style='background:{color};color:white;border-radius:3px;padding:0 4px;"
-            f"font-size:85%'>{html.escape(state)}</span>")
+    return (
+        f"<span style='background:{color};color:white;border-radius:3px;padding:0 4px;"
+        f"font-size:85%'>{html.escape(state)}</span>"
+    )
 
 
 def _esc(value: Any) -> str:
@@ -186,11 +200,13 @@ def slurm_badge(rec: dict) -> str:
     if not is_slurm(rec):
         return ""
     job = rec.get("slurm_job_id")
-    return (f"<span class='jupyter-evalsched-slurm' data-slurm-job-id='{_esc(job or '')}' "
-            f"data-slurm-state='{_esc(rec.get('slurm_state') or '')}' "
-            f"title='runs under SLURM, not on this host&#x27;s GPUs' "
-            f"style='background:#e6eef7;color:#1f4e79;border:1px solid #9bb7d4;border-radius:3px;"
-            f"padding:0 4px;font-size:85%;white-space:nowrap'>{_esc(slurm_text(rec))}</span>")
+    return (
+        f"<span class='jupyter-evalsched-slurm' data-slurm-job-id='{_esc(job or '')}' "
+        f"data-slurm-state='{_esc(rec.get('slurm_state') or '')}' "
+        f"title='runs under SLURM, not on this host&#x27;s GPUs' "
+        f"style='background:#e6eef7;color:#1f4e79;border:1px solid #9bb7d4;border-radius:3px;"
+        f"padding:0 4px;font-size:85%;white-space:nowrap'>{_esc(slurm_text(rec))}</span>"
+    )
 
 
 def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str:
@@ -209,12 +225,14 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
         scale = max(total, baseline + unmanaged + usable, 1)
         segs = []
 
-        def seg(mb: int, color: str, title: str, label: str = "") -> None:
+        def seg(mb: int, color: str, title: str, label: str = "", scale: float = scale, segs: list = segs) -> None:
             if mb > 0:
                 pct = 100.0 * mb / scale
-                segs.append(f"<div title='{_esc(title)}' style='width:{pct:.2f}%;background:{color};"
-                            f"overflow:hidden;white-space:nowrap;font-size:80%;color:white;"
-                            f"padding-left:2px;box-sizing:border-box'>{_esc(label)}</div>")
+                segs.append(
+                    f"<div title='{_esc(title)}' style='width:{pct:.2f}%;background:{color};"
+                    f"overflow:hidden;white-space:nowrap;font-size:80%;color:white;"
+                    f"padding-left:2px;box-sizing:border-box'>{_esc(label)}</div>"
+                )
 
         seg(baseline, "#7f7f7f", f"shared models: {baseline} MB", "models")
         seg(unmanaged, "#bcbd22", f"not ours: {unmanaged} MB", "other")
@@ -236,7 +254,8 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
             f"{f' · models {baseline} MB' if baseline else ''}"
             f"{f' · other {unmanaged} MB' if unmanaged else ''}{excl}"
             f"<div style='display:flex;height:14px;border:1px solid #999;border-radius:2px;"
-            f"background:#f4f4f4;width:100%;max-width:640px'>{''.join(segs)}</div></div>")
+            f"background:#f4f4f4;width:100%;max-width:640px'>{''.join(segs)}</div></div>"
+        )
     if not parts:
         parts.append("<div><i>no GPUs: CPU-only runs</i></div>")
     cpu = ledger.get("cpu_slots") or {}
@@ -280,9 +299,11 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
     vram = int(rec.get("marginal_vram_mb") or 0)
     # A SLURM run is not on this host's GPUs: its job id and SLURM state instead of the VRAM.
     where = f" · {slurm_badge(rec)}" if slurm else (f" · {vram} MB" if vram else "")
-    return (f"{_badge(state)} <b>{_esc(rec.get('name'))}</b> <code style='font-size:80%'>{_esc(run_id)}</code>"
-            f" · {_esc(rec.get('priority', 'normal'))}{where}"
-            f" · <span style='color:#555'>{_esc(' · '.join(details))}</span>")
+    return (
+        f"{_badge(state)} <b>{_esc(rec.get('name'))}</b> <code style='font-size:80%'>{_esc(run_id)}</code>"
+        f" · {_esc(rec.get('priority', 'normal'))}{where}"
+        f" · <span style='color:#555'>{_esc(' · '.join(details))}</span>"
+    )
 
 
 class _RunRow(widgets.HBox):
@@ -292,11 +313,13 @@ class _RunRow(widgets.HBox):
         self.run_id = run_id
         self.label = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", min_width="0"))
         self.bar = widgets.IntProgress(min=0, max=1, value=0, layout=widgets.Layout(width="160px"))
-        self.button = widgets.Button(description="Cancel", icon="times", tooltip=f"cancel {run_id}",
-                                     layout=widgets.Layout(width="auto"))
+        self.button = widgets.Button(
+            description="Cancel", icon="times", tooltip=f"cancel {run_id}", layout=widgets.Layout(width="auto")
+        )
         self.button.on_click(lambda _b: on_cancel(run_id))
-        super().__init__(children=[self.label, self.bar, self.button],
-                         layout=widgets.Layout(align_items="center", width="100%"))
+        super().__init__(
+            children=[self.label, self.bar, self.button], layout=widgets.Layout(align_items="center", width="100%")
+        )
 
     def update(self, rec: dict, metrics: str) -> None:
         state = rec.get("state", "?")
@@ -306,8 +329,12 @@ class _RunRow(widgets.HBox):
         with self.bar.hold_sync():
             self.bar.max = max(total, 1)
             self.bar.value = min(done, max(total, 1))
-            self.bar.bar_style = {"succeeded": "success", "failed": "danger", "aborted": "danger",
-                                  "cancelled": "warning"}.get(state, "info" if state == "running" else "")
+            self.bar.bar_style = {
+                "succeeded": "success",
+                "failed": "danger",
+                "aborted": "danger",
+                "cancelled": "warning",
+            }.get(state, "info" if state == "running" else "")
         self.bar.layout.visibility = "visible" if state != "queued" else "hidden"
         terminal = state in TERMINAL_STATES
         self.button.layout.visibility = "hidden" if terminal else "visible"
@@ -331,9 +358,17 @@ class QueueWidget(widgets.VBox):
     ``update_count`` counts renders: both are there for programs and tests.
     """
 
-    def __init__(self, client: EvalSchedClient | None = None, *, finished_limit: int = 8,
-                 max_queued_rows: int = 50, poll_s: float = 1.0, safety_poll_s: float = 3.0,
-                 use_events: bool = True, live: bool = True):
+    def __init__(
+        self,
+        client: EvalSchedClient | None = None,
+        *,
+        finished_limit: int = 8,
+        max_queued_rows: int = 50,
+        poll_s: float = 1.0,
+        safety_poll_s: float = 3.0,
+        use_events: bool = True,
+        live: bool = True,
+    ):
         self.client = client if client is not None else EvalSchedClient()
         self.finished_limit = finished_limit
         self.max_queued_rows = max_queued_rows
@@ -360,8 +395,7 @@ class QueueWidget(widgets.VBox):
         self._finished_title = widgets.HTML()
         self._more = widgets.HTML()
         self._rows_box = widgets.VBox(layout=widgets.Layout(width="100%"))
-        super().__init__(children=[self._header, self._ledger, self._rows_box],
-                         layout=widgets.Layout(width="100%"))
+        super().__init__(children=[self._header, self._ledger, self._rows_box], layout=widgets.Layout(width="100%"))
         self.add_class("jupyter-evalsched-queue")
 
         self._feed = _LiveFeed(self.client, self, use_events=use_events)
@@ -430,9 +464,11 @@ class QueueWidget(widgets.VBox):
         self._render()
 
     def _apply_view(self, view: dict) -> None:
-        self.queue_view = {"queued": list(view.get("queued") or []),
-                           "running": list(view.get("running") or []),
-                           "ledger": view.get("ledger")}
+        self.queue_view = {
+            "queued": list(view.get("queued") or []),
+            "running": list(view.get("running") or []),
+            "ledger": view.get("ledger"),
+        }
 
     def _safe_refresh(self) -> None:
         self._refresh_due = False
@@ -517,14 +553,17 @@ class QueueWidget(widgets.VBox):
         finished = [f for f in self.finished if f.get("id") not in active_ids][: self.finished_limit]
 
         mode = self._feed.mode
-        status = {"live": "<span style='color:#2ca02c'>● live</span>",
-                  "polling": "<span style='color:#ff7f0e'>● polling</span>",
-                  "stopped": "<span style='color:#888'>■ stopped</span>"}.get(mode, "<span style='color:#888'>○ connecting</span>")
+        status = {
+            "live": "<span style='color:#2ca02c'>● live</span>",
+            "polling": "<span style='color:#ff7f0e'>● polling</span>",
+            "stopped": "<span style='color:#888'>■ stopped</span>",
+        }.get(mode, "<span style='color:#888'>○ connecting</span>")
         err = self.error or (self._feed.last_error if mode == "polling" else None)
         self._header.value = (
             f"<b>Evaluation queue</b> · {_esc(self.client.base_url)} · {status}"
             f" · {len(running)} running · {len(queued)} queued"
-            + (f"<br><span style='color:#d62728'>{_esc(err)}</span>" if err else ""))
+            + (f"<br><span style='color:#d62728'>{_esc(err)}</span>" if err else "")
+        )
         self._ledger.value = ledger_html(view.get("ledger"), self._names())
 
         children: list[widgets.Widget] = []
@@ -587,8 +626,15 @@ class QueueWidget(widgets.VBox):
         for row in list(self._rows.values()):
             row.close()
         self._rows.clear()
-        for w in (self._header, self._ledger, self._running_title, self._queued_title,
-                  self._finished_title, self._more, self._rows_box):
+        for w in (
+            self._header,
+            self._ledger,
+            self._running_title,
+            self._queued_title,
+            self._finished_title,
+            self._more,
+            self._rows_box,
+        ):
             w.close()
         super().close()
 
@@ -601,8 +647,15 @@ class RunProgress(widgets.VBox):
     button. ``live=True`` follows the run in a background thread until it ends; ``live=False``
     leaves the updates to the caller (``update(record)``), as ``RunHandle.wait`` does."""
 
-    def __init__(self, run: RunHandle | str | dict, client: EvalSchedClient | None = None, *,
-                 live: bool = True, poll_s: float = 1.0, safety_poll_s: float = 5.0):
+    def __init__(
+        self,
+        run: RunHandle | str | dict,
+        client: EvalSchedClient | None = None,
+        *,
+        live: bool = True,
+        poll_s: float = 1.0,
+        safety_poll_s: float = 5.0,
+    ):
         if isinstance(run, RunHandle):
             self.handle = run
         else:
@@ -622,8 +675,12 @@ class RunProgress(widgets.VBox):
         self._status = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
         self._button = widgets.Button(description="Cancel", icon="times", layout=widgets.Layout(width="auto"))
         self._button.on_click(lambda _b: self._cancel())
-        super().__init__(children=[self._title, widgets.HBox(
-            [self._bar, self._status, self._button], layout=widgets.Layout(align_items="center"))])
+        super().__init__(
+            children=[
+                self._title,
+                widgets.HBox([self._bar, self._status, self._button], layout=widgets.Layout(align_items="center")),
+            ]
+        )
         self.add_class("jupyter-evalsched-run")
 
         self._feed = _LiveFeed(self.client, self, name=f"evalsched-run-{self.run_id}")
@@ -643,15 +700,25 @@ class RunProgress(widgets.VBox):
         state = record.get("state", "?")
         prog = record.get("progress") or {}
         done, total = int(prog.get("done") or 0), int(prog.get("total") or 0)
-        self._title.value = (f"<b>{_esc(record.get('name') or self.run_id)}</b> "
-                             f"<code style='font-size:80%'>{_esc(self.run_id)}</code>")
+        self._title.value = (
+            f"<b>{_esc(record.get('name') or self.run_id)}</b> <code style='font-size:80%'>{_esc(self.run_id)}</code>"
+        )
         with self._bar.hold_sync():
             self._bar.max = max(total, 1)
             self._bar.value = min(done, max(total, 1)) if total else (1 if state == "succeeded" else 0)
-            self._bar.bar_style = {"succeeded": "success", "failed": "danger", "aborted": "danger",
-                                   "cancelled": "warning", "running": "info"}.get(state, "")
-        parts = [f"{done}/{total}" if total else "", format_duration(elapsed_s(record))
-                 if record.get("started_at") else f"waiting {_age(record.get('submitted_at'))}"]
+            self._bar.bar_style = {
+                "succeeded": "success",
+                "failed": "danger",
+                "aborted": "danger",
+                "cancelled": "warning",
+                "running": "info",
+            }.get(state, "")
+        parts = [
+            f"{done}/{total}" if total else "",
+            format_duration(elapsed_s(record))
+            if record.get("started_at")
+            else f"waiting {_age(record.get('submitted_at'))}",
+        ]
         if record.get("reason") and state != "succeeded":
             parts.append(record["reason"])
         metrics = format_metrics(record)
@@ -688,8 +755,12 @@ class RunProgress(widgets.VBox):
     def _feed_tick(self, live: bool, woken: bool) -> bool:
         now = time.monotonic()
         interval = self.safety_poll_s if live else self.poll_s
-        if woken or (self._refresh_due and now - self._last_get >= 1.0) or now - self._last_get >= interval \
-                or self.record.get("state") in TERMINAL_STATES:
+        if (
+            woken
+            or (self._refresh_due and now - self._last_get >= 1.0)
+            or now - self._last_get >= interval
+            or self.record.get("state") in TERMINAL_STATES
+        ):
             self._refresh_due = False
             self._safe_get()
             self.update(self.record)

@@ -40,8 +40,12 @@ def pytest_sessionstart(session):
     global _server
     if not _running_notebooks(session.config) or _server is not None:
         return
-    _server = LocalServer(virtual_gpus="24000,24000", cpu_slots=8, models=SHARED_MODELS,
-                          extra_args=["--EvalSchedApp.progress_interval_s=0.05"])
+    _server = LocalServer(
+        virtual_gpus="24000,24000",
+        cpu_slots=8,
+        models=SHARED_MODELS,
+        extra_args=["--EvalSchedApp.progress_interval_s=0.05"],
+    )
     for key, value in _server.env.items():
         _saved_env[key] = os.environ.get(key)
         os.environ[key] = value

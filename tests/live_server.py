@@ -91,8 +91,14 @@ def wait_state(client: EvalSchedClient, run_id: str, states=TERMINAL_STATES, tim
     return holder["rec"]
 
 
-def cli(live_server, *args: str, env: dict | None = None, cwd: str | None = None, timeout: float = 60,
-        with_server: bool = True) -> subprocess.CompletedProcess:
+def cli(
+    live_server,
+    *args: str,
+    env: dict | None = None,
+    cwd: str | None = None,
+    timeout: float = 60,
+    with_server: bool = True,
+) -> subprocess.CompletedProcess:
     """Run ``jupyter-evalsched`` (``python -m jupyter_evalsched.cli``) as a real subprocess."""
     full_env = dict(os.environ)
     for var in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID"):
@@ -101,6 +107,14 @@ def cli(live_server, *args: str, env: dict | None = None, cwd: str | None = None
         full_env.update(live_server.env)
     full_env.update(env or {})
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    full_env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return subprocess.run([sys.executable, "-m", "jupyter_evalsched.cli", *args], env=full_env, cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [repo] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "jupyter_evalsched.cli", *args],
+        env=full_env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -9,7 +9,12 @@ NOOP = "jupyter_evalsched.examples.basic:noop"
 
 def spec(entry=SLEEPY, vram=0, episodes=1, sleep_s=0.05, **kw):
     """A spec body; ``scheduling`` given here is merged over ``{"marginal_vram_mb": vram}``."""
-    body = {"entrypoint": entry, "episodes": episodes, "params": {"sleep_s": sleep_s}, "scheduling": {"marginal_vram_mb": vram}}
+    body = {
+        "entrypoint": entry,
+        "episodes": episodes,
+        "params": {"sleep_s": sleep_s},
+        "scheduling": {"marginal_vram_mb": vram},
+    }
     body["scheduling"].update(kw.pop("scheduling", {}))
     body.update(kw)
     return body

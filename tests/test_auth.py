@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
@@ -66,8 +65,13 @@ async def test_requests_without_a_token_are_refused(jp_fetch, jp_serverapp, jp_h
             await client.fetch(req)
         assert err.value.code in (401, 403), (method, path, err.value.code)
         # Wrong token too.
-        req = HTTPRequest(url, method=method, body=b"{}" if method == "POST" else None, follow_redirects=False,
-                          headers={"Authorization": "token not-the-token"})
+        req = HTTPRequest(
+            url,
+            method=method,
+            body=b"{}" if method == "POST" else None,
+            follow_redirects=False,
+            headers={"Authorization": "token not-the-token"},
+        )
         with pytest.raises(HTTPClientError) as err:
             await client.fetch(req)
         assert err.value.code in (401, 403), (method, path, err.value.code)

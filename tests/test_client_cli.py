@@ -22,14 +22,19 @@ from jupyter_evalsched.client import (
 )
 
 try:
-    from .live_server import CRASH, SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until  # noqa: F401
+    from .live_server import CRASH, SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until
 except ImportError:
     from live_server import CRASH, SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until  # noqa: F401
 
 
 def _sleepy(name: str, vram: int = 0, sleep_s: float = 0.05, episodes: int = 2, **sched) -> dict:
-    return {"name": name, "entrypoint": SLEEPY, "episodes": episodes, "params": {"sleep_s": sleep_s},
-            "scheduling": {"marginal_vram_mb": vram, **sched}}
+    return {
+        "name": name,
+        "entrypoint": SLEEPY,
+        "episodes": episodes,
+        "params": {"sleep_s": sleep_s},
+        "scheduling": {"marginal_vram_mb": vram, **sched},
+    }
 
 
 # --------------------------------------------------------------------------- text output
@@ -38,15 +43,38 @@ def _sleepy(name: str, vram: int = 0, sleep_s: float = 0.05, episodes: int = 2, 
 def test_cli_tables_show_slurm_job_and_state():
     from jupyter_evalsched.cli import format_list, format_queue, format_slurm, format_where
 
-    slurm = {"id": "s1", "name": "remote", "state": "running", "priority": "normal", "devices": [],
-             "marginal_vram_mb": 16000, "progress": {"done": 1, "total": 4},
-             "started_at": "2026-01-01T00:00:00+00:00", "executor": "slurm",
-             "slurm_job_id": "123", "slurm_state": "RUNNING"}
-    pending = {**slurm, "id": "s2", "state": "queued", "slurm_job_id": "124", "slurm_state": "PENDING",
-               "reason": "waiting_cpu: SLURM job 124 submitted, not yet scheduled"}
+    slurm = {
+        "id": "s1",
+        "name": "remote",
+        "state": "running",
+        "priority": "normal",
+        "devices": [],
+        "marginal_vram_mb": 16000,
+        "progress": {"done": 1, "total": 4},
+        "started_at": "2026-01-01T00:00:00+00:00",
+        "executor": "slurm",
+        "slurm_job_id": "123",
+        "slurm_state": "RUNNING",
+    }
+    pending = {
+        **slurm,
+        "id": "s2",
+        "state": "queued",
+        "slurm_job_id": "124",
+        "slurm_state": "PENDING",
+        "reason": "waiting_cpu: SLURM job 124 submitted, not yet scheduled",
+    }
     unsubmitted = {**slurm, "id": "s3", "state": "queued", "slurm_job_id": None, "slurm_state": None}
-    local = {"id": "l1", "name": "here", "state": "running", "priority": "normal", "devices": [0, 1],
-             "marginal_vram_mb": 8000, "progress": {"done": 0, "total": 2}, "executor": "local"}
+    local = {
+        "id": "l1",
+        "name": "here",
+        "state": "running",
+        "priority": "normal",
+        "devices": [0, 1],
+        "marginal_vram_mb": 8000,
+        "progress": {"done": 0, "total": 2},
+        "executor": "local",
+    }
     assert format_slurm(slurm) == "slurm:123 RUNNING" and format_where(slurm) == "slurm:123 RUNNING"
     assert format_slurm(unsubmitted) == "slurm" and format_slurm(local) == ""
     assert format_where(local) == "0,1" and format_where({"id": "x"}) == "-"
@@ -63,7 +91,9 @@ def test_cli_tables_show_slurm_job_and_state():
     assert "SLURM" in listed[0].split()
     assert "slurm:123 RUNNING" in listed[1] and listed[2].split()[5] == "-"
     # Without a SLURM run the tables are as before: no SLURM column.
-    assert "SLURM" not in format_list([local]) and "SLURM" not in format_queue({"queued": [dict(local, state="queued")]})
+    assert "SLURM" not in format_list([local]) and "SLURM" not in format_queue(
+        {"queued": [dict(local, state="queued")]}
+    )
 
 
 # --------------------------------------------------------------------------- discovery
@@ -80,8 +110,13 @@ def no_env(monkeypatch, tmp_path):
 
 
 def _server_file(runtime, live_server, pid: int, token: str | None = None):
-    info = {"url": live_server.url, "token": live_server.token if token is None else token, "pid": pid,
-            "base_url": "/", "root_dir": live_server.root_dir}
+    info = {
+        "url": live_server.url,
+        "token": live_server.token if token is None else token,
+        "pid": pid,
+        "base_url": "/",
+        "root_dir": live_server.root_dir,
+    }
     (runtime / f"jpserver-{pid}.json").write_text(json.dumps(info))
 
 
@@ -124,10 +159,11 @@ def test_discovery_through_parent_pid_runtime_file(no_env, monkeypatch, live_ser
 def test_discovery_through_running_servers_prefers_one_with_the_api(no_env, live_server):
     # A live process whose "server" has no /evalsched/ API (the URL refuses connections) ...
     _server_file(no_env, live_server, os.getpid())
-    (no_env / f"jpserver-{os.getpid()}.json").write_text(json.dumps(
-        {"url": "http://127.0.0.1:9/", "token": "", "pid": os.getpid()}))
+    (no_env / f"jpserver-{os.getpid()}.json").write_text(
+        json.dumps({"url": "http://127.0.0.1:9/", "token": "", "pid": os.getpid()})
+    )
     # ... a dead one, and the real one.
-    _server_file(no_env, live_server, 2 ** 22 + 12345)
+    _server_file(no_env, live_server, 2**22 + 12345)
     _server_file(no_env, live_server, live_server.process.pid)
     c = EvalSchedClient()
     assert (c.base_url, c.token) == (live_server.url, live_server.token)
@@ -147,18 +183,37 @@ def test_param_parsing_and_spec_options(tmp_path):
         parse_param("novalue")
 
     class Opts:
-        name = "n"; episodes = 4; vram = 100; gpus = 2; cpus = 3; priority = "high"; exclusive = True
-        depends_on = ["r1", "r1", "r2"]; params = ["x=1", "y=str"]; models = ["m"]; workers = 2
-        timeout = 9.5; seed = 7; executor = "local"
+        name = "n"
+        episodes = 4
+        vram = 100
+        gpus = 2
+        cpus = 3
+        priority = "high"
+        exclusive = True
+        depends_on = ["r1", "r1", "r2"]
+        params = ["x=1", "y=str"]
+        models = ["m"]
+        workers = 2
+        timeout = 9.5
+        seed = 7
+        executor = "local"
 
     base = {"entrypoint": "a:b", "params": {"x": 0, "keep": 1}, "scheduling": {"cpus": 1}, "depends_on": ["r0"]}
     spec = apply_spec_options(base, Opts, default_cwd="/somewhere")
     assert spec == {
-        "entrypoint": "a:b", "name": "n", "episodes": 4, "workers": 2, "seed": 7, "timeout_s": 9.5,
+        "entrypoint": "a:b",
+        "name": "n",
+        "episodes": 4,
+        "workers": 2,
+        "seed": 7,
+        "timeout_s": 9.5,
         "executor": "local",
-        "params": {"x": 1, "keep": 1, "y": "str"}, "depends_on": ["r0", "r1", "r2"], "models": ["m"],
+        "params": {"x": 1, "keep": 1, "y": "str"},
+        "depends_on": ["r0", "r1", "r2"],
+        "models": ["m"],
         "scheduling": {"cpus": 3, "marginal_vram_mb": 100, "gpus": 2, "priority": "high", "exclusive_gpu": True},
-        "cwd": "/somewhere"}
+        "cwd": "/somewhere",
+    }
     assert base["params"] == {"x": 0, "keep": 1}  # the caller's dict is not modified
 
     (tmp_path / "sub").mkdir()
@@ -294,8 +349,23 @@ def test_event_stream(client, clean_queue, backend):
 
 
 def test_cli_submit_wait_status_logs_list(live_server, client, clean_queue, tmp_path):
-    proc = cli(live_server, "--json", "submit", SLEEPY, "--episodes", "2", "--param", "sleep_s=0.05",
-               "--name", "from cli", "--priority", "high", "--seed", "3", cwd=str(tmp_path))
+    proc = cli(
+        live_server,
+        "--json",
+        "submit",
+        SLEEPY,
+        "--episodes",
+        "2",
+        "--param",
+        "sleep_s=0.05",
+        "--name",
+        "from cli",
+        "--priority",
+        "high",
+        "--seed",
+        "3",
+        cwd=str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(proc.stdout)
     assert rec["name"] == "from cli" and rec["priority"] == "high"
@@ -325,9 +395,20 @@ def test_cli_submit_wait_status_logs_list(live_server, client, clean_queue, tmp_
 
 def test_cli_spec_file_with_flag_overrides_and_failed_wait(live_server, clean_queue, tmp_path):
     (tmp_path / "spec.yaml").write_text(
-        f"entrypoint: {CRASH}\nname: crashes\nparams: {{how: exception}}\nepisodes: 2\n")
-    proc = cli(live_server, "submit", "spec.yaml", "--param", "at=1", "--param", "sleep_s=0.01",
-               "--wait", "--json", cwd=str(tmp_path))
+        f"entrypoint: {CRASH}\nname: crashes\nparams: {{how: exception}}\nepisodes: 2\n"
+    )
+    proc = cli(
+        live_server,
+        "submit",
+        "spec.yaml",
+        "--param",
+        "at=1",
+        "--param",
+        "sleep_s=0.01",
+        "--wait",
+        "--json",
+        cwd=str(tmp_path),
+    )
     assert proc.returncode == 1, proc.stderr  # the run failed: wait says so
     final = json.loads(proc.stdout)
     assert final["state"] == "failed" and final["reason"].startswith("exception")
@@ -356,18 +437,25 @@ def test_cli_errors_exit_2_with_one_line(live_server, tmp_path):
 
 
 def test_cli_logs_follow(live_server, clean_queue, tmp_path):
-    source = ("import time\n"
-              "def episode(ctx, index):\n"
-              "    print(f'line {index}', flush=True)\n"
-              "    time.sleep(0.2)\n"
-              "    return {'i': index}\n")
+    source = (
+        "import time\n"
+        "def episode(ctx, index):\n"
+        "    print(f'line {index}', flush=True)\n"
+        "    time.sleep(0.2)\n"
+        "    return {'i': index}\n"
+    )
     (tmp_path / "printer.py").write_text(source)
-    rec = json.loads(cli(live_server, "--json", "submit", "--source-file", "printer.py", "--episodes", "4",
-                         cwd=str(tmp_path)).stdout)
+    rec = json.loads(
+        cli(live_server, "--json", "submit", "--source-file", "printer.py", "--episodes", "4", cwd=str(tmp_path)).stdout
+    )
     proc = cli(live_server, "logs", rec["id"], "-f", timeout=30)
     assert proc.returncode == 0
     assert [line for line in proc.stdout.splitlines() if line.startswith("line ")] == [
-        "line 0", "line 1", "line 2", "line 3"]
+        "line 0",
+        "line 1",
+        "line 2",
+        "line 3",
+    ]
 
 
 def test_cli_demo(tmp_path):
@@ -412,10 +500,16 @@ def test_cli_wait_ctrl_c_leaves_the_run_running(live_server, client, clean_queue
 
     rec = client.submit(_sleepy("ctrl-c", sleep_s=30, episodes=1))
     env = dict(os.environ, **live_server.env)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen([sys.executable, "-m", "jupyter_evalsched.cli", "wait", rec["id"]], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_evalsched.cli", "wait", rec["id"]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(1.5)  # the CLI has imported, connected and is waiting
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=10)

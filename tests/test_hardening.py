@@ -22,7 +22,6 @@ import psutil
 import pytest
 from rest import CRASH, NOOP, SLEEPY, spec, submit
 
-
 # Evals that damage their own run directory or run out of (capped) memory. Written to a file in
 # tmp_path and used as a file entrypoint ("vandal.py:<function>") with that directory as cwd.
 VANDAL_SOURCE = r'''
@@ -101,7 +100,9 @@ def only_run_dirs(runs_dir: Path) -> list[str]:
     """Names in the runs directory that are not run directories (should be none)."""
     from jupyter_evalsched.models import is_valid_run_id
 
-    return sorted(p.name for p in runs_dir.iterdir() if not (p.is_dir() and not p.is_symlink() and is_valid_run_id(p.name)))
+    return sorted(
+        p.name for p in runs_dir.iterdir() if not (p.is_dir() and not p.is_symlink() and is_valid_run_id(p.name))
+    )
 
 
 @pytest.fixture
@@ -114,8 +115,13 @@ def raw_fetch(jp_serverapp, evalsched, http_server_client, jp_auth_header, jp_ba
         if body is None and method in ("POST", "PUT", "PATCH"):
             body = b""
         resp = await http_server_client.fetch(
-            jp_base_url.rstrip("/") + "/evalsched/" + path, method=method, body=body, headers=hdrs,
-            raise_error=False, request_timeout=20, allow_nonstandard_methods=True,
+            jp_base_url.rstrip("/") + "/evalsched/" + path,
+            method=method,
+            body=body,
+            headers=hdrs,
+            raise_error=False,
+            request_timeout=20,
+            allow_nonstandard_methods=True,
         )
         return resp.code, (resp.body or b"").decode("utf-8", "replace")
 
@@ -125,7 +131,9 @@ def raw_fetch(jp_serverapp, evalsched, http_server_client, jp_auth_header, jp_ba
 # ----------------------------------------------------------------------------- runs that die
 
 
-async def test_a_mixed_batch_of_dying_runs_leaves_server_and_siblings_untouched(api, wait_for, runs_dir, tmp_path, evalsched):
+async def test_a_mixed_batch_of_dying_runs_leaves_server_and_siblings_untouched(
+    api, wait_for, runs_dir, tmp_path, evalsched
+):
     """Fifteen runs that die or vandalise their own files, submitted concurrently with four
     well-behaved siblings: each bad run ends with the right state and reason, every sibling
     succeeds with all its episodes, no process outlives its run, the server keeps answering."""
@@ -163,11 +171,16 @@ async def test_a_mixed_batch_of_dying_runs_leaves_server_and_siblings_untouched(
 
     # Submit everything at once, interleaved: siblings before, among and after the bad runs.
     names = list(bad)
-    bodies = [siblings_spec[0]] + [bad[n][0] for n in names[:7]] + [siblings_spec[1], siblings_spec[2]] \
-        + [bad[n][0] for n in names[7:]] + [siblings_spec[3]]
+    bodies = (
+        [siblings_spec[0]]
+        + [bad[n][0] for n in names[:7]]
+        + [siblings_spec[1], siblings_spec[2]]
+        + [bad[n][0] for n in names[7:]]
+        + [siblings_spec[3]]
+    )
     recs = await asyncio.gather(*(submit(api, b) for b in bodies))
     sib_recs = [recs[0], recs[8], recs[9], recs[-1]]
-    bad_recs = dict(zip(names, recs[1:8] + recs[10:-1]))
+    bad_recs = dict(zip(names, recs[1:8] + recs[10:-1], strict=False))
     assert len({r["id"] for r in recs}) == len(bodies) == 19
 
     # The run that ignores SIGTERM: cancel it once it has installed its handler.
@@ -198,7 +211,9 @@ async def test_a_mixed_batch_of_dying_runs_leaves_server_and_siblings_untouched(
     # The vandals: the runner rewrote its own summary after the damage; the garbage and the
     # planted symlink were never served as a summary (the outside file's content never leaks).
     for n in ("delete_summary", "garble_summary"):
-        assert finals[n]["summary"]["status"] == "succeeded" and finals[n]["progress"] == {"done": 4, "total": 4}, finals[n]
+        assert finals[n]["summary"]["status"] == "succeeded" and finals[n]["progress"] == {"done": 4, "total": 4}, (
+            finals[n]
+        )
     assert finals["garble_then_exit"]["summary"] is None
     assert finals["summary_symlink"]["summary"] is None
     assert "TOPSECRET" not in json.dumps(finals["summary_symlink"])
@@ -225,7 +240,10 @@ async def test_a_mixed_batch_of_dying_runs_leaves_server_and_siblings_untouched(
         assert (runs_dir / r["id"] / "_DONE").exists(), r["id"]
     code, queue = await api("GET", "queue")
     assert code == 200 and queue["queued"] == [] and queue["running"] == []
-    assert all(d["allocated_mb"] == 0 for d in queue["ledger"]["devices"]) and queue["ledger"]["cpu_slots"]["allocated"] == 0
+    assert (
+        all(d["allocated_mb"] == 0 for d in queue["ledger"]["devices"])
+        and queue["ledger"]["cpu_slots"]["allocated"] == 0
+    )
     code, listing = await api("GET", "runs", params={"limit": 1000})
     assert code == 200 and listing["total"] == 19
     counts = evalsched.counts
@@ -313,7 +331,7 @@ HOSTILE_SPECS = [
 
 async def test_hostile_bodies_get_a_clear_4xx(api, runs_dir, tmp_path):
     failures = []
-    for label, body, expected in HOSTILE_BODIES + [(l, json.dumps(s).encode(), e) for l, s, e in HOSTILE_SPECS]:
+    for label, body, expected in HOSTILE_BODIES + [(lbl, json.dumps(s).encode(), e) for lbl, s, e in HOSTILE_SPECS]:
         code, text = await api("POST", "runs", body, raw=True)
         try:
             err = json.loads(text)
@@ -348,20 +366,50 @@ async def test_odd_but_valid_input_is_accepted_or_fails_with_a_reason(api, wait_
     finals = [await wait_for(r["id"]) for r in recs]
     assert all(f["state"] == "succeeded" for f in finals), [(f["name"], f["state"], f["reason"]) for f in finals]
     m = await wait_for(missing["id"])
-    assert m["state"] == "failed" and m["reason"].startswith("exception: ModuleNotFoundError") and "no_such_module_xyz" in m["reason"], m
+    assert (
+        m["state"] == "failed"
+        and m["reason"].startswith("exception: ModuleNotFoundError")
+        and "no_such_module_xyz" in m["reason"]
+    ), m
     b = await wait_for(bad_func["id"])
     assert b["state"] == "failed" and b["reason"].startswith("exception:") and "no_such_function" in b["reason"], b
     assert only_run_dirs(runs_dir) == []
     assert sorted(p.name for p in runs_dir.iterdir()) == sorted(r["id"] for r in recs + [missing, bad_func])
     for r in recs:
-        assert set(os.listdir(runs_dir / r["id"])) <= {"spec.json", "shared_urls.json", "job.json", "summary.json",
-                                                        "episodes.jsonl", "stdout.log", "stderr.log", "_DONE"}
+        assert set(os.listdir(runs_dir / r["id"])) <= {
+            "spec.json",
+            "shared_urls.json",
+            "job.json",
+            "summary.json",
+            "episodes.jsonl",
+            "stdout.log",
+            "stderr.log",
+            "_DONE",
+        }
 
 
 BAD_IDS = [
-    "..", "%2e%2e", "%2E%2E", ".", "..%2Fetc", "%2e%2e%2fetc%2fpasswd", "%2Fetc%2Fpasswd", "%00", "x%00y",
-    "%2e%2e%2f%2e%2e%2f%2e%2e%2fetc", "..%5c..%5cetc", "%25%32%65%25%32%65", "a" * 300, "%F0%9F%9A%80",
-    "spec.json", "job.json", "_DONE", "%20..", "...", "-", "a%2Fb",
+    "..",
+    "%2e%2e",
+    "%2E%2E",
+    ".",
+    "..%2Fetc",
+    "%2e%2e%2fetc%2fpasswd",
+    "%2Fetc%2Fpasswd",
+    "%00",
+    "x%00y",
+    "%2e%2e%2f%2e%2e%2f%2e%2e%2fetc",
+    "..%5c..%5cetc",
+    "%25%32%65%25%32%65",
+    "a" * 300,
+    "%F0%9F%9A%80",
+    "spec.json",
+    "job.json",
+    "_DONE",
+    "%20..",
+    "...",
+    "-",
+    "a%2Fb",
 ]
 # Not UTF-8 once percent-decoded: tornado refuses them with a 400 before any handler code runs.
 NON_UTF8_IDS = ["%C0%AE%C0%AE", "%FF", "%FF%2F..%2Fetc"]
@@ -371,22 +419,38 @@ async def test_path_like_run_ids_are_404_on_every_endpoint(raw_fetch, api, runs_
     victim = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.1))
     failures = []
     for bad in BAD_IDS:
-        for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/logs"),
-                               ("GET", "/logs?stream=stderr&tail=5"), ("GET", "/episodes")):
+        for method, suffix in (
+            ("GET", ""),
+            ("DELETE", ""),
+            ("POST", "/cancel"),
+            ("GET", "/logs"),
+            ("GET", "/logs?stream=stderr&tail=5"),
+            ("GET", "/episodes"),
+        ):
             code, text = await raw_fetch(method, f"runs/{bad}{suffix}")
             if code != 404:
                 failures.append(f"{method} runs/{bad}{suffix}: {code} {text[:120]!r}")
             if "root:" in text or "TOPSECRET" in text:
                 failures.append(f"{method} runs/{bad}{suffix}: leaked file content")
     for bad in NON_UTF8_IDS:
-        for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/logs"), ("GET", "/episodes")):
+        for method, suffix in (
+            ("GET", ""),
+            ("DELETE", ""),
+            ("POST", "/cancel"),
+            ("GET", "/logs"),
+            ("GET", "/episodes"),
+        ):
             code, text = await raw_fetch(method, f"runs/{bad}{suffix}")
             if code not in (400, 404) or "message" not in json.loads(text or "{}"):
                 failures.append(f"{method} runs/{bad}{suffix}: {code} {text[:120]!r}")
     # Traversal through the victim's id (a run addressing another run's files) is refused too.
     vid = victim["id"]
-    for path in (f"runs/{vid}%2F..%2F{vid}/cancel", f"runs/x%2F..%2F{vid}/cancel", f"runs/{vid}%2fspec.json",
-                 f"runs/{vid}/..%2F{vid}/cancel"):
+    for path in (
+        f"runs/{vid}%2F..%2F{vid}/cancel",
+        f"runs/x%2F..%2F{vid}/cancel",
+        f"runs/{vid}%2fspec.json",
+        f"runs/{vid}/..%2F{vid}/cancel",
+    ):
         code, text = await raw_fetch("POST" if path.endswith("cancel") else "GET", path)
         if code != 404:
             failures.append(f"{path}: {code} {text[:120]!r}")
@@ -402,10 +466,19 @@ async def test_bad_query_parameters_are_400(raw_fetch, api):
     rec = await submit(api, spec(entry=NOOP))
     rid = rec["id"]
     cases = [
-        "runs?limit=-1", "runs?limit=0", "runs?limit=abc", "runs?limit=1e3", "runs?limit=100001",
-        "runs?limit=99999999999999999999999", "runs?state=bogus", "runs?state=queued,..%2Fetc",
-        f"runs/{rid}/logs?stream=/etc/passwd", f"runs/{rid}/logs?stream=..%2Fstdout", f"runs/{rid}/logs?tail=-1",
-        f"runs/{rid}/logs?tail=x", f"runs/{rid}/logs?tail=10000000000",
+        "runs?limit=-1",
+        "runs?limit=0",
+        "runs?limit=abc",
+        "runs?limit=1e3",
+        "runs?limit=100001",
+        "runs?limit=99999999999999999999999",
+        "runs?state=bogus",
+        "runs?state=queued,..%2Fetc",
+        f"runs/{rid}/logs?stream=/etc/passwd",
+        f"runs/{rid}/logs?stream=..%2Fstdout",
+        f"runs/{rid}/logs?tail=-1",
+        f"runs/{rid}/logs?tail=x",
+        f"runs/{rid}/logs?tail=10000000000",
     ]
     failures = []
     for path in cases:
@@ -419,13 +492,25 @@ async def test_wrong_methods_and_content_types_are_not_500(raw_fetch, api):
     rec = await submit(api, spec(entry=NOOP))
     rid = rec["id"]
     failures = []
-    for method, path in (("PUT", "runs"), ("PATCH", f"runs/{rid}"), ("DELETE", "queue"), ("POST", "ledger"),
-                         ("POST", "queue"), ("GET", f"runs/{rid}/cancel"), ("DELETE", "runs"), ("POST", "openapi.json")):
+    for method, path in (
+        ("PUT", "runs"),
+        ("PATCH", f"runs/{rid}"),
+        ("DELETE", "queue"),
+        ("POST", "ledger"),
+        ("POST", "queue"),
+        ("GET", f"runs/{rid}/cancel"),
+        ("DELETE", "runs"),
+        ("POST", "openapi.json"),
+    ):
         code, text = await raw_fetch(method, path, body=b"{}" if method in ("PUT", "PATCH", "POST") else None)
         if not 400 <= code < 500:
             failures.append(f"{method} {path}: {code}")
-    code, text = await raw_fetch("POST", "runs", body=json.dumps(spec(entry=NOOP)).encode(),
-                                 headers={"Content-Type": "text/plain; charset=latin-1"})
+    code, text = await raw_fetch(
+        "POST",
+        "runs",
+        body=json.dumps(spec(entry=NOOP)).encode(),
+        headers={"Content-Type": "text/plain; charset=latin-1"},
+    )
     if code not in (201, 400, 415, 422):
         failures.append(f"POST runs as text/plain: {code} {text[:120]!r}")
     assert not failures, "\n".join(failures)
@@ -449,16 +534,26 @@ async def test_symlinks_planted_in_a_run_directory_are_never_followed(api, wait_
     (outside / "summary.json").write_text(json.dumps({"status": "succeeded", "TOPSECRET": True}))
     (outside / "keep" / "deep").mkdir(parents=True)
     (outside / "keep" / "deep" / "file").write_text("must survive")
-    for name, target in (("stdout.log", "/etc/passwd"), ("stderr.log", outside / "secret.log"),
-                         ("episodes.jsonl", outside / "secret.jsonl"), ("summary.json", outside / "summary.json")):
+    for name, target in (
+        ("stdout.log", "/etc/passwd"),
+        ("stderr.log", outside / "secret.log"),
+        ("episodes.jsonl", outside / "secret.jsonl"),
+        ("summary.json", outside / "summary.json"),
+    ):
         (run / name).unlink()
         os.symlink(target, run / name)
     os.symlink(outside / "keep", run / "linked-dir")
     os.symlink(outside, run / "linked-outside")
 
     failures = []
-    for path, params in (("logs", {}), ("logs", {"stream": "stderr"}), ("logs", {"tail": "3"}),
-                         ("logs", {"stream": "stderr", "tail": "2"}), ("episodes", {}), ("", {})):
+    for path, params in (
+        ("logs", {}),
+        ("logs", {"stream": "stderr"}),
+        ("logs", {"tail": "3"}),
+        ("logs", {"stream": "stderr", "tail": "2"}),
+        ("episodes", {}),
+        ("", {}),
+    ):
         code, text = await api("GET", f"runs/{rec['id']}/{path}".rstrip("/"), params=params or None, raw=True)
         if code >= 500:
             failures.append(f"GET {path or 'record'} {params}: {code} {text[:200]!r}")
@@ -502,9 +597,13 @@ async def test_run_directory_planted_as_a_symlink_is_not_served(api, wait_for, r
 
 async def test_modes_are_owner_only(api, wait_for, runs_dir):
     """The runs directory and run directories are 0700, every file in a run directory 0600."""
-    recs = [await submit(api, spec(entry=SLEEPY, episodes=2, sleep_s=0.01)),
-            await submit(api, {"source": "def episode(ctx, index):\n    print('hi')\n    return {'v': index}\n", "episodes": 2}),
-            await submit(api, spec(entry=CRASH, params={"how": "exit"}))]
+    recs = [
+        await submit(api, spec(entry=SLEEPY, episodes=2, sleep_s=0.01)),
+        await submit(
+            api, {"source": "def episode(ctx, index):\n    print('hi')\n    return {'v': index}\n", "episodes": 2}
+        ),
+        await submit(api, spec(entry=CRASH, params={"how": "exit"})),
+    ]
     for r in recs:
         await wait_for(r["id"])
     assert stat.S_IMODE(os.stat(runs_dir).st_mode) == 0o700
@@ -580,14 +679,23 @@ async def test_full_disk_gives_503_and_the_scheduler_keeps_serving(tiny_runs_dir
         assert code == 503, (code, err)
         assert "full" in err["message"] and str(runs_dir) in err["message"], err
     # Everything else keeps working while the disk is full.
-    for path in ("queue", "ledger", "runs", f"runs/{before['id']}", f"runs/{before['id']}/logs",
-                 f"runs/{before['id']}/episodes", "openapi.json"):
+    for path in (
+        "queue",
+        "ledger",
+        "runs",
+        f"runs/{before['id']}",
+        f"runs/{before['id']}/logs",
+        f"runs/{before['id']}/episodes",
+        "openapi.json",
+    ):
         code, _ = await api("GET", path, raw=True)
         assert code == 200, path
     # The running run cannot write its files: it ends failed with a reason, not silently.
     final = await wait_for(long["id"], timeout=30)
     assert final["state"] == "failed" and final["reason"], final
-    assert not [p for p in runs_dir.iterdir() if p.name.startswith(".staging-")], "a refused submission left a staging dir"
+    assert not [p for p in runs_dir.iterdir() if p.name.startswith(".staging-")], (
+        "a refused submission left a staging dir"
+    )
 
     filler.unlink()
     after = await submit(api, spec(entry=NOOP))
@@ -643,7 +751,9 @@ async def test_run_directory_removed_while_queued_or_running(api, wait_for, runs
     r = await wait_for(running["id"], timeout=20)
     assert q["state"] in ("failed", "aborted") and q["reason"], q
     assert r["state"] in ("failed", "aborted") and r["reason"], r
-    print(f"\nrun directory removed while queued: {q['state']} {q['reason']!r}; while running: {r['state']} {r['reason']!r}")
+    print(
+        f"\nrun directory removed while queued: {q['state']} {q['reason']!r}; while running: {r['state']} {r['reason']!r}"
+    )
     assert not alive(r["pid"])
     # The sweep and everything else keep going: the blocker finishes, a new run succeeds.
     assert (await wait_for(blocker["id"]))["state"] == "succeeded"
@@ -675,11 +785,27 @@ async def test_requests_during_recovery_never_claim_runs_are_gone(jp_serverapp, 
     run = runs_dir / run_id
     run.mkdir(parents=True)
     (run / "spec.json").write_text(json.dumps({"entrypoint": NOOP, "episodes": 1, "cwd": "/", "scheduling": {}}))
-    (run / "job.json").write_text(json.dumps({
-        "id": run_id, "name": "x", "state": "queued", "reason": None, "priority": "normal",
-        "submitted_at": "2026-01-01T00:00:00.000000+00:00", "started_at": None, "finished_at": None, "pid": None,
-        "devices": [], "exit_code": None, "progress": {"done": 0, "total": 1}, "marginal_vram_mb": 0, "depends_on": [], "seq": 1,
-    }))
+    (run / "job.json").write_text(
+        json.dumps(
+            {
+                "id": run_id,
+                "name": "x",
+                "state": "queued",
+                "reason": None,
+                "priority": "normal",
+                "submitted_at": "2026-01-01T00:00:00.000000+00:00",
+                "started_at": None,
+                "finished_at": None,
+                "pid": None,
+                "devices": [],
+                "exit_code": None,
+                "progress": {"done": 0, "total": 1},
+                "marginal_vram_mb": 0,
+                "depends_on": [],
+                "seq": 1,
+            }
+        )
+    )
     original = Scheduler._read_runs_dir
 
     def slow_read(self):
@@ -746,7 +872,9 @@ async def test_lone_surrogates_anywhere_in_a_spec_never_give_a_500(api, wait_for
     assert not failures, "\n".join(failures)
     # Nothing is left holding a slot or a GPU, and the server still takes ordinary work.
     code, queue = await api("GET", "queue")
-    assert queue["running"] == [] and queue["queued"] == [], [(r["name"], r["state"]) for r in queue["running"] + queue["queued"]]
+    assert queue["running"] == [] and queue["queued"] == [], [
+        (r["name"], r["state"]) for r in queue["running"] + queue["queued"]
+    ]
     assert queue["ledger"]["cpu_slots"]["allocated"] == 0
     ok = await submit(api, spec(entry=NOOP))
     assert (await wait_for(ok["id"]))["state"] == "succeeded"

@@ -107,7 +107,9 @@ class LabServer:
                 json.dumps({"ServerApp": {"jpserver_extensions": {"jupyter_evalsched": False}}})
             )
         # No "get notified about Jupyter news?" toast over the side panel.
-        _write_settings(self, "@jupyterlab/apputils-extension", "notification", {"fetchNews": "false", "checkForUpdates": False})
+        _write_settings(
+            self, "@jupyterlab/apputils-extension", "notification", {"fetchNews": "false", "checkForUpdates": False}
+        )
         self.log_path = root / "jupyter-lab.log"
         self._log = open(self.log_path, "wb")
         argv = [
@@ -228,6 +230,7 @@ def browser() -> Iterator[Any]:
     # closes its loop after each test.
     assert Path(CHROMIUM).exists(), f"{CHROMIUM} is not installed: run scripts/setup.sh"
     from playwright import sync_api
+
     with sync_api.sync_playwright() as pw:
         chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield chromium
@@ -242,9 +245,11 @@ class PageErrors:
         page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
         page.on(
             "console",
-            lambda msg: self.errors.append(f"console: {msg.text}")
-            if msg.type == "error" and "evalsched" in msg.text.lower()
-            else None,
+            lambda msg: (
+                self.errors.append(f"console: {msg.text}")
+                if msg.type == "error" and "evalsched" in msg.text.lower()
+                else None
+            ),
         )
 
 
@@ -423,7 +428,9 @@ def test_panel_live(lab: LabServer, browser: Any) -> None:
             "scheduling": {"marginal_vram_mb": 16000},
         }
         c = lab.submit({**long_spec, "name": "long-running"})["id"]
-        d = lab.submit({**long_spec, "name": "long-queued", "scheduling": {**long_spec["scheduling"], "priority": "high"}})["id"]
+        d = lab.submit(
+            {**long_spec, "name": "long-queued", "scheduling": {**long_spec["scheduling"], "priority": "high"}}
+        )["id"]
         _wait_run(page, c, "running", "running")
         _wait_run(page, d, "queued", "queued")
         page.wait_for_selector(f'{PANEL} .jp-EvalSched-run[data-run-id="{d}"][data-reason-code="waiting_vram"]')

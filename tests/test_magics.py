@@ -11,7 +11,7 @@ from IPython.testing import globalipapp
 from jupyter_evalsched.client import SPEC_FLAGS, RunHandle
 
 try:
-    from .live_server import SLEEPY, clean_queue, client, live_server, wait_state  # noqa: F401
+    from .live_server import SLEEPY, clean_queue, client, live_server, wait_state
 except ImportError:
     from live_server import SLEEPY, clean_queue, client, live_server, wait_state  # noqa: F401
 
@@ -49,15 +49,21 @@ def test_line_magic_flags_become_the_spec(ip, client, clean_queue, tmp_path):
         "eval_submit",
         f"{SLEEPY} --name 'my run' --episodes 3 --vram 1000 --gpus 2 --cpus 2 --priority high "
         "--exclusive --depends-on first --param sleep_s=0.01 --param tag=hello "
-        "--param cfg='{\"a\": [1, 2]}' --workers 2 --timeout 60 --seed 5")
+        "--param cfg='{\"a\": [1, 2]}' --workers 2 --timeout 60 --seed 5",
+    )
     assert isinstance(h, RunHandle)
     spec = _spec(h)
     assert spec["name"] == "my run" and spec["episodes"] == 3 and spec["workers"] == 2
     assert spec["seed"] == 5 and spec["timeout_s"] == 60
     assert spec["params"] == {"sleep_s": 0.01, "tag": "hello", "cfg": {"a": [1, 2]}}
     assert spec["depends_on"] == [dep.id]  # a handle's variable name stands for its id
-    assert spec["scheduling"] == {"marginal_vram_mb": 1000, "gpus": 2, "exclusive_gpu": True,
-                                  "priority": "high", "cpus": 2}
+    assert spec["scheduling"] == {
+        "marginal_vram_mb": 1000,
+        "gpus": 2,
+        "exclusive_gpu": True,
+        "priority": "high",
+        "cpus": 2,
+    }
     assert spec["cwd"] == str(tmp_path)
     final = h.wait(timeout=30, progress=False)
     assert final["state"] == "succeeded" and final["summary"]["episodes_done"] == 3
@@ -77,10 +83,12 @@ def test_spec_from_dict_and_files(ip, clean_queue, tmp_path):
 
 
 def test_cell_magic_source_and_underscore(ip, clean_queue):
-    cell = ("import math\n"
-            "def episode(ctx, index):\n"
-            "    print('hello from', index)\n"
-            "    return {'value': index * ctx.params['k'], 'root': math.sqrt(index)}\n")
+    cell = (
+        "import math\n"
+        "def episode(ctx, index):\n"
+        "    print('hello from', index)\n"
+        "    return {'value': index * ctx.params['k'], 'root': math.sqrt(index)}\n"
+    )
     result = ip.run_cell(f"%%eval_submit --episodes 4 --param k=2 --name cellrun\n{cell}", store_history=True)
     assert result.success
     ip.run_cell("h = _", store_history=True)
@@ -98,7 +106,10 @@ def test_cell_magic_source_and_underscore(ip, clean_queue):
 
 def test_errors_are_one_line_without_traceback(ip, capsys, monkeypatch):
     cases = [
-        (f"{SLEEPY} --vram -5", "eval_submit: 422: scheduling.marginal_vram_mb: Input should be greater than or equal to 0"),
+        (
+            f"{SLEEPY} --vram -5",
+            "eval_submit: 422: scheduling.marginal_vram_mb: Input should be greater than or equal to 0",
+        ),
         (f"{SLEEPY} --vram 30000", "eval_submit: 422: "),  # never fits on 24000 MB GPUs
         (f"{SLEEPY} --model nosuchmodel", "eval_submit: 422: "),
         (f"{SLEEPY} --depends-on 00000000T000000.000000-000000", "eval_submit: 422: "),

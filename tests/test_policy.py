@@ -45,7 +45,9 @@ def test_cpu_only_jobs_take_cpu_slots_and_no_gpu():
 def test_multi_gpu_job_gets_k_devices_each_with_room():
     running = [RunningJob("r", (0,), 10000)]
     d = decide([q("a", 1, marginal_vram_mb=15000, gpus=2)], running, TWO_GPUS, {})
-    assert d.starts == [] and d.waiting["a"].startswith("waiting_vram: needs 15000 MB on each of 2 GPUs; 1 of 2 have room")
+    assert d.starts == [] and d.waiting["a"].startswith(
+        "waiting_vram: needs 15000 MB on each of 2 GPUs; 1 of 2 have room"
+    )
     d = decide([q("a", 1, marginal_vram_mb=14000, gpus=2)], running, TWO_GPUS, {})
     assert d.starts[0].devices == (0, 1)
 
@@ -111,7 +113,12 @@ def test_starving_head_reserves_its_gpu_and_cpus():
     assert d.reserved_for == "big"
     assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job"
     # Passed over too often counts the same as waiting too long.
-    d = decide([q("big", 1, marginal_vram_mb=16000, passed_over=50), q("small", 2, marginal_vram_mb=4000)], running, ONE_GPU, {})
+    d = decide(
+        [q("big", 1, marginal_vram_mb=16000, passed_over=50), q("small", 2, marginal_vram_mb=4000)],
+        running,
+        ONE_GPU,
+        {},
+    )
     assert d.reserved_for == "big" and d.starts == []
 
 
@@ -125,7 +132,12 @@ def test_reservation_leaves_other_gpus_usable():
 
 def test_dependencies_wait_then_fail_without_running():
     deps = {"d1": "running", "d2": "succeeded", "d3": "failed"}
-    d = decide([q("a", 1, depends_on=("d1", "d2")), q("b", 2, depends_on=("d2",)), q("c", 3, depends_on=("d3",))], [], ONE_GPU, deps)
+    d = decide(
+        [q("a", 1, depends_on=("d1", "d2")), q("b", 2, depends_on=("d2",)), q("c", 3, depends_on=("d3",))],
+        [],
+        ONE_GPU,
+        deps,
+    )
     assert [s.id for s in d.starts] == ["b"]
     assert d.waiting["a"] == "waiting_dependency: d1 is running"
     assert d.dependency_failed == {"c": "d3"}
@@ -134,7 +146,10 @@ def test_dependencies_wait_then_fail_without_running():
 
 
 def test_never_fits():
-    assert never_fits(q("a", 1, marginal_vram_mb=30000), ONE_GPU) == "needs 30000 MB on 1 GPU; the largest usable is 24000 MB"
+    assert (
+        never_fits(q("a", 1, marginal_vram_mb=30000), ONE_GPU)
+        == "needs 30000 MB on 1 GPU; the largest usable is 24000 MB"
+    )
     assert never_fits(q("a", 1, marginal_vram_mb=1, gpus=3), TWO_GPUS) == "needs 3 GPUs; the host has 2"
     assert never_fits(q("a", 1, cpus=9), TWO_GPUS) == "needs 9 CPU slots; the host has 8"
     assert never_fits(q("a", 1, exclusive=True), Capacity((), 4)) == "needs 1 GPU; the host has 0"
@@ -161,7 +176,10 @@ jobs_st = st.lists(
 
 capacity_st = st.builds(
     lambda sizes, unmanaged, cpus: Capacity(
-        tuple(Device(i, s, min(u, s)) for i, (s, u) in enumerate(zip(sizes, unmanaged + [0] * len(sizes)))), cpus
+        tuple(
+            Device(i, s, min(u, s)) for i, (s, u) in enumerate(zip(sizes, unmanaged + [0] * len(sizes), strict=False))
+        ),
+        cpus,
     ),
     st.lists(st.sampled_from([8000, 16000, 24000, 40000]), min_size=0, max_size=4),
     st.lists(st.sampled_from([0, 0, 0, 2000, 9000]), max_size=4),
@@ -171,7 +189,9 @@ capacity_st = st.builds(
 
 def _queued(raw):
     return [
-        QueuedJob(id=f"q{i}", seq=i, priority=p, marginal_vram_mb=v, gpus=g, exclusive=e, cpus=c, waited_s=w, passed_over=po)
+        QueuedJob(
+            id=f"q{i}", seq=i, priority=p, marginal_vram_mb=v, gpus=g, exclusive=e, cpus=c, waited_s=w, passed_over=po
+        )
         for i, (p, v, g, e, c, w, po) in enumerate(raw)
     ]
 
@@ -190,7 +210,9 @@ def _check_no_overcommit(running, cap):
     holders = {i: [] for i in usable}
     for r in running:
         for dev in r.devices:
-            used[dev] += (next(d.usable_mb for d in cap.devices if d.index == dev)) if r.exclusive else r.marginal_vram_mb
+            used[dev] += (
+                (next(d.usable_mb for d in cap.devices if d.index == dev)) if r.exclusive else r.marginal_vram_mb
+            )
             holders[dev].append(r)
     for i in usable:
         assert used[i] <= max(usable[i], 0) or all(r.marginal_vram_mb == 0 and not r.exclusive for r in holders[i])
@@ -272,7 +294,6 @@ def test_a_starving_head_eventually_runs(n):
     bounded number of rounds once it starves (its GPU drains)."""
     cap = ONE_GPU
     cfg = PolicyConfig(starvation_s=1e9, starvation_passes=5)
-    big = QueuedJob("big", 0, marginal_vram_mb=20000)
     running: list[RunningJob] = [RunningJob("s0", (0,), 6000)]
     passed = 0
     for round_ in range(200):

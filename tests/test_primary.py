@@ -14,7 +14,11 @@ from jupyter_evalsched.client import LocalServer
 from jupyter_evalsched.scheduler.gpus import GpuProcess
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
-FAST = ["--EvalSchedApp.cancel_grace_s=2.0", "--EvalSchedApp.sweep_interval_s=0.3", "--EvalSchedApp.progress_interval_s=0.05"]
+FAST = [
+    "--EvalSchedApp.cancel_grace_s=2.0",
+    "--EvalSchedApp.sweep_interval_s=0.3",
+    "--EvalSchedApp.progress_interval_s=0.05",
+]
 
 
 def wait_until(predicate, timeout=20.0, interval=0.05):
@@ -32,12 +36,23 @@ def wait_until(predicate, timeout=20.0, interval=0.05):
 
 
 def run(vram, episodes=1, sleep_s=0.02, **kw):
-    return {"entrypoint": SLEEPY, "episodes": episodes, "params": {"sleep_s": sleep_s}, "cwd": "/",
-            "scheduling": {"marginal_vram_mb": vram}, **kw}
+    return {
+        "entrypoint": SLEEPY,
+        "episodes": episodes,
+        "params": {"sleep_s": sleep_s},
+        "cwd": "/",
+        "scheduling": {"marginal_vram_mb": vram},
+        **kw,
+    }
 
 
 def final(client, run_id, timeout=30):
-    return wait_until(lambda: (lambda r: r if r["state"] in ("succeeded", "failed", "cancelled", "aborted") else None)(client.get(run_id)), timeout)
+    return wait_until(
+        lambda: (lambda r: r if r["state"] in ("succeeded", "failed", "cancelled", "aborted") else None)(
+            client.get(run_id)
+        ),
+        timeout,
+    )
 
 
 def test_two_servers_one_queue_and_failover(tmp_path):
@@ -82,8 +97,10 @@ def test_two_servers_one_queue_and_failover(tmp_path):
 def test_secondary_forwards_errors_and_logs(tmp_path):
     shared = {"EVALSCHED_LOCK_DIR": str(tmp_path / "lock")}
     runs = str(tmp_path / "runs")
-    with LocalServer(virtual_gpus="24000", runs_dir=runs, env=shared, extra_args=FAST) as first, \
-            LocalServer(virtual_gpus="24000", runs_dir=runs, env=shared, extra_args=FAST) as second:
+    with (
+        LocalServer(virtual_gpus="24000", runs_dir=runs, env=shared, extra_args=FAST) as first,
+        LocalServer(virtual_gpus="24000", runs_dir=runs, env=shared, extra_args=FAST) as second,
+    ):
         b = second.client()
         from jupyter_evalsched.client import EvalSchedError
 

@@ -12,12 +12,16 @@ import time
 
 import psutil
 import pytest
-
-from jupyter_evalsched.client import LocalServer
 from live_server import wait_until
 
+from jupyter_evalsched.client import LocalServer
+
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
-FAST = ["--EvalSchedApp.cancel_grace_s=2.0", "--EvalSchedApp.sweep_interval_s=0.5", "--EvalSchedApp.progress_interval_s=0.05"]
+FAST = [
+    "--EvalSchedApp.cancel_grace_s=2.0",
+    "--EvalSchedApp.sweep_interval_s=0.5",
+    "--EvalSchedApp.progress_interval_s=0.05",
+]
 
 
 def alive(pid: int) -> bool:
@@ -33,7 +37,13 @@ def long_run(vram: int, **kw) -> dict:
 
 def short_run(vram: int, **kw) -> dict:
     # The cwd outlives each server (a server's own root_dir is removed with it).
-    spec = {"entrypoint": SLEEPY, "episodes": 1, "params": {"sleep_s": 0.01}, "cwd": "/", "scheduling": {"marginal_vram_mb": vram}}
+    spec = {
+        "entrypoint": SLEEPY,
+        "episodes": 1,
+        "params": {"sleep_s": 0.01},
+        "cwd": "/",
+        "scheduling": {"marginal_vram_mb": vram},
+    }
     spec.update(kw)
     return spec
 
@@ -65,7 +75,9 @@ def test_sigkill_of_the_server_aborts_running_and_requeues_queued(tmp_path):
             rec = c.get(r["id"])
             assert rec["state"] == "aborted" and rec["reason"].startswith("server_restart"), rec
             assert (runs / r["id"] / "_DONE").exists()
-        done = wait_until(lambda: (lambda x: x if x["state"] in ("succeeded", "failed") else None)(c.get(q2["id"])), timeout=20)
+        done = wait_until(
+            lambda: (lambda x: x if x["state"] in ("succeeded", "failed") else None)(c.get(q2["id"])), timeout=20
+        )
         assert done["state"] == "succeeded"
         r1, r2 = c.get(q1["id"]), c.get(q2["id"])
         assert r1["state"] == "succeeded" and r1["started_at"] < r2["started_at"]
@@ -92,7 +104,10 @@ def test_clean_shutdown_keeps_queued_runs_in_order(tmp_path):
     restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
     try:
         c = restarted.client()
-        finals = [wait_until(lambda r=r: (lambda x: x if x["state"] == "succeeded" else None)(c.get(r["id"])), timeout=20) for r in queued]
+        finals = [
+            wait_until(lambda r=r: (lambda x: x if x["state"] == "succeeded" else None)(c.get(r["id"])), timeout=20)
+            for r in queued
+        ]
         starts = [f["started_at"] for f in finals]
         assert starts == sorted(starts), "queued runs did not keep their order across the restart"
     finally:
@@ -113,12 +128,28 @@ async def test_a_recycled_pid_is_not_mistaken_for_the_run(jp_serverapp, runs_dir
     run = runs_dir / run_id
     run.mkdir(parents=True)
     (run / "spec.json").write_text(json.dumps({"entrypoint": "x:y", "episodes": 1, "cwd": "/", "scheduling": {}}))
-    (run / "job.json").write_text(json.dumps({
-        "id": run_id, "name": "x", "state": "running", "reason": None, "priority": "normal",
-        "submitted_at": "2026-01-01T00:00:00.000000+00:00", "started_at": "2026-01-01T00:00:01.000000+00:00",
-        "finished_at": None, "pid": stranger.pid, "pid_create_time": psutil.Process(stranger.pid).create_time() - 3600,
-        "devices": [], "exit_code": None, "progress": {"done": 0, "total": 1}, "marginal_vram_mb": 0, "depends_on": [], "seq": 1,
-    }))
+    (run / "job.json").write_text(
+        json.dumps(
+            {
+                "id": run_id,
+                "name": "x",
+                "state": "running",
+                "reason": None,
+                "priority": "normal",
+                "submitted_at": "2026-01-01T00:00:00.000000+00:00",
+                "started_at": "2026-01-01T00:00:01.000000+00:00",
+                "finished_at": None,
+                "pid": stranger.pid,
+                "pid_create_time": psutil.Process(stranger.pid).create_time() - 3600,
+                "devices": [],
+                "exit_code": None,
+                "progress": {"done": 0, "total": 1},
+                "marginal_vram_mb": 0,
+                "depends_on": [],
+                "seq": 1,
+            }
+        )
+    )
     await jp_serverapp.extension_manager.start_all_extensions()
     scheduler = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
     rec = scheduler.get(run_id).record

@@ -18,16 +18,16 @@ import sys
 import textwrap
 import time
 import types
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
 import pytest
+from run_dirs import filled_spec
 
 from jupyter_evalsched.runner import fastjson
 from jupyter_evalsched.runner.context import ModelRegistry, UnknownModelError, parse_devices
 from jupyter_evalsched.runner.results import MetricAggregator, utc_now_iso, validate_metrics
-from run_dirs import filled_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -48,7 +48,7 @@ ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00$")
 
 # An eval driven by its params, used by several tests: it records the pid of the process that
 # ran each episode, can fail at a given index, sleep, and return given metrics.
-PROBE_EVAL = '''
+PROBE_EVAL = """
 import os, time
 
 def episode(ctx, index):
@@ -60,7 +60,7 @@ def episode(ctx, index):
         raise ValueError(f"probe failure in episode {index}")
     time.sleep(p.get("sleep_s", 0))
     return p.get("by_index", {}).get(str(index), {"index": index})
-'''
+"""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -221,8 +221,14 @@ def test_success_aggregates_metrics_and_writes_every_file(tmp_path, started):
     assert x["std"] == pytest.approx(statistics.pstdev(finite))
     assert (x["min"], x["max"]) == (0.5, 4.0)
     flag = s["metrics"]["flag"]
-    assert flag == {"mean": pytest.approx(0.6), "std": pytest.approx(statistics.pstdev([1, 0, 1, 0, 1])),
-                    "min": 0.0, "max": 1.0, "count": 5, "skipped": 0}
+    assert flag == {
+        "mean": pytest.approx(0.6),
+        "std": pytest.approx(statistics.pstdev([1, 0, 1, 0, 1])),
+        "min": 0.0,
+        "max": 1.0,
+        "count": 5,
+        "skipped": 0,
+    }
     assert s["metrics"]["n"]["mean"] == pytest.approx(20.0)
 
     lines = episodes(run_dir)
@@ -587,7 +593,9 @@ def test_crash_ignore_sigterm_needs_sigkill(tmp_path, started):
 
 
 def test_crash_fork_and_exit_leaves_a_stray_for_the_server_to_reap(tmp_path, started):
-    run_dir = make_run_dir(tmp_path, entrypoint="jupyter_evalsched.examples.basic:crash", params={"how": "fork_and_exit"})
+    run_dir = make_run_dir(
+        tmp_path, entrypoint="jupyter_evalsched.examples.basic:crash", params={"how": "fork_and_exit"}
+    )
     proc = start_runner(run_dir, started)
     assert proc.wait(30) == 0
     child = int(assert_finalized(run_dir, "succeeded")["metrics"]["child_pid"]["max"])
@@ -717,9 +725,7 @@ def test_runner_and_workers_die_with_their_parent(tmp_path, started, workers):
 
 def test_workers_run_every_episode_once_in_other_processes(tmp_path, started):
     write_file(tmp_path / "probe.py", PROBE_EVAL)
-    run_dir = make_run_dir(
-        tmp_path, entrypoint="probe.py:episode", episodes=12, workers=3, params={"sleep_s": 0.05}
-    )
+    run_dir = make_run_dir(tmp_path, entrypoint="probe.py:episode", episodes=12, workers=3, params={"sleep_s": 0.05})
     proc = start_runner(run_dir, started)
     assert proc.wait(30) == 0
     s = assert_finalized(run_dir, "succeeded")
@@ -730,8 +736,14 @@ def test_workers_run_every_episode_once_in_other_processes(tmp_path, started):
     assert len(workers) == 3 and workers == recorded_pids(run_dir)
     assert all(is_gone(pid) for pid in workers)
     assert s["episodes_done"] == 12
-    assert s["metrics"]["index"] == {"mean": 5.5, "std": pytest.approx(statistics.pstdev(range(12))),
-                                     "min": 0.0, "max": 11.0, "count": 12, "skipped": 0}
+    assert s["metrics"]["index"] == {
+        "mean": 5.5,
+        "std": pytest.approx(statistics.pstdev(range(12))),
+        "min": 0.0,
+        "max": 11.0,
+        "count": 12,
+        "skipped": 0,
+    }
 
 
 def test_worker_exception_fails_the_run_and_no_worker_outlives_it(tmp_path, started):
@@ -856,7 +868,16 @@ def test_runner_imports_no_server_code(tmp_path, started):
     assert run_to_end(run_dir, started) == 0
     modules = set((run_dir / "modules.txt").read_text().split("\n"))
     assert "jupyter_evalsched.runner.run" in modules  # the probe saw the runner's process
-    heavy = {"pydantic", "tornado", "jupyter_server", "traitlets", "psutil", "numpy", "torch", "jupyter_evalsched.models"}
+    heavy = {
+        "pydantic",
+        "tornado",
+        "jupyter_server",
+        "traitlets",
+        "psutil",
+        "numpy",
+        "torch",
+        "jupyter_evalsched.models",
+    }
     assert modules & heavy == set()
     # What the start-up budget leaves out: imported only when a run needs them.
     assert modules & {"json", "re", "enum", "logging", "multiprocessing", "argparse", "traceback", "typing"} == set()
@@ -945,7 +966,7 @@ def test_atomic_writes_from_many_threads_never_collide(tmp_path):
         try:
             for i in range(200):
                 write_json_atomic(target, {"writer": n, "i": i, "pad": "x" * (n * 500)}, fsync=False)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=writer, args=(n,)) for n in range(6)]
@@ -977,8 +998,8 @@ def test_timestamps_match_datetime_isoformat():
     stamp = utc_now_iso()
     assert ISO_UTC.match(stamp)
     parsed = datetime.fromisoformat(stamp)
-    assert parsed.tzinfo == timezone.utc
-    assert abs((datetime.now(timezone.utc) - parsed).total_seconds()) < 5
+    assert parsed.tzinfo == UTC
+    assert abs((datetime.now(UTC) - parsed).total_seconds()) < 5
     assert parsed.isoformat(timespec="microseconds") == stamp
 
 
@@ -1011,7 +1032,7 @@ def test_model_registry_connects_lazily_once_per_name(monkeypatch):
 @pytest.mark.parametrize(
     "value",
     [
-        {"a": 1, "b": [1.5, -0.0, 1e-7, 1e308, 10**30, True, None], "c": {"d": "é\n\"\\\u2028\x00"}},
+        {"a": 1, "b": [1.5, -0.0, 1e-7, 1e308, 10**30, True, None], "c": {"d": 'é\n"\\\u2028\x00'}},
         [],
         "plain",
         {"run_id": "x", "metrics": {"m": {"mean": 0.1 + 0.2, "count": 3}}, "error": None},

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 from rest import CRASH, spec, submit
-
 
 
 @pytest.fixture
@@ -44,7 +42,11 @@ async def test_two_big_runs_share_one_gpu_in_turn(api, wait_for, evalsched, runs
     assert queue["queued"][0]["reason"] == "waiting_vram: needs 16000 MB on 1 GPU; most free is 8000 MB (GPU 0)"
     assert [r["id"] for r in queue["running"]] == [a["id"]]
     dev = queue["ledger"]["devices"][0]
-    assert (dev["allocated_mb"], dev["free_mb"], dev["runs"]) == (16000, 8000, [{"id": a["id"], "marginal_vram_mb": 16000}])
+    assert (dev["allocated_mb"], dev["free_mb"], dev["runs"]) == (
+        16000,
+        8000,
+        [{"id": a["id"], "marginal_vram_mb": 16000}],
+    )
 
     ra = await wait_for(a["id"])
     rb = await wait_for(b["id"])
@@ -67,10 +69,25 @@ async def test_run_directory_contract(api, wait_for, runs_dir):
     assert final["progress"] == {"done": 5, "total": 5}
     run = runs_dir / rec["id"]
     names = {p.name for p in run.iterdir()}
-    assert {"spec.json", "shared_urls.json", "job.json", "summary.json", "episodes.jsonl", "stdout.log", "stderr.log", "_DONE"} <= names
+    assert {
+        "spec.json",
+        "shared_urls.json",
+        "job.json",
+        "summary.json",
+        "episodes.jsonl",
+        "stdout.log",
+        "stderr.log",
+        "_DONE",
+    } <= names
     assert json.loads((run / "shared_urls.json").read_text()) == {"models": {}}
     saved = json.loads((run / "spec.json").read_text())
-    assert saved["scheduling"] == {"marginal_vram_mb": 0, "gpus": 1, "exclusive_gpu": False, "priority": "normal", "cpus": 1}
+    assert saved["scheduling"] == {
+        "marginal_vram_mb": 0,
+        "gpus": 1,
+        "exclusive_gpu": False,
+        "priority": "normal",
+        "cpus": 1,
+    }
     assert saved["name"] == "basic.accuracy_toy" and saved["seed"] == 0 and saved["cwd"]
     job = json.loads((run / "job.json").read_text())
     assert job["state"] == "succeeded" and job["seq"] >= 1 and job["pid_create_time"] > 0
@@ -102,7 +119,10 @@ async def test_runs_that_die_fail_with_a_reason_and_siblings_succeed(api, wait_f
     assert final["reason"].startswith(reason_prefix), final["reason"]
     assert (runs_dir / bad["id"] / "_DONE").exists()
     if how == "exception":
-        assert final["summary"]["error"]["type"] == "RuntimeError" and "Traceback" in final["summary"]["error"]["traceback"]
+        assert (
+            final["summary"]["error"]["type"] == "RuntimeError"
+            and "Traceback" in final["summary"]["error"]["traceback"]
+        )
     assert (await wait_for(sibling["id"]))["state"] == "succeeded"
 
 
@@ -139,7 +159,11 @@ async def test_forked_children_do_not_outlive_the_run(api, wait_for, runs_dir, t
     assert final["state"] == "succeeded"
     child = int(final["summary"]["metrics"]["child_pid"]["max"])
     deadline = time.monotonic() + 1
-    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+    while (
+        psutil.pid_exists(child)
+        and psutil.Process(child).status() != psutil.STATUS_ZOMBIE
+        and time.monotonic() < deadline
+    ):
         await asyncio.sleep(0.02)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
@@ -270,7 +294,9 @@ async def test_gpu_runs_get_their_devices(api, wait_for, tmp_path):
     (tmp_path / "env.py").write_text(
         "import os\n\ndef episode(ctx, index):\n    print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER'], ctx.devices)\n    return {}\n"
     )
-    gpu = await submit(api, {"entrypoint": "env.py:episode", "cwd": str(tmp_path), "scheduling": {"marginal_vram_mb": 100}})
+    gpu = await submit(
+        api, {"entrypoint": "env.py:episode", "cwd": str(tmp_path), "scheduling": {"marginal_vram_mb": 100}}
+    )
     cpu = await submit(api, {"entrypoint": "env.py:episode", "cwd": str(tmp_path)})
     await wait_for(gpu["id"])
     await wait_for(cpu["id"])
@@ -313,8 +339,18 @@ async def test_events_stream(jp_ws_fetch, api, wait_for):
 async def test_openapi_documents_every_route(api):
     code, doc = await api("GET", "openapi.json")
     assert code == 200 and doc["openapi"].startswith("3.")
-    assert set(doc["paths"]) >= {"/runs", "/runs/{run_id}", "/runs/{run_id}/cancel", "/runs/{run_id}/logs",
-                                 "/runs/{run_id}/episodes", "/queue", "/ledger", "/models", "/events", "/openapi.json"}
+    assert set(doc["paths"]) >= {
+        "/runs",
+        "/runs/{run_id}",
+        "/runs/{run_id}/cancel",
+        "/runs/{run_id}/logs",
+        "/runs/{run_id}/episodes",
+        "/queue",
+        "/ledger",
+        "/models",
+        "/events",
+        "/openapi.json",
+    }
     assert "EvalSpec" in doc["components"]["schemas"]
     assert "422" in doc["paths"]["/runs"]["post"]["responses"]
     from openapi_spec_validator import validate

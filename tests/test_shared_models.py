@@ -170,7 +170,7 @@ def test_url_round_trip_and_rejects():
 def test_restart_hold_backs_off_and_is_capped():
     holds = [restart_hold_s(n) for n in range(1, 12)]
     assert holds[0] == HOLD_BASE_S
-    assert all(b >= a for a, b in zip(holds, holds[1:]))
+    assert all(b >= a for a, b in zip(holds, holds[1:], strict=False))
     assert holds[1] == 2 * HOLD_BASE_S and holds[-1] == 60.0
 
 
@@ -285,16 +285,16 @@ async def test_four_processes_share_one_load_with_correct_batched_outputs(manage
     procs = [await _python(TINY_CLIENT, url, json.dumps(texts[i]), str(start_at)) for i in range(4)]
     results = await asyncio.gather(*(p.communicate() for p in procs + [reference]))
     ticking.cancel()
-    for proc, (out, err) in zip(procs + [reference], results):
+    for proc, (_out, err) in zip(procs + [reference], results, strict=True):
         assert proc.returncode == 0, err.decode()[-3000:]
     outputs = [json.loads(out) for out, _ in results[:4]]
     expected = json.loads(results[4][0])
 
     import numpy as np
 
-    for client_texts, client_outputs in zip(texts, outputs):
+    for client_texts, client_outputs in zip(texts, outputs, strict=True):
         assert len(client_outputs) == len(client_texts)
-        for text, output in zip(client_texts, client_outputs):
+        for text, output in zip(client_texts, client_outputs, strict=True):
             got, want = np.asarray(output), np.asarray(expected[text])
             assert got.shape == want.shape == (1, len(text.split()) + 2, 32)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from run_dirs import filled_spec
 
 from jupyter_evalsched.scheduler.slurm import SlurmConfig, SlurmError, SlurmExecutor, SlurmJobState, verdict
-from run_dirs import filled_spec
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

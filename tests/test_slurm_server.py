@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from live_server import wait_until
 
 from jupyter_evalsched.client import LocalServer
-from live_server import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -21,7 +21,14 @@ TERMINAL = ("succeeded", "failed", "cancelled", "aborted")
 
 
 def slurm_run(entry=SLEEPY, episodes=1, sleep_s=0.05, **kw):
-    return {"entrypoint": entry, "episodes": episodes, "params": {"sleep_s": sleep_s}, "cwd": "/", "executor": "slurm", **kw}
+    return {
+        "entrypoint": entry,
+        "episodes": episodes,
+        "params": {"sleep_s": sleep_s},
+        "cwd": "/",
+        "executor": "slurm",
+        **kw,
+    }
 
 
 def final(client, run_id, timeout=120):
@@ -118,8 +125,19 @@ async def test_one_squeue_per_sweep_with_many_jobs(jp_serverapp, runs_dir, tmp_p
     from jupyter_evalsched.scheduler.service import Job
 
     for i in range(300):
-        job = Job(record={"id": f"r{i}", "state": "running", "slurm_job_id": str(1000 + i), "depends_on": [],
-                          "reason": None, "executor": "slurm", "seq": i}, spec={}, submitted_ts=0)
+        job = Job(
+            record={
+                "id": f"r{i}",
+                "state": "running",
+                "slurm_job_id": str(1000 + i),
+                "depends_on": [],
+                "reason": None,
+                "executor": "slurm",
+                "seq": i,
+            },
+            spec={},
+            submitted_ts=0,
+        )
         sched.slurm.jobs[job.id] = job
     executor.calls.clear()
     await sched.slurm.sweep()

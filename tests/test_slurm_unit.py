@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_dirs import filled_spec
 
 from jupyter_evalsched.scheduler.slurm import (
     SQUEUE_FORMAT,
@@ -30,7 +31,6 @@ from jupyter_evalsched.scheduler.slurm import (
     sbatch_options,
     verdict,
 )
-from run_dirs import filled_spec
 
 # ----------------------------------------------------------------------------- captured output
 # `squeue --noheader --states=all --jobs=... --Format=<SQUEUE_FORMAT>` on slurm 22.05.8. Jobs: 16
@@ -90,7 +90,6 @@ SCONTROL_PENDING = (
     "StartTime=Unknown EndTime=Unknown Deadline=N/A NodeList= BatchHost= NumNodes=1 \n"
 )
 INVALID_JOB_ID = "slurm_load_jobs error: Invalid job id specified\n"
-
 
 
 def make_spec(**scheduling) -> dict:

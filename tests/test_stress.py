@@ -18,18 +18,21 @@ from pathlib import Path
 
 import psutil
 import pytest
+from live_server import wait_until
 
 from jupyter_evalsched.client import EvalSchedError, LocalServer
 from jupyter_evalsched.models import is_valid_run_id
-from live_server import wait_until
 
 pytestmark = pytest.mark.slow
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 NOOP = "jupyter_evalsched.examples.basic:noop"
 TERMINAL = {"succeeded", "failed", "cancelled", "aborted"}
-FAST = ["--EvalSchedApp.cancel_grace_s=2.0", "--EvalSchedApp.sweep_interval_s=0.5",
-        "--EvalSchedApp.progress_interval_s=0.05"]
+FAST = [
+    "--EvalSchedApp.cancel_grace_s=2.0",
+    "--EvalSchedApp.sweep_interval_s=0.5",
+    "--EvalSchedApp.progress_interval_s=0.05",
+]
 
 
 def alive(pid: int) -> bool:
@@ -52,14 +55,24 @@ def ts(text: str) -> float:
 
 def long_spec(vram: int, **kw) -> dict:
     # cwd "/" outlives every server (a LocalServer's own root_dir is removed with it).
-    spec = {"entrypoint": SLEEPY, "episodes": 3000, "params": {"sleep_s": 0.1}, "cwd": "/",
-            "scheduling": {"marginal_vram_mb": vram}}
+    spec = {
+        "entrypoint": SLEEPY,
+        "episodes": 3000,
+        "params": {"sleep_s": 0.1},
+        "cwd": "/",
+        "scheduling": {"marginal_vram_mb": vram},
+    }
     spec.update(kw)
     return spec
 
 
 def burst_spec(i: int) -> dict:
-    return {"entrypoint": NOOP, "name": f"burst-{i}", "cwd": "/", "scheduling": {"marginal_vram_mb": 24000, "priority": "low"}}
+    return {
+        "entrypoint": NOOP,
+        "name": f"burst-{i}",
+        "cwd": "/",
+        "scheduling": {"marginal_vram_mb": 24000, "priority": "low"},
+    }
 
 
 class Burst:
@@ -124,17 +137,25 @@ def test_repeated_kill_9_of_the_server_loses_nothing(tmp_path):
                 # Once the server answers, it must know every run (recovery is part of start-up).
                 known = {r["id"] for r in c.list(limit=100000)}
                 if set(acked) - known:
-                    startup_gaps.append(f"restart {cycle}: {len(set(acked) - known)} of {len(acked)} acknowledged runs "
-                                        f"were unknown (GET /runs listed {len(known)}) when the server first answered")
+                    startup_gaps.append(
+                        f"restart {cycle}: {len(set(acked) - known)} of {len(acked)} acknowledged runs "
+                        f"were unknown (GET /runs listed {len(known)}) when the server first answered"
+                    )
                 wait_until(lambda: len(c.list(limit=100000)) >= len(acked), timeout=30)
                 for rid in pre_running:
                     try:
                         rec = c.get(rid)
                     except EvalSchedError as exc:
                         d = runs / rid
-                        files = {p.name: p.read_text()[:300] for p in d.iterdir() if p.name.endswith(".json")} if d.exists() else None
-                        raise AssertionError(f"cycle {cycle}: interrupted run {rid} lost after the restart ({exc}); "
-                                             f"its directory: {files}; server log:\n{server.log_tail(15)}")
+                        files = (
+                            {p.name: p.read_text()[:300] for p in d.iterdir() if p.name.endswith(".json")}
+                            if d.exists()
+                            else None
+                        )
+                        raise AssertionError(
+                            f"cycle {cycle}: interrupted run {rid} lost after the restart ({exc}); "
+                            f"its directory: {files}; server log:\n{server.log_tail(15)}"
+                        ) from None
                     assert rec["state"] == "aborted" and rec["reason"].startswith("server_restart:"), rec
                     assert (runs / rid / "_DONE").exists()
                 view = c.queue()
@@ -170,8 +191,12 @@ def test_repeated_kill_9_of_the_server_loses_nothing(tmp_path):
                 view = c.queue()
                 for r in view["queued"] + view["running"]:
                     c.cancel(r["id"])
-                listing = wait_until(lambda: (lambda l: l if all(r["state"] in TERMINAL for r in l) else None)(
-                    c.list(limit=100000)), timeout=30)
+                listing = wait_until(
+                    lambda: (lambda runs: runs if all(r["state"] in TERMINAL for r in runs) else None)(
+                        c.list(limit=100000)
+                    ),
+                    timeout=30,
+                )
                 assert len(listing) == len(acked) == len(set(acked))
                 counts = defaultdict(int)
                 for r in listing:
@@ -263,7 +288,7 @@ def test_2000_submissions_from_16_clients(tmp_path):
                 t0 = time.perf_counter()
                 try:
                     rec = c.submit(load_spec(k, i))
-                except Exception as exc:  # noqa: BLE001 - every failure is reported below
+                except Exception as exc:
                     errors.append(f"client {k} #{i}: {exc!r}")
                     continue
                 with lock:
@@ -317,8 +342,14 @@ def test_2000_submissions_from_16_clients(tmp_path):
         uses_gpu = sched["marginal_vram_mb"] > 0 or sched["exclusive_gpu"]
         if len(job["devices"]) != (1 if uses_gpu else 0):
             problems.append(f"{rid}: devices {job['devices']} for {sched}")
-        jobs[rid] = (ts(job["started_at"]), ts(job["finished_at"]), job["devices"], sched["marginal_vram_mb"],
-                     sched["exclusive_gpu"], sched["cpus"])
+        jobs[rid] = (
+            ts(job["started_at"]),
+            ts(job["finished_at"]),
+            job["devices"],
+            sched["marginal_vram_mb"],
+            sched["exclusive_gpu"],
+            sched["cpus"],
+        )
     assert not problems, problems[:10]
 
     # The ledger invariant at every admission: at each start, the runs holding a device (those
@@ -332,7 +363,7 @@ def test_2000_submissions_from_16_clients(tmp_path):
             by_device[dev].append((rid, j))
     max_alloc = defaultdict(int)
     max_cpu = 0
-    for rid, (start, finish, devs, vram, excl, cpus) in items:
+    for rid, (start, _finish, devs, _vram, _excl, _cpus) in items:
         holding = [(o, oj) for o, oj in items if oj[0] <= start < oj[1]]
         cpu_in_use = sum(oj[5] for _, oj in holding)
         max_cpu = max(max_cpu, cpu_in_use)
@@ -350,11 +381,13 @@ def test_2000_submissions_from_16_clients(tmp_path):
     assert set(by_device) == {0, 1}, "both GPUs should have been used"
 
     latencies.sort()
-    print(f"\nload figures: submissions={N_SUBMISSIONS} clients={N_CLIENTS} acked={len(all_ids)} "
-          f"submit_phase={t_submitted:.1f}s ({N_SUBMISSIONS / t_submitted:.0f}/s) "
-          f"p50={latencies[len(latencies) // 2] * 1000:.1f}ms p99={latencies[int(len(latencies) * 0.99)] * 1000:.1f}ms "
-          f"all_done={t_done:.1f}s succeeded={len(jobs)} max_alloc={dict(max_alloc)} max_cpu={max_cpu} "
-          f"runs_per_gpu={ {d: len(v) for d, v in by_device.items()} }")
+    print(
+        f"\nload figures: submissions={N_SUBMISSIONS} clients={N_CLIENTS} acked={len(all_ids)} "
+        f"submit_phase={t_submitted:.1f}s ({N_SUBMISSIONS / t_submitted:.0f}/s) "
+        f"p50={latencies[len(latencies) // 2] * 1000:.1f}ms p99={latencies[int(len(latencies) * 0.99)] * 1000:.1f}ms "
+        f"all_done={t_done:.1f}s succeeded={len(jobs)} max_alloc={dict(max_alloc)} max_cpu={max_cpu} "
+        f"runs_per_gpu={ {d: len(v) for d, v in by_device.items()} }"
+    )
 
 
 # ----------------------------------------------------------------------------- schemathesis
@@ -381,8 +414,10 @@ def test_schemathesis_finds_no_5xx(tmp_path):
         samples: dict = {}
         # The destructive operations (cancel, delete) last, so that the real runs are still
         # there for the read operations.
-        operations = sorted((result.ok() for result in schema.get_all_operations()),
-                            key=lambda op: (op.method.upper() == "DELETE" or op.path.endswith("/cancel"), op.label))
+        operations = sorted(
+            (result.ok() for result in schema.get_all_operations()),
+            key=lambda op: (op.method.upper() == "DELETE" or op.path.endswith("/cancel"), op.label),
+        )
         assert len(operations) >= 10, [op.label for op in operations]
 
         # Real runs, so that the run endpoints are fuzzed past the 404 too (query parameters,
@@ -390,11 +425,20 @@ def test_schemathesis_finds_no_5xx(tmp_path):
         c = server.client()
         finished = c.submit({"entrypoint": SLEEPY, "episodes": 3, "params": {"sleep_s": 0.01}, "cwd": "/"})
         running = c.submit({"entrypoint": SLEEPY, "episodes": 100000, "params": {"sleep_s": 0.1}, "cwd": "/"})
-        wait_until(lambda: c.get(finished["id"])["state"] == "succeeded" and c.get(running["id"])["state"] == "running", timeout=20)
+        wait_until(
+            lambda: c.get(finished["id"])["state"] == "succeeded" and c.get(running["id"])["state"] == "running",
+            timeout=20,
+        )
 
         def fuzz(op, strategy, examples, label):
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+                phases=[Phase.explicit, Phase.generate],
+            )
             @given(case=strategy)
             def check(case):
                 try:
@@ -405,7 +449,9 @@ def test_schemathesis_finds_no_5xx(tmp_path):
                 statuses[label][resp.status_code] += 1
                 samples.setdefault((label, resp.status_code), resp.text[:160])
                 if resp.status_code >= 500:
-                    failures.append(f"{label} -> {resp.status_code}: {case.as_curl_command(headers=auth)} :: {resp.text[:300]}")
+                    failures.append(
+                        f"{label} -> {resp.status_code}: {case.as_curl_command(headers=auth)} :: {resp.text[:300]}"
+                    )
 
             check()
 
@@ -414,13 +460,19 @@ def test_schemathesis_finds_no_5xx(tmp_path):
                 fuzz(op, op.as_strategy(generation_mode=mode), 60, op.label)
                 if "{run_id}" in op.path:
                     for rid in (finished["id"], running["id"]):
-                        fuzz(op, op.as_strategy(generation_mode=mode, path_parameters={"run_id": rid}), 25,
-                             op.label + " (real id)")
+                        fuzz(
+                            op,
+                            op.as_strategy(generation_mode=mode, path_parameters={"run_id": rid}),
+                            25,
+                            op.label + " (real id)",
+                        )
         # The server is still up and answers normally.
         assert isinstance(c.queue()["queued"], list)
         total = sum(tried.values())
-        print(f"\nschemathesis figures: cases={total} operations={len(operations)} "
-              + " ".join(f"{k}={v}" for k, v in sorted(tried.items())))
+        print(
+            f"\nschemathesis figures: cases={total} operations={len(operations)} "
+            + " ".join(f"{k}={v}" for k, v in sorted(tried.items()))
+        )
         print("status codes: " + json.dumps({k: dict(v) for k, v in statuses.items()}))
         print("403 samples: " + json.dumps({f"{k[0]}": v for k, v in samples.items() if k[1] == 403}))
         assert not failures, "\n".join(failures[:10])

@@ -12,14 +12,19 @@ from jupyter_evalsched.client import EvalSchedClientError
 from jupyter_evalsched.widget import QueueWidget, RunProgress, _RunRow, ledger_html, run_row_html
 
 try:
-    from .live_server import SLEEPY, clean_queue, client, live_server, wait_state, wait_until  # noqa: F401
+    from .live_server import SLEEPY, clean_queue, client, live_server, wait_state, wait_until
 except ImportError:
     from live_server import SLEEPY, clean_queue, client, live_server, wait_state, wait_until  # noqa: F401
 
 
 def _big(name: str, sleep_s: float = 30, episodes: int = 1) -> dict:
-    return {"name": name, "entrypoint": SLEEPY, "episodes": episodes, "params": {"sleep_s": sleep_s},
-            "scheduling": {"marginal_vram_mb": 16000}}
+    return {
+        "name": name,
+        "entrypoint": SLEEPY,
+        "episodes": episodes,
+        "params": {"sleep_s": sleep_s},
+        "scheduling": {"marginal_vram_mb": 16000},
+    }
 
 
 def _rows(widget: QueueWidget) -> dict[str, _RunRow]:
@@ -37,11 +42,15 @@ def test_queue_widget_follows_queue_and_ledger_then_stops_when_closed(client, cl
         wait_until(lambda: widget.mode == ("live" if use_events else "polling"), timeout=10)
         ids = [client.submit(_big(f"w{i}"))["id"] for i in range(3)]
         # The model receives the new queue and ledger without being asked to.
-        wait_until(lambda: len(widget.queue_view["running"]) == 2 and len(widget.queue_view["queued"]) == 1,
-                   timeout=10, message=f"widget saw {widget.queue_view}")
+        wait_until(
+            lambda: len(widget.queue_view["running"]) == 2 and len(widget.queue_view["queued"]) == 1,
+            timeout=10,
+            message=f"widget saw {widget.queue_view}",
+        )
         devices = widget.queue_view["ledger"]["devices"]
-        wait_until(lambda: [d["allocated_mb"] for d in widget.queue_view["ledger"]["devices"]] == [16000, 16000],
-                   timeout=5)
+        wait_until(
+            lambda: [d["allocated_mb"] for d in widget.queue_view["ledger"]["devices"]] == [16000, 16000], timeout=5
+        )
         assert {d["index"] for d in devices} == {0, 1}
         # ... and renders it: bars name the runs, the queued row gives its reason.
         wait_until(lambda: "w0" in widget._ledger.value and "w1" in widget._ledger.value, timeout=5)
@@ -108,10 +117,21 @@ def test_closing_widgets_leaves_no_threads(client):
 
 
 def test_ledger_html_shows_baseline_runs_and_free():
-    ledger = {"devices": [{"index": 0, "name": "A100", "total_mb": 40000, "baseline_mb": 14000,
-                           "usable_mb": 26000, "allocated_mb": 16000, "free_mb": 10000,
-                           "runs": [{"id": "r1", "marginal_vram_mb": 16000}]}],
-              "cpu_slots": {"total": 8, "allocated": 1}}
+    ledger = {
+        "devices": [
+            {
+                "index": 0,
+                "name": "A100",
+                "total_mb": 40000,
+                "baseline_mb": 14000,
+                "usable_mb": 26000,
+                "allocated_mb": 16000,
+                "free_mb": 10000,
+                "runs": [{"id": "r1", "marginal_vram_mb": 16000}],
+            }
+        ],
+        "cpu_slots": {"total": 8, "allocated": 1},
+    }
     html = ledger_html(ledger, {"r1": "<evil>"})
     assert "allocated 16000 / usable 26000 MB" in html and "models 14000 MB" in html
     assert "free 10000 MB" in html and "&lt;evil&gt;" in html and "<evil>" not in html
@@ -120,6 +140,7 @@ def test_ledger_html_shows_baseline_runs_and_free():
 
 class _ViewOnlyClient:
     """Stands in for a server that has nothing: the widgets below render views fed to them."""
+
     base_url = "http://test.invalid/"
 
     def queue(self) -> dict:
@@ -130,31 +151,66 @@ class _ViewOnlyClient:
 
 
 def _slurm_run(rid: str, state: str, job: str | None, slurm_state: str | None, **extra) -> dict:
-    return {"id": rid, "name": rid, "state": state, "priority": "normal", "reason": None,
-            "submitted_at": "2026-01-01T00:00:00+00:00", "started_at": None, "finished_at": None,
-            "devices": [], "marginal_vram_mb": 16000, "progress": {"done": 1, "total": 4},
-            "executor": "slurm", "slurm_job_id": job, "slurm_state": slurm_state, **extra}
+    return {
+        "id": rid,
+        "name": rid,
+        "state": state,
+        "priority": "normal",
+        "reason": None,
+        "submitted_at": "2026-01-01T00:00:00+00:00",
+        "started_at": None,
+        "finished_at": None,
+        "devices": [],
+        "marginal_vram_mb": 16000,
+        "progress": {"done": 1, "total": 4},
+        "executor": "slurm",
+        "slurm_job_id": job,
+        "slurm_state": slurm_state,
+        **extra,
+    }
 
 
 def test_queue_widget_shows_slurm_runs_with_job_id_and_state():
     view = {
         "running": [
             _slurm_run("s1", "running", "123", "RUNNING", started_at="2026-01-01T00:00:05+00:00"),
-            {"id": "l1", "name": "l1", "state": "running", "priority": "normal", "devices": [0],
-             "marginal_vram_mb": 8000, "progress": {"done": 0, "total": 2}, "executor": "local",
-             "started_at": "2026-01-01T00:00:05+00:00"},
+            {
+                "id": "l1",
+                "name": "l1",
+                "state": "running",
+                "priority": "normal",
+                "devices": [0],
+                "marginal_vram_mb": 8000,
+                "progress": {"done": 0, "total": 2},
+                "executor": "local",
+                "started_at": "2026-01-01T00:00:05+00:00",
+            },
         ],
-        "queued": [_slurm_run("s2", "queued", "124", "PENDING",
-                              reason="waiting_cpu: SLURM job 124 submitted, not yet scheduled"),
-                   _slurm_run("s3", "queued", None, None)],
-        "ledger": {"devices": [{"index": 0, "name": "GPU", "total_mb": 24000, "usable_mb": 24000,
-                                "allocated_mb": 8000, "free_mb": 16000,
-                                "runs": [{"id": "l1", "marginal_vram_mb": 8000}]}]},
+        "queued": [
+            _slurm_run(
+                "s2", "queued", "124", "PENDING", reason="waiting_cpu: SLURM job 124 submitted, not yet scheduled"
+            ),
+            _slurm_run("s3", "queued", None, None),
+        ],
+        "ledger": {
+            "devices": [
+                {
+                    "index": 0,
+                    "name": "GPU",
+                    "total_mb": 24000,
+                    "usable_mb": 24000,
+                    "allocated_mb": 8000,
+                    "free_mb": 16000,
+                    "runs": [{"id": "l1", "marginal_vram_mb": 8000}],
+                }
+            ]
+        },
     }
     widget = QueueWidget(_ViewOnlyClient(), live=False)
     try:
-        widget.show_view(view, finished=[_slurm_run("s0", "succeeded", "122", "COMPLETED",
-                                                     finished_at="2026-01-01T00:01:00+00:00")])
+        widget.show_view(
+            view, finished=[_slurm_run("s0", "succeeded", "122", "COMPLETED", finished_at="2026-01-01T00:01:00+00:00")]
+        )
         rows = _rows(widget)
         assert set(rows) == {"s0", "s1", "s2", "s3", "l1"}
         running = rows["s1"].label.value
@@ -198,21 +254,25 @@ def test_feed_thread_updates_reach_a_real_kernels_frontend(live_server, clean_qu
     monkeypatch.delenv("JPY_PARENT_PID", raising=False)
     repo = str(__import__("pathlib").Path(__file__).resolve().parents[1])
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("%load_ext jupyter_evalsched\n%eval_queue --out w"),
-        nbformat.v4.new_code_cell(
-            f"h = %eval_submit {SLEEPY} --name in-kernel --episodes 3 --param sleep_s=0.2\n"
-            "import time\n"
-            "for _ in range(100):\n"
-            "    time.sleep(0.1)\n"
-            "    if h.status() == 'succeeded':\n"
-            "        break\n"
-            "time.sleep(1.5)  # the feed's next refresh and render\n"
-            "print(h.id, w.mode)"),
-        nbformat.v4.new_code_cell("w.close()"),
-    ])
-    NotebookClient(nb, timeout=60, kernel_name="python3", store_widget_state=True,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("%load_ext jupyter_evalsched\n%eval_queue --out w"),
+            nbformat.v4.new_code_cell(
+                f"h = %eval_submit {SLEEPY} --name in-kernel --episodes 3 --param sleep_s=0.2\n"
+                "import time\n"
+                "for _ in range(100):\n"
+                "    time.sleep(0.1)\n"
+                "    if h.status() == 'succeeded':\n"
+                "        break\n"
+                "time.sleep(1.5)  # the feed's next refresh and render\n"
+                "print(h.id, w.mode)"
+            ),
+            nbformat.v4.new_code_cell("w.close()"),
+        ]
+    )
+    NotebookClient(
+        nb, timeout=60, kernel_name="python3", store_widget_state=True, resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     run_id, mode = nb.cells[1].outputs[-1]["text"].split()
     assert mode == "live"
     states = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
@@ -235,13 +295,15 @@ def test_interpreter_exit_with_live_widgets_is_clean(live_server, clean_queue, t
         "widgets = [QueueWidget(c), QueueWidget(c, use_events=False), RunProgress(rec['id'], c)]\n"
         "time.sleep(1.0)\n"
         "assert all(w.mode in ('live', 'polling') for w in widgets), [w.mode for w in widgets]\n"
-        "print('ok', flush=True)\n")
+        "print('ok', flush=True)\n"
+    )
     env = dict(os.environ, **live_server.env)
     repo = str(__import__("pathlib").Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=30, cwd=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, cwd=str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok" and proc.stderr == ""
     assert time.monotonic() - started < 10

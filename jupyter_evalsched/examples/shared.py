@@ -65,7 +65,7 @@ def sentence_vector(output) -> list[float]:
 
 
 def cosine(u: list[float], v: list[float]) -> float:
-    dot = sum(a * b for a, b in zip(u, v))
+    dot = sum(a * b for a, b in zip(u, v, strict=True))
     norms = math.sqrt(sum(a * a for a in u)) * math.sqrt(sum(b * b for b in v))
     return dot / norms if norms else 0.0
 
@@ -83,10 +83,10 @@ def similarity(ctx, index):
     # One request with every sentence of the shard: the host batches it (and other runs' requests).
     vectors = _embed(ctx, [p["a"] for p in pairs] + [p["b"] for p in pairs])
     scores = [cosine(vectors[i], vectors[len(pairs) + i]) for i in range(len(pairs))]
-    correct = [(score >= threshold) == (pair["label"] == "similar") for pair, score in zip(pairs, scores)]
+    correct = [(score >= threshold) == (pair["label"] == "similar") for pair, score in zip(pairs, scores, strict=True)]
     metrics = {"accuracy": sum(correct) / len(correct)}
     for label in ("similar", "different"):
-        chosen = [s for p, s in zip(pairs, scores) if p["label"] == label]
+        chosen = [s for p, s in zip(pairs, scores, strict=True) if p["label"] == label]
         if chosen:
             metrics[f"cosine_{label}"] = sum(chosen) / len(chosen)
     ctx.log.info("episode %d: %d pairs, accuracy %.3f", index, len(pairs), metrics["accuracy"])
@@ -101,9 +101,9 @@ def retrieval(ctx, index):
     # Only paraphrases are candidates: the "different" pairs reuse other pairs' sentences as b.
     candidates = sorted({p["b"] for p in everything if p["label"] == "similar"})
     vectors = _embed(ctx, [q["a"] for q in queries] + candidates)
-    query_vectors, candidate_vectors = vectors[: len(queries)], vectors[len(queries):]
+    query_vectors, candidate_vectors = vectors[: len(queries)], vectors[len(queries) :]
     hits = 0
-    for query, vector in zip(queries, query_vectors):
+    for query, vector in zip(queries, query_vectors, strict=True):
         best = max(range(len(candidates)), key=lambda i: cosine(vector, candidate_vectors[i]))
         hits += candidates[best] == query["b"]
     return {"recall_at_1": hits / len(queries)}

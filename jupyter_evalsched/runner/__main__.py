@@ -20,7 +20,7 @@ def _exit(code: int) -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:  # noqa: BLE001 - a closed or broken stream: nothing left to do
+            except Exception:
                 pass
         os._exit(code)
 

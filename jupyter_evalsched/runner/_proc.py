@@ -1,9 +1,8 @@
 """Process plumbing: the parent-death signal and the parent check that closes its race."""
 
+import _signal  # not `signal`, which imports enum: this module is on the start-up path
 import os
 import sys
-
-import _signal  # not `signal`, which imports enum: this module is on the start-up path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -35,7 +34,7 @@ def _load_prctl():
             _handle = _ctypes.dlopen(None, _ctypes.RTLD_LOCAL)
 
         return CFunction(("prctl", Program()))
-    except Exception:  # noqa: BLE001
+    except Exception:
         import ctypes
 
         # CDLL(None), not ctypes.util.find_library, which spawns ldconfig (tens of milliseconds).

@@ -40,7 +40,7 @@ def _scanner():
     if _scan is None and _c_make_scanner is not None:
         try:
             _scan = _c_make_scanner(_ScannerContext())
-        except Exception:  # noqa: BLE001 - an interpreter whose _json differs: use json
+        except Exception:
             _c_make_scanner = None
     return _scan
 
@@ -66,7 +66,7 @@ def loads(data: str | bytes | bytearray):
     start = len(text) - len(text.lstrip(_WHITESPACE))
     try:
         value, end = scan(text, start)
-    except Exception:  # noqa: BLE001 - StopIteration, JSONDecodeError...: json says it precisely
+    except Exception:
         return _slow_loads(text)
     if end != len(text) and text[end:].strip(_WHITESPACE):
         return _slow_loads(text)  # raises "Extra data"

@@ -37,7 +37,7 @@ def utc_now_iso() -> str:
     """
     ns = time.time_ns()
     seconds, rem = divmod(ns, 1_000_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + ".%06d+00:00" % (rem // 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{rem // 1000:06d}+00:00"
 
 
 def validate_metrics(result: object, index: int) -> dict:

@@ -16,11 +16,10 @@ Failure semantics (see also the package docstring for exit codes):
   ``WorkerDied`` error naming the signal or exit code and the episode.
 """
 
-import os
-import sys
-
 # _signal, not signal: the latter imports enum (~5 ms here) for its IntEnum wrappers.
 import _signal
+import os
+import sys
 
 from . import fastjson
 from ._proc import EXIT_PARENT_GONE, expected_parent_pid, flush_stdio, parent_is_gone, set_parent_death_signal
@@ -158,7 +157,7 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
     try:
         raw = fastjson.loads(spec_bytes)
         spec = RunSpec(raw)
-    except Exception as exc:  # noqa: BLE001 - a bad spec fails the run, precisely
+    except Exception as exc:
         spec_error = exc
 
     if spec is not None:
@@ -199,7 +198,7 @@ def _run_episodes(spec: RunSpec, run_dir: str, files) -> dict | None:
     try:
         urls = read_shared_urls(run_dir)
         cwd = os.getcwd()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return describe_exception(exc)
 
     make_ctx = ContextFactory(
@@ -225,18 +224,17 @@ def _run_episodes(spec: RunSpec, run_dir: str, files) -> dict | None:
     # One worker: the episodes run in this process; nothing to fork, nothing to import.
     try:
         episode = load_episode()
-    except BaseException as exc:  # noqa: BLE001 - an import may raise SystemExit too
+    except BaseException as exc:
         return describe_exception(exc)
     pid = os.getpid()
     for index in range(spec.episodes):
         started_at = utc_now_iso()
         try:
             metrics = validate_metrics(episode(make_ctx(index), index), index)
-        except BaseException as exc:  # noqa: BLE001 - see the module docstring
+        except BaseException as exc:
             flush_stdio()
             return describe_exception(exc, index)
         finished_at = utc_now_iso()
         flush_stdio()  # a print without a newline would otherwise wait in the buffer
         files.record_episode(index, metrics, started_at, finished_at, pid)
     return None
-

@@ -43,7 +43,7 @@ def _worker_main(conn, run_pid: int, load_episode: Callable, make_ctx: Callable)
     try:
         try:
             episode = load_episode()
-        except BaseException as exc:  # noqa: BLE001 - reported to the run process, which fails the run
+        except BaseException as exc:
             conn.send(("error", describe_exception(exc)))
             return
         while True:
@@ -56,7 +56,7 @@ def _worker_main(conn, run_pid: int, load_episode: Callable, make_ctx: Callable)
             started_at = utc_now_iso()
             try:
                 metrics = validate_metrics(episode(make_ctx(index), index), index)
-            except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt too: see run.py
+            except BaseException as exc:
                 flush_stdio()
                 conn.send(("error", describe_exception(exc, index)))
                 return

@@ -7,8 +7,8 @@ no reserve). Free = usable - Σ marginal of the runs on it - VRAM held by unmana
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 from .gpus import GpuInfo, GpuProcess
 from .policy import Capacity, Device, RunningJob
@@ -66,9 +66,7 @@ def unmanaged_by_device(processes: Iterable[GpuProcess], managed_pids: set[int])
 
 def capacity(budgets: list[DeviceBudget], cpu_slots: int, unmanaged: Mapping[int, Unmanaged]) -> Capacity:
     return Capacity(
-        devices=tuple(
-            Device(b.index, b.usable_mb, unmanaged.get(b.index, Unmanaged()).mb) for b in budgets
-        ),
+        devices=tuple(Device(b.index, b.usable_mb, unmanaged.get(b.index, Unmanaged()).mb) for b in budgets),
         cpu_slots=cpu_slots,
     )
 

@@ -16,8 +16,8 @@ Rules, in order of precedence:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 LANES = ("high", "normal", "low")
 LANE_INDEX = {name: i for i, name in enumerate(LANES)}

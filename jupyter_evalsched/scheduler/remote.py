@@ -27,10 +27,10 @@ log = logging.getLogger("jupyter_evalsched")
 
 
 class SlurmRuns:
-    def __init__(self, scheduler: "Scheduler", executor) -> None:
+    def __init__(self, scheduler: Scheduler, executor) -> None:
         self.scheduler = scheduler
         self.executor = executor
-        self.jobs: dict[str, "Job"] = {}  # every SLURM run not yet terminal
+        self.jobs: dict[str, Job] = {}  # every SLURM run not yet terminal
         self._submitting: set[str] = set()
         self._polling = False
 
@@ -44,7 +44,7 @@ class SlurmRuns:
 
     # ------------------------------------------------------------------ hand-off
 
-    def add(self, job: "Job") -> None:
+    def add(self, job: Job) -> None:
         self.jobs[job.id] = job
         self.advance()
 
@@ -82,7 +82,7 @@ class SlurmRuns:
             job.record["reason"] = "waiting_cpu: being handed to SLURM (sbatch)"
             asyncio.ensure_future(self._submit(job, slurm_deps))
 
-    async def _submit(self, job: "Job", dep_ids: list[str]) -> None:
+    async def _submit(self, job: Job, dep_ids: list[str]) -> None:
         s = self.scheduler
         run_dir = s.store.run_dir(job.id)
         try:
@@ -95,8 +95,11 @@ class SlurmRuns:
             s._finalize(job, "failed", f"exception: sbatch refused the run: {' '.join(str(exc).split())[:400]}")
             return
         self._submitting.discard(job.id)
-        job.record.update(slurm_job_id=str(job_id), slurm_state="PENDING",
-                          reason=f"waiting_cpu: SLURM job {job_id} submitted, not yet scheduled")
+        job.record.update(
+            slurm_job_id=str(job_id),
+            slurm_state="PENDING",
+            reason=f"waiting_cpu: SLURM job {job_id} submitted, not yet scheduled",
+        )
         s._persist(job)
         s._changed(job)
         if job.cancel_requested:
@@ -142,7 +145,7 @@ class SlurmRuns:
                     job.record["reason"] = reason
                     s._changed(job)
 
-    def _conclude(self, job: "Job", st) -> None:
+    def _conclude(self, job: Job, st) -> None:
         s = self.scheduler
         self.jobs.pop(job.id, None)
         run_dir = s.store.run_dir(job.id)
@@ -153,12 +156,21 @@ class SlurmRuns:
             job.record["started_at"] = summary.get("started_at")
         if st is not None:
             job.record["exit_code"] = st.exit_code
-        if (run_dir / store.DONE).exists() and isinstance(summary, dict) and summary.get("status") in ("succeeded", "failed"):
+        if (
+            (run_dir / store.DONE).exists()
+            and isinstance(summary, dict)
+            and summary.get("status") in ("succeeded", "failed")
+        ):
             if summary["status"] == "succeeded":
                 s._finalize(job, "succeeded", None, done_exists=True)
             else:
                 err = summary.get("error") or {}
-                s._finalize(job, "failed", f"exception: {err.get('type', 'Error')}: {' '.join(str(err.get('message', '')).split())[:400]}", done_exists=True)
+                s._finalize(
+                    job,
+                    "failed",
+                    f"exception: {err.get('type', 'Error')}: {' '.join(str(err.get('message', '')).split())[:400]}",
+                    done_exists=True,
+                )
             return
         if st is None:
             s._finalize(job, "failed", "exit_code:None: SLURM lost track of the job")
@@ -171,16 +183,18 @@ class SlurmRuns:
 
     # ------------------------------------------------------------------ cancel
 
-    async def cancel(self, job: "Job") -> None:
+    async def cancel(self, job: Job) -> None:
         job.cancel_requested = True
         if not job.record.get("slurm_job_id"):
             if job.id not in self._submitting:
                 self.jobs.pop(job.id, None)
-                self.scheduler._finalize(job, "cancelled", "cancelled: cancelled through the API before it reached SLURM")
+                self.scheduler._finalize(
+                    job, "cancelled", "cancelled: cancelled through the API before it reached SLURM"
+                )
             return  # _submit cancels it once sbatch answers
         await self._scancel(job)
 
-    async def _scancel(self, job: "Job") -> None:
+    async def _scancel(self, job: Job) -> None:
         s = self.scheduler
         try:
             await s._loop.run_in_executor(s._io, self.executor.cancel, job.record["slurm_job_id"])

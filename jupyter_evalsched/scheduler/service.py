@@ -13,11 +13,12 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import psutil
 
@@ -25,9 +26,9 @@ from .. import store
 from ..models import TERMINAL_STATES, EvalSpec, is_valid_run_id, utcnow_iso
 from . import policy
 from .gpus import GpuProbe
-from .launcher import Launcher, SpawnError, kill_escaped, kill_stale_group, process_create_time, signal_name
-from .remote import SlurmRuns
+from .launcher import Launcher, kill_escaped, kill_stale_group, process_create_time, signal_name
 from .ledger import DeviceBudget, Unmanaged, capacity, device_budgets, ledger_view, unmanaged_by_device
+from .remote import SlurmRuns
 
 log = logging.getLogger("jupyter_evalsched")
 
@@ -212,8 +213,11 @@ class Scheduler:
         usable = [f for f in found if isinstance(f[2], dict) and isinstance(f[3], dict)]
         skipped = [f[0] for f in found if not (isinstance(f[2], dict) and isinstance(f[3], dict))]
         if skipped:
-            log.warning("evalsched: %d run directories without a readable job.json/spec.json were left as they are: %s",
-                        len(skipped), ", ".join(sorted(skipped)[:20]))
+            log.warning(
+                "evalsched: %d run directories without a readable job.json/spec.json were left as they are: %s",
+                len(skipped),
+                ", ".join(sorted(skipped)[:20]),
+            )
         usable.sort(key=lambda f: (f[2].get("seq", 0), f[0]))
         for run_id, path, record, spec, done in usable:
             record["id"] = run_id
@@ -224,7 +228,9 @@ class Scheduler:
             state = record.get("state")
             if job.remote and state in ("queued", "running"):
                 if self.slurm is None:
-                    self._finalize(job, "aborted", "server_restart: SLURM is not enabled on this server any more", admit=False)
+                    self._finalize(
+                        job, "aborted", "server_restart: SLURM is not enabled on this server any more", admit=False
+                    )
                 else:
                     self.slurm.jobs[run_id] = job  # SLURM jobs outlive the server: track them again
             elif state == "queued":
@@ -239,14 +245,18 @@ class Scheduler:
                     kill_stale_group(record.get("pid") or 0, record.get("pid_create_time"))
                     kill_escaped(run_id, record.get("pid_create_time") or 0.0)
                     self._running[run_id] = job
-                    self._finalize(job, "aborted", "server_restart: the server died or shut down while it ran", admit=False)
+                    self._finalize(
+                        job, "aborted", "server_restart: the server died or shut down while it ran", admit=False
+                    )
             elif state in TERMINAL_STATES:
                 if not done:
                     self.store.mark_done(run_id)  # every terminal run directory has _DONE
             else:
                 log.warning("evalsched: run %s has unknown state %r; left as it is", run_id, state)
         if self._jobs:
-            log.info("evalsched: recovered %d runs (%d queued) from %s", len(self._jobs), len(self._queued), self.store.root)
+            log.info(
+                "evalsched: recovered %d runs (%d queued) from %s", len(self._jobs), len(self._queued), self.store.root
+            )
 
     # ----------------------------------------------------------------- submission
 
@@ -257,22 +267,51 @@ class Scheduler:
         executor = spec.executor or self.config.default_executor
         if executor == "slurm":
             if self.slurm is None:
-                errors.append({"loc": ["executor"], "msg": "SLURM is not enabled on this server (EvalSchedApp.slurm_enabled)", "type": "unsupported"})
+                errors.append(
+                    {
+                        "loc": ["executor"],
+                        "msg": "SLURM is not enabled on this server (EvalSchedApp.slurm_enabled)",
+                        "type": "unsupported",
+                    }
+                )
             if spec.models:
-                errors.append({"loc": ["models"], "msg": "shared models serve local runs only: a SLURM run on another node "
-                               "cannot reach this host's model host; load the model in the eval instead", "type": "unsupported"})
+                errors.append(
+                    {
+                        "loc": ["models"],
+                        "msg": "shared models serve local runs only: a SLURM run on another node "
+                        "cannot reach this host's model host; load the model in the eval instead",
+                        "type": "unsupported",
+                    }
+                )
         probe_job = policy.QueuedJob(
-            id="-", seq=0, priority=sched.priority, marginal_vram_mb=sched.marginal_vram_mb,
-            gpus=sched.gpus, exclusive=sched.exclusive_gpu, cpus=sched.cpus,
+            id="-",
+            seq=0,
+            priority=sched.priority,
+            marginal_vram_mb=sched.marginal_vram_mb,
+            gpus=sched.gpus,
+            exclusive=sched.exclusive_gpu,
+            cpus=sched.cpus,
         )
-        why = None if executor == "slurm" else policy.never_fits_field(probe_job, capacity(self._budgets, self.config.cpu_slots, {}))
+        why = (
+            None
+            if executor == "slurm"
+            else policy.never_fits_field(probe_job, capacity(self._budgets, self.config.cpu_slots, {}))
+        )
         if why:
-            errors.append({"loc": ["scheduling", why[0]], "msg": f"can never fit on this host: {why[1]}", "type": "never_fits"})
+            errors.append(
+                {"loc": ["scheduling", why[0]], "msg": f"can never fit on this host: {why[1]}", "type": "never_fits"}
+            )
         known_models = set(self.models.names())
         for name in spec.models:
             if name not in known_models:
                 known = ", ".join(sorted(known_models)) or "none are configured"
-                errors.append({"loc": ["models"], "msg": f"unknown shared model {name!r} (known: {known})", "type": "unknown_model"})
+                errors.append(
+                    {
+                        "loc": ["models"],
+                        "msg": f"unknown shared model {name!r} (known: {known})",
+                        "type": "unknown_model",
+                    }
+                )
         for dep in spec.depends_on:
             if dep not in self._jobs:
                 errors.append({"loc": ["depends_on"], "msg": f"unknown run id {dep!r}", "type": "unknown_dependency"})
@@ -282,9 +321,17 @@ class Scheduler:
         elif spec.entrypoint and spec.source is None:
             target = spec.entrypoint.rpartition(":")[0]
             if target.endswith(".py") and not os.path.isfile(os.path.join(cwd, target)):
-                errors.append({"loc": ["entrypoint"], "msg": f"file {target!r} not found in {cwd}", "type": "missing_file"})
+                errors.append(
+                    {"loc": ["entrypoint"], "msg": f"file {target!r} not found in {cwd}", "type": "missing_file"}
+                )
         if spec.source is not None and spec.entrypoint and not spec.entrypoint.startswith("eval.py:"):
-            errors.append({"loc": ["entrypoint"], "msg": "with 'source', the entrypoint must be 'eval.py:<function>'", "type": "value_error"})
+            errors.append(
+                {
+                    "loc": ["entrypoint"],
+                    "msg": "with 'source', the entrypoint must be 'eval.py:<function>'",
+                    "type": "value_error",
+                }
+            )
         if errors:
             raise SpecRejected("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors), errors)
 
@@ -378,7 +425,11 @@ class Scheduler:
         decision (the waiting jobs still cannot start) and it does not outrank the head of the
         queue (which would move the anti-starvation reservation)."""
         if job.record["depends_on"]:
-            return all(self._jobs[d].state in ("queued", "running", "succeeded") for d in job.record["depends_on"] if d in self._jobs)
+            return all(
+                self._jobs[d].state in ("queued", "running", "succeeded")
+                for d in job.record["depends_on"]
+                if d in self._jobs
+            )
         lane = policy.LANE_INDEX[job.record["priority"]]
         return lane >= self._head_lane
 
@@ -387,8 +438,14 @@ class Scheduler:
         queued, a full decision per submission would make a burst of submissions quadratic."""
         cap = capacity(self._budgets, self.config.cpu_slots, self._unmanaged)
         deps = {d: self._jobs[d].state for d in job.record["depends_on"] if d in self._jobs}
-        decision = policy.decide([self._as_queued(job, time.time())], self._running_jobs(), cap, deps,
-                                 self.config.policy, reservation=self._reservation)
+        decision = policy.decide(
+            [self._as_queued(job, time.time())],
+            self._running_jobs(),
+            cap,
+            deps,
+            self.config.policy,
+            reservation=self._reservation,
+        )
         if decision.dependency_failed or decision.starts:
             if decision.starts:
                 # Everything already waiting was overtaken by this newcomer.
@@ -413,7 +470,8 @@ class Scheduler:
             decision = self._decide()
             self._reservation = (
                 policy.Reservation(decision.reserved_for, decision.reserved_devices, decision.reserved_cpus)
-                if decision.reserved_for else None
+                if decision.reserved_for
+                else None
             )
             # Settled from here on, unless carrying the decision out asks for another one.
             self._settled = True
@@ -509,7 +567,7 @@ class Scheduler:
         try:
             store.atomic_write_json(run_dir / store.SHARED_URLS, {"models": urls})
             proc = self.launcher.spawn(job.id, run_dir, job.spec["cwd"], self._run_env(job, devices))
-        except Exception as exc:  # noqa: BLE001 - a run admitted but not started must not hold its resources
+        except Exception as exc:
             self._finalize(job, "failed", f"exception: could not start the run: {_one_line(str(exc))}")
             return
         job.record.update(pid=proc.pid, pid_create_time=process_create_time(proc.pid))
@@ -568,7 +626,11 @@ class Scheduler:
         job.record["exit_code"] = exit_code
         summary = _read_json_or_none(run_dir / store.SUMMARY)
         self._apply_summary(job, summary)
-        finalized_by_run = (run_dir / store.DONE).exists() and isinstance(summary, dict) and summary.get("status") in ("succeeded", "failed")
+        finalized_by_run = (
+            (run_dir / store.DONE).exists()
+            and isinstance(summary, dict)
+            and summary.get("status") in ("succeeded", "failed")
+        )
         if finalized_by_run and summary["status"] == "succeeded":
             self._finalize(job, "succeeded", None, admit=False, done_exists=True)
         elif finalized_by_run:
@@ -578,13 +640,21 @@ class Scheduler:
         elif job.cancel_requested:
             self._finalize(job, "cancelled", "cancelled: cancelled through the API", admit=False)
         elif job.timed_out:
-            self._finalize(job, "failed", f"timeout: ran longer than timeout_s={job.spec.get('timeout_s')}", admit=False)
+            self._finalize(
+                job, "failed", f"timeout: ran longer than timeout_s={job.spec.get('timeout_s')}", admit=False
+            )
         elif exit_code is not None and exit_code < 0:
-            self._finalize(job, "failed", f"signal:{signal_name(exit_code)}: the run process was killed by a signal", admit=False)
+            self._finalize(
+                job, "failed", f"signal:{signal_name(exit_code)}: the run process was killed by a signal", admit=False
+            )
         else:
-            self._finalize(job, "failed", f"exit_code:{exit_code}: the run process exited without finishing", admit=False)
+            self._finalize(
+                job, "failed", f"exit_code:{exit_code}: the run process exited without finishing", admit=False
+            )
 
-    def _finalize(self, job: Job, state: str, reason: str | None, admit: bool = True, done_exists: bool = False) -> None:
+    def _finalize(
+        self, job: Job, state: str, reason: str | None, admit: bool = True, done_exists: bool = False
+    ) -> None:
         """Record a terminal state: job.json first, then _DONE, last."""
         self._queued.pop(job.id, None)
         self._running.pop(job.id, None)
@@ -655,8 +725,9 @@ class Scheduler:
         job = self.get(run_id)
         if job.state not in TERMINAL_STATES:
             raise StateConflict(f"run {run_id} is {job.state}; cancel it before deleting it")
-        dependents = [j.id for j in self._jobs.values()
-                      if j.state in ("queued", "running") and run_id in j.record["depends_on"]]
+        dependents = [
+            j.id for j in self._jobs.values() if j.state in ("queued", "running") and run_id in j.record["depends_on"]
+        ]
         if dependents:
             raise StateConflict(f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}")
         try:
@@ -682,8 +753,12 @@ class Scheduler:
 
     def queued_in_order(self) -> list[Job]:
         jobs = policy.admission_order(
-            (policy.QueuedJob(id=j.id, seq=j.record["seq"], priority=j.record["priority"], waited_s=time.time() - j.submitted_ts)
-             for j in self._queued.values()),
+            (
+                policy.QueuedJob(
+                    id=j.id, seq=j.record["seq"], priority=j.record["priority"], waited_s=time.time() - j.submitted_ts
+                )
+                for j in self._queued.values()
+            ),
             self.config.policy,
         )
         return [self._queued[j.id] for j in jobs]
@@ -845,7 +920,10 @@ class Scheduler:
     def _apply_summary(self, job: Job, summary: Any) -> bool:
         if not isinstance(summary, dict):
             return False
-        progress = {"done": _int(summary.get("episodes_done")), "total": _int(summary.get("episodes_total"), job.record["progress"]["total"])}
+        progress = {
+            "done": _int(summary.get("episodes_done")),
+            "total": _int(summary.get("episodes_total"), job.record["progress"]["total"]),
+        }
         metrics = summary.get("metrics") if isinstance(summary.get("metrics"), dict) else {}
         if progress == job.record["progress"] and metrics == job.record.get("metrics"):
             return False
@@ -873,9 +951,8 @@ def _parse_ts(text: str | None) -> float:
 
 
 def _now_dt() -> datetime:
-    from datetime import timezone
 
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def _int(value: Any, default: int = 0) -> int:

@@ -46,9 +46,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 __all__ = [
     "FINISHED_STATES",
@@ -289,7 +289,7 @@ def render_sbatch_script(
         *_sbatch_directives(sbatch_options(run_dir, spec, dependency_job_ids, config), len(config.extra_sbatch_args)),
         f"# jupyter_evalsched run {run_id}: written by the server, submitted with sbatch --parsable.",
         # Exit 66 (EX_NOINPUT) when cwd is missing on the node: the run then ends "exit_code:66".
-        f"cd -- {shlex.quote(cwd)} || {{ echo 'evalsched: cannot enter the run cwd' {shlex.quote(cwd)} >&2; exit 66; }}",  # noqa: E501
+        f"cd -- {shlex.quote(cwd)} || {{ echo 'evalsched: cannot enter the run cwd' {shlex.quote(cwd)} >&2; exit 66; }}",
     ]
     for name, value in sorted(job_environment(env, _uses_gpu(spec.get("scheduling") or {})).items()):
         lines.append(f"export {name}={shlex.quote(value)}")

@@ -129,7 +129,7 @@ class ModelClient:
         for sock in sockets:
             sock.close()
 
-    def __enter__(self) -> "ModelClient":
+    def __enter__(self) -> ModelClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -143,13 +143,13 @@ class ModelClient:
         try:
             try:
                 send_message(sock, message)
-            except socket.timeout:
+            except TimeoutError:
                 raise SharedModelError(self.name, "TimeoutError", f"could not send within {self.timeout} s") from None
             except OSError:
                 raise self._died("the connection broke while sending the request") from None
             try:
                 reply = recv_message(sock, plain_only=True)
-            except socket.timeout:
+            except TimeoutError:
                 raise SharedModelError(self.name, "TimeoutError", f"no answer within {self.timeout} s") from None
             except (ProtocolError, OSError) as exc:
                 raise self._died(f"the host closed the connection before answering ({exc})") from None

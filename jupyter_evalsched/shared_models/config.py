@@ -100,9 +100,7 @@ def parse_model(raw: Any, position: int = 0) -> ModelConfig:
         raise ValueError(f"shared model #{position}: must be a dict, got {type(raw).__name__}")
     name = raw.get("name")
     if not isinstance(name, str) or not MODEL_NAME_RE.match(name):
-        raise ValueError(
-            f"shared model #{position}: field 'name' must match {MODEL_NAME_RE.pattern}, got {name!r}"
-        )
+        raise ValueError(f"shared model #{position}: field 'name' must match {MODEL_NAME_RE.pattern}, got {name!r}")
     unknown = sorted(set(raw) - KNOWN_KEYS)
     if unknown:
         raise _fail(name, unknown[0], f"is not a known key (known: {', '.join(sorted(KNOWN_KEYS))})")
@@ -134,8 +132,11 @@ def parse_model(raw: Any, position: int = 0) -> ModelConfig:
     max_memory_mb = _int(name, raw, "max_memory_mb", None, 64, 1 << 30)
     if max_memory_mb is not None and device.startswith("cuda"):
         # RLIMIT_AS caps virtual address space; the CUDA driver reserves far more than it uses.
-        raise _fail(name, "max_memory_mb", "caps the address space (RLIMIT_AS), which CUDA cannot run under; "
-                    "use it only with device 'cpu'")
+        raise _fail(
+            name,
+            "max_memory_mb",
+            "caps the address space (RLIMIT_AS), which CUDA cannot run under; use it only with device 'cpu'",
+        )
 
     preload = raw.get("preload", False)
     if not isinstance(preload, bool):

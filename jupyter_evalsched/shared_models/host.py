@@ -163,7 +163,9 @@ class ModelHost:
             cap = self.config.max_memory_mb
             limit = f"; this host's address space is capped at max_memory_mb={cap}" if cap else ""
             detail = f" ({exc})" if str(exc) else ""
-            error["message"] = f"out of memory while {'loading the model' if phase == 'load' else 'running a batch'}{detail}{limit}"
+            error["message"] = (
+                f"out of memory while {'loading the model' if phase == 'load' else 'running a batch'}{detail}{limit}"
+            )
         return error
 
     def describe(self) -> dict:
@@ -316,7 +318,7 @@ class ModelHost:
                 self._run([entry for entry in entries if entry[0] is call])
             return
         with self.cond:
-            for (call, index), output in zip(entries, outputs):
+            for (call, index), output in zip(entries, outputs, strict=False):
                 call.outputs[index] = output
                 call.remaining -= 1
                 if call.remaining == 0:

@@ -71,7 +71,7 @@ def unpad_feature_extraction(pipe, inputs: list, outputs: list, kwargs: dict) ->
     lengths = [len(ids) for ids in encoded["input_ids"]]
     left = getattr(tokenizer, "padding_side", "right") == "left"
     trimmed = []
-    for output, length in zip(outputs, lengths):
+    for output, length in zip(outputs, lengths, strict=False):
         # Each output is [1][tokens][hidden]: a nested list, or a tensor with return_tensors=True.
         if hasattr(output, "shape"):
             trimmed.append(output[:, -length:] if left else output[:, :length])

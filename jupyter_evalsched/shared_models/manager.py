@@ -31,7 +31,8 @@ import stat
 import sys
 import tempfile
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .client import make_url
 from .config import ModelConfig, parse_models
@@ -245,7 +246,7 @@ class ModelHostManager:
         if host.alive and not host.ready.is_set():
             try:
                 await asyncio.wait_for(host.ready.wait(), READY_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.log.warning("shared model %s: host not ready after %s s", host.config.name, READY_TIMEOUT_S)
 
     async def _spawn(self, host: _Host) -> None:
@@ -310,8 +311,9 @@ class ModelHostManager:
             error = event.get("error") or {}
             host.state = "failed"
             host.error = {"type": error.get("type"), "message": error.get("message")}
-            self.log.error("shared model %s: load failed: %s: %s", host.config.name, error.get("type"),
-                           error.get("message"))
+            self.log.error(
+                "shared model %s: load failed: %s: %s", host.config.name, error.get("type"), error.get("message")
+            )
 
     def _on_death(self, host: _Host, returncode: int) -> None:
         now = time.monotonic()
@@ -328,8 +330,10 @@ class ModelHostManager:
             host.error = {"type": "HostDied", "message": message}
             host.inherited_failure = {"type": "HostDied", "message": message, "phase": "load"}
         else:
-            message = (f"the model host (pid {host.proc.pid}) died with {how}; "
-                       f"a new host starts in {hold:.1f} s and loads the model at the next request")
+            message = (
+                f"the model host (pid {host.proc.pid}) died with {how}; "
+                f"a new host starts in {hold:.1f} s and loads the model at the next request"
+            )
             if host.state == "loaded":
                 host.state = "not_loaded"
             if host.state != "failed":
@@ -354,8 +358,9 @@ class ModelHostManager:
             hold = restart_hold_s(host.early_deaths)
             host.held_until = time.monotonic() + hold
             host.error = {"type": "HostStartFailed", "message": f"cannot start the model host: {exc}"}
-            self.log.error("shared model %s: cannot start its host (%s); next try in %.1f s",
-                           host.config.name, exc, hold)
+            self.log.error(
+                "shared model %s: cannot start its host (%s); next try in %.1f s", host.config.name, exc, hold
+            )
             host.respawn = asyncio.get_running_loop().create_task(self._respawn_after(host, hold))
 
     async def _terminate(self, host: _Host) -> None:
@@ -367,7 +372,7 @@ class ModelHostManager:
             await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
         except ProcessLookupError:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             try:
                 proc.kill()
             except ProcessLookupError:
