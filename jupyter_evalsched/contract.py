@@ -1,0 +1,145 @@
+"""The public contract's vocabulary (DESIGN.md): states, reason codes, run-directory file names,
+scheduling defaults. One place, imported by the server, the runner, the client and the policy.
+
+Standard library only, and nothing but builtins at import time: the run subprocess imports
+this on its start-up path, where every module costs (no ``re``, no ``datetime``).
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing is not imported at run time (see above); mypy knows this name
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
+
+# --------------------------------------------------------------------------- states
+
+QUEUED = "queued"
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+CANCELLED = "cancelled"
+ABORTED = "aborted"
+
+STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, ABORTED)
+ACTIVE_STATES = frozenset({QUEUED, RUNNING})
+TERMINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED, ABORTED})
+
+# --------------------------------------------------------------------------- priority lanes
+
+LANES = ("high", "normal", "low")  # highest first
+
+# --------------------------------------------------------------------------- reason codes
+
+WAITING_VRAM = "waiting_vram"
+WAITING_CPU = "waiting_cpu"
+WAITING_GPU_EXCLUSIVE = "waiting_gpu_exclusive"
+WAITING_DEPENDENCY = "waiting_dependency"
+RESERVED_FOR = "reserved_for"  # reserved_for:<id>
+DEPENDENCY_FAILED = "dependency_failed"  # dependency_failed:<id>
+EXCEPTION = "exception"
+EXIT_CODE = "exit_code"  # exit_code:<n>
+SIGNAL = "signal"  # signal:<NAME>
+TIMEOUT = "timeout"
+CANCELLED_REASON = "cancelled"
+SERVER_RESTART = "server_restart"
+
+
+def reason(code: str, detail: str | None = None, *, arg: object = None) -> str:
+    """``code``, ``code:arg``, ``code: detail`` or ``code:arg: detail`` — the contract's shape of a
+    ``reason``: a code, then an optional human sentence after ``": "``."""
+    text = code if arg is None else f"{code}:{arg}"
+    if detail:
+        text += ": " + one_line(detail)
+    return text
+
+
+def reason_code(text: str | None) -> str | None:
+    """The code of a reason (``"waiting_vram: needs ..."`` -> ``"waiting_vram"``,
+    ``"exit_code:3: ..."`` -> ``"exit_code"``); None for no reason."""
+    if not text:
+        return None
+    return text.split(":", 1)[0]
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    """Whitespace collapsed, at most ``limit`` characters: what a reason may carry of a message."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# --------------------------------------------------------------------------- run directory
+
+SPEC_FILE = "spec.json"
+SHARED_URLS_FILE = "shared_urls.json"
+JOB_FILE = "job.json"
+EVAL_SOURCE_FILE = "eval.py"
+SUMMARY_FILE = "summary.json"
+EPISODES_FILE = "episodes.jsonl"
+STDOUT_FILE = "stdout.log"
+STDERR_FILE = "stderr.log"
+DONE_FILE = "_DONE"
+
+# The entrypoint of a spec that carries ``source`` (the cell of ``%%eval_submit``).
+DEFAULT_SOURCE_ENTRYPOINT = EVAL_SOURCE_FILE + ":episode"
+
+_RUN_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+MAX_RUN_ID_LENGTH = 128
+
+
+def is_valid_run_id(run_id: object) -> bool:
+    """``[A-Za-z0-9._-]{1,128}``, and neither ``.`` nor ``..``: a run id can never name a path
+    outside the runs directory."""
+    return (
+        isinstance(run_id, str)
+        and 0 < len(run_id) <= MAX_RUN_ID_LENGTH
+        and run_id not in (".", "..")
+        and all(c in _RUN_ID_CHARS for c in run_id)
+    )
+
+
+# --------------------------------------------------------------------------- scheduling
+
+SCHEDULING_DEFAULTS: Mapping[str, Any] = {
+    "marginal_vram_mb": 0,
+    "gpus": 1,
+    "exclusive_gpu": False,
+    "priority": "normal",
+    "cpus": 1,
+}
+
+
+def scheduling_of(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec's ``scheduling`` with every default filled in (a spec written by hand or by an
+    older server may lack some)."""
+    given = spec.get("scheduling")
+    out = dict(SCHEDULING_DEFAULTS)
+    if isinstance(given, dict):
+        out.update({k: v for k, v in given.items() if v is not None})
+    return out
+
+
+def uses_gpu(marginal_vram_mb: int, exclusive_gpu: bool) -> bool:
+    """A run gets GPUs when it declares VRAM or asks for a GPU of its own; otherwise it is a
+    CPU-only run (``CUDA_VISIBLE_DEVICES=""``) and ``gpus`` does not matter."""
+    return marginal_vram_mb > 0 or bool(exclusive_gpu)
+
+
+# --------------------------------------------------------------------------- the entrypoint
+
+
+def split_entrypoint(entrypoint: object) -> tuple[str, str]:
+    """``"pkg.mod:fn"`` -> ``("pkg.mod", "fn")``; ValueError for anything else."""
+    if not isinstance(entrypoint, str):
+        raise ValueError(f"entrypoint must be a string like 'pkg.module:function', got {entrypoint!r:.80}")
+    target, sep, func = entrypoint.rpartition(":")
+    if not sep or not target or "\x00" in target or not func.isidentifier():
+        raise ValueError(
+            f"invalid entrypoint {entrypoint!r:.200}: expected 'pkg.module:function' or 'path/to/file.py:function'"
+        )
+    return target, func
+
+
+def is_file_target(target: str) -> bool:
+    """A file entrypoint (``path/to/file.py``) rather than a module (``pkg.module``)."""
+    return target.endswith(".py") or "/" in target
