@@ -9,12 +9,7 @@ import { ServerConnection } from '@jupyterlab/services';
 
 /** Run states of the public contract. */
 export type RunState =
-  | 'queued'
-  | 'running'
-  | 'succeeded'
-  | 'failed'
-  | 'cancelled'
-  | 'aborted';
+  'queued' | 'running' | 'succeeded' | 'failed' | 'cancelled' | 'aborted';
 
 export const TERMINAL_STATES: ReadonlyArray<RunState> = [
   'succeeded',
@@ -169,7 +164,10 @@ export class EvalSchedAPI {
   ) {}
 
   /** The URL of an extension route; path parts are URL-encoded. */
-  url(parts: string[], query?: Record<string, string | number | undefined>): string {
+  url(
+    parts: string[],
+    query?: Record<string, string | number | undefined>
+  ): string {
     let url = URLExt.join(
       this.serverSettings.baseUrl,
       'evalsched',
@@ -178,7 +176,10 @@ export class EvalSchedAPI {
     if (query) {
       const q = Object.entries(query)
         .filter(([, v]) => v !== undefined && v !== '')
-        .map(([k, v]) => `${encodeURIComponent(k)}=${encodeURIComponent(String(v))}`)
+        .map(
+          ([k, v]) =>
+            `${encodeURIComponent(k)}=${encodeURIComponent(String(v))}`
+        )
         .join('&');
       if (q) {
         url += `?${q}`;
@@ -212,7 +213,9 @@ export class EvalSchedAPI {
     return this._json<ILedger>(['ledger'], undefined, {}, true);
   }
 
-  listRuns(options: { states?: string[]; limit?: number } = {}): Promise<IRunList> {
+  listRuns(
+    options: { states?: string[]; limit?: number } = {}
+  ): Promise<IRunList> {
     return this._json<IRunList>(
       ['runs'],
       {

@@ -96,7 +96,11 @@ export class RunDetailView implements IDisposable {
       this._info,
       this._metrics,
       this._error,
-      h('div', { className: 'jp-EvalSched-logs' }, [toolbar, this._log, this._logNote])
+      h('div', { className: 'jp-EvalSched-logs' }, [
+        toolbar,
+        this._log,
+        this._logNote
+      ])
     );
     this._syncStreamButtons();
 
@@ -115,7 +119,9 @@ export class RunDetailView implements IDisposable {
   /** Load the summary and the logs (when first shown, and on demand). */
   async load(): Promise<void> {
     await Promise.all([
-      this._model.fetchSummary(this._id).catch(reason => this._showFetchError(reason)),
+      this._model
+        .fetchSummary(this._id)
+        .catch(reason => this._showFetchError(reason)),
       this.refreshLogs()
     ]);
   }
@@ -126,12 +132,17 @@ export class RunDetailView implements IDisposable {
     this._lastLogFetch = Date.now();
     this.node.dataset.logsLoading = 'true';
     try {
-      const text = await this._model.api.getLogs(this._id, stream, this.logTail);
+      const text = await this._model.api.getLogs(
+        this._id,
+        stream,
+        this.logTail
+      );
       if (seq !== this._logSeq || this._isDisposed) {
         return;
       }
       const atBottom =
-        this._log.scrollHeight - this._log.scrollTop - this._log.clientHeight < 8;
+        this._log.scrollHeight - this._log.scrollTop - this._log.clientHeight <
+        8;
       this._log.textContent = text;
       this._log.dataset.empty = text ? 'false' : 'true';
       this._logNote.textContent = text
@@ -163,7 +174,10 @@ export class RunDetailView implements IDisposable {
     const summary = this._model.getSummary(this._id);
     this._info.replaceChildren();
     if (!record) {
-      this._info.append(h('dt', { text: trans.__('Run') }), h('dd', { text: this._id }));
+      this._info.append(
+        h('dt', { text: trans.__('Run') }),
+        h('dd', { text: this._id })
+      );
       return;
     }
     const started = parseTime(record.started_at);
@@ -179,16 +193,22 @@ export class RunDetailView implements IDisposable {
       [trans.__('Finished'), formatTimestamp(record.finished_at)],
       [
         trans.__('Duration'),
-        started !== null ? formatDuration((finished ?? Date.now()) - started) : null
+        started !== null
+          ? formatDuration((finished ?? Date.now()) - started)
+          : null
       ],
       [
         trans.__('Episodes'),
-        record.progress ? `${record.progress.done} / ${record.progress.total}` : null
+        record.progress
+          ? `${record.progress.done} / ${record.progress.total}`
+          : null
       ],
       [trans.__('Executor'), executorOf(record), 'executor'],
       [
         trans.__('SLURM job'),
-        isSlurm(record) && record.slurm_job_id !== null && record.slurm_job_id !== undefined
+        isSlurm(record) &&
+        record.slurm_job_id !== null &&
+        record.slurm_job_id !== undefined
           ? String(record.slurm_job_id)
           : isSlurm(record) && !isTerminal(record.state)
             ? trans.__('not submitted yet')
@@ -197,20 +217,29 @@ export class RunDetailView implements IDisposable {
       ],
       [
         trans.__('SLURM state'),
-        isSlurm(record) && typeof record.slurm_state === 'string' && record.slurm_state
+        isSlurm(record) &&
+        typeof record.slurm_state === 'string' &&
+        record.slurm_state
           ? record.slurm_state
           : null,
         'slurm_state'
       ],
       [
         trans.__('GPUs'),
-        record.devices && record.devices.length ? record.devices.join(', ') : null
+        record.devices && record.devices.length
+          ? record.devices.join(', ')
+          : null
       ],
       [
         trans.__('VRAM (declared)'),
         record.marginal_vram_mb ? formatMB(record.marginal_vram_mb) : null
       ],
-      [trans.__('PID'), record.pid !== null && record.pid !== undefined ? String(record.pid) : null],
+      [
+        trans.__('PID'),
+        record.pid !== null && record.pid !== undefined
+          ? String(record.pid)
+          : null
+      ],
       [
         trans.__('Exit code'),
         record.exit_code !== null && record.exit_code !== undefined
@@ -219,7 +248,9 @@ export class RunDetailView implements IDisposable {
       ],
       [
         trans.__('Depends on'),
-        record.depends_on && record.depends_on.length ? record.depends_on.join(', ') : null
+        record.depends_on && record.depends_on.length
+          ? record.depends_on.join(', ')
+          : null
       ]
     ];
     for (const [label, value, field] of rows) {
@@ -227,7 +258,10 @@ export class RunDetailView implements IDisposable {
         continue;
       }
       const attrs = field ? { 'data-field': field } : undefined;
-      this._info.append(h('dt', { text: label, attrs }), h('dd', { text: value, title: value, attrs }));
+      this._info.append(
+        h('dt', { text: label, attrs }),
+        h('dd', { text: value, title: value, attrs })
+      );
     }
 
     this._metrics.replaceChildren();
@@ -260,7 +294,10 @@ export class RunDetailView implements IDisposable {
       );
     } else if (summary === null) {
       this._metrics.append(
-        h('div', { className: 'jp-EvalSched-muted', text: trans.__('No summary yet.') })
+        h('div', {
+          className: 'jp-EvalSched-muted',
+          text: trans.__('No summary yet.')
+        })
       );
     }
 
@@ -274,7 +311,12 @@ export class RunDetailView implements IDisposable {
         })
       );
       if (error.traceback) {
-        this._error.append(h('pre', { className: 'jp-EvalSched-traceback', text: error.traceback }));
+        this._error.append(
+          h('pre', {
+            className: 'jp-EvalSched-traceback',
+            text: error.traceback
+          })
+        );
       }
     }
   }
@@ -298,7 +340,10 @@ export class RunDetailView implements IDisposable {
     }
     this.render();
     // Follow the logs of a live run while it is shown, and read them once more when it ends.
-    if (this.node.isConnected && (record.state === 'running' || isTerminal(record.state))) {
+    if (
+      this.node.isConnected &&
+      (record.state === 'running' || isTerminal(record.state))
+    ) {
       this._scheduleLogRefresh();
     }
   }
@@ -329,7 +374,9 @@ export class RunDetailView implements IDisposable {
         : reason instanceof Error
           ? reason.message
           : String(reason);
-    this._metrics.replaceChildren(h('div', { className: 'jp-EvalSched-muted', text: message }));
+    this._metrics.replaceChildren(
+      h('div', { className: 'jp-EvalSched-muted', text: message })
+    );
   }
 
   private _syncStreamButtons(): void {

@@ -62,7 +62,10 @@ export function formatMB(mb: number | null | undefined, unit = true): string {
 }
 
 /** A timestamp: the time alone when it is today, else date and time. */
-export function formatTimestamp(value: string | null | undefined, now = new Date()): string | null {
+export function formatTimestamp(
+  value: string | null | undefined,
+  now = new Date()
+): string | null {
   const ms = parseTime(value);
   if (ms === null) {
     return null;
@@ -158,7 +161,9 @@ export interface ISlurmFields {
 
 /** Where a run executes: `slurm`, or `local` (also when the server does not say). */
 export function executorOf(record: ISlurmFields): string {
-  return typeof record.executor === 'string' && record.executor ? record.executor : 'local';
+  return typeof record.executor === 'string' && record.executor
+    ? record.executor
+    : 'local';
 }
 
 /** Whether a run executes under SLURM (not on this host's GPUs: it is never in the ledger). */
@@ -171,7 +176,11 @@ export function isSlurm(record: ISlurmFields): boolean {
  * while sbatch has not answered (no job id yet).
  */
 export function slurmLabel(record: ISlurmFields): string {
-  const job = record.slurm_job_id === null || record.slurm_job_id === undefined ? '' : String(record.slurm_job_id);
-  const state = typeof record.slurm_state === 'string' ? record.slurm_state : '';
+  const job =
+    record.slurm_job_id === null || record.slurm_job_id === undefined
+      ? ''
+      : String(record.slurm_job_id);
+  const state =
+    typeof record.slurm_state === 'string' ? record.slurm_state : '';
   return [job ? `SLURM ${job}` : 'SLURM', state].filter(Boolean).join(' · ');
 }

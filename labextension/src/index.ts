@@ -6,7 +6,11 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import { ICommandPalette, MainAreaWidget, WidgetTracker } from '@jupyterlab/apputils';
+import {
+  ICommandPalette,
+  MainAreaWidget,
+  WidgetTracker
+} from '@jupyterlab/apputils';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 
@@ -41,7 +45,9 @@ const DEFAULT_SETTINGS: IPanelSettings = {
   rank: 900
 };
 
-function readSettings(settings: ISettingRegistry.ISettings | null): IPanelSettings {
+function readSettings(
+  settings: ISettingRegistry.ISettings | null
+): IPanelSettings {
   if (!settings) {
     return { ...DEFAULT_SETTINGS };
   }
@@ -78,7 +84,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
       try {
         settings = await settingRegistry.load(PLUGIN_ID);
       } catch (reason) {
-        console.warn(`jupyter-evalsched: cannot load the settings of ${PLUGIN_ID}`, reason);
+        console.warn(
+          `jupyter-evalsched: cannot load the settings of ${PLUGIN_ID}`,
+          reason
+        );
       }
     }
     let current = readSettings(settings);
@@ -95,7 +104,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
         app.shell.activateById(existing.id);
         return;
       }
-      const widget = createRunDetailTab({ model, id, trans, logTail: current.logTail });
+      const widget = createRunDetailTab({
+        model,
+        id,
+        trans,
+        logTail: current.logTail
+      });
       void tracker.add(widget);
       app.shell.add(widget, 'main');
       app.shell.activateById(widget.id);
@@ -132,7 +146,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     app.commands.addCommand(CommandIDs.open, {
       label: trans.__('Open the Eval Scheduler Panel'),
-      caption: trans.__('Show the VRAM ledger, the queue and the runs of this host'),
+      caption: trans.__(
+        'Show the VRAM ledger, the queue and the runs of this host'
+      ),
       icon: evalschedIcon,
       execute: () => {
         app.shell.activateById(PANEL_ID);
@@ -148,7 +164,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
     app.commands.addCommand(CommandIDs.openRun, {
       label: args =>
-        args.id ? trans.__('Open Evaluation Run %1', String(args.id)) : trans.__('Open Evaluation Run'),
+        args.id
+          ? trans.__('Open Evaluation Run %1', String(args.id))
+          : trans.__('Open Evaluation Run'),
       icon: evalschedIcon,
       execute: args => {
         const id = String(args.id ?? '');

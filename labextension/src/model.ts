@@ -79,7 +79,9 @@ export function latestMetrics(
   summary: ISummary | null | undefined
 ): { [name: string]: IMetricStats } {
   const fromRecord =
-    record && hasMetrics(record) ? (record.metrics as { [name: string]: IMetricStats }) : null;
+    record && hasMetrics(record)
+      ? (record.metrics as { [name: string]: IMetricStats })
+      : null;
   const fromSummary = summary?.metrics ?? null;
   if (fromRecord && fromSummary) {
     // Whichever saw more episodes.
@@ -401,11 +403,18 @@ export class EvalSchedModel implements IDisposable {
 
   private async _pollTick(): Promise<void> {
     try {
-      const [queue] = await Promise.all([this.api.getQueue(), this._fetchFinished()]);
+      const [queue] = await Promise.all([
+        this.api.getQueue(),
+        this._fetchFinished()
+      ]);
       this._applyQueue(queue);
       this._setError(null);
       this._changed.emit();
-      if (this._options.useWebSocket && !this._socket && this._reconnectTimer === null) {
+      if (
+        this._options.useWebSocket &&
+        !this._socket &&
+        this._reconnectTimer === null
+      ) {
         this._connect();
       }
     } catch (reason) {
@@ -421,7 +430,10 @@ export class EvalSchedModel implements IDisposable {
       this._finished = [];
       return;
     }
-    const list = await this.api.listRuns({ states: TERMINAL_STATES as string[], limit });
+    const list = await this.api.listRuns({
+      states: TERMINAL_STATES as string[],
+      limit
+    });
     if (!list || !Array.isArray(list.runs)) {
       return;
     }
@@ -478,7 +490,10 @@ export class EvalSchedModel implements IDisposable {
     if (this._queueTimer !== null) {
       return;
     }
-    const delay = this._queued.length > LONG_QUEUE ? QUEUE_DEBOUNCE_LONG_MS : QUEUE_DEBOUNCE_MS;
+    const delay =
+      this._queued.length > LONG_QUEUE
+        ? QUEUE_DEBOUNCE_LONG_MS
+        : QUEUE_DEBOUNCE_MS;
     this._queueTimer = setTimeout(() => {
       this._queueTimer = null;
       this.api
@@ -496,9 +511,15 @@ export class EvalSchedModel implements IDisposable {
     if (reason instanceof ExtensionMissingError) {
       this._setError({ kind: 'missing', message: reason.message });
     } else if (reason instanceof EvalSchedError) {
-      this._setError({ kind: 'error', message: `${reason.message} (HTTP ${reason.status})` });
+      this._setError({
+        kind: 'error',
+        message: `${reason.message} (HTTP ${reason.status})`
+      });
     } else if (reason instanceof ServerConnection.NetworkError) {
-      this._setError({ kind: 'error', message: 'The Jupyter server cannot be reached.' });
+      this._setError({
+        kind: 'error',
+        message: 'The Jupyter server cannot be reached.'
+      });
       this._setMode('offline');
     } else {
       this._setError({
@@ -513,7 +534,11 @@ export class EvalSchedModel implements IDisposable {
 
   /** Replace queue, running and ledger with a queue view. O(n). */
   private _applyQueue(queue: IQueueView): boolean {
-    if (!queue || !Array.isArray(queue.queued) || !Array.isArray(queue.running)) {
+    if (
+      !queue ||
+      !Array.isArray(queue.queued) ||
+      !Array.isArray(queue.running)
+    ) {
       return false;
     }
     const previous = new Set<string>();
@@ -552,7 +577,10 @@ export class EvalSchedModel implements IDisposable {
   }
 
   /** Merge a record into the known records, without touching the lists. */
-  private _merge(record: IRunRecord): { merged: IRunRecord; before?: IRunRecord } {
+  private _merge(record: IRunRecord): {
+    merged: IRunRecord;
+    before?: IRunRecord;
+  } {
     const before = this._records.get(record.id);
     const merged = before ? { ...before, ...record } : record;
     this._records.set(record.id, merged);
@@ -612,7 +640,10 @@ export class EvalSchedModel implements IDisposable {
       if (stateChanged && before && !hasMetrics(merged)) {
         this._queueSummaryFetch(record.id, 0);
       }
-    } else if (merged.state === 'running' && (progressChanged || stateChanged)) {
+    } else if (
+      merged.state === 'running' &&
+      (progressChanged || stateChanged)
+    ) {
       this._maybeFetchRunningSummary(merged);
     }
     return stateChanged;
@@ -622,7 +653,10 @@ export class EvalSchedModel implements IDisposable {
   private _insertQueued(record: IRunRecord): void {
     const rank = PRIORITY_RANK[record.priority] ?? 1;
     let at = this._queued.length;
-    while (at > 0 && (PRIORITY_RANK[this._queued[at - 1].priority] ?? 1) > rank) {
+    while (
+      at > 0 &&
+      (PRIORITY_RANK[this._queued[at - 1].priority] ?? 1) > rank
+    ) {
       at--;
     }
     this._queued.splice(at, 0, record);
@@ -630,7 +664,9 @@ export class EvalSchedModel implements IDisposable {
 
   private _sortFinished(): void {
     const key = (r: IRunRecord) => r.finished_at ?? r.submitted_at ?? '';
-    this._finished.sort((a, b) => (key(a) < key(b) ? 1 : key(a) > key(b) ? -1 : 0));
+    this._finished.sort((a, b) =>
+      key(a) < key(b) ? 1 : key(a) > key(b) ? -1 : 0
+    );
   }
 
   private _trimFinished(): void {
@@ -698,7 +734,11 @@ export class EvalSchedModel implements IDisposable {
 
   private _frequency(): { interval: number; max: number; backoff: boolean } {
     const fast = Math.max(0.5, this._options.refreshInterval) * 1000;
-    const max = Math.max(fast, LIVE_RESYNC_MS, this._options.maxRefreshInterval * 1000);
+    const max = Math.max(
+      fast,
+      LIVE_RESYNC_MS,
+      this._options.maxRefreshInterval * 1000
+    );
     const interval = this._mode === 'live' ? LIVE_RESYNC_MS : fast;
     return { interval, max, backoff: true };
   }

@@ -89,7 +89,10 @@ export class EvalSchedPanel extends Widget {
       void this.model.refresh();
     });
     const header = h('div', { className: 'jp-EvalSched-header' }, [
-      h('h2', { className: 'jp-EvalSched-title', text: trans.__('Eval scheduler') }),
+      h('h2', {
+        className: 'jp-EvalSched-title',
+        text: trans.__('Eval scheduler')
+      }),
       this._conn,
       h('span', { className: 'jp-EvalSched-spacer' }),
       refresh
@@ -107,13 +110,19 @@ export class EvalSchedPanel extends Widget {
       attrs: { 'data-testid': 'evalsched-ledger' }
     });
     this._cpu = h('div', { className: 'jp-EvalSched-cpu' });
-    const ledgerSection = this._section(trans.__('Resources'), 'ledger', [this._gpus, this._cpu]);
+    const ledgerSection = this._section(trans.__('Resources'), 'ledger', [
+      this._gpus,
+      this._cpu
+    ]);
 
     // Run lists
     const makeList = (section: Section) =>
       h('div', {
         className: 'jp-EvalSched-list',
-        attrs: { 'data-section': section, 'data-testid': `evalsched-${section}` }
+        attrs: {
+          'data-section': section,
+          'data-testid': `evalsched-${section}`
+        }
       });
     this._lists = {
       running: makeList('running'),
@@ -121,9 +130,18 @@ export class EvalSchedPanel extends Widget {
       finished: makeList('finished')
     };
     this._empty = {
-      running: h('div', { className: 'jp-EvalSched-empty', text: trans.__('Nothing is running.') }),
-      queued: h('div', { className: 'jp-EvalSched-empty', text: trans.__('The queue is empty.') }),
-      finished: h('div', { className: 'jp-EvalSched-empty', text: trans.__('No finished runs yet.') })
+      running: h('div', {
+        className: 'jp-EvalSched-empty',
+        text: trans.__('Nothing is running.')
+      }),
+      queued: h('div', {
+        className: 'jp-EvalSched-empty',
+        text: trans.__('The queue is empty.')
+      }),
+      finished: h('div', {
+        className: 'jp-EvalSched-empty',
+        text: trans.__('No finished runs yet.')
+      })
     };
     this._counts = {
       running: h('span', { className: 'jp-EvalSched-count' }),
@@ -131,19 +149,24 @@ export class EvalSchedPanel extends Widget {
       finished: h('span', { className: 'jp-EvalSched-count' })
     };
     this._more = h('div', { className: 'jp-EvalSched-more' });
-    const running = this._section(trans.__('Running'), 'running', [
-      this._lists.running,
-      this._empty.running
-    ], this._counts.running);
-    const queued = this._section(trans.__('Queued'), 'queued', [
-      this._lists.queued,
-      this._more,
-      this._empty.queued
-    ], this._counts.queued);
-    const finished = this._section(trans.__('Recently finished'), 'finished', [
-      this._lists.finished,
-      this._empty.finished
-    ], this._counts.finished);
+    const running = this._section(
+      trans.__('Running'),
+      'running',
+      [this._lists.running, this._empty.running],
+      this._counts.running
+    );
+    const queued = this._section(
+      trans.__('Queued'),
+      'queued',
+      [this._lists.queued, this._more, this._empty.queued],
+      this._counts.queued
+    );
+    const finished = this._section(
+      trans.__('Recently finished'),
+      'finished',
+      [this._lists.finished, this._empty.finished],
+      this._counts.finished
+    );
 
     this._form = new SubmitForm(this.model, trans);
 
@@ -241,10 +264,17 @@ export class EvalSchedPanel extends Widget {
     children: HTMLElement[],
     count?: HTMLElement
   ): HTMLElement {
-    return h('section', { className: 'jp-EvalSched-section', attrs: { 'data-section': key } }, [
-      h('h3', { className: 'jp-EvalSched-sectionTitle' }, [title, count ?? null]),
-      ...children
-    ]);
+    return h(
+      'section',
+      { className: 'jp-EvalSched-section', attrs: { 'data-section': key } },
+      [
+        h('h3', { className: 'jp-EvalSched-sectionTitle' }, [
+          title,
+          count ?? null
+        ]),
+        ...children
+      ]
+    );
   }
 
   // ---------------------------------------------------------------- render
@@ -305,7 +335,9 @@ export class EvalSchedPanel extends Widget {
     const key = JSON.stringify([
       ledger,
       [...this._colors],
-      (ledger?.devices ?? []).flatMap(d => (d.runs ?? []).map(r => this.model.getRun(r.id)?.name))
+      (ledger?.devices ?? []).flatMap(d =>
+        (d.runs ?? []).map(r => this.model.getRun(r.id)?.name)
+      )
     ]);
     if (key === this._ledgerKey) {
       return;
@@ -314,12 +346,20 @@ export class EvalSchedPanel extends Widget {
     this._gpus.replaceChildren();
     this._cpu.replaceChildren();
     if (!ledger) {
-      this._gpus.append(h('div', { className: 'jp-EvalSched-empty', text: trans.__('Loading…') }));
+      this._gpus.append(
+        h('div', {
+          className: 'jp-EvalSched-empty',
+          text: trans.__('Loading…')
+        })
+      );
       return;
     }
     if (!ledger.devices.length) {
       this._gpus.append(
-        h('div', { className: 'jp-EvalSched-empty', text: trans.__('No GPU on this host: runs use CPU slots.') })
+        h('div', {
+          className: 'jp-EvalSched-empty',
+          text: trans.__('No GPU on this host: runs use CPU slots.')
+        })
       );
     }
     for (const device of ledger.devices) {
@@ -327,14 +367,18 @@ export class EvalSchedPanel extends Widget {
     }
     const cpu = ledger.cpu_slots;
     if (cpu) {
-      const pct = cpu.total > 0 ? Math.min(100, (100 * cpu.allocated) / cpu.total) : 0;
+      const pct =
+        cpu.total > 0 ? Math.min(100, (100 * cpu.allocated) / cpu.total) : 0;
       const fill = h('div', { className: 'jp-EvalSched-cpuFill' });
       fill.style.width = `${pct}%`;
       this._cpu.dataset.total = String(cpu.total);
       this._cpu.dataset.allocated = String(cpu.allocated);
       this._cpu.append(
         h('div', { className: 'jp-EvalSched-gpuHead' }, [
-          h('span', { className: 'jp-EvalSched-gpuName', text: trans.__('CPU slots') }),
+          h('span', {
+            className: 'jp-EvalSched-gpuName',
+            text: trans.__('CPU slots')
+          }),
           h('span', {
             className: 'jp-EvalSched-gpuNums',
             text: trans.__('%1 / %2 in use', cpu.allocated, cpu.total)
@@ -352,10 +396,18 @@ export class EvalSchedPanel extends Widget {
     const usable = Math.max(0, device.usable_mb);
     const free = Math.max(0, device.free_mb);
     const runs = device.runs ?? [];
-    const runsSum = runs.reduce((a, r) => a + Math.max(0, r.marginal_vram_mb), 0);
+    const runsSum = runs.reduce(
+      (a, r) => a + Math.max(0, r.marginal_vram_mb),
+      0
+    );
     // An exclusive run allocates the whole usable memory, more than it declared.
     const allocated = Math.max(0, device.allocated_mb, runsSum);
-    const scale = Math.max(device.total_mb, baseline + usable, baseline + allocated + unmanaged + free, 1);
+    const scale = Math.max(
+      device.total_mb,
+      baseline + usable,
+      baseline + allocated + unmanaged + free,
+      1
+    );
     const pct = (mb: number) => `${(100 * mb) / scale}%`;
 
     const bar = h('div', {
@@ -371,7 +423,12 @@ export class EvalSchedPanel extends Widget {
         )
       }
     });
-    const seg = (kind: string, mb: number, title: string, attrs: Record<string, string> = {}) => {
+    const seg = (
+      kind: string,
+      mb: number,
+      title: string,
+      attrs: Record<string, string> = {}
+    ) => {
       if (mb <= 0) {
         return;
       }
@@ -384,7 +441,11 @@ export class EvalSchedPanel extends Widget {
       bar.append(el);
       return el;
     };
-    seg('baseline', baseline, trans.__('Shared models (baseline): %1', formatMB(baseline)));
+    seg(
+      'baseline',
+      baseline,
+      trans.__('Shared models (baseline): %1', formatMB(baseline))
+    );
     const exclusiveExtra = Math.max(0, allocated - runsSum);
     for (const run of runs) {
       const record = this.model.getRun(run.id);
@@ -401,20 +462,45 @@ export class EvalSchedPanel extends Widget {
           : trans.__('%1: %2', label, formatMB(mb)),
         { 'data-run-id': run.id }
       );
-      el?.classList.add(`jp-EvalSched-c${this.colorOf(run.id) ?? colorSlot(run.id, COLOR_SLOTS)}`);
+      el?.classList.add(
+        `jp-EvalSched-c${this.colorOf(run.id) ?? colorSlot(run.id, COLOR_SLOTS)}`
+      );
     }
     if (!runs.length && allocated > 0) {
       seg('run', allocated, trans.__('Allocated: %1', formatMB(allocated)));
     }
-    seg('unmanaged', unmanaged, trans.__('Not managed by the scheduler (other processes): %1', formatMB(unmanaged)));
+    seg(
+      'unmanaged',
+      unmanaged,
+      trans.__(
+        'Not managed by the scheduler (other processes): %1',
+        formatMB(unmanaged)
+      )
+    );
     seg('free', free, trans.__('Free: %1', formatMB(free)));
     const rest = scale - baseline - allocated - unmanaged - free;
-    seg('reserved', rest, trans.__('Reserved or otherwise unusable: %1', formatMB(rest)));
+    seg(
+      'reserved',
+      rest,
+      trans.__('Reserved or otherwise unusable: %1', formatMB(rest))
+    );
 
     const legend = h('div', { className: 'jp-EvalSched-legend' }, [
-      baseline > 0 ? legendItem('baseline', trans.__('shared models %1', formatMB(baseline))) : null,
-      unmanaged > 0 ? legendItem('unmanaged', trans.__('unmanaged %1', formatMB(unmanaged))) : null,
-      device.exclusive ? h('span', { className: 'jp-EvalSched-tag', text: trans.__('exclusive') }) : null,
+      baseline > 0
+        ? legendItem(
+            'baseline',
+            trans.__('shared models %1', formatMB(baseline))
+          )
+        : null,
+      unmanaged > 0
+        ? legendItem('unmanaged', trans.__('unmanaged %1', formatMB(unmanaged)))
+        : null,
+      device.exclusive
+        ? h('span', {
+            className: 'jp-EvalSched-tag',
+            text: trans.__('exclusive')
+          })
+        : null,
       h('span', {
         className: 'jp-EvalSched-legendFree',
         text: trans.__('%1 free', formatMB(free)),
@@ -445,10 +531,18 @@ export class EvalSchedPanel extends Widget {
             text: `GPU ${device.index}`,
             title: device.name
           }),
-          h('span', { className: 'jp-EvalSched-gpuModel', text: device.name, title: device.name }),
+          h('span', {
+            className: 'jp-EvalSched-gpuModel',
+            text: device.name,
+            title: device.name
+          }),
           h('span', {
             className: 'jp-EvalSched-gpuNums',
-            text: trans.__('%1 / %2', formatMB(device.allocated_mb, false), formatMB(usable))
+            text: trans.__(
+              '%1 / %2',
+              formatMB(device.allocated_mb, false),
+              formatMB(usable)
+            )
           })
         ]),
         bar,
@@ -460,14 +554,22 @@ export class EvalSchedPanel extends Widget {
   private _renderRuns(): void {
     const model = this.model;
     const placed = new Map<string, [Section, IRunRecord, number]>();
-    const order: Record<Section, string[]> = { running: [], queued: [], finished: [] };
+    const order: Record<Section, string[]> = {
+      running: [],
+      queued: [],
+      finished: []
+    };
     const place = (record: IRunRecord, position: number) => {
       if (placed.has(record.id)) {
         return;
       }
       const current = model.getRun(record.id) ?? record;
       const section: Section =
-        current.state === 'queued' ? 'queued' : current.state === 'running' ? 'running' : 'finished';
+        current.state === 'queued'
+          ? 'queued'
+          : current.state === 'running'
+            ? 'running'
+            : 'finished';
       if (section === 'queued' && order.queued.length >= MAX_QUEUED_SHOWN) {
         return;
       }
@@ -600,7 +702,10 @@ export class EvalSchedPanel extends Widget {
         : trans.__('Remove “%1” (%2) from the queue?', record.name, record.id),
       buttons: [
         Dialog.cancelButton({ label: trans.__('Keep it') }),
-        Dialog.warnButton({ label: trans.__('Cancel run'), ariaLabel: trans.__('Cancel run') })
+        Dialog.warnButton({
+          label: trans.__('Cancel run'),
+          ariaLabel: trans.__('Cancel run')
+        })
       ]
     });
     if (!result.button.accept) {
@@ -638,10 +743,14 @@ export class EvalSchedPanel extends Widget {
 }
 
 function legendItem(kind: string, text: string): HTMLElement {
-  return h('span', { className: 'jp-EvalSched-legendItem', attrs: { 'data-kind': kind } }, [
-    h('span', { className: `jp-EvalSched-swatch jp-EvalSched-seg-${kind}` }),
-    text
-  ]);
+  return h(
+    'span',
+    { className: 'jp-EvalSched-legendItem', attrs: { 'data-kind': kind } },
+    [
+      h('span', { className: `jp-EvalSched-swatch jp-EvalSched-seg-${kind}` }),
+      text
+    ]
+  );
 }
 
 /**
@@ -672,7 +781,11 @@ class RunRow {
     this._caret = h('button', {
       className: 'jp-EvalSched-iconButton jp-EvalSched-toggle',
       title: trans.__('Show details and logs'),
-      attrs: { type: 'button', 'data-testid': 'evalsched-details', 'aria-expanded': 'false' }
+      attrs: {
+        type: 'button',
+        'data-testid': 'evalsched-details',
+        'aria-expanded': 'false'
+      }
     });
     this._caret.append(caretRightIcon.element({ tag: 'span' }));
     this._caret.addEventListener('click', () => this.toggle());
@@ -689,18 +802,30 @@ class RunRow {
       }
     });
     this._meta = h('div', { className: 'jp-EvalSched-runMeta' });
-    this._reason = h('div', { className: 'jp-EvalSched-reason', attrs: { 'data-testid': 'evalsched-reason' } });
+    this._reason = h('div', {
+      className: 'jp-EvalSched-reason',
+      attrs: { 'data-testid': 'evalsched-reason' }
+    });
     this._progressFill = h('div', { className: 'jp-EvalSched-progressFill' });
-    this._progressLabel = h('span', { className: 'jp-EvalSched-progressLabel' });
+    this._progressLabel = h('span', {
+      className: 'jp-EvalSched-progressLabel'
+    });
     this._progress = h(
       'div',
       {
         className: 'jp-EvalSched-progress',
-        attrs: { role: 'progressbar', 'aria-valuemin': '0', 'data-testid': 'evalsched-progress' }
+        attrs: {
+          role: 'progressbar',
+          'aria-valuemin': '0',
+          'data-testid': 'evalsched-progress'
+        }
       },
       [this._progressFill, this._progressLabel]
     );
-    this._metrics = h('div', { className: 'jp-EvalSched-rowMetrics', attrs: { 'data-testid': 'evalsched-metrics' } });
+    this._metrics = h('div', {
+      className: 'jp-EvalSched-rowMetrics',
+      attrs: { 'data-testid': 'evalsched-metrics' }
+    });
     this._detailHost = h('div', { className: 'jp-EvalSched-detailHost' });
     this._detailHost.hidden = true;
     this.node.append(
@@ -728,7 +853,8 @@ class RunRow {
   update(record: IRunRecord, section: Section, position: number): void {
     const trans = this._panel.trans;
     const summary = this._panel.model.getSummary(record.id);
-    const slot = section === 'running' ? this._panel.colorOf(record.id) : undefined;
+    const slot =
+      section === 'running' ? this._panel.colorOf(record.id) : undefined;
     if (
       record === this._record &&
       summary === this._summary &&
@@ -772,9 +898,18 @@ class RunRow {
     // Meta line: position, id, priority, resources.
     this._position.hidden = section !== 'queued';
     this._position.textContent = `#${position + 1}`;
-    this._position.title = trans.__('Position %1 in the admission order', position + 1);
+    this._position.title = trans.__(
+      'Position %1 in the admission order',
+      position + 1
+    );
     const parts: (HTMLElement | string)[] = [];
-    parts.push(h('span', { className: 'jp-EvalSched-runId', text: record.id, title: record.id }));
+    parts.push(
+      h('span', {
+        className: 'jp-EvalSched-runId',
+        text: record.id,
+        title: record.id
+      })
+    );
     if (record.priority && record.priority !== 'normal') {
       parts.push(
         h('span', {
@@ -786,14 +921,22 @@ class RunRow {
     }
     if (isSlurm(record)) {
       // Not on this host's GPUs: the SLURM job and its state instead of VRAM and devices.
-      const job = record.slurm_job_id === null || record.slurm_job_id === undefined ? '' : String(record.slurm_job_id);
-      const slurmState = typeof record.slurm_state === 'string' ? record.slurm_state : '';
+      const job =
+        record.slurm_job_id === null || record.slurm_job_id === undefined
+          ? ''
+          : String(record.slurm_job_id);
+      const slurmState =
+        typeof record.slurm_state === 'string' ? record.slurm_state : '';
       parts.push(
         h('span', {
           className: 'jp-EvalSched-slurm',
           text: slurmLabel(record),
           title: job
-            ? trans.__('Runs under SLURM as job %1 (%2)', job, slurmState || trans.__('state unknown'))
+            ? trans.__(
+                'Runs under SLURM as job %1 (%2)',
+                job,
+                slurmState || trans.__('state unknown')
+              )
             : trans.__('Runs under SLURM; sbatch has not answered yet'),
           attrs: { 'data-slurm-job-id': job, 'data-slurm-state': slurmState }
         })
@@ -803,9 +946,16 @@ class RunRow {
         record.devices && record.devices.length
           ? ` · GPU ${record.devices.join(',')}`
           : '';
-      parts.push(h('span', { className: 'jp-EvalSched-vram', text: `${formatMB(record.marginal_vram_mb)}${where}` }));
+      parts.push(
+        h('span', {
+          className: 'jp-EvalSched-vram',
+          text: `${formatMB(record.marginal_vram_mb)}${where}`
+        })
+      );
     } else if (section !== 'finished') {
-      parts.push(h('span', { className: 'jp-EvalSched-vram', text: trans.__('CPU') }));
+      parts.push(
+        h('span', { className: 'jp-EvalSched-vram', text: trans.__('CPU') })
+      );
     }
     this._time = h('span', { className: 'jp-EvalSched-time' });
     parts.push(this._time);
@@ -827,7 +977,8 @@ class RunRow {
     this._progress.hidden = section !== 'running';
     const pct = total > 0 ? Math.min(100, (100 * done) / total) : 0;
     this._progressFill.style.width = `${pct}%`;
-    this._progressLabel.textContent = total > 0 ? `${done} / ${total}` : trans.__('starting…');
+    this._progressLabel.textContent =
+      total > 0 ? `${done} / ${total}` : trans.__('starting…');
     this._progress.setAttribute('aria-valuenow', String(done));
     this._progress.setAttribute('aria-valuemax', String(total));
 
@@ -845,11 +996,19 @@ class RunRow {
             title: `${name}: mean ${formatNumber(m.mean)}, std ${formatNumber(m.std)}, min ${formatNumber(m.min)}, max ${formatNumber(m.max)}, n ${m.count ?? 0}`,
             attrs: { 'data-metric': name, 'data-value': String(m.mean ?? '') }
           },
-          [h('span', { className: 'jp-EvalSched-metricName', text: name }), formatNumber(m.mean)]
+          [
+            h('span', { className: 'jp-EvalSched-metricName', text: name }),
+            formatNumber(m.mean)
+          ]
         );
       }),
       ...(names.length > MAX_ROW_METRICS
-        ? [h('span', { className: 'jp-EvalSched-muted', text: `+${names.length - MAX_ROW_METRICS}` })]
+        ? [
+            h('span', {
+              className: 'jp-EvalSched-muted',
+              text: `+${names.length - MAX_ROW_METRICS}`
+            })
+          ]
         : [])
     );
     if (summary?.error && section === 'finished') {
@@ -881,7 +1040,10 @@ class RunRow {
     } else if (record.state === 'queued' && submitted !== null) {
       text = trans.__('waiting %1', formatDuration(now - submitted));
     } else if (isTerminal(record.state)) {
-      const ran = started !== null && finished !== null ? formatDuration(finished - started) : null;
+      const ran =
+        started !== null && finished !== null
+          ? formatDuration(finished - started)
+          : null;
       const ago = formatAgo(finished ?? submitted, now);
       text = ran ? trans.__('ran %1 · %2', ran, ago) : ago;
     }
@@ -896,7 +1058,9 @@ class RunRow {
     this._detailHost.hidden = !show;
     this.node.classList.toggle('jp-mod-expanded', show);
     this._caret.setAttribute('aria-expanded', String(show));
-    this._caret.replaceChildren((show ? caretDownIcon : caretRightIcon).element({ tag: 'span' }));
+    this._caret.replaceChildren(
+      (show ? caretDownIcon : caretRightIcon).element({ tag: 'span' })
+    );
     if (show && !this._detail) {
       this._detail = new RunDetailView({
         model: this._panel.model,
@@ -958,17 +1122,28 @@ class SubmitForm {
         input,
         hint ? h('span', { className: 'jp-EvalSched-hint', text: hint }) : null
       ]);
-    const input = (name: string, type: string, attrs: Record<string, string> = {}) =>
+    const input = (
+      name: string,
+      type: string,
+      attrs: Record<string, string> = {}
+    ) =>
       h('input', {
         className: 'jp-mod-styled jp-EvalSched-input',
-        attrs: { name, type, 'data-testid': `evalsched-submit-${name}`, ...attrs }
+        attrs: {
+          name,
+          type,
+          'data-testid': `evalsched-submit-${name}`,
+          ...attrs
+        }
       });
     this._entrypoint = input('entrypoint', 'text', {
       placeholder: 'pkg.module:function',
       required: 'true',
       spellcheck: 'false'
     });
-    this._nameInput = input('name', 'text', { placeholder: trans.__('derived from the entrypoint') });
+    this._nameInput = input('name', 'text', {
+      placeholder: trans.__('derived from the entrypoint')
+    });
     this._episodes = input('episodes', 'number', { min: '0', value: '1' });
     this._vram = input('vram', 'number', { min: '0', value: '0', step: '256' });
     this._gpus = input('gpus', 'number', { min: '1', value: '1' });
@@ -981,12 +1156,23 @@ class SubmitForm {
       option.selected = p === 'normal';
       this._priority.append(option);
     }
-    this._exclusive = h('input', { attrs: { type: 'checkbox', name: 'exclusive' } });
+    this._exclusive = h('input', {
+      attrs: { type: 'checkbox', name: 'exclusive' }
+    });
     this._params = h('textarea', {
       className: 'jp-mod-styled jp-EvalSched-input jp-EvalSched-params',
-      attrs: { name: 'params', rows: '2', placeholder: '{"sleep_s": 0.5}', spellcheck: 'false', 'data-testid': 'evalsched-submit-params' }
+      attrs: {
+        name: 'params',
+        rows: '2',
+        placeholder: '{"sleep_s": 0.5}',
+        spellcheck: 'false',
+        'data-testid': 'evalsched-submit-params'
+      }
     });
-    this._message = h('div', { className: 'jp-EvalSched-formMessage', attrs: { role: 'status' } });
+    this._message = h('div', {
+      className: 'jp-EvalSched-formMessage',
+      attrs: { role: 'status' }
+    });
     const submit = h('button', {
       className: 'jp-EvalSched-button jp-mod-accept',
       text: trans.__('Submit'),
@@ -1003,18 +1189,31 @@ class SubmitForm {
         field(trans.__('VRAM per GPU (MB)'), this._vram),
         field(trans.__('GPUs'), this._gpus)
       ]),
-      h('label', { className: 'jp-EvalSched-check' }, [this._exclusive, trans.__('Exclusive GPU')]),
+      h('label', { className: 'jp-EvalSched-check' }, [
+        this._exclusive,
+        trans.__('Exclusive GPU')
+      ]),
       field(trans.__('Params (JSON object)'), this._params),
-      h('div', { className: 'jp-EvalSched-formActions' }, [submit, this._message])
+      h('div', { className: 'jp-EvalSched-formActions' }, [
+        submit,
+        this._message
+      ])
     ]);
     this._form.addEventListener('submit', event => {
       event.preventDefault();
       void this._submit();
     });
-    this.node = h('details', { className: 'jp-EvalSched-section jp-EvalSched-submit' }, [
-      h('summary', { className: 'jp-EvalSched-sectionTitle', text: trans.__('Submit a run') }),
-      this._form
-    ]);
+    this.node = h(
+      'details',
+      { className: 'jp-EvalSched-section jp-EvalSched-submit' },
+      [
+        h('summary', {
+          className: 'jp-EvalSched-sectionTitle',
+          text: trans.__('Submit a run')
+        }),
+        this._form
+      ]
+    );
   }
 
   readonly node: HTMLDetailsElement;
@@ -1062,9 +1261,17 @@ class SubmitForm {
     } catch (reason) {
       if (reason instanceof EvalSchedError) {
         const details = reason.details;
-        this._say(details.length ? `${reason.message}\n${details.join('\n')}` : reason.message, true);
+        this._say(
+          details.length
+            ? `${reason.message}\n${details.join('\n')}`
+            : reason.message,
+          true
+        );
       } else {
-        this._say(reason instanceof Error ? reason.message : String(reason), true);
+        this._say(
+          reason instanceof Error ? reason.message : String(reason),
+          true
+        );
       }
     }
   }
