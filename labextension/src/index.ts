@@ -150,6 +150,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         'Show the VRAM ledger, the queue and the runs of this host'
       ),
       icon: evalschedIcon,
+      describedBy: { args: { type: 'object', properties: {} } },
       execute: () => {
         app.shell.activateById(PANEL_ID);
         model.start();
@@ -157,6 +158,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
     app.commands.addCommand(CommandIDs.refresh, {
       label: trans.__('Refresh the Eval Scheduler Panel'),
+      describedBy: { args: { type: 'object', properties: {} } },
       execute: async () => {
         model.start();
         await model.refresh();
@@ -168,6 +170,17 @@ const plugin: JupyterFrontEndPlugin<void> = {
           ? trans.__('Open Evaluation Run %1', String(args.id))
           : trans.__('Open Evaluation Run'),
       icon: evalschedIcon,
+      describedBy: {
+        args: {
+          type: 'object',
+          properties: {
+            id: {
+              type: 'string',
+              description: trans.__('The id of the run to open')
+            }
+          }
+        }
+      },
       execute: args => {
         const id = String(args.id ?? '');
         if (!id) {

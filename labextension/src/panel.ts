@@ -1137,7 +1137,7 @@ class SubmitForm {
         }
       });
     this._entrypoint = input('entrypoint', 'text', {
-      placeholder: 'pkg.module:function',
+      placeholder: trans.__('pkg.module:function'),
       required: 'true',
       spellcheck: 'false'
     });
@@ -1164,7 +1164,7 @@ class SubmitForm {
       attrs: {
         name: 'params',
         rows: '2',
-        placeholder: '{"sleep_s": 0.5}',
+        placeholder: trans.__('{"sleep_s": 0.5}'),
         spellcheck: 'false',
         'data-testid': 'evalsched-submit-params'
       }
