@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from jupyter_core.paths import jupyter_data_dir, jupyter_runtime_dir
 from jupyter_server.extension.application import ExtensionApp
@@ -12,9 +13,15 @@ from tornado.ioloop import PeriodicCallback
 from traitlets import Bool, Dict, Enum, Float, Int, List, Type, Unicode, default, validate
 
 from .primary import HostRole
+
+if TYPE_CHECKING:
+    from jupyter_server.serverapp import ServerApp
 from .scheduler import policy
+from .scheduler.config import SchedulerConfig
+from .scheduler.executors import Executor
+from .scheduler.executors.local import LocalExecutor
 from .scheduler.gpus import GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
-from .scheduler.service import Scheduler, SchedulerConfig
+from .scheduler.service import Scheduler
 
 
 def _env_int(name: str) -> int | None:
@@ -136,7 +143,9 @@ class EvalSchedApp(ExtensionApp):
 
     slurm = Dict(
         help="SLURM settings: partition, account, extra_sbatch_args (list), python (the interpreter "
-        "on the compute nodes). Run directories must be on a filesystem the nodes share."
+        "on the compute nodes), poll_interval_s (1: squeue while jobs change) and max_poll_interval_s "
+        "(15: while nothing changes, polls back off to this). Run directories must be on a filesystem "
+        "the nodes share."
     ).tag(config=True)
 
     models = List(
@@ -145,12 +154,18 @@ class EvalSchedApp(ExtensionApp):
         "max_batch_size, max_wait_ms, vram_mb, ...). See the README.",
     ).tag(config=True)
 
+    @property
+    def _server(self) -> ServerApp:
+        if self.serverapp is None:
+            raise RuntimeError("the extension is not loaded into a server")
+        return self.serverapp
+
     def initialize_settings(self) -> None:
         probe: GpuProbe
         if self.virtual_gpus:
             probe = VirtualProbe(list(self.virtual_gpus))
         else:
-            probe = self.gpu_probe_class()
+            probe = cast(GpuProbe, self.gpu_probe_class())
         model_host = None
         if self.models:
             from .shared_models.manager import ModelHostManager
@@ -164,7 +179,7 @@ class EvalSchedApp(ExtensionApp):
             runs_dir=Path(self.runs_dir).expanduser(),
             cpu_slots=self.cpu_slots,
             reserve_mb=self.reserve_vram_mb,
-            usable_override=dict(self.usable_vram_mb),
+            usable_override={int(k): int(v) for k, v in self.usable_vram_mb.items()},
             env_usable_mb=self.default_usable_vram_mb,
             policy=policy.PolicyConfig(
                 starvation_s=self.starvation_s, starvation_passes=self.starvation_passes, aging_s=self.aging_s
@@ -172,19 +187,22 @@ class EvalSchedApp(ExtensionApp):
             cancel_grace_s=self.cancel_grace_s,
             sweep_interval_s=self.sweep_interval_s,
             progress_interval_s=self.progress_interval_s,
-            default_cwd=str(Path(self.serverapp.root_dir).expanduser()),
+            default_cwd=str(Path(self._server.root_dir).expanduser()),
             fsync=self.fsync,
             run_env=dict(self.run_env),
             default_executor=self.default_executor,
         )
-        slurm = None
+        executors: list[Executor] = [LocalExecutor(model_host)]
         if self.slurm_enabled:
-            from .scheduler.slurm import SlurmConfig, SlurmExecutor
+            from .scheduler.executors.slurm import SlurmExecutor
+            from .scheduler.slurm import SlurmCli, SlurmConfig
 
-            slurm = SlurmExecutor(SlurmConfig(**dict(self.slurm)))
+            settings = dict(self.slurm)
+            poll = {k: settings.pop(k) for k in ("poll_interval_s", "max_poll_interval_s") if k in settings}
+            executors.append(SlurmExecutor(SlurmCli(SlurmConfig(**settings)), **poll))
         elif self.default_executor == "slurm":
             raise ValueError("EvalSchedApp.default_executor is 'slurm' but slurm_enabled is False")
-        self.scheduler = Scheduler(config, probe, models=model_host, slurm=slurm)
+        self.scheduler = Scheduler(config, probe, models=model_host, executors=executors)
         self.model_host = model_host
         self.role = HostRole(Path(self.lock_dir))
         self.settings.update(
@@ -218,7 +236,7 @@ class EvalSchedApp(ExtensionApp):
             await self.model_host.start()
         await self.scheduler.start()
         if self.single_primary:
-            token = getattr(self.serverapp.identity_provider, "token", "") or ""
+            token = getattr(self._server.identity_provider, "token", "") or ""
             self.role.advertise(self._own_url(), token, str(self.scheduler.store.root))
             primary = self.role.primary()
             self.scheduler.primary_info = primary.public() if primary else None
@@ -227,11 +245,11 @@ class EvalSchedApp(ExtensionApp):
             self.scheduler.store.root,
             len(self.scheduler.ledger()["devices"]),
             self.cpu_slots,
-            url_path_join(self.serverapp.base_url, "evalsched/"),
+            url_path_join(self._server.base_url, "evalsched/"),
         )
 
     def _own_url(self) -> str:
-        app = self.serverapp
+        app = self._server
         host = app.ip if app.ip not in ("", "0.0.0.0", "::") else "127.0.0.1"
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
@@ -241,7 +259,8 @@ class EvalSchedApp(ExtensionApp):
     async def _try_promotion(self) -> None:
         if self.role.is_primary or not self.role.try_acquire():
             return
-        self._promotion.stop()
+        if self._promotion is not None:
+            self._promotion.stop()
         self.log.warning("evalsched: the primary server is gone; this server takes over the host's scheduler")
         await self._become_primary()
 
@@ -249,7 +268,7 @@ class EvalSchedApp(ExtensionApp):
         if self.scheduler.has_live_runs:
             from jupyter_server._tz import utcnow
 
-            self.serverapp.web_app.settings["evalsched_last_activity"] = utcnow()
+            self._server.web_app.settings["evalsched_last_activity"] = utcnow()
 
     async def stop_extension(self) -> None:
         for timer in (getattr(self, "_activity", None), getattr(self, "_promotion", None)):

@@ -9,13 +9,14 @@ client sends can produce a 500.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from jupyter_core.utils import ensure_async
 from jupyter_server.auth.decorator import authorized, ws_authenticated
+from jupyter_server.auth.utils import HTTP_METHOD_TO_AUTH_ACTION
 from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.extension.handler import ExtensionHandlerMixin
@@ -23,15 +24,18 @@ from pydantic import ValidationError
 from tornado import web, websocket
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
-from . import store
-from .models import STATES, EvalSpec
-from .scheduler.service import Scheduler, SchedulerError
+from .contract import STATES
+from .models import EvalSpec
+from .scheduler.errors import SchedulerError
+from .scheduler.service import Scheduler
+from .store import RunFileError
 
 AUTH_RESOURCE = "evalsched"
 EXTENSION = "jupyter_evalsched"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_LIST_LIMIT = 100_000
 RUN_ID = r"(?P<run_id>[^/]+)"
+T = TypeVar("T")
 
 
 class ApiError(web.HTTPError):
@@ -43,23 +47,14 @@ class ApiError(web.HTTPError):
         self.detail = detail
 
 
-def delegated(method):
-    """On a secondary server, answer by forwarding the request to the host's primary.
-
-    Applied inside ``@web.authenticated`` and ``@authorized``: this server authenticates and
-    authorizes its own client first, then speaks to the primary with the primary's credentials.
-    """
-
-    @functools.wraps(method)
-    async def wrapper(self, *args, **kwargs):
-        if not is_delegating(self):
-            if not self.scheduler.started:
-                # Until recovery has read the runs directory, "no such run" would be a lie.
-                raise ApiError(503, "the scheduler is starting (reading the runs directory); retry in a moment")
-            return await method(self, *args, **kwargs)
-        await self.forward_to_primary()
-
-    return wrapper
+def as_http_error(exc: BaseException) -> ApiError | None:
+    """The one mapping from what the scheduler raises to an HTTP answer; None for a bug of ours."""
+    if isinstance(exc, SchedulerError):
+        return ApiError(exc.status, exc.message, exc.detail)
+    if isinstance(exc, RunFileError):
+        # The run's own files are not in a state that can be served (a planted link, garbage).
+        return ApiError(409, str(exc))
+    return None
 
 
 def is_delegating(handler) -> bool:
@@ -68,7 +63,12 @@ def is_delegating(handler) -> bool:
 
 
 class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
+    """Base of the REST handlers: JSON errors, and on a secondary server, delegation of the whole
+    request to the host's primary (after this server authenticated and authorized its client)."""
+
     auth_resource = AUTH_RESOURCE
+    #: False for the handlers that answer for this server itself, whatever its role.
+    delegated = True
 
     def initialize(self, name: str = EXTENSION, *args: Any, **kwargs: Any) -> None:
         super().initialize(name, *args, **kwargs)
@@ -77,17 +77,44 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
     def scheduler(self) -> Scheduler:
         return self.settings["evalsched_scheduler"]
 
+    async def prepare(self) -> None:  # type: ignore[override]  # as APIHandler's own
+        await super().prepare()
+        if self._finished or not self.delegated:
+            return
+        if not self.current_user:
+            raise web.HTTPError(403)  # as @web.authenticated would, before anything else is said
+        if not is_delegating(self):
+            if not self.scheduler.started:
+                # Until recovery has read the runs directory, "no such run" would be a lie.
+                raise ApiError(503, "the scheduler is starting (reading the runs directory); retry in a moment")
+            return
+        user = self.current_user
+        action = HTTP_METHOD_TO_AUTH_ACTION.get(self.request.method or "", "read")
+        if not await ensure_async(self.authorizer.is_authorized(self, user, action, AUTH_RESOURCE)):
+            raise web.HTTPError(403)
+        await self.forward_to_primary()
+
+    def log_exception(self, typ, value, tb) -> None:
+        if as_http_error(value) is None:  # scheduler errors are answers, not failures of ours
+            super().log_exception(typ, value, tb)
+
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        mapped = as_http_error(exc) if exc is not None else None
+        if mapped is not None:
+            kwargs["exc_info"] = (type(mapped), mapped, None)
+            status_code = mapped.status_code
+        super().send_error(status_code, **kwargs)
+
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         """JSON errors; a bug of ours is a 500 with a message, never a traceback sent out."""
         self.set_header("Content-Type", "application/json")
         exc = kwargs.get("exc_info", (None, None, None))[1]
         body: dict[str, Any] = {"message": self._reason, "reason": None}
         if isinstance(exc, ApiError):
-            body = (
-                {"message": exc.message, "reason": exc.reason, "detail": exc.detail}
-                if exc.detail is not None
-                else {"message": exc.message, "reason": exc.reason}
-            )
+            body = {"message": exc.message, "reason": exc.reason}
+            if exc.detail is not None:
+                body["detail"] = exc.detail
         elif isinstance(exc, web.HTTPError):
             body = {"message": exc.log_message % exc.args if exc.log_message else self._reason, "reason": exc.reason}
         elif exc is not None:
@@ -143,19 +170,6 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         self.set_header("Content-Type", "application/json")
         self.finish(obj if isinstance(obj, bytes) else json.dumps(obj, separators=(",", ":")))
 
-    def job_or_404(self, run_id: str):
-        try:
-            return self.scheduler.get(run_id)
-        except SchedulerError as exc:
-            raise ApiError(exc.status, exc.message) from None
-
-    def call(self, fn, *args):
-        """Run a scheduler operation and turn its errors into HTTP errors."""
-        try:
-            return fn(*args)
-        except SchedulerError as exc:
-            raise ApiError(exc.status, exc.message, exc.detail) from None
-
     def int_arg(self, name: str, default: int | None, lo: int, hi: int) -> int | None:
         text = self.get_argument(name, None)
         if text is None or text == "":
@@ -168,13 +182,16 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
             raise ApiError(400, f"query parameter {name!r} must be between {lo} and {hi}, got {value}")
         return value
 
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Blocking reads of run files, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
 
 class RunsHandler(EvalSchedHandler):
     _track_activity = False
 
     @web.authenticated
     @authorized
-    @delegated
     async def get(self) -> None:
         states = None
         text = self.get_argument("state", None)
@@ -184,18 +201,13 @@ class RunsHandler(EvalSchedHandler):
             if unknown:
                 raise ApiError(400, f"unknown state(s) {sorted(unknown)}; states are {', '.join(STATES)}")
         limit = self.int_arg("limit", 100, 1, MAX_LIST_LIMIT)
-        runs, total = self.scheduler.list_runs(states, limit)
+        runs, total = self.scheduler.list_runs(states, limit or 100)
         self.send_json({"runs": runs, "total": total})
 
     @web.authenticated
     @authorized
-    @delegated
     async def post(self) -> None:
-        spec = parse_spec(self.request.body)
-        try:
-            record = await self.scheduler.submit(spec)
-        except SchedulerError as exc:
-            raise ApiError(exc.status, exc.message, exc.detail) from None
+        record = await self.scheduler.submit(parse_spec(self.request.body))
         self.set_header("Location", self.request.path.rstrip("/") + "/" + record["id"])
         self.send_json(record, status=201)
 
@@ -235,18 +247,18 @@ class RunHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
-    @delegated
     async def get(self, run_id: str) -> None:
-        job = self.job_or_404(run_id)
-        loop = asyncio.get_running_loop()
-        summary = await loop.run_in_executor(None, self.scheduler.summary, job.id)
-        self.send_json({**job.record, "summary": summary})
+        run = self.scheduler.get(run_id)
+        summary, problem = await self.in_thread(self.scheduler.summary, run.id)
+        body = {**run.record, "summary": summary}
+        if problem:
+            body["summary_error"] = problem
+        self.send_json(body)
 
     @web.authenticated
     @authorized
-    @delegated
     async def delete(self, run_id: str) -> None:
-        self.call(self.scheduler.delete, run_id)
+        self.scheduler.delete(run_id)
         self.set_status(204)
         self.finish()
 
@@ -254,13 +266,8 @@ class RunHandler(EvalSchedHandler):
 class CancelHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
-    @delegated
     async def post(self, run_id: str) -> None:
-        try:
-            record = await self.scheduler.cancel(run_id)
-        except SchedulerError as exc:
-            raise ApiError(exc.status, exc.message, exc.detail) from None
-        self.send_json(record)
+        self.send_json(await self.scheduler.cancel(run_id))
 
 
 class LogsHandler(EvalSchedHandler):
@@ -268,19 +275,13 @@ class LogsHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
-    @delegated
     async def get(self, run_id: str) -> None:
-        job = self.job_or_404(run_id)
+        run = self.scheduler.get(run_id)
         stream = self.get_argument("stream", "stdout")
         if stream not in ("stdout", "stderr"):
             raise ApiError(400, f"stream must be 'stdout' or 'stderr', got {stream!r}")
         tail = self.int_arg("tail", None, 0, 1_000_000)
-        path = self.scheduler.run_dir(job.id) / (store.STDOUT if stream == "stdout" else store.STDERR)
-        try:
-            text = await asyncio.get_running_loop().run_in_executor(None, store.tail_lines, path, tail)
-        except OSError as exc:
-            # ELOOP for a planted symbolic link, ENOTDIR/EACCES for a tampered run directory.
-            raise ApiError(409, f"the {stream} log of run {job.id} cannot be read: {exc.strerror or exc}") from None
+        text = await self.in_thread(self.scheduler.logs, run.id, stream, tail)
         self.set_header("Content-Type", "text/plain; charset=utf-8")
         self.finish(text)
 
@@ -290,28 +291,9 @@ class EpisodesHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
-    @delegated
     async def get(self, run_id: str) -> None:
-        job = self.job_or_404(run_id)
-        path = self.scheduler.run_dir(job.id) / store.EPISODES
-        episodes = await asyncio.get_running_loop().run_in_executor(None, read_episodes, path)
-        self.send_json({"episodes": episodes})
-
-
-def read_episodes(path) -> list[dict]:
-    try:
-        data = store.read_bytes_nofollow(path)
-    except OSError:
-        return []
-    out = []
-    for line in data.splitlines():
-        try:
-            item = json.loads(line)
-        except ValueError:
-            continue  # a torn last line while the run appends, or garbage the eval wrote
-        if isinstance(item, dict):
-            out.append(item)
-    return out
+        run = self.scheduler.get(run_id)
+        self.send_json({"episodes": await self.in_thread(self.scheduler.episodes, run.id)})
 
 
 class QueueHandler(EvalSchedHandler):
@@ -319,7 +301,6 @@ class QueueHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
-    @delegated
     async def get(self) -> None:
         self.send_json(self.scheduler.queue_view_json())
 
@@ -329,7 +310,6 @@ class LedgerHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
-    @delegated
     async def get(self) -> None:
         self.send_json(self.scheduler.ledger())
 
@@ -339,7 +319,6 @@ class ModelsHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
-    @delegated
     async def get(self) -> None:
         host = self.settings.get("evalsched_model_host")
         models = await host.describe() if host is not None else []
@@ -348,6 +327,7 @@ class ModelsHandler(EvalSchedHandler):
 
 class StatusHandler(EvalSchedHandler):
     _track_activity = False
+    delegated = False
 
     @web.authenticated
     @authorized
@@ -373,7 +353,6 @@ class OpenAPIHandler(EvalSchedHandler):
 
     @web.authenticated
     @authorized
-    @delegated
     async def get(self) -> None:
         from .openapi import openapi_document
 
@@ -396,7 +375,7 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
 
     @ws_authenticated
     async def get(self, *args: Any, **kwargs: Any) -> None:
-        await ensure_async(self.pre_get())
+        await self.pre_get()
         res = super().get(*args, **kwargs)
         if res is not None:
             await res

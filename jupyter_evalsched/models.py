@@ -19,15 +19,18 @@ from pydantic import (
     model_validator,
 )
 
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+from . import contract
+from .contract import STATES, TERMINAL_STATES, is_valid_run_id
+
 ENTRYPOINT_RE = re.compile(r"^[^:\x00]+:[A-Za-z_][A-Za-z0-9_]*$")
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 State = Literal["queued", "running", "succeeded", "failed", "cancelled", "aborted"]
-STATES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled", "aborted")
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "aborted"})
 Priority = Literal["high", "normal", "low"]
-PRIORITY_LANES: tuple[str, ...] = ("high", "normal", "low")
+Executor = Literal["local", "slurm"]
+assert set(State.__args__) == set(STATES) and Priority.__args__ == contract.LANES  # type: ignore[attr-defined]
+
+__all__ = ["STATES", "TERMINAL_STATES", "is_valid_run_id"]  # re-exported for the server modules
 
 # Bounds that keep a hostile or mistaken spec from exhausting the host. Generous for real use.
 MAX_EPISODES = 10_000_000
@@ -37,10 +40,6 @@ MAX_CPUS = 4096
 MAX_WORKERS = 256
 MAX_SOURCE_CHARS = 1_000_000
 MAX_PARAMS_JSON_CHARS = 1_000_000
-
-
-def is_valid_run_id(run_id: str) -> bool:
-    return bool(RUN_ID_RE.match(run_id)) and run_id not in {".", ".."}
 
 
 def utcnow_iso() -> str:
@@ -61,10 +60,6 @@ class Scheduling(_Strict):
     priority: Priority = "normal"
     cpus: int = Field(1, ge=0, le=MAX_CPUS, description="CPU slots the run takes")
 
-    @property
-    def uses_gpu(self) -> bool:
-        return self.marginal_vram_mb > 0 or self.exclusive_gpu
-
 
 class EvalSpec(_Strict):
     """A submitted evaluation. Defaults are filled in before it is written as ``spec.json``."""
@@ -82,7 +77,7 @@ class EvalSpec(_Strict):
     timeout_s: float | None = Field(None, gt=0, le=365 * 24 * 3600)
     depends_on: list[str] = Field(default_factory=list, max_length=1000)
     scheduling: Scheduling = Field(default_factory=Scheduling)
-    executor: Literal["local", "slurm"] | None = Field(
+    executor: Executor | None = Field(
         None, description="where the run executes: this host's ledger ('local') or SLURM; default: the server's"
     )
 
@@ -185,28 +180,46 @@ class Progress(BaseModel):
 
 
 class RunRecord(BaseModel):
-    """The run record: REST answers and ``job.json`` share these names."""
+    """The run record: REST answers, events and ``job.json`` share it. Every field the server
+    sends is declared here (a test checks); unknown fields in an old ``job.json`` are dropped."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
 
     id: str
     name: str
     state: State
-    reason: str | None = None
+    reason: str | None = Field(None, description="a reason code, then an optional sentence after ': '")
     priority: Priority = "normal"
     submitted_at: str
     started_at: str | None = None
     finished_at: str | None = None
     pid: int | None = None
-    devices: list[int] = Field(default_factory=list)
-    exit_code: int | None = None
+    devices: list[int] = Field(default_factory=list, description="GPU indices (NVML order)")
+    exit_code: int | None = Field(None, description="as Popen's returncode: negative for a signal")
     progress: Progress = Field(default_factory=Progress)
     marginal_vram_mb: int = 0
     depends_on: list[str] = Field(default_factory=list)
+    # Beyond the pinned fields: what clients show without reading the spec.
+    gpus: int = 1
+    cpus: int = 1
+    exclusive_gpu: bool = False
+    models: list[str] = Field(default_factory=list)
+    timeout_s: float | None = None
+    executor: Executor = "local"
+    seq: int = Field(0, description="submission counter: the queue's order, also after a restart")
+    pid_create_time: float | None = Field(None, description="the run process's start time (psutil create_time)")
+    run_dir: str = ""
+    metrics: dict[str, Any] = Field(default_factory=dict, description="the latest aggregates of summary.json")
+    slurm_job_id: str | None = None
+    slurm_state: str | None = None
+
+
+RECORD_FIELDS = frozenset(RunRecord.model_fields)
 
 
 class RunDetail(RunRecord):
     summary: dict[str, Any] | None = None
+    summary_error: str | None = Field(None, description="why summary.json could not be read, when it exists but cannot")
 
 
 class RunList(BaseModel):

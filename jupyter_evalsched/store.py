@@ -1,8 +1,17 @@
-"""The runs directory: layout, atomic JSON writes, reads that never follow symbolic links.
+"""The runs directory: layout, atomic writes, and every read of a run's files.
 
-``<runs_dir>/<run_id>/`` is a run's whole contract (see DESIGN.md). A run directory appears
-atomically: it is assembled under a hidden temporary name and renamed into place, so a crash
-mid-submission never leaves a half-written run behind.
+``<runs_dir>/<run_id>/`` is a run's whole contract (DESIGN.md). The server owns ``spec.json``,
+``shared_urls.json``, ``job.json`` and (for runs it finalizes) ``_DONE``; the run owns
+``summary.json``, ``episodes.jsonl`` and its logs. Nothing outside this module joins a run
+directory with a file name.
+
+A run directory appears atomically: it is assembled under a hidden temporary name and renamed
+into place, so a crash mid-submission never leaves a half-written run behind.
+
+Reads never follow a symbolic link, neither at the file nor at the run directory, and are
+bounded: a run's own files are written by user code and may be huge, deeply nested or not JSON
+at all. A bad file is a :class:`RunFileError` whose message says what is wrong (the server then
+ends the run ``failed`` with that message), never an exception that escapes the lifecycle.
 """
 
 from __future__ import annotations
@@ -13,37 +22,44 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .models import is_valid_run_id
-
-SPEC = "spec.json"
-SHARED_URLS = "shared_urls.json"
-JOB = "job.json"
-SUMMARY = "summary.json"
-EPISODES = "episodes.jsonl"
-EVAL_SOURCE = "eval.py"
-STDOUT = "stdout.log"
-STDERR = "stderr.log"
-DONE = "_DONE"
-STAGING_PREFIX = ".staging-"
+from . import contract
+from .contract import is_valid_run_id
 
 _tmp_counter = itertools.count()
+
+# Bounds on what is read of a run's files. Generous for real runs: a summary holds aggregates, a
+# job.json a record; episodes.jsonl grows with the run, one line per episode.
+MAX_JSON_BYTES = 16 * 1024 * 1024
+MAX_EPISODES_BYTES = 256 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+
+STAGING_PREFIX = ".staging-"  # a run directory being assembled, or being deleted
 
 
 class StoreError(Exception):
     """A run-directory operation failed for a reason worth telling the client (disk full, ...)."""
 
 
+class RunFileError(ValueError):
+    """A run file exists but cannot be used; the message says which file and why."""
+
+
 def new_run_id() -> str:
     """Unique, sortable by submission time: ``YYYYmmddTHHMMSS.ffffff-<random>``."""
     now = datetime.now(UTC)
     return now.strftime("%Y%m%dT%H%M%S.%f") + "-" + secrets.token_hex(3)
+
+
+# --------------------------------------------------------------------------- writing
 
 
 def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
@@ -63,15 +79,29 @@ def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
         except OSError:
             pass
         raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact, strict JSON (no NaN): what every server-written run file holds."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
 def atomic_write_json(path: Path, obj: Any, fsync: bool = False) -> None:
-    atomic_write_bytes(path, json.dumps(obj, separators=(",", ":"), allow_nan=False).encode(), fsync=fsync)
+    atomic_write_bytes(path, dumps(obj), fsync=fsync)
 
 
-def touch_done(run_dir: Path) -> None:
-    fd = os.open(run_dir / DONE, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    os.close(fd)
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- reading
 
 
 def open_nofollow(path: Path) -> int:
@@ -80,20 +110,81 @@ def open_nofollow(path: Path) -> int:
     path = Path(path)
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        return os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        return os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
     finally:
         os.close(dfd)
 
 
-def read_bytes_nofollow(path: Path, max_bytes: int | None = None) -> bytes:
-    """Read a run file without following symbolic links (see ``open_nofollow``)."""
+def read_bytes_nofollow(path: Path, max_bytes: int) -> bytes:
+    """A regular file's content, without following links; RunFileError when it is larger than
+    ``max_bytes`` or not a regular file (a FIFO would block the reader forever)."""
     fd = open_nofollow(path)
     with os.fdopen(fd, "rb") as f:
-        return f.read() if max_bytes is None else f.read(max_bytes)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RunFileError(f"{Path(path).name} is not a regular file")
+        if st.st_size > max_bytes:
+            raise RunFileError(f"{Path(path).name} is {st.st_size} bytes; at most {max_bytes} are read")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:  # it grew while we read
+        raise RunFileError(f"{Path(path).name} is over {max_bytes} bytes")
+    return data
 
 
-def read_json_nofollow(path: Path) -> Any:
-    return json.loads(read_bytes_nofollow(path))
+def parse_json(data: bytes | str, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Strict JSON, at most ``max_depth`` levels deep; RunFileError naming ``what`` otherwise.
+
+    A deeper value would make every later ``json.dumps`` of it (an API answer) hit the recursion
+    limit; a far deeper text makes the parser itself raise RecursionError, caught here.
+    """
+    try:
+        value = json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise RunFileError(f"{what} is nested more than {max_depth} levels deep") from None
+    except UnicodeDecodeError:
+        raise RunFileError(f"{what} is not UTF-8") from None
+    except ValueError as exc:
+        raise RunFileError(f"{what} is not valid JSON: {contract.one_line(str(exc), 200)}") from None
+    if _deeper_than(value, max_depth):
+        raise RunFileError(f"{what} is nested more than {max_depth} levels deep")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """True when containers nest more than ``limit`` levels (iterative: no recursion of ours)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children: Iterable[Any]
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def read_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """A run file's parsed JSON. None when it does not exist; RunFileError when it cannot be used
+    (too large, too deep, not JSON, not UTF-8, a link, not a regular file, unreadable)."""
+    name = Path(path).name
+    try:
+        data = read_bytes_nofollow(path, max_bytes)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RunFileError(f"{name} is a symbolic link; links are never followed") from None
+        raise RunFileError(f"{name} cannot be read: {exc.strerror or exc}") from None
+    return parse_json(data, name)
 
 
 def tail_lines(path: Path, n: int | None, max_bytes: int = 8 * 1024 * 1024) -> str:
@@ -103,10 +194,13 @@ def tail_lines(path: Path, n: int | None, max_bytes: int = 8 * 1024 * 1024) -> s
     except FileNotFoundError:
         return ""
     with os.fdopen(fd, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RunFileError(f"{Path(path).name} is not a regular file")
+        size = st.st_size
         if n is None:
             f.seek(max(0, size - max_bytes))
-            return f.read().decode("utf-8", "replace")
+            return f.read(max_bytes).decode("utf-8", "replace")
         block = 64 * 1024
         data = b""
         pos = size
@@ -134,23 +228,20 @@ class FileCache:
         self._lock = threading.Lock()
 
     def read_json(self, path: Path) -> Any:
-        """Parsed content, or None when the file is missing, a symlink or not valid JSON."""
+        """As :func:`read_json_file` (None when missing, RunFileError when unusable), cached."""
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             self.forget(path)
             return None
-        if not _is_regular(st.st_mode):
-            return None
+        except OSError as exc:
+            raise RunFileError(f"{Path(path).name} cannot be read: {exc.strerror or exc}") from None
         key = (st.st_mtime_ns, st.st_size)
         with self._lock:
             hit = self._entries.get(path)
         if hit is not None and hit.key == key:
             return hit.value
-        try:
-            value = read_json_nofollow(path)
-        except (OSError, ValueError):
-            return None
+        value = read_json_file(path)
         with self._lock:
             if len(self._entries) >= self._max:
                 self._entries.clear()
@@ -162,14 +253,40 @@ class FileCache:
             self._entries.pop(path, None)
 
 
-def _is_regular(mode: int) -> bool:
-    import stat
+@dataclass(frozen=True, slots=True)
+class FoundRun:
+    """What recovery reads of one run directory. ``problem`` says why ``job``/``spec`` is None
+    when the file exists but cannot be used."""
 
-    return stat.S_ISREG(mode)
+    run_id: str
+    path: Path
+    job: dict[str, Any] | None
+    spec: dict[str, Any] | None
+    done: bool
+    problem: str | None = None
+
+
+def episode_lines(data: bytes) -> list[dict[str, Any]]:
+    """The episodes of ``episodes.jsonl``: one JSON object per line. A torn last line (the run is
+    appending) and lines that are not bounded JSON objects (garbage the eval wrote) are skipped."""
+    out: list[dict[str, Any]] = []
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            item = parse_json(line, contract.EPISODES_FILE, max_depth=8)
+        except RunFileError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
+# --------------------------------------------------------------------------- the runs directory
 
 
 class RunStore:
-    """Where run directories live and how they are written."""
+    """Where run directories live, how they are written, and every read of their files."""
 
     def __init__(self, runs_dir: Path, fsync: bool = False) -> None:
         self.root = Path(runs_dir)
@@ -186,6 +303,11 @@ class RunStore:
             raise KeyError(run_id)
         return self.root / run_id
 
+    def file(self, run_id: str, name: str) -> Path:
+        return self.run_dir(run_id) / name
+
+    # ---- writes (the server's own files)
+
     def create(self, run_id: str, files: dict[str, bytes]) -> Path:
         """Assemble a run directory under a staging name, then rename it into place."""
         final = self.run_dir(run_id)
@@ -200,21 +322,34 @@ class RunStore:
                     if self.fsync:
                         f.flush()
                         os.fsync(f.fileno())
+            if self.fsync:
+                fsync_dir(staging)
             os.rename(staging, final)
+            if self.fsync:
+                fsync_dir(self.root)  # the rename is what acknowledges the run: make it durable
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             raise StoreError(_disk_message(exc, self.root)) from exc
         return final
 
-    def write_job(self, run_id: str, record: dict) -> None:
-        path = self.run_dir(run_id) / JOB
+    def write_job(self, run_id: str, record: dict[str, Any]) -> None:
         try:
-            atomic_write_json(path, record, fsync=self.fsync)
+            atomic_write_json(self.file(run_id, contract.JOB_FILE), record, fsync=self.fsync)
         except OSError as exc:
             raise StoreError(_disk_message(exc, self.root)) from exc
 
+    def write_shared_urls(self, run_id: str, urls: dict[str, str]) -> None:
+        atomic_write_json(self.file(run_id, contract.SHARED_URLS_FILE), {"models": urls}, fsync=self.fsync)
+
     def mark_done(self, run_id: str) -> None:
-        touch_done(self.run_dir(run_id))
+        fd = os.open(self.file(run_id, contract.DONE_FILE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        if self.fsync:
+            fsync_dir(self.run_dir(run_id))
+
+    def log_path(self, run_id: str, stream: str) -> Path:
+        """Where a run's ``stdout``/``stderr`` goes (the launcher opens it for appending)."""
+        return self.file(run_id, contract.STDOUT_FILE if stream == "stdout" else contract.STDERR_FILE)
 
     def delete(self, run_id: str) -> None:
         path = self.run_dir(run_id)
@@ -223,9 +358,54 @@ class RunStore:
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def scan(self) -> list[tuple[str, Path]]:
-        """Run directories on disk (staging leftovers are removed: they were never acknowledged)."""
-        out = []
+    # ---- reads
+
+    def done_exists(self, run_id: str) -> bool:
+        return os.path.lexists(self.file(run_id, contract.DONE_FILE))
+
+    def summary(self, run_id: str) -> Any:
+        """The run's ``summary.json`` (cached by mtime and size), None when absent; RunFileError
+        when it cannot be used."""
+        return self.cache.read_json(self.file(run_id, contract.SUMMARY_FILE))
+
+    def summary_stamp(self, run_id: str) -> tuple[int, int] | None:
+        """(mtime_ns, size) of ``summary.json``: a cheap test of "has it changed"."""
+        try:
+            st = os.lstat(self.file(run_id, contract.SUMMARY_FILE))
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    def spec(self, run_id: str) -> Any:
+        """The spec as written at submission (server-owned; None when it is gone)."""
+        return read_json_file(self.file(run_id, contract.SPEC_FILE))
+
+    def episodes(self, run_id: str) -> list[dict[str, Any]]:
+        """The lines of ``episodes.jsonl`` (see :func:`episode_lines`); [] when there are none."""
+        try:
+            data = read_bytes_nofollow(self.file(run_id, contract.EPISODES_FILE), MAX_EPISODES_BYTES)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RunFileError(f"{contract.EPISODES_FILE} is a symbolic link; links are never followed") from None
+            raise RunFileError(f"{contract.EPISODES_FILE} cannot be read: {exc.strerror or exc}") from None
+        return episode_lines(data)
+
+    def log_tail(self, run_id: str, stream: str, lines: int | None) -> str:
+        """The last ``lines`` lines of the run's ``stdout``/``stderr``; RunFileError when the log
+        is a link, not a file or unreadable."""
+        path = self.log_path(run_id, stream)
+        try:
+            return tail_lines(path, lines)
+        except OSError as exc:
+            reason = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be read: {exc.strerror or exc}"
+            raise RunFileError(f"{path.name} {reason}") from None
+
+    def scan(self) -> list[FoundRun]:
+        """Every run directory on disk with its server-owned files (staging leftovers are removed:
+        they were never acknowledged). Never raises for a bad run directory: its ``problem`` says."""
+        out: list[FoundRun] = []
         try:
             entries = list(os.scandir(self.root))
         except FileNotFoundError:
@@ -234,9 +414,38 @@ class RunStore:
             if entry.name.startswith(STAGING_PREFIX):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 continue
-            if entry.is_dir(follow_symlinks=False) and is_valid_run_id(entry.name):
-                out.append((entry.name, Path(entry.path)))
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            if is_dir and is_valid_run_id(entry.name):
+                out.append(self._found(entry.name, Path(entry.path)))
         return out
+
+    def _found(self, run_id: str, path: Path) -> FoundRun:
+        problems = []
+        docs: dict[str, dict[str, Any] | None] = {}
+        for name in (contract.JOB_FILE, contract.SPEC_FILE):
+            value = None
+            try:
+                value = read_json_file(path / name)
+            except RunFileError as exc:
+                problems.append(str(exc))
+            else:
+                if value is None:
+                    problems.append(f"{name} is missing")
+                elif not isinstance(value, dict):
+                    problems.append(f"{name} does not hold a JSON object")
+                    value = None
+            docs[name] = value
+        return FoundRun(
+            run_id,
+            path,
+            docs[contract.JOB_FILE],
+            docs[contract.SPEC_FILE],
+            os.path.lexists(path / contract.DONE_FILE),
+            "; ".join(problems) or None,
+        )
 
 
 def _disk_message(exc: OSError, root: Path) -> str:

@@ -146,13 +146,13 @@ def test_dependencies_wait_then_fail_without_running():
 
 
 def test_never_fits():
-    assert (
-        never_fits(q("a", 1, marginal_vram_mb=30000), ONE_GPU)
-        == "needs 30000 MB on 1 GPU; the largest usable is 24000 MB"
+    assert never_fits(q("a", 1, marginal_vram_mb=30000), ONE_GPU) == (
+        "marginal_vram_mb",
+        "needs 30000 MB on 1 GPU; the largest usable is 24000 MB",
     )
-    assert never_fits(q("a", 1, marginal_vram_mb=1, gpus=3), TWO_GPUS) == "needs 3 GPUs; the host has 2"
-    assert never_fits(q("a", 1, cpus=9), TWO_GPUS) == "needs 9 CPU slots; the host has 8"
-    assert never_fits(q("a", 1, exclusive=True), Capacity((), 4)) == "needs 1 GPU; the host has 0"
+    assert never_fits(q("a", 1, marginal_vram_mb=1, gpus=3), TWO_GPUS)[1] == "needs 3 GPUs; the host has 2"
+    assert never_fits(q("a", 1, cpus=9), TWO_GPUS)[1] == "needs 9 CPU slots; the host has 8"
+    assert never_fits(q("a", 1, exclusive=True), Capacity((), 4))[1] == "needs 1 GPU; the host has 0"
     assert never_fits(q("a", 1, marginal_vram_mb=24000), ONE_GPU) is None
     assert never_fits(q("a", 1), Capacity((), 1)) is None
 

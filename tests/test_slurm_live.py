@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from run_dirs import filled_spec
 
-from jupyter_evalsched.scheduler.slurm import SlurmConfig, SlurmError, SlurmExecutor, SlurmJobState, verdict
+from jupyter_evalsched.scheduler.slurm import SlurmCli, SlurmConfig, SlurmError, SlurmJobState, verdict
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -71,7 +71,7 @@ def run_env(**extra: str) -> dict[str, str]:
 class Runs:
     """Run directories and their SLURM jobs; whatever a failing test leaves is scancel'ed."""
 
-    def __init__(self, root: Path, ex: SlurmExecutor) -> None:
+    def __init__(self, root: Path, ex: SlurmCli) -> None:
         self.root = root
         self.ex = ex
         self.jobs: dict[str, str] = {}  # job id -> run id
@@ -135,11 +135,11 @@ def _slurm_problem() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def ex() -> SlurmExecutor:
+def ex() -> SlurmCli:
     problem = _slurm_problem()
     if problem:
         pytest.fail(f"SLURM is not up ({problem}); start it with `bash scripts/start_slurm.sh` (as root)")
-    return SlurmExecutor(SlurmConfig())
+    return SlurmCli(SlurmConfig())
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +294,7 @@ def test_unknown_job_ids(runs, ex):
 
 def test_sbatch_error_is_raised_with_slurms_message(runs, tmp_path):
     run_id, run_dir, spec = runs.make(entrypoint="jupyter_evalsched.examples.basic:noop")
-    bad = SlurmExecutor(SlurmConfig(partition="no-such-partition"))
+    bad = SlurmCli(SlurmConfig(partition="no-such-partition"))
     with pytest.raises(SlurmError, match="(?i)invalid partition"):
         bad.submit(run_id, run_dir, spec, run_env(), [])
 

@@ -109,37 +109,50 @@ def test_slurm_runs_survive_a_server_restart(tmp_path, cleanup):
         assert r["state"] == "succeeded" and r["summary"]["episodes_done"] == 8
 
 
-async def test_one_squeue_per_sweep_with_many_jobs(jp_serverapp, runs_dir, tmp_path):
-    """The service's sweep asks SLURM once for all tracked jobs (fake commands count calls)."""
-    from jupyter_evalsched.scheduler.slurm import SlurmCommands, SlurmConfig, SlurmExecutor
+async def test_one_squeue_per_poll_with_many_jobs_and_back_off_while_nothing_changes(jp_serverapp, runs_dir, tmp_path):
+    """The SLURM executor asks SLURM once for all tracked jobs (fake commands count calls), and
+    asks less often while nothing changes (a clock the test drives)."""
+    from jupyter_evalsched.scheduler.executors.slurm import SlurmExecutor
+    from jupyter_evalsched.scheduler.runs import Run, new_record
+    from jupyter_evalsched.scheduler.slurm import SlurmCli, SlurmCommands, SlurmConfig
 
+    states = tmp_path / "squeue.out"
+    states.write_text("")
     squeue = tmp_path / "squeue"
-    squeue.write_text("#!/bin/sh\necho call >> %s\n" % (tmp_path / "squeue.calls"))
+    squeue.write_text(f"#!/bin/sh\necho call >> {tmp_path / 'squeue.calls'}\ncat {states}\n")
     squeue.chmod(0o755)
     await jp_serverapp.extension_manager.start_all_extensions()
     sched = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
-    from jupyter_evalsched.scheduler.remote import SlurmRuns
-
-    executor = SlurmExecutor(SlurmConfig(commands=SlurmCommands(squeue=str(squeue), scontrol="/bin/false")))
-    sched.slurm = SlurmRuns(sched, executor)
-    from jupyter_evalsched.scheduler.service import Job
-
+    cli = SlurmCli(SlurmConfig(commands=SlurmCommands(squeue=str(squeue), scontrol="/bin/false")))
+    now = [0.0]
+    executor = SlurmExecutor(cli, poll_interval_s=1.0, max_poll_interval_s=8.0, clock=lambda: now[0])
+    executor.bind(sched.context)
     for i in range(300):
-        job = Job(
-            record={
-                "id": f"r{i}",
-                "state": "running",
-                "slurm_job_id": str(1000 + i),
-                "depends_on": [],
-                "reason": None,
-                "executor": "slurm",
-                "seq": i,
-            },
-            spec={},
-            submitted_ts=0,
-        )
-        sched.slurm.jobs[job.id] = job
-    executor.calls.clear()
-    await sched.slurm.sweep()
-    assert executor.calls["squeue"] == 1
-    sched.slurm.jobs.clear()
+        record = new_record(f"r{i}", {"name": "x", "episodes": 1}, seq=i, executor="slurm", run_dir=str(tmp_path))
+        record.update(state="running", slurm_job_id=str(1000 + i), slurm_state="RUNNING")
+        executor.recover(Run(record=record, spec={}, submitted_ts=0), done=False)
+    # Every job listed as running: nothing changes from poll to poll.
+    states.write_text("".join(f"{1000 + i}|RUNNING|None|0|node1|(null)|\n" for i in range(300)))
+
+    polled_at = []
+    for tick in range(60):
+        now[0] = tick * 0.5
+        before = cli.calls["squeue"]
+        await executor.sweep()
+        assert cli.calls["squeue"] - before <= 1  # one squeue for 300 jobs
+        if cli.calls["squeue"] > before:
+            polled_at.append(now[0])
+    # Each poll that finds nothing new doubles the interval (from 1 s), up to 8 s.
+    gaps = [b - a for a, b in zip(polled_at, polled_at[1:], strict=False)]
+    assert gaps[:3] == [2.0, 4.0, 8.0] and set(gaps[3:]) == {8.0}, polled_at
+
+    # A change (a job finished) brings the interval back to 1 s.
+    states.write_text(
+        "".join(f"{1000 + i}|{'COMPLETED' if i == 0 else 'RUNNING'}|None|0|node1|(null)|\n" for i in range(300))
+    )
+    now[0] += 8.0
+    await executor.sweep()
+    now[0] += 1.0
+    before = cli.calls["squeue"]
+    await executor.sweep()
+    assert cli.calls["squeue"] == before + 1

@@ -19,10 +19,10 @@ from run_dirs import filled_spec
 
 from jupyter_evalsched.scheduler.slurm import (
     SQUEUE_FORMAT,
+    SlurmCli,
     SlurmCommands,
     SlurmConfig,
     SlurmError,
-    SlurmExecutor,
     SlurmJobState,
     parse_scontrol_job,
     parse_squeue,
@@ -155,8 +155,8 @@ def run_dir(tmp_path) -> Path:
     return path
 
 
-def executor(fakes: Fakes, **config) -> SlurmExecutor:
-    return SlurmExecutor(SlurmConfig(commands=fakes.commands, **config))
+def executor(fakes: Fakes, **config) -> SlurmCli:
+    return SlurmCli(SlurmConfig(commands=fakes.commands, **config))
 
 
 def script_options(script: str) -> list[str]:
@@ -420,7 +420,7 @@ def test_sbatch_garbage_answer_raises(fakes, run_dir):
 
 
 def test_missing_sbatch_raises(tmp_path, run_dir):
-    ex = SlurmExecutor(SlurmConfig(commands=SlurmCommands(sbatch=str(tmp_path / "no-such-sbatch"))))
+    ex = SlurmCli(SlurmConfig(commands=SlurmCommands(sbatch=str(tmp_path / "no-such-sbatch"))))
     with pytest.raises(SlurmError, match="sbatch not found"):
         ex.submit("r", run_dir, make_spec(), {}, [])
 
@@ -429,7 +429,7 @@ def test_hung_command_times_out(tmp_path, run_dir):
     hang = tmp_path / "hang"
     hang.write_text("#!/bin/sh\nexec sleep 30\n")
     hang.chmod(0o755)
-    ex = SlurmExecutor(SlurmConfig(commands=SlurmCommands(squeue=str(hang)), command_timeout_s=0.5))
+    ex = SlurmCli(SlurmConfig(commands=SlurmCommands(squeue=str(hang)), command_timeout_s=0.5))
     with pytest.raises(SlurmError, match="did not answer in 0.5 s"):
         ex.poll(["1"])
 

@@ -11,28 +11,25 @@ import errno
 import os
 import sys
 
-RUN_DIR_SOURCE_FILE = "eval.py"
+from ..contract import EVAL_SOURCE_FILE, is_file_target, split_entrypoint
+
+__all__ = ["is_file_target", "load_episode_function", "resolve_entrypoint_file", "split_entrypoint"]
 
 
-def split_entrypoint(entrypoint: str) -> tuple[str, str]:
-    if not isinstance(entrypoint, str):
-        raise ValueError(f"entrypoint must be a string like 'pkg.module:function', got {entrypoint!r:.80}")
-    target, sep, func = entrypoint.rpartition(":")
-    if not sep or not target or not func.isidentifier():
-        raise ValueError(
-            f"invalid entrypoint {entrypoint!r}: expected 'pkg.module:function' or 'path/to/file.py:function'"
-        )
-    return target, func
+def resolve_entrypoint_file(entrypoint: str, run_dir: str | None, cwd: str) -> str | None:
+    """The file a file entrypoint names, as the runner loads it; None for a module entrypoint.
 
-
-def is_file_target(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or os.sep in target
-
-
-def resolve_file_path(target: str, run_dir: str, cwd: str | None = None) -> str:
-    if target == RUN_DIR_SOURCE_FILE:
-        return os.path.join(run_dir, RUN_DIR_SOURCE_FILE)
-    return os.path.abspath(os.path.join(cwd or os.getcwd(), os.path.expanduser(target)))
+    The one resolver: the server validates a spec with it (``run_dir`` None: the run directory
+    does not exist yet, and ``eval.py`` is then not checked) and the runner loads with it. A
+    relative path is relative to ``cwd``; ``~`` is the user's home; ``eval.py`` is the run
+    directory's. ValueError for a malformed entrypoint.
+    """
+    target, _ = split_entrypoint(entrypoint)
+    if not is_file_target(target):
+        return None
+    if target == EVAL_SOURCE_FILE:
+        return os.path.join(run_dir, EVAL_SOURCE_FILE) if run_dir is not None else None
+    return os.path.abspath(os.path.join(cwd, os.path.expanduser(target)))
 
 
 def load_episode_function(entrypoint: str, run_dir: str, cwd: str | None = None):
@@ -45,8 +42,9 @@ def load_episode_function(entrypoint: str, run_dir: str, cwd: str | None = None)
     """
     target, func_name = split_entrypoint(entrypoint)
     cwd = cwd or os.getcwd()
-    if is_file_target(target):
-        module = _load_file(resolve_file_path(target, run_dir, cwd))
+    path = resolve_entrypoint_file(entrypoint, run_dir, cwd)
+    if path is not None:
+        module = _load_file(path)
     else:
         from importlib import import_module
 

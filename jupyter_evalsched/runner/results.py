@@ -10,11 +10,8 @@ import math
 import os
 import time
 
+from ..contract import DONE_FILE, EPISODES_FILE, SUMMARY_FILE
 from .fastjson import dumps
-
-SUMMARY_NAME = "summary.json"
-EPISODES_NAME = "episodes.jsonl"
-DONE_NAME = "_DONE"
 
 # Intermediate summaries are fsync'd at most this often. Readers are protected by the atomic
 # rename alone; fsync only adds durability across a host crash, where in-flight runs are lost
@@ -217,14 +214,14 @@ class RunFiles:
         self.episodes_done = 0
         self.aggregator = MetricAggregator()
         self.started_at = utc_now_iso()
-        self._summary_path = os.path.join(run_dir, SUMMARY_NAME)
+        self._summary_path = os.path.join(run_dir, SUMMARY_FILE)
         # The first fsync'd intermediate summary comes an interval after the start: the initial
         # one is not worth an fsync on the start-up path.
         self._last_fsync = time.monotonic()
         # Truncate: a run directory without _DONE that is started again starts from scratch,
         # so that the log and the summary always describe the same episodes.
         self._episodes_fd = os.open(
-            os.path.join(run_dir, EPISODES_NAME),
+            os.path.join(run_dir, EPISODES_FILE),
             _WRITE_FLAGS | os.O_TRUNC | os.O_APPEND,
             _FILE_MODE,
         )
@@ -266,7 +263,7 @@ class RunFiles:
         os.close(self._episodes_fd)
         self._episodes_fd = -1
         self._write_summary(status, error, final=True)
-        os.close(os.open(os.path.join(self.run_dir, DONE_NAME), _WRITE_FLAGS, _FILE_MODE))
+        os.close(os.open(os.path.join(self.run_dir, DONE_FILE), _WRITE_FLAGS, _FILE_MODE))
         if DURABLE:
             fsync_directory(self.run_dir)
 

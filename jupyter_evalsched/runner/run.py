@@ -21,6 +21,7 @@ import _signal
 import os
 import sys
 
+from ..contract import DEFAULT_SOURCE_ENTRYPOINT, DONE_FILE, SHARED_URLS_FILE, SPEC_FILE, split_entrypoint
 from . import fastjson
 from ._proc import EXIT_PARENT_GONE, expected_parent_pid, flush_stdio, parent_is_gone, set_parent_death_signal
 
@@ -28,9 +29,6 @@ EXIT_FINALIZED = 0
 EXIT_USAGE = 2  # bad arguments or an unusable run directory (no spec.json)
 EXIT_IO_ERROR = 74  # the run files could not be written (EX_IOERR): the server finalizes
 
-SPEC_NAME = "spec.json"
-SHARED_URLS_NAME = "shared_urls.json"
-DEFAULT_SOURCE_ENTRYPOINT = "eval.py:episode"
 
 _USAGE = "usage: python -m jupyter_evalsched.runner --run-dir DIR"
 
@@ -58,14 +56,12 @@ class RunSpec:
 
     def __init__(self, raw: object) -> None:
         if not isinstance(raw, dict):
-            raise ValueError(f"{SPEC_NAME} must hold a JSON object, not {type(raw).__name__}")
+            raise ValueError(f"{SPEC_FILE} must hold a JSON object, not {type(raw).__name__}")
         entrypoint = raw.get("entrypoint")
         if entrypoint is None:
             if raw.get("source") is None:
-                raise ValueError(f"{SPEC_NAME} has neither 'entrypoint' nor 'source'")
+                raise ValueError(f"{SPEC_FILE} has neither 'entrypoint' nor 'source'")
             entrypoint = DEFAULT_SOURCE_ENTRYPOINT
-        from .entrypoint import split_entrypoint
-
         split_entrypoint(entrypoint)  # raises ValueError for a malformed one
         self.entrypoint: str = entrypoint
         self.episodes = _int_field(raw, "episodes", 1, minimum=0)
@@ -75,7 +71,7 @@ class RunSpec:
         if params is None:
             params = {}
         if not isinstance(params, dict):
-            raise ValueError(f"{SPEC_NAME}: 'params' must be an object, got {type(params).__name__}")
+            raise ValueError(f"{SPEC_FILE}: 'params' must be an object, got {type(params).__name__}")
         self.params: dict = params
 
 
@@ -85,20 +81,20 @@ def _int_field(raw: dict, name: str, default: int, minimum: int | None = None) -
         return default
     if type(value) is not int or (minimum is not None and value < minimum):
         bound = f" >= {minimum}" if minimum is not None else ""
-        raise ValueError(f"{SPEC_NAME}: {name!r} must be an integer{bound}, got {value!r:.80}")
+        raise ValueError(f"{SPEC_FILE}: {name!r} must be an integer{bound}, got {value!r:.80}")
     return value
 
 
 def read_shared_urls(run_dir: str) -> dict[str, str]:
     """``{name: url}`` from ``shared_urls.json``; no file means no shared models."""
     try:
-        with open(os.path.join(run_dir, SHARED_URLS_NAME), "rb") as f:
+        with open(os.path.join(run_dir, SHARED_URLS_FILE), "rb") as f:
             raw = fastjson.loads(f.read())
     except FileNotFoundError:
         return {}
     models = raw.get("models") if isinstance(raw, dict) else None
     if not isinstance(models, dict) or not all(isinstance(v, str) for v in models.values()):
-        raise ValueError(f'{SHARED_URLS_NAME} must look like {{"models": {{"<name>": "<url>"}}}}')
+        raise ValueError(f'{SHARED_URLS_FILE} must look like {{"models": {{"<name>": "<url>"}}}}')
     return models
 
 
@@ -127,14 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         _say(_USAGE)
         return EXIT_USAGE
     run_dir = os.path.abspath(run_dir)
-    spec_path = os.path.join(run_dir, SPEC_NAME)
+    spec_path = os.path.join(run_dir, SPEC_FILE)
     if not os.path.isfile(spec_path):
-        _say(f"{run_dir} is not a usable run directory: {SPEC_NAME} is missing")
+        _say(f"{run_dir} is not a usable run directory: {SPEC_FILE} is missing")
         return EXIT_USAGE
-    from .results import DONE_NAME
-
-    if os.path.lexists(os.path.join(run_dir, DONE_NAME)):
-        _say(f"{run_dir} is already finalized ({DONE_NAME} exists); not running it again")
+    if os.path.lexists(os.path.join(run_dir, DONE_FILE)):
+        _say(f"{run_dir} is already finalized ({DONE_FILE} exists); not running it again")
         return EXIT_USAGE
 
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)

@@ -17,15 +17,12 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-
-from .. import store
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +63,8 @@ def is_same_process(pid: int | None, create_time: float | None) -> bool:
 
 
 class Launcher:
-    def __init__(self, on_exit: ExitCallback, python: str = sys.executable) -> None:
+    def __init__(self, on_exit: ExitCallback) -> None:
         self._on_exit = on_exit
-        self._python = python
         self._procs: dict[str, RunProcess] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -76,23 +72,34 @@ class Launcher:
         self._loop = loop
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("Launcher.bind(loop) first")
+        return self._loop
+
+    @property
     def running_pids(self) -> set[int]:
         return {p.pid for p in self._procs.values()}
 
-    def pid_of(self, run_id: str) -> int | None:
-        proc = self._procs.get(run_id)
-        return proc.pid if proc else None
-
-    def spawn(self, run_id: str, run_dir: Path, cwd: str, env: dict[str, str]) -> RunProcess:
-        assert self._loop is not None, "Launcher.bind(loop) first"
+    def spawn(
+        self, run_id: str, argv: list[str], cwd: str, env: dict[str, str], stdout: Path, stderr: Path
+    ) -> RunProcess:
+        """Start ``argv`` in a new session, its output appended to ``stdout``/``stderr`` (never
+        through a symbolic link); SpawnError says why it could not start."""
+        if self._loop is None:
+            raise RuntimeError("Launcher.bind(loop) first")
         try:
-            out = os.open(run_dir / store.STDOUT, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-            err = os.open(run_dir / store.STDERR, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            try:
+                err = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            except OSError:
+                os.close(out)
+                raise
         except OSError as exc:
             raise SpawnError(f"cannot open the run's log files: {exc.strerror or exc}") from exc
         try:
             popen = subprocess.Popen(
-                [self._python, "-m", "jupyter_evalsched.runner", "--run-dir", str(run_dir)],
+                argv,
                 cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -117,7 +124,7 @@ class Launcher:
         except (AttributeError, OSError):
             proc.pidfd = None  # no pidfd: the service's periodic sweep calls poll()
             return
-        self._loop.add_reader(proc.pidfd, self._exited, proc.run_id)
+        self.loop.add_reader(proc.pidfd, self._exited, proc.run_id)
 
     def _exited(self, run_id: str) -> None:
         proc = self._procs.get(run_id)
@@ -138,7 +145,7 @@ class Launcher:
     def _finish(self, proc: RunProcess, code: int) -> None:
         self._procs.pop(proc.run_id, None)
         if proc.pidfd is not None:
-            self._loop.remove_reader(proc.pidfd)
+            self.loop.remove_reader(proc.pidfd)
             os.close(proc.pidfd)
             proc.pidfd = None
         if proc.kill_timer is not None:
@@ -152,7 +159,7 @@ class Launcher:
             log.exception("exit handler failed for run %s", proc.run_id)
         # A descendant that left the group (setsid) escaped that killpg. Looked for off the
         # event loop, after the exit is recorded: the next admission does not wait for /proc.
-        self._loop.run_in_executor(None, kill_escaped, proc.run_id, proc.spawned_at)
+        self.loop.run_in_executor(None, kill_escaped, proc.run_id, proc.spawned_at)
 
     def terminate(self, run_id: str, grace_s: float) -> bool:
         """SIGTERM to the run's group, SIGKILL after ``grace_s``. False when it is not ours."""
@@ -161,7 +168,7 @@ class Launcher:
             return False
         _killpg(proc.pid, signal.SIGTERM)
         if proc.kill_timer is None:
-            proc.kill_timer = self._loop.call_later(grace_s, _killpg, proc.pid, signal.SIGKILL)
+            proc.kill_timer = self.loop.call_later(grace_s, _killpg, proc.pid, signal.SIGKILL)
         return True
 
     def kill_all(self) -> list[str]:
@@ -174,7 +181,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 log.error("run %s (pid %s) did not die on SIGKILL", proc.run_id, proc.pid)
             if proc.pidfd is not None:
-                self._loop.remove_reader(proc.pidfd)
+                self.loop.remove_reader(proc.pidfd)
                 os.close(proc.pidfd)
             if proc.kill_timer is not None:
                 proc.kill_timer.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .gpus import GpuInfo, GpuProcess
 from .policy import Capacity, Device, RunningJob
@@ -76,9 +77,9 @@ def ledger_view(
     cpu_slots: int,
     running: Iterable[RunningJob],
     unmanaged: Mapping[int, Unmanaged],
-) -> dict:
+) -> dict[str, Any]:
     """The ledger as the contract shapes it (plain dicts: this is on the hot path of GET /queue)."""
-    devices = {
+    devices: dict[int, dict[str, Any]] = {
         b.index: {
             "index": b.index,
             "name": b.name,

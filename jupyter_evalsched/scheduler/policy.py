@@ -19,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-LANES = ("high", "normal", "low")
+from .. import contract
+
+LANES = contract.LANES
 LANE_INDEX = {name: i for i, name in enumerate(LANES)}
 
 
@@ -38,7 +40,7 @@ class QueuedJob:
 
     @property
     def uses_gpu(self) -> bool:
-        return self.marginal_vram_mb > 0 or self.exclusive
+        return contract.uses_gpu(self.marginal_vram_mb, self.exclusive)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +105,9 @@ def admission_order(jobs: Iterable[QueuedJob], config: PolicyConfig) -> list[Que
     return sorted(jobs, key=lambda j: (effective_lane(j, config), j.seq))
 
 
-def never_fits(job: QueuedJob, capacity: Capacity) -> str | None:
-    """Why the job could not start even on an idle host, or None when it could."""
-    why = never_fits_field(job, capacity)
-    return why[1] if why else None
-
-
-def never_fits_field(job: QueuedJob, capacity: Capacity) -> tuple[str, str] | None:
-    """(the scheduling field at fault, why) when the job could never start on this host."""
+def never_fits(job: QueuedJob, capacity: Capacity) -> tuple[str, str] | None:
+    """(the scheduling field at fault, why) when the job could not start even on an idle host;
+    None when it could."""
     if job.cpus > capacity.cpu_slots:
         return "cpus", f"needs {job.cpus} CPU slots; the host has {capacity.cpu_slots}"
     if not job.uses_gpu:

@@ -1,9 +1,11 @@
-"""The per-host scheduler: one queue, one running set, one VRAM ledger, event-driven admission.
+"""The per-host scheduler: submission, admission against the VRAM ledger, recovery, views.
 
-All state lives on the event-loop thread; handlers call the synchronous methods directly. Disk
-is written at every transition (``job.json`` atomically, then ``_DONE`` for terminal states), and
-the run's own files are only read. Admission runs on every event that can change the answer
-(submit, exit, cancel, a dependency finishing) with a periodic sweep as a backstop.
+It decides; it does not own the record's life (the run table does) nor how runs execute (the
+executors do). Admission runs on every event that can change the answer (a submission, a run's
+end, a cancel) with a periodic sweep as a backstop, and is carried out in the same loop
+iteration as a run's exit, before that run's files are written.
+
+All state lives on the event-loop thread; handlers call the methods directly.
 """
 
 from __future__ import annotations
@@ -13,155 +15,87 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import psutil
 
-from .. import store
-from ..models import TERMINAL_STATES, EvalSpec, is_valid_run_id, utcnow_iso
+from .. import contract
+from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, TERMINAL_STATES
+from ..models import EvalSpec, utcnow_iso
+from ..runner.entrypoint import resolve_entrypoint_file
+from ..store import FoundRun, RunFileError, RunStore, StoreError, new_run_id
 from . import policy
+from .config import SchedulerConfig
+from .errors import SchedulerError, SpecRejected, StateConflict, Unavailable, UnknownRun
+from .executors import Executor, ExecutorContext
+from .executors.local import LocalExecutor
 from .gpus import GpuProbe
-from .launcher import Launcher, kill_escaped, kill_stale_group, process_create_time, signal_name
 from .ledger import DeviceBudget, Unmanaged, capacity, device_budgets, ledger_view, unmanaged_by_device
-from .remote import SlurmRuns
+from .runs import Listener, Run, RunTable, new_record, parse_timestamp, record_from_disk
+from .shared import NoSharedModels, SharedModels
 
 log = logging.getLogger("jupyter_evalsched")
 
-Listener = Callable[[dict], None]
-
-
-class SchedulerError(Exception):
-    status = 400
-
-    def __init__(self, message: str, detail: list[dict] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.detail = detail
-
-
-class SpecRejected(SchedulerError):
-    status = 422
-
-
-class UnknownRun(SchedulerError):
-    status = 404
-
-
-class StateConflict(SchedulerError):
-    status = 409
-
-
-class Unavailable(SchedulerError):
-    status = 503
-
-
-@dataclass
-class SchedulerConfig:
-    runs_dir: Path
-    cpu_slots: int = field(default_factory=lambda: os.cpu_count() or 1)
-    reserve_mb: int = 0
-    usable_override: dict[int, int] = field(default_factory=dict)
-    env_usable_mb: int | None = None
-    policy: policy.PolicyConfig = field(default_factory=policy.PolicyConfig)
-    cancel_grace_s: float = 10.0
-    sweep_interval_s: float = 1.0
-    progress_interval_s: float = 0.2
-    default_cwd: str = field(default_factory=os.getcwd)
-    fsync: bool = False
-    # Environment given to every run on top of the server's (e.g. PYTHONPATH for tests).
-    run_env: dict[str, str] = field(default_factory=dict)
-    default_executor: str = "local"
-
-
-@dataclass
-class Job:
-    record: dict
-    spec: dict
-    submitted_ts: float
-    passed_over: int = 0
-    cancel_requested: bool = False
-    timed_out: bool = False
-    timeout_handle: asyncio.TimerHandle | None = None
-    summary_key: tuple[int, int] | None = None
-    done_exists: bool = False
-
-    @property
-    def id(self) -> str:
-        return self.record["id"]
-
-    @property
-    def state(self) -> str:
-        return self.record["state"]
-
-    @property
-    def scheduling(self) -> dict:
-        return self.spec.get("scheduling", {})
-
-    @property
-    def remote(self) -> bool:
-        return self.record.get("executor") == "slurm"
-
-
-class ModelRegistry:
-    """What the scheduler needs of the shared-model host (see shared_models.manager)."""
-
-    def names(self) -> list[str]:
-        return []
-
-    def baseline_mb_by_device(self) -> dict[int, int]:
-        return {}
-
-    async def urls_for(self, names: list[str]) -> dict[str, str]:
-        return {}
-
-    def pids(self) -> set[int]:
-        return set()
+__all__ = [
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerError",
+    "SpecRejected",
+    "StateConflict",
+    "Unavailable",
+    "UnknownRun",
+]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, probe: GpuProbe, models: Any = None, slurm: Any = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        probe: GpuProbe,
+        models: SharedModels | None = None,
+        executors: list[Executor] | None = None,
+    ) -> None:
         self.config = config
         self.probe = probe
-        self.models = models if models is not None else ModelRegistry()
-        self.store = store.RunStore(config.runs_dir, fsync=config.fsync)
-        self.launcher = Launcher(self._on_exit)
-        self._jobs: dict[str, Job] = {}  # every known run, in submission order
-        self._queued: dict[str, Job] = {}
-        self._running: dict[str, Job] = {}
-        self._seq = 0
-        self._listeners: set[Listener] = set()
+        self.models: SharedModels = models if models is not None else NoSharedModels()
+        self.store = RunStore(config.runs_dir, fsync=config.fsync)
+        self.table = RunTable(self.store)
+        self.executors: dict[str, Executor] = {e.name: e for e in (executors or [LocalExecutor(self.models)])}
+        # Admission's own view: the ledger runs waiting for resources, and those holding them.
+        self._queued: dict[str, Run] = {}
+        self._running: dict[str, Run] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._admit_scheduled = False
-        self._tasks: list[asyncio.Task] = []
+        self.context: ExecutorContext | None = None  # what executors get; set by start()
+        self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
+        self._tasks: list[asyncio.Future] = []
         self._unmanaged: dict[int, Unmanaged] = {}
         self._budgets: list[DeviceBudget] = []
-        self._version = 0
         self._queue_cache: tuple[int, bytes, float] | None = None
         self._started = False
+        self._stopping = False
         self._creating: set[str] = set()
-        self._unwritten: set[str] = set()  # runs whose job.json or _DONE a write refused
-        self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
-        self.last_activity: datetime | None = None
-        self._deferred: list[Job] | None = None  # terminal writes held back during an exit's admission
+        self._admit_scheduled = False
+        self._admitting = False
+        self._decide_again = False
         # Set after a full decision that changed nothing: a new job may then be decided alone.
         self._settled = False
         self._reservation: policy.Reservation | None = None
         self._head_lane = len(policy.LANES)
         self.primary_info: dict | None = None  # which server schedules for this host (set by the app)
-        self.slurm = SlurmRuns(self, slurm) if slurm is not None else None
+        self.table.on_end(self._on_run_ended)
 
     # ----------------------------------------------------------------- life cycle
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.launcher.bind(self._loop)
         self.store.ensure()
         self._budgets = self._compute_budgets()
+        self.context = ExecutorContext(
+            table=self.table, store=self.store, config=self.config, loop=self._loop, io=self._io
+        )
+        for executor in self.executors.values():
+            executor.bind(self.context)
         found = await self._loop.run_in_executor(None, self._read_runs_dir)
         self._recover(found)
         self._started = True
@@ -173,6 +107,7 @@ class Scheduler:
 
     async def stop(self) -> None:
         """Shutdown: running runs are killed and end ``aborted`` (rule 4); queued jobs stay queued."""
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -181,12 +116,9 @@ class Scheduler:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
-        if self._loop is None:
-            return
-        for run_id in self.launcher.kill_all():
-            job = self._running.get(run_id)
-            if job is not None:
-                self._finalize(job, "aborted", "server_restart: the server shut down while it ran", admit=False)
+        if self._loop is not None:
+            for executor in self.executors.values():
+                await executor.stop()
         self._started = False
         self._io.shutdown(wait=True)
 
@@ -201,137 +133,126 @@ class Scheduler:
 
     # ----------------------------------------------------------------- recovery (rule 4)
 
-    def _read_runs_dir(self) -> list[tuple[str, Path, dict | None, dict | None, bool]]:
-        out = []
-        for run_id, path in self.store.scan():
-            job = _read_json_or_none(path / store.JOB)
-            spec = _read_json_or_none(path / store.SPEC)
-            out.append((run_id, path, job, spec, (path / store.DONE).exists()))
-        return out
+    def _read_runs_dir(self) -> list[FoundRun]:
+        return self.store.scan()
 
-    def _recover(self, found: list[tuple[str, Path, dict | None, dict | None, bool]]) -> None:
-        usable = [f for f in found if isinstance(f[2], dict) and isinstance(f[3], dict)]
-        skipped = [f[0] for f in found if not (isinstance(f[2], dict) and isinstance(f[3], dict))]
-        if skipped:
+    def _recover(self, found: list[FoundRun]) -> None:
+        usable: list[tuple[FoundRun, dict]] = []
+        broken: list[str] = []
+        for f in found:
+            if f.job is None or f.spec is None:
+                broken.append(f"{f.run_id} ({f.problem})")
+                continue
+            try:
+                usable.append((f, record_from_disk(f.job, f.run_id, str(f.path))))
+            except ValueError as exc:
+                broken.append(f"{f.run_id} ({exc})")
+        if broken:
             log.warning(
-                "evalsched: %d run directories without a readable job.json/spec.json were left as they are: %s",
-                len(skipped),
-                ", ".join(sorted(skipped)[:20]),
+                "evalsched: %d run directories without a usable job.json/spec.json were left as they are: %s",
+                len(broken),
+                "; ".join(sorted(broken)[:20]),
             )
-        usable.sort(key=lambda f: (f[2].get("seq", 0), f[0]))
-        for run_id, path, record, spec, done in usable:
-            record["id"] = run_id
-            record["run_dir"] = str(path)
-            job = Job(record=record, spec=spec, submitted_ts=_parse_ts(record.get("submitted_at")))
-            self._jobs[run_id] = job
-            self._seq = max(self._seq, int(record.get("seq", 0)))
-            state = record.get("state")
-            if job.remote and state in ("queued", "running"):
-                if self.slurm is None:
-                    self._finalize(
-                        job, "aborted", "server_restart: SLURM is not enabled on this server any more", admit=False
-                    )
-                else:
-                    self.slurm.jobs[run_id] = job  # SLURM jobs outlive the server: track them again
-            elif state == "queued":
-                record["reason"] = None
-                self._queued[run_id] = job
-            elif state == "running":
-                if done:
-                    # The run finalized itself while no server was watching: its verdict stands.
-                    self._running[run_id] = job
-                    self._conclude_from_disk(job, exit_code=record.get("exit_code"))
-                else:
-                    kill_stale_group(record.get("pid") or 0, record.get("pid_create_time"))
-                    kill_escaped(run_id, record.get("pid_create_time") or 0.0)
-                    self._running[run_id] = job
-                    self._finalize(
-                        job, "aborted", "server_restart: the server died or shut down while it ran", admit=False
-                    )
-            elif state in TERMINAL_STATES:
-                if not done:
-                    self.store.mark_done(run_id)  # every terminal run directory has _DONE
-            else:
-                log.warning("evalsched: run %s has unknown state %r; left as it is", run_id, state)
-        if self._jobs:
+        usable.sort(key=lambda item: (item[1]["seq"], item[0].run_id))
+        for f, record in usable:
+            run = Run(record=record, spec=f.spec or {}, submitted_ts=parse_timestamp(record["submitted_at"]))
+            run.done_on_disk = f.done
+            self.table.add(run)
+            self._recover_run(run, f.done)
+        if len(self.table):
             log.info(
-                "evalsched: recovered %d runs (%d queued) from %s", len(self._jobs), len(self._queued), self.store.root
+                "evalsched: recovered %d runs (%d queued) from %s", len(self.table), len(self._queued), self.store.root
             )
+
+    def _recover_run(self, run: Run, done: bool) -> None:
+        state = run.state
+        if state in TERMINAL_STATES:
+            if not done:
+                self.table.ensure_done(run)  # every terminal run directory has _DONE
+            return
+        if state not in (QUEUED, RUNNING):
+            log.warning("evalsched: run %s has unknown state %r; left as it is", run.id, state)
+            return
+        executor = self.executors.get(run.executor)
+        if executor is None:
+            why = f"the {run.executor} executor is not enabled on this server any more"
+            self.table.finish(run, ABORTED, contract.reason(contract.SERVER_RESTART, why))
+        elif executor.uses_ledger and state == QUEUED:
+            run.record["reason"] = None
+            self._queued[run.id] = run
+        else:
+            if executor.uses_ledger:
+                self._running[run.id] = run  # holds its resources until its end is recorded
+            executor.recover(run, done)
 
     # ----------------------------------------------------------------- submission
 
     def validate_for_host(self, spec: EvalSpec) -> None:
-        """Checks that need the host: never-fits, unknown models and dependencies, the cwd."""
+        """Checks that need the host: never-fits, unknown models and dependencies, the cwd and
+        the entrypoint's file."""
         errors: list[dict] = []
         sched = spec.scheduling
-        executor = spec.executor or self.config.default_executor
-        if executor == "slurm":
-            if self.slurm is None:
-                errors.append(
-                    {
-                        "loc": ["executor"],
-                        "msg": "SLURM is not enabled on this server (EvalSchedApp.slurm_enabled)",
-                        "type": "unsupported",
-                    }
-                )
-            if spec.models:
-                errors.append(
-                    {
-                        "loc": ["models"],
-                        "msg": "shared models serve local runs only: a SLURM run on another node "
-                        "cannot reach this host's model host; load the model in the eval instead",
-                        "type": "unsupported",
-                    }
-                )
-        probe_job = policy.QueuedJob(
-            id="-",
-            seq=0,
-            priority=sched.priority,
-            marginal_vram_mb=sched.marginal_vram_mb,
-            gpus=sched.gpus,
-            exclusive=sched.exclusive_gpu,
-            cpus=sched.cpus,
-        )
-        why = (
-            None
-            if executor == "slurm"
-            else policy.never_fits_field(probe_job, capacity(self._budgets, self.config.cpu_slots, {}))
-        )
-        if why:
+        name = spec.executor or self.config.default_executor
+        executor = self.executors.get(name)
+        if executor is None:
             errors.append(
-                {"loc": ["scheduling", why[0]], "msg": f"can never fit on this host: {why[1]}", "type": "never_fits"}
+                {
+                    "loc": ["executor"],
+                    "msg": "SLURM is not enabled on this server (EvalSchedApp.slurm_enabled)"
+                    if name == "slurm"
+                    else f"the {name} executor is not enabled on this server",
+                    "type": "unsupported",
+                }
             )
+        elif not executor.uses_ledger and spec.models:
+            errors.append(
+                {
+                    "loc": ["models"],
+                    "msg": "shared models serve local runs only: a SLURM run on another node "
+                    "cannot reach this host's model host; load the model in the eval instead",
+                    "type": "unsupported",
+                }
+            )
+        if executor is not None and executor.uses_ledger:
+            probe_job = policy.QueuedJob(
+                id="-",
+                seq=0,
+                priority=sched.priority,
+                marginal_vram_mb=sched.marginal_vram_mb,
+                gpus=sched.gpus,
+                exclusive=sched.exclusive_gpu,
+                cpus=sched.cpus,
+            )
+            why = policy.never_fits(probe_job, capacity(self._budgets, self.config.cpu_slots, {}))
+            if why:
+                errors.append(
+                    {
+                        "loc": ["scheduling", why[0]],
+                        "msg": f"can never fit on this host: {why[1]}",
+                        "type": "never_fits",
+                    }
+                )
         known_models = set(self.models.names())
-        for name in spec.models:
-            if name not in known_models:
+        for model in spec.models:
+            if model not in known_models:
                 known = ", ".join(sorted(known_models)) or "none are configured"
                 errors.append(
                     {
                         "loc": ["models"],
-                        "msg": f"unknown shared model {name!r} (known: {known})",
+                        "msg": f"unknown shared model {model!r} (known: {known})",
                         "type": "unknown_model",
                     }
                 )
         for dep in spec.depends_on:
-            if dep not in self._jobs:
+            if dep not in self.table:
                 errors.append({"loc": ["depends_on"], "msg": f"unknown run id {dep!r}", "type": "unknown_dependency"})
         cwd = self._resolve_cwd(spec.cwd)
         if not os.path.isdir(cwd):
             errors.append({"loc": ["cwd"], "msg": f"{cwd!r} is not a directory", "type": "bad_cwd"})
-        elif spec.entrypoint and spec.source is None:
-            target = spec.entrypoint.rpartition(":")[0]
-            if target.endswith(".py") and not os.path.isfile(os.path.join(cwd, target)):
-                errors.append(
-                    {"loc": ["entrypoint"], "msg": f"file {target!r} not found in {cwd}", "type": "missing_file"}
-                )
-        if spec.source is not None and spec.entrypoint and not spec.entrypoint.startswith("eval.py:"):
-            errors.append(
-                {
-                    "loc": ["entrypoint"],
-                    "msg": "with 'source', the entrypoint must be 'eval.py:<function>'",
-                    "type": "value_error",
-                }
-            )
+        elif spec.entrypoint:
+            problem = _entrypoint_problem(spec, cwd)
+            if problem:
+                errors.append({"loc": ["entrypoint"], "msg": problem[1], "type": problem[0]})
         if errors:
             raise SpecRejected("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors), errors)
 
@@ -344,68 +265,41 @@ class Scheduler:
         """Validate, write the run directory, queue. Returns once ``job.json`` is on disk."""
         self._require_started()
         self.validate_for_host(spec)
-        run_id = store.new_run_id()
-        while run_id in self._jobs or run_id in self._creating:
-            run_id = store.new_run_id()
+        run_id = new_run_id()
+        while run_id in self.table or run_id in self._creating:
+            run_id = new_run_id()
+        executor = self.executors[spec.executor or self.config.default_executor]
         spec_dict = spec.model_dump(mode="json")
         spec_dict["cwd"] = self._resolve_cwd(spec.cwd)
-        self._seq += 1
-        now = utcnow_iso()
-        sched = spec.scheduling
-        record = {
-            "id": run_id,
-            "name": spec.name,
-            "state": "queued",
-            "reason": None,
-            "priority": sched.priority,
-            "submitted_at": now,
-            "started_at": None,
-            "finished_at": None,
-            "pid": None,
-            "devices": [],
-            "exit_code": None,
-            "progress": {"done": 0, "total": spec.episodes},
-            "marginal_vram_mb": sched.marginal_vram_mb,
-            "depends_on": list(spec.depends_on),
-            "gpus": sched.gpus,
-            "cpus": sched.cpus,
-            "exclusive_gpu": sched.exclusive_gpu,
-            "models": list(spec.models),
-            "timeout_s": spec.timeout_s,
-            "seq": self._seq,
-            "pid_create_time": None,
-            "run_dir": str(self.store.run_dir(run_id)),
-            "metrics": {},
-            "executor": spec.executor or self.config.default_executor,
-        }
-        if record["executor"] == "slurm":
-            record.update(slurm_job_id=None, slurm_state=None)
-        spec_dict["executor"] = record["executor"]
-        files = {
-            store.SPEC: _dumps(spec_dict),
-            store.JOB: _dumps(record),
-        }
+        spec_dict["executor"] = executor.name
+        record = new_record(
+            run_id,
+            spec_dict,
+            seq=self.table.next_seq(),
+            executor=executor.name,
+            run_dir=str(self.store.run_dir(run_id)),
+        )
+        files = {contract.SPEC_FILE: _dumps(spec_dict), contract.JOB_FILE: _dumps(record)}
         if spec.source is not None:
-            files[store.EVAL_SOURCE] = spec.source.encode()
+            files[contract.EVAL_SOURCE_FILE] = spec.source.encode()
         # Creating files costs about a millisecond each on these disks, mostly waiting: done in
         # a thread pool, several submissions overlap and the event loop stays free.
         self._creating.add(run_id)
         try:
-            await self._loop.run_in_executor(self._io, self.store.create, run_id, files)
-        except store.StoreError as exc:
+            await self._require_loop().run_in_executor(self._io, self.store.create, run_id, files)
+        except StoreError as exc:
             raise Unavailable(str(exc)) from exc
         finally:
             self._creating.discard(run_id)
-        job = Job(record=record, spec=spec_dict, submitted_ts=time.time())
-        self._jobs[run_id] = job
-        if job.remote:
-            self._changed(job)
-            self.slurm.add(job)
+        run = Run(record=record, spec=spec_dict, submitted_ts=time.time())
+        self.table.add(run)
+        self.table.changed(run)
+        if not executor.uses_ledger:
+            executor.submit(run)
             return record
-        self._queued[run_id] = job
-        self._changed(job)
-        if self._settled and not self._admit_scheduled and self._can_decide_alone(job):
-            self._admit_new(job)
+        self._queued[run_id] = run
+        if self._settled and not self._admit_scheduled and self._can_decide_alone(run):
+            self._admit_new(run)
         else:
             self.request_admission()
         return record
@@ -420,29 +314,41 @@ class Scheduler:
         self._admit_scheduled = True
         self._loop.call_soon(self._admit)
 
-    def _can_decide_alone(self, job: Job) -> bool:
+    def _on_run_ended(self, run: Run) -> None:
+        self._queued.pop(run.id, None)
+        held = self._running.pop(run.id, None) is not None
+        if not self._started or self._stopping:
+            return
+        if self._admitting:
+            self._decide_again = True  # a dependency failure inside a decision: decide once more
+        elif held:
+            # Right here, in the same loop iteration as the end, before its files are written.
+            self._settled = False
+            self._admit()
+        else:
+            self.request_admission()
+
+    def _can_decide_alone(self, run: Run) -> bool:
         """A new job can be decided on its own when nothing else changed since the last full
         decision (the waiting jobs still cannot start) and it does not outrank the head of the
         queue (which would move the anti-starvation reservation)."""
-        if job.record["depends_on"]:
+        if run.depends_on:
             return all(
-                self._jobs[d].state in ("queued", "running", "succeeded")
-                for d in job.record["depends_on"]
-                if d in self._jobs
+                dep.state in (QUEUED, RUNNING, contract.SUCCEEDED)
+                for dep in map(self.table.get, run.depends_on)
+                if dep is not None
             )
-        lane = policy.LANE_INDEX[job.record["priority"]]
-        return lane >= self._head_lane
+        return policy.LANE_INDEX[run.record["priority"]] >= self._head_lane
 
-    def _admit_new(self, job: Job) -> None:
+    def _admit_new(self, run: Run) -> None:
         """Admission for one newly submitted job: O(running), not O(queue). With 10,000 jobs
         queued, a full decision per submission would make a burst of submissions quadratic."""
         cap = capacity(self._budgets, self.config.cpu_slots, self._unmanaged)
-        deps = {d: self._jobs[d].state for d in job.record["depends_on"] if d in self._jobs}
         decision = policy.decide(
-            [self._as_queued(job, time.time())],
+            [self._as_queued(run, time.time())],
             self._running_jobs(),
             cap,
-            deps,
+            self._dependency_states([run]),
             self.config.policy,
             reservation=self._reservation,
         )
@@ -450,284 +356,142 @@ class Scheduler:
             if decision.starts:
                 # Everything already waiting was overtaken by this newcomer.
                 for waiting in self._queued.values():
-                    if waiting is not job:
+                    if waiting is not run:
                         waiting.passed_over += 1
-            self._apply(decision)
+            self._carry_out(decision)
             return
         for reason in decision.waiting.values():
-            if job.record["reason"] != reason:
-                job.record["reason"] = reason
-                self._changed(job)
+            self.table.set_reason(run, reason)
 
     def _admit(self) -> None:
         self._admit_scheduled = False
-        if self._loop is None:
+        if self._loop is None or self._admitting:
             return
-        for _ in range(100):  # dependency failures can cascade down a chain
-            if not self._queued:
-                self._settled, self._reservation, self._head_lane = True, None, len(policy.LANES)
-                return
-            decision = self._decide()
-            self._reservation = (
-                policy.Reservation(decision.reserved_for, decision.reserved_devices, decision.reserved_cpus)
-                if decision.reserved_for
-                else None
-            )
-            # Settled from here on, unless carrying the decision out asks for another one.
-            self._settled = True
-            if not self._apply(decision):
-                return
+        self._admitting = True
+        try:
+            for _ in range(100):  # dependency failures can cascade down a chain
+                self._decide_again = False
+                if not self._queued:
+                    self._settled, self._reservation, self._head_lane = True, None, len(policy.LANES)
+                    return
+                decision = self._decide()
+                self._reservation = (
+                    policy.Reservation(decision.reserved_for, decision.reserved_devices, decision.reserved_cpus)
+                    if decision.reserved_for
+                    else None
+                )
+                # Settled from here on, unless carrying the decision out asks for another one.
+                self._settled = True
+                self._carry_out(decision)
+                if not self._decide_again:
+                    return
+        finally:
+            self._admitting = False
 
-    def _apply(self, decision: policy.Decision) -> bool:
-        """Carry a decision out; True when dependency failures call for another decision."""
+    def _carry_out(self, decision: policy.Decision) -> None:
         for run_id, dep in decision.dependency_failed.items():
-            job = self._queued[run_id]
-            dep_state = self._jobs[dep].state if dep in self._jobs else "deleted"
-            self._finalize(job, "failed", f"dependency_failed:{dep}: {dep} ended {dep_state}", admit=False)
+            run = self._queued[run_id]
+            dep_run = self.table.get(dep)
+            dep_state = dep_run.state if dep_run is not None else "deleted"
+            self.table.finish(
+                run, FAILED, contract.reason(contract.DEPENDENCY_FAILED, f"{dep} ended {dep_state}", arg=dep)
+            )
         for start in decision.starts:
             self._launch(self._queued[start.id], start.devices)
         for run_id in decision.passed_over:
-            job = self._queued.get(run_id)
-            if job is not None:
-                job.passed_over += 1
+            waiting = self._queued.get(run_id)
+            if waiting is not None:
+                waiting.passed_over += 1
         for run_id, reason in decision.waiting.items():
-            job = self._queued.get(run_id)
-            if job is not None and job.record["reason"] != reason:
-                job.record["reason"] = reason
-                self._changed(job)  # why a run waits is news to the widget and the panel
-        return bool(decision.dependency_failed)
+            waiting = self._queued.get(run_id)
+            if waiting is not None:
+                self.table.set_reason(waiting, reason)
 
-    def _as_queued(self, job: Job, now: float) -> policy.QueuedJob:
+    def _as_queued(self, run: Run, now: float) -> policy.QueuedJob:
+        sched = run.scheduling
         return policy.QueuedJob(
-            id=job.id,
-            seq=job.record["seq"],
-            priority=job.record["priority"],
-            marginal_vram_mb=job.record["marginal_vram_mb"],
-            gpus=job.scheduling.get("gpus", 1),
-            exclusive=job.scheduling.get("exclusive_gpu", False),
-            cpus=job.scheduling.get("cpus", 1),
-            depends_on=tuple(job.record["depends_on"]),
-            waited_s=now - job.submitted_ts,
-            passed_over=job.passed_over,
+            id=run.id,
+            seq=run.record["seq"],
+            priority=run.record["priority"],
+            marginal_vram_mb=run.record["marginal_vram_mb"],
+            gpus=sched["gpus"],
+            exclusive=sched["exclusive_gpu"],
+            cpus=sched["cpus"],
+            depends_on=tuple(run.depends_on),
+            waited_s=now - run.submitted_ts,
+            passed_over=run.passed_over,
         )
+
+    def _dependency_states(self, runs: list[Run]) -> dict[str, str]:
+        states = {}
+        for run in runs:
+            for dep_id in run.depends_on:
+                dep = self.table.get(dep_id)
+                if dep is not None:
+                    states[dep_id] = dep.state
+        return states
 
     def _decide(self) -> policy.Decision:
         now = time.time()
-        queued = [self._as_queued(job, now) for job in self._queued.values()]
+        queued = [self._as_queued(run, now) for run in self._queued.values()]
         self._head_lane = min((policy.effective_lane(q, self.config.policy) for q in queued), default=len(policy.LANES))
-        deps = {}
-        for job in self._queued.values():
-            for dep in job.record["depends_on"]:
-                if dep in self._jobs:
-                    deps[dep] = self._jobs[dep].state
         cap = capacity(self._budgets, self.config.cpu_slots, self._unmanaged)
+        deps = self._dependency_states(list(self._queued.values()))
         return policy.decide(queued, self._running_jobs(), cap, deps, self.config.policy)
 
     def _running_jobs(self) -> list[policy.RunningJob]:
         return [
             policy.RunningJob(
-                id=job.id,
-                devices=tuple(job.record["devices"]),
-                marginal_vram_mb=job.record["marginal_vram_mb"],
-                exclusive=job.scheduling.get("exclusive_gpu", False),
-                cpus=job.scheduling.get("cpus", 1),
+                id=run.id,
+                devices=tuple(run.record["devices"]),
+                marginal_vram_mb=run.record["marginal_vram_mb"],
+                exclusive=run.scheduling["exclusive_gpu"],
+                cpus=run.scheduling["cpus"],
             )
-            for job in self._running.values()
+            for run in self._running.values()
         ]
 
-    def _launch(self, job: Job, devices: tuple[int, ...]) -> None:
-        """Take the resources now (the ledger is updated in this very decision), then spawn."""
-        del self._queued[job.id]
-        self._running[job.id] = job
-        job.record.update(state="running", reason=None, devices=list(devices), started_at=utcnow_iso())
-        if job.spec.get("models"):
-            # The model host may need starting: do that off this decision, resources held.
-            self._persist(job)
-            self._changed(job)
-            asyncio.ensure_future(self._launch_with_models(job, devices))
-        else:
-            self._spawn(job, devices, {})
-
-    async def _launch_with_models(self, job: Job, devices: tuple[int, ...]) -> None:
-        try:
-            urls = await self.models.urls_for(list(job.spec["models"]))
-        except Exception as exc:
-            if job.id in self._running:
-                self._finalize(job, "failed", f"exception: shared model host unavailable: {_one_line(str(exc))}")
-            return
-        if job.id not in self._running:
-            return
-        if job.cancel_requested:
-            self._finalize(job, "cancelled", "cancelled: cancelled through the API before it started")
-            return
-        self._spawn(job, devices, urls)
-
-    def _spawn(self, job: Job, devices: tuple[int, ...], urls: dict[str, str]) -> None:
-        run_dir = self.store.run_dir(job.id)
-        try:
-            store.atomic_write_json(run_dir / store.SHARED_URLS, {"models": urls})
-            proc = self.launcher.spawn(job.id, run_dir, job.spec["cwd"], self._run_env(job, devices))
-        except Exception as exc:
-            self._finalize(job, "failed", f"exception: could not start the run: {_one_line(str(exc))}")
-            return
-        job.record.update(pid=proc.pid, pid_create_time=process_create_time(proc.pid))
-        timeout = job.spec.get("timeout_s")
-        if timeout:
-            job.timeout_handle = self._loop.call_later(timeout, self._on_timeout, job.id)
-        self._persist(job)
-        self._changed(job)
-
-    def _run_env(self, job: Job, devices: tuple[int, ...]) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.config.run_env)
-        env.update(job.spec.get("env") or {})
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["EVALSCHED_DEVICES"] = ",".join(str(d) for d in devices)
-        env["EVALSCHED_RUN_ID"] = job.id
-        env["EVALSCHED_PARENT_PID"] = str(os.getpid())
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.config.fsync:
-            env["EVALSCHED_FSYNC"] = "1"
-        return env
-
-    def _remote_env(self, job: Job) -> dict[str, str]:
-        """What a SLURM run gets on top of what sbatch exports: no parent pid (its parent is
-        SLURM's step daemon) and no device indices (SLURM sets CUDA_VISIBLE_DEVICES from gres)."""
-        env = dict(os.environ)  # sbatch runs with exactly this; the executor strips what must not travel
-        env.update(self.config.run_env)
-        env.update(job.spec.get("env") or {})
-        env["EVALSCHED_RUN_ID"] = job.id
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.config.fsync:
-            env["EVALSCHED_FSYNC"] = "1"
-        return env
-
-    # ----------------------------------------------------------------- ends of runs
-
-    def _on_exit(self, run_id: str, code: int) -> None:
-        job = self._running.get(run_id)
-        if job is None:
-            return
-        # Admit right here, in the same loop iteration as the exit, and before the finished
-        # run's files are written: a freed GPU is reused at once. Should the server die in
-        # between, recovery still finds the run's own _DONE, or marks it aborted.
-        self._deferred = []
-        try:
-            self._conclude_from_disk(job, exit_code=code)
-            self._admit()
-        finally:
-            deferred, self._deferred = self._deferred, None
-            for late in deferred:
-                self._write_terminal(late)
-
-    def _conclude_from_disk(self, job: Job, exit_code: int | None) -> None:
-        run_dir = self.store.run_dir(job.id)
-        job.record["exit_code"] = exit_code
-        summary = _read_json_or_none(run_dir / store.SUMMARY)
-        self._apply_summary(job, summary)
-        finalized_by_run = (
-            (run_dir / store.DONE).exists()
-            and isinstance(summary, dict)
-            and summary.get("status") in ("succeeded", "failed")
+    def _launch(self, run: Run, devices: tuple[int, ...]) -> None:
+        """Take the resources now (the ledger changes in this very decision), then start the run."""
+        del self._queued[run.id]
+        self._running[run.id] = run
+        self.table.update(
+            run,
+            save=False,
+            notify=False,
+            state=RUNNING,
+            reason=None,
+            devices=list(devices),
+            started_at=utcnow_iso(),
         )
-        if finalized_by_run and summary["status"] == "succeeded":
-            self._finalize(job, "succeeded", None, admit=False, done_exists=True)
-        elif finalized_by_run:
-            err = summary.get("error") or {}
-            text = f"{err.get('type', 'Error')}: {err.get('message', '')}".strip().rstrip(":")
-            self._finalize(job, "failed", f"exception: {_one_line(text)}", admit=False, done_exists=True)
-        elif job.cancel_requested:
-            self._finalize(job, "cancelled", "cancelled: cancelled through the API", admit=False)
-        elif job.timed_out:
-            self._finalize(
-                job, "failed", f"timeout: ran longer than timeout_s={job.spec.get('timeout_s')}", admit=False
-            )
-        elif exit_code is not None and exit_code < 0:
-            self._finalize(
-                job, "failed", f"signal:{signal_name(exit_code)}: the run process was killed by a signal", admit=False
-            )
-        else:
-            self._finalize(
-                job, "failed", f"exit_code:{exit_code}: the run process exited without finishing", admit=False
-            )
-
-    def _finalize(
-        self, job: Job, state: str, reason: str | None, admit: bool = True, done_exists: bool = False
-    ) -> None:
-        """Record a terminal state: job.json first, then _DONE, last."""
-        self._queued.pop(job.id, None)
-        self._running.pop(job.id, None)
-        if self.slurm is not None:
-            self.slurm.jobs.pop(job.id, None)
-            if self._loop is not None:
-                self._loop.call_soon(self.slurm.advance)  # SLURM runs may wait on this one
-        if job.timeout_handle is not None:
-            job.timeout_handle.cancel()
-            job.timeout_handle = None
-        rec = job.record
-        rec.update(state=state, reason=reason, finished_at=utcnow_iso())
-        job.done_exists = done_exists
-        if self._deferred is not None:
-            self._deferred.append(job)
-        else:
-            self._write_terminal(job)
-        self._changed(job)
-        if admit:
-            self.request_admission()
-
-    def _write_terminal(self, job: Job, quiet: bool = False) -> None:
-        # _DONE only once job.json holds the terminal state: a _DONE beside a job.json that still
-        # says "running" would make the next start conclude the run from stale files.
-        if not self._persist(job, quiet=quiet):
-            return
-        if not job.done_exists:
-            try:
-                self.store.mark_done(job.id)
-                job.done_exists = True
-            except OSError as exc:
-                self._unwritten.add(job.id)
-                if not quiet:
-                    log.error("evalsched: cannot write _DONE for %s: %s", job.id, exc)
-
-    def _on_timeout(self, run_id: str) -> None:
-        job = self._running.get(run_id)
-        if job is None:
-            return
-        job.timed_out = True
-        job.timeout_handle = None
-        self.launcher.terminate(run_id, self.config.cancel_grace_s)
+        self.executors[run.executor].launch(run)
 
     # ----------------------------------------------------------------- client operations
 
-    def get(self, run_id: str) -> Job:
-        job = self._jobs.get(run_id) if is_valid_run_id(run_id) else None
-        if job is None:
+    def get(self, run_id: str) -> Run:
+        run = self.table.get(run_id)
+        if run is None:
             raise UnknownRun(f"no run with id {run_id!r}")
-        return job
+        return run
 
     async def cancel(self, run_id: str) -> dict:
-        job = self.get(run_id)
-        if job.remote and job.state in ("queued", "running"):
-            await self.slurm.cancel(job)
-            return job.record
-        if job.state == "queued":
-            self._finalize(job, "cancelled", "cancelled: cancelled through the API while queued")
-        elif job.state == "running":
-            job.cancel_requested = True
-            # False while a run waits for its model host: _launch_with_models then cancels it.
-            self.launcher.terminate(run_id, self.config.cancel_grace_s)
+        run = self.get(run_id)
+        if run.terminal:
+            raise StateConflict(f"run {run_id} already ended ({run.state}); nothing to cancel")
+        executor = self.executors.get(run.executor)
+        if run.id in self._queued or executor is None:
+            self.table.finish(
+                run, CANCELLED, contract.reason(contract.CANCELLED_REASON, "cancelled through the API while queued")
+            )
         else:
-            raise StateConflict(f"run {run_id} already ended ({job.state}); nothing to cancel")
-        return job.record
+            await executor.cancel(run)
+        return run.record
 
     def delete(self, run_id: str) -> None:
-        job = self.get(run_id)
-        if job.state not in TERMINAL_STATES:
-            raise StateConflict(f"run {run_id} is {job.state}; cancel it before deleting it")
-        dependents = [
-            j.id for j in self._jobs.values() if j.state in ("queued", "running") and run_id in j.record["depends_on"]
-        ]
+        run = self.get(run_id)
+        if not run.terminal:
+            raise StateConflict(f"run {run_id} is {run.state}; cancel it before deleting it")
+        dependents = [other.id for other in self.table.active() if run_id in other.depends_on]
         if dependents:
             raise StateConflict(f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}")
         try:
@@ -736,42 +500,33 @@ class Scheduler:
             pass
         except OSError as exc:
             raise Unavailable(f"cannot delete run {run_id}: {exc.strerror or exc}") from exc
-        del self._jobs[run_id]
-        self._version += 1
+        self.table.remove(run_id)
 
-    def list_runs(self, states: set[str] | None = None, limit: int = 100) -> tuple[list[dict], int]:
-        out = []
+    def list_runs(self, states: set[str] | None = None, limit: int = 100) -> tuple[list[dict[str, Any]], int]:
+        out: list[dict[str, Any]] = []
         total = 0
         # Concurrent submissions may be registered slightly out of order: sort by submission.
-        for job in sorted(self._jobs.values(), key=lambda j: j.record["seq"], reverse=True):
-            if states and job.state not in states:
+        for run in sorted(self.table, key=lambda r: r.record["seq"], reverse=True):
+            if states and run.state not in states:
                 continue
             total += 1
             if len(out) < limit:
-                out.append(job.record)
+                out.append(run.record)
         return out, total
 
-    def queued_in_order(self) -> list[Job]:
-        jobs = policy.admission_order(
-            (
-                policy.QueuedJob(
-                    id=j.id, seq=j.record["seq"], priority=j.record["priority"], waited_s=time.time() - j.submitted_ts
-                )
-                for j in self._queued.values()
-            ),
-            self.config.policy,
-        )
+    def queued_in_order(self) -> list[Run]:
+        now = time.time()
+        jobs = policy.admission_order((self._as_queued(run, now) for run in self._queued.values()), self.config.policy)
         return [self._queued[j.id] for j in jobs]
 
     def ledger(self) -> dict:
         return ledger_view(self._budgets, self.config.cpu_slots, self._running_jobs(), self._unmanaged)
 
     def queue_view(self) -> dict:
-        queued = [j.record for j in self.queued_in_order()]
-        running = list(j.record for j in self._running.values())
-        if self.slurm is not None:
-            queued += sorted(self.slurm.queued(), key=lambda r: r["seq"])
-            running += self.slurm.running()
+        queued = [run.record for run in self.queued_in_order()]
+        # Runs of placing executors (SLURM) wait elsewhere: after ours, in submission order.
+        queued += [r.record for r in self.table.active() if r.state == QUEUED and r.id not in self._queued]
+        running = [r.record for r in self.table.active() if r.state == RUNNING]
         return {
             "primary": self.primary_info,
             "queued": queued,
@@ -783,19 +538,32 @@ class Scheduler:
         """The queue view serialised, cached until the next change (GET /queue is polled)."""
         cached = self._queue_cache
         now = time.monotonic()
+        version = self.table.version
         # Also expire after a second: aging reorders the queue with time alone.
-        if cached is not None and cached[0] == self._version and now - cached[2] < 1.0:
+        if cached is not None and cached[0] == version and now - cached[2] < 1.0:
             return cached[1]
         data = _dumps(self.queue_view())
-        self._queue_cache = (self._version, data, now)
+        self._queue_cache = (version, data, now)
         return data
 
-    def summary(self, run_id: str) -> dict | None:
-        job = self.get(run_id)
-        return self.store.cache.read_json(self.store.run_dir(job.id) / store.SUMMARY)
+    def summary(self, run_id: str) -> tuple[dict | None, str | None]:
+        """The run's ``summary.json`` and, when it exists but cannot be used, why."""
+        run = self.get(run_id)
+        try:
+            value = self.store.summary(run.id)
+        except RunFileError as exc:
+            return None, str(exc)
+        if value is not None and not isinstance(value, dict):
+            return None, f"{contract.SUMMARY_FILE} does not hold a JSON object"
+        return value, None
 
-    def run_dir(self, run_id: str) -> Path:
-        return self.store.run_dir(self.get(run_id).id)
+    def episodes(self, run_id: str) -> list[dict]:
+        """The run's ``episodes.jsonl`` lines; RunFileError when it cannot be read."""
+        return self.store.episodes(self.get(run_id).id)
+
+    def logs(self, run_id: str, stream: str, tail: int | None) -> str:
+        """The end of the run's log; RunFileError when it cannot be read."""
+        return self.store.log_tail(self.get(run_id).id, stream, tail)
 
     @property
     def started(self) -> bool:
@@ -804,54 +572,24 @@ class Scheduler:
 
     @property
     def has_live_runs(self) -> bool:
-        return bool(self._running) or bool(self.slurm and self.slurm.jobs)
+        """Runs that are running, or handed to another system: JupyterHub must not cull us."""
+        return len(self.table.active()) > len(self._queued)
 
     @property
     def counts(self) -> dict[str, int]:
-        remote = len(self.slurm.jobs) if self.slurm else 0
-        return {"queued": len(self._queued), "running": len(self._running), "slurm": remote, "total": len(self._jobs)}
+        counts = self.table.counts()
+        for name, executor in self.executors.items():
+            if not executor.uses_ledger:
+                counts[name] = sum(1 for r in self.table.active() if r.executor == name)
+        return counts
 
     # ----------------------------------------------------------------- events
 
     def subscribe(self, listener: Listener) -> None:
-        self._listeners.add(listener)
+        self.table.subscribe(listener)
 
     def unsubscribe(self, listener: Listener) -> None:
-        self._listeners.discard(listener)
-
-    def _changed(self, job: Job) -> None:
-        self._version += 1
-        if self._running or job.state == "running":
-            self.last_activity = _now_dt()
-        event = {"type": "run", "run": job.record}
-        for listener in list(self._listeners):
-            try:
-                listener(event)
-            except Exception:
-                log.exception("evalsched: event listener failed")
-
-    def _persist(self, job: Job, quiet: bool = False) -> bool:
-        try:
-            self.store.write_job(job.id, job.record)
-        except (store.StoreError, OSError) as exc:
-            # The state stays right in memory; the sweep retries the write (_retry_writes).
-            self._unwritten.add(job.id)
-            if not quiet:
-                log.error("evalsched: cannot write job.json of %s: %s", job.id, exc)
-            return False
-        self._unwritten.discard(job.id)
-        return True
-
-    def _retry_writes(self) -> None:
-        """Write what a full or read-only disk refused, once it takes writes again."""
-        for run_id in list(self._unwritten):
-            job = self._jobs.get(run_id)
-            if job is None or not self.store.run_dir(run_id).is_dir():
-                self._unwritten.discard(run_id)  # deleted, or its directory is gone
-            elif job.state in TERMINAL_STATES:
-                self._write_terminal(job, quiet=True)
-            else:
-                self._persist(job, quiet=True)
+        self.table.unsubscribe(listener)
 
     # ----------------------------------------------------------------- background work
 
@@ -859,106 +597,71 @@ class Scheduler:
         if not self._started:
             raise Unavailable("the scheduler is not running")
 
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise Unavailable("the scheduler is not running")
+        return self._loop
+
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
             try:
-                self.launcher.poll()
-                if self._unwritten:
-                    self._retry_writes()
+                for executor in self.executors.values():
+                    await executor.sweep()
+                if self.table.has_unwritten:
+                    self.table.retry_unwritten()
                 await self._refresh_unmanaged()
                 self._admit()
-                if self.slurm is not None:
-                    self.slurm.advance()
-                    await self.slurm.sweep()
             except Exception:
                 log.exception("evalsched: sweep failed")
 
     async def _refresh_unmanaged(self) -> None:
-        processes = await self._loop.run_in_executor(None, self.probe.processes)
+        loop = self._require_loop()
+        processes = await loop.run_in_executor(None, self.probe.processes)
         if not processes and not self._unmanaged:
             return
-        managed = await self._loop.run_in_executor(None, self._managed_pids)
+        own = set(self.models.pids())
+        for executor in self.executors.values():
+            own |= executor.pids()
+        managed = await loop.run_in_executor(None, _with_descendants, own)
         unmanaged = unmanaged_by_device(processes, managed)
         if {k: v.mb for k, v in unmanaged.items()} != {k: v.mb for k, v in self._unmanaged.items()}:
-            self._version += 1
+            self.table.version += 1
         self._unmanaged = unmanaged
-
-    def _managed_pids(self) -> set[int]:
-        pids = set(self.launcher.running_pids) | set(self.models.pids())
-        for pid in list(pids):
-            try:
-                pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-            except psutil.Error:
-                pass
-        return pids
 
     async def _watch_progress_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.progress_interval_s)
             try:
-                self._poll_progress()
+                for run in self.table.active():
+                    if run.state == RUNNING:
+                        self.table.refresh_progress(run)
             except Exception:
                 log.exception("evalsched: progress watch failed")
 
-    def _poll_progress(self) -> None:
-        """Progress comes from the run's summary.json; only running runs are looked at."""
-        for job in list(self._running.values()):
-            path = self.store.run_dir(job.id) / store.SUMMARY
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            key = (st.st_mtime_ns, st.st_size)
-            if key == job.summary_key:
-                continue
-            job.summary_key = key
-            summary = self.store.cache.read_json(path)
-            if self._apply_summary(job, summary):
-                self._changed(job)
 
-    def _apply_summary(self, job: Job, summary: Any) -> bool:
-        if not isinstance(summary, dict):
-            return False
-        progress = {
-            "done": _int(summary.get("episodes_done")),
-            "total": _int(summary.get("episodes_total"), job.record["progress"]["total"]),
-        }
-        metrics = summary.get("metrics") if isinstance(summary.get("metrics"), dict) else {}
-        if progress == job.record["progress"] and metrics == job.record.get("metrics"):
-            return False
-        job.record["progress"] = progress
-        job.record["metrics"] = metrics
-        return True
-
-
-def _read_json_or_none(path: Path) -> Any:
-    try:
-        return store.read_json_nofollow(path)
-    except (OSError, ValueError):
+def _entrypoint_problem(spec: EvalSpec, cwd: str) -> tuple[str, str] | None:
+    """(error type, message) when the runner could not find the entrypoint's file."""
+    entrypoint = spec.entrypoint or ""
+    if spec.source is not None:
+        if not entrypoint.startswith(contract.EVAL_SOURCE_FILE + ":"):
+            return "value_error", f"with 'source', the entrypoint must be '{contract.EVAL_SOURCE_FILE}:<function>'"
         return None
+    path = resolve_entrypoint_file(entrypoint, run_dir=None, cwd=cwd)
+    if path is not None and not os.path.isfile(path):
+        return "missing_file", f"file {path!r} not found (the entrypoint's file, resolved against cwd {cwd})"
+    return None
+
+
+def _with_descendants(pids: set[int]) -> set[int]:
+    out = set(pids)
+    for pid in pids:
+        try:
+            out.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            pass
+    return out
 
 
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _parse_ts(text: str | None) -> float:
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except (TypeError, ValueError):
-        return time.time()
-
-
-def _now_dt() -> datetime:
-
-    return datetime.now(UTC)
-
-
-def _int(value: Any, default: int = 0) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _one_line(text: str, limit: int = 500) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"

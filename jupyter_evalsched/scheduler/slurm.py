@@ -50,12 +50,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import contract
+
 __all__ = [
     "FINISHED_STATES",
     "SlurmCommands",
     "SlurmConfig",
     "SlurmError",
-    "SlurmExecutor",
+    "SlurmCli",
     "SlurmJobState",
     "parse_scontrol_job",
     "parse_squeue",
@@ -66,8 +68,6 @@ __all__ = [
 ]
 
 SCRIPT_NAME = "slurm.sbatch"
-STDOUT_NAME = "stdout.log"  # the names of store.STDOUT/STDERR; not imported, to stay stdlib-only
-STDERR_NAME = "stderr.log"
 
 # squeue -O with "|" as each field's suffix: unpadded, untruncated, and no field can hold a "|".
 # exit_code is the raw wait status (768 = exit 3; 11 = SIGSEGV); BatchHost is "n/a" until the job
@@ -177,8 +177,9 @@ def _job_name(spec: Mapping) -> str:
     return "evalsched-" + re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100]
 
 
-def _uses_gpu(scheduling: Mapping) -> bool:
-    return (scheduling.get("marginal_vram_mb") or 0) > 0 or bool(scheduling.get("exclusive_gpu"))
+def _uses_gpu(spec: Mapping) -> bool:
+    sched = contract.scheduling_of(spec)
+    return contract.uses_gpu(sched["marginal_vram_mb"], sched["exclusive_gpu"])
 
 
 def _log_path(path: Path) -> str:
@@ -199,12 +200,12 @@ def sbatch_options(
     """The sbatch options for a run, as ``--name=value`` arguments."""
     config = config or SlurmConfig()
     run_dir = Path(run_dir)
-    scheduling = spec.get("scheduling") or {}
+    scheduling = contract.scheduling_of(spec)
     cwd = str(spec.get("cwd") or run_dir)
     opts = [
         f"--job-name={_job_name(spec)}",
-        f"--output={_log_path(run_dir / STDOUT_NAME)}",
-        f"--error={_log_path(run_dir / STDERR_NAME)}",
+        f"--output={_log_path(run_dir / contract.STDOUT_FILE)}",
+        f"--error={_log_path(run_dir / contract.STDERR_FILE)}",
         "--open-mode=append",
         f"--chdir={cwd}",
         "--export=ALL",
@@ -213,7 +214,7 @@ def sbatch_options(
         "--ntasks=1",
         f"--cpus-per-task={max(1, int(scheduling.get('cpus') or 1))}",
     ]
-    if _uses_gpu(scheduling):
+    if _uses_gpu(spec):
         opts.append(f"--gres=gpu:{max(1, int(scheduling.get('gpus') or 1))}")
     timeout_s = spec.get("timeout_s")
     if timeout_s is not None and timeout_s > 0:
@@ -291,7 +292,7 @@ def render_sbatch_script(
         # Exit 66 (EX_NOINPUT) when cwd is missing on the node: the run then ends "exit_code:66".
         f"cd -- {shlex.quote(cwd)} || {{ echo 'evalsched: cannot enter the run cwd' {shlex.quote(cwd)} >&2; exit 66; }}",
     ]
-    for name, value in sorted(job_environment(env, _uses_gpu(spec.get("scheduling") or {})).items()):
+    for name, value in sorted(job_environment(env, _uses_gpu(spec)).items()):
         lines.append(f"export {name}={shlex.quote(value)}")
     lines.append("unset EVALSCHED_PARENT_PID EVALSCHED_DEVICES")
     lines.append(_RUN_AND_REPORT.format(python=shlex.quote(config.python), run_dir=shlex.quote(str(run_dir))))
@@ -489,8 +490,9 @@ def pending_reason(state: SlurmJobState, uses_gpu: bool = False) -> str:
 # --------------------------------------------------------------------------- the executor
 
 
-class SlurmExecutor:
-    """Submit, poll and cancel runs as SLURM batch jobs. Thread-safe; every method blocks."""
+class SlurmCli:
+    """SLURM's command-line client: submit, poll and cancel runs as batch jobs. Thread-safe;
+    every method blocks (the SLURM executor calls it from a thread pool)."""
 
     def __init__(self, config: SlurmConfig | None = None) -> None:
         self.config = config or SlurmConfig()

@@ -1,0 +1,27 @@
+"""The scheduler's settings (filled from the extension's traitlets by the app)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import policy
+
+
+@dataclass
+class SchedulerConfig:
+    runs_dir: Path
+    cpu_slots: int = field(default_factory=lambda: os.cpu_count() or 1)
+    reserve_mb: int = 0
+    usable_override: dict[int, int] = field(default_factory=dict)
+    env_usable_mb: int | None = None
+    policy: policy.PolicyConfig = field(default_factory=policy.PolicyConfig)
+    cancel_grace_s: float = 10.0
+    sweep_interval_s: float = 1.0
+    progress_interval_s: float = 0.2
+    default_cwd: str = field(default_factory=os.getcwd)
+    fsync: bool = False
+    # Environment given to every run on top of the server's (e.g. PYTHONPATH for tests).
+    run_env: dict[str, str] = field(default_factory=dict)
+    default_executor: str = "local"

@@ -1,0 +1,38 @@
+"""The environment a run process starts with: the server's, the host's ``run_env``, the spec's
+``env``, then the variables that tie the run to this scheduler (DESIGN.md, "Eval spec")."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+
+def run_environment(
+    run_id: str,
+    *layers: Mapping[str, str],
+    devices: Sequence[int] | None,
+    parent_pid: int | None,
+    fsync: bool,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """``base`` (the server's environment) updated by each layer, then the run's own variables.
+
+    ``devices`` None: the devices are not ours to give (SLURM sets them from its allocation).
+    ``parent_pid`` None: the run's parent is not this server (SLURM's step daemon), so the runner
+    must not check it.
+    """
+    env = dict(os.environ if base is None else base)
+    for layer in layers:
+        env.update(layer)
+    if devices is not None:
+        indices = ",".join(str(d) for d in devices)
+        env["CUDA_VISIBLE_DEVICES"] = indices  # "" for a CPU-only run: it sees no GPU
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the indices then match NVML's
+        env["EVALSCHED_DEVICES"] = indices
+    env["EVALSCHED_RUN_ID"] = run_id  # also how clean-up finds a run's escaped descendants
+    if parent_pid is not None:
+        env["EVALSCHED_PARENT_PID"] = str(parent_pid)
+    env["PYTHONUNBUFFERED"] = "1"
+    if fsync:
+        env["EVALSCHED_FSYNC"] = "1"
+    return env

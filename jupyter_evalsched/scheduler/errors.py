@@ -1,0 +1,34 @@
+"""Errors of scheduler operations, each with the HTTP status it means to a client."""
+
+from __future__ import annotations
+
+
+class SchedulerError(Exception):
+    status = 400
+
+    def __init__(self, message: str, detail: list[dict] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+
+class SpecRejected(SchedulerError):
+    """The spec is valid JSON of the right shape but cannot run here (never fits, unknown model...)."""
+
+    status = 422
+
+
+class UnknownRun(SchedulerError):
+    status = 404
+
+
+class StateConflict(SchedulerError):
+    """The operation does not fit the run's state (cancel a finished run, delete a running one)."""
+
+    status = 409
+
+
+class Unavailable(SchedulerError):
+    """The scheduler cannot serve now (starting, runs directory unwritable): retry later."""
+
+    status = 503

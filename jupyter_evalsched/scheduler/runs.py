@@ -1,0 +1,380 @@
+"""The run table: every run this server knows, and the life of its record.
+
+One module owns a record from creation to its terminal state: transitions, persistence of
+``job.json`` (atomically, at every transition), ``_DONE`` after the terminal ``job.json``,
+retries of writes a full or read-only disk refused, and change notification. Admission decides
+*when* a run starts; executors decide *how* it runs and *how it ended*; both change records only
+through this table.
+
+Listeners: ``subscribe`` gets ``{"type": "run", "run": <record>}`` at every visible change (the
+event socket); ``on_end`` gets each run that reached a terminal state (admission frees its
+resources, executors wake dependents). A listener that raises is logged, never propagated.
+
+All of it runs on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from .. import contract
+from ..contract import ACTIVE_STATES, FAILED, RUNNING, SUCCEEDED, TERMINAL_STATES
+from ..models import RECORD_FIELDS, RunRecord, utcnow_iso
+from ..store import RunFileError, RunStore, StoreError
+
+log = logging.getLogger("jupyter_evalsched")
+
+Listener = Callable[[dict], None]
+EndListener = Callable[["Run"], None]
+
+
+@dataclass(eq=False, slots=True)
+class Run:
+    """One run: its record (the contract's run record, as sent and as written to ``job.json``),
+    its spec, and what the server tracks about it in memory only."""
+
+    record: dict[str, Any]
+    spec: dict[str, Any]
+    submitted_ts: float
+    scheduling: dict[str, Any] = field(init=False)
+    passed_over: int = 0  # times a later job was admitted ahead of it (anti-starvation)
+    cancel_requested: bool = False
+    timed_out: bool = False
+    done_on_disk: bool = False
+    summary_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the summary last applied
+
+    def __post_init__(self) -> None:
+        self.scheduling = contract.scheduling_of(self.spec)
+
+    @property
+    def id(self) -> str:
+        return self.record["id"]
+
+    @property
+    def state(self) -> str:
+        return self.record["state"]
+
+    @property
+    def executor(self) -> str:
+        return self.record["executor"]
+
+    @property
+    def depends_on(self) -> list[str]:
+        return self.record["depends_on"]
+
+    @property
+    def terminal(self) -> bool:
+        return self.record["state"] in TERMINAL_STATES
+
+
+def new_record(run_id: str, spec: dict[str, Any], *, seq: int, executor: str, run_dir: str) -> dict[str, Any]:
+    """The record of a run just submitted (``spec`` validated, defaults filled in)."""
+    sched = contract.scheduling_of(spec)
+    return RunRecord.model_validate(
+        dict(
+            id=run_id,
+            name=spec["name"],
+            state=contract.QUEUED,
+            priority=sched["priority"],
+            submitted_at=utcnow_iso(),
+            progress={"done": 0, "total": spec["episodes"]},
+            marginal_vram_mb=sched["marginal_vram_mb"],
+            depends_on=list(spec.get("depends_on") or ()),
+            gpus=sched["gpus"],
+            cpus=sched["cpus"],
+            exclusive_gpu=sched["exclusive_gpu"],
+            models=list(spec.get("models") or ()),
+            timeout_s=spec.get("timeout_s"),
+            executor=executor,
+            seq=seq,
+            run_dir=run_dir,
+        )
+    ).model_dump(mode="json")
+
+
+def record_from_disk(raw: dict[str, Any], run_id: str, run_dir: str) -> dict[str, Any]:
+    """A ``job.json`` read back, checked field by field (ValueError when it does not hold a run
+    record); fields it lacks get their defaults, unknown ones are dropped."""
+    from pydantic import ValidationError
+
+    try:
+        record = RunRecord.model_validate({**raw, "id": run_id, "run_dir": run_dir}).model_dump(mode="json")
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "job.json"
+        raise ValueError(f"job.json is not a run record ({where}: {first['msg']})") from None
+    return record
+
+
+def runner_verdict(summary: Any) -> tuple[str, str | None] | None:
+    """How a run that finalized itself (its ``_DONE`` exists) ended, from its ``summary.json``:
+    ``(state, reason)``, or None when the summary does not say (the caller then judges by the
+    process's exit). The one place a summary becomes a verdict."""
+    if not isinstance(summary, dict):
+        return None
+    status = summary.get("status")
+    if status == SUCCEEDED:
+        return SUCCEEDED, None
+    if status == FAILED:
+        error = summary.get("error")
+        err = error if isinstance(error, dict) else {}
+        text = f"{err.get('type', 'Error')}: {err.get('message', '')}".strip().rstrip(":")
+        return FAILED, contract.reason(contract.EXCEPTION, text)
+    return None
+
+
+def _int(value: Any, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+class RunTable:
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+        self._runs: dict[str, Run] = {}  # every known run, in submission order
+        self._active: dict[str, Run] = {}  # the queued and running ones
+        self._seq = 0
+        self._listeners: list[Listener] = []
+        self._end_listeners: list[EndListener] = []
+        self._unwritten: set[str] = set()  # runs whose job.json or _DONE a write refused
+        self._deferred: list[Run] | None = None
+        self.version = 0  # bumped at every change: caches of views compare it
+
+    # ------------------------------------------------------------------ registry
+
+    def get(self, run_id: str) -> Run | None:
+        return self._runs.get(run_id) if contract.is_valid_run_id(run_id) else None
+
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self._runs
+
+    def __iter__(self) -> Iterator[Run]:
+        return iter(list(self._runs.values()))
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def active(self) -> list[Run]:
+        """Queued and running runs, in submission order."""
+        return list(self._active.values())
+
+    def add(self, run: Run) -> None:
+        self._runs[run.id] = run
+        if run.state in ACTIVE_STATES:
+            self._active[run.id] = run
+        self._seq = max(self._seq, _int(run.record.get("seq")))
+
+    def remove(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+        self._active.pop(run_id, None)
+        self._unwritten.discard(run_id)
+        self.version += 1
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def counts(self) -> dict[str, int]:
+        out = {"queued": 0, "running": 0, "total": len(self._runs)}
+        for run in self._active.values():
+            out[run.state] += 1
+        return out
+
+    # ------------------------------------------------------------------ listeners
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def on_end(self, listener: EndListener) -> None:
+        self._end_listeners.append(listener)
+
+    def changed(self, run: Run) -> None:
+        """Tell listeners that the run's record changed."""
+        self.version += 1
+        event = {"type": "run", "run": run.record}
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("evalsched: event listener failed")
+
+    # ------------------------------------------------------------------ transitions
+
+    def update(self, run: Run, *, save: bool = True, notify: bool = True, **fields: Any) -> None:
+        """Change record fields; write ``job.json`` (``save``) and tell listeners (``notify``)."""
+        unknown = fields.keys() - RECORD_FIELDS
+        if unknown:
+            raise KeyError(f"not run record fields: {sorted(unknown)}")
+        if fields.get("state") in TERMINAL_STATES:
+            raise ValueError("terminal states are reached through finish()")
+        run.record.update(fields)
+        if save:
+            self.save(run)
+        if notify:
+            self.changed(run)
+
+    def set_reason(self, run: Run, reason: str | None) -> None:
+        """Why a run waits: news to the widget and the panel, not worth a write."""
+        if run.record["reason"] != reason:
+            run.record["reason"] = reason
+            self.changed(run)
+
+    def refresh_progress(self, run: Run) -> bool:
+        """Apply the run's ``summary.json`` to its record if the file changed; True when the
+        progress or metrics changed (listeners were told)."""
+        stamp = self.store.summary_stamp(run.id)
+        if stamp is None or stamp == run.summary_stamp:
+            return False
+        run.summary_stamp = stamp
+        try:
+            summary = self.store.summary(run.id)
+        except RunFileError:
+            return False  # the verdict at the end says what is wrong with it
+        if self.apply_summary(run, summary):
+            self.changed(run)
+            return True
+        return False
+
+    def apply_summary(self, run: Run, summary: Any) -> bool:
+        """Progress and metrics from a summary into the record (no notification); True if changed."""
+        if not isinstance(summary, dict):
+            return False
+        rec = run.record
+        progress = {
+            "done": _int(summary.get("episodes_done")),
+            "total": _int(summary.get("episodes_total"), rec["progress"]["total"]),
+        }
+        metrics = summary.get("metrics") if isinstance(summary.get("metrics"), dict) else {}
+        if progress == rec["progress"] and metrics == rec["metrics"]:
+            return False
+        rec["progress"] = progress
+        rec["metrics"] = metrics
+        return True
+
+    def finish(self, run: Run, state: str, reason: str | None, *, done_on_disk: bool = False) -> None:
+        """Record a terminal state: ``job.json`` first, then ``_DONE`` (unless the run already
+        wrote it), then tell the listeners and the end listeners."""
+        if state not in TERMINAL_STATES:
+            raise ValueError(f"{state!r} is not a terminal state")
+        if run.terminal:
+            return  # the first verdict stands
+        run.record.update(state=state, reason=reason, finished_at=utcnow_iso())
+        run.done_on_disk = done_on_disk
+        self._active.pop(run.id, None)
+        if self._deferred is not None:
+            self._deferred.append(run)
+        else:
+            self._write_terminal(run)
+        self.changed(run)
+        for listener in list(self._end_listeners):
+            try:
+                listener(run)
+            except Exception:
+                log.exception("evalsched: end listener failed for run %s", run.id)
+
+    def conclude(self, run: Run, exit_code: int | None = None) -> tuple[str, str | None] | None:
+        """The verdict of a run that finalized itself (its ``_DONE`` exists and its summary says
+        how it ended), else None: the caller judges by how the process ended. A summary that
+        cannot be read is a failure whose reason says what is wrong with it."""
+        rid = run.id
+        try:
+            summary = self.store.summary(rid)
+        except RunFileError as exc:
+            if not self.store.done_exists(rid):
+                return None
+            code = "unknown" if exit_code is None else exit_code
+            return FAILED, contract.reason(
+                contract.EXIT_CODE, f"the run finalized but its result cannot be used: {exc}", arg=code
+            )
+        self.apply_summary(run, summary)
+        if run.record.get("started_at") is None and isinstance(summary, dict):
+            # A short run can start and end between two looks: its own summary knows when.
+            run.record["started_at"] = summary.get("started_at")
+        if not self.store.done_exists(rid):
+            return None
+        return runner_verdict(summary)
+
+    @contextmanager
+    def deferring_writes(self) -> Iterator[None]:
+        """Hold terminal writes until the block ends: an exit's admission comes first, so a freed
+        GPU is reused at once. Should the server die in between, recovery still finds the run's
+        own ``_DONE``, or marks it aborted."""
+        if self._deferred is not None:
+            yield
+            return
+        self._deferred = []
+        try:
+            yield
+        finally:
+            pending, self._deferred = self._deferred, None
+            for run in pending:
+                self._write_terminal(run)
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, run: Run, quiet: bool = False) -> bool:
+        """Write ``job.json``. A refused write keeps the state right in memory; the sweep retries
+        it (``retry_unwritten``)."""
+        try:
+            self.store.write_job(run.id, run.record)
+        except (StoreError, OSError) as exc:
+            self._unwritten.add(run.id)
+            if not quiet:
+                log.error("evalsched: cannot write job.json of %s: %s", run.id, exc)
+            return False
+        self._unwritten.discard(run.id)
+        return True
+
+    def ensure_done(self, run: Run) -> None:
+        """A terminal run found without ``_DONE`` (the server died between the two writes)."""
+        self._write_terminal(run, quiet=True)
+
+    def _write_terminal(self, run: Run, quiet: bool = False) -> None:
+        # _DONE only once job.json holds the terminal state: a _DONE beside a job.json that still
+        # says "running" would make the next start conclude the run from stale files.
+        if not self.save(run, quiet=quiet):
+            return
+        if run.done_on_disk:
+            return
+        try:
+            self.store.mark_done(run.id)
+            run.done_on_disk = True
+        except OSError as exc:
+            self._unwritten.add(run.id)
+            if not quiet:
+                log.error("evalsched: cannot write _DONE for %s: %s", run.id, exc)
+
+    @property
+    def has_unwritten(self) -> bool:
+        return bool(self._unwritten)
+
+    def retry_unwritten(self) -> None:
+        """Write what a full or read-only disk refused, once it takes writes again."""
+        for run_id in list(self._unwritten):
+            run = self._runs.get(run_id)
+            if run is None or not self.store.run_dir(run_id).is_dir():
+                self._unwritten.discard(run_id)  # deleted, or its directory is gone
+            elif run.terminal:
+                self._write_terminal(run, quiet=True)
+            else:
+                self.save(run, quiet=True)
+
+
+def parse_timestamp(text: Any) -> float:
+    """Seconds since the epoch of a record's ISO timestamp; now when it cannot be read."""
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except (TypeError, ValueError):
+        return time.time()
+
+
+__all__ = ["RUNNING", "Run", "RunTable", "new_record", "parse_timestamp", "record_from_disk", "runner_verdict"]

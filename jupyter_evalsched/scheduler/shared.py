@@ -1,0 +1,41 @@
+"""What the scheduler needs of the shared-model host (implemented by shared_models.manager)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class SharedModels(Protocol):
+    def names(self) -> list[str]:
+        """Known model names: a spec naming another is a 422."""
+        ...
+
+    def baseline_mb_by_device(self) -> dict[int, int]:
+        """Declared VRAM of the models placed on each GPU: the ledger's baseline."""
+        ...
+
+    async def urls_for(self, names: list[str]) -> dict[str, str]:
+        """Start the hosts of these models if needed; their URLs once they listen."""
+        ...
+
+    def pids(self) -> set[int]:
+        """The live host processes (their VRAM is the baseline, never unmanaged)."""
+        ...
+
+
+class NoSharedModels:
+    """A server without shared models."""
+
+    def names(self) -> list[str]:
+        return []
+
+    def baseline_mb_by_device(self) -> dict[int, int]:
+        return {}
+
+    async def urls_for(self, names: list[str]) -> dict[str, str]:
+        if names:
+            raise ValueError(f"no shared models are configured (asked for {', '.join(names)})")
+        return {}
+
+    def pids(self) -> set[int]:
+        return set()
