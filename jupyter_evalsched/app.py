@@ -13,6 +13,7 @@ from tornado.ioloop import PeriodicCallback
 from traitlets import Bool, Dict, Enum, Float, Int, List, Type, Unicode, default, validate
 
 from .primary import HostRole
+from .store import MODEL_LOGS_DIR
 
 if TYPE_CHECKING:
     from jupyter_server.serverapp import ServerApp
@@ -173,6 +174,8 @@ class EvalSchedApp(ExtensionApp):
             model_host = ModelHostManager(
                 list(self.models),
                 socket_dir=Path(jupyter_runtime_dir()) / f"evalsched-models-{os.getpid()}",
+                # Beside the runs, where a user finds them after the host (and its sockets) are gone.
+                log_dir=str(Path(self.runs_dir).expanduser() / MODEL_LOGS_DIR),
                 log=self.log,
             )
         config = SchedulerConfig(

@@ -43,14 +43,16 @@ SIGNAL = "signal"  # signal:<NAME>
 TIMEOUT = "timeout"
 CANCELLED_REASON = "cancelled"
 SERVER_RESTART = "server_restart"
+MODEL_UNAVAILABLE = "model_unavailable"  # model_unavailable: <model>: <why, with the host's stderr>
 
 
-def reason(code: str, detail: str | None = None, *, arg: object = None) -> str:
+def reason(code: str, detail: str | None = None, *, arg: object = None, limit: int = 500) -> str:
     """``code``, ``code:arg``, ``code: detail`` or ``code:arg: detail`` — the contract's shape of a
-    ``reason``: a code, then an optional human sentence after ``": "``."""
+    ``reason``: a code, then an optional human sentence after ``": "`` (one line, at most
+    ``limit`` characters)."""
     text = code if arg is None else f"{code}:{arg}"
     if detail:
-        text += ": " + one_line(detail)
+        text += ": " + one_line(detail, limit)
     return text
 
 

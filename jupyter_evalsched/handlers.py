@@ -344,7 +344,9 @@ class StatusHandler(EvalSchedHandler):
             "primary": primary.public() if primary else None,
         }
         if not is_delegating(self):
-            body.update(runs_dir=str(self.scheduler.store.root), counts=self.scheduler.counts)
+            scheduler = self.scheduler
+            body.update(runs_dir=str(scheduler.store.root), counts=scheduler.counts)
+            body["broken_runs"] = [{"id": k, "problem": v} for k, v in sorted(scheduler.broken.items())]
         self.send_json(body)
 
 

@@ -6,6 +6,7 @@ library (see ``runner/``) so that it never pays pydantic's import cost.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from datetime import UTC, datetime
@@ -48,7 +49,9 @@ def utcnow_iso() -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # Strict types: a boolean is not a number, "100" is not a number, 1 is not a boolean. (An
+    # integer is still a valid float: JSON does not tell 10 from 10.0.)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
 
 class Scheduling(_Strict):
@@ -138,6 +141,9 @@ class EvalSpec(_Strict):
     @classmethod
     def _params_finite(cls, v: dict[str, Any]) -> dict[str, Any]:
         _check_json_finite(v, "params")
+        size = len(json.dumps(v, separators=(",", ":"), allow_nan=False))
+        if size > MAX_PARAMS_JSON_CHARS:
+            raise ValueError(f"params are {size} characters as JSON; at most {MAX_PARAMS_JSON_CHARS} are accepted")
         return v
 
     @model_validator(mode="after")
@@ -277,12 +283,15 @@ class EpisodeList(BaseModel):
 
 class ModelInfo(BaseModel):
     name: str
-    state: str
+    state: str = Field(description="not_loaded, loading, loaded or failed")
     device: str | None = None
     vram_mb: int = 0
     requests: int = 0
     batches: int = 0
     mean_batch_size: float = 0.0
+    load_count: int = 0
+    error: dict[str, Any] | None = Field(None, description="{type, message}: why the host or the model failed")
+    log: str | None = Field(None, description="the host's stderr, kept after it dies")
 
 
 class ModelList(BaseModel):

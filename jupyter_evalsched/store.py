@@ -43,6 +43,7 @@ MAX_EPISODES_BYTES = 256 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 
 STAGING_PREFIX = ".staging-"  # a run directory being assembled, or being deleted
+MODEL_LOGS_DIR = ".models"  # the shared-model hosts' stderr (run ids never start with a dot)
 
 
 class StoreError(Exception):
@@ -222,7 +223,7 @@ class _Cached:
 class FileCache:
     """Parsed JSON keyed by (mtime_ns, size): unchanged files are never parsed twice."""
 
-    def __init__(self, max_entries: int = 50_000) -> None:
+    def __init__(self, max_entries: int = 1024) -> None:
         self._entries: dict[Path, _Cached] = {}
         self._max = max_entries
         self._lock = threading.Lock()
@@ -243,8 +244,9 @@ class FileCache:
             return hit.value
         value = read_json_file(path)
         with self._lock:
-            if len(self._entries) >= self._max:
-                self._entries.clear()
+            self._entries.pop(path, None)
+            while len(self._entries) >= self._max:
+                del self._entries[next(iter(self._entries))]  # the oldest entry
             self._entries[path] = _Cached(key, value)
         return value
 
@@ -255,15 +257,16 @@ class FileCache:
 
 @dataclass(frozen=True, slots=True)
 class FoundRun:
-    """What recovery reads of one run directory. ``problem`` says why ``job``/``spec`` is None
-    when the file exists but cannot be used."""
+    """What recovery reads of one run directory. A ``*_problem`` says why ``job``/``spec`` is
+    None (missing, unreadable, not a JSON object); the spec of a finished run is not read."""
 
     run_id: str
     path: Path
     job: dict[str, Any] | None
     spec: dict[str, Any] | None
     done: bool
-    problem: str | None = None
+    job_problem: str | None = None
+    spec_problem: str | None = None
 
 
 def episode_lines(data: bytes) -> list[dict[str, Any]]:
@@ -414,6 +417,8 @@ class RunStore:
             if entry.name.startswith(STAGING_PREFIX):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 continue
+            if entry.name.startswith("."):
+                continue  # ours (model logs, the primary's files), never a run: run ids start with a digit
             try:
                 is_dir = entry.is_dir(follow_symlinks=False)
             except OSError:
@@ -423,29 +428,26 @@ class RunStore:
         return out
 
     def _found(self, run_id: str, path: Path) -> FoundRun:
-        problems = []
-        docs: dict[str, dict[str, Any] | None] = {}
-        for name in (contract.JOB_FILE, contract.SPEC_FILE):
-            value = None
-            try:
-                value = read_json_file(path / name)
-            except RunFileError as exc:
-                problems.append(str(exc))
-            else:
-                if value is None:
-                    problems.append(f"{name} is missing")
-                elif not isinstance(value, dict):
-                    problems.append(f"{name} does not hold a JSON object")
-                    value = None
-            docs[name] = value
-        return FoundRun(
-            run_id,
-            path,
-            docs[contract.JOB_FILE],
-            docs[contract.SPEC_FILE],
-            os.path.lexists(path / contract.DONE_FILE),
-            "; ".join(problems) or None,
-        )
+        job, job_problem = _read_object(path / contract.JOB_FILE)
+        spec, spec_problem = None, None
+        if job is None or job.get("state") not in contract.TERMINAL_STATES:
+            # A finished run needs its record only: its spec (params can be megabytes) stays on disk.
+            spec, spec_problem = _read_object(path / contract.SPEC_FILE)
+        done = os.path.lexists(path / contract.DONE_FILE)
+        return FoundRun(run_id, path, job, spec, done, job_problem, spec_problem)
+
+
+def _read_object(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A server-owned JSON object of a run directory, or None and why not."""
+    try:
+        value = read_json_file(path)
+    except RunFileError as exc:
+        return None, str(exc)
+    if value is None:
+        return None, f"{path.name} is missing"
+    if not isinstance(value, dict):
+        return None, f"{path.name} does not hold a JSON object"
+    return value, None
 
 
 def _disk_message(exc: OSError, root: Path) -> str:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +73,37 @@ async def test_a_killed_model_host_fails_only_its_callers(api, wait_for, evalsch
     code, body = await api("GET", "models")
     shout = next(m for m in body["models"] if m["name"] == "shout")
     assert shout["load_count"] == 2
+
+
+@pytest.fixture
+def jp_runtime_dir():
+    """A short runtime directory, so the server keeps its model sockets there (a long one makes
+    the manager fall back to a fresh directory under /tmp)."""
+    path = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def taken_socket(jp_runtime_dir):
+    """The socket path of the first model ("shout") taken by a directory before the server
+    starts: its host exits before it listens, at every start."""
+    (jp_runtime_dir / f"evalsched-models-{os.getpid()}" / "m0.sock" / "taken").mkdir(parents=True)
+
+
+async def test_a_run_waiting_on_a_model_that_cannot_start_fails_with_the_reason(taken_socket, api, wait_for, runs_dir):
+    code, rec = await api("POST", "runs", {"source": EVAL, "episodes": 1, "models": ["shout"]})
+    assert code == 201, rec
+    final = await wait_for(rec["id"], timeout=30)
+    assert final["state"] == "failed", final
+    reason = final["reason"]
+    assert reason.startswith("model_unavailable: shout: the model host (pid "), reason
+    assert "exited with exit code 1 before it listened" in reason and "IsADirectoryError" in reason, reason
+    assert (runs_dir / rec["id"] / "_DONE").exists() and final["pid"] is None  # never started
+    code, body = await api("GET", "models")
+    shout = next(m for m in body["models"] if m["name"] == "shout")
+    assert shout["state"] == "failed" and "IsADirectoryError" in shout["error"]["message"]
+    assert "IsADirectoryError" in (runs_dir / ".models" / "shout.log").read_text()
+    # The ledger gave back what the run held, and other models still serve.
+    code, ledger = await api("GET", "ledger")
+    assert ledger["cpu_slots"]["allocated"] == 0

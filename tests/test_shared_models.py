@@ -23,6 +23,7 @@ import pytest_asyncio
 
 from jupyter_evalsched.shared_models.client import SharedModelError, connect, make_url, parse_url
 from jupyter_evalsched.shared_models.config import parse_models
+from jupyter_evalsched.scheduler.shared import ModelUnavailable
 from jupyter_evalsched.shared_models.manager import HOLD_BASE_S, ModelHostManager, restart_hold_s
 
 REPO = Path(__file__).resolve().parents[1]
@@ -592,17 +593,63 @@ async def test_hosts_die_with_the_server():
 @pytest.mark.asyncio
 async def test_a_host_that_cannot_start_is_reported_not_raised(tmp_path, monkeypatch):
     manager = ModelHostManager([{"name": "u", "loader": TESTING + "upper"}], socket_parent=tmp_path)
+    manager.start_attempts = 1
     await manager.start()
     try:
         monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
-        urls = await manager.urls_for(["u"])  # the submission goes on; the run gets the error
+        with pytest.raises(ModelUnavailable, match="no-such-python") as unavailable:
+            await manager.urls_for(["u"])  # the run that asked fails; the server goes on
+        assert unavailable.value.name == "u"
         (described,) = await manager.describe()
         assert described["error"]["type"] == "HostStartFailed" and "no-such-python" in described["error"]["message"]
         assert described["held_s"] > 0 and manager.pids() == set()
-        with pytest.raises(SharedModelError, match="HostUnavailable"):
-            await asyncio.to_thread(connect(urls["u"], connect_timeout=0.3), "x")
         monkeypatch.undo()
         # After the hold, the manager tries again, and the model is served.
+        url = manager.url("u")
+        assert await asyncio.to_thread(connect(url, connect_timeout=10), "x") == "X"
+        assert (await manager.urls_for(["u"])) == {"u": url}
+    finally:
+        await manager.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_host_that_dies_before_it_listens_makes_the_model_unavailable_with_its_stderr(tmp_path):
+    """A host that exits before it listens (here: its socket path is taken by a directory) is
+    retried a bounded number of times; then the caller learns why, with the host's stderr, and
+    the log stays readable where the manager was told to keep it."""
+    sockets, logs = tmp_path / "s", tmp_path / "logs"
+    (sockets / "m0.sock" / "taken").mkdir(parents=True)
+    manager = ModelHostManager([{"name": "u", "loader": TESTING + "upper"}], socket_dir=sockets, log_dir=str(logs))
+    manager.start_attempts = 2
+    await manager.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ModelUnavailable) as unavailable:
+            await manager.urls_for(["u"])
+        assert time.monotonic() - started < 30
+        detail = unavailable.value.detail
+        assert "exited with exit code 1 before it listened" in detail and "IsADirectoryError" in detail, detail
+        (described,) = await manager.describe()
+        assert described["state"] == "failed" and "IsADirectoryError" in described["error"]["message"]
+        assert described["log"] == str(logs / "u.log")
+    finally:
+        await manager.stop()
+    assert "IsADirectoryError" in (logs / "u.log").read_text()  # kept after stop()
+    assert stat.S_IMODE((logs / "u.log").stat().st_mode) == 0o600
+
+
+@pytest.mark.asyncio
+async def test_a_socket_directory_at_the_length_limit_still_serves(tmp_path):
+    """The longest socket directory the manager accepts (a temp-path length that made the host's
+    temporary socket name overflow sun_path, and the default suite flaky) serves."""
+    limit = 100 - len("/m999.sock")
+    deep = tmp_path / ("d" * max(1, limit - len(str(tmp_path)) - 1))
+    assert len(str(deep)) == limit, "tmp_path is too long for this test"
+    manager = ModelHostManager([{"name": "u", "loader": TESTING + "upper"}], socket_dir=deep)
+    await manager.start()
+    try:
+        assert manager.socket_dir == str(deep)  # used, not replaced by a fallback
+        urls = await manager.urls_for(["u"])
         assert await asyncio.to_thread(connect(urls["u"], connect_timeout=10), "x") == "X"
     finally:
         await manager.stop()

@@ -34,10 +34,20 @@ Listener = Callable[[dict], None]
 EndListener = Callable[["Run"], None]
 
 
+# What of a spec stays in memory: the rest (params, source, env: up to megabytes each) is read
+# from spec.json when a run starts. Thousands of finished runs then cost their records alone.
+HEAVY_SPEC_FIELDS = ("params", "source", "env")
+
+
+def slim_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in spec.items() if k not in HEAVY_SPEC_FIELDS}
+
+
 @dataclass(eq=False, slots=True)
 class Run:
     """One run: its record (the contract's run record, as sent and as written to ``job.json``),
-    its spec, and what the server tracks about it in memory only."""
+    the light part of its spec (``slim_spec``), and what the server tracks about it in memory
+    only. The whole spec is ``RunTable.full_spec(run)``."""
 
     record: dict[str, Any]
     spec: dict[str, Any]
@@ -50,6 +60,7 @@ class Run:
     summary_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the summary last applied
 
     def __post_init__(self) -> None:
+        self.spec = slim_spec(self.spec)
         self.scheduling = contract.scheduling_of(self.spec)
 
     @property
@@ -174,6 +185,13 @@ class RunTable:
         self._active.pop(run_id, None)
         self._unwritten.discard(run_id)
         self.version += 1
+
+    def full_spec(self, run: Run) -> dict[str, Any]:
+        """The run's whole spec, from ``spec.json`` (RunFileError when it cannot be read)."""
+        spec = self.store.spec(run.id)
+        if not isinstance(spec, dict):
+            raise RunFileError(f"{contract.SPEC_FILE} is missing or not a JSON object")
+        return spec
 
     def next_seq(self) -> int:
         self._seq += 1

@@ -83,6 +83,7 @@ class Scheduler:
         self._reservation: policy.Reservation | None = None
         self._head_lane = len(policy.LANES)
         self.primary_info: dict | None = None  # which server schedules for this host (set by the app)
+        self.broken: dict[str, str] = {}  # run directories recovery could not read: id -> why
         self.table.on_end(self._on_run_ended)
 
     # ----------------------------------------------------------------- life cycle
@@ -137,27 +138,35 @@ class Scheduler:
         return self.store.scan()
 
     def _recover(self, found: list[FoundRun]) -> None:
-        usable: list[tuple[FoundRun, dict]] = []
-        broken: list[str] = []
+        """Rebuild the table from the runs directory. A directory whose ``job.json`` is not a run
+        record is left on disk as it is, listed as broken (``GET /evalsched/status``) and can be
+        deleted through the API; one whose ``spec.json`` alone is broken keeps its record and, if
+        it was queued or running, ends failed with what is wrong."""
+        usable: list[tuple[FoundRun, dict[str, Any]]] = []
         for f in found:
-            if f.job is None or f.spec is None:
-                broken.append(f"{f.run_id} ({f.problem})")
+            if f.job is None:
+                self.broken[f.run_id] = f.job_problem or "job.json is missing"
                 continue
             try:
                 usable.append((f, record_from_disk(f.job, f.run_id, str(f.path))))
             except ValueError as exc:
-                broken.append(f"{f.run_id} ({exc})")
-        if broken:
+                self.broken[f.run_id] = str(exc)
+        if self.broken:
             log.warning(
-                "evalsched: %d run directories without a usable job.json/spec.json were left as they are: %s",
-                len(broken),
-                "; ".join(sorted(broken)[:20]),
+                "evalsched: %d run directories are broken and were left as they are (DELETE them through the "
+                "API to remove them): %s",
+                len(self.broken),
+                "; ".join(f"{k}: {v}" for k, v in sorted(self.broken.items())[:20]),
             )
         usable.sort(key=lambda item: (item[1]["seq"], item[0].run_id))
         for f, record in usable:
             run = Run(record=record, spec=f.spec or {}, submitted_ts=parse_timestamp(record["submitted_at"]))
             run.done_on_disk = f.done
             self.table.add(run)
+            if f.spec is None and not run.terminal:
+                why = f"{f.spec_problem}: the run cannot start or be judged"
+                self.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"RunFileError: {why}"))
+                continue
             self._recover_run(run, f.done)
         if len(self.table):
             log.info(
@@ -471,6 +480,10 @@ class Scheduler:
     def get(self, run_id: str) -> Run:
         run = self.table.get(run_id)
         if run is None:
+            if run_id in self.broken:
+                raise StateConflict(
+                    f"the directory of run {run_id} is broken ({self.broken[run_id]}); DELETE the run to remove it"
+                )
             raise UnknownRun(f"no run with id {run_id!r}")
         return run
 
@@ -488,19 +501,26 @@ class Scheduler:
         return run.record
 
     def delete(self, run_id: str) -> None:
+        if run_id in self.broken and run_id not in self.table:
+            self._delete_directory(run_id)
+            del self.broken[run_id]
+            return
         run = self.get(run_id)
         if not run.terminal:
             raise StateConflict(f"run {run_id} is {run.state}; cancel it before deleting it")
         dependents = [other.id for other in self.table.active() if run_id in other.depends_on]
         if dependents:
             raise StateConflict(f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}")
+        self._delete_directory(run_id)
+        self.table.remove(run_id)
+
+    def _delete_directory(self, run_id: str) -> None:
         try:
             self.store.delete(run_id)
         except FileNotFoundError:
             pass
         except OSError as exc:
             raise Unavailable(f"cannot delete run {run_id}: {exc.strerror or exc}") from exc
-        self.table.remove(run_id)
 
     def list_runs(self, states: set[str] | None = None, limit: int = 100) -> tuple[list[dict[str, Any]], int]:
         out: list[dict[str, Any]] = []

@@ -5,6 +5,16 @@ from __future__ import annotations
 from typing import Protocol
 
 
+class ModelUnavailable(RuntimeError):
+    """A model's host could not be started (it dies before it listens, or never listens in time).
+    ``detail`` says how, with the last lines of the host's stderr."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(f"{name}: {detail}")
+        self.name = name
+        self.detail = detail
+
+
 class SharedModels(Protocol):
     def names(self) -> list[str]:
         """Known model names: a spec naming another is a 422."""
@@ -15,7 +25,8 @@ class SharedModels(Protocol):
         ...
 
     async def urls_for(self, names: list[str]) -> dict[str, str]:
-        """Start the hosts of these models if needed; their URLs once they listen."""
+        """Start the hosts of these models if needed; their URLs once they listen.
+        ModelUnavailable when a host cannot be started."""
         ...
 
     def pids(self) -> set[int]:

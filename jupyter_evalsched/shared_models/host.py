@@ -429,7 +429,9 @@ def _peer_is_owner(conn: socket.socket) -> bool:
 def _listen(path: str) -> socket.socket:
     """Bind under a temporary name with a 0600 mode, then rename into place atomically."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    temporary = f"{path}.{os.getpid()}.tmp"
+    # No longer than the socket's own name ("m<index>.sock"): the manager sized the directory for
+    # that, and a longer temporary name would not fit in sun_path (108 bytes).
+    temporary = os.path.join(os.path.dirname(path), f".b{os.getpid()}")
     try:
         os.unlink(temporary)
     except FileNotFoundError:

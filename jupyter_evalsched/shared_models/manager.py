@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from ..scheduler.shared import ModelUnavailable
 from .client import make_url
 from .config import ModelConfig, parse_models
 from .protocol import HEADER, PlainUnpickler, encode
@@ -41,7 +42,9 @@ from .protocol import HEADER, PlainUnpickler, encode
 HOLD_BASE_S = 0.5
 HOLD_MAX_S = 60.0
 EARLY_DEATH_S = 60.0  # a host that dies sooner than this after its start counts as crash-looping
-READY_TIMEOUT_S = 10.0
+START_ATTEMPTS = 3  # consecutive starts that never got ready: the model is unavailable
+START_TIMEOUT_S = 60.0  # the longest a run waits for its model's host to listen
+STDERR_TAIL_LINES = 5
 STOP_GRACE_S = 5.0
 DESCRIBE_TIMEOUT_S = 2.0
 _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS: keep a margin
@@ -82,6 +85,7 @@ class _Host:
         self.starts = 0
         self.deaths = 0
         self.early_deaths = 0  # consecutive deaths soon after start: the hold grows with them
+        self.failed_starts = 0  # consecutive starts that died (or failed) before listening
         self.held_until = 0.0
         self.respawn: asyncio.Task | None = None
         self.watcher: asyncio.Task | None = None
@@ -119,6 +123,8 @@ class ModelHostManager:
         self.requested_socket_dir = os.fspath(socket_dir) if socket_dir is not None else None
         self.socket_parent = os.fspath(socket_parent) if socket_parent is not None else None
         self.log_dir = log_dir
+        self.start_attempts = START_ATTEMPTS
+        self.start_timeout_s = START_TIMEOUT_S
         self.env = dict(env or {})
         self.log = log or logging.getLogger("jupyter_evalsched.shared_models")
         self.socket_dir: str | None = None
@@ -156,7 +162,7 @@ class ModelHostManager:
         self._stopping = False
         self.socket_dir = self._make_socket_dir()
         if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
+            os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
         for index, config in enumerate(self.configs):
             self._hosts[config.name] = _Host(config, os.path.join(self.socket_dir, f"m{index}.sock"))
         await asyncio.gather(*(self._ensure_running(h) for h in self._hosts.values() if h.config.preload))
@@ -177,11 +183,29 @@ class ModelHostManager:
         self._started = False
 
     async def urls_for(self, names: Iterable[str]) -> dict[str, str]:
-        """URLs of the named models, for ``shared_urls.json``; starts their hosts if needed (the
-        models themselves load at the first request). ValueError for an unknown name."""
+        """URLs of the named models, for ``shared_urls.json``, once their hosts listen (the models
+        themselves load at the first request). ValueError for an unknown name; ModelUnavailable
+        when a host dies ``start_attempts`` times in a row before listening, or does not listen
+        within ``start_timeout_s``: a run must not wait on a model that cannot come."""
         hosts = [self._host(name) for name in names]
-        await asyncio.gather(*(self._ensure_running(host) for host in hosts))
+        await asyncio.gather(*(self._until_listening(host) for host in hosts))
         return {host.config.name: host.url for host in hosts}
+
+    async def _until_listening(self, host: _Host) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            await self._ensure_running(host)
+            if host.alive and host.ready.is_set():
+                return
+            if host.failed_starts >= self.start_attempts:
+                error = host.error or {}
+                raise ModelUnavailable(host.config.name, error.get("message") or "its host cannot start")
+            if time.monotonic() >= deadline:
+                raise ModelUnavailable(
+                    host.config.name, f"its host did not listen within {self.start_timeout_s:g} s{self._tail(host)}"
+                )
+            # The host listens, dies or is started again: a short poll sees all three.
+            await asyncio.sleep(0.05)
 
     async def describe(self) -> list[dict[str, Any]]:
         """One dict per model (JSON-able): name, state, device, vram_mb, requests, batches,
@@ -243,11 +267,21 @@ class ModelHostManager:
         async with host.lock:
             if not (self._stopping or host.alive or (host.respawn is not None and not host.respawn.done())):
                 await self._spawn_or_hold(host)
-        if host.alive and not host.ready.is_set():
-            try:
-                await asyncio.wait_for(host.ready.wait(), READY_TIMEOUT_S)
-            except TimeoutError:
-                self.log.warning("shared model %s: host not ready after %s s", host.config.name, READY_TIMEOUT_S)
+
+    def log_path(self, name: str) -> str:
+        """Where the host of model ``name`` writes its stderr (kept after the host dies)."""
+        return os.path.join(self.log_dir or self.socket_dir or ".", f"{name}.log")
+
+    def _tail(self, host: _Host) -> str:
+        """``": <the last lines of the host's stderr>"``, or nothing when it wrote none."""
+        try:
+            with open(self.log_path(host.config.name), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4096))
+                lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return (": " + " | ".join(lines[-STDERR_TAIL_LINES:])) if lines else ""
 
     async def _spawn(self, host: _Host) -> None:
         args = [
@@ -259,8 +293,8 @@ class ModelHostManager:
         if host.inherited_failure is not None:
             args += ["--failed-load", json.dumps(host.inherited_failure)]
             host.inherited_failure = None
-        log_path = os.path.join(self.log_dir or self.socket_dir, f"{host.config.name}.log")
-        with open(log_path, "ab") as log_file:
+        fd = os.open(self.log_path(host.config.name), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "ab") as log_file:
             # Spawned from the event-loop thread, which lives as long as the server: the host's
             # PR_SET_PDEATHSIG fires when the forking thread exits.
             host.proc = await asyncio.create_subprocess_exec(
@@ -300,6 +334,7 @@ class ModelHostManager:
         kind = event.get("event")
         if kind == "ready":
             host.ready.set()
+            host.failed_starts = 0
         elif kind == "loading":
             host.state = "loading"
             host.load_count += 1
@@ -323,6 +358,15 @@ class ModelHostManager:
         hold = restart_hold_s(host.early_deaths)
         host.held_until = now + hold
         how = _describe_exit(returncode)
+        if not host.ready.is_set():
+            host.failed_starts += 1
+            message = f"the model host (pid {host.proc.pid}) exited with {how} before it listened{self._tail(host)}"
+            host.state = "failed"
+            host.error = {"type": "HostDied", "message": message}
+            self.log.error("shared model %s: %s; next try in %.1f s", host.config.name, message, hold)
+            host.last_figures = {}
+            host.respawn = asyncio.get_running_loop().create_task(self._respawn_after(host, hold))
+            return
         if host.state == "loading":
             hint = " (out of memory?)" if returncode == -signal.SIGKILL else ""
             message = f"the model host (pid {host.proc.pid}) died with {how}{hint} while loading the model"
@@ -355,6 +399,7 @@ class ModelHostManager:
             await self._spawn(host)
         except Exception as exc:
             host.early_deaths += 1
+            host.failed_starts += 1
             hold = restart_hold_s(host.early_deaths)
             host.held_until = time.monotonic() + hold
             host.error = {"type": "HostStartFailed", "message": f"cannot start the model host: {exc}"}
@@ -417,6 +462,7 @@ class ModelHostManager:
             "mean_batch_size": figures.get("mean_batch_size", 0.0),
             "load_count": host.load_count if host else 0,
             "error": host.error if host else None,
+            "log": self.log_path(config.name) if self._started else None,
             "inputs": figures.get("inputs", 0),
             "failed_requests": figures.get("failed_requests", 0),
             "batch_sizes": figures.get("batch_sizes", {}),

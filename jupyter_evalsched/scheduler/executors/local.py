@@ -15,10 +15,11 @@ import sys
 
 from ... import contract
 from ...contract import ABORTED, CANCELLED, FAILED
+from ...store import RunFileError
 from ..environment import run_environment
 from ..launcher import Launcher, SpawnError, kill_escaped, kill_stale_group, process_create_time, signal_name
 from ..runs import Run
-from ..shared import NoSharedModels, SharedModels
+from ..shared import ModelUnavailable, NoSharedModels, SharedModels
 from . import Executor, ExecutorContext
 
 log = logging.getLogger("jupyter_evalsched")
@@ -53,6 +54,9 @@ class LocalExecutor(Executor):
         table = self.ctx.table
         try:
             urls = await self.models.urls_for(list(run.record["models"]))
+        except ModelUnavailable as exc:
+            table.finish(run, FAILED, contract.reason(contract.MODEL_UNAVAILABLE, str(exc), limit=2000))
+            return
         except Exception as exc:
             table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"shared model host unavailable: {exc}"))
             return
@@ -70,10 +74,15 @@ class LocalExecutor(Executor):
     def _spawn(self, run: Run, urls: dict[str, str]) -> None:
         ctx = self.ctx
         config = ctx.config
+        try:
+            spec = ctx.table.full_spec(run)
+        except RunFileError as exc:
+            ctx.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"RunFileError: {exc}"))
+            return
         env = run_environment(
             run.id,
             config.run_env,
-            run.spec.get("env") or {},
+            spec.get("env") or {},
             devices=run.record["devices"],
             parent_pid=os.getpid(),
             fsync=config.fsync,

@@ -104,13 +104,14 @@ class SlurmExecutor(Executor):
 
     async def _sbatch(self, run: Run, dep_ids: list[str]) -> None:
         ctx = self.ctx
-        env = run_environment(
-            run.id, ctx.config.run_env, run.spec.get("env") or {}, devices=None, parent_pid=None, fsync=ctx.config.fsync
-        )
         run_dir = ctx.store.run_dir(run.id)
         try:
+            spec = ctx.table.full_spec(run)
+            env = run_environment(
+                run.id, ctx.config.run_env, spec.get("env") or {}, devices=None, parent_pid=None, fsync=ctx.config.fsync
+            )
             ctx.store.write_shared_urls(run.id, {})
-            job_id = await ctx.loop.run_in_executor(ctx.io, self.cli.submit, run.id, run_dir, run.spec, env, dep_ids)
+            job_id = await ctx.loop.run_in_executor(ctx.io, self.cli.submit, run.id, run_dir, spec, env, dep_ids)
         except Exception as exc:
             self._submitting.discard(run.id)
             ctx.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"sbatch refused the run: {exc}"))
