@@ -19,19 +19,19 @@ from typing import Any
 from .client import (
     SPEC_FILE_SUFFIXES,
     SPEC_FLAGS,
-    TERMINAL_STATES,
     EvalSchedClient,
     EvalSchedClientError,
     LocalServer,
     SpecError,
+    TextProgress,
     WaitTimeout,
-    _TextProgress,
     apply_spec_options,
     elapsed_s,
     format_duration,
     format_metrics,
     load_spec_file,
 )
+from .contract import SUCCEEDED, TERMINAL_STATES
 
 PROG = "jupyter evalsched"
 
@@ -203,8 +203,7 @@ def _record_line(rec: dict) -> str:
 
 
 def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namespace, timeout: float | None) -> int:
-    handle = client.handle(run_id)
-    reporter = _TextProgress(handle, stream=sys.stderr) if not args.quiet else None
+    reporter = TextProgress(stream=sys.stderr) if not args.quiet else None
     try:
         rec = client.wait(run_id, timeout=timeout, on_update=reporter.update if reporter else None)
     except WaitTimeout as e:
@@ -227,7 +226,7 @@ def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namesp
         line = _record_line(rec)
         metrics = format_metrics(rec, limit=8)
         print(line + (f"  {metrics}" if metrics else ""))
-    return 0 if rec.get("state") == "succeeded" else 1
+    return 0 if rec.get("state") == SUCCEEDED else 1
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -515,7 +514,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS", "REASON"],
                 )
             )
-        ok = all(r.get("state") == "succeeded" for r in final)
+        ok = all(r.get("state") == SUCCEEDED for r in final)
         return 0 if ok else 1
     except KeyboardInterrupt:
         return 130
