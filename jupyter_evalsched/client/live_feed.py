@@ -60,7 +60,8 @@ _exit_hook_installed = False
 
 def _stop_threaded_feeds() -> None:
     # Interpreter exit (a kernel shutting down): stop the threads before modules are torn down
-    # under them. Installed at the first start(), after ipywidgets' own exit hooks, so it runs first.
+    # under them. Installed at the first start(), so that it runs before the exit hooks of what
+    # was imported earlier (ipywidgets, ipykernel): atexit runs the last registered first.
     for feed in list(_THREADED_FEEDS):
         feed.stop(join=False)
 
@@ -330,6 +331,10 @@ class RunTracker:
                 self.on_change(self.record)
 
 
+# The queue view's list of the runs in each active state.
+_VIEW_LIST_OF_STATE = {QUEUED: "queued", RUNNING: "running"}
+
+
 class QueueTracker:
     """The queue ``view`` (``queued`` in admission order, ``running``, ``ledger``, as
     ``GET /evalsched/queue`` answers it), and with ``finished_limit`` the runs that finished most
@@ -396,11 +401,11 @@ class QueueTracker:
 
     def _move(self, rec: dict) -> None:
         rid = rec.get("id")
-        for key in ("queued", "running"):
+        for key in _VIEW_LIST_OF_STATE.values():
             self.view[key] = [r for r in self.view[key] if r.get("id") != rid]
         state = rec.get("state")
-        if state in (QUEUED, RUNNING):
-            self.view[state].append(dict(rec))  # at the end until the read gives its place
+        if state in _VIEW_LIST_OF_STATE:
+            self.view[_VIEW_LIST_OF_STATE[state]].append(dict(rec))  # at the end until the read places it
         elif state in TERMINAL_STATES:
             self._terminal_events.append(rec)
             self._merge_finished(self.finished, [rec])
