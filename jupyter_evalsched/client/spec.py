@@ -108,6 +108,24 @@ def load_spec_file(path: str) -> dict:
     return spec
 
 
+# Flag (argparse dest) -> spec key, at the spec's top level and in its ``scheduling``.
+_TOP_LEVEL_FLAGS = {
+    "name": "name",
+    "episodes": "episodes",
+    "workers": "workers",
+    "seed": "seed",
+    "timeout": "timeout_s",
+    "executor": "executor",
+}
+_SCHEDULING_FLAGS = {
+    "vram": "marginal_vram_mb",
+    "gpus": "gpus",
+    "cpus": "cpus",
+    "priority": "priority",
+    "exclusive": "exclusive_gpu",
+}
+
+
 def apply_spec_options(spec: dict | None, options: Any, *, default_cwd: str | None = None) -> dict:
     """Return a copy of ``spec`` with the flags of :data:`SPEC_FLAGS` (an argparse namespace) applied.
 
@@ -115,42 +133,22 @@ def apply_spec_options(spec: dict | None, options: Any, *, default_cwd: str | No
     ``cwd`` defaults to ``default_cwd`` (the caller's working directory).
     """
     out = json.loads(json.dumps(spec, default=run_id_of)) if spec else {}
-    get = lambda name: getattr(options, name, None)  # noqa: E731
-
-    for flag, key in (
-        ("name", "name"),
-        ("episodes", "episodes"),
-        ("workers", "workers"),
-        ("seed", "seed"),
-        ("timeout", "timeout_s"),
-        ("executor", "executor"),
-    ):
-        if get(flag) is not None:
-            out[key] = get(flag)
-
-    sched = dict(out.get("scheduling") or {})
-    for flag, key in (
-        ("vram", "marginal_vram_mb"),
-        ("gpus", "gpus"),
-        ("cpus", "cpus"),
-        ("priority", "priority"),
-        ("exclusive", "exclusive_gpu"),
-    ):
-        if get(flag) is not None:
-            sched[key] = get(flag)
+    out.update(_flags_given(options, _TOP_LEVEL_FLAGS))
+    sched = {**(out.get("scheduling") or {}), **_flags_given(options, _SCHEDULING_FLAGS)}
     if sched or "scheduling" in out:
         out["scheduling"] = sched
-
-    if get("params"):
-        params = dict(out.get("params") or {})
-        for item in get("params"):
-            key, value = parse_param(item)
-            params[key] = value
-        out["params"] = params
+    if getattr(options, "params", None):
+        out["params"] = {**(out.get("params") or {}), **dict(parse_param(item) for item in options.params)}
     for flag in ("depends_on", "models"):
-        if get(flag):
-            merged = list(out.get(flag) or []) + [run_id_of(v) for v in get(flag)]
-            out[flag] = list(dict.fromkeys(merged))
+        if getattr(options, flag, None):
+            merged = list(out.get(flag) or []) + [run_id_of(v) for v in getattr(options, flag)]
+            out[flag] = list(dict.fromkeys(merged))  # in order, without repeats
     if default_cwd is not None and not out.get("cwd"):
         out["cwd"] = default_cwd
     return out
+
+
+def _flags_given(options: Any, flags: dict[str, str]) -> dict[str, Any]:
+    """The spec keys of ``flags`` whose flag ``options`` sets (argparse leaves the others None)."""
+    values = {key: getattr(options, flag, None) for flag, key in flags.items()}
+    return {key: value for key, value in values.items() if value is not None}
