@@ -19,19 +19,22 @@ from typing import Any
 from .client import (
     SPEC_FILE_SUFFIXES,
     SPEC_FLAGS,
-    TERMINAL_STATES,
     EvalSchedClient,
     EvalSchedClientError,
+    LiveFeed,
     LocalServer,
+    QueueTracker,
+    RunTracker,
     SpecError,
+    TextProgress,
     WaitTimeout,
-    _TextProgress,
     apply_spec_options,
     elapsed_s,
     format_duration,
     format_metrics,
     load_spec_file,
 )
+from .contract import SUCCEEDED, TERMINAL_STATES
 
 PROG = "jupyter evalsched"
 
@@ -188,6 +191,31 @@ class _Screen:
         self.stream.flush()
 
 
+class _Throttle:
+    """Calls ``draw()`` after a change, at most every ``min_s``, and every ``every_s`` anyway
+    (the clocks and elapsed times on the screen)."""
+
+    def __init__(self, draw: Callable[[], None], every_s: float, min_s: float = 0.25):
+        self._draw = draw
+        self.every_s = every_s
+        self.min_s = min_s
+        self._dirty = True
+        self._last = 0.0
+
+    def changed(self, *_: Any) -> None:
+        self._dirty = True
+
+    def tick(self) -> None:
+        since = time.monotonic() - self._last
+        if (self._dirty and since >= self.min_s) or since >= self.every_s:
+            self.draw_now()
+
+    def draw_now(self) -> None:
+        self._last = time.monotonic()
+        self._dirty = False
+        self._draw()
+
+
 # --------------------------------------------------------------------------- commands
 
 
@@ -203,8 +231,7 @@ def _record_line(rec: dict) -> str:
 
 
 def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namespace, timeout: float | None) -> int:
-    handle = client.handle(run_id)
-    reporter = _TextProgress(handle, stream=sys.stderr) if not args.quiet else None
+    reporter = TextProgress(stream=sys.stderr) if not args.quiet else None
     try:
         rec = client.wait(run_id, timeout=timeout, on_update=reporter.update if reporter else None)
     except WaitTimeout as e:
@@ -227,7 +254,7 @@ def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namesp
         line = _record_line(rec)
         metrics = format_metrics(rec, limit=8)
         print(line + (f"  {metrics}" if metrics else ""))
-    return 0 if rec.get("state") == "succeeded" else 1
+    return 0 if rec.get("state") == SUCCEEDED else 1
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -354,29 +381,47 @@ def cmd_logs(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
             sys.stdout.flush()
         return 0
-    # Follow: print what is new at every poll until the run is terminal. The state is read before
-    # the log, so the last read after a terminal state holds everything the run wrote.
-    printed = 0
-    first = True
+    follower = _LogFollower(client, args.run_id, args.stream, args.tail)
     try:
-        while True:
-            state = client.get(args.run_id).get("state")
-            text = client.logs(args.run_id, stream=args.stream)
-            if len(text) < printed:  # the file was replaced: start over
-                printed = 0
-            new = text[printed:]
-            if first and args.tail is not None:
-                new = "".join(new.splitlines(keepends=True)[-args.tail :]) if args.tail > 0 else ""
-            first = False
-            if new:
-                sys.stdout.write(new)
-                sys.stdout.flush()
-            printed = len(text)
-            if state in TERMINAL_STATES:
-                return 0
-            time.sleep(0.5)
+        # The feed follows the run's state; the log is read at its ticks, and once more after the
+        # final record was read, so that the last read holds everything the run wrote.
+        LiveFeed(client, RunTracker(args.run_id), on_tick=follower.tick, name="evalsched-logs").run()
+        follower.print_new()
     except KeyboardInterrupt:
         return 130
+    return 0
+
+
+class _LogFollower:
+    """Prints what is new in a run's log, read at most every ``interval_s``."""
+
+    def __init__(self, client: EvalSchedClient, run_id: str, stream: str, tail: int | None, interval_s: float = 0.5):
+        self.client = client
+        self.run_id = run_id
+        self.stream = stream
+        self.tail = tail
+        self.interval_s = interval_s
+        self._printed = 0
+        self._first = True
+        self._last_read = 0.0
+
+    def tick(self) -> None:
+        if time.monotonic() - self._last_read >= self.interval_s:
+            self.print_new()
+
+    def print_new(self) -> None:
+        self._last_read = time.monotonic()
+        text = self.client.logs(self.run_id, stream=self.stream)
+        if len(text) < self._printed:  # the file was replaced: start over
+            self._printed = 0
+        new = text[self._printed :]
+        if self._first and self.tail is not None:
+            new = "".join(new.splitlines(keepends=True)[-self.tail :]) if self.tail > 0 else ""
+        self._first = False
+        if new:
+            sys.stdout.write(new)
+            sys.stdout.flush()
+        self._printed = len(text)
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -386,19 +431,35 @@ def cmd_queue(args: argparse.Namespace) -> int:
         _print_json(view) if args.json else print(format_queue(view))
         return 0
     screen = _Screen()
+    tracker = QueueTracker()
+
+    def draw() -> None:
+        view = tracker.view
+        if args.json:
+            print(json.dumps(view), flush=True)
+        else:
+            screen.draw(
+                time.strftime("%H:%M:%S  ") + client.base_url + "\n\n" + format_queue(view),
+                key=json.dumps(view, sort_keys=True, default=str),
+            )
+
+    # Drawn at every change, and every --interval anyway (the clock and elapsed times); without
+    # the event stream the queue is read every --interval.
+    redraw = _Throttle(draw, every_s=args.interval)
+    tracker.on_change = redraw.changed
+    feed = LiveFeed(
+        client,
+        tracker,
+        poll_s=args.interval,
+        safety_poll_s=max(3.0, args.interval),
+        on_tick=redraw.tick,
+        name="evalsched-queue",
+    )
     try:
-        while True:
-            view = client.queue()
-            if args.json:
-                print(json.dumps(view), flush=True)
-            else:
-                screen.draw(
-                    time.strftime("%H:%M:%S  ") + client.base_url + "\n\n" + format_queue(view),
-                    key=json.dumps(view, sort_keys=True, default=str),
-                )
-            time.sleep(args.interval)
+        feed.run()
     except KeyboardInterrupt:
         return 0
+    return 0
 
 
 # --------------------------------------------------------------------------- demo
@@ -430,8 +491,7 @@ def demo_plan(sleep_s: float, episodes: int) -> list[tuple[str, dict]]:
     ]
 
 
-def _demo_frame(client: EvalSchedClient, ids: dict[str, str], records: dict[str, dict], t0: float) -> tuple[str, Any]:
-    view = client.queue()
+def _demo_frame(view: dict, ids: dict[str, str], records: dict[str, dict], t0: float) -> tuple[str, Any]:
     order = {q["id"]: i + 1 for i, q in enumerate(view.get("queued") or [])}
     rows = []
     for label, rid in ids.items():
@@ -458,6 +518,38 @@ def _demo_frame(client: EvalSchedClient, ids: dict[str, str], records: dict[str,
     return text, key
 
 
+def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Namespace) -> list[dict] | None:
+    """Show the demo's runs until all are terminal, then return their final records (with
+    ``summary``); None when ``args.timeout`` passes first."""
+    t0 = time.monotonic()
+    screen = _Screen()
+    tracker = QueueTracker(finished_limit=50)
+    records: dict[str, dict] = {}
+
+    def draw() -> None:
+        text, key = _demo_frame(tracker.view, ids, records, t0)
+        if not args.json:
+            screen.draw(text, key=key)
+
+    redraw = _Throttle(draw, every_s=0.5)
+    tracker.on_change = redraw.changed
+
+    def tick() -> bool:
+        for rid in ids.values():
+            # A run is queued, running or recently finished; a GET only before the first read.
+            records[rid] = tracker.find(rid) or records.get(rid) or client.get(rid)
+        if all(r.get("state") in TERMINAL_STATES for r in records.values()):
+            redraw.draw_now()  # the final frame, whatever the throttle says
+            return False
+        redraw.tick()
+        return time.monotonic() - t0 <= args.timeout
+
+    LiveFeed(client, tracker, poll_s=0.5, safety_poll_s=1.0, on_tick=tick, name="evalsched-demo").run()
+    if not all(r.get("state") in TERMINAL_STATES for r in records.values()):
+        return None
+    return [client.get(rid) for rid in ids.values()]  # with the final summary.json: the metrics
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     server = None
     try:
@@ -477,23 +569,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             spec.setdefault("cwd", os.getcwd())
             ids[label] = client.submit(spec)["id"]
 
-        t0 = time.monotonic()
-        screen = _Screen()
-        records: dict[str, dict] = {}
-        while True:
-            for rid in ids.values():
-                records[rid] = client.get(rid)
-            text, key = _demo_frame(client, ids, records, t0)
-            if not args.json:
-                screen.draw(text, key=key)
-            if all(r.get("state") in TERMINAL_STATES for r in records.values()):
-                break
-            if time.monotonic() - t0 > args.timeout:
-                print(f"{PROG}: demo runs did not finish within {args.timeout:g} s", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-
-        final = [records[rid] for rid in ids.values()]
+        final = _follow_demo(client, ids, args)
+        if final is None:
+            print(f"{PROG}: demo runs did not finish within {args.timeout:g} s", file=sys.stderr)
+            return 1
         if args.json:
             _print_json({"runs": final})
         else:
@@ -515,7 +594,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS", "REASON"],
                 )
             )
-        ok = all(r.get("state") == "succeeded" for r in final)
+        ok = all(r.get("state") == SUCCEEDED for r in final)
         return 0 if ok else 1
     except KeyboardInterrupt:
         return 130
@@ -602,7 +681,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("queue", cmd_queue, "show the queue and the VRAM ledger")
     p.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
-    p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="with --watch")
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="with --watch: redraw at least this often (at every change anyway); poll this often without events",
+    )
 
     p = add("demo", cmd_demo, "start a private server on two virtual GPUs, queue a few runs and watch them")
     p.add_argument("--sleep", type=float, default=0.5, metavar="SECONDS", help="sleep per episode (default 0.5)")

@@ -200,6 +200,12 @@ class EvalSchedMagics(Magics):
 
 def load_ipython_extension(ipython) -> None:
     ipython.register_magics(EvalSchedMagics)
+    try:
+        # Importing the widget module registers it as the notebook's view of runs (handles,
+        # wait()'s progress); without ipywidgets, runs show as text.
+        from . import widget  # noqa: F401
+    except ImportError:
+        pass
 
 
 def unload_ipython_extension(ipython) -> None:

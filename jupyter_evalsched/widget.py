@@ -1,155 +1,68 @@
 """ipywidgets 8 views of the scheduler: :class:`QueueWidget` (queue, VRAM ledger, cancel buttons)
 and :class:`RunProgress` (one run).
 
-Live updates come from the ``/evalsched/events`` WebSocket, read by one background thread per
-widget, so the kernel is never blocked; when the socket cannot be opened (a proxy that drops
-WebSockets, websocket libraries missing) the same thread polls REST instead and retries the
-socket now and then. All widget mutations after construction happen on that one thread (comm
-messages go out through ipykernel's thread-safe IOPub socket); button clicks, which arrive on the
-kernel's main thread, only call REST and wake the thread. The thread ends on ``close()``, when
-the widget's comm is gone (``Widget.close_all()``), and at interpreter exit.
+Live updates come from the client's :class:`~jupyter_evalsched.client.LiveFeed` (events with
+polling fallback) on one background thread per widget, so the kernel is never blocked. All widget
+mutations after construction happen on that thread (comm messages go out through ipykernel's
+thread-safe IOPub socket); button clicks, which arrive on the kernel's main thread, only call REST
+and wake the feed. The thread ends on ``close()``, when the widget's comm is gone
+(``Widget.close_all()``), and at interpreter exit.
+
+Importing this module registers :class:`RunProgress` as the notebook's view of a run and its
+progress during ``RunHandle.wait()`` (the client never imports this module).
 """
 
 from __future__ import annotations
 
-import atexit
 import colorsys
 import hashlib
 import html
-import threading
 import time
 import weakref
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 import ipywidgets as widgets
 
 from .client import (
-    TERMINAL_STATES,
     EvalSchedClient,
     EvalSchedClientError,
-    EventStreamClosed,
+    LiveFeed,
+    QueueTracker,
     RunHandle,
+    RunTracker,
     elapsed_s,
     format_duration,
     format_metrics,
     metric_means,
     parse_time,
+    register_notebook_progress,
+)
+from .contract import (
+    ABORTED,
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SCHEDULING_DEFAULTS,
+    SUCCEEDED,
+    TERMINAL_STATES,
 )
 
-__all__ = ["QueueWidget", "RunProgress", "ledger_html", "run_row_html", "slurm_badge"]
-
-_LIVE_FEEDS: weakref.WeakSet[_LiveFeed] = weakref.WeakSet()
+__all__ = ["QueueWidget", "RunProgress", "RunProgressReporter", "ledger_html", "run_row_html", "slurm_badge"]
 
 
-@atexit.register
-def _stop_all_feeds() -> None:
-    # Kernel shutdown: stop the threads before the interpreter tears modules down under them.
-    for feed in list(_LIVE_FEEDS):
-        feed.stop(join=False)
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` as a callback that does not keep its widget alive (the feed's thread holds its
+    callbacks); once the widget is gone it returns False, which ends the feed."""
+    ref = weakref.WeakMethod(method)
 
+    def call(*args: Any) -> Any:
+        target = ref()
+        return False if target is None else target(*args)
 
-class _LiveFeed:
-    """One background thread: WebSocket events when possible, REST polling otherwise.
-
-    It calls ``owner._feed_event(event)`` for every event and ``owner._feed_tick(live, woken)``
-    every ``tick_s``; the tick returns False to end the feed (e.g. the run finished). The owner
-    is held weakly, so a forgotten widget does not keep a thread alive.
-    """
-
-    def __init__(
-        self,
-        client: EvalSchedClient,
-        owner: Any,
-        *,
-        use_events: bool = True,
-        tick_s: float = 0.25,
-        reconnect_s: float = 5.0,
-        name: str = "evalsched-widget",
-    ):
-        self.client = client
-        self._owner = weakref.ref(owner)
-        self.use_events = use_events
-        self.tick_s = tick_s
-        self.reconnect_s = reconnect_s
-        self.mode = "starting"  # "live" (events), "polling" (REST only), "stopped"
-        self.last_error: str | None = None
-        self._stop = threading.Event()
-        self._woken = threading.Event()
-        self._stream = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        _LIVE_FEEDS.add(self)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def wake(self) -> None:
-        """Ask for a REST refresh at the next tick (after a cancel click, say)."""
-        self._woken.set()
-
-    def stop(self, join: bool = True, timeout: float = 3.0) -> None:
-        self._stop.set()
-        stream = self._stream
-        if stream is not None:
-            stream.close()  # unblocks a pending receive
-        if join and self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        next_connect = 0.0
-        failures = 0
-        try:
-            while not self._stop.is_set():
-                owner = self._owner()
-                if owner is None or not owner._feed_alive():
-                    return
-                if self._stream is None and self.use_events and time.monotonic() >= next_connect:
-                    try:
-                        self._stream = self.client.events(connect_timeout=5.0)
-                        self.mode = "live"
-                        failures = 0
-                    except Exception as e:  # any failure to connect: poll instead
-                        self.mode = "polling"
-                        self.last_error = f"events unavailable: {e}"
-                        failures += 1
-                        next_connect = time.monotonic() + min(60.0, self.reconnect_s * failures)
-                elif self._stream is None and not self.use_events:
-                    self.mode = "polling"
-                event = None
-                if self._stream is not None:
-                    try:
-                        event = self._stream.next_event(timeout=self.tick_s)
-                    except EventStreamClosed as e:
-                        self._stream = None
-                        if self._stop.is_set():
-                            return
-                        self.mode = "polling"
-                        self.last_error = f"event stream lost: {e}"
-                        next_connect = time.monotonic() + 1.0
-                else:
-                    self._stop.wait(self.tick_s)
-                if self._stop.is_set():
-                    return
-                woken = self._woken.is_set()
-                self._woken.clear()
-                try:
-                    if event is not None:
-                        owner._feed_event(event)
-                    if owner._feed_tick(self.mode == "live", woken) is False:
-                        return
-                except Exception as e:
-                    self.last_error = f"{type(e).__name__}: {e}"
-                del owner
-        finally:
-            if self._stream is not None:
-                self._stream.close()
-                self._stream = None
-            self.mode = "stopped"
-            _LIVE_FEEDS.discard(self)
+    return call
 
 
 # --------------------------------------------------------------------------- rendering helpers
@@ -162,13 +75,15 @@ def _color(run_id: str) -> str:
 
 
 _STATE_COLORS = {
-    "queued": "#888",
-    "running": "#1f77b4",
-    "succeeded": "#2ca02c",
-    "failed": "#d62728",
-    "cancelled": "#ff7f0e",
-    "aborted": "#9467bd",
+    QUEUED: "#888",
+    RUNNING: "#1f77b4",
+    SUCCEEDED: "#2ca02c",
+    FAILED: "#d62728",
+    CANCELLED: "#ff7f0e",
+    ABORTED: "#9467bd",
 }
+
+_BAR_STYLES = {SUCCEEDED: "success", FAILED: "danger", ABORTED: "danger", CANCELLED: "warning", RUNNING: "info"}
 
 
 def _badge(state: str) -> str:
@@ -280,19 +195,19 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
     done, total = int(prog.get("done") or 0), int(prog.get("total") or 0)
     slurm = is_slurm(rec)
     details = []
-    if state == "running":
+    if state == RUNNING:
         details.append(f"{done}/{total} · {format_duration(elapsed_s(rec))}")
         if rec.get("devices") and not slurm:
             details.append("GPU " + ",".join(str(d) for d in rec["devices"]))
         if metrics:
             details.append(metrics)
-    elif state == "queued":
+    elif state == QUEUED:
         details.append(f"waiting {_age(rec.get('submitted_at'))}")
         if rec.get("reason"):
             details.append(rec["reason"])
     else:
         details.append(format_duration(elapsed_s(rec)))
-        if rec.get("reason") and state != "succeeded":
+        if rec.get("reason") and state != SUCCEEDED:
             details.append(rec["reason"])
         if metrics:
             details.append(metrics)
@@ -301,7 +216,7 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
     where = f" · {slurm_badge(rec)}" if slurm else (f" · {vram} MB" if vram else "")
     return (
         f"{_badge(state)} <b>{_esc(rec.get('name'))}</b> <code style='font-size:80%'>{_esc(run_id)}</code>"
-        f" · {_esc(rec.get('priority', 'normal'))}{where}"
+        f" · {_esc(rec.get('priority', SCHEDULING_DEFAULTS['priority']))}{where}"
         f" · <span style='color:#555'>{_esc(' · '.join(details))}</span>"
     )
 
@@ -329,13 +244,8 @@ class _RunRow(widgets.HBox):
         with self.bar.hold_sync():
             self.bar.max = max(total, 1)
             self.bar.value = min(done, max(total, 1))
-            self.bar.bar_style = {
-                "succeeded": "success",
-                "failed": "danger",
-                "aborted": "danger",
-                "cancelled": "warning",
-            }.get(state, "info" if state == "running" else "")
-        self.bar.layout.visibility = "visible" if state != "queued" else "hidden"
+            self.bar.bar_style = _BAR_STYLES.get(state, "")
+        self.bar.layout.visibility = "visible" if state != QUEUED else "hidden"
         terminal = state in TERMINAL_STATES
         self.button.layout.visibility = "hidden" if terminal else "visible"
         self.button.disabled = terminal
@@ -372,21 +282,13 @@ class QueueWidget(widgets.VBox):
         self.client = client if client is not None else EvalSchedClient()
         self.finished_limit = finished_limit
         self.max_queued_rows = max_queued_rows
-        self.poll_s = poll_s
-        self.safety_poll_s = safety_poll_s
-        self.queue_view: dict = {"queued": [], "running": [], "ledger": None}
-        self.finished: list[dict] = []
-        self._finished_events: list[dict] = []  # terminal records from events since the last refresh
         self.update_count = 0
-        self.error: str | None = None
         self._summaries: dict[str, tuple[Any, float, dict | None]] = {}  # id -> (progress, t, summary)
         self._rows: dict[str, _RunRow] = {}
-        self._refresh_due = True
-        self._settle_at: float | None = None  # a second refresh shortly after a state change
-        self._last_refresh = 0.0
         self._last_render = 0.0
         self._dirty = False
         self._closed = False
+        self._action_error: str | None = None
 
         self._header = widgets.HTML()
         self._ledger = widgets.HTML()
@@ -398,57 +300,49 @@ class QueueWidget(widgets.VBox):
         super().__init__(children=[self._header, self._ledger, self._rows_box], layout=widgets.Layout(width="100%"))
         self.add_class("jupyter-evalsched-queue")
 
-        self._feed = _LiveFeed(self.client, self, use_events=use_events)
-        # A first synchronous read, so that the widget is filled the moment it is displayed.
-        self._safe_refresh()
+        self._tracker = QueueTracker(_weakly(self._on_change), finished_limit=finished_limit)
+        self._feed = LiveFeed(
+            self.client,
+            self._tracker,
+            use_events=use_events,
+            poll_s=poll_s,
+            safety_poll_s=safety_poll_s,
+            on_tick=_weakly(self._on_tick),
+            name="evalsched-widget",
+        )
+        self._feed.read_now()  # filled the moment it is displayed
         self._render()
         if live:
             self._feed.start()
 
+    @property
+    def queue_view(self) -> dict:
+        """The latest queue view: ``queued`` (admission order), ``running``, ``ledger``."""
+        return self._tracker.view
+
+    @property
+    def finished(self) -> list[dict]:
+        """The runs that finished most recently, latest first."""
+        return self._tracker.finished
+
+    @property
+    def error(self) -> str | None:
+        """Why the last cancel or REST read failed, if it did."""
+        return self._action_error or self._feed.error
+
     # ---- feed callbacks (background thread)
 
-    def _feed_alive(self) -> bool:
-        return not self._closed and self.comm is not None
+    def _on_change(self, _view: dict) -> None:
+        self._dirty = True
 
-    def _feed_event(self, event: dict) -> None:
-        kind = event.get("type")
-        if kind == "snapshot" and isinstance(event.get("queue"), dict):
-            self._apply_view(event["queue"])
-            self._dirty = True
-        elif kind == "run" and isinstance(event.get("run"), dict):
-            rec = event["run"]
-            rid = rec.get("id")
-            running = {r["id"]: r for r in self.queue_view.get("running") or []}
-            queued = list(self.queue_view.get("queued") or [])
-            old = running.get(rid) or next((q for q in queued if q.get("id") == rid), None)
-            if old is not None and old.get("state") == rec.get("state"):
-                # Progress of a known run: patch it in place; the ledger has not changed.
-                old.update(rec)
-            else:
-                # A state change moves runs between lists and changes the ledger and the queue
-                # order: ask the server for the authoritative view (debounced by the tick), and
-                # once more a little later: the scheduler's admission pass, which sets the
-                # pending reasons of queued runs, follows the event and emits none itself.
-                self._refresh_due = True
-                self._settle_at = time.monotonic() + 0.5
-                if rec.get("state") in TERMINAL_STATES:
-                    self._finished_events.append(rec)
-                    self._merge_finished(self.finished, [rec])
-            self._dirty = True
-
-    def _feed_tick(self, live: bool, woken: bool) -> bool:
-        now = time.monotonic()
-        interval = self.safety_poll_s if live else self.poll_s
-        settle = self._settle_at is not None and now >= self._settle_at
-        if settle:
-            self._settle_at = None
-        if woken or settle or self._refresh_due or now - self._last_refresh >= interval:
-            self._safe_refresh()
-            self._dirty = True
+    def _on_tick(self) -> bool:
+        if self._closed or self.comm is None:  # closed, or Widget.close_all()
+            return False
         if self._fetch_running_summaries():
             self._dirty = True
         # Re-render at most 4 times a second, and once a second anyway for the elapsed clocks.
-        if (self._dirty and now - self._last_render >= 0.25) or now - self._last_render >= 1.0:
+        since = time.monotonic() - self._last_render
+        if (self._dirty and since >= 0.25) or since >= 1.0:
             self._render()
         return True
 
@@ -458,43 +352,8 @@ class QueueWidget(widgets.VBox):
         """Render ``view`` (a ``GET /evalsched/queue`` answer: queued, running, ledger) and, when
         given, ``finished`` records, as if they had just been read; for programs and tests, with
         ``live=False`` (a live widget replaces them at its next refresh)."""
-        self._apply_view(view)
-        if finished is not None:
-            self._merge_finished(finished, [])
+        self._tracker.set_view(view, finished)
         self._render()
-
-    def _apply_view(self, view: dict) -> None:
-        self.queue_view = {
-            "queued": list(view.get("queued") or []),
-            "running": list(view.get("running") or []),
-            "ledger": view.get("ledger"),
-        }
-
-    def _safe_refresh(self) -> None:
-        self._refresh_due = False
-        self._last_refresh = time.monotonic()
-        try:
-            view = self.client.queue()
-            # Listed newest-submitted first: read more than shown, then order by end time.
-            finished = self.client.list(state=sorted(TERMINAL_STATES), limit=max(50, self.finished_limit))
-        except EvalSchedClientError as e:
-            self.error = str(e)
-            return
-        self.error = None
-        self._apply_view(view)
-        # Terminal events since the last refresh are merged in (a long run that just ended can be
-        # older than the 50 listed); a deleted run drops out here.
-        events, self._finished_events = self._finished_events, []
-        self._merge_finished(finished, events)
-
-    def _merge_finished(self, base: list[dict], extra: list[dict]) -> None:
-        """Recently finished runs, the most recently finished first."""
-        by_id = {}
-        for rec in list(base) + list(extra):
-            if rec.get("id"):
-                by_id[rec["id"]] = rec
-        ordered = sorted(by_id.values(), key=lambda r: r.get("finished_at") or "", reverse=True)
-        self.finished = ordered[: self.finished_limit]
 
     def _fetch_running_summaries(self, budget: int = 8) -> bool:
         """Latest metrics of running runs whose records do not carry them (older servers):
@@ -541,6 +400,20 @@ class QueueWidget(widgets.VBox):
             row = self._rows[rid] = _RunRow(rid, self._cancel)
         return row
 
+    def _header_html(self, running: int, queued: int) -> str:
+        mode = self._feed.mode
+        status = {
+            "live": "<span style='color:#2ca02c'>● live</span>",
+            "polling": "<span style='color:#ff7f0e'>● polling</span>",
+            "stopped": "<span style='color:#888'>■ stopped</span>",
+        }.get(mode, "<span style='color:#888'>○ connecting</span>")
+        err = self.error or (self._feed.last_error if mode == "polling" else None)
+        return (
+            f"<b>Evaluation queue</b> · {_esc(self.client.base_url)} · {status}"
+            f" · {running} running · {queued} queued"
+            + (f"<br><span style='color:#d62728'>{_esc(err)}</span>" if err else "")
+        )
+
     def _render(self) -> None:
         if self._closed:
             return
@@ -552,18 +425,7 @@ class QueueWidget(widgets.VBox):
         active_ids = {r.get("id") for r in running} | {q.get("id") for q in queued}
         finished = [f for f in self.finished if f.get("id") not in active_ids][: self.finished_limit]
 
-        mode = self._feed.mode
-        status = {
-            "live": "<span style='color:#2ca02c'>● live</span>",
-            "polling": "<span style='color:#ff7f0e'>● polling</span>",
-            "stopped": "<span style='color:#888'>■ stopped</span>",
-        }.get(mode, "<span style='color:#888'>○ connecting</span>")
-        err = self.error or (self._feed.last_error if mode == "polling" else None)
-        self._header.value = (
-            f"<b>Evaluation queue</b> · {_esc(self.client.base_url)} · {status}"
-            f" · {len(running)} running · {len(queued)} queued"
-            + (f"<br><span style='color:#d62728'>{_esc(err)}</span>" if err else "")
-        )
+        self._header.value = self._header_html(len(running), len(queued))
         self._ledger.value = ledger_html(view.get("ledger"), self._names())
 
         children: list[widgets.Widget] = []
@@ -604,8 +466,9 @@ class QueueWidget(widgets.VBox):
         # Runs on the kernel's main thread (comm message); only REST here, the feed re-renders.
         try:
             self.client.cancel(run_id)
+            self._action_error = None
         except EvalSchedClientError as e:
-            self.error = f"cancel {run_id}: {e}"
+            self._action_error = f"cancel {run_id}: {e}"
         self._feed.wake()
 
     def refresh(self) -> None:
@@ -662,13 +525,10 @@ class RunProgress(widgets.VBox):
             self.handle = RunHandle(client if client is not None else EvalSchedClient(), run)
         self.client = self.handle.client
         self.run_id = self.handle.id
-        self.poll_s = poll_s
-        self.safety_poll_s = safety_poll_s
-        self.record: dict = dict(self.handle._record or {"id": self.run_id, "state": "queued"})
+        self.record: dict = dict(self.handle._record or {"id": self.run_id, "state": QUEUED})
         self.update_count = 0
         self._closed = False
-        self._last_get = 0.0
-        self._refresh_due = False
+        self._action_error: str | None = None
 
         self._title = widgets.HTML()
         self._bar = widgets.IntProgress(min=0, max=1, value=0, layout=widgets.Layout(width="240px"))
@@ -683,10 +543,18 @@ class RunProgress(widgets.VBox):
         )
         self.add_class("jupyter-evalsched-run")
 
-        self._feed = _LiveFeed(self.client, self, name=f"evalsched-run-{self.run_id}")
+        self._tracker = RunTracker(self.run_id, _weakly(self.update), record=self.record)
+        self._feed = LiveFeed(
+            self.client,
+            self._tracker,
+            poll_s=poll_s,
+            safety_poll_s=safety_poll_s,
+            on_tick=_weakly(self._on_tick),
+            name=f"evalsched-run-{self.run_id}",
+        )
         if live:
-            self._safe_get()
-        self.update(self.record)
+            self._feed.read_now()
+        self.update(self._tracker.record)
         if live and self.record.get("state") not in TERMINAL_STATES:
             self._feed.start()
 
@@ -705,82 +573,52 @@ class RunProgress(widgets.VBox):
         )
         with self._bar.hold_sync():
             self._bar.max = max(total, 1)
-            self._bar.value = min(done, max(total, 1)) if total else (1 if state == "succeeded" else 0)
-            self._bar.bar_style = {
-                "succeeded": "success",
-                "failed": "danger",
-                "aborted": "danger",
-                "cancelled": "warning",
-                "running": "info",
-            }.get(state, "")
+            self._bar.value = min(done, max(total, 1)) if total else (1 if state == SUCCEEDED else 0)
+            self._bar.bar_style = _BAR_STYLES.get(state, "")
+        self._status.value = self._status_html(record)
+        terminal = state in TERMINAL_STATES
+        self._button.disabled = terminal
+        self._button.layout.visibility = "hidden" if terminal else "visible"
+        self.update_count += 1
+
+    def _status_html(self, record: dict) -> str:
+        state = record.get("state", "?")
+        prog = record.get("progress") or {}
+        done, total = int(prog.get("done") or 0), int(prog.get("total") or 0)
         parts = [
             f"{done}/{total}" if total else "",
             format_duration(elapsed_s(record))
             if record.get("started_at")
             else f"waiting {_age(record.get('submitted_at'))}",
         ]
-        if record.get("reason") and state != "succeeded":
+        if record.get("reason") and state != SUCCEEDED:
             parts.append(record["reason"])
         metrics = format_metrics(record)
         if metrics:
             parts.append(metrics)
         slurm = f"{slurm_badge(record)} " if is_slurm(record) else ""
-        self._status.value = f"{_badge(state)} {slurm}{_esc(' · '.join(p for p in parts if p))}"
-        terminal = state in TERMINAL_STATES
-        self._button.disabled = terminal
-        self._button.layout.visibility = "hidden" if terminal else "visible"
-        self.update_count += 1
+        error = self._action_error or self._feed.error
+        shown_error = f" <span style='color:#d62728'>{_esc(error)}</span>" if error else ""
+        return f"{_badge(state)} {slurm}{_esc(' · '.join(p for p in parts if p))}{shown_error}"
 
     @property
     def metrics(self) -> dict[str, float]:
         return metric_means(self.record)
 
-    # ---- feed callbacks
-
-    def _feed_alive(self) -> bool:
-        return not self._closed and self.comm is not None
-
-    def _feed_event(self, event: dict) -> None:
-        if event.get("type") != "run":
-            return
-        rec = event.get("run") or {}
-        if rec.get("id") != self.run_id:
-            return
-        progressed = rec.get("progress") != self.record.get("progress")
-        changed_state = rec.get("state") != self.record.get("state")
-        self.update(rec)
-        if changed_state or (progressed and "metrics" not in rec):
-            self._refresh_due = True  # read the full record (summary.json) for the metrics
-
-    def _feed_tick(self, live: bool, woken: bool) -> bool:
-        now = time.monotonic()
-        interval = self.safety_poll_s if live else self.poll_s
-        if (
-            woken
-            or (self._refresh_due and now - self._last_get >= 1.0)
-            or now - self._last_get >= interval
-            or self.record.get("state") in TERMINAL_STATES
-        ):
-            self._refresh_due = False
-            self._safe_get()
-            self.update(self.record)
-        elif self.record.get("state") == "running":
+    def _on_tick(self) -> bool:
+        if self._closed or self.comm is None:  # closed, or Widget.close_all()
+            return False
+        if self.record.get("state") == RUNNING:
             self.update(self.record)  # the elapsed clock
-        # A terminal record read from REST carries the final summary: nothing more will change.
-        return not (self.record.get("state") in TERMINAL_STATES and "summary" in self.record)
-
-    def _safe_get(self) -> None:
-        self._last_get = time.monotonic()
-        try:
-            self.record = self.client.get(self.run_id)
-        except EvalSchedClientError as e:
-            self._status.value = f"<span style='color:#d62728'>{_esc(e)}</span>"
+        return True
 
     def _cancel(self) -> None:
         try:
             self.update(self.client.cancel(self.run_id))
+            self._action_error = None
         except EvalSchedClientError as e:
-            self._status.value = f"<span style='color:#d62728'>{_esc(e)}</span>"
+            self._action_error = str(e)
+            self.update(self.record)
         self._feed.wake()
 
     @property
@@ -797,3 +635,24 @@ class RunProgress(widgets.VBox):
         for child in self.children:
             child.close()
         super().close()
+
+
+class RunProgressReporter:
+    """``RunHandle.wait()``'s progress in a notebook: a :class:`RunProgress` that the wait's own
+    feed updates (``live=False``: no second feed)."""
+
+    def __init__(self, handle: RunHandle):
+        from IPython.display import display
+
+        self.widget = RunProgress(handle, live=False)
+        display(self.widget)
+
+    def update(self, record: dict) -> None:
+        self.widget.update(record)
+
+    def finish(self, record: dict) -> None:
+        if record:
+            self.widget.update(record)
+
+
+register_notebook_progress(RunProgressReporter, RunProgress)

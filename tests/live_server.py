@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
+from waiting import wait_until  # the one wait_until; re-exported for the modules that use this one
 
 from jupyter_evalsched.client import TERMINAL_STATES, EvalSchedClient, LocalServer
+
+__all__ = ["CRASH", "SLEEPY", "clean_queue", "cli", "client", "live_server", "wait_state", "wait_until"]
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 CRASH = "jupyter_evalsched.examples.basic:crash"
@@ -67,17 +69,6 @@ def clean_queue(live_server):
         except Exception:
             pass
     wait_until(lambda: not (c.queue()["queued"] or c.queue()["running"]), timeout=15)
-
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, message: str = ""):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(message or f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 def wait_state(client: EvalSchedClient, run_id: str, states=TERMINAL_STATES, timeout: float = 20.0) -> dict:

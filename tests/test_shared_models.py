@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from jupyter_evalsched.scheduler.shared import ModelUnavailable
 from jupyter_evalsched.shared_models.client import SharedModelError, connect, make_url, parse_url
 from jupyter_evalsched.shared_models.config import parse_models
-from jupyter_evalsched.scheduler.shared import ModelUnavailable
 from jupyter_evalsched.shared_models.manager import HOLD_BASE_S, ModelHostManager, restart_hold_s
 
 REPO = Path(__file__).resolve().parents[1]

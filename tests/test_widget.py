@@ -67,9 +67,13 @@ def test_queue_widget_follows_queue_and_ledger_then_stops_when_closed(client, cl
         count = widget.update_count
         widget.close()
         assert widget.mode == "stopped" and not widget._feed.alive
-        # Closed: further changes do not reach it.
-        client.cancel(ids[0])
-        time.sleep(1.5)
+        # Closed: further changes do not reach it, while they reach a widget that is open.
+        control = QueueWidget(client, use_events=use_events, poll_s=0.3)
+        try:
+            client.cancel(ids[0])
+            wait_until(lambda: ids[0] not in [r["id"] for r in control.queue_view["running"]], timeout=10)
+        finally:
+            control.close()
         assert widget.update_count == count
         assert len(widget.queue_view["running"]) == 2
     finally:
@@ -260,11 +264,12 @@ def test_feed_thread_updates_reach_a_real_kernels_frontend(live_server, clean_qu
             nbformat.v4.new_code_cell(
                 f"h = %eval_submit {SLEEPY} --name in-kernel --episodes 3 --param sleep_s=0.2\n"
                 "import time\n"
-                "for _ in range(100):\n"
-                "    time.sleep(0.1)\n"
-                "    if h.status() == 'succeeded':\n"
-                "        break\n"
-                "time.sleep(1.5)  # the feed's next refresh and render\n"
+                "def row_says_succeeded():  # rendered by the feed's thread, nothing here touches w\n"
+                "    rows = [c for c in w._rows_box.children if getattr(c, 'run_id', None) == h.id]\n"
+                "    return any('>succeeded<' in r.label.value for r in rows)\n"
+                "deadline = time.monotonic() + 30\n"
+                "while not row_says_succeeded() and time.monotonic() < deadline:\n"
+                "    time.sleep(0.05)\n"
                 "print(h.id, w.mode)"
             ),
             nbformat.v4.new_code_cell("w.close()"),
@@ -293,7 +298,9 @@ def test_interpreter_exit_with_live_widgets_is_clean(live_server, clean_queue, t
         "c = EvalSchedClient()\n"
         f"rec = c.submit({{'entrypoint': {SLEEPY!r}, 'episodes': 1, 'params': {{'sleep_s': 30}}}})\n"
         "widgets = [QueueWidget(c), QueueWidget(c, use_events=False), RunProgress(rec['id'], c)]\n"
-        "time.sleep(1.0)\n"
+        "deadline = time.monotonic() + 10\n"
+        "while not all(w.mode in ('live', 'polling') for w in widgets) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.02)\n"
         "assert all(w.mode in ('live', 'polling') for w in widgets), [w.mode for w in widgets]\n"
         "print('ok', flush=True)\n"
     )

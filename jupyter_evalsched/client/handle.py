@@ -1,0 +1,158 @@
+""":class:`RunHandle`: one run, as ``%eval_submit`` returns it and ``client.handle(id)`` builds it."""
+
+from __future__ import annotations
+
+import sys
+from html import escape
+from typing import TYPE_CHECKING, Any
+
+from .errors import EvalSchedClientError, WaitTimeout
+from .formatting import format_metrics
+from .progress import notebook_view, reporter_for
+
+if TYPE_CHECKING:
+    from .transport import EvalSchedClient
+
+
+def run_id_of(value: Any) -> Any:
+    """A handle stands for its run's id (in ``depends_on``, say); anything else for itself."""
+    return value.id if isinstance(value, RunHandle) else value
+
+
+class RunHandle:
+    """One run: ``status()``, ``record()``, ``summary()``, ``episodes()``, ``logs()`` read the
+    server; ``wait()`` shows progress (a widget in a notebook, text in a terminal) and returns the
+    final record. Displaying the handle in a notebook shows the run's live progress widget.
+    """
+
+    def __init__(self, client: EvalSchedClient, run: str | dict):
+        self.client = client
+        if isinstance(run, dict):
+            self.id = run["id"]
+            self._record: dict | None = dict(run)
+        else:
+            self.id = str(run)
+            self._record = None
+
+    # ---- reads
+
+    @property
+    def run_dir(self) -> str | None:
+        """The run directory on the server's host (from the record's ``run_dir``)."""
+        rec = self._record if self._record and "run_dir" in self._record else self.record()
+        return rec.get("run_dir")
+
+    @property
+    def name(self) -> str | None:
+        return (self._record or self.record()).get("name")
+
+    def record(self) -> dict:
+        """The current run record, with ``summary``."""
+        self._record = self.client.get(self.id)
+        return self._record
+
+    def status(self) -> str:
+        """The run's state: queued, running, succeeded, failed, cancelled or aborted."""
+        return self.record()["state"]
+
+    def summary(self) -> dict | None:
+        """The run's ``summary.json`` (episodes done, per-metric mean/std/min/max/count), or None."""
+        return self.record().get("summary")
+
+    def episodes(self):
+        """Finished episodes: a pandas DataFrame (one column per metric) when pandas is installed,
+        else a list of dicts."""
+        rows = self.client.episodes(self.id)
+        try:
+            import pandas as pd
+        except ImportError:
+            return rows
+        flat = [{**{k: v for k, v in ep.items() if k != "metrics"}, **(ep.get("metrics") or {})} for ep in rows]
+        df = pd.DataFrame(flat)
+        for col in ("started_at", "finished_at"):
+            if col in df:
+                df[col] = pd.to_datetime(df[col], utc=True, errors="coerce", format="ISO8601")
+        if "index" in df:
+            df = df.sort_values("index").reset_index(drop=True)
+        return df
+
+    def logs(self, stream: str = "stdout", tail: int | None = None) -> str:
+        return self.client.logs(self.id, stream=stream, tail=tail)
+
+    def cancel(self) -> dict:
+        """Cancel the run (queued: at once; running: its process group is signalled)."""
+        self._record = self.client.cancel(self.id)
+        return self._record
+
+    # ---- waiting
+
+    def wait(self, timeout: float | None = None, progress: Any = True) -> dict:
+        """Wait for the end of the run and return its final record (with ``summary``).
+
+        ``progress``: True shows a progress bar (the widget in a notebook, a line on stderr
+        elsewhere), False nothing; or pass your own reporter (``update(record)``,
+        ``finish(record)``). Ctrl-C / interrupting the kernel stops waiting and returns the current
+        record: the run itself goes on (``cancel()`` stops it). Raises :class:`WaitTimeout` after
+        ``timeout`` seconds.
+        """
+        reporter = reporter_for(self, progress)
+        try:
+            record = self.client.wait(self.id, timeout=timeout, on_update=reporter.update)
+        except KeyboardInterrupt:
+            record = self._record_after_interrupt()
+            reporter.finish(record)
+            print(
+                f"stopped waiting; run {self.id} is still {record.get('state')} (cancel it with .cancel())",
+                file=sys.stderr,
+            )
+            return record
+        except WaitTimeout as e:
+            reporter.finish(e.record or {})
+            raise
+        except BaseException:
+            reporter.finish(self._record or {})
+            raise
+        self._record = record
+        reporter.finish(record)
+        return record
+
+    def _record_after_interrupt(self) -> dict:
+        try:
+            return self.record()
+        except (EvalSchedClientError, KeyboardInterrupt):  # a second Ctrl-C, or the server is gone
+            return self._record or {"id": self.id, "state": "?"}
+
+    # ---- display
+
+    def __repr__(self) -> str:
+        rec = self._record or {}
+        state = rec.get("state", "?")
+        prog = rec.get("progress") or {}
+        extra = f" {prog.get('done', 0)}/{prog.get('total', 0)}" if prog.get("total") else ""
+        return f"<RunHandle {self.id} {rec.get('name', '')!s} {state}{extra}>".replace("  ", " ")
+
+    def _repr_html_(self) -> str:
+        rec = self._record or {"id": self.id}
+        rows = [
+            ("id", rec.get("id")),
+            ("name", rec.get("name")),
+            ("state", rec.get("state")),
+            ("reason", rec.get("reason")),
+            ("progress", "{done}/{total}".format(**(rec.get("progress") or {"done": 0, "total": 0}))),
+            ("metrics", format_metrics(rec)),
+        ]
+        body = "".join(
+            f"<tr><th style='text-align:left'>{escape(k)}</th><td>{escape(str(v))}</td></tr>"
+            for k, v in rows
+            if v not in (None, "")
+        )
+        return f"<table class='evalsched-run'>{body}</table>"
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        view = notebook_view()
+        if view is not None:
+            display(view(self))
+        else:  # a terminal, or no widget registered (ipywidgets missing): the static view
+            display({"text/plain": repr(self), "text/html": self._repr_html_()}, raw=True)

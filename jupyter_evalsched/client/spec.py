@@ -1,0 +1,154 @@
+"""Building a spec on the client side: the submit flags shared by the CLI and the magics, spec
+files, ``--param`` values."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..contract import LANES
+from .errors import SpecError
+from .handle import run_id_of
+
+# The submit flags, shared by the CLI (argparse) and the magics (IPython's magic_arguments, which
+# wraps argparse): one definition, so the two can never drift apart.
+SPEC_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--name",), dict(help="run name (default: derived from the entrypoint)")),
+    (("--episodes",), dict(type=int, metavar="N", help="number of episodes (default 1)")),
+    (
+        ("--vram",),
+        dict(
+            type=int,
+            metavar="MB",
+            help="marginal VRAM per GPU in MB, on top of the shared models (default 0: CPU only)",
+        ),
+    ),
+    (("--gpus",), dict(type=int, metavar="N", help="GPUs needed when --vram > 0 or --exclusive (default 1)")),
+    (("--cpus",), dict(type=int, metavar="N", help="CPU slots the run takes (default 1)")),
+    (("--priority",), dict(choices=list(LANES), help="priority lane (default normal)")),
+    (("--exclusive",), dict(action="store_true", default=None, help="nothing else may run on the run's GPUs")),
+    (
+        ("--depends-on",),
+        dict(
+            action="append",
+            dest="depends_on",
+            metavar="RUN_ID",
+            help="start only after this run succeeded (repeatable)",
+        ),
+    ),
+    (
+        ("--param",),
+        dict(
+            action="append",
+            dest="params",
+            metavar="KEY=VALUE",
+            help="eval parameter; VALUE is parsed as JSON when it parses, else kept as a string (repeatable)",
+        ),
+    ),
+    (
+        ("--model",),
+        dict(
+            action="append",
+            dest="models",
+            metavar="NAME",
+            help="shared model the eval uses through ctx.model(NAME) (repeatable)",
+        ),
+    ),
+    (("--workers",), dict(type=int, metavar="N", help="worker processes for the episodes (default 1)")),
+    (("--timeout",), dict(type=float, metavar="SECONDS", help="fail the run after this many seconds")),
+    (("--seed",), dict(type=int, help="base seed; episode i gets seed + i (default 0)")),
+    (
+        ("--executor",),
+        dict(
+            choices=["local", "slurm"],
+            help="where the run executes: this host's ledger or SLURM (default: the server's)",
+        ),
+    ),
+]
+
+SPEC_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    """``"k=v"`` -> ``("k", v)`` with ``v`` parsed as JSON when it parses, else the raw string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise SpecError(f"--param expects KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key, value
+
+
+def load_spec_file(path: str) -> dict:
+    """Read a ``.json`` or ``.yaml`` spec. A relative ``cwd`` in it is relative to the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise SpecError(f"cannot read spec file {path}: {e.strerror or e}") from None
+    try:
+        if path.endswith(".json"):
+            spec = json.loads(text)
+        else:
+            import yaml
+
+            spec = yaml.safe_load(text)
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError: both carry a position
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SpecError(f"cannot parse spec file {path}: {first}") from None
+    if not isinstance(spec, dict):
+        raise SpecError(f"spec file {path} must contain a mapping, not {type(spec).__name__}")
+    cwd = spec.get("cwd")
+    if isinstance(cwd, str) and cwd and not os.path.isabs(cwd):
+        spec["cwd"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), cwd))
+    return spec
+
+
+# Flag (argparse dest) -> spec key, at the spec's top level and in its ``scheduling``.
+_TOP_LEVEL_FLAGS = {
+    "name": "name",
+    "episodes": "episodes",
+    "workers": "workers",
+    "seed": "seed",
+    "timeout": "timeout_s",
+    "executor": "executor",
+}
+_SCHEDULING_FLAGS = {
+    "vram": "marginal_vram_mb",
+    "gpus": "gpus",
+    "cpus": "cpus",
+    "priority": "priority",
+    "exclusive": "exclusive_gpu",
+}
+
+
+def apply_spec_options(spec: dict | None, options: Any, *, default_cwd: str | None = None) -> dict:
+    """Return a copy of ``spec`` with the flags of :data:`SPEC_FLAGS` (an argparse namespace) applied.
+
+    Flags override the spec's values; ``--depends-on``, ``--model`` append; ``--param`` updates.
+    ``cwd`` defaults to ``default_cwd`` (the caller's working directory).
+    """
+    out = json.loads(json.dumps(spec, default=run_id_of)) if spec else {}
+    out.update(_flags_given(options, _TOP_LEVEL_FLAGS))
+    sched = {**(out.get("scheduling") or {}), **_flags_given(options, _SCHEDULING_FLAGS)}
+    if sched or "scheduling" in out:
+        out["scheduling"] = sched
+    if getattr(options, "params", None):
+        out["params"] = {**(out.get("params") or {}), **dict(parse_param(item) for item in options.params)}
+    for flag in ("depends_on", "models"):
+        if getattr(options, flag, None):
+            merged = list(out.get(flag) or []) + [run_id_of(v) for v in getattr(options, flag)]
+            out[flag] = list(dict.fromkeys(merged))  # in order, without repeats
+    if default_cwd is not None and not out.get("cwd"):
+        out["cwd"] = default_cwd
+    return out
+
+
+def _flags_given(options: Any, flags: dict[str, str]) -> dict[str, Any]:
+    """The spec keys of ``flags`` whose flag ``options`` sets (argparse leaves the others None)."""
+    values = {key: getattr(options, flag, None) for flag, key in flags.items()}
+    return {key: value for key, value in values.items() if value is not None}

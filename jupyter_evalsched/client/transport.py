@@ -1,0 +1,193 @@
+""":class:`EvalSchedClient`: the blocking REST client of one server's ``/evalsched/`` API.
+
+Kept light on purpose: ``urllib`` and ``json`` only (no pydantic, no jupyter_server, no tornado),
+so that importing it in a kernel or a terminal costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from .discovery import discover_server
+from .errors import HOW_TO_FIX, EvalSchedError, ServerNotFound, WaitTimeout
+from .events import EventStream
+from .handle import RunHandle, run_id_of
+from .live_feed import LiveFeed, RunTracker
+
+
+class EvalSchedClient:
+    """Blocking client of one server's ``/evalsched/`` API.
+
+    >>> c = EvalSchedClient()           # found as jupyter_evalsched.client.discovery says
+    >>> rec = c.submit({"entrypoint": "jupyter_evalsched.examples.basic:noop"})
+    >>> c.wait(rec["id"])["state"]
+    'succeeded'
+    """
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0):
+        self.base_url, self.token = discover_server(url, token)
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"EvalSchedClient({self.base_url!r})"
+
+    # ---- transport
+
+    def _url(self, path: str, query: dict | None = None) -> str:
+        url = urllib.parse.urljoin(self.base_url, "evalsched/" + path.lstrip("/"))
+        if query:
+            clean = {k: v for k, v in query.items() if v is not None}
+            if clean:
+                url += "?" + urllib.parse.urlencode(clean)
+        return url
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"token {self.token}"
+        return headers
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict | None = None,
+        body: Any = None,
+        raw: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """One REST call; JSON is decoded unless ``raw`` (then the text is returned)."""
+        data = None
+        headers = self._headers()
+        if body is not None:
+            data = json.dumps(body).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self._url(path, query), data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                payload = resp.read()
+                charset = resp.headers.get_content_charset() or "utf-8"
+        except urllib.error.HTTPError as e:
+            raise self._http_error(e, path) from None
+        except urllib.error.URLError as e:
+            reason = getattr(e.reason, "strerror", None) or str(e.reason)
+            raise ServerNotFound(f"cannot reach {self.base_url}: {reason}: {HOW_TO_FIX}") from None
+        except (TimeoutError, ConnectionError) as e:
+            raise ServerNotFound(f"cannot reach {self.base_url}: {e}") from None
+        text = payload.decode(charset, errors="replace")
+        if raw:
+            return text
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise EvalSchedError(200, f"the server answered {path} with something that is not JSON") from None
+
+    def _http_error(self, e: urllib.error.HTTPError, path: str) -> EvalSchedError:
+        try:
+            body = json.loads(e.read().decode("utf-8", errors="replace") or "null")
+        except (ValueError, OSError):
+            body = None
+        if isinstance(body, dict) and ("message" in body or "reason" in body):
+            detail = body.get("detail")
+            message = str(body.get("message") or "")
+            if e.code == 403 and message.lower() in ("", "forbidden"):
+                message = "forbidden: wrong or missing token (set EVALSCHED_TOKEN or pass the token)"
+            return EvalSchedError(e.code, message, detail if isinstance(detail, list) else None, body.get("reason"))
+        if e.code == 404:
+            return EvalSchedError(
+                404, f"no /evalsched/ API at {self.base_url} (is the jupyter_evalsched server extension enabled?)"
+            )
+        if e.code == 403:
+            return EvalSchedError(403, "forbidden: wrong or missing token (set EVALSCHED_TOKEN)")
+        return EvalSchedError(e.code, str(e.reason or "HTTP error"))
+
+    # ---- endpoints
+
+    def submit(self, spec: dict) -> dict:
+        """``POST /evalsched/runs``: the new run record (``queued``, or already ``running``)."""
+        return self.request("POST", "runs", body=json.loads(json.dumps(spec, default=run_id_of)))
+
+    def list(self, state: str | list[str] | None = None, limit: int | None = None) -> list[dict]:
+        """Run records, newest first. ``state`` may be ``"queued"``, ``"failed,cancelled"`` or a list."""
+        if isinstance(state, (list, tuple, set, frozenset)):
+            state = ",".join(state)
+        return self.request("GET", "runs", query={"state": state, "limit": limit})["runs"]
+
+    def get(self, run_id: str) -> dict:
+        """The run record with ``summary`` (the run's ``summary.json``, or None)."""
+        return self.request("GET", f"runs/{_quote_id(run_id)}")
+
+    def delete(self, run_id: str) -> None:
+        self.request("DELETE", f"runs/{_quote_id(run_id)}")
+
+    def cancel(self, run_id: str) -> dict:
+        return self.request("POST", f"runs/{_quote_id(run_id)}/cancel", body={})
+
+    def logs(self, run_id: str, stream: str = "stdout", tail: int | None = None) -> str:
+        return self.request("GET", f"runs/{_quote_id(run_id)}/logs", query={"stream": stream, "tail": tail}, raw=True)
+
+    def episodes(self, run_id: str) -> list[dict]:
+        return self.request("GET", f"runs/{_quote_id(run_id)}/episodes")["episodes"]
+
+    def queue(self) -> dict:
+        """``{"queued": [...] in admission order, "running": [...], "ledger": {...}}``."""
+        return self.request("GET", "queue")
+
+    def ledger(self) -> dict:
+        return self.request("GET", "ledger")
+
+    def models(self) -> list[dict]:
+        return self.request("GET", "models")["models"]
+
+    def openapi(self) -> dict:
+        return self.request("GET", "openapi.json")
+
+    def handle(self, run: str | dict) -> RunHandle:
+        """A :class:`RunHandle` for a run id or record."""
+        return RunHandle(self, run)
+
+    def events(self, *, connect_timeout: float = 10.0, backend: str | None = None) -> EventStream:
+        """The ``/evalsched/events`` WebSocket as an iterator of event dicts (close it, or use ``with``).
+
+        The first event is ``{"type": "snapshot", "queue": ...}``, then ``{"type": "run", "run": ...}``.
+        """
+        return EventStream(self, connect_timeout=connect_timeout, backend=backend)
+
+    def wait(
+        self,
+        run_id: str,
+        timeout: float | None = None,
+        *,
+        use_events: bool = True,
+        on_update: Callable[[dict], None] | None = None,
+        poll_s: float = 1.0,
+    ) -> dict:
+        """Block until the run is terminal; return its final record (with ``summary``).
+
+        Events wake the wait at once; a REST poll runs as a safety net (every ``poll_s`` without a
+        socket, every few seconds with one). ``on_update(record)`` is called at every change.
+        Raises :class:`WaitTimeout` after ``timeout`` seconds.
+        """
+        tracker = RunTracker(_id_of(run_id), on_change=on_update)
+        feed = LiveFeed(self, tracker, use_events=use_events, poll_s=poll_s, safety_poll_s=3.0)
+        if not feed.run(timeout):
+            raise WaitTimeout(tracker.run_id, timeout or 0.0, tracker.record)
+        return tracker.record
+
+
+def _id_of(run: str | dict | RunHandle) -> str:
+    """Methods that take a run id also take its handle or record."""
+    run = run_id_of(run)
+    return str(run["id"] if isinstance(run, dict) else run)
+
+
+def _quote_id(run: str | dict | RunHandle) -> str:
+    return urllib.parse.quote(_id_of(run), safe="")
