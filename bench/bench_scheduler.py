@@ -5,7 +5,7 @@ the same run (these machines are noisy: never compare with a number from another
 
 1. Admission latency: two runs that cannot share the GPU (16000 MB each on a 24000 MB virtual
    GPU). Measured from the first run's exit (its ``_DONE``, written just before it exits, and the
-   moment the scheduler notices the exit) to the second run's spawn. Baseline: the same scheduler
+   moment the scheduler records the first run's end) to the second run's spawn. Baseline: the same scheduler
    with exit notification disabled, so that only its 1 s backstop sweep notices exits — the
    once-a-second tick that event-driven admission replaces.
 2. No-op turnaround: ``submit`` of a run whose episode does nothing → its terminal state, against
@@ -25,41 +25,46 @@ import time
 from pathlib import Path
 
 from jupyter_evalsched.models import EvalSpec
+from jupyter_evalsched.scheduler.config import SchedulerConfig
+from jupyter_evalsched.scheduler.executors.local import LocalExecutor
 from jupyter_evalsched.scheduler.gpus import VirtualProbe
-from jupyter_evalsched.scheduler.service import Scheduler, SchedulerConfig
+from jupyter_evalsched.scheduler.service import Scheduler
 
 NOOP = "jupyter_evalsched.examples.basic:noop"
 
 
 class TimedScheduler(Scheduler):
-    """Records when each exit is noticed and each spawn returns (monotonic clock)."""
+    """Records when each run's end is recorded and each spawn returns (monotonic clock)."""
 
-    def __init__(self, *a, event_driven: bool = True, **kw):
-        super().__init__(*a, **kw)
+    def __init__(self, config: SchedulerConfig, probe: VirtualProbe, event_driven: bool = True):
+        self.local = LocalExecutor(notify_exits=event_driven)  # not event-driven: the 1 s sweep alone
+        super().__init__(config, probe, executors=[self.local])
         self.noticed: dict[str, float] = {}
         self.spawned: dict[str, float] = {}
         self.finished: dict[str, asyncio.Future] = {}
-        if not event_driven:
-            self.launcher._watch = lambda proc: setattr(proc, "pidfd", None)  # only the sweep notices exits
-        spawn = self.launcher.spawn
+        spawn = self.local.launcher.spawn
 
-        def timed_spawn(run_id, *args):
-            proc = spawn(run_id, *args)
+        def timed_spawn(run_id, *args, **kwargs):
+            proc = spawn(run_id, *args, **kwargs)
             self.spawned[run_id] = time.monotonic()
             return proc
 
-        self.launcher.spawn = timed_spawn
-        self.launcher._on_exit = self._timed_exit
+        self.local.launcher.spawn = timed_spawn
+        self.table.subscribe(self._changed)  # told of an end before the admission it triggers
 
-    def _timed_exit(self, run_id: str, code: int) -> None:
-        self.noticed[run_id] = time.monotonic()
-        self._on_exit(run_id, code)
+    def _changed(self, event: dict) -> None:
+        run = event["run"]
+        if run["state"] not in ("succeeded", "failed", "cancelled", "aborted"):
+            return
+        now = time.monotonic()
+        self.noticed[run["id"]] = now
+        fut = self.finished.get(run["id"])
+        if fut is not None and not fut.done():
+            fut.set_result(now)
 
-    def _changed(self, job):
-        super()._changed(job)
-        fut = self.finished.get(job.id)
-        if fut is not None and job.state in ("succeeded", "failed", "cancelled", "aborted") and not fut.done():
-            fut.set_result(time.monotonic())
+    async def submit_record(self, spec: EvalSpec) -> dict:
+        record, _ = await self.submit(spec)
+        return record
 
 
 def mono_of_wall(wall: float) -> float:
@@ -78,8 +83,8 @@ async def admission_latency(rounds: int, event_driven: bool, root: Path) -> tupl
     try:
         for _ in range(rounds):
             spec = EvalSpec(entrypoint=NOOP, episodes=1, cwd=str(root), scheduling={"marginal_vram_mb": 16000})
-            a = await sched.submit(spec)
-            b = await sched.submit(spec)
+            a = await sched.submit_record(spec)
+            b = await sched.submit_record(spec)
             sched.finished[b["id"]] = asyncio.get_running_loop().create_future()
             await asyncio.wait_for(sched.finished[b["id"]], 30)
             done_mtime = (runs / a["id"] / "_DONE").stat().st_mtime
@@ -99,7 +104,7 @@ async def noop_turnaround(rounds: int, root: Path) -> list[float]:
     try:
         for _ in range(rounds):
             t0 = time.monotonic()
-            rec = await sched.submit(EvalSpec(entrypoint=NOOP, episodes=1, cwd=str(root)))
+            rec = await sched.submit_record(EvalSpec(entrypoint=NOOP, episodes=1, cwd=str(root)))
             fut = sched.finished.setdefault(rec["id"], asyncio.get_running_loop().create_future())
             t1 = await asyncio.wait_for(fut, 30)
             out.append(t1 - t0)

@@ -4,7 +4,9 @@ This module stays cheap to import: the run subprocess imports the package too, s
 heavy (pydantic, tornado, jupyter_server) is imported here. The entry points import lazily.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
+
+__all__ = ["__version__"]
 
 
 def _jupyter_server_extension_points():

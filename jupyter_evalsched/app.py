@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -12,7 +13,8 @@ from jupyter_server.utils import url_path_join
 from tornado.ioloop import PeriodicCallback
 from traitlets import Bool, Dict, Enum, Float, Int, List, Type, Unicode, default, validate
 
-from .primary import HostRole
+from .internal import InternalListener
+from .primary import HostRole, UnsafePath, new_secret
 from .store import MODEL_LOGS_DIR
 
 if TYPE_CHECKING:
@@ -116,19 +118,11 @@ class EvalSchedApp(ExtensionApp):
         config=True
     )
 
-    single_primary = Bool(
-        True,
-        help="Run one scheduler per user per host: the first server takes a host-wide lock and "
-        "schedules; further servers forward /evalsched/ to it and take over when it exits.",
+    promotion_interval_s = Float(
+        1.0,
+        help="How often a server that does not schedule (another holds the runs directory's lock) tries "
+        "to take over, and the primary checks that its lock is still the runs directory's.",
     ).tag(config=True)
-
-    lock_dir = Unicode(
-        help="Where the primary's lock and address live. Default: $EVALSCHED_LOCK_DIR, else the Jupyter runtime dir."
-    ).tag(config=True)
-
-    @default("lock_dir")
-    def _default_lock_dir(self) -> str:
-        return os.environ.get("EVALSCHED_LOCK_DIR") or jupyter_runtime_dir()
 
     slurm_enabled = Bool(
         help="Allow runs to be handed to SLURM (spec 'executor': 'slurm'). Default: $EVALSCHED_SLURM is 1."
@@ -162,6 +156,20 @@ class EvalSchedApp(ExtensionApp):
         return self.serverapp
 
     def initialize_settings(self) -> None:
+        self.runs_path = Path(self.runs_dir).expanduser()
+        if self.default_executor == "slurm" and not self.slurm_enabled:
+            raise ValueError("EvalSchedApp.default_executor is 'slurm' but slurm_enabled is False")
+        self.role = HostRole(self.runs_path)
+        self.start_error: str | None = None  # why this server cannot schedule, when it cannot
+        self._internal: InternalListener | None = None
+        self._activity: PeriodicCallback | None = None
+        self._watch: PeriodicCallback | None = None
+        self._retry_at = 0.0
+        self._make_scheduler()
+
+    def _make_scheduler(self) -> None:
+        """A scheduler (and model host) for one tenure as primary: a server that steps down and
+        takes over again gets fresh ones."""
         probe: GpuProbe
         if self.virtual_gpus:
             probe = VirtualProbe(list(self.virtual_gpus))
@@ -175,11 +183,11 @@ class EvalSchedApp(ExtensionApp):
                 list(self.models),
                 socket_dir=Path(jupyter_runtime_dir()) / f"evalsched-models-{os.getpid()}",
                 # Beside the runs, where a user finds them after the host (and its sockets) are gone.
-                log_dir=str(Path(self.runs_dir).expanduser() / MODEL_LOGS_DIR),
+                log_dir=str(self.runs_path / MODEL_LOGS_DIR),
                 log=self.log,
             )
         config = SchedulerConfig(
-            runs_dir=Path(self.runs_dir).expanduser(),
+            runs_dir=self.runs_path,
             cpu_slots=self.cpu_slots,
             reserve_mb=self.reserve_vram_mb,
             usable_override={int(k): int(v) for k, v in self.usable_vram_mb.items()},
@@ -203,14 +211,8 @@ class EvalSchedApp(ExtensionApp):
             settings = dict(self.slurm)
             poll = {k: settings.pop(k) for k in ("poll_interval_s", "max_poll_interval_s") if k in settings}
             executors.append(SlurmExecutor(SlurmCli(SlurmConfig(**settings)), **poll))
-        elif self.default_executor == "slurm":
-            raise ValueError("EvalSchedApp.default_executor is 'slurm' but slurm_enabled is False")
         self.scheduler = Scheduler(config, probe, models=model_host, executors=executors)
         self.model_host = model_host
-        self.role = HostRole(Path(self.lock_dir))
-        self.settings.update(
-            evalsched_scheduler=self.scheduler, evalsched_model_host=model_host, evalsched_role=self.role
-        )
 
     def initialize_handlers(self) -> None:
         from .handlers import handlers
@@ -221,28 +223,71 @@ class EvalSchedApp(ExtensionApp):
         # Live runs count as activity, so that JupyterHub never culls a server with work in flight.
         self._activity = PeriodicCallback(self._report_activity, 5000)
         self._activity.start()
-        self._promotion = None
-        if not self.single_primary or self.role.try_acquire():
-            await self._become_primary()
+        await self._take_over_if_free()
+        if not self.role.is_primary and self.start_error is None:
+            primary = self.role.primary()
+            self.log.info(
+                "evalsched: another server (pid %s, %s) schedules %s; forwarding /evalsched/ to it",
+                primary.pid if primary else "?",
+                primary.url if primary else "address not yet advertised",
+                self.runs_path,
+            )
+        self._watch = PeriodicCallback(self._check_role, self.promotion_interval_s * 1000)
+        self._watch.start()
+
+    async def _check_role(self) -> None:
+        """Primary: step down when the runs directory at its path is no longer the one locked;
+        advertise again when the advertisement was removed. Otherwise: take over when free."""
+        try:
+            if self.role.is_primary:
+                if not self.role.still_holds():
+                    self.log.error(
+                        "evalsched: the runs directory %s is no longer the directory this server locked "
+                        "(renamed or replaced): this server stops scheduling it",
+                        self.runs_path,
+                    )
+                    await self._step_down()
+                elif not self.role.advertises_us() and self._internal is not None:
+                    self._advertise()
+                return
+            if time.monotonic() >= self._retry_at:
+                await self._take_over_if_free()
+        except Exception:
+            self.log.exception("evalsched: role check failed")
+
+    async def _take_over_if_free(self) -> None:
+        try:
+            if not self.role.try_acquire():
+                return
+        except UnsafePath as exc:
+            self._fail_start(str(exc))
             return
-        primary = self.role.primary()
-        self.log.info(
-            "evalsched: another server (pid %s, %s) is this host's scheduler; forwarding /evalsched/ to it",
-            primary.pid if primary else "?",
-            primary.url if primary else "address not yet advertised",
-        )
-        self._promotion = PeriodicCallback(self._try_promotion, 1000)
-        self._promotion.start()
+        if self._watch is not None:  # not the first start: a takeover
+            self.log.warning("evalsched: no server schedules %s any more; this server takes over", self.runs_path)
+        try:
+            await self._become_primary()
+        except Exception as exc:
+            self.log.exception("evalsched: the scheduler could not start")
+            await self._step_down()
+            self._fail_start(f"{type(exc).__name__}: {exc}")
+
+    def _fail_start(self, why: str) -> None:
+        """This server cannot schedule the runs directory; requests are answered 503 with ``why``
+        until a later try (every 10 s) succeeds or another server takes it."""
+        if why != self.start_error:
+            self.log.error("evalsched: this server cannot schedule %s: %s", self.runs_path, why)
+        self.start_error = why
+        self._retry_at = time.monotonic() + 10.0
 
     async def _become_primary(self) -> None:
         if self.model_host is not None:
             await self.model_host.start()
         await self.scheduler.start()
-        if self.single_primary:
-            token = getattr(self._server.identity_provider, "token", "") or ""
-            self.role.advertise(self._own_url(), token, str(self.scheduler.store.root))
-            primary = self.role.primary()
-            self.scheduler.primary_info = primary.public() if primary else None
+        from .handlers import handlers
+
+        self._internal = InternalListener(handlers(), self._server.web_app.settings, new_secret())
+        self._advertise()
+        self.start_error = None
         self.log.info(
             "evalsched: this server schedules into %s with %d GPU(s) and %d CPU slots; API at %s",
             self.scheduler.store.root,
@@ -250,6 +295,26 @@ class EvalSchedApp(ExtensionApp):
             self.cpu_slots,
             url_path_join(self._server.base_url, "evalsched/"),
         )
+
+    def _advertise(self) -> None:
+        assert self._internal is not None
+        secret = self._internal.app.settings["identity_provider"].secret
+        self.role.advertise(self._own_url(), self._internal.url, secret)
+        primary = self.role.primary()
+        self.scheduler.primary_info = primary.public() if primary else None
+
+    async def _step_down(self) -> None:
+        """End this tenure as primary: runs stop (aborted), the lock is released, and a fresh
+        scheduler waits for the next takeover."""
+        if self._internal is not None:
+            await self._internal.stop()
+            self._internal = None
+        if self.scheduler.started:
+            await self.scheduler.stop()
+        if self.model_host is not None:
+            await self.model_host.stop()
+        self.role.release()
+        self._make_scheduler()
 
     def _own_url(self) -> str:
         app = self._server
@@ -259,14 +324,6 @@ class EvalSchedApp(ExtensionApp):
         scheme = "https" if app.certfile else "http"
         return f"{scheme}://{host}:{app.port}{app.base_url}"
 
-    async def _try_promotion(self) -> None:
-        if self.role.is_primary or not self.role.try_acquire():
-            return
-        if self._promotion is not None:
-            self._promotion.stop()
-        self.log.warning("evalsched: the primary server is gone; this server takes over the host's scheduler")
-        await self._become_primary()
-
     def _report_activity(self) -> None:
         if self.scheduler.has_live_runs:
             from jupyter_server._tz import utcnow
@@ -274,10 +331,13 @@ class EvalSchedApp(ExtensionApp):
             self._server.web_app.settings["evalsched_last_activity"] = utcnow()
 
     async def stop_extension(self) -> None:
-        for timer in (getattr(self, "_activity", None), getattr(self, "_promotion", None)):
+        for timer in (self._activity, self._watch):
             if timer is not None:
                 timer.stop()
-        if self.role.is_primary or not self.single_primary:
+        if self.role.is_primary:
+            if self._internal is not None:
+                await self._internal.stop()
+                self._internal = None
             await self.scheduler.stop()
             if self.model_host is not None:
                 await self.model_host.stop()

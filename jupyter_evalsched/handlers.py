@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from pydantic import ValidationError
 from tornado import web, websocket
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
+from ._version import __version__
 from .contract import STATES
 from .models import EvalSpec
 from .scheduler.errors import SchedulerError
@@ -35,6 +37,7 @@ EXTENSION = "jupyter_evalsched"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_LIST_LIMIT = 100_000
 RUN_ID = r"(?P<run_id>[^/]+)"
+IDEMPOTENCY_KEY_RE = re.compile(r"[!-~]{1,200}")
 T = TypeVar("T")
 
 
@@ -57,9 +60,18 @@ def as_http_error(exc: BaseException) -> ApiError | None:
     return None
 
 
-def is_delegating(handler) -> bool:
-    role = handler.settings.get("evalsched_role")
-    return role is not None and not role.is_primary and handler.extensionapp.single_primary
+def is_delegating(handler: Any) -> bool:
+    """A server that does not hold its runs directory's lock forwards to the one that does."""
+    return not handler.extensionapp.role.is_primary
+
+
+def no_primary_message(app: Any) -> str:
+    """Why no primary can answer, for a 503."""
+    if app.start_error:
+        return f"this server cannot schedule its runs directory: {app.start_error}"
+    if app.role.problem:
+        return f"the primary evalsched server cannot be reached: {app.role.problem}"
+    return "the primary evalsched server of this runs directory is starting or changing; retry in a few seconds"
 
 
 class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
@@ -75,7 +87,8 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
 
     @property
     def scheduler(self) -> Scheduler:
-        return self.settings["evalsched_scheduler"]
+        scheduler: Scheduler = self.extensionapp.scheduler
+        return scheduler
 
     async def prepare(self) -> None:  # type: ignore[override]  # as APIHandler's own
         await super().prepare()
@@ -123,17 +136,20 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         self.finish(json.dumps(body))
 
     async def forward_to_primary(self) -> None:
-        role = self.settings["evalsched_role"]
-        primary = role.primary()
+        """The request as it came, to the primary's internal listener, with the link's secret."""
+        primary = self.extensionapp.role.primary()
         if primary is None:
-            raise ApiError(503, "this host's primary evalsched server is starting or changing; retry in a few seconds")
+            raise ApiError(503, no_primary_message(self.extensionapp))
         suffix = self.request.path[len(self.base_url.rstrip("/")) :].lstrip("/")
-        url = primary.url.rstrip("/") + "/" + suffix
+        url = primary.internal_url.rstrip("/") + "/" + suffix
         if self.request.query:
             url += "?" + self.request.query
-        headers = {"Content-Type": self.request.headers.get("Content-Type", "application/json")}
-        if primary.token:
-            headers["Authorization"] = f"token {primary.token}"
+        headers = {
+            "Content-Type": self.request.headers.get("Content-Type", "application/json"),
+            "Authorization": f"token {primary.secret}",
+        }
+        if "Idempotency-Key" in self.request.headers:
+            headers["Idempotency-Key"] = self.request.headers["Idempotency-Key"]
         body = self.request.body if self.request.method in ("POST", "PUT", "PATCH") else None
         try:
             resp = await AsyncHTTPClient().fetch(
@@ -207,9 +223,14 @@ class RunsHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def post(self) -> None:
-        record = await self.scheduler.submit(parse_spec(self.request.body))
+        key = self.request.headers.get("Idempotency-Key")
+        if key is not None and not IDEMPOTENCY_KEY_RE.fullmatch(key):
+            raise ApiError(400, "the Idempotency-Key header must be 1 to 200 printable ASCII characters")
+        record, created = await self.scheduler.submit(parse_spec(self.request.body), key)
         self.set_header("Location", self.request.path.rstrip("/") + "/" + record["id"])
-        self.send_json(record, status=201)
+        if not created:
+            self.set_header("Idempotent-Replayed", "true")
+        self.send_json(record, status=201 if created else 200)
 
 
 def parse_spec(body: bytes) -> EvalSpec:
@@ -320,7 +341,7 @@ class ModelsHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        host = self.settings.get("evalsched_model_host")
+        host = self.extensionapp.model_host
         models = await host.describe() if host is not None else []
         self.send_json({"models": models})
 
@@ -333,15 +354,15 @@ class StatusHandler(EvalSchedHandler):
     @authorized
     async def get(self) -> None:
         """This server's own view: its role, and which server is the host's primary."""
-        from . import __version__
-
-        role = self.settings["evalsched_role"]
-        primary = role.primary()
-        body = {
+        app = self.extensionapp
+        primary = app.role.primary()
+        role = "primary" if app.role.is_primary else ("unavailable" if app.start_error else "secondary")
+        body: dict[str, Any] = {
             "version": __version__,
-            "role": "secondary" if is_delegating(self) else "primary",
+            "role": role,
             "pid": os.getpid(),
             "primary": primary.public() if primary else None,
+            "error": None if primary or app.role.is_primary else no_primary_message(app),
         }
         if not is_delegating(self):
             scheduler = self.scheduler
@@ -386,7 +407,7 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
         if is_delegating(self):
             await self._relay_from_primary()
             return
-        scheduler: Scheduler = self.settings["evalsched_scheduler"]
+        scheduler: Scheduler = self.extensionapp.scheduler
         if not scheduler.started:
             self.close(1013, "the scheduler is starting; reconnect in a moment")
             return
@@ -397,12 +418,12 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
     async def _relay_from_primary(self) -> None:
         """A secondary relays the primary's stream; when the primary goes, the socket closes and
         the client reconnects (to whichever server then is primary, through this one)."""
-        primary = self.settings["evalsched_role"].primary()
+        primary = self.extensionapp.role.primary()
         if primary is None:
             self.close(1013, "the host's primary evalsched server is changing; reconnect")
             return
-        url = "ws" + primary.url[len("http") :].rstrip("/") + "/evalsched/events"
-        headers = {"Authorization": f"token {primary.token}"} if primary.token else {}
+        url = "ws" + primary.internal_url[len("http") :].rstrip("/") + "/evalsched/events"
+        headers = {"Authorization": f"token {primary.secret}"}
         try:
             self._upstream = await websocket.websocket_connect(HTTPRequest(url, headers=headers, request_timeout=10))
         except Exception as exc:

@@ -129,7 +129,7 @@ class EvalSchedMagics(Magics):
         except EvalSchedClientError as e:
             print(f"eval_submit: {e}", file=sys.stderr)
             return None
-        if args.out:
+        if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = handle
         return handle
 
@@ -190,7 +190,7 @@ class EvalSchedMagics(Magics):
         except EvalSchedClientError as e:
             print(f"eval_queue: {e}", file=sys.stderr)
             return None
-        if args.out:
+        if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = widget
         from IPython.display import display
 

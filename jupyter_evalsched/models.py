@@ -218,6 +218,7 @@ class RunRecord(BaseModel):
     metrics: dict[str, Any] = Field(default_factory=dict, description="the latest aggregates of summary.json")
     slurm_job_id: str | None = None
     slurm_state: str | None = None
+    idempotency_key: str | None = Field(None, description="the Idempotency-Key header of the submission")
 
 
 RECORD_FIELDS = frozenset(RunRecord.model_fields)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from . import __version__
+from ._version import __version__
 from .models import (
     STATES,
     EpisodeList,

@@ -1,37 +1,51 @@
-"""One scheduler per user per host: the primary holds a lock, the other servers delegate to it.
+"""One scheduler per runs directory: the primary holds a lock on the directory, the others forward.
 
-The lock is an ``fcntl`` lock on a file in the user's runtime directory: the kernel releases it
-when the holder dies, however it dies, so there is no stale lock to clean up by hand. Next to it,
-the primary advertises where it listens and how to authenticate, in a file only its owner can
-read. Secondaries forward ``/evalsched/`` there and try the lock again every second; the first
-to get it becomes the primary (recovering the runs directory, rule 4).
+The lock is an ``flock`` on the runs directory itself (not on a file in it, and not in a runtime
+directory): two servers that share a runs directory contend for the same lock whatever their
+runtime directories, and there is no lock file to delete. The kernel releases it when its holder
+dies, however it dies. Should the directory at that path stop being the one locked (renamed,
+replaced), ``still_holds`` says so and the primary steps down.
+
+Beside it, ``.evalsched-primary.json`` (0600) advertises the primary: where its internal listener
+is (loopback) and the secret that listener accepts, a credential of the link between servers that
+has nothing to do with how users log in. Everything read from the runs directory is checked:
+owned by this user, not writable by others, not a symbolic link; anything else is refused with an
+error that says what is wrong.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import secrets
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-LOCK_NAME = "evalsched-primary.lock"
-INFO_NAME = "evalsched-primary.json"
+INFO_NAME = ".evalsched-primary.json"
+
+
+class UnsafePath(Exception):
+    """A path this server would trust is not safe to trust; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
 class PrimaryInfo:
-    url: str  # the primary server's base URL, ending in "/"
-    token: str
+    url: str  # the primary's own base URL (for people: where it serves its users)
+    internal_url: str  # the loopback listener secondaries forward to, ending in "/"
+    secret: str  # what that listener accepts (``Authorization: token <secret>``)
     pid: int
     hostname: str
     runs_dir: str
     since: float
 
-    def public(self) -> dict:
-        """What clients may see (never the token)."""
+    def public(self) -> dict[str, Any]:
+        """What clients may see (never the secret or the internal listener)."""
         return {
             "url": self.url,
             "pid": self.pid,
@@ -41,83 +55,158 @@ class PrimaryInfo:
         }
 
 
-class HostRole:
-    """This server's role on the host: primary (holds the lock) or secondary (delegates)."""
+def check_private(st: os.stat_result, what: str) -> None:
+    """UnsafePath unless ``st`` (from lstat/fstat) is owned by us and not writable by others."""
+    uid = os.getuid()
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"{what} is a symbolic link; it must be a real {what.split()[0]} of yours")
+    if st.st_uid != uid:
+        raise UnsafePath(f"{what} is owned by uid {st.st_uid}, not by you (uid {uid})")
+    if st.st_mode & 0o022:
+        raise UnsafePath(f"{what} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it")
 
-    def __init__(self, lock_dir: Path) -> None:
-        self.lock_dir = Path(lock_dir)
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+class HostRole:
+    """This server's role for a runs directory: primary (holds the lock) or secondary (forwards)."""
+
+    def __init__(self, runs_dir: Path) -> None:
+        self.runs_dir = Path(runs_dir)
         self._fd: int | None = None
-        self._info_cache: tuple[tuple[int, int], PrimaryInfo] | None = None
+        self._locked: tuple[int, int] | None = None  # (st_dev, st_ino) of the directory locked
+        self._info_cache: tuple[tuple[int, int, int], PrimaryInfo] | None = None
+        self.problem: str | None = None  # why the advertisement cannot be used, when it cannot
 
     @property
     def is_primary(self) -> bool:
         return self._fd is not None
 
+    @property
+    def info_path(self) -> Path:
+        return self.runs_dir / INFO_NAME
+
     def try_acquire(self) -> bool:
-        """Take the host-wide lock if nobody holds it. Never blocks."""
+        """Take the runs directory's lock if nobody holds it (never blocks). Creates the directory
+        (0700) when it does not exist; UnsafePath when it is not a directory of ours."""
         if self._fd is not None:
             return True
-        self.lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.lock_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.runs_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            os.mkdir(self.runs_dir, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise UnsafePath(f"the runs directory {self.runs_dir} cannot be created: {exc.strerror or exc}") from None
+        try:
+            fd = os.open(self.runs_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            why = {
+                errno.ELOOP: "is a symbolic link; give the real directory",
+                errno.ENOTDIR: "is not a directory",
+            }.get(exc.errno or 0, f"cannot be opened: {exc.strerror or exc}")
+            raise UnsafePath(f"the runs directory {self.runs_dir} {why}") from None
+        try:
+            st = os.fstat(fd)
+            check_private(st, f"the runs directory {self.runs_dir}")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+        except BaseException:
             os.close(fd)
-            return False
+            raise
         self._fd = fd
+        self._locked = (st.st_dev, st.st_ino)
         return True
 
-    def advertise(self, url: str, token: str, runs_dir: str) -> None:
+    def still_holds(self) -> bool:
+        """True while the directory at the runs path is the one this server locked."""
+        if self._locked is None:
+            return False
+        try:
+            st = os.lstat(self.runs_dir)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._locked
+
+    def advertise(self, url: str, internal_url: str, secret: str) -> None:
         info = {
             "url": url,
-            "token": token,
+            "internal_url": internal_url,
+            "secret": secret,
             "pid": os.getpid(),
             "hostname": socket.gethostname(),
-            "runs_dir": runs_dir,
+            "runs_dir": str(self.runs_dir),
             "since": time.time(),
         }
-        path = self.lock_dir / INFO_NAME
-        tmp = path.with_name(f".{INFO_NAME}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        tmp = self.runs_dir / f".{INFO_NAME}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(info, f)
-        os.replace(tmp, path)
+        os.replace(tmp, self.info_path)
+
+    def advertises_us(self) -> bool:
+        info = self.primary()
+        return info is not None and info.pid == os.getpid()
 
     def release(self) -> None:
         if self._fd is None:
             return
         try:
-            info = self.primary()
-            if info is not None and info.pid == os.getpid():
-                os.unlink(self.lock_dir / INFO_NAME)
+            if self.advertises_us() and self.still_holds():
+                os.unlink(self.info_path)
         except OSError:
             pass
         os.close(self._fd)  # closing the descriptor releases the lock
         self._fd = None
+        self._locked = None
 
     def primary(self) -> PrimaryInfo | None:
-        """The advertised primary (cached by the file's mtime), or None."""
-        path = self.lock_dir / INFO_NAME
+        """The advertised primary (cached by the file's identity), or None; ``problem`` says why
+        when the file exists but must not be trusted or cannot be read."""
         try:
-            st = os.stat(path)
+            fd = os.open(self.info_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
+            self.problem = None
             return None
-        key = (st.st_mtime_ns, st.st_size)
-        if self._info_cache is not None and self._info_cache[0] == key:
-            return self._info_cache[1]
+        except OSError as exc:
+            self.problem = (
+                f"{self.info_path} is a symbolic link: refusing to use it"
+                if exc.errno == errno.ELOOP
+                else f"{self.info_path} cannot be read: {exc.strerror or exc}"
+            )
+            return None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd) as f:
-                raw = json.load(f)
+            st = os.fstat(fd)
+            check_private(st, f"the primary's advertisement {self.info_path}")
+            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
+                raise UnsafePath(f"the primary's advertisement {self.info_path} must be a regular file of mode 600")
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if self._info_cache is not None and self._info_cache[0] == key:
+                self.problem = None
+                return self._info_cache[1]
+            raw = json.loads(os.read(fd, 64 * 1024))
             info = PrimaryInfo(
-                url=raw["url"],
-                token=raw.get("token", ""),
+                url=str(raw["url"]),
+                internal_url=str(raw["internal_url"]),
+                secret=str(raw["secret"]),
                 pid=int(raw["pid"]),
-                hostname=raw.get("hostname", ""),
-                runs_dir=raw.get("runs_dir", ""),
+                hostname=str(raw.get("hostname", "")),
+                runs_dir=str(raw.get("runs_dir", "")),
                 since=float(raw.get("since", 0)),
             )
-        except (OSError, ValueError, KeyError, TypeError):
+        except UnsafePath as exc:
+            self.problem = f"{exc}: refusing to forward requests there"
             return None
+        except (OSError, ValueError, KeyError, TypeError):
+            self.problem = None  # being rewritten: the next look finds it whole
+            return None
+        finally:
+            os.close(fd)
+        self.problem = None
         self._info_cache = (key, info)
         return info

@@ -138,9 +138,9 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
         allocated = int(dev.get("allocated_mb") or 0)
         free = int(dev.get("free_mb") or 0)
         scale = max(total, baseline + unmanaged + usable, 1)
-        segs = []
+        segs: list[str] = []
 
-        def seg(mb: int, color: str, title: str, label: str = "", scale: float = scale, segs: list = segs) -> None:
+        def seg(mb: int, color: str, title: str, label: str = "", scale: float = scale, segs: list[str] = segs) -> None:
             if mb > 0:
                 pct = 100.0 * mb / scale
                 segs.append(

@@ -97,12 +97,22 @@ def alive(pid: int | None) -> bool:
 
 
 def only_run_dirs(runs_dir: Path) -> list[str]:
-    """Names in the runs directory that are not run directories (should be none)."""
+    """Names in the runs directory that are neither run directories nor the server's own files
+    (its advertisement, the model hosts' logs): should be none."""
     from jupyter_evalsched.models import is_valid_run_id
+    from jupyter_evalsched.primary import INFO_NAME
+    from jupyter_evalsched.store import MODEL_LOGS_DIR
 
     return sorted(
-        p.name for p in runs_dir.iterdir() if not (p.is_dir() and not p.is_symlink() and is_valid_run_id(p.name))
+        p.name
+        for p in runs_dir.iterdir()
+        if p.name not in (INFO_NAME, MODEL_LOGS_DIR)
+        and not (p.is_dir() and not p.is_symlink() and is_valid_run_id(p.name))
     )
+
+
+def run_dir_names(runs_dir: Path) -> list[str]:
+    return sorted(p.name for p in runs_dir.iterdir() if not p.name.startswith("."))
 
 
 @pytest.fixture
@@ -359,7 +369,7 @@ async def test_hostile_bodies_get_a_clear_4xx(api, runs_dir, tmp_path):
     assert not failures, "\n".join(failures)
     code, listing = await api("GET", "runs")
     assert listing["total"] == 0, "a hostile submission was accepted"
-    assert only_run_dirs(runs_dir) == [] and list(runs_dir.iterdir()) == []
+    assert only_run_dirs(runs_dir) == [] and run_dir_names(runs_dir) == []
 
 
 async def test_huge_body_is_413(api, runs_dir):
@@ -389,7 +399,7 @@ async def test_odd_but_valid_input_is_accepted_or_fails_with_a_reason(api, wait_
     b = await wait_for(bad_func["id"])
     assert b["state"] == "failed" and b["reason"].startswith("exception:") and "no_such_function" in b["reason"], b
     assert only_run_dirs(runs_dir) == []
-    assert sorted(p.name for p in runs_dir.iterdir()) == sorted(r["id"] for r in recs + [missing, bad_func])
+    assert run_dir_names(runs_dir) == sorted(r["id"] for r in recs + [missing, bad_func])
     for r in recs:
         assert set(os.listdir(runs_dir / r["id"])) <= {
             "spec.json",

@@ -18,14 +18,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "jupyter_evalsched"
 
-# Edges (importer, imported) of cycles on the server side, being removed by the server renovation:
-# handlers and openapi take __version__ from the package root, whose server entry point imports
-# app, which imports handlers. The server engineer empties this set.
-KNOWN_SERVER_CYCLE_EDGES = {
-    ("jupyter_evalsched.handlers", "jupyter_evalsched"),
-    ("jupyter_evalsched.openapi", "jupyter_evalsched"),
-}
-
 
 def package_modules() -> dict[str, tuple[Path, bool]]:
     """``{module name: (path, is a package)}`` for every ``.py`` file of the package."""
@@ -129,17 +121,8 @@ def _describe(graph: dict[str, set[str]], component: list[str]) -> str:
 def test_the_package_has_no_import_cycles():
     graph = import_graph()
     assert "jupyter_evalsched.client.transport" in graph and "jupyter_evalsched.scheduler.service" in graph
-    for importer, imported in KNOWN_SERVER_CYCLE_EDGES:
-        graph[importer] = graph[importer] - {imported}
     found = cycles(graph)
     assert not found, "import cycles: " + " | ".join(_describe(graph, c) for c in found)
-
-
-def test_known_server_cycle_edges_still_exist():
-    # An entry that no longer exists would hide a future cycle: remove it from the set.
-    graph = import_graph()
-    stale = {edge for edge in KNOWN_SERVER_CYCLE_EDGES if edge[1] not in graph.get(edge[0], set())}
-    assert not stale, f"no longer imported, remove from KNOWN_SERVER_CYCLE_EDGES: {sorted(stale)}"
 
 
 def test_the_client_imports_nothing_of_the_notebook_side_or_the_server():

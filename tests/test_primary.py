@@ -3,14 +3,19 @@ secondaries that delegate, failover on kill -9; VRAM held by processes we do not
 
 from __future__ import annotations
 
-import asyncio
+import fcntl
 import json
+import os
 import signal
 import time
+from pathlib import Path
 
+import psutil
 import pytest
+from tornado import httpserver, netutil, web
+from waiting import async_wait_until, wait_until
 
-from jupyter_evalsched.client import LocalServer
+from jupyter_evalsched.client import EvalSchedClient, EvalSchedError, LocalServer
 from jupyter_evalsched.scheduler.gpus import GpuProcess
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
@@ -21,18 +26,11 @@ FAST = [
 ]
 
 
-def wait_until(predicate, timeout=20.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = predicate()
-        except Exception:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout} s")
-        time.sleep(interval)
+def psutil_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def run(vram, episodes=1, sleep_s=0.02, **kw):
@@ -56,10 +54,10 @@ def final(client, run_id, timeout=30):
 
 
 def test_two_servers_one_queue_and_failover(tmp_path):
-    shared = {"EVALSCHED_LOCK_DIR": str(tmp_path / "lock")}
+    # Each LocalServer has its own runtime directory: the runs directory alone binds them.
     runs = str(tmp_path / "runs")
-    first = LocalServer(virtual_gpus="24000", runs_dir=runs, env=shared, extra_args=FAST)
-    second = LocalServer(virtual_gpus="24000", runs_dir=runs, env=shared, extra_args=FAST)
+    first = LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=FAST)
+    second = LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=FAST)
     try:
         a, b = first.client(), second.client()
         sa, sb = a.request("GET", "status"), b.request("GET", "status")
@@ -72,6 +70,9 @@ def test_two_servers_one_queue_and_failover(tmp_path):
         queued_b = b.submit(run(16000))
         dependent = b.submit(run(1000, depends_on=[queued_b["id"]]))
         wait_until(lambda: a.get(long_a["id"])["state"] == "running")
+        # The second server neither killed the first one's run nor counts its VRAM again.
+        pid = a.get(long_a["id"])["pid"]
+        assert psutil_alive(pid) and a.get(long_a["id"])["state"] == "running"
         qa, qb = a.queue(), b.queue()
         assert [r["id"] for r in qa["queued"]] == [r["id"] for r in qb["queued"]] == [queued_b["id"], dependent["id"]]
         assert qa["ledger"] == qb["ledger"] and qb["ledger"]["devices"][0]["allocated_mb"] == 16000
@@ -82,7 +83,7 @@ def test_two_servers_one_queue_and_failover(tmp_path):
         first.process.send_signal(signal.SIGKILL)
         first.process.wait()
         t0 = time.monotonic()
-        wait_until(lambda: b.request("GET", "status")["role"] == "primary", timeout=15)
+        wait_until(lambda: b.request("GET", "status")["role"] == "primary", timeout=15, ignore=(EvalSchedError,))
         took = time.monotonic() - t0
         assert took < 5, f"failover took {took:.1f} s"
         assert b.get(long_a["id"])["state"] == "aborted"
@@ -95,15 +96,12 @@ def test_two_servers_one_queue_and_failover(tmp_path):
 
 
 def test_secondary_forwards_errors_and_logs(tmp_path):
-    shared = {"EVALSCHED_LOCK_DIR": str(tmp_path / "lock")}
     runs = str(tmp_path / "runs")
     with (
-        LocalServer(virtual_gpus="24000", runs_dir=runs, env=shared, extra_args=FAST) as first,
-        LocalServer(virtual_gpus="24000", runs_dir=runs, env=shared, extra_args=FAST) as second,
+        LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=FAST) as first,
+        LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=FAST) as second,
     ):
         b = second.client()
-        from jupyter_evalsched.client import EvalSchedError
-
         with pytest.raises(EvalSchedError) as err:
             b.submit(run(99999))
         assert err.value.status == 422 and "can never fit" in str(err.value)
@@ -121,43 +119,228 @@ def test_secondary_forwards_errors_and_logs(tmp_path):
             events.close()
 
 
+class PasswordOnlyServer(LocalServer):
+    """A server its users reach with a password only: no token is accepted."""
+
+    def _wait_ready(self, runtime_dir: str, timeout: float) -> str:
+        from jupyter_evalsched.client.discovery import normalize_base_url, read_server_file
+
+        path = os.path.join(runtime_dir, f"jpserver-{self.process.pid}.json")
+        info = wait_until(lambda: read_server_file(path), timeout, message="the server file")
+        wait_until(lambda: (Path(self.runs_dir) / ".evalsched-primary.json").exists(), timeout)
+        return normalize_base_url(info["url"])
+
+
+def test_a_secondary_reaches_a_primary_whose_users_log_in_with_a_password(tmp_path):
+    from jupyter_server.auth import passwd
+
+    runs = str(tmp_path / "runs")
+    password_only = [
+        *FAST,
+        "--ServerApp.identity_provider_class=jupyter_server.auth.identity.PasswordIdentityProvider",
+        f"--PasswordIdentityProvider.hashed_password={passwd('a long passphrase')}",
+        "--PasswordIdentityProvider.token=",
+    ]
+    with (
+        PasswordOnlyServer(virtual_gpus="24000", runs_dir=runs, extra_args=password_only) as first,
+        LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=FAST) as second,
+    ):
+        with pytest.raises(EvalSchedError) as refused:
+            EvalSchedClient(first.url, first.token).queue()  # its users' door is closed to tokens
+        assert refused.value.status == 403
+        b = second.client()
+        assert b.request("GET", "status")["role"] == "secondary"
+        rec = b.submit(run(1000, episodes=2))
+        assert final(b, rec["id"])["state"] == "succeeded"
+        assert b.queue()["primary"]["pid"] == first.process.pid
+
+
 @pytest.fixture
 def evalsched_config():
-    return {"virtual_gpus": [24000]}
+    return {"virtual_gpus": [24000], "promotion_interval_s": 0.1}
+
+
+# ----------------------------------------------------------------------------- the runs directory's lock
+
+
+async def test_a_deleted_advertisement_is_written_again(api, evalsched, runs_dir):
+    info = runs_dir / ".evalsched-primary.json"
+    first = json.loads(info.read_text())
+    info.unlink()
+    await async_wait_until(info.exists, timeout=5)
+    again = json.loads(info.read_text())
+    assert again["pid"] == first["pid"] == os.getpid() and again["secret"] == first["secret"]
+    assert oct(info.stat().st_mode & 0o777) == "0o600"
+
+
+async def test_a_replaced_runs_directory_ends_the_tenure_of_its_primary(api, evalsched, jp_serverapp, runs_dir):
+    """The directory at the runs path is no longer the one locked (renamed, a new one made in its
+    place): the server stops scheduling the old one (its run ends aborted there) and takes the new
+    one, so that one path never has two schedulers."""
+    code, rec = await api("POST", "runs", run(8000, episodes=1000, sleep_s=0.1))
+    assert code == 201
+    started = await async_wait_until(lambda: _then(_record(api, rec["id"]), lambda r: r["pid"] and r), timeout=5)
+    old = runs_dir.with_name("runs-old")
+    os.rename(runs_dir, old)
+    runs_dir.mkdir(mode=0o700)
+    app = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+
+    async def on_the_new_directory():
+        code, listing = await api("GET", "runs")
+        return code == 200 and listing["total"] == 0 and app.role.is_primary and app.role.still_holds()
+
+    await async_wait_until(on_the_new_directory, timeout=10)
+    # Its run was stopped: no process works on a directory no scheduler follows any more. (Its
+    # record there stays "running": a server that recovers the old directory marks it aborted.)
+    assert not psutil_alive(started["pid"])
+    code, status = await api("GET", "status")
+    assert status["role"] == "primary" and status["runs_dir"] == str(runs_dir)
+
+
+@pytest.fixture
+def held_lock(runs_dir):
+    """The runs directory's lock, held by the test: the server under test is a secondary."""
+    runs_dir.mkdir(mode=0o700, parents=True)
+    fd = os.open(runs_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    yield runs_dir
+    os.close(fd)
+
+
+@pytest.fixture
+def stand_in_primary(held_lock, jp_asyncio_loop):
+    """A listener posing as the primary's internal one; it records what reaches it."""
+    seen: list[dict] = []
+
+    class Capture(web.RequestHandler):
+        def get(self, path):
+            seen.append({"path": path, "authorization": self.request.headers.get("Authorization")})
+            self.write({"queued": [], "running": [], "ledger": {"devices": [], "cpu_slots": {}}, "primary": None})
+
+    sockets = netutil.bind_sockets(0, "127.0.0.1")
+    server = httpserver.HTTPServer(web.Application([(r"/(.*)", Capture)]))
+    server.add_sockets(sockets)
+    port = sockets[0].getsockname()[1]
+    info = held_lock / ".evalsched-primary.json"
+    advert = {"url": "http://x/", "internal_url": f"http://127.0.0.1:{port}/", "secret": "s3cret",
+              "pid": 1, "hostname": "h", "runs_dir": str(held_lock), "since": 0}  # fmt: skip
+    fd = os.open(info, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(advert, f)
+    yield info, seen
+    server.stop()
+
+
+async def test_a_secondary_forwards_only_to_an_advertisement_of_its_own_user(stand_in_primary, api):
+    info, seen = stand_in_primary
+    code, _ = await api("GET", "queue")
+    assert code == 200 and seen[-1] == {"path": "evalsched/queue", "authorization": "token s3cret"}
+    forwarded = len(seen)
+
+    os.chown(info, 65534, 65534)  # another user's advertisement
+    code, err = await api("GET", "queue")
+    assert code == 503 and "owned by uid 65534, not by you" in err["message"], err
+    os.chown(info, os.getuid(), os.getgid())
+
+    os.chmod(info, 0o644)
+    code, err = await api("GET", "queue")
+    assert code == 503 and "mode 600" in err["message"], err
+    os.chmod(info, 0o600)
+
+    target = info.with_name("elsewhere.json")
+    os.rename(info, target)
+    os.symlink(target, info)
+    code, err = await api("GET", "queue")
+    assert code == 503 and "symbolic link" in err["message"], err
+    code, status = await api("GET", "status")
+    assert status["role"] == "secondary" and "symbolic link" in status["error"]
+    assert len(seen) == forwarded, "a request was forwarded to an advertisement that is not to be trusted"
+
+
+@pytest.fixture
+def shared_runs_dir(runs_dir):
+    runs_dir.mkdir(parents=True)
+    os.chmod(runs_dir, 0o770)
+
+
+async def test_a_runs_directory_writable_by_others_is_refused_with_the_fix(shared_runs_dir, api, runs_dir):
+    code, err = await api("GET", "queue")
+    assert code == 503 and "writable by other users" in err["message"] and "chmod go-w" in err["message"], err
+    code, status = await api("GET", "status")
+    assert status["role"] == "unavailable" and "writable by other users" in status["error"]
+    assert not (runs_dir / ".evalsched-primary.json").exists()
+
+
+@pytest.fixture
+def runs_dir_is_a_file(runs_dir):
+    runs_dir.parent.mkdir(parents=True, exist_ok=True)
+    runs_dir.write_text("not a directory")
+
+
+async def test_an_unusable_runs_directory_is_a_503_that_says_why(runs_dir_is_a_file, api):
+    code, err = await api("POST", "runs", run(0))
+    assert code == 503 and "is not a directory" in err["message"], err
+
+
+@pytest.fixture
+def failing_start(monkeypatch):
+    from jupyter_evalsched.scheduler.service import Scheduler
+
+    async def broken(self):
+        raise RuntimeError("recovery exploded")
+
+    monkeypatch.setattr(Scheduler, "start", broken)
+
+
+async def test_a_primary_whose_scheduler_cannot_start_releases_the_lock(failing_start, api, runs_dir):
+    code, err = await api("GET", "queue")
+    assert code == 503 and "RuntimeError: recovery exploded" in err["message"], err
+    fd = os.open(runs_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: another server could take over
+    finally:
+        os.close(fd)
+
+
+async def _device(api) -> dict:
+    code, ledger = await api("GET", "ledger")
+    return ledger["devices"][0]
+
+
+async def _record(api, run_id: str) -> dict:
+    code, rec = await api("GET", f"runs/{run_id}")
+    return rec
 
 
 async def test_unmanaged_vram_holds_back_a_run_until_it_goes(api, evalsched):
     probe = evalsched.probe
     probe.set_foreign([GpuProcess(pid=999999, device=0, used_mb=10000, name="a notebook kernel")])
-    await asyncio.sleep(0.8)  # the sweep (0.5 s here) reads the probe
-    code, ledger = await api("GET", "ledger")
-    dev = ledger["devices"][0]
+    # The sweep (0.5 s here) reads the probe.
+    dev = await async_wait_until(lambda: _then(_device(api), lambda d: d["unmanaged_mb"] == 10000 and d))
     assert (dev["unmanaged_mb"], dev["free_mb"]) == (10000, 14000)
     assert dev["unmanaged_processes"] == [{"pid": 999999, "used_mb": 10000, "name": "a notebook kernel"}]
     code, rec = await api("POST", "runs", run(16000))
     assert code == 201
-    await asyncio.sleep(0.2)
-    code, rec = await api("GET", f"runs/{rec['id']}")
+    rec = await _record(api, rec["id"])  # admission decided before the 201
     assert rec["state"] == "queued"
     assert "10000 MB held by processes outside the scheduler" in rec["reason"]
     probe.set_foreign([])
-    deadline = time.monotonic() + 5
-    while rec["state"] == "queued" and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        code, rec = await api("GET", f"runs/{rec['id']}")
-    assert rec["state"] in ("running", "succeeded")
+    await async_wait_until(
+        lambda: _then(_record(api, rec["id"]), lambda r: r["state"] in ("running", "succeeded")), timeout=5
+    )
 
 
 async def test_our_own_processes_are_never_counted_as_unmanaged(api, evalsched):
     code, rec = await api("POST", "runs", run(8000, episodes=40, sleep_s=0.05))
-    deadline = time.monotonic() + 5
-    while (rec["pid"] is None) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        code, rec = await api("GET", f"runs/{rec['id']}")
-    # NVML would list our run with its real usage; it must not be counted a second time.
-    evalsched.probe.set_foreign([GpuProcess(pid=rec["pid"], device=0, used_mb=7000)])
-    await asyncio.sleep(0.8)
-    code, ledger = await api("GET", "ledger")
-    dev = ledger["devices"][0]
-    assert (dev["allocated_mb"], dev["unmanaged_mb"], dev["free_mb"]) == (8000, 0, 16000)
+    rec = await async_wait_until(lambda: _then(_record(api, rec["id"]), lambda r: r["pid"] and r), timeout=5)
+    # NVML would list our run with its real usage; it must not be counted a second time. A foreign
+    # process beside it shows when the sweep has read the probe.
+    evalsched.probe.set_foreign([GpuProcess(pid=rec["pid"], device=0, used_mb=7000), GpuProcess(999999, 0, 1000)])
+    dev = await async_wait_until(lambda: _then(_device(api), lambda d: d["unmanaged_mb"] and d))
+    assert (dev["allocated_mb"], dev["unmanaged_mb"], dev["free_mb"]) == (8000, 1000, 15000)
     await api("POST", f"runs/{rec['id']}/cancel")
+
+
+async def _then(awaitable, check):
+    """``check(await awaitable)``: a predicate over an API answer, for async_wait_until."""
+    return check(await awaitable)

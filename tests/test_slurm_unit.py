@@ -668,3 +668,52 @@ def test_pending_reason():
     waiting = SlurmJobState("5", "PENDING", "Resources", None, None, False)
     assert pending_reason(waiting) == "waiting_cpu: SLURM job 5 is pending in SLURM (reason Resources)"
     assert pending_reason(waiting, uses_gpu=True).startswith("waiting_gpu_exclusive: ")
+
+
+# ----------------------------------------------------------------------------- what a job is given
+
+
+async def test_a_job_gets_only_what_a_run_needs_of_the_server_environment(jp_serverapp, fakes, monkeypatch):
+    """The server's tokens and keys stay on this host; the spec's env, the run_env, the paths and
+    library settings travel; the script is owner-only."""
+    from waiting import async_wait_until
+
+    from jupyter_evalsched.scheduler.executors.slurm import SlurmExecutor
+    from jupyter_evalsched.scheduler.runs import Run, new_record
+
+    for name, value in {
+        "JUPYTER_TOKEN": "user-token-1",
+        "AWS_SECRET_ACCESS_KEY": "aws-secret-2",
+        "HF_TOKEN": "hub-token-3",
+        "EVALSCHED_TOKEN": "client-token-4",
+        "SOME_SERVICE_PASSWORD": "password-5",
+        "UNRELATED_SETTING": "unrelated-6",
+        "HF_HOME": "/data/hf",
+        "SITE_SCRATCH": "/scratch/site",
+    }.items():
+        monkeypatch.setenv(name, value)
+    fakes.plan("sbatch", {"*": {"stdout": "77\n"}})
+    await jp_serverapp.extension_manager.start_all_extensions()
+    sched = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
+    slurm = SlurmExecutor(executor(fakes, export_env=["SITE_SCRATCH"]))
+    slurm.bind(sched.context)
+    spec = make_spec(cwd="/tmp")
+    spec["env"] = {"WANDB_API_KEY": "asked-for-7"}  # named by the spec: it travels
+    run_id = "20261201T000000.000000-aaaaaa"
+    record = new_record(run_id, spec, seq=1, executor="slurm", run_dir=str(sched.store.run_dir(run_id)))
+    sched.store.create(run_id, {"spec.json": json.dumps(spec).encode(), "job.json": json.dumps(record).encode()})
+    run = Run(record=record, spec=spec, submitted_ts=0)
+    sched.table.add(run)
+    slurm.submit(run)
+    await async_wait_until(lambda: run.record["slurm_job_id"] == "77", timeout=10)
+
+    script_path = sched.store.run_dir(run_id) / "slurm.sbatch"
+    script = script_path.read_text()
+    assert oct(script_path.stat().st_mode & 0o777) == "0o700"
+    sbatch_env = fakes.calls("sbatch")[0]["env"]
+    for secret in ("user-token-1", "aws-secret-2", "hub-token-3", "client-token-4", "password-5", "unrelated-6"):
+        assert secret not in script, secret
+        assert secret not in sbatch_env.values(), secret
+    assert "export HF_HOME=/data/hf" in script and "export SITE_SCRATCH=/scratch/site" in script
+    assert "export WANDB_API_KEY=asked-for-7" in script and f"export EVALSCHED_RUN_ID={run_id}" in script
+    assert "export PATH=" in script and sbatch_env["PATH"]

@@ -15,6 +15,8 @@ class EvalSchedClientError(Exception):
 class ServerNotFound(EvalSchedClientError):
     """No server could be found or reached. The message says how to fix it."""
 
+    maybe_received = False  # True when a request may have reached a server before the failure
+
 
 class SpecError(EvalSchedClientError, ValueError):
     """The spec could not be built on the client side (bad file, bad flag)."""

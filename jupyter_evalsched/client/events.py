@@ -41,7 +41,10 @@ class EventStream:
             except ImportError:
                 backend = "tornado"
         self.backend = backend
-        backends = {"websocket-client": _WebsocketClientBackend, "tornado": _TornadoBackend}
+        backends: dict[str, type[_WebsocketClientBackend] | type[_TornadoBackend]] = {
+            "websocket-client": _WebsocketClientBackend,
+            "tornado": _TornadoBackend,
+        }
         if backend not in backends:
             raise ValueError(f"unknown event stream backend {backend!r}")
         self._backend: _WebsocketClientBackend | _TornadoBackend = backends[backend](

@@ -6,10 +6,13 @@ so that importing it in a kernel or a terminal costs milliseconds.
 
 from __future__ import annotations
 
+import builtins
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +32,12 @@ class EvalSchedClient:
     'succeeded'
     """
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0):
+    def __init__(
+        self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0, submit_retry_s: float = 15.0
+    ):
         self.base_url, self.token = discover_server(url, token)
         self.timeout = timeout
+        self.submit_retry_s = submit_retry_s
 
     def __repr__(self) -> str:
         return f"EvalSchedClient({self.base_url!r})"
@@ -61,10 +67,11 @@ class EvalSchedClient:
         body: Any = None,
         raw: bool = False,
         timeout: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """One REST call; JSON is decoded unless ``raw`` (then the text is returned)."""
         data = None
-        headers = self._headers()
+        headers = {**self._headers(), **(headers or {})}
         if body is not None:
             data = json.dumps(body).encode("utf-8")
             headers["Content-Type"] = "application/json"
@@ -77,9 +84,15 @@ class EvalSchedClient:
             raise self._http_error(e, path) from None
         except urllib.error.URLError as e:
             reason = getattr(e.reason, "strerror", None) or str(e.reason)
-            raise ServerNotFound(f"cannot reach {self.base_url}: {reason}: {HOW_TO_FIX}") from None
+            error = ServerNotFound(f"cannot reach {self.base_url}: {reason}: {HOW_TO_FIX}")
+            # Refused: the request never reached a server. Anything else (a timeout, a reset) may
+            # have reached one that then died: a submission may be retried, with its key.
+            error.maybe_received = not isinstance(e.reason, ConnectionRefusedError)
+            raise error from None
         except (TimeoutError, ConnectionError) as e:
-            raise ServerNotFound(f"cannot reach {self.base_url}: {e}") from None
+            error = ServerNotFound(f"cannot reach {self.base_url}: {e}")
+            error.maybe_received = not isinstance(e, ConnectionRefusedError)
+            raise error from None
         text = payload.decode(charset, errors="replace")
         if raw:
             return text
@@ -111,9 +124,29 @@ class EvalSchedClient:
 
     # ---- endpoints
 
-    def submit(self, spec: dict) -> dict:
-        """``POST /evalsched/runs``: the new run record (``queued``, or already ``running``)."""
-        return self.request("POST", "runs", body=json.loads(json.dumps(spec, default=run_id_of)))
+    def submit(self, spec: dict, *, idempotency_key: str | None = None) -> dict:
+        """``POST /evalsched/runs``: the new run record (``queued``, or already ``running``).
+
+        Sent with an ``Idempotency-Key`` (a fresh one unless given) and retried while the server
+        answers 503 or cannot be reached (a primary that died mid-request, a server taking over):
+        the server answers a key it has seen with the run it created, so a retry never makes a
+        second run. Gives up after ``submit_retry_s`` seconds."""
+        body = json.loads(json.dumps(spec, default=run_id_of))
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        deadline = time.monotonic() + self.submit_retry_s
+        pause = 0.1
+        while True:
+            try:
+                return self.request("POST", "runs", body=body, headers=headers)
+            except (EvalSchedError, ServerNotFound) as exc:
+                if isinstance(exc, ServerNotFound):
+                    retryable = exc.maybe_received
+                else:
+                    retryable = exc.status == 503
+                if not retryable or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
     def list(self, state: str | list[str] | None = None, limit: int | None = None) -> list[dict]:
         """Run records, newest first. ``state`` may be ``"queued"``, ``"failed,cancelled"`` or a list."""
@@ -134,7 +167,7 @@ class EvalSchedClient:
     def logs(self, run_id: str, stream: str = "stdout", tail: int | None = None) -> str:
         return self.request("GET", f"runs/{_quote_id(run_id)}/logs", query={"stream": stream, "tail": tail}, raw=True)
 
-    def episodes(self, run_id: str) -> list[dict]:
+    def episodes(self, run_id: str) -> builtins.list[dict]:
         return self.request("GET", f"runs/{_quote_id(run_id)}/episodes")["episodes"]
 
     def queue(self) -> dict:
@@ -144,7 +177,7 @@ class EvalSchedClient:
     def ledger(self) -> dict:
         return self.request("GET", "ledger")
 
-    def models(self) -> list[dict]:
+    def models(self) -> builtins.list[dict]:
         return self.request("GET", "models")["models"]
 
     def openapi(self) -> dict:

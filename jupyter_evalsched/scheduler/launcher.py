@@ -63,8 +63,10 @@ def is_same_process(pid: int | None, create_time: float | None) -> bool:
 
 
 class Launcher:
-    def __init__(self, on_exit: ExitCallback) -> None:
+    def __init__(self, on_exit: ExitCallback, notify_exits: bool = True) -> None:
         self._on_exit = on_exit
+        # False: exits are noticed by poll() alone (the sweep), as on a host without pidfd.
+        self.notify_exits = notify_exits
         self._procs: dict[str, RunProcess] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -119,6 +121,8 @@ class Launcher:
         return proc
 
     def _watch(self, proc: RunProcess) -> None:
+        if not self.notify_exits:
+            return
         try:
             proc.pidfd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):

@@ -84,7 +84,9 @@ class Run:
         return self.record["state"] in TERMINAL_STATES
 
 
-def new_record(run_id: str, spec: dict[str, Any], *, seq: int, executor: str, run_dir: str) -> dict[str, Any]:
+def new_record(
+    run_id: str, spec: dict[str, Any], *, seq: int, executor: str, run_dir: str, idempotency_key: str | None = None
+) -> dict[str, Any]:
     """The record of a run just submitted (``spec`` validated, defaults filled in)."""
     sched = contract.scheduling_of(spec)
     return RunRecord.model_validate(
@@ -105,6 +107,7 @@ def new_record(run_id: str, spec: dict[str, Any], *, seq: int, executor: str, ru
             executor=executor,
             seq=seq,
             run_dir=run_dir,
+            idempotency_key=idempotency_key,
         )
     ).model_dump(mode="json")
 

@@ -84,6 +84,8 @@ class Scheduler:
         self._head_lane = len(policy.LANES)
         self.primary_info: dict | None = None  # which server schedules for this host (set by the app)
         self.broken: dict[str, str] = {}  # run directories recovery could not read: id -> why
+        self._by_key: dict[str, str] = {}  # Idempotency-Key -> the run it created
+        self._keys_in_flight: dict[str, asyncio.Future[None]] = {}
         self.table.on_end(self._on_run_ended)
 
     # ----------------------------------------------------------------- life cycle
@@ -107,7 +109,8 @@ class Scheduler:
         self._admit()
 
     async def stop(self) -> None:
-        """Shutdown: running runs are killed and end ``aborted`` (rule 4); queued jobs stay queued."""
+        """Shutdown: running runs are killed and end ``aborted`` (rule 4); queued jobs stay queued,
+        and so do runs admitted but not started yet. Admission stops first."""
         self._stopping = True
         for task in self._tasks:
             task.cancel()
@@ -163,6 +166,8 @@ class Scheduler:
             run = Run(record=record, spec=f.spec or {}, submitted_ts=parse_timestamp(record["submitted_at"]))
             run.done_on_disk = f.done
             self.table.add(run)
+            if record["idempotency_key"]:
+                self._by_key[record["idempotency_key"]] = run.id
             if f.spec is None and not run.terminal:
                 why = f"{f.spec_problem}: the run cannot start or be judged"
                 self.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"RunFileError: {why}"))
@@ -270,23 +275,64 @@ class Scheduler:
             return self.config.default_cwd
         return os.path.normpath(os.path.join(self.config.default_cwd, os.path.expanduser(cwd)))
 
-    async def submit(self, spec: EvalSpec) -> dict:
-        """Validate, write the run directory, queue. Returns once ``job.json`` is on disk."""
+    async def submit(self, spec: EvalSpec, idempotency_key: str | None = None) -> tuple[dict[str, Any], bool]:
+        """Validate, write the run directory, queue. Returns once ``job.json`` is on disk, with
+        the record and whether it is new: a key seen before answers with the first run (the
+        client retried a submission whose answer it lost), a key reused for another spec is a
+        StateConflict."""
         self._require_started()
+        if idempotency_key is None:
+            return await self._submit(spec, None), True
+        pending = self._keys_in_flight.get(idempotency_key)
+        if pending is not None:  # the same submission, retried while the first is being written
+            await asyncio.shield(pending)
+        known = self._by_key.get(idempotency_key)
+        if known is not None:
+            return self._replay(known, spec), False
+        future = self._require_loop().create_future()
+        self._keys_in_flight[idempotency_key] = future
+        try:
+            return await self._submit(spec, idempotency_key), True
+        finally:
+            del self._keys_in_flight[idempotency_key]
+            future.set_result(None)
+
+    def _replay(self, run_id: str, spec: EvalSpec) -> dict[str, Any]:
+        run = self.table.get(run_id)
+        if run is None:
+            raise StateConflict(f"the Idempotency-Key was used for run {run_id}, which has been deleted")
+        try:
+            first, again = self.table.full_spec(run), self._normalized(spec)
+        except RunFileError:
+            first, again = {}, {"unreadable": True}
+        if spec.cwd is None:  # "the server's root": a retry may reach another server after a failover
+            first.pop("cwd", None)
+            again.pop("cwd", None)
+        same = first == again
+        if not same:
+            raise StateConflict(f"the Idempotency-Key was already used for run {run_id}, with another spec")
+        return run.record
+
+    def _normalized(self, spec: EvalSpec) -> dict[str, Any]:
+        spec_dict = spec.model_dump(mode="json")
+        spec_dict["cwd"] = self._resolve_cwd(spec.cwd)
+        spec_dict["executor"] = spec.executor or self.config.default_executor
+        return spec_dict
+
+    async def _submit(self, spec: EvalSpec, idempotency_key: str | None) -> dict[str, Any]:
         self.validate_for_host(spec)
         run_id = new_run_id()
         while run_id in self.table or run_id in self._creating:
             run_id = new_run_id()
         executor = self.executors[spec.executor or self.config.default_executor]
-        spec_dict = spec.model_dump(mode="json")
-        spec_dict["cwd"] = self._resolve_cwd(spec.cwd)
-        spec_dict["executor"] = executor.name
+        spec_dict = self._normalized(spec)
         record = new_record(
             run_id,
             spec_dict,
             seq=self.table.next_seq(),
             executor=executor.name,
             run_dir=str(self.store.run_dir(run_id)),
+            idempotency_key=idempotency_key,
         )
         files = {contract.SPEC_FILE: _dumps(spec_dict), contract.JOB_FILE: _dumps(record)}
         if spec.source is not None:
@@ -302,7 +348,11 @@ class Scheduler:
             self._creating.discard(run_id)
         run = Run(record=record, spec=spec_dict, submitted_ts=time.time())
         self.table.add(run)
+        if idempotency_key is not None:
+            self._by_key[idempotency_key] = run_id
         self.table.changed(run)
+        if self._stopping:
+            return record  # on disk, queued: the next start runs it
         if not executor.uses_ledger:
             executor.submit(run)
             return record
@@ -374,7 +424,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         self._admit_scheduled = False
-        if self._loop is None or self._admitting:
+        if self._loop is None or self._admitting or self._stopping:
             return
         self._admitting = True
         try:
@@ -513,6 +563,8 @@ class Scheduler:
             raise StateConflict(f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}")
         self._delete_directory(run_id)
         self.table.remove(run_id)
+        if run.record["idempotency_key"]:
+            self._by_key.pop(run.record["idempotency_key"], None)
 
     def _delete_directory(self, run_id: str) -> None:
         try:

@@ -18,6 +18,14 @@ What the job sees:
   options are also passed on sbatch's command line, which outranks both ``#SBATCH`` lines and any
   ``SBATCH_*`` variables in the server's environment (these still supply site defaults, such as
   ``SBATCH_ACCOUNT``, for options this module does not set).
+* From the server's own environment, only what a run needs (``server_environment``): how to
+  find its interpreter and libraries (``PATH``, ``PYTHONPATH``, ``VIRTUAL_ENV``, ``CONDA_*``,
+  ``LD_LIBRARY_PATH``), who and where it is (``HOME``, ``USER``, ``LANG``, ``TMPDIR``, ...), and the
+  settings of the ML libraries (``HF_*``, ``TRANSFORMERS_*``, ``TORCH*``, ``CUDA_*``, thread counts),
+  never a variable whose name says token, secret, password, credential or key. The spec's ``env``
+  and the server's ``run_env`` are exported whole: that is how a run asks for more, and an
+  operator can add names or ``PREFIX*`` patterns with ``SlurmConfig.export_env``. The script is
+  created owner-only (0700) before anything is written into it.
 * Not exported: ``SLURM_*`` (SLURM sets the job's own; stale ones from a server that runs inside
   an allocation would overwrite them), ``EVALSCHED_PARENT_PID`` (the runner's parent under SLURM
   is slurmstepd, not our server), ``EVALSCHED_DEVICES`` (the runner then reads SLURM's
@@ -121,6 +129,41 @@ _NOT_EXPORTED = frozenset(
 _GPU_VISIBILITY = frozenset({"CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK"})
 _PRIORITY_NICE = {"high": 0, "normal": 0, "low": 100}
 
+# What a run may need of the server's environment (see the module docstring).
+SERVER_ENV_NAMES = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+        "PYTHONPATH", "PYTHONHOME", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME",
+        "SLURM_CONF",  # sbatch reads it to find the cluster (it is not exported to the job)
+        "EVALSCHED_FSYNC",
+    }
+)  # fmt: skip
+SERVER_ENV_PREFIXES = (
+    "LC_", "CONDA", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "CUDA_", "NCCL_", "NVIDIA_",
+    "OMP_", "MKL_", "OPENBLAS_", "TOKENIZERS_", "SBATCH_",
+)  # fmt: skip
+# Words of a variable name (split at "_") that mark a credential: HF_TOKEN, not TOKENIZERS_*.
+_SECRET_WORDS = frozenset(
+    {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "KEY", "APIKEY", "AUTH", "COOKIE"}
+)
+
+
+def server_environment(environ: Mapping[str, str], extra: Sequence[str] = ()) -> dict[str, str]:
+    """What of the server's environment a SLURM run gets: the names and prefixes above, plus
+    ``extra`` (names, or ``PREFIX*``), minus anything that looks like a credential."""
+    names = SERVER_ENV_NAMES | {e for e in extra if not e.endswith("*")}
+    prefixes = SERVER_ENV_PREFIXES + tuple(e[:-1] for e in extra if e.endswith("*"))
+    out = {}
+    for name, value in environ.items():
+        explicit = name in extra
+        if not (name in names or name.startswith(prefixes)):
+            continue
+        if not explicit and _SECRET_WORDS & set(name.upper().split("_")):
+            continue
+        out[name] = value
+    return out
+
 
 class SlurmError(Exception):
     """A SLURM command failed; the message carries its stderr."""
@@ -148,6 +191,8 @@ class SlurmConfig:
     # the default; an unprivileged mapping that still orders the lanes is {0, 50, 100}.
     nice: Mapping[str, int] = field(default_factory=lambda: dict(_PRIORITY_NICE))
     command_timeout_s: float = 30.0
+    # More of the server's environment for the jobs: names, or PREFIX* (see server_environment).
+    export_env: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -549,9 +594,10 @@ class SlurmCli:
         path = run_dir / SCRIPT_NAME
         tmp = run_dir / f".{SCRIPT_NAME}.{os.getpid()}.{threading.get_ident()}"
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
+            # Owner-only from its creation: it holds the run's environment.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o700)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(script)
-            os.chmod(tmp, 0o700)
             os.replace(tmp, path)
         except OSError as exc:
             try:

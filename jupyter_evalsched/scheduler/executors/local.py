@@ -14,7 +14,7 @@ import os
 import sys
 
 from ... import contract
-from ...contract import ABORTED, CANCELLED, FAILED
+from ...contract import ABORTED, CANCELLED, FAILED, QUEUED
 from ...store import RunFileError
 from ..environment import run_environment
 from ..launcher import Launcher, SpawnError, kill_escaped, kill_stale_group, process_create_time, signal_name
@@ -29,11 +29,14 @@ class LocalExecutor(Executor):
     name = "local"
     uses_ledger = True
 
-    def __init__(self, models: SharedModels | None = None, python: str = sys.executable) -> None:
+    def __init__(
+        self, models: SharedModels | None = None, python: str = sys.executable, notify_exits: bool = True
+    ) -> None:
         self.models: SharedModels = models if models is not None else NoSharedModels()
         self.python = python
-        self.launcher = Launcher(self._on_exit)
+        self.launcher = Launcher(self._on_exit, notify_exits=notify_exits)
         self._timeouts: dict[str, asyncio.TimerHandle] = {}
+        self._starting: dict[str, asyncio.Task[None]] = {}  # admitted runs waiting for their model host
 
     def bind(self, ctx: ExecutorContext) -> None:
         super().bind(ctx)
@@ -46,7 +49,9 @@ class LocalExecutor(Executor):
         if run.record["models"]:
             # The model host may need starting: the run waits for it (resources held), visibly.
             self.ctx.table.update(run)
-            asyncio.ensure_future(self._launch_with_models(run))
+            task = asyncio.ensure_future(self._launch_with_models(run))
+            self._starting[run.id] = task
+            task.add_done_callback(lambda _: self._starting.pop(run.id, None))
         else:
             self._spawn(run, {})
 
@@ -173,8 +178,14 @@ class LocalExecutor(Executor):
         self.launcher.poll()
 
     async def stop(self) -> None:
-        """Shutdown: running runs are killed and end ``aborted`` (rule 4)."""
+        """Shutdown: running runs are killed and end ``aborted`` (rule 4). Runs admitted but not
+        started (waiting for their model host) lose nothing: they go back to the queue."""
         table = self.ctx.table
+        for run_id, task in list(self._starting.items()):
+            task.cancel()
+            run = table.get(run_id)
+            if run is not None and not run.terminal:
+                table.update(run, state=QUEUED, reason=None, devices=[], started_at=None)
         for run_id in self.launcher.kill_all():
             run = table.get(run_id)
             if run is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -22,7 +23,7 @@ from ...contract import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from ...models import utcnow_iso
 from ..environment import run_environment
 from ..runs import Run
-from ..slurm import SlurmCli, SlurmJobState, pending_reason, verdict
+from ..slurm import SlurmCli, SlurmJobState, pending_reason, server_environment, verdict
 from . import Executor, ExecutorContext
 
 log = logging.getLogger("jupyter_evalsched")
@@ -108,7 +109,13 @@ class SlurmExecutor(Executor):
         try:
             spec = ctx.table.full_spec(run)
             env = run_environment(
-                run.id, ctx.config.run_env, spec.get("env") or {}, devices=None, parent_pid=None, fsync=ctx.config.fsync
+                run.id,
+                ctx.config.run_env,
+                spec.get("env") or {},
+                devices=None,
+                parent_pid=None,
+                fsync=ctx.config.fsync,
+                base=server_environment(os.environ, self.cli.config.export_env),
             )
             ctx.store.write_shared_urls(run.id, {})
             job_id = await ctx.loop.run_in_executor(ctx.io, self.cli.submit, run.id, run_dir, spec, env, dep_ids)
