@@ -13,7 +13,7 @@ import json
 import os
 import re
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from jupyter_core.utils import ensure_async
 from jupyter_server.auth.decorator import authorized, ws_authenticated
@@ -31,6 +31,9 @@ from .models import EvalSpec
 from .scheduler.errors import SchedulerError
 from .scheduler.service import Scheduler
 from .store import RunFileError
+
+if TYPE_CHECKING:
+    from .app import EvalSchedApp
 
 AUTH_RESOURCE = "evalsched"
 EXTENSION = "jupyter_evalsched"
@@ -62,7 +65,7 @@ def as_http_error(exc: BaseException) -> ApiError | None:
 
 def is_delegating(handler: Any) -> bool:
     """A server that does not hold its runs directory's lock forwards to the one that does."""
-    return not handler.extensionapp.role.is_primary
+    return not handler.app.role.is_primary
 
 
 def no_primary_message(app: Any) -> str:
@@ -86,9 +89,12 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         super().initialize(name, *args, **kwargs)
 
     @property
+    def app(self) -> EvalSchedApp:
+        return cast("EvalSchedApp", self.extensionapp)
+
+    @property
     def scheduler(self) -> Scheduler:
-        scheduler: Scheduler = self.extensionapp.scheduler
-        return scheduler
+        return self.app.scheduler
 
     async def prepare(self) -> None:  # type: ignore[override]  # as APIHandler's own
         await super().prepare()
@@ -137,9 +143,9 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
 
     async def forward_to_primary(self) -> None:
         """The request as it came, to the primary's internal listener, with the link's secret."""
-        primary = self.extensionapp.role.primary()
+        primary = self.app.role.primary()
         if primary is None:
-            raise ApiError(503, no_primary_message(self.extensionapp))
+            raise ApiError(503, no_primary_message(self.app))
         suffix = self.request.path[len(self.base_url.rstrip("/")) :].lstrip("/")
         url = primary.internal_url.rstrip("/") + "/" + suffix
         if self.request.query:
@@ -341,7 +347,7 @@ class ModelsHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        host = self.extensionapp.model_host
+        host = self.app.model_host
         models = await host.describe() if host is not None else []
         self.send_json({"models": models})
 
@@ -354,7 +360,7 @@ class StatusHandler(EvalSchedHandler):
     @authorized
     async def get(self) -> None:
         """This server's own view: its role, and which server is the host's primary."""
-        app = self.extensionapp
+        app = self.app
         primary = app.role.primary()
         role = "primary" if app.role.is_primary else ("unavailable" if app.start_error else "secondary")
         body: dict[str, Any] = {
@@ -390,6 +396,10 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
     def initialize(self, name: str = EXTENSION, *args: Any, **kwargs: Any) -> None:
         ExtensionHandlerMixin.initialize(self, name, *args, **kwargs)
 
+    @property
+    def app(self) -> EvalSchedApp:
+        return cast("EvalSchedApp", self.extensionapp)
+
     async def pre_get(self) -> None:
         user = self.current_user
         ok = await ensure_async(self.authorizer.is_authorized(self, user, "execute", AUTH_RESOURCE))
@@ -407,7 +417,7 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
         if is_delegating(self):
             await self._relay_from_primary()
             return
-        scheduler: Scheduler = self.extensionapp.scheduler
+        scheduler: Scheduler = self.app.scheduler
         if not scheduler.started:
             self.close(1013, "the scheduler is starting; reconnect in a moment")
             return
@@ -418,7 +428,7 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
     async def _relay_from_primary(self) -> None:
         """A secondary relays the primary's stream; when the primary goes, the socket closes and
         the client reconnects (to whichever server then is primary, through this one)."""
-        primary = self.extensionapp.role.primary()
+        primary = self.app.role.primary()
         if primary is None:
             self.close(1013, "the host's primary evalsched server is changing; reconnect")
             return

@@ -16,6 +16,16 @@ Exit status: 0 when the runner finalized the run (succeeded, or failed by an exc
 ``74`` the run files could not be written.
 """
 
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
+if TYPE_CHECKING:  # what __getattr__ below resolves, spelled out for the type checker
+    from .context import EpisodeContext, UnknownModelError
+    from .entrypoint import load_episode_function
+    from .results import validate_metrics
+    from .run import main
+    from .workers import WorkerDied
+
 __all__ = [
     "EpisodeContext",
     "UnknownModelError",
@@ -35,7 +45,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name):  # PEP 562: keep `import jupyter_evalsched.runner` free of sub-module imports
+def __getattr__(name: str) -> object:  # PEP 562: keep `import jupyter_evalsched.runner` free of sub-module imports
     module_name = _EXPORTS.get(name)
     if module_name is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

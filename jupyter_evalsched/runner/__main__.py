@@ -1,5 +1,7 @@
 """``python -m jupyter_evalsched.runner --run-dir DIR``."""
 
+from __future__ import annotations
+
 import sys
 
 from .run import main

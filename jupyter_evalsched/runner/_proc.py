@@ -1,18 +1,24 @@
 """Process plumbing: the parent-death signal and the parent check that closes its race."""
 
+from __future__ import annotations
+
 import _signal  # not `signal`, which imports enum: this module is on the start-up path
 import os
 import sys
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # Exit status when the expected parent died before we could tie our life to it (EX_SOFTWARE).
 EXIT_PARENT_GONE = 70
 
-_prctl = None
+_prctl: Callable[..., int] | None = None
 
 
-def _load_prctl():
+def _load_prctl() -> Callable[..., int]:
     """libc's ``prctl`` as a Python callable.
 
     This is what ``ctypes.CDLL(None, use_errno=True).prctl`` builds, written against ``_ctypes``
@@ -23,7 +29,8 @@ def _load_prctl():
     try:
         import _ctypes
 
-        class CInt(_ctypes._SimpleCData):
+        # typeshed makes _SimpleCData generic; at run time (3.11) it is not subscriptable.
+        class CInt(_ctypes._SimpleCData):  # type: ignore[type-arg]
             _type_ = "i"
 
         class CFunction(_ctypes.CFuncPtr):
@@ -31,9 +38,11 @@ def _load_prctl():
             _restype_ = CInt
 
         class Program:  # the running program's symbols, libc's included (dlopen(NULL))
-            _handle = _ctypes.dlopen(None, _ctypes.RTLD_LOCAL)
+            # typeshed wants a path; dlopen(NULL) (None) is what ctypes.CDLL(None) passes too.
+            _handle = _ctypes.dlopen(None, _ctypes.RTLD_LOCAL)  # type: ignore[arg-type]
 
-        return CFunction(("prctl", Program()))
+        # typeshed wants a ctypes.CDLL; CFuncPtr only reads the object's `_handle`.
+        return CFunction(("prctl", Program()))  # type: ignore[arg-type]
     except Exception:
         import ctypes
 

@@ -1,7 +1,20 @@
 """The ``ctx`` an episode receives, and the per-process cache of shared-model clients."""
 
+from __future__ import annotations
+
 import os
 import sys
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from logging import Logger
+    from typing import Any
+
+    from jupyter_evalsched.shared_models.client import ModelClient
+
+    # The eval's ``episode(ctx, index)``: returns its metrics (validated by validate_metrics).
+    EpisodeFunction = Callable[["EpisodeContext", int], object]
 
 
 class UnknownModelError(KeyError):
@@ -27,13 +40,13 @@ class ModelRegistry:
 
     def __init__(self, urls: dict[str, str]) -> None:
         self._urls = dict(urls)
-        self._clients: dict[str, object] = {}
+        self._clients: dict[str, ModelClient] = {}
 
     @property
     def names(self) -> list[str]:
         return sorted(self._urls)
 
-    def get(self, name: str):
+    def get(self, name: str) -> ModelClient:
         client = self._clients.get(name)
         if client is not None:
             return client
@@ -47,10 +60,10 @@ class ModelRegistry:
         return client
 
 
-_eval_logger = None
+_eval_logger: Logger | None = None
 
 
-def eval_logger():
+def eval_logger() -> Logger:
     """The logger behind ``ctx.log``: INFO and up to stderr (the run's ``stderr.log``).
 
     Built on first use so that evals that never log do not import ``logging``.
@@ -70,7 +83,7 @@ def eval_logger():
     return _eval_logger
 
 
-def parse_devices(environ=os.environ) -> list[int]:
+def parse_devices(environ: Mapping[str, str] = os.environ) -> list[int]:
     """GPU indices given to this run: ``EVALSCHED_DEVICES`` (comma separated, possibly empty).
 
     When it is unset (a run started by SLURM rather than our launcher), fall back to
@@ -79,7 +92,7 @@ def parse_devices(environ=os.environ) -> list[int]:
     raw = environ.get("EVALSCHED_DEVICES")
     if raw is None:
         raw = environ.get("CUDA_VISIBLE_DEVICES", "")
-    devices = []
+    devices: list[int] = []
     for part in raw.split(","):
         part = part.strip()
         if not part:
@@ -105,7 +118,7 @@ class EpisodeContext:
     def __init__(
         self,
         *,
-        params: dict,
+        params: dict[str, Any],
         index: int,
         seed: int,
         devices: list[int],
@@ -124,10 +137,10 @@ class EpisodeContext:
         self._models = models
 
     @property
-    def log(self):
+    def log(self) -> Logger:
         return eval_logger()
 
-    def model(self, name: str):
+    def model(self, name: str) -> ModelClient:
         """The client of the shared model ``name`` (``client(inputs, **kwargs) -> outputs``)."""
         return self._models.get(name)
 
@@ -143,7 +156,17 @@ class ContextFactory:
 
     __slots__ = ("params", "seed", "devices", "run_dir", "run_id", "episodes", "models")
 
-    def __init__(self, *, params, seed, devices, run_dir, run_id, episodes, models) -> None:
+    def __init__(
+        self,
+        *,
+        params: dict[str, Any],
+        seed: int,
+        devices: list[int],
+        run_dir: str,
+        run_id: str,
+        episodes: int,
+        models: ModelRegistry,
+    ) -> None:
         self.params = params
         self.seed = seed
         self.devices = devices

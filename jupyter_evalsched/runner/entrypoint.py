@@ -7,11 +7,19 @@ run directory's (written from the spec's ``source``). Files are loaded under a u
 name, so their ``if __name__ == "__main__":`` blocks do not run.
 """
 
+from __future__ import annotations
+
 import errno
 import os
 import sys
 
 from ..contract import EVAL_SOURCE_FILE, is_file_target, split_entrypoint
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from .context import EpisodeFunction
 
 __all__ = ["is_file_target", "load_episode_function", "resolve_entrypoint_file", "split_entrypoint"]
 
@@ -32,7 +40,7 @@ def resolve_entrypoint_file(entrypoint: str, run_dir: str | None, cwd: str) -> s
     return os.path.abspath(os.path.join(cwd, os.path.expanduser(target)))
 
 
-def load_episode_function(entrypoint: str, run_dir: str, cwd: str | None = None):
+def load_episode_function(entrypoint: str, run_dir: str, cwd: str | None = None) -> EpisodeFunction:
     """Import the entrypoint's module and return its function.
 
     Raises what a user needs to see: ValueError for a malformed entrypoint, FileNotFoundError
@@ -51,7 +59,7 @@ def load_episode_function(entrypoint: str, run_dir: str, cwd: str | None = None)
         if cwd not in sys.path:  # `python -m` puts it first; make sure, whatever the flags
             sys.path.insert(0, cwd)
         module = import_module(target)
-    func = getattr(module, func_name, None)
+    func: object = getattr(module, func_name, None)
     if func is None:
         raise AttributeError(f"module {target!r} has no function {func_name!r}")
     if not callable(func):
@@ -59,7 +67,7 @@ def load_episode_function(entrypoint: str, run_dir: str, cwd: str | None = None)
     return func
 
 
-def _load_file(path: str):
+def _load_file(path: str) -> ModuleType:
     import importlib.util
 
     if not os.path.isfile(path):

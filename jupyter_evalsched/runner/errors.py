@@ -1,6 +1,21 @@
 """Turn an exception into the ``error`` object of ``summary.json``."""
 
+from __future__ import annotations
+
 import os
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
+if TYPE_CHECKING:
+    from typing import TypedDict
+
+    class ErrorInfo(TypedDict):
+        """The ``error`` object of ``summary.json`` (and of a worker's failure report)."""
+
+        type: str
+        message: str
+        traceback: str
+        episode: int | None  # the index that raised; None before the episodes (spec, import)
+
 
 _RUNNER_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -12,7 +27,7 @@ def _plumbing_prefixes() -> tuple[str, ...]:
     return (_RUNNER_DIR + os.sep, os.path.dirname(importlib.__file__) + os.sep, "<frozen importlib")
 
 
-def describe_exception(exc: BaseException, episode: int | None = None) -> dict:
+def describe_exception(exc: BaseException, episode: int | None = None) -> ErrorInfo:
     """``{"type", "message", "traceback", "episode"}`` for ``exc``.
 
     The traceback is the formatted exception with the runner's leading frames removed, so it

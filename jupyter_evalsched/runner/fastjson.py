@@ -9,6 +9,18 @@ exact ``JSONDecodeError`` is what a user sees; ``dumps`` writes what
 produces (dict with str keys, list, tuple, str, int, float, bool, None).
 """
 
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
+if TYPE_CHECKING:
+    from _json import make_scanner
+    from collections.abc import Callable
+    from typing import Any
+
+    _Scanner = Callable[[str, int], tuple[Any, int]]  # (text, start) -> (value, end)
+
+_encode_str: Callable[[str], str] | None
+_c_make_scanner: type[make_scanner] | None
 try:
     from _json import encode_basestring_ascii as _encode_str
     from _json import make_scanner as _c_make_scanner
@@ -32,26 +44,28 @@ class _ScannerContext:
     parse_constant = staticmethod(_CONSTANTS.__getitem__)
 
 
-_scan = None
+_scan: _Scanner | None = None
 
 
-def _scanner():
+def _scanner() -> _Scanner | None:
     global _scan, _c_make_scanner
     if _scan is None and _c_make_scanner is not None:
         try:
-            _scan = _c_make_scanner(_ScannerContext())
+            # typeshed types the context as a make_scanner (its own TODO says: any object with
+            # these attributes, which is what the C code reads).
+            _scan = _c_make_scanner(_ScannerContext())  # type: ignore[arg-type]
         except Exception:
             _c_make_scanner = None
     return _scan
 
 
-def _slow_loads(data):
+def _slow_loads(data: str | bytes | bytearray) -> object:
     import json
 
     return json.loads(data)
 
 
-def loads(data: str | bytes | bytearray):
+def loads(data: str | bytes | bytearray) -> object:
     """``json.loads``, faster to import."""
     if isinstance(data, (bytes, bytearray)):
         try:
@@ -73,18 +87,19 @@ def loads(data: str | bytes | bytearray):
     return value
 
 
-def dumps(obj) -> str:
+def dumps(obj: object) -> str:
     """``json.dumps(obj, separators=(",", ":"), allow_nan=False)``, faster to import."""
-    if _encode_str is None:
+    encode_str = _encode_str
+    if encode_str is None:
         import json
 
         return json.dumps(obj, separators=(",", ":"), allow_nan=False)
     parts: list[str] = []
-    _encode(obj, parts.append, 0)
+    _encode(obj, parts.append, encode_str, 0)
     return "".join(parts)
 
 
-def _encode(obj, out, depth: int) -> None:
+def _encode(obj: object, out: Callable[[str], None], encode_str: Callable[[str], str], depth: int) -> None:
     if depth > 500:
         raise ValueError("nested too deeply to encode as JSON")
     if obj is None:
@@ -94,7 +109,7 @@ def _encode(obj, out, depth: int) -> None:
     elif obj is False:
         out("false")
     elif isinstance(obj, str):
-        out(_encode_str(obj))
+        out(encode_str(obj))
     elif isinstance(obj, int):
         out(int.__repr__(obj))
     elif isinstance(obj, float):
@@ -110,16 +125,16 @@ def _encode(obj, out, depth: int) -> None:
             if not first:
                 out(",")
             first = False
-            out(_encode_str(key))
+            out(encode_str(key))
             out(":")
-            _encode(value, out, depth + 1)
+            _encode(value, out, encode_str, depth + 1)
         out("}")
     elif isinstance(obj, (list, tuple)):
         out("[")
         for i, item in enumerate(obj):
             if i:
                 out(",")
-            _encode(item, out, depth + 1)
+            _encode(item, out, encode_str, depth + 1)
         out("]")
     else:
         raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")

@@ -5,6 +5,8 @@ The run process is the single writer of these files. ``summary.json`` is replace
 the next complete file, never a partial one.
 """
 
+from __future__ import annotations
+
 import _thread  # get_ident() without importing `threading`
 import math
 import os
@@ -12,6 +14,17 @@ import time
 
 from ..contract import DONE_FILE, EPISODES_FILE, SUMMARY_FILE
 from .fastjson import dumps
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .errors import ErrorInfo
+
+    Number = bool | int | float
+    Metrics = dict[str, Number]  # what an episode returned, validated: {name: number}
+    # name -> {mean, std, min, max, count, skipped}; the figures are None when nothing was finite
+    MetricsSummary = dict[str, dict[str, float | None]]
 
 # Intermediate summaries are fsync'd at most this often. Readers are protected by the atomic
 # rename alone; fsync only adds durability across a host crash, where in-flight runs are lost
@@ -37,7 +50,7 @@ def utc_now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{rem // 1000:06d}+00:00"
 
 
-def validate_metrics(result: object, index: int) -> dict:
+def validate_metrics(result: object, index: int) -> Metrics:
     """Check what ``episode(ctx, index)`` returned and normalize it to ``{name: number}``.
 
     ``None`` means no metrics. Values may be bool, int or float, or any other real number type
@@ -51,7 +64,7 @@ def validate_metrics(result: object, index: int) -> dict:
             f"episode {index} returned {type(result).__name__}; an episode must return a dict "
             f"of metric name -> number, or None"
         )
-    metrics = {}
+    metrics: Metrics = {}
     for name, value in result.items():
         if not isinstance(name, str):
             raise TypeError(
@@ -64,7 +77,7 @@ def validate_metrics(result: object, index: int) -> dict:
     return metrics
 
 
-def _coerce_number(value: object, name: str, index: int) -> bool | int | float:
+def _coerce_number(value: object, name: str, index: int) -> Number:
     if isinstance(value, int):  # subclasses, e.g. IntEnum (bool cannot be subclassed)
         return int(value)
     if isinstance(value, float):  # subclasses, e.g. numpy.float64
@@ -81,7 +94,7 @@ def _coerce_number(value: object, name: str, index: int) -> bool | int | float:
     )
 
 
-def _as_finite_float(value: bool | int | float) -> float | None:
+def _as_finite_float(value: Number) -> float | None:
     try:
         number = float(value)
     except OverflowError:  # an int too large for a float
@@ -89,7 +102,7 @@ def _as_finite_float(value: bool | int | float) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def json_safe_metrics(metrics: dict) -> dict:
+def json_safe_metrics(metrics: Metrics) -> Mapping[str, Number | None]:
     """Metrics as written to ``episodes.jsonl``: non-finite floats become null (strict JSON has
     no NaN or Infinity, and browsers reject them); the summary counts them as skipped."""
     if all(type(v) is not float or math.isfinite(v) for v in metrics.values()):
@@ -104,10 +117,10 @@ class MetricAggregator:
     __slots__ = ("_stats",)
 
     def __init__(self) -> None:
-        # name -> [count, mean, m2, min, max, skipped]
-        self._stats: dict[str, list] = {}
+        # name -> [count, mean, m2, min, max, skipped] (count and skipped are ints)
+        self._stats: dict[str, list[float]] = {}
 
-    def add(self, metrics: dict) -> None:
+    def add(self, metrics: Mapping[str, Number]) -> None:
         for name, value in metrics.items():
             stats = self._stats.get(name)
             if stats is None:
@@ -125,10 +138,10 @@ class MetricAggregator:
             if number > stats[4]:
                 stats[4] = number
 
-    def summary(self) -> dict:
+    def summary(self) -> MetricsSummary:
         """``{name: {mean, std, min, max, count, skipped}}``; the figures are null when every
         value of a metric was non-finite."""
-        out = {}
+        out: MetricsSummary = {}
         for name, (count, mean, m2, low, high, skipped) in self._stats.items():
             if count:
                 std = math.sqrt(m2 / count) if m2 > 0 else 0.0
@@ -229,7 +242,7 @@ class RunFiles:
     def write_initial_summary(self) -> None:
         self._write_summary("running", None, final=False)
 
-    def record_episode(self, index: int, metrics: dict, started_at: str, finished_at: str, worker: int) -> None:
+    def record_episode(self, index: int, metrics: Metrics, started_at: str, finished_at: str, worker: int) -> None:
         """Append the episode's line, fold its metrics in and rewrite the summary."""
         line = dumps(
             {
@@ -250,7 +263,7 @@ class RunFiles:
         # else: the last episode's summary is the final one, which finalize() writes next (a
         # "running, all done" state in between would cost a rewrite and tell nobody anything).
 
-    def finalize(self, status: str, error: dict | None) -> None:
+    def finalize(self, status: str, error: ErrorInfo | None) -> None:
         """Make the terminal state durable, then create ``_DONE`` last.
 
         Three fsyncs, each needed: the episode log's data, the final summary's data (before its
@@ -267,7 +280,7 @@ class RunFiles:
         if DURABLE:
             fsync_directory(self.run_dir)
 
-    def _write_summary(self, status: str, error: dict | None, *, final: bool) -> None:
+    def _write_summary(self, status: str, error: ErrorInfo | None, *, final: bool) -> None:
         now = utc_now_iso()
         summary = {
             "run_id": self.run_id,

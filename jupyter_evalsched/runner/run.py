@@ -16,6 +16,8 @@ Failure semantics (see also the package docstring for exit codes):
   ``WorkerDied`` error naming the signal or exit code and the episode.
 """
 
+from __future__ import annotations
+
 # _signal, not signal: the latter imports enum (~5 ms here) for its IntEnum wrappers.
 import _signal
 import os
@@ -24,6 +26,14 @@ import sys
 from ..contract import DEFAULT_SOURCE_ENTRYPOINT, DONE_FILE, SHARED_URLS_FILE, SPEC_FILE, split_entrypoint
 from . import fastjson
 from ._proc import EXIT_PARENT_GONE, expected_parent_pid, flush_stdio, parent_is_gone, set_parent_death_signal
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .context import EpisodeFunction
+    from .errors import ErrorInfo
+    from .results import RunFiles
 
 EXIT_FINALIZED = 0
 EXIT_USAGE = 2  # bad arguments or an unusable run directory (no spec.json)
@@ -72,10 +82,10 @@ class RunSpec:
             params = {}
         if not isinstance(params, dict):
             raise ValueError(f"{SPEC_FILE}: 'params' must be an object, got {type(params).__name__}")
-        self.params: dict = params
+        self.params: dict[str, Any] = params
 
 
-def _int_field(raw: dict, name: str, default: int, minimum: int | None = None) -> int:
+def _int_field(raw: dict[str, Any], name: str, default: int, minimum: int | None = None) -> int:
     value = raw.get(name)
     if value is None:
         return default
@@ -147,14 +157,15 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
     from .errors import describe_exception
     from .results import RunFiles
 
-    spec = spec_error = raw = None
+    raw: object = None
+    spec: RunSpec | Exception  # the spec, or why it is unusable
     try:
         raw = fastjson.loads(spec_bytes)
         spec = RunSpec(raw)
     except Exception as exc:
-        spec_error = exc
+        spec = exc
 
-    if spec is not None:
+    if isinstance(spec, RunSpec):
         episodes_total = spec.episodes
     else:  # still report the intended size when only another field is wrong
         guess = raw.get("episodes") if isinstance(raw, dict) else None
@@ -168,10 +179,10 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
         return EXIT_IO_ERROR
 
     try:
-        if spec_error is not None:
-            error = describe_exception(spec_error)
-        else:
+        if isinstance(spec, RunSpec):
             error = _run_episodes(spec, run_dir, files)
+        else:
+            error = describe_exception(spec)
         if error is not None:
             where = f"episode {error['episode']}" if error.get("episode") is not None else "before its episodes"
             _say(f"run failed ({where}):\n{error['traceback']}".rstrip("\n"))
@@ -182,7 +193,7 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
     return EXIT_FINALIZED
 
 
-def _run_episodes(spec: RunSpec, run_dir: str, files) -> dict | None:
+def _run_episodes(spec: RunSpec, run_dir: str, files: RunFiles) -> ErrorInfo | None:
     """Run every episode; None on success, else the ``error`` object of the failure."""
     from .context import ContextFactory, ModelRegistry, parse_devices
     from .entrypoint import load_episode_function
@@ -205,7 +216,7 @@ def _run_episodes(spec: RunSpec, run_dir: str, files) -> dict | None:
         models=ModelRegistry(urls),
     )
 
-    def load_episode():
+    def load_episode() -> EpisodeFunction:
         return load_episode_function(spec.entrypoint, run_dir, cwd)
 
     if spec.workers > 1 and spec.episodes > 0:

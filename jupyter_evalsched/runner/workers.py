@@ -18,13 +18,31 @@ Mechanism: ``multiprocessing`` with the "fork" start method, one duplex pipe per
   and the run process finalizes the run as failed.
 """
 
+from __future__ import annotations
+
 import os
 import signal
-from collections.abc import Callable
 
 from ._proc import EXIT_PARENT_GONE, flush_stdio, set_parent_death_signal
 from .errors import describe_exception
 from .results import utc_now_iso, validate_metrics
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import ForkProcess
+    from typing import Literal
+
+    from .context import EpisodeContext, EpisodeFunction
+    from .errors import ErrorInfo
+    from .results import Metrics
+
+    # Worker -> run process: the first failure, or one finished episode
+    # ("ok", index, metrics, started_at, finished_at).
+    _Report = tuple[Literal["error"], ErrorInfo] | tuple[Literal["ok"], int, Metrics, str, str]
+    # Run process -> worker: the next index to run, or None: exit.
+    _Order = int | None
 
 # How long terminated workers get to exit before SIGKILL, and finished ones to exit at all.
 TERMINATE_GRACE_S = 1.0
@@ -35,7 +53,12 @@ class WorkerDied(RuntimeError):
     """A worker process ended without reporting its episode (a signal, ``os._exit``...)."""
 
 
-def _worker_main(conn, run_pid: int, load_episode: Callable, make_ctx: Callable) -> None:
+def _worker_main(
+    conn: Connection[_Report, _Order],
+    run_pid: int,
+    load_episode: Callable[[], EpisodeFunction],
+    make_ctx: Callable[[int], EpisodeContext],
+) -> None:
     """Body of a worker process: import the eval, then run the episodes it is handed."""
     set_parent_death_signal()
     if os.getppid() != run_pid:  # the run process died before the death signal was armed
@@ -70,10 +93,13 @@ def _worker_main(conn, run_pid: int, load_episode: Callable, make_ctx: Callable)
 
 
 class _Worker:
-    __slots__ = ("process", "conn", "conn_open", "episode", "stopping", "reported")
+    __slots__ = ("process", "pid", "conn", "conn_open", "episode", "stopping", "reported")
 
-    def __init__(self, process, conn) -> None:
+    def __init__(self, process: ForkProcess, conn: Connection[_Order, _Report]) -> None:
+        if process.pid is None:
+            raise RuntimeError("a worker process must be started before it is tracked")
         self.process = process
+        self.pid: int = process.pid
         self.conn = conn
         self.conn_open = True
         self.episode: int | None = None  # the index it is running
@@ -91,10 +117,10 @@ def _signal_name(signum: int) -> str:
 def run_in_workers(
     n_workers: int,
     episodes_total: int,
-    load_episode: Callable,
-    make_ctx: Callable,
-    on_episode: Callable,
-) -> dict | None:
+    load_episode: Callable[[], EpisodeFunction],
+    make_ctx: Callable[[int], EpisodeContext],
+    on_episode: Callable[[int, Metrics, str, str, int], None],
+) -> ErrorInfo | None:
     """Run episodes ``0..episodes_total-1`` in ``n_workers`` forked processes.
 
     ``on_episode(index, metrics, started_at, finished_at, worker_pid)`` is called in this
@@ -118,7 +144,7 @@ def run_in_workers(
         except OSError:
             pass  # it died; its sentinel tells us how
 
-    def take_messages(worker: _Worker) -> dict | None:
+    def take_messages(worker: _Worker) -> ErrorInfo | None:
         """Handle everything the worker has sent; the first error, if any."""
         while worker.conn_open and worker.conn.poll():
             try:
@@ -131,11 +157,11 @@ def run_in_workers(
                 return message[1]
             _, index, metrics, started_at, finished_at = message
             worker.episode = None
-            on_episode(index, metrics, started_at, finished_at, worker.process.pid)
+            on_episode(index, metrics, started_at, finished_at, worker.pid)
             hand_out(worker)
         return None
 
-    def death_error(worker: _Worker) -> dict:
+    def death_error(worker: _Worker) -> ErrorInfo:
         code = worker.process.exitcode
         how = f"was killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exited with code {code}"
         if worker.episode is None:
@@ -144,7 +170,7 @@ def run_in_workers(
             what = f"while running episode {worker.episode}"
         else:
             what = f"while importing the eval or running episode {worker.episode}"
-        message = f"worker process {worker.process.pid} {how} {what}"
+        message = f"worker process {worker.pid} {how} {what}"
         return {
             "type": WorkerDied.__name__,
             "message": message,
@@ -153,7 +179,7 @@ def run_in_workers(
         }
 
     flush_stdio()  # or the children would inherit, and print again, what is still buffered
-    error = None
+    error: ErrorInfo | None = None
     all_done = False  # every worker finished its episodes and was told to stop
     try:
         for _ in range(n_workers):
@@ -173,7 +199,7 @@ def run_in_workers(
 
         live = {w.process.sentinel: w for w in workers}
         while live and error is None:
-            waitables = list(live)
+            waitables: list[int | Connection[_Order, _Report]] = list(live)
             waitables.extend(w.conn for w in live.values() if w.conn_open)
             ready = set(wait(waitables))
             for sentinel, worker in list(live.items()):

@@ -41,6 +41,11 @@ from collections import Counter, deque
 from .config import ModelConfig, parse_model
 from .protocol import ProtocolError, recv_message, send_message
 
+TYPE_CHECKING = False  # mypy knows this name; nothing more is imported at run time
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
 _PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
 
 
@@ -108,7 +113,10 @@ def load_callable(config: ModelConfig):
 
         if config.dtype is not None:
             options.setdefault("dtype", config.dtype)
-        return _PipelineCaller(pipeline(config.task, model=config.model, device=device, **options))
+        # transformers overloads pipeline() per literal task name only; the function takes any str.
+        return _PipelineCaller(pipeline(config.task, model=config.model, device=device, **options))  # type: ignore[call-overload]
+    if config.loader is None:  # parse_model requires exactly one of task and loader
+        raise ValueError(f"shared model {config.name!r}: neither 'task' nor 'loader' is set")
     module_name, function_name = config.loader.split(":", 1)
     loader = getattr(importlib.import_module(module_name), function_name)
     fn = loader(model=config.model, device=device, dtype=config.dtype, **options)
@@ -140,7 +148,7 @@ class ModelHost:
         self.emit = emit
         self.cond = threading.Condition()
         self.queue: deque[tuple[_Call, int]] = deque()  # one entry per input, in arrival order
-        self.fn = None
+        self.fn: Callable[..., Any] | None = None  # the batch callable, once loaded
         self.state = "not_loaded"
         self.error: dict | None = None
         self.failed_at = 0.0
@@ -211,15 +219,16 @@ class ModelHost:
                 while not self.queue:
                     self.cond.wait()
             if self.state != "loaded":
-                self._load()
-                if self.state != "loaded":
-                    self._fail_queued(self.error)
+                error = self._load()
+                if error is not None:
+                    self._fail_queued(error)
                     continue
             call_batch = self._gather()
             if call_batch:
                 self._run(call_batch)
 
-    def _load(self) -> None:
+    def _load(self) -> dict | None:
+        """Load the model; None when it is loaded, else the error (also kept in ``self.error``)."""
         with self.cond:
             self.state = "loading"
             self.load_count += 1
@@ -236,11 +245,12 @@ class ModelHost:
             with self.cond:
                 self.state, self.error, self.failed_at = "failed", error, time.monotonic()
             self.emit("load_failed", error=error, load_count=self.load_count)
-            return
+            return error
         with self.cond:
             self.fn, self.state, self.error = fn, "loaded", None
             self.load_seconds = round(time.monotonic() - started, 3)
         self.emit("loaded", seconds=self.load_seconds, load_count=self.load_count)
+        return None
 
     def _fail_queued(self, error: dict) -> None:
         with self.cond:
@@ -286,6 +296,9 @@ class ModelHost:
             return batch
 
     def _forward(self, entries: list[tuple[_Call, int]]) -> list:
+        fn = self.fn
+        if fn is None:  # the batcher runs batches only once the model is loaded
+            raise RuntimeError("the model is not loaded")
         inputs = [call.inputs[index] for call, index in entries]
         with self.cond:
             self.batches += 1
@@ -293,7 +306,7 @@ class ModelHost:
             self.batch_sizes[len(inputs)] += 1
         started = time.perf_counter()
         try:
-            outputs = self.fn(inputs, **entries[0][0].kwargs)
+            outputs = fn(inputs, **entries[0][0].kwargs)
             if not isinstance(outputs, list):
                 outputs = list(outputs)
             if len(outputs) != len(inputs):
@@ -342,9 +355,10 @@ class ModelHost:
     def submit(self, inputs: list, kwargs: dict) -> dict:
         call = _Call(inputs, kwargs)
         with self.cond:
-            if self.state == "failed" and time.monotonic() < self.failed_at + self.config.load_retry_s:
+            failure = self.error if self.state == "failed" else None
+            if failure is not None and time.monotonic() < self.failed_at + self.config.load_retry_s:
                 # Fail fast instead of loading a failing model again for every request.
-                error = dict(self.error)
+                error = dict(failure)
                 wait = self.failed_at + self.config.load_retry_s - time.monotonic()
                 error["message"] += f" (the next load attempt is allowed in {wait:.0f} s)"
                 self.failed_requests += 1

@@ -97,6 +97,11 @@ class _Host:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
+    @property
+    def pid(self) -> int | None:
+        """The PID of the host process while it is alive, else None."""
+        return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
+
 
 class ModelHostManager:
     """Owns the shared-model hosts of this Jupyter server. See the module docstring.
@@ -146,7 +151,7 @@ class ModelHostManager:
         return baseline
 
     def pids(self) -> set[int]:
-        return {host.proc.pid for host in self._hosts.values() if host.alive}
+        return {pid for host in self._hosts.values() if (pid := host.pid) is not None}
 
     def url(self, name: str) -> str:
         """The URL of a model (stable for the manager's lifetime); ValueError if unknown."""
@@ -328,7 +333,7 @@ class ModelHostManager:
         returncode = await proc.wait()
         if self._stopping or host.proc is not proc:
             return
-        self._on_death(host, returncode)
+        self._on_death(host, proc.pid, returncode)
 
     def _on_event(self, host: _Host, event: dict) -> None:
         kind = event.get("event")
@@ -350,7 +355,7 @@ class ModelHostManager:
                 "shared model %s: load failed: %s: %s", host.config.name, error.get("type"), error.get("message")
             )
 
-    def _on_death(self, host: _Host, returncode: int) -> None:
+    def _on_death(self, host: _Host, pid: int, returncode: int) -> None:
         now = time.monotonic()
         host.deaths += 1
         lived = now - host.started_at
@@ -360,7 +365,7 @@ class ModelHostManager:
         how = _describe_exit(returncode)
         if not host.ready.is_set():
             host.failed_starts += 1
-            message = f"the model host (pid {host.proc.pid}) exited with {how} before it listened{self._tail(host)}"
+            message = f"the model host (pid {pid}) exited with {how} before it listened{self._tail(host)}"
             host.state = "failed"
             host.error = {"type": "HostDied", "message": message}
             self.log.error("shared model %s: %s; next try in %.1f s", host.config.name, message, hold)
@@ -369,13 +374,13 @@ class ModelHostManager:
             return
         if host.state == "loading":
             hint = " (out of memory?)" if returncode == -signal.SIGKILL else ""
-            message = f"the model host (pid {host.proc.pid}) died with {how}{hint} while loading the model"
+            message = f"the model host (pid {pid}) died with {how}{hint} while loading the model"
             host.state = "failed"
             host.error = {"type": "HostDied", "message": message}
             host.inherited_failure = {"type": "HostDied", "message": message, "phase": "load"}
         else:
             message = (
-                f"the model host (pid {host.proc.pid}) died with {how}; "
+                f"the model host (pid {pid}) died with {how}; "
                 f"a new host starts in {hold:.1f} s and loads the model at the next request"
             )
             if host.state == "loaded":
@@ -470,7 +475,7 @@ class ModelHostManager:
             "max_batch_size": config.max_batch_size,
             "max_wait_ms": config.max_wait_ms,
             "load_seconds": host.load_seconds if host else None,
-            "pid": host.proc.pid if host and host.alive else None,
+            "pid": host.pid if host else None,
             "restarts": max(0, host.starts - 1) if host else 0,
             "held_s": round(max(0.0, host.held_until - now), 3) if host and not host.alive else 0.0,
         }

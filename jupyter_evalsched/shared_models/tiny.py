@@ -122,11 +122,17 @@ def load_tiny(model: str | None = None, device: str = "cpu", dtype: str | None =
         options.setdefault("dtype", dtype)
     pipe = pipeline("feature-extraction", model=path, tokenizer=path, device=device, **options)
 
-    from .loaders import unpad_feature_extraction
+    return _TinyBertCaller(pipe)
 
-    def call(inputs: list, **kwargs):
-        outputs = pipe(inputs, **{"batch_size": len(inputs), **kwargs})
-        return unpad_feature_extraction(pipe, inputs, outputs, kwargs)
 
-    call.pipeline = pipe
-    return call
+class _TinyBertCaller:
+    """The batch callable ``load_tiny`` returns; ``.pipeline`` is the transformers pipeline."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+
+    def __call__(self, inputs: list, **kwargs):
+        from .loaders import unpad_feature_extraction
+
+        outputs = self.pipeline(inputs, **{"batch_size": len(inputs), **kwargs})
+        return unpad_feature_extraction(self.pipeline, inputs, outputs, kwargs)
