@@ -272,6 +272,18 @@ async def test_a_runs_directory_writable_by_others_is_refused_with_the_fix(share
 
 
 @pytest.fixture
+def foreign_runs_dir(runs_dir):
+    runs_dir.mkdir(parents=True, mode=0o700)
+    os.chown(runs_dir, 65534, 65534)
+
+
+async def test_a_runs_directory_of_another_user_is_refused(foreign_runs_dir, api, runs_dir):
+    code, err = await api("GET", "runs")
+    assert code == 503 and "owned by uid 65534, not by you" in err["message"], err
+    assert list(runs_dir.iterdir()) == []  # nothing written there
+
+
+@pytest.fixture
 def runs_dir_is_a_file(runs_dir):
     runs_dir.parent.mkdir(parents=True, exist_ok=True)
     runs_dir.write_text("not a directory")
