@@ -28,7 +28,6 @@ def start_once(with_extension: bool, models: bool) -> tuple[float, bool]:
         JUPYTER_CONFIG_DIR=os.path.join(tmp, "cfg"),
         EVALSCHED_RUNS_DIR=os.path.join(tmp, "runs"),
         EVALSCHED_VIRTUAL_GPUS="24000,24000",
-        EVALSCHED_LOCK_DIR=os.path.join(tmp, "lock"),
     )
     os.makedirs(env["JUPYTER_CONFIG_DIR"])
     if models:
