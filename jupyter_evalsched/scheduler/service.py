@@ -302,14 +302,16 @@ class Scheduler:
         if run is None:
             raise StateConflict(f"the Idempotency-Key was used for run {run_id}, which has been deleted")
         try:
-            first, again = self.table.full_spec(run), self._normalized(spec)
-        except RunFileError:
-            first, again = {}, {"unreadable": True}
+            first = self.table.full_spec(run)
+        except RunFileError as exc:
+            raise StateConflict(
+                f"the Idempotency-Key was used for run {run_id}, whose spec cannot be read: {exc}"
+            ) from None
+        again = self._normalized(spec)
         if spec.cwd is None:  # "the server's root": a retry may reach another server after a failover
             first.pop("cwd", None)
             again.pop("cwd", None)
-        same = first == again
-        if not same:
+        if first != again:
             raise StateConflict(f"the Idempotency-Key was already used for run {run_id}, with another spec")
         return run.record
 
