@@ -198,6 +198,7 @@ async def test_a_mixed_batch_of_dying_runs_leaves_server_and_siblings_untouched(
     # The run that ignores SIGTERM: cancel it once it ignores SIGTERM (the kernel says so).
     ign = bad_recs["ignore_sigterm"]["id"]
     ign_pid = (await wait_for(ign, states=("running",)))["pid"]
+    assert ign_pid, "a running run without a pid"
     await async_wait_until(lambda: ignores_signal(ign_pid), message=f"run {ign} (pid {ign_pid}) never ignored SIGTERM")
     code, _ = await api("POST", f"runs/{ign}/cancel")
     assert code == 200

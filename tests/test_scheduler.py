@@ -151,6 +151,7 @@ async def test_cancel_queued_and_running(api, wait_for, runs_dir):
 async def test_cancel_reaches_a_run_that_ignores_sigterm(api, wait_for):
     rec = await submit(api, spec(entry=CRASH, params={"how": "ignore_sigterm"}))
     pid = (await wait_for(rec["id"], states=("running",)))["pid"]
+    assert pid, "a running run without a pid"
     await async_wait_until(lambda: ignores_signal(pid), message="the run never ignored SIGTERM")
     t0 = time.monotonic()
     await api("POST", f"runs/{rec['id']}/cancel")
