@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import pytest
+from waiting import async_wait_until
 
 pytest_plugins = ("pytest_jupyter.jupyter_server",)
 
@@ -74,15 +73,24 @@ def api(jp_fetch, evalsched):
 
 @pytest.fixture
 def wait_for(api):
+    """``await wait_for(run_id, states=...)``: the run's record once its state is one of
+    ``states`` (by default: any terminal state)."""
+
     async def wait(run_id: str, states=("succeeded", "failed", "cancelled", "aborted"), timeout: float = 30.0):
-        deadline = time.monotonic() + timeout
-        while True:
-            code, rec = await api("GET", f"runs/{run_id}")
-            assert code == 200, rec
-            if rec["state"] in states:
-                return rec
-            if time.monotonic() > deadline:
-                raise AssertionError(f"run {run_id} still {rec['state']} ({rec.get('reason')}) after {timeout}s")
-            await asyncio.sleep(0.02)
+        answer: dict = {}
+
+        async def settled() -> bool:
+            answer["code"], answer["rec"] = await api("GET", f"runs/{run_id}")
+            return answer["code"] != 200 or answer["rec"]["state"] in states
+
+        try:
+            await async_wait_until(settled, timeout=timeout)
+        except AssertionError:
+            rec = answer.get("rec") or {}
+            raise AssertionError(
+                f"run {run_id} still {rec.get('state')} ({rec.get('reason')}) after {timeout}s"
+            ) from None
+        assert answer["code"] == 200, answer["rec"]
+        return answer["rec"]
 
     return wait

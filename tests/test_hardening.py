@@ -15,12 +15,14 @@ import json
 import os
 import stat
 import subprocess
-import time
+import threading
 from pathlib import Path
 
 import psutil
 import pytest
+from proc_status import ignores_signal
 from rest import CRASH, NOOP, SLEEPY, spec, submit
+from waiting import async_wait_until
 
 # Evals that damage their own run directory or run out of (capped) memory. Written to a file in
 # tmp_path and used as a file entrypoint ("vandal.py:<function>") with that directory as cwd.
@@ -35,13 +37,13 @@ def delete_summary(ctx, index):
         os.remove(_summary(ctx))
     except FileNotFoundError:
         pass
-    time.sleep(0.02)
+    time.sleep(0.02)  # the eval's own work, while the summary is missing
     return {"x": index}
 
 def garble_summary(ctx, index):
     with open(_summary(ctx), "wb") as f:
         f.write(b"\x00{garbage \xff\xfe not json")
-    time.sleep(0.05)  # the server's progress watcher reads the garbage meanwhile
+    time.sleep(0.05)  # the eval's own work, while the garbage is there for the server's progress watcher
     return {"x": index}
 
 def garble_then_exit(ctx, index):
@@ -193,10 +195,11 @@ async def test_a_mixed_batch_of_dying_runs_leaves_server_and_siblings_untouched(
     bad_recs = dict(zip(names, recs[1:8] + recs[10:-1], strict=False))
     assert len({r["id"] for r in recs}) == len(bodies) == 19
 
-    # The run that ignores SIGTERM: cancel it once it has installed its handler.
+    # The run that ignores SIGTERM: cancel it once it ignores SIGTERM (the kernel says so).
     ign = bad_recs["ignore_sigterm"]["id"]
-    await wait_for(ign, states=("running",))
-    await asyncio.sleep(0.5)
+    ign_pid = (await wait_for(ign, states=("running",)))["pid"]
+    assert ign_pid, "a running run without a pid"
+    await async_wait_until(lambda: ignores_signal(ign_pid), message=f"run {ign} (pid {ign_pid}) never ignored SIGTERM")
     code, _ = await api("POST", f"runs/{ign}/cancel")
     assert code == 200
 
@@ -235,10 +238,9 @@ async def test_a_mixed_batch_of_dying_runs_leaves_server_and_siblings_untouched(
     for n in ("fork_and_exit", "escape_and_exit"):
         code, eps = await api("GET", f"runs/{bad_recs[n]['id']}/episodes")
         child = int(eps["episodes"][0]["metrics"]["child_pid"])
-        deadline = time.monotonic() + 2
-        while alive(child) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if alive(child):
+        try:
+            await async_wait_until(lambda: not alive(child), timeout=2)
+        except AssertionError:
             orphans.append(f"{n}: the child {child} forked by the finished run is still alive")
             os.kill(child, 9)  # this test's own cleanup
     assert not orphans, orphans
@@ -727,11 +729,14 @@ async def test_full_disk_gives_503_and_the_scheduler_keeps_serving(tiny_runs_dir
     assert (await wait_for(after["id"]))["state"] == "succeeded"
     code, listing = await api("GET", "runs")
     assert sorted(r["id"] for r in listing["runs"]) == sorted([before["id"], long["id"], after["id"]])
-    # Once there is room again, the run that ended while the disk was full is recorded on disk:
-    # job.json says failed and _DONE exists, so a restart cannot resurrect it as 'aborted'.
-    await asyncio.sleep(1.5)  # a sweep or two
+    # Once there is room again, the run that ended while the disk was full is recorded on disk
+    # (by a later sweep's retry): job.json says failed and _DONE exists, so a restart cannot
+    # resurrect it as 'aborted'. _DONE is written after job.json: wait for it, then check both.
+    await async_wait_until(
+        (runs_dir / long["id"] / "_DONE").exists, message="the run that ended on a full disk has no _DONE"
+    )
     job = json.loads((runs_dir / long["id"] / "job.json").read_text())
-    assert job["state"] == "failed" and (runs_dir / long["id"] / "_DONE").exists(), job["state"]
+    assert job["state"] == "failed", job["state"]
 
 
 async def test_read_only_runs_dir_gives_503_and_the_scheduler_keeps_serving(remountable_runs_dir, api, wait_for):
@@ -832,19 +837,24 @@ async def test_requests_during_recovery_never_claim_runs_are_gone(jp_serverapp, 
         )
     )
     original = Scheduler._read_runs_dir
+    reading, release = threading.Event(), threading.Event()
 
-    def slow_read(self):
-        time.sleep(1.5)
+    def slow_read(self):  # in the scheduler's thread pool: held until the requests below are answered
+        reading.set()
+        release.wait(30)
         return original(self)
 
     monkeypatch.setattr(Scheduler, "_read_runs_dir", slow_read)
     starting = asyncio.ensure_future(jp_serverapp.extension_manager.start_all_extensions())
-    await asyncio.sleep(0.5)
-    assert not starting.done(), "start-up did not wait for the runs directory"
     answers = {}
-    for path in (f"runs/{run_id}", "runs", "queue"):
-        resp = await jp_fetch("evalsched", *path.split("/"), raise_error=False)
-        answers[path] = (resp.code, json.loads(resp.body or b"null"))
+    try:
+        await async_wait_until(reading.is_set, message="start-up never read the runs directory")
+        assert not starting.done(), "start-up did not wait for the runs directory"
+        for path in (f"runs/{run_id}", "runs", "queue"):
+            resp = await jp_fetch("evalsched", *path.split("/"), raise_error=False)
+            answers[path] = (resp.code, json.loads(resp.body or b"null"))
+    finally:
+        release.set()
     await starting
     wrong = []
     code, body = answers[f"runs/{run_id}"]

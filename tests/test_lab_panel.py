@@ -22,14 +22,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+from waiting import wait_until
 
 pytestmark = pytest.mark.browser
 
@@ -171,23 +172,24 @@ class LabServer:
         return record
 
     def wait_ready(self, *, evalsched: bool, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
-                raise AssertionError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                status, last = self.request("GET", "api/status")
-                if status == 200:
-                    if not evalsched:
-                        return
-                    status, last = self.request("GET", "evalsched/queue")
-                    if status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError) as err:
-                last = err
-            time.sleep(0.25)
-        raise AssertionError(f"jupyter lab not ready after {timeout}s ({last!r}):\n{self.log_tail()}")
+                raise AssertionError(f"jupyter lab exited with {self.proc.returncode}")
+            status, _ = self.request("GET", "api/status")
+            if status == 200 and evalsched:
+                status, _ = self.request("GET", "evalsched/queue")
+            return status == 200
+
+        try:
+            wait_until(
+                ready,
+                timeout=timeout,
+                interval=0.25,
+                message="jupyter lab not ready",
+                ignore=(urllib.error.URLError, ConnectionError, OSError),
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{self.log_tail()}") from None
 
     def log_tail(self, lines: int = 60) -> str:
         self._log.flush()
@@ -324,14 +326,19 @@ def _set_theme(server: LabServer, theme: str) -> None:
 
 def _wait_idle(server: LabServer, timeout: float = 60.0) -> None:
     """Until nothing is queued or running (tests of the module share one server)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    last: dict = {}
+
+    def idle() -> bool:
         status, view = server.request("GET", "evalsched/queue")
-        assert status == 200, view
-        if not view["queued"] and not view["running"]:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"the scheduler is still busy: {view}")
+        if status != 200:  # pytest.fail, not assert: an AssertionError out of wait_until means "busy"
+            pytest.fail(f"GET evalsched/queue: {status} {view}")
+        last["view"] = view
+        return not view["queued"] and not view["running"]
+
+    try:
+        wait_until(idle, timeout=timeout, interval=0.2)
+    except AssertionError:
+        raise AssertionError(f"the scheduler is still busy: {last.get('view')}") from None
 
 
 def test_panel_live(lab: LabServer, browser: Any) -> None:
@@ -450,14 +457,23 @@ def test_panel_live(lab: LabServer, browser: Any) -> None:
         assert cancelled_d.get_attribute("data-reason-code") == "cancelled"
         assert lab.run(d)["state"] == "cancelled"
 
+        # "Keep it" sends no cancel. Every cancel request of c the page sends is recorded from
+        # here; the one accepted below is sent later by the same page, so once it is seen, a
+        # cancel sent on "Keep it" would have been seen too (the page's requests arrive in order).
+        def is_cancel_of_c(request: Any) -> bool:
+            return request.method == "POST" and urlsplit(request.url).path.endswith(f"/evalsched/runs/{c}/cancel")
+
+        cancels_of_c: list[str] = []
+        page.on("request", lambda request: cancels_of_c.append(request.url) if is_cancel_of_c(request) else None)
         _run(page, c).locator('[data-testid="evalsched-cancel"]').click()
         _confirm_dialog(page, accept=False)
-        time.sleep(0.5)
         assert lab.run(c)["state"] == "running"
         assert _run(page, c, "running").is_visible()
 
         _run(page, c).locator('[data-testid="evalsched-cancel"]').click()
-        _confirm_dialog(page, accept=True)
+        with page.expect_request(is_cancel_of_c):
+            _confirm_dialog(page, accept=True)
+        assert len(cancels_of_c) == 1, f"a cancel was sent when the dialog said 'Keep it': {cancels_of_c}"
         cancelled_c = _wait_run(page, c, "cancelled", "finished")
         assert cancelled_c.get_attribute("data-reason-code") == "cancelled"
         assert cancelled_c.locator('[data-testid="evalsched-cancel"]').is_hidden()

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from proc_status import ignores_signal
 from run_dirs import filled_spec
+from waiting import wait_until
 
 from jupyter_evalsched.runner import fastjson
 from jupyter_evalsched.runner.context import ModelRegistry, UnknownModelError, parse_devices
@@ -163,16 +165,6 @@ def is_gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
 
 
 def line_count(path: Path) -> int:
@@ -321,7 +313,7 @@ def test_prints_reach_the_log_at_each_episode_end(tmp_path, started):
     )
     run_dir = make_run_dir(tmp_path, entrypoint="printing.py:episode", episodes=2)
     proc = start_runner(run_dir, started)
-    wait_for(lambda: line_count(run_dir / "episodes.jsonl") == 1)
+    wait_until(lambda: line_count(run_dir / "episodes.jsonl") == 1)
     assert proc.poll() is None
     assert (run_dir / "stdout.log").read_text() == "line one\nno newline yet"
 
@@ -519,7 +511,7 @@ def test_sigterm_is_not_handled_and_never_finalizes(tmp_path, started):
         tmp_path, entrypoint="jupyter_evalsched.examples.basic:sleepy", episodes=3, params={"sleep_s": 30}
     )
     proc = start_runner(run_dir, started)
-    wait_for(lambda: (run_dir / "summary.json").exists())
+    wait_until(lambda: (run_dir / "summary.json").exists())
     initial = summary(run_dir)
     assert set(initial) == SUMMARY_KEYS
     assert (initial["status"], initial["episodes_done"], initial["episodes_total"]) == ("running", 0, 3)
@@ -531,12 +523,10 @@ def test_sigterm_is_not_handled_and_never_finalizes(tmp_path, started):
 
 
 def test_sigint_from_outside_ends_the_run_like_a_cancel(tmp_path, started):
-    run_dir = make_run_dir(
-        tmp_path, entrypoint="jupyter_evalsched.examples.basic:sleepy", episodes=3, params={"sleep_s": 30}
-    )
+    write_file(tmp_path / "probe.py", PROBE_EVAL)
+    run_dir = make_run_dir(tmp_path, entrypoint="probe.py:episode", episodes=3, params={"sleep_s": 30})
     proc = start_runner(run_dir, started)
-    wait_for(lambda: (run_dir / "summary.json").exists())
-    time.sleep(0.05)
+    wait_until(lambda: recorded_pids(run_dir) == {proc.pid})  # inside the first episode
     proc.send_signal(signal.SIGINT)
     assert proc.wait(5) == -signal.SIGINT
     assert not (run_dir / "_DONE").exists()
@@ -582,9 +572,11 @@ def test_crash_ignore_sigterm_needs_sigkill(tmp_path, started):
         tmp_path, entrypoint="jupyter_evalsched.examples.basic:crash", params={"how": "ignore_sigterm", "hold_s": 30}
     )
     proc = start_runner(run_dir, started)
-    wait_for(lambda: (run_dir / "summary.json").exists())
-    time.sleep(0.3)  # the episode installs SIG_IGN right after it starts
+    wait_until(lambda: ignores_signal(proc.pid, signal.SIGTERM), message="the episode never ignored SIGTERM")
     os.killpg(proc.pid, signal.SIGTERM)
+    # The subject: SIGTERM does not end it. A process that did not ignore SIGTERM is doomed when
+    # killpg returns (the default action kills the whole group at once); the bound only lets it
+    # be reaped.
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.3)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -604,7 +596,7 @@ def test_crash_fork_and_exit_leaves_a_stray_for_the_server_to_reap(tmp_path, sta
         assert os.getpgid(child) == proc.pid  # in the run's group: the launcher's killpg reaches it
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
-    wait_for(lambda: is_gone(child), timeout=2)
+    wait_until(lambda: is_gone(child), timeout=2)
 
 
 # --------------------------------------------------------------------------- bad run directories and specs
@@ -701,18 +693,20 @@ def test_runner_and_workers_die_with_their_parent(tmp_path, started, workers):
         [PYTHON, "-c", INTERMEDIATE, str(run_dir), str(pid_file)], cwd=tmp_path, env=runner_env()
     )
     started.append(intermediate)
-    runner_pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text()))
-    episode_pids = wait_for(lambda: len(recorded_pids(run_dir)) == workers and recorded_pids(run_dir))
+    runner_pid = int(wait_until(lambda: pid_file.exists() and pid_file.read_text()))
+    episode_pids = wait_until(lambda: len(recorded_pids(run_dir)) == workers and recorded_pids(run_dir))
     if workers > 1:
         assert runner_pid not in episode_pids
     doomed = {runner_pid, *episode_pids}
     try:
         intermediate.kill()
         intermediate.wait()
-        t0 = time.monotonic()
-        while not all(is_gone(pid) for pid in doomed):
-            assert time.monotonic() - t0 < 1.0, f"still alive 1 s after the parent died: {doomed}"
-            time.sleep(0.01)
+        wait_until(
+            lambda: all(is_gone(pid) for pid in doomed),
+            timeout=1.0,
+            interval=0.01,
+            message=f"still alive after the parent died: {doomed}",
+        )
     finally:
         for pid in doomed:
             if not is_gone(pid):
@@ -788,16 +782,22 @@ def test_worker_ignoring_sigterm_is_killed_after_a_failure(tmp_path, started):
 
         def episode(ctx, index):
             open(os.path.join(ctx.run_dir, f"pid-{index}"), "w").write(str(os.getpid()))
+            ignoring = os.path.join(ctx.run_dir, "ignoring-sigterm")
             if index == 0:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                open(ignoring, "w").close()
                 time.sleep(60)
-            time.sleep(0.3)
+            # Fail once the other worker ignores SIGTERM (its marker file says so).
+            deadline = time.monotonic() + 20
+            while not os.path.exists(ignoring) and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise RuntimeError("second worker fails")
         """,
     )
     run_dir = make_run_dir(tmp_path, entrypoint="stubborn.py:episode", episodes=2, workers=2)
     t0 = time.monotonic()
     assert run_to_end(run_dir, started) == 0
+    assert (run_dir / "ignoring-sigterm").exists(), "the failure came before the other worker ignored SIGTERM"
     assert time.monotonic() - t0 < 10
     assert is_gone(int((run_dir / "pid-0").read_text()))
     assert assert_finalized(run_dir, "failed")["error"]["message"] == "second worker fails"
@@ -807,10 +807,10 @@ def test_sigterm_to_the_group_ends_runner_and_workers_without_done(tmp_path, sta
     write_file(tmp_path / "probe.py", PROBE_EVAL)
     run_dir = make_run_dir(tmp_path, entrypoint="probe.py:episode", episodes=4, workers=2, params={"sleep_s": 60})
     proc = start_runner(run_dir, started)
-    worker_pids = wait_for(lambda: len(recorded_pids(run_dir)) == 2 and recorded_pids(run_dir))
+    worker_pids = wait_until(lambda: len(recorded_pids(run_dir)) == 2 and recorded_pids(run_dir))
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(5) == -signal.SIGTERM
-    wait_for(lambda: all(is_gone(pid) for pid in worker_pids), timeout=1.0)
+    wait_until(lambda: all(is_gone(pid) for pid in worker_pids), timeout=1.0)
     assert not (run_dir / "_DONE").exists()
 
 
@@ -824,7 +824,7 @@ def test_summary_is_never_seen_partial_and_done_comes_after_the_final_summary(tm
     proc = start_runner(run_dir, started)
     reads, progress_seen, problems = 0, set(), []
     deadline = time.monotonic() + 60
-    wait_for(summary_path.exists, timeout=10, interval=0.0005)
+    wait_until(summary_path.exists, timeout=10, interval=0.0005)
     while time.monotonic() < deadline:
         done = done_path.exists()  # checked BEFORE reading: a _DONE implies a terminal summary
         try:

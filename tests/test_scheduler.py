@@ -12,7 +12,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from proc_status import ignores_signal
 from rest import CRASH, spec, submit
+from waiting import async_wait_until
 
 
 @pytest.fixture
@@ -36,8 +38,12 @@ async def test_two_big_runs_share_one_gpu_in_turn(api, wait_for, evalsched, runs
     evalsched.subscribe(watch)
     a = await submit(api, spec(vram=16000, episodes=4, sleep_s=0.1))
     b = await submit(api, spec(vram=16000, episodes=1, sleep_s=0.01))
-    await asyncio.sleep(0.05)
-    code, queue = await api("GET", "queue")
+
+    async def b_decided():  # admission has considered b: it waits with a reason
+        code, queue = await api("GET", "queue")
+        return queue if code == 200 and any(r["reason"] for r in queue["queued"]) else None
+
+    queue = await async_wait_until(b_decided, message="b never got a reason")
     assert [r["id"] for r in queue["queued"]] == [b["id"]]
     assert queue["queued"][0]["reason"] == "waiting_vram: needs 16000 MB on 1 GPU; most free is 8000 MB (GPU 0)"
     assert [r["id"] for r in queue["running"]] == [a["id"]]
@@ -144,8 +150,9 @@ async def test_cancel_queued_and_running(api, wait_for, runs_dir):
 
 async def test_cancel_reaches_a_run_that_ignores_sigterm(api, wait_for):
     rec = await submit(api, spec(entry=CRASH, params={"how": "ignore_sigterm"}))
-    await wait_for(rec["id"], states=("running",))
-    await asyncio.sleep(0.3)  # let it install its handler
+    pid = (await wait_for(rec["id"], states=("running",)))["pid"]
+    assert pid, "a running run without a pid"
+    await async_wait_until(lambda: ignores_signal(pid), message="the run never ignored SIGTERM")
     t0 = time.monotonic()
     await api("POST", f"runs/{rec['id']}/cancel")
     final = await wait_for(rec["id"], timeout=10)
@@ -158,14 +165,14 @@ async def test_forked_children_do_not_outlive_the_run(api, wait_for, runs_dir, t
     final = await wait_for(rec["id"])
     assert final["state"] == "succeeded"
     child = int(final["summary"]["metrics"]["child_pid"]["max"])
-    deadline = time.monotonic() + 1
-    while (
-        psutil.pid_exists(child)
-        and psutil.Process(child).status() != psutil.STATUS_ZOMBIE
-        and time.monotonic() < deadline
-    ):
-        await asyncio.sleep(0.02)
-    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+    def child_gone() -> bool:
+        try:
+            return psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    await async_wait_until(child_gone, timeout=1, message=f"the forked child {child} outlived its run")
 
 
 async def test_timeout(api, wait_for):
@@ -180,8 +187,12 @@ async def test_dependencies(api, wait_for, runs_dir):
     bad = await submit(api, spec(entry=CRASH, params={"how": "exception"}))
     after_bad = await submit(api, spec(depends_on=[bad["id"]]))
     chained = await submit(api, spec(depends_on=[after_bad["id"]]))
-    await asyncio.sleep(0.05)
-    code, rec = await api("GET", f"runs/{second['id']}")
+
+    async def second_decided():  # admission has considered it: started, or waiting with a reason
+        code, rec = await api("GET", f"runs/{second['id']}")
+        return rec if code == 200 and (rec["state"] != "queued" or rec["reason"]) else None
+
+    rec = await async_wait_until(second_decided, message="the dependent run was never considered")
     if rec["state"] == "queued":
         assert rec["reason"].startswith(f"waiting_dependency: {first['id']} is")
     assert (await wait_for(second["id"]))["state"] == "succeeded"
@@ -198,8 +209,13 @@ async def test_priorities_and_exclusive(api, wait_for, evalsched):
     normal = await submit(api, spec(vram=1000))
     high = await submit(api, spec(vram=1000, scheduling={"priority": "high"}))
     excl = await submit(api, spec(scheduling={"exclusive_gpu": True, "priority": "high"}))
-    await asyncio.sleep(0.05)
-    code, queue = await api("GET", "queue")
+
+    async def all_decided():  # admission has considered all four: each waits with a reason
+        code, queue = await api("GET", "queue")
+        waiting = queue["queued"] if code == 200 else []
+        return queue if len(waiting) == 4 and all(r["reason"] for r in waiting) else None
+
+    queue = await async_wait_until(all_decided, message="the four queued runs never all got a reason")
     assert [r["id"] for r in queue["queued"]] == [high["id"], excl["id"], normal["id"], low["id"]]
     reasons = {r["id"]: r["reason"] for r in queue["queued"]}
     assert reasons[excl["id"]].startswith("waiting_gpu_exclusive")

@@ -3,7 +3,6 @@ the server's model host loaded (#4), the ledger counts the model's VRAM as basel
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -11,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from waiting import async_wait_until
 
 UPPER = "jupyter_evalsched.shared_models.testing:upper"
 
@@ -62,9 +62,17 @@ async def test_model_vram_is_the_ledger_baseline(api):
 async def test_a_killed_model_host_fails_only_its_callers(api, wait_for, evalsched):
     code, rec = await api("POST", "runs", {"source": EVAL, "episodes": 2, "models": ["shout"]})
     assert (await wait_for(rec["id"], timeout=60))["state"] == "succeeded"
-    for pid in evalsched.models.pids():
+    killed = evalsched.models.pids()
+    assert killed
+    for pid in killed:
         os.kill(pid, signal.SIGKILL)
-    await asyncio.sleep(0.3)
+
+    async def death_recorded():  # the manager saw its host die (and schedules a restart)
+        code, body = await api("GET", "models")
+        shout = next(m for m in body["models"] if m["name"] == "shout")
+        return (shout.get("error") or {}).get("type") == "HostDied"
+
+    await async_wait_until(death_recorded, message="the killed model host's death was never recorded")
     # The server still answers, and the next run gets a restarted host.
     code, queue = await api("GET", "queue")
     assert code == 200

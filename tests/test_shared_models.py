@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from waiting import async_wait_until
 
 from jupyter_evalsched.scheduler.shared import ModelUnavailable
 from jupyter_evalsched.shared_models.client import SharedModelError, connect, make_url, parse_url
@@ -68,17 +69,6 @@ async def _url(manager: ModelHostManager, name: str) -> str:
 
 async def _describe(manager: ModelHostManager, name: str) -> dict:
     return next(d for d in await manager.describe() if d["name"] == name)
-
-
-async def _wait_for(predicate, timeout: float = 15.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval)
 
 
 def _in_threads(count: int, work) -> list:
@@ -238,7 +228,8 @@ from jupyter_evalsched.shared_models.client import connect
 model = connect(sys.argv[1])
 texts = json.loads(sys.argv[2])
 model(texts[0])                       # connect and register before the common start
-time.sleep(max(0.0, float(sys.argv[3]) - time.time()))
+print("ready", flush=True)
+sys.stdin.readline()                  # the common start: the test's "go", once every client is ready
 print(json.dumps([model(text) for text in texts]))
 """
 
@@ -260,10 +251,10 @@ SENTENCES = [
 ]
 
 
-def _python(code: str, *args: str):
+def _python(code: str, *args: str, stdin: int | None = None):
     return asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        sys.executable, "-c", code, *args, stdin=stdin, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
 
 
@@ -281,10 +272,12 @@ async def test_four_processes_share_one_load_with_correct_batched_outputs(manage
     ticking = asyncio.get_running_loop().create_task(ticker())
     reference = await _python(TINY_REFERENCE, tiny_dir, json.dumps(SENTENCES))  # meanwhile
     assert await asyncio.to_thread(connect(url), ["warm"])  # the first request loads the model
-    start_at = time.time() + 2.0  # a common start, once every client process is up
     texts = [SENTENCES[i:] + SENTENCES[:i] for i in range(4)]
-    procs = [await _python(TINY_CLIENT, url, json.dumps(texts[i]), str(start_at)) for i in range(4)]
-    results = await asyncio.gather(*(p.communicate() for p in procs + [reference]))
+    procs = [await _python(TINY_CLIENT, url, json.dumps(texts[i]), stdin=asyncio.subprocess.PIPE) for i in range(4)]
+    for proc in procs:  # a common start, once every client process is up and connected
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        assert line == b"ready\n", (line, (await proc.stderr.read()).decode()[-3000:])
+    results = await asyncio.gather(*(p.communicate(b"go\n") for p in procs), reference.communicate())
     ticking.cancel()
     for proc, (_out, err) in zip(procs + [reference], results, strict=True):
         assert proc.returncode == 0, err.decode()[-3000:]
@@ -410,7 +403,11 @@ async def test_sigkill_of_the_host_mid_call(manager):
     assert await asyncio.to_thread(client, "warm") == "WARM"
     before = await _describe(manager, "slow")
     in_flight = asyncio.ensure_future(asyncio.to_thread(client, "in flight"))
-    await asyncio.sleep(0.2)
+
+    async def in_the_model():  # the host runs the call's batch (600 ms): kill it mid-call
+        return (await _describe(manager, "slow"))["batches"] > before["batches"]
+
+    await async_wait_until(in_the_model, message="the call never reached the model")
     os.kill(before["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(SharedModelError) as error:
@@ -424,7 +421,7 @@ async def test_sigkill_of_the_host_mid_call(manager):
     async def noticed():
         return (await _describe(manager, "slow"))["pid"] != before["pid"]
 
-    await _wait_for(noticed)
+    await async_wait_until(noticed, timeout=15)
     assert await asyncio.to_thread(client, "after") == "AFTER"
     after = await _describe(manager, "slow")
     assert after["pid"] != before["pid"] and after["restarts"] == 1
@@ -453,7 +450,7 @@ async def test_a_host_killed_while_loading_is_held_and_fails_fast(manager):
         described = await _describe(manager, "crash-load")
         return described if described["state"] == "failed" else None
 
-    described = await _wait_for(failed)
+    described = await async_wait_until(failed, timeout=15)
     assert described["error"]["type"] == "HostDied"
     assert "SIGKILL" in described["error"]["message"] and "while loading" in described["error"]["message"]
     # The restarted host answers with that failure for load_retry_s instead of loading again.
@@ -480,7 +477,7 @@ async def test_a_crash_looping_host_is_held_longer_each_time(manager):
             described = await _describe(manager, "crash-call")
             return described["pid"] not in (None, old_pid)
 
-        await _wait_for(restarted)
+        await async_wait_until(restarted, timeout=15)
         downtimes.append(time.monotonic() - died)
     assert downtimes[0] >= HOLD_BASE_S * 0.8
     assert downtimes[1] >= 2 * HOLD_BASE_S * 0.9 and downtimes[1] > downtimes[0]
@@ -587,7 +584,7 @@ async def test_hosts_die_with_the_server():
         except OSError:
             return True
 
-    await _wait_for(gone, timeout=5)
+    await async_wait_until(gone, timeout=5)
 
 
 @pytest.mark.asyncio

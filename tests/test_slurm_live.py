@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from run_dirs import filled_spec
+from waiting import wait_until
 
 from jupyter_evalsched.scheduler.slurm import SlurmCli, SlurmConfig, SlurmError, SlurmJobState, verdict
 
@@ -99,16 +100,24 @@ class Runs:
 
     def wait(self, job_ids: list[str], timeout: float, until=lambda s: s.finished) -> dict[str, SlurmJobState]:
         """Poll until ``until`` holds for every job; checks that each poll is one squeue."""
-        deadline = time.monotonic() + timeout
-        while True:
+        last: dict[str, SlurmJobState] = {}
+
+        def polled() -> dict[str, SlurmJobState] | None:
             before = dict(self.ex.calls)
             states = self.ex.poll(job_ids)
-            assert self.ex.calls["squeue"] == before.get("squeue", 0) + 1
-            assert set(states) == set(job_ids)
-            if all(until(s) for s in states.values()):
-                return states
-            assert time.monotonic() < deadline, f"SLURM jobs not there after {timeout} s: {states}"
-            time.sleep(0.25)
+            # pytest.fail, not assert: an AssertionError out of wait_until means "not there in time".
+            if self.ex.calls["squeue"] != before.get("squeue", 0) + 1:
+                pytest.fail(f"one poll was not one squeue: {before} -> {self.ex.calls}")
+            if set(states) != set(job_ids):
+                pytest.fail(f"the poll of {job_ids} answered for {sorted(states)}")
+            last.clear()
+            last.update(states)
+            return states if all(until(s) for s in states.values()) else None
+
+        try:
+            return wait_until(polled, timeout=timeout, interval=0.25)
+        except AssertionError:
+            raise AssertionError(f"SLURM jobs not there after {timeout} s: {last}") from None
 
     def cleanup(self) -> None:
         for job_id in self.jobs:

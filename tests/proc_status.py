@@ -1,0 +1,30 @@
+"""What the kernel says about a process, for conditions the tests wait for (``tests/waiting.py``).
+
+A test that must act only once a process has set a signal's disposition (an eval that ignores
+SIGTERM, say) polls ``ignores_signal`` instead of sleeping and hoping the eval got that far.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+
+def _status_field(pid: int, name: str) -> str | None:
+    """A field of ``/proc/<pid>/status``; None when the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return value.strip()
+    return None
+
+
+def ignores_signal(pid: int, sig: int = signal.SIGTERM) -> bool:
+    """Whether the process's disposition of ``sig`` is SIG_IGN (the ``SigIgn`` mask); False
+    when the process is gone."""
+    mask = _status_field(pid, "SigIgn")
+    return mask is not None and bool(int(mask, 16) & (1 << (sig - 1)))
