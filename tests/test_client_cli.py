@@ -513,8 +513,14 @@ def test_cli_wait_ctrl_c_leaves_the_run_running(live_server, client, clean_queue
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
     )
+    # Ctrl-C as a terminal delivers it, whatever this test runner inherited: a job started in the
+    # background by a non-interactive shell ignores SIGINT, and so would the CLI it starts.
+    run_cli = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['jupyter-evalsched', *sys.argv[1:]]; runpy.run_module('jupyter_evalsched.cli', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_evalsched.cli", "wait", rec["id"]],
+        [sys.executable, "-c", run_cli, "wait", rec["id"]],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
