@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from .. import contract
-from ..contract import ACTIVE_STATES, FAILED, RUNNING, SUCCEEDED, TERMINAL_STATES
+from ..contract import ACTIVE_STATES, FAILED, SUCCEEDED, TERMINAL_STATES
 from ..models import RECORD_FIELDS, RunRecord, utcnow_iso
 from ..store import RunFileError, RunStore, StoreError
 
@@ -396,6 +396,3 @@ def parse_timestamp(text: Any) -> float:
         return datetime.fromisoformat(text).timestamp()
     except (TypeError, ValueError):
         return time.time()
-
-
-__all__ = ["RUNNING", "Run", "RunTable", "new_record", "parse_timestamp", "record_from_disk", "runner_verdict"]

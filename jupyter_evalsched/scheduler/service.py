@@ -27,7 +27,7 @@ from ..runner.entrypoint import resolve_entrypoint_file
 from ..store import FoundRun, RunFileError, RunStore, StoreError, new_run_id
 from . import policy
 from .config import SchedulerConfig
-from .errors import SchedulerError, SpecRejected, StateConflict, Unavailable, UnknownRun
+from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
 from .executors import Executor, ExecutorContext
 from .executors.local import LocalExecutor
 from .gpus import GpuProbe
@@ -37,15 +37,7 @@ from .shared import NoSharedModels, SharedModels
 
 log = logging.getLogger("jupyter_evalsched")
 
-__all__ = [
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerError",
-    "SpecRejected",
-    "StateConflict",
-    "Unavailable",
-    "UnknownRun",
-]
+__all__ = ["Scheduler"]
 
 
 class Scheduler:
