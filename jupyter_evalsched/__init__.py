@@ -6,7 +6,21 @@ heavy (pydantic, tornado, jupyter_server) is imported here. The entry points imp
 
 from ._version import __version__
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "lease", "model"]
+
+
+def lease(*args, **kwargs):
+    """Hold VRAM for this process in the host's ledger (see :func:`jupyter_evalsched.client.lease.lease`)."""
+    from .client.lease import lease as _lease
+
+    return _lease(*args, **kwargs)
+
+
+def model(name, **kwargs):
+    """The host's shared model ``name``, as runs get it (see :func:`jupyter_evalsched.client.lease.model`)."""
+    from .client.lease import model as _model
+
+    return _model(name, **kwargs)
 
 
 def _jupyter_server_extension_points():

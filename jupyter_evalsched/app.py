@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -20,10 +21,12 @@ from .store import MODEL_LOGS_DIR
 if TYPE_CHECKING:
     from jupyter_server.serverapp import ServerApp
 from .scheduler import policy
+from .scheduler.cgroups import Cgroups
 from .scheduler.config import SchedulerConfig
 from .scheduler.executors import Executor
 from .scheduler.executors.local import LocalExecutor
 from .scheduler.gpus import GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
+from .scheduler.kernels import OwnKernel
 from .scheduler.service import Scheduler
 
 
@@ -60,6 +63,16 @@ class EvalSchedApp(ExtensionApp):
     @default("virtual_gpus")
     def _default_virtual_gpus(self) -> list[int]:
         return parse_sizes(os.environ.get("EVALSCHED_VIRTUAL_GPUS", ""))
+
+    virtual_gpu_processes = Unicode(
+        help='With virtual GPUs: a JSON file [{"pid": 123, "gpu": 0, "used_mb": 5000}, ...] that the '
+        "virtual probe reports as the processes holding VRAM (re-read when it changes). "
+        "Default: $EVALSCHED_VIRTUAL_GPU_PROCESSES."
+    ).tag(config=True)
+
+    @default("virtual_gpu_processes")
+    def _default_virtual_gpu_processes(self) -> str:
+        return os.environ.get("EVALSCHED_VIRTUAL_GPU_PROCESSES", "")
 
     gpu_probe_class = Type(
         default_value=NvmlProbe,
@@ -118,6 +131,29 @@ class EvalSchedApp(ExtensionApp):
         config=True
     )
 
+    cgroups = Bool(
+        True,
+        help="Give each run a cgroup of its own where the host allows it: cancel, timeouts and clean-up then kill "
+        "everything the run started, and scheduling.memory_mb is enforced. False: process groups only.",
+    ).tag(config=True)
+    cgroup_parent = Unicode(
+        "",
+        help="A delegated cgroup v2 directory to put run cgroups under (e.g. made with systemd-run --user --scope "
+        "-p Delegate=yes). Default: found from this server's own cgroups.",
+    ).tag(config=True)
+    enforce_vram = Enum(
+        ["off", "warn", "kill"],
+        "warn",
+        help="A run observed using more VRAM than it declared (beyond vram_tolerance): 'warn' (a warning on the "
+        "run, an event), 'kill' (it is stopped, failed with over_vram), or 'off'.",
+    ).tag(config=True)
+    vram_tolerance = Float(0.1, help="How far above its declaration a run may go before enforce_vram acts.").tag(
+        config=True
+    )
+    auto_margin = Float(
+        0.1, help="marginal_vram_mb 'auto' declares the highest observed peak of earlier runs plus this fraction."
+    ).tag(config=True)
+
     promotion_interval_s = Float(
         1.0,
         help="How often a server that does not schedule (another holds the runs directory's lock) tries "
@@ -172,7 +208,7 @@ class EvalSchedApp(ExtensionApp):
         takes over again gets fresh ones."""
         probe: GpuProbe
         if self.virtual_gpus:
-            probe = VirtualProbe(list(self.virtual_gpus))
+            probe = VirtualProbe(list(self.virtual_gpus), processes_file=self.virtual_gpu_processes or None)
         else:
             probe = cast(GpuProbe, self.gpu_probe_class())
         model_host = None
@@ -202,8 +238,11 @@ class EvalSchedApp(ExtensionApp):
             fsync=self.fsync,
             run_env=dict(self.run_env),
             default_executor=self.default_executor,
+            enforce_vram=self.enforce_vram,
+            vram_tolerance=self.vram_tolerance,
+            auto_margin=self.auto_margin,
         )
-        executors: list[Executor] = [LocalExecutor(model_host)]
+        executors: list[Executor] = [LocalExecutor(model_host, cgroups=self._host_cgroups())]
         if self.slurm_enabled:
             from .scheduler.executors.slurm import SlurmExecutor
             from .scheduler.slurm import SlurmCli, SlurmConfig
@@ -212,7 +251,25 @@ class EvalSchedApp(ExtensionApp):
             poll = {k: settings.pop(k) for k in ("poll_interval_s", "max_poll_interval_s") if k in settings}
             executors.append(SlurmExecutor(SlurmCli(SlurmConfig(**settings)), **poll))
         self.scheduler = Scheduler(config, probe, models=model_host, executors=executors)
+        self.scheduler.own_kernels = self._own_kernels
         self.model_host = model_host
+
+    def _host_cgroups(self) -> Cgroups:
+        """What cgroups this host gives runs, found once per server (detection probes the
+        hierarchies), and said in the log."""
+        found = getattr(self, "_cgroups_found", None)
+        if found is None:
+            setting = "off" if not self.cgroups else (self.cgroup_parent or "auto")
+            # One namespace per user and runs directory: a server never touches the run cgroups of
+            # another scheduler (another runs directory) on the host, stale ones included.
+            digest = hashlib.sha256(os.path.realpath(self.runs_path).encode()).hexdigest()[:10]
+            found = self._cgroups_found = Cgroups.detect(setting, namespace=f"evalsched-{os.getuid()}-{digest}")
+            support = found.support
+            if found.enabled:
+                self.log.info("evalsched: each run gets a cgroup (%s)", support.detail)
+            elif self.cgroups:
+                self.log.warning("evalsched: runs get no cgroup: %s", support.detail)
+        return found
 
     def initialize_handlers(self) -> None:
         from .handlers import handlers
@@ -315,6 +372,33 @@ class EvalSchedApp(ExtensionApp):
             await self.model_host.stop()
         self.role.release()
         self._make_scheduler()
+
+    async def describe_models(self) -> list[dict]:
+        """``GET /evalsched/models``' list: every shared model and its host's figures."""
+        return await self.model_host.describe() if self.model_host is not None else []
+
+    async def _own_kernels(self) -> list[OwnKernel]:
+        """This server's kernels: their pids (kernel manager) and notebooks (session manager)."""
+        server = self._server
+        paths: dict[str, str] = {}
+        try:
+            for session in await server.session_manager.list_sessions():
+                kernel_id = (session.get("kernel") or {}).get("id")
+                if kernel_id and session.get("path"):
+                    paths[kernel_id] = session["path"]
+        except Exception:
+            self.log.debug("evalsched: sessions could not be listed", exc_info=True)
+        out = []
+        manager = server.kernel_manager
+        for kernel_id in list(manager.list_kernel_ids()):
+            pid = None
+            try:
+                provisioner = getattr(manager.get_kernel(kernel_id), "provisioner", None)
+                pid = getattr(getattr(provisioner, "process", None), "pid", None) or getattr(provisioner, "pid", None)
+            except Exception:
+                pass
+            out.append(OwnKernel(kernel_id, pid if isinstance(pid, int) else None, paths.get(kernel_id)))
+        return out
 
     def _own_url(self) -> str:
         app = self._server

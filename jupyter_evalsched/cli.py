@@ -1,7 +1,9 @@
-"""``jupyter evalsched ...``: submit, list, status, wait, cancel, delete, logs, queue, demo.
+"""``jupyter evalsched ...``: submit, list, status, wait, cancel, delete, logs, queue, leases, lease,
+release, doctor, demo.
 
 Exit status: 0 on success; 1 when ``wait`` (or ``submit --wait``, ``demo``) sees a run end in any
-state but ``succeeded``; 2 for usage errors and client errors (no server, invalid spec, HTTP
+state but ``succeeded``, when ``doctor`` finds something degraded, or with the exit status of the
+command ``lease`` ran; 2 for usage errors and client errors (no server, invalid spec, HTTP
 errors), reported as one line on stderr. ``--json`` prints machine-readable output on stdout.
 """
 
@@ -102,17 +104,24 @@ def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | 
         if dev.get("baseline_mb"):
             extra.append(f"models {dev['baseline_mb']} MB")
         if dev.get("unmanaged_mb"):
-            extra.append(f"other {dev['unmanaged_mb']} MB")
+            holders = _unmanaged_holders(dev)
+            extra.append(f"other {dev['unmanaged_mb']} MB" + (f": {holders}" if holders else ""))
         if dev.get("exclusive"):
             extra.append(f"exclusive {names.get(dev['exclusive'], dev['exclusive'])}")
         runs = ", ".join(
             f"{names.get(r.get('id'), r.get('id'))}:{r.get('marginal_vram_mb')}" for r in dev.get("runs") or []
+        )
+        leases = ", ".join(
+            f"{lease_holder(item)}:{item.get('vram_mb')}"
+            + (f" (+{item['over_lease_mb']} over)" if item.get("over_lease_mb") else "")
+            for item in dev.get("leases") or []
         )
         lines.append(
             f"GPU {dev.get('index')} {_bar(allocated / usable if usable else 0.0, width)} "
             f"{allocated:>6}/{usable} MB  free {dev.get('free_mb')} MB"
             + (f"  ({'; '.join(extra)})" if extra else "")
             + (f"  runs: {runs}" if runs else "")
+            + (f"  leases: {leases}" if leases else "")
         )
     if not lines:
         lines.append("no GPUs (CPU-only runs)")
@@ -120,6 +129,45 @@ def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | 
     if cpu:
         lines.append(f"CPU slots {cpu.get('allocated', 0)}/{cpu.get('total', 0)}")
     return "\n".join(lines)
+
+
+def lease_holder(lease: dict) -> str:
+    """Who holds a lease: its label, else its notebook, else its pid, else its id."""
+    if lease.get("label"):
+        return str(lease["label"])
+    if lease.get("session_path"):
+        return os.path.basename(str(lease["session_path"]))
+    return f"pid {lease['pid']}" if lease.get("pid") else str(lease.get("id"))
+
+
+def _unmanaged_holders(dev: dict) -> str:
+    """VRAM outside the scheduler by who holds it: a notebook (its kernel), else a pid."""
+    by_holder: dict[str, int] = {}
+    for proc in dev.get("unmanaged_processes") or []:
+        if proc.get("lease_id"):
+            continue  # within its lease (only what exceeds it is unmanaged, shown with the lease)
+        who = os.path.basename(proc["session_path"]) if proc.get("session_path") else f"pid {proc.get('pid')}"
+        by_holder[who] = by_holder.get(who, 0) + int(proc.get("used_mb") or 0)
+    return ", ".join(f"{who} {mb} MB" for who, mb in sorted(by_holder.items(), key=lambda kv: -kv[1]))
+
+
+def format_leases(leases: Sequence[dict]) -> str:
+    return format_table(
+        [
+            (
+                item.get("id"),
+                item.get("state"),
+                lease_holder(item),
+                f"{item.get('vram_mb')}{' excl' if item.get('exclusive_gpu') else ''}",
+                ",".join(str(d) for d in item.get("devices") or []) or "-",
+                item.get("pid") or "-",
+                item.get("reason") or "",
+            )
+            for item in leases
+        ],
+        ["ID", "STATE", "HOLDER", "VRAM_MB", "GPUS", "PID", "REASON"],
+        max_width=90,
+    )
 
 
 def format_queue(view: dict) -> str:
@@ -144,6 +192,9 @@ def format_queue(view: dict) -> str:
                 ["ID", "NAME", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "ELAPSED"],
             )
         )
+    leases = view.get("leases") or []
+    if leases:
+        out += ["", f"LEASES ({len(leases)})", format_leases(leases)]
     out += ["", f"QUEUED ({len(queued)}, in admission order)"]
     if queued:
         # A queued SLURM run may already be a PENDING SLURM job: a SLURM column when there is one.
@@ -338,11 +389,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         "executor",
         "slurm_job_id",
         "slurm_state",
+        "memory_mb",
         "run_dir",
     ]
     for key in keys:
         if key in rec and rec[key] not in (None, [], ""):
             print(f"{key:<17}{rec[key]}")
+    if rec.get("marginal_vram_source", "declared") != "declared":
+        print(f"{'vram from':<17}{rec['marginal_vram_source']}")
+    observed = rec.get("observed")
+    if observed:
+        vram = ", ".join(f"GPU {gpu}: {mb} MB" for gpu, mb in (observed.get("peak_vram_mb") or {}).items()) or "none"
+        rss = observed.get("peak_rss_mb")
+        print(f"{'observed':<17}peak VRAM {vram}; peak host memory {rss if rss is not None else '?'} MB")
+    for warning in rec.get("warnings") or []:
+        print(f"{'warning':<17}{warning}")
     print(f"{'progress':<17}{_progress(rec)}")
     summary = rec.get("summary") or {}
     for name, stats in (summary.get("metrics") or {}).items():
@@ -353,6 +414,92 @@ def cmd_status(args: argparse.Namespace) -> int:
     if error:
         print(f"{'error':<17}{error.get('type')}: {error.get('message')}")
     return 0
+
+
+def cmd_leases(args: argparse.Namespace) -> int:
+    leases = _client(args).request("GET", "leases")["leases"]
+    if args.json:
+        _print_json(leases)
+    else:
+        print(format_leases(leases) if leases else "no live lease")
+    return 0
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    client = _client(args)
+    client.request("DELETE", f"leases/{args.lease_id}")
+    rec = client.request("GET", f"leases/{args.lease_id}")
+    if args.json:
+        _print_json(rec)
+    else:
+        print(f"{rec['id']}  {rec['state']}  {rec.get('reason') or ''}".rstrip())
+    return 0
+
+
+def cmd_lease(args: argparse.Namespace) -> int:
+    """Hold a lease while a command runs (with CUDA_VISIBLE_DEVICES set), or until Ctrl-C."""
+    from .client.lease import lease
+
+    command = list(args.command or [])
+    try:
+        held = lease(
+            args.vram,
+            gpus=args.gpus,
+            exclusive_gpu=args.exclusive,
+            timeout=args.timeout,
+            label=args.label or (" ".join(command)[:200] if command else None),
+            ttl_s=args.ttl,
+            client=_client(args),
+        )
+    except KeyboardInterrupt:
+        print(f"{PROG}: stopped waiting; the lease request was withdrawn", file=sys.stderr)
+        return 130
+    with held:
+        devices = ",".join(str(d) for d in held.devices)
+        if args.json:
+            _print_json(held.record)
+        else:
+            print(f"lease {held.id}: {held.record.get('vram_mb')} MB on GPU {devices}", file=sys.stderr)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices, CUDA_DEVICE_ORDER="PCI_BUS_ID", EVALSCHED_LEASE=held.id)
+        try:
+            if not command:
+                print("holding it until Ctrl-C", file=sys.stderr)
+                while held.refresh()["state"] == "granted":
+                    time.sleep(1.0)
+                print(f"lease {held.id}: {held.record.get('reason')}", file=sys.stderr)
+                return 0
+            import subprocess
+
+            return subprocess.call(command, env=env)
+        except KeyboardInterrupt:
+            return 130
+
+
+def format_checks(checks: Sequence[dict]) -> str:
+    lines = []
+    for item in checks:
+        lines.append(f"{item['status'].upper():<9} {item['name']:<13} {item['detail']}")
+        if item.get("fix") and item["status"] != "ok":
+            lines.append(f"{'':<9} {'':<13} fix: {item['fix']}")
+    return "\n".join(lines)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import ERROR, OK, check, local_checks
+
+    try:
+        client = _client(args)
+        checks = [check("server", OK, f"{client.base_url} answers /evalsched/")]
+        checks += client.request("GET", "doctor")["checks"]
+    except EvalSchedClientError as e:
+        checks = [check("server", ERROR, str(e), "start Jupyter with the extension, or set EVALSCHED_URL")]
+        checks += local_checks()  # what this host offers, without a server
+    if args.json:
+        _print_json(checks)
+    else:
+        print(format_checks(checks))
+    statuses = {item["status"] for item in checks}
+    return 2 if ERROR in statuses else (1 if statuses - {OK} else 0)
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
@@ -689,6 +836,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --watch: redraw at least this often (at every change anyway); poll this often without events",
     )
 
+    p = add("leases", cmd_leases, "list the live leases (VRAM held for interactive work)")
+
+    p = add("release", cmd_release, "end a lease")
+    p.add_argument("lease_id", metavar="LEASE_ID")
+
+    p = add(
+        "lease",
+        cmd_lease,
+        "hold VRAM in the ledger while a command runs (CUDA_VISIBLE_DEVICES set to the leased GPUs), or until Ctrl-C",
+    )
+    p.add_argument("vram", metavar="MB", type=int, nargs="?", default=0, help="VRAM per GPU, in MB")
+    p.set_defaults(command=[])  # what follows `--`: the command to run under the lease (see main)
+    p.add_argument("--gpus", type=int, default=1, metavar="N")
+    p.add_argument("--exclusive", action="store_true", help="whole GPUs, nothing else on them")
+    p.add_argument("--ttl", type=float, metavar="SECONDS", help="end the lease this long after its grant")
+    p.add_argument("--label", help="shown in the ledger (default: the command)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="give up waiting for the grant after this long")
+
+    p = add("doctor", cmd_doctor, "what this host offers and what is in force, each line OK or degraded with the fix")
+
     p = add("demo", cmd_demo, "start a private server on two virtual GPUs, queue a few runs and watch them")
     p.add_argument("--sleep", type=float, default=0.5, metavar="SECONDS", help="sleep per episode (default 0.5)")
     p.add_argument("--episodes", type=int, default=4, help="episodes per run (default 4)")
@@ -698,7 +865,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv and "lease" in argv[: argv.index("--")]:
+        # `lease MB [flags] -- COMMAND ...`: everything after `--` is the command, flags included.
+        at = argv.index("--")
+        argv, command = argv[:at], argv[at + 1 :]
     args = parser.parse_args(argv)
+    if command:
+        args.command = command
     for name, default in (("url", None), ("token", None), ("json", False)):
         if not hasattr(args, name):
             setattr(args, name, default)

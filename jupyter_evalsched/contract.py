@@ -25,6 +25,12 @@ STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, ABORTED)
 ACTIVE_STATES = frozenset({QUEUED, RUNNING})
 TERMINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED, ABORTED})
 
+# Leases (VRAM held for interactive work): their own three states.
+LEASE_QUEUED = "queued"
+LEASE_GRANTED = "granted"
+LEASE_ENDED = "ended"
+LEASE_STATES = (LEASE_QUEUED, LEASE_GRANTED, LEASE_ENDED)
+
 # --------------------------------------------------------------------------- priority lanes
 
 LANES = ("high", "normal", "low")  # highest first
@@ -44,6 +50,12 @@ TIMEOUT = "timeout"
 CANCELLED_REASON = "cancelled"
 SERVER_RESTART = "server_restart"
 MODEL_UNAVAILABLE = "model_unavailable"  # model_unavailable: <model>: <why, with the host's stderr>
+OVER_VRAM = "over_vram"  # over_vram: used 20000 MB on GPU 0, declared 8000 MB
+OOM = "oom"  # the run's cgroup hit its memory_mb limit and the kernel killed it
+# How a lease ends.
+RELEASED = "released"
+PROCESS_EXITED = "process_exited"
+TTL_EXPIRED = "ttl_expired"
 
 
 def reason(code: str, detail: str | None = None, *, arg: object = None, limit: int = 500) -> str:
@@ -108,6 +120,7 @@ SCHEDULING_DEFAULTS: Mapping[str, Any] = {
     "exclusive_gpu": False,
     "priority": "normal",
     "cpus": 1,
+    "memory_mb": None,
 }
 
 

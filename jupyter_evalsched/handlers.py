@@ -21,15 +21,17 @@ from jupyter_server.auth.utils import HTTP_METHOD_TO_AUTH_ACTION
 from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.extension.handler import ExtensionHandlerMixin
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from tornado import web, websocket
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
+from . import contract
 from ._version import __version__
 from .contract import STATES
-from .models import EvalSpec
+from .models import EvalSpec, LeaseRequest
 from .scheduler.errors import SchedulerError
 from .scheduler.service import Scheduler
+from .scheduler.shared import ModelUnavailable
 from .store import RunFileError
 
 if TYPE_CHECKING:
@@ -42,6 +44,8 @@ MAX_LIST_LIMIT = 100_000
 RUN_ID = r"(?P<run_id>[^/]+)"
 IDEMPOTENCY_KEY_RE = re.compile(r"[!-~]{1,200}")
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+LEASE_ID = r"(?P<lease_id>[^/]+)"
 
 
 class ApiError(web.HTTPError):
@@ -240,6 +244,12 @@ class RunsHandler(EvalSchedHandler):
 
 
 def parse_spec(body: bytes) -> EvalSpec:
+    return parse_body(body, EvalSpec, "spec")
+
+
+def parse_body(body: bytes, model: type[M], what: str) -> M:
+    """The JSON body validated as ``model``: 400 when it is not JSON, 413 when too large, 422 with
+    the field errors when it is not a valid ``what``."""
     if len(body) > MAX_BODY_BYTES:
         raise ApiError(413, f"the body is {len(body)} bytes; at most {MAX_BODY_BYTES} are accepted")
     try:
@@ -250,17 +260,17 @@ def parse_spec(body: bytes) -> EvalSpec:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ApiError(
-            422, "the spec must be a JSON object", [{"loc": [], "msg": "must be an object", "type": "dict_type"}]
+            422, f"the {what} must be a JSON object", [{"loc": [], "msg": "must be an object", "type": "dict_type"}]
         )
     try:
-        return EvalSpec.model_validate(obj)
+        return model.model_validate(obj)
     except ValidationError as exc:
         detail = [
             {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}
             for err in exc.errors(include_url=False, include_context=False, include_input=False)
         ]
-        message = "; ".join(f"{'.'.join(map(str, d['loc'])) or 'spec'}: {d['msg']}" for d in detail)
-        raise ApiError(422, f"invalid spec: {message}", detail) from None
+        message = "; ".join(f"{'.'.join(map(str, d['loc'])) or what}: {d['msg']}" for d in detail)
+        raise ApiError(422, f"invalid {what}: {message}", detail) from None
     except RecursionError:
         raise ApiError(400, "the body is nested too deeply") from None
 
@@ -323,6 +333,38 @@ class EpisodesHandler(EvalSchedHandler):
         self.send_json({"episodes": await self.in_thread(self.scheduler.episodes, run.id)})
 
 
+class LeasesHandler(EvalSchedHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.send_json({"leases": [lease.record for lease in self.scheduler.leases_in_order()]})
+
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        record = await self.scheduler.request_lease(parse_body(self.request.body, LeaseRequest, "lease request"))
+        self.set_header("Location", self.request.path.rstrip("/") + "/" + record["id"])
+        self.send_json(record, status=201)
+
+
+class LeaseHandler(EvalSchedHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    async def get(self, lease_id: str) -> None:
+        self.send_json(self.scheduler.get_lease(lease_id).record)
+
+    @web.authenticated
+    @authorized
+    async def delete(self, lease_id: str) -> None:
+        self.scheduler.release_lease(lease_id)
+        self.set_status(204)
+        self.finish()
+
+
 class QueueHandler(EvalSchedHandler):
     _track_activity = False
 
@@ -347,9 +389,36 @@ class ModelsHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
+        self.send_json({"models": await self.app.describe_models()})
+
+
+class ModelConnectHandler(EvalSchedHandler):
+    """``POST /evalsched/models/{name}/connect``: where a kernel reaches a shared model (the URL
+    runs get in ``shared_urls.json``), its host started if needed."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, name: str) -> None:
         host = self.app.model_host
-        models = await host.describe() if host is not None else []
-        self.send_json({"models": models})
+        known = host.names() if host is not None else []
+        if host is None or name not in known:
+            raise ApiError(404, f"unknown shared model {name!r} (known: {', '.join(known) or 'none are configured'})")
+        try:
+            urls = await host.urls_for([name])
+        except ModelUnavailable as exc:
+            raise ApiError(503, contract.reason(contract.MODEL_UNAVAILABLE, str(exc), limit=2000)) from None
+        self.send_json({"name": name, "url": urls[name]})
+
+
+class DoctorHandler(EvalSchedHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        from .doctor import server_checks
+
+        self.send_json({"checks": server_checks(self.app, await self.app.describe_models())})
 
 
 class StatusHandler(EvalSchedHandler):
@@ -373,6 +442,11 @@ class StatusHandler(EvalSchedHandler):
         if not is_delegating(self):
             scheduler = self.scheduler
             body.update(runs_dir=str(scheduler.store.root), counts=scheduler.counts)
+            local = scheduler.executors.get("local")
+            if local is not None:
+                body["cgroups"] = local.mode.get("cgroups")
+            body["enforce_vram"] = scheduler.config.enforce_vram
+            body["gpu_source"] = getattr(scheduler.probe, "source", "nvml")
             body["broken_runs"] = [{"id": k, "problem": v} for k, v in sorted(scheduler.broken.items())]
         self.send_json(body)
 
@@ -479,10 +553,14 @@ def handlers() -> list[tuple[str, type]]:
         (rf"/evalsched/runs/{RUN_ID}/logs/?", LogsHandler),
         (rf"/evalsched/runs/{RUN_ID}/episodes/?", EpisodesHandler),
         (rf"/evalsched/runs/{RUN_ID}/?", RunHandler),
+        (r"/evalsched/leases/?", LeasesHandler),
+        (rf"/evalsched/leases/{LEASE_ID}/?", LeaseHandler),
         (r"/evalsched/queue/?", QueueHandler),
         (r"/evalsched/ledger/?", LedgerHandler),
         (r"/evalsched/models/?", ModelsHandler),
+        (r"/evalsched/models/(?P<name>[^/]+)/connect/?", ModelConnectHandler),
         (r"/evalsched/status/?", StatusHandler),
+        (r"/evalsched/doctor/?", DoctorHandler),
         (r"/evalsched/events/?", EventsHandler),
         (r"/evalsched/openapi.json", OpenAPIHandler),
     ]

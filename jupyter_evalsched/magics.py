@@ -1,4 +1,5 @@
-"""IPython magics: ``%eval_submit``, ``%%eval_submit`` and ``%eval_queue``.
+"""IPython magics: ``%eval_submit``, ``%%eval_submit``, ``%eval_queue``, ``%eval_lease`` and
+``%eval_release``.
 
 Load with ``%load_ext jupyter_evalsched``. Errors (no server, invalid spec, a run that can never
 fit) are printed as one line on stderr and the magic returns None: a library traceback would only
@@ -55,6 +56,7 @@ class EvalSchedMagics(Magics):
         super().__init__(shell)
         self._client = client
         self._client_key: tuple | None = None
+        self._leases: list[Any] = []  # what %eval_lease took, for %eval_release
 
     @property
     def client(self) -> EvalSchedClient:
@@ -197,6 +199,85 @@ class EvalSchedMagics(Magics):
         display(widget)
         return None
 
+    # ------------------------------------------------------------------ %eval_lease, %eval_release
+
+    @line_magic
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("vram", metavar="MB", nargs="?", type=int, default=0, help="VRAM per GPU, in MB")
+    @magic_arguments.argument("--gpus", type=int, default=1, metavar="N", help="GPUs to lease (default 1)")
+    @magic_arguments.argument(
+        "--exclusive", action="store_true", help="whole GPUs, nothing else on them (the interactive lock)"
+    )
+    @magic_arguments.argument("--ttl", type=float, metavar="SECONDS", help="end the lease this long after its grant")
+    @magic_arguments.argument("--label", help="shown in the ledger (default: the notebook's name)")
+    @magic_arguments.argument("--priority", choices=["high", "normal", "low"], default="high", help="default high")
+    @magic_arguments.argument("--timeout", type=float, metavar="SECONDS", help="give up waiting after this long")
+    @magic_arguments.argument("--out", metavar="VAR", help="also store the lease in the variable VAR")
+    def eval_lease(self, line: str):
+        """Hold VRAM for this kernel in the host's ledger before loading a model, and wait until it is
+        granted (interrupt the kernel to give up)::
+
+            %eval_lease 14000                 # 14000 MB on one GPU
+            %eval_lease --exclusive --ttl 3600
+
+        Granted before CUDA starts in the kernel, ``CUDA_VISIBLE_DEVICES`` is set so that ``cuda:0``
+        is the leased GPU. The lease ends with ``%eval_release``, when the kernel exits, or after
+        ``--ttl``. Returns the lease (``id``, ``devices``, ``cuda_device``, ``release()``).
+        """
+        args = _parse(self.eval_lease, line)
+        if args.out is not None and not args.out.isidentifier():
+            print(f"eval_lease: --out expects a variable name, got {args.out!r}", file=sys.stderr)
+            return None
+        from .client.lease import lease
+
+        try:
+            held = lease(
+                args.vram,
+                gpus=args.gpus,
+                exclusive_gpu=args.exclusive,
+                timeout=args.timeout,
+                label=args.label,
+                priority=args.priority,
+                ttl_s=args.ttl,
+                client=self.client,
+            )
+        except KeyboardInterrupt:
+            print("eval_lease: stopped waiting; the request was withdrawn", file=sys.stderr)
+            return None
+        except EvalSchedClientError as e:
+            print(f"eval_lease: {e}", file=sys.stderr)
+            return None
+        self._leases.append(held)
+        print(
+            f"lease {held.id}: {held.record.get('vram_mb')} MB on GPU {', '.join(map(str, held.devices))}"
+            + (f"; {held.note}" if held.note else "")
+        )
+        if args.out and self.shell is not None:
+            self.shell.user_ns[args.out] = held
+        return held
+
+    @line_magic
+    def eval_release(self, line: str) -> None:
+        """End this kernel's leases (``%eval_release``), or one (``%eval_release LEASE_ID``)."""
+        from .client.lease import Lease
+
+        wanted = line.strip()
+        held = [h for h in self._leases if not wanted or h.id == wanted]
+        if wanted and not held:  # a lease taken otherwise (jupyter_evalsched.lease, another kernel)
+            held = [Lease(self.client, {"id": wanted, "state": "granted"})]
+        if not held:
+            print("eval_release: this kernel holds no lease", file=sys.stderr)
+            return None
+        for item in held:
+            try:
+                item.release()
+                print(f"lease {item.id}: released")
+            except EvalSchedClientError as e:
+                print(f"eval_release: {e}", file=sys.stderr)
+            if item in self._leases:
+                self._leases.remove(item)
+        return None
+
 
 def load_ipython_extension(ipython) -> None:
     ipython.register_magics(EvalSchedMagics)
@@ -212,7 +293,7 @@ def unload_ipython_extension(ipython) -> None:
     magics = ipython.magics_manager.registry.pop("EvalSchedMagics", None)
     for kind in ("line", "cell"):
         table = ipython.magics_manager.magics[kind]
-        for name in ("eval_submit", "eval_queue"):
+        for name in ("eval_submit", "eval_queue", "eval_lease", "eval_release"):
             bound = table.get(name)
             if magics is not None and getattr(bound, "__self__", None) is magics:
                 del table[name]

@@ -36,6 +36,7 @@ __all__ = ["STATES", "TERMINAL_STATES", "is_valid_run_id"]  # re-exported for th
 # Bounds that keep a hostile or mistaken spec from exhausting the host. Generous for real use.
 MAX_EPISODES = 10_000_000
 MAX_VRAM_MB = 16 * 1024 * 1024  # 16 TB per GPU: anything larger is certainly a mistake
+MAX_MEMORY_MB = 1024 * 1024 * 1024  # 1 PB of host memory
 MAX_GPUS = 64
 MAX_CPUS = 4096
 MAX_WORKERS = 256
@@ -57,11 +58,30 @@ class _Strict(BaseModel):
 class Scheduling(_Strict):
     """What a run asks of the host. ``marginal_vram_mb`` is per GPU, on top of the shared models."""
 
-    marginal_vram_mb: int = Field(0, ge=0, le=MAX_VRAM_MB, description="VRAM added per GPU, in MB")
+    marginal_vram_mb: int | Literal["auto"] = Field(
+        0,
+        description="VRAM added per GPU, in MB; 'auto': the highest observed peak of earlier succeeded runs "
+        "of the same eval, plus a margin",
+    )
     gpus: int = Field(1, ge=1, le=MAX_GPUS, description="GPUs needed when the run uses VRAM or is exclusive")
     exclusive_gpu: bool = Field(False, description="nothing else may run on the run's GPUs")
     priority: Priority = "normal"
     cpus: int = Field(1, ge=0, le=MAX_CPUS, description="CPU slots the run takes")
+    memory_mb: int | None = Field(
+        None, ge=1, le=MAX_MEMORY_MB, description="host memory limit of the run (its cgroup), in MB"
+    )
+
+    @field_validator("marginal_vram_mb", mode="before")
+    @classmethod
+    def _vram_figure(cls, v: Any) -> Any:
+        # One clear error instead of the two of the union (not an int; not 'auto').
+        if v == "auto" and isinstance(v, str):
+            return v
+        if type(v) is not int:
+            raise ValueError(f"must be an integer number of MB or 'auto', not {json.dumps(v)[:40]}")
+        if not 0 <= v <= MAX_VRAM_MB:
+            raise ValueError(f"must be between 0 and {MAX_VRAM_MB} MB, or 'auto'")
+        return v
 
 
 class EvalSpec(_Strict):
@@ -180,9 +200,88 @@ def default_name(entrypoint: str) -> str:
     return base if func == "episode" else f"{base}.{func}"
 
 
+class LeaseRequest(_Strict):
+    """``POST /evalsched/leases``: VRAM for interactive work, admitted like a run."""
+
+    vram_mb: int = Field(0, ge=0, le=MAX_VRAM_MB, description="VRAM per GPU, in MB")
+    gpus: int = Field(1, ge=1, le=MAX_GPUS)
+    exclusive_gpu: bool = Field(False, description="nothing else on the leased GPUs (the interactive lock)")
+    priority: Priority = Field("high", description="lane: a person is waiting")
+    pid: int | None = Field(None, ge=1, le=2**31 - 1, description="the lease ends when this process exits")
+    ttl_s: float | None = Field(None, gt=0, le=365 * 24 * 3600, description="the lease ends this long after its grant")
+    label: str = Field("", max_length=200, description="shown in the ledger and in the reasons of what waits")
+
+    @field_validator("label")
+    @classmethod
+    def _label_printable(cls, v: str) -> str:
+        if any(ord(c) < 32 for c in v):
+            raise ValueError("must not contain control characters")
+        return v.strip()
+
+    @model_validator(mode="after")
+    def _asks_for_something(self) -> LeaseRequest:
+        if self.vram_mb == 0 and not self.exclusive_gpu:
+            raise ValueError("a lease needs vram_mb > 0 or exclusive_gpu")
+        return self
+
+
+LeaseState = Literal["queued", "granted", "ended"]
+assert LeaseState.__args__ == contract.LEASE_STATES  # type: ignore[attr-defined]
+
+
+class LeaseRecord(BaseModel):
+    """A lease, as REST answers it, events carry it and ``<runs_dir>/.leases/<id>.json`` holds it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    state: LeaseState
+    reason: str | None = Field(
+        None, description="why it waits, or how it ended (released, process_exited, ttl_expired)"
+    )
+    vram_mb: int
+    gpus: int = 1
+    exclusive_gpu: bool = False
+    priority: Priority = "high"
+    devices: list[int] = Field(default_factory=list, description="the leased GPU indices (NVML order) once granted")
+    cuda_visible_devices: str | None = Field(
+        None, description="the CUDA_VISIBLE_DEVICES value that shows the leased GPUs"
+    )
+    pid: int | None = None
+    pid_create_time: float | None = None
+    label: str = ""
+    kernel_id: str | None = Field(None, description="the notebook kernel that holds the lease, when its pid is one")
+    session_path: str | None = Field(None, description="that kernel's notebook")
+    ttl_s: float | None = None
+    requested_at: str
+    granted_at: str | None = None
+    ended_at: str | None = None
+    seq: int = 0
+    observed_mb: dict[str, int] = Field(
+        default_factory=dict, description="VRAM its process (and children) use now, per GPU index (NVML)"
+    )
+    over_lease_mb: int = Field(0, description="how much more than leased its process uses, summed over GPUs")
+
+
+class LeaseList(BaseModel):
+    leases: list[LeaseRecord]
+
+
 class Progress(BaseModel):
     done: int = 0
     total: int = 0
+
+
+class Observed(BaseModel):
+    """What a run used, as observed while it ran: peaks only (they never go down)."""
+
+    peak_vram_mb: dict[str, int] = Field(default_factory=dict, description="per GPU index (NVML order)")
+    peak_rss_mb: int | None = Field(
+        None,
+        description="host memory at its peak: the run's memory cgroup peak where there is one (page cache "
+        "it caused included, as the limit counts it), else the highest sampled RSS of its processes",
+    )
+    source: Literal["nvml", "virtual"] = Field("nvml", description="where the VRAM figures come from")
 
 
 class RunRecord(BaseModel):
@@ -219,6 +318,16 @@ class RunRecord(BaseModel):
     slurm_job_id: str | None = None
     slurm_state: str | None = None
     idempotency_key: str | None = Field(None, description="the Idempotency-Key header of the submission")
+    entrypoint: str | None = Field(None, description="the eval's entrypoint (eval.py:... for a cell's source)")
+    source_digest: str | None = Field(None, description="sha256 of the spec's source, when it carries one")
+    marginal_vram_source: str = Field(
+        "declared", description="where marginal_vram_mb came from: 'declared', or 'auto: ...' with the figures"
+    )
+    memory_mb: int | None = Field(None, description="the host memory limit asked for (scheduling.memory_mb)")
+    observed: Observed | None = Field(None, description="what the run was seen to use (null before anything was)")
+    warnings: list[str] = Field(
+        default_factory=list, description="problems seen while it ran, each starting with a code (over_vram: ...)"
+    )
 
 
 RECORD_FIELDS = frozenset(RunRecord.model_fields)
@@ -239,6 +348,27 @@ class LedgerRun(BaseModel):
     marginal_vram_mb: int
 
 
+class LedgerLease(BaseModel):
+    id: str
+    vram_mb: int = Field(description="what the lease holds on this GPU (all usable VRAM when exclusive)")
+    pid: int | None = None
+    label: str = ""
+    kernel_id: str | None = None
+    session_path: str | None = None
+    observed_mb: int = Field(0, description="what its process uses on this GPU now")
+    over_lease_mb: int = Field(0, description="observed beyond the lease: charged as unmanaged")
+
+
+class UnmanagedProcess(BaseModel):
+    pid: int
+    gpu: int
+    used_mb: int
+    name: str = ""
+    kernel_id: str | None = Field(None, description="the notebook kernel this process is (or runs under)")
+    session_path: str | None = Field(None, description="that kernel's notebook")
+    lease_id: str | None = Field(None, description="the lease that covers it: charged max(lease, observed)")
+
+
 class LedgerDevice(BaseModel):
     index: int
     name: str
@@ -247,10 +377,11 @@ class LedgerDevice(BaseModel):
     usable_mb: int
     allocated_mb: int
     free_mb: int
-    unmanaged_mb: int = 0
-    unmanaged_processes: list[dict[str, Any]] = Field(default_factory=list)
-    exclusive: str | None = Field(None, description="id of the exclusive run holding the device")
+    unmanaged_mb: int = Field(0, description="VRAM of processes the scheduler does not manage (beyond their leases)")
+    unmanaged_processes: list[UnmanagedProcess] = Field(default_factory=list)
+    exclusive: str | None = Field(None, description="id of the exclusive run or lease holding the device")
     runs: list[LedgerRun] = Field(default_factory=list)
+    leases: list[LedgerLease] = Field(default_factory=list)
 
 
 class CpuSlots(BaseModel):
@@ -276,6 +407,7 @@ class QueueView(BaseModel):
     queued: list[RunRecord]
     running: list[RunRecord]
     ledger: Ledger
+    leases: list[LeaseRecord] = Field(default_factory=list, description="live leases: granted, then queued in order")
 
 
 class EpisodeList(BaseModel):

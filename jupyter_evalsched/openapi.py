@@ -13,6 +13,9 @@ from .models import (
     EpisodeList,
     ErrorBody,
     EvalSpec,
+    LeaseList,
+    LeaseRecord,
+    LeaseRequest,
     Ledger,
     ModelList,
     QueueView,
@@ -21,13 +24,27 @@ from .models import (
     RunRecord,
 )
 
-_MODELS = (EvalSpec, RunRecord, RunDetail, RunList, QueueView, Ledger, EpisodeList, ModelList, ErrorBody)
+_MODELS = (
+    EvalSpec,
+    RunRecord,
+    RunDetail,
+    RunList,
+    QueueView,
+    Ledger,
+    EpisodeList,
+    ModelList,
+    ErrorBody,
+    LeaseRequest,
+    LeaseRecord,
+    LeaseList,
+)
+_REQUESTS = (EvalSpec, LeaseRequest)  # schemas of what clients send, the rest of what they get
 
 
 @lru_cache(maxsize=1)
 def _components() -> dict[str, Any]:
     _, schema = models_json_schema(
-        [(m, "validation" if m is EvalSpec else "serialization") for m in _MODELS],
+        [(m, "validation" if m in _REQUESTS else "serialization") for m in _MODELS],
         ref_template="#/components/schemas/{model}",
     )
     return schema.get("$defs", {})
@@ -46,17 +63,25 @@ def _errors(*codes: int) -> dict:
         400: "the request is malformed (not JSON, a bad query parameter)",
         401: "not authenticated",
         403: "not authorized",
-        404: "unknown run id",
+        404: "unknown run, lease or model",
         409: "the operation does not fit the run's state",
         413: "the body is too large",
-        422: "the spec is invalid, can never fit, names an unknown model or dependency",
-        503: "the runs directory cannot be written or the scheduler is not running",
+        422: "the spec or request is invalid, can never fit, names an unknown model, dependency or process",
+        503: "the runs directory cannot be written, the scheduler is not running, or a model host cannot start",
     }
     return {str(c): _json("ErrorBody", text[c]) for c in (401, 403, *codes)}
 
 
 RUN_ID_PARAM = {
     "name": "run_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
+}
+
+
+LEASE_ID_PARAM = {
+    "name": "lease_id",
     "in": "path",
     "required": True,
     "schema": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
@@ -149,6 +174,38 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "responses": {"200": _json("EpisodeList", "the episodes"), **_errors(404)},
             },
         },
+        "/leases": {
+            "get": {
+                "summary": "Live leases (granted, then queued in admission order)",
+                "operationId": "listLeases",
+                "responses": {"200": _json("LeaseList", "the leases"), **_errors()},
+            },
+            "post": {
+                "summary": "Ask for VRAM for interactive work (admitted like a run; default lane high)",
+                "operationId": "requestLease",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref("LeaseRequest")}},
+                },
+                "responses": {
+                    "201": _json("LeaseRecord", "the lease, granted or queued"),
+                    **_errors(400, 413, 422, 503),
+                },
+            },
+        },
+        "/leases/{lease_id}": {
+            "parameters": [LEASE_ID_PARAM],
+            "get": {
+                "summary": "One lease (also after it ended)",
+                "operationId": "getLease",
+                "responses": {"200": _json("LeaseRecord", "the lease"), **_errors(404)},
+            },
+            "delete": {
+                "summary": "Release a lease (it ends with reason released; idempotent)",
+                "operationId": "releaseLease",
+                "responses": {"204": {"description": "released"}, **_errors(404)},
+            },
+        },
         "/queue": {
             "get": {
                 "summary": "Queued runs in admission order, running runs, the ledger",
@@ -168,6 +225,43 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "summary": "Shared models",
                 "operationId": "getModels",
                 "responses": {"200": _json("ModelList", "the models"), **_errors()},
+            }
+        },
+        "/models/{name}/connect": {
+            "parameters": [
+                {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}},
+            ],
+            "post": {
+                "summary": "Where a kernel reaches a shared model (its host started if needed)",
+                "operationId": "connectModel",
+                "responses": {
+                    "200": {
+                        "description": "the model's URL, as runs get it in shared_urls.json",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "properties": {"name": {"type": "string"}, "url": {"type": "string"}},
+                                    "required": ["name", "url"],
+                                }
+                            }
+                        },
+                    },
+                    **_errors(404, 503),
+                },
+            },
+        },
+        "/doctor": {
+            "get": {
+                "summary": "What this host offers and what is in force, each check ok, degraded or error",
+                "operationId": "doctor",
+                "responses": {
+                    "200": {
+                        "description": "the checks",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    **_errors(),
+                },
             }
         },
         "/status": {
@@ -195,7 +289,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
         },
         "/events": {
             "get": {
-                "summary": "WebSocket: a snapshot, then one message per run change",
+                "summary": "WebSocket: a snapshot, then one message per run or lease change ({type: run|lease|warning})",
                 "operationId": "events",
                 "responses": {"101": {"description": "switching to the WebSocket protocol"}, **_errors(400)},
             }

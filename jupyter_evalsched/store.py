@@ -44,6 +44,8 @@ MAX_JSON_DEPTH = 64
 
 STAGING_PREFIX = ".staging-"  # a run directory being assembled, or being deleted
 MODEL_LOGS_DIR = ".models"  # the shared-model hosts' stderr (run ids never start with a dot)
+LEASES_DIR = ".leases"  # one <lease id>.json per lease
+MAX_LEASE_FILES = 10_000
 
 
 class StoreError(Exception):
@@ -360,6 +362,47 @@ class RunStore:
         trash = self.root / f"{STAGING_PREFIX}deleted-{run_id}-{time.monotonic_ns()}"
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
+
+    # ---- leases (``<runs_dir>/.leases/<id>.json``)
+
+    def _lease_path(self, lease_id: str) -> Path:
+        if not is_valid_run_id(lease_id):
+            raise KeyError(lease_id)
+        return self.root / LEASES_DIR / f"{lease_id}.json"
+
+    def write_lease(self, lease_id: str, record: dict[str, Any]) -> None:
+        path = self._lease_path(lease_id)
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            atomic_write_json(path, record, fsync=self.fsync)
+        except OSError as exc:
+            raise StoreError(_disk_message(exc, self.root)) from exc
+
+    def delete_lease(self, lease_id: str) -> None:
+        try:
+            os.unlink(self._lease_path(lease_id))
+        except (OSError, KeyError):
+            pass
+
+    def read_leases(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every lease file that holds a JSON object (bounded reads, no links); others are skipped."""
+        folder = self.root / LEASES_DIR
+        try:
+            names = sorted(os.listdir(folder))[:MAX_LEASE_FILES]
+        except OSError:
+            return []
+        out = []
+        for name in names:
+            lease_id = name[: -len(".json")]
+            if not name.endswith(".json") or not is_valid_run_id(lease_id):
+                continue
+            try:
+                value = read_json_file(folder / name, max_bytes=1024 * 1024)
+            except RunFileError:
+                continue
+            if isinstance(value, dict):
+                out.append((lease_id, value))
+        return out
 
     # ---- reads
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import colorsys
 import hashlib
 import html
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -150,7 +151,27 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
                 )
 
         seg(baseline, "#7f7f7f", f"shared models: {baseline} MB", "models")
-        seg(unmanaged, "#bcbd22", f"not ours: {unmanaged} MB", "other")
+        # VRAM outside the scheduler, by who holds it (a notebook, through its kernel, else a pid);
+        # what a lease holder uses beyond its lease is drawn beside its lease.
+        named = 0
+        for who, title, mb in unmanaged_by_holder(dev):
+            seg(mb, "#bcbd22", f"{title}: {mb} MB (not managed by the scheduler)", who)
+            named += mb
+        over_leases = sum(int(x.get("over_lease_mb") or 0) for x in dev.get("leases") or [])
+        seg(unmanaged - named - over_leases, "#bcbd22", "not managed by the scheduler", "other")
+        for item in dev.get("leases") or []:
+            holder = lease_label(item)
+            mb = int(item.get("vram_mb") or 0)
+            lease_id = item.get("id")
+            title = f"lease {lease_id} held by {holder}: {mb} MB"
+            segs.append(
+                f"<div class='jupyter-evalsched-lease' data-lease-id='{_esc(lease_id)}' title='{_esc(title)}' "
+                f"style='width:{100.0 * mb / scale:.2f}%;background:repeating-linear-gradient(45deg,#6a3d9a,"
+                f"#6a3d9a 6px,#8e63b5 6px,#8e63b5 12px);overflow:hidden;white-space:nowrap;font-size:80%;"
+                f"color:white;padding-left:2px;box-sizing:border-box'>{_esc(holder)}</div>"
+            )
+            over = int(item.get("over_lease_mb") or 0)
+            seg(over, "#d62728", f"{holder} uses {over} MB more than its lease", "over")
         runs = dev.get("runs") or []
         exclusive = dev.get("exclusive")
         for run in runs:
@@ -177,6 +198,35 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
     if cpu:
         parts.append(f"<div>CPU slots: {int(cpu.get('allocated', 0))} / {int(cpu.get('total', 0))} in use</div>")
     return "".join(parts)
+
+
+def lease_label(item: dict) -> str:
+    """Who holds a lease: its label, else its notebook, else its pid."""
+    if item.get("label"):
+        return str(item["label"])
+    if item.get("session_path"):
+        return os.path.basename(str(item["session_path"]))
+    return f"pid {item['pid']}" if item.get("pid") else str(item.get("id", "lease"))
+
+
+def unmanaged_by_holder(dev: dict) -> list[tuple[str, str, int]]:
+    """``(label, title, MB)`` of a device's unmanaged VRAM not covered by a lease, by notebook
+    (kernel) or process, largest first."""
+    titles: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for proc in dev.get("unmanaged_processes") or []:
+        if proc.get("lease_id"):
+            continue
+        if proc.get("session_path"):
+            label = os.path.basename(str(proc["session_path"]))
+            title = f"{proc['session_path']} (kernel {proc.get('kernel_id')})"
+        elif proc.get("kernel_id"):
+            label, title = "kernel", f"kernel {proc['kernel_id']}"
+        else:
+            label, title = f"pid {proc.get('pid')}", f"pid {proc.get('pid')} {proc.get('name') or ''}".strip()
+        titles.setdefault(label, title)
+        sizes[label] = sizes.get(label, 0) + int(proc.get("used_mb") or 0)
+    return sorted(((label, titles[label], mb) for label, mb in sizes.items()), key=lambda g: -g[2])
 
 
 def _age(value: str | None) -> str:
@@ -214,6 +264,16 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
     vram = int(rec.get("marginal_vram_mb") or 0)
     # A SLURM run is not on this host's GPUs: its job id and SLURM state instead of the VRAM.
     where = f" · {slurm_badge(rec)}" if slurm else (f" · {vram} MB" if vram else "")
+    observed = rec.get("observed") or {}
+    peak = max((int(v) for v in (observed.get("peak_vram_mb") or {}).values()), default=0)
+    if peak and not slurm:
+        where += f" (seen {peak} MB)"
+    for warning in rec.get("warnings") or []:
+        where += (
+            f" <span class='jupyter-evalsched-warning' title='{_esc(warning)}' style='background:#fdecea;"
+            f"color:#a4262c;border:1px solid #e8a1a3;border-radius:3px;padding:0 4px;font-size:85%'>"
+            f"⚠ {_esc(warning.split(':', 1)[0])}</span>"
+        )
     return (
         f"{_badge(state)} <b>{_esc(rec.get('name'))}</b> <code style='font-size:80%'>{_esc(run_id)}</code>"
         f" · {_esc(rec.get('priority', SCHEDULING_DEFAULTS['priority']))}{where}"

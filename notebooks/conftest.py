@@ -12,6 +12,8 @@ kernel starts.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 from jupyter_evalsched.client import LocalServer
 
@@ -26,6 +28,7 @@ SHARED_MODELS = [
 ]
 
 _server: LocalServer | None = None
+_table_dir: str | None = None
 _saved_env: dict[str, str | None] = {}
 
 
@@ -40,13 +43,20 @@ def pytest_sessionstart(session):
     global _server
     if not _running_notebooks(session.config) or _server is not None:
         return
+    # The virtual GPU process table that the notebooks write into (interactive_lease: a kernel
+    # "loads" a model), read by the server's probe as it would read NVML.
+    global _table_dir
+    _table_dir = tempfile.mkdtemp(prefix="evalsched-gpu-processes-")
+    table = os.path.join(_table_dir, "processes.json")
     _server = LocalServer(
         virtual_gpus="24000,24000",
         cpu_slots=8,
         models=SHARED_MODELS,
-        extra_args=["--EvalSchedApp.progress_interval_s=0.05"],
+        env={"EVALSCHED_VIRTUAL_GPU_PROCESSES": table},
+        extra_args=["--EvalSchedApp.progress_interval_s=0.05", "--EvalSchedApp.sweep_interval_s=0.3"],
     )
-    for key, value in _server.env.items():
+    kernel_env = {**_server.env, "EVALSCHED_VIRTUAL_GPU_PROCESSES": table}
+    for key, value in kernel_env.items():
         _saved_env[key] = os.environ.get(key)
         os.environ[key] = value
     os.environ.pop("JPY_PARENT_PID", None)
@@ -63,3 +73,5 @@ def pytest_sessionfinish(session, exitstatus):
             os.environ[key] = value
     _server.cleanup()
     _server = None
+    if _table_dir is not None:
+        shutil.rmtree(_table_dir, ignore_errors=True)

@@ -7,6 +7,8 @@ import json
 import pytest
 from waiting import async_wait_until
 
+from jupyter_evalsched.scheduler.gpus import write_process_table
+
 pytest_plugins = ("pytest_jupyter.jupyter_server",)
 
 VIRTUAL_GPUS = [24000, 24000]
@@ -25,10 +27,28 @@ def runs_dir(tmp_path):
 
 
 @pytest.fixture
-def jp_server_config(runs_dir, evalsched_config):
+def gpu_processes_file(tmp_path):
+    """The virtual GPU process table the test server's probe reads (absent until a test plants)."""
+    return tmp_path / "gpu_processes.json"
+
+
+@pytest.fixture
+def plant_gpu_processes(gpu_processes_file):
+    """``plant([{"pid": ..., "gpu": 0, "used_mb": 5000}, ...])``: what the virtual probe reports
+    from its next sweep on, as NVML would report processes holding VRAM."""
+
+    def plant(entries: list[dict]) -> None:
+        write_process_table(str(gpu_processes_file), entries)
+
+    return plant
+
+
+@pytest.fixture
+def jp_server_config(runs_dir, evalsched_config, gpu_processes_file):
     cfg = {
         "runs_dir": str(runs_dir),
         "virtual_gpus": VIRTUAL_GPUS,
+        "virtual_gpu_processes": str(gpu_processes_file),
         "cpu_slots": 8,
         "cancel_grace_s": 2.0,
         "sweep_interval_s": 0.5,

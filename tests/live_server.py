@@ -16,6 +16,7 @@ import pytest
 from waiting import wait_until  # the one wait_until; re-exported for the modules that use this one
 
 from jupyter_evalsched.client import TERMINAL_STATES, EvalSchedClient, LocalServer
+from jupyter_evalsched.scheduler.gpus import write_process_table
 
 __all__ = ["CRASH", "SLEEPY", "clean_queue", "cli", "client", "live_server", "wait_state", "wait_until"]
 
@@ -47,7 +48,7 @@ def live_server(request):
     ``clean_queue`` so that each starts on an idle host."""
     global _shared
     if _shared is None:
-        _shared = LocalServer(virtual_gpus="24000,24000", cpu_slots=8, extra_args=FAST_SERVER_ARGS)
+        _shared = LocalServer(virtual_gpus="24000,24000", cpu_slots=8, extra_args=FAST_SERVER_ARGS, gpu_processes=True)
         request.addfinalizer(_stop_shared)
     return _shared
 
@@ -59,16 +60,23 @@ def client(live_server) -> EvalSchedClient:
 
 @pytest.fixture
 def clean_queue(live_server):
-    """Cancel whatever a test left queued or running, so that the next one starts on an empty host."""
+    """Release the leases and cancel the runs a test left, so that the next one starts on an empty host."""
     yield
     c = live_server.client()
     view = c.queue()
+    for rec in view.get("leases") or []:
+        try:
+            c.request("DELETE", f"leases/{rec['id']}")
+        except Exception:
+            pass
     for rec in view["queued"] + view["running"]:
         try:
             c.cancel(rec["id"])
         except Exception:
             pass
-    wait_until(lambda: not (c.queue()["queued"] or c.queue()["running"]), timeout=15)
+    if live_server.gpu_processes_file:
+        write_process_table(live_server.gpu_processes_file, [])
+    wait_until(lambda: not (c.queue()["queued"] or c.queue()["running"] or c.queue()["leases"]), timeout=15)
 
 
 def wait_state(client: EvalSchedClient, run_id: str, states=TERMINAL_STATES, timeout: float = 20.0) -> dict:

@@ -21,8 +21,14 @@ ENDPOINTS = [
     ("GET", "queue"),
     ("GET", "ledger"),
     ("GET", "models"),
+    ("POST", "models/x/connect"),
     ("GET", "status"),
+    ("GET", "doctor"),
     ("GET", "openapi.json"),
+    ("GET", "leases"),
+    ("POST", "leases"),
+    ("GET", "leases/x"),
+    ("DELETE", "leases/x"),
 ]
 
 

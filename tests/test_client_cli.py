@@ -264,7 +264,9 @@ def test_http_errors_are_one_readable_line(client, clean_queue):
     with pytest.raises(EvalSchedError) as err:
         client.submit({"entrypoint": SLEEPY, "scheduling": {"marginal_vram_mb": -1}})
     assert err.value.status == 422
-    assert str(err.value) == "422: scheduling.marginal_vram_mb: Input should be greater than or equal to 0"
+    assert (
+        str(err.value) == "422: scheduling.marginal_vram_mb: Value error, must be between 0 and 16777216 MB, or 'auto'"
+    )
     assert err.value.detail and err.value.detail[0]["loc"][-1] == "marginal_vram_mb"
 
     with pytest.raises(EvalSchedError) as err:  # can never fit on two 24000 MB GPUs

@@ -49,7 +49,7 @@ def test_line_magic_flags_become_the_spec(ip, client, clean_queue, tmp_path):
         "eval_submit",
         f"{SLEEPY} --name 'my run' --episodes 3 --vram 1000 --gpus 2 --cpus 2 --priority high "
         "--exclusive --depends-on first --param sleep_s=0.01 --param tag=hello "
-        "--param cfg='{\"a\": [1, 2]}' --workers 2 --timeout 60 --seed 5",
+        "--param cfg='{\"a\": [1, 2]}' --workers 2 --timeout 60 --seed 5 --memory 2048",
     )
     assert isinstance(h, RunHandle)
     spec = _spec(h)
@@ -63,6 +63,7 @@ def test_line_magic_flags_become_the_spec(ip, client, clean_queue, tmp_path):
         "exclusive_gpu": True,
         "priority": "high",
         "cpus": 2,
+        "memory_mb": 2048,
     }
     assert spec["cwd"] == str(tmp_path)
     final = h.wait(timeout=30, progress=False)
@@ -108,7 +109,7 @@ def test_errors_are_one_line_without_traceback(ip, capsys, monkeypatch):
     cases = [
         (
             f"{SLEEPY} --vram -5",
-            "eval_submit: 422: scheduling.marginal_vram_mb: Input should be greater than or equal to 0",
+            "eval_submit: 422: scheduling.marginal_vram_mb: Value error, must be between 0 and 16777216 MB, or 'auto'",
         ),
         (f"{SLEEPY} --vram 30000", "eval_submit: 422: "),  # never fits on 24000 MB GPUs
         (f"{SLEEPY} --model nosuchmodel", "eval_submit: 422: "),

@@ -16,7 +16,6 @@ from tornado import httpserver, netutil, web
 from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched.client import EvalSchedClient, EvalSchedError, LocalServer
-from jupyter_evalsched.scheduler.gpus import GpuProcess
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 FAST = [
@@ -324,30 +323,39 @@ async def _record(api, run_id: str) -> dict:
     return rec
 
 
-async def test_unmanaged_vram_holds_back_a_run_until_it_goes(api, evalsched):
-    probe = evalsched.probe
-    probe.set_foreign([GpuProcess(pid=999999, device=0, used_mb=10000, name="a notebook kernel")])
+async def test_unmanaged_vram_holds_back_a_run_until_it_goes(api, evalsched, plant_gpu_processes):
+    plant_gpu_processes([{"pid": 999999, "gpu": 0, "used_mb": 10000, "name": "a notebook kernel"}])
     # The sweep (0.5 s here) reads the probe.
     dev = await async_wait_until(lambda: _then(_device(api), lambda d: d["unmanaged_mb"] == 10000 and d))
     assert (dev["unmanaged_mb"], dev["free_mb"]) == (10000, 14000)
-    assert dev["unmanaged_processes"] == [{"pid": 999999, "used_mb": 10000, "name": "a notebook kernel"}]
+    assert dev["unmanaged_processes"] == [
+        {
+            "pid": 999999,
+            "gpu": 0,
+            "used_mb": 10000,
+            "name": "a notebook kernel",
+            "kernel_id": None,
+            "session_path": None,
+            "lease_id": None,
+        }
+    ]
     code, rec = await api("POST", "runs", run(16000))
     assert code == 201
     rec = await _record(api, rec["id"])  # admission decided before the 201
     assert rec["state"] == "queued"
     assert "10000 MB held by processes outside the scheduler" in rec["reason"]
-    probe.set_foreign([])
+    plant_gpu_processes([])
     await async_wait_until(
         lambda: _then(_record(api, rec["id"]), lambda r: r["state"] in ("running", "succeeded")), timeout=5
     )
 
 
-async def test_our_own_processes_are_never_counted_as_unmanaged(api, evalsched):
+async def test_our_own_processes_are_never_counted_as_unmanaged(api, evalsched, plant_gpu_processes):
     code, rec = await api("POST", "runs", run(8000, episodes=40, sleep_s=0.05))
     rec = await async_wait_until(lambda: _then(_record(api, rec["id"]), lambda r: r["pid"] and r), timeout=5)
     # NVML would list our run with its real usage; it must not be counted a second time. A foreign
     # process beside it shows when the sweep has read the probe.
-    evalsched.probe.set_foreign([GpuProcess(pid=rec["pid"], device=0, used_mb=7000), GpuProcess(999999, 0, 1000)])
+    plant_gpu_processes([{"pid": rec["pid"], "gpu": 0, "used_mb": 7000}, {"pid": 999999, "gpu": 0, "used_mb": 1000}])
     dev = await async_wait_until(lambda: _then(_device(api), lambda d: d["unmanaged_mb"] and d))
     assert (dev["allocated_mb"], dev["unmanaged_mb"], dev["free_mb"]) == (8000, 1000, 15000)
     await api("POST", f"runs/{rec['id']}/cancel")

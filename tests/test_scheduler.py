@@ -93,6 +93,7 @@ async def test_run_directory_contract(api, wait_for, runs_dir):
         "exclusive_gpu": False,
         "priority": "normal",
         "cpus": 1,
+        "memory_mb": None,
     }
     assert saved["name"] == "basic.accuracy_toy" and saved["seed"] == 0 and saved["cwd"]
     job = json.loads((run / "job.json").read_text())
@@ -327,7 +328,13 @@ async def test_events_stream(jp_ws_fetch, api, wait_for):
     await wait_for(first["id"])
     ws = await jp_ws_fetch("evalsched", "events")
     snapshot = json.loads(await ws.read_message())
-    assert snapshot["type"] == "snapshot" and set(snapshot["queue"]) == {"primary", "queued", "running", "ledger"}
+    assert snapshot["type"] == "snapshot" and set(snapshot["queue"]) == {
+        "primary",
+        "queued",
+        "running",
+        "ledger",
+        "leases",
+    }
     rec = await submit(api, spec(episodes=4, sleep_s=0.15))
     seen = []
     progress = []
@@ -366,6 +373,10 @@ async def test_openapi_documents_every_route(api):
         "/models",
         "/events",
         "/openapi.json",
+        "/leases",
+        "/leases/{lease_id}",
+        "/models/{name}/connect",
+        "/doctor",
     }
     assert "EvalSpec" in doc["components"]["schemas"]
     assert "422" in doc["paths"]["/runs"]["post"]["responses"]

@@ -38,8 +38,12 @@ class LocalServer:
         extra_args: list[str] | None = None,
         startup_timeout: float = 60.0,
         log_path: str | None = None,
+        gpu_processes: bool = False,
     ):
         self._tmp = tempfile.mkdtemp(prefix="evalsched-server-")
+        # With ``gpu_processes``, the virtual GPU process table the server reads (as it would NVML):
+        # write it with jupyter_evalsched.scheduler.gpus.write_process_table.
+        self.gpu_processes_file = os.path.join(self._tmp, "gpu_processes.json") if gpu_processes else None
         self.runs_dir = runs_dir or os.path.join(self._tmp, "runs")
         self.root_dir = os.path.join(self._tmp, "root")
         runtime_dir = os.path.join(self._tmp, "runtime")
@@ -53,6 +57,8 @@ class LocalServer:
                 json.dump({"EvalSchedApp": {"models": models}}, f)
 
         server_env = self._server_env(runtime_dir, config_dir, virtual_gpus, cpu_slots)
+        if self.gpu_processes_file is not None:
+            server_env["EVALSCHED_VIRTUAL_GPU_PROCESSES"] = self.gpu_processes_file
         server_env.update(env or {})
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(

@@ -3,6 +3,7 @@ files, ``--param`` values."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Any
@@ -19,10 +20,15 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (
         ("--vram",),
         dict(
-            type=int,
+            type=lambda text: vram_figure(text),
             metavar="MB",
-            help="marginal VRAM per GPU in MB, on top of the shared models (default 0: CPU only)",
+            help="marginal VRAM per GPU in MB, on top of the shared models (default 0: CPU only), or 'auto': "
+            "the highest observed peak of earlier succeeded runs of the same eval, plus a margin",
         ),
+    ),
+    (
+        ("--memory",),
+        dict(type=int, metavar="MB", help="host memory limit of the run in MB (enforced through its cgroup)"),
     ),
     (("--gpus",), dict(type=int, metavar="N", help="GPUs needed when --vram > 0 or --exclusive (default 1)")),
     (("--cpus",), dict(type=int, metavar="N", help="CPU slots the run takes (default 1)")),
@@ -68,6 +74,16 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
 ]
 
 SPEC_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def vram_figure(text: str) -> int | str:
+    """``--vram``: a number of MB, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MB or 'auto', got {text!r}") from None
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -123,6 +139,7 @@ _SCHEDULING_FLAGS = {
     "cpus": "cpus",
     "priority": "priority",
     "exclusive": "exclusive_gpu",
+    "memory": "memory_mb",
 }
 
 

@@ -92,3 +92,31 @@ def parent_is_gone(expected_pid: int | None) -> bool:
     """True when we were reparented away from ``expected_pid``: it died before the death signal
     was armed, so the signal will never come and we must exit on our own."""
     return expected_pid is not None and os.getppid() != expected_pid
+
+
+def ensure_in_cgroup(run_id: str) -> None:
+    """Join the run's cgroup unless the server has moved us there already.
+
+    The server adds a run's process to its cgroup right after starting it, off its event loop (the
+    first move into a cgroup can take milliseconds in the kernel); this check, made before any
+    user code runs or any worker is forked, closes the race: nothing the eval starts can be
+    outside the cgroup. ``EVALSCHED_CGROUP_PROCS`` lists the cgroup.procs files, primary last.
+    """
+    files = [f for f in os.environ.get("EVALSCHED_CGROUP_PROCS", "").split(":") if f]
+    if not files:
+        return
+    try:
+        with open("/proc/self/cgroup", "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        lines = []
+    suffix = "/" + run_id
+    if sum(1 for line in lines if line.endswith(suffix)) >= len(files):
+        return
+    pid = str(os.getpid())
+    for path in files:
+        try:
+            with open(path, "w") as procs:
+                procs.write(pid)
+        except OSError as exc:
+            sys.stderr.write(f"evalsched runner: cannot join the run's cgroup ({path}): {exc}\n")

@@ -25,7 +25,14 @@ import sys
 
 from ..contract import DEFAULT_SOURCE_ENTRYPOINT, DONE_FILE, SHARED_URLS_FILE, SPEC_FILE, split_entrypoint
 from . import fastjson
-from ._proc import EXIT_PARENT_GONE, expected_parent_pid, flush_stdio, parent_is_gone, set_parent_death_signal
+from ._proc import (
+    EXIT_PARENT_GONE,
+    ensure_in_cgroup,
+    expected_parent_pid,
+    flush_stdio,
+    parent_is_gone,
+    set_parent_death_signal,
+)
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
 if TYPE_CHECKING:
@@ -180,6 +187,7 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
 
     try:
         if isinstance(spec, RunSpec):
+            ensure_in_cgroup(files.run_id)  # before any user code runs or any worker is forked
             error = _run_episodes(spec, run_dir, files)
         else:
             error = describe_exception(spec)

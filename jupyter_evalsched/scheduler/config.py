@@ -25,3 +25,7 @@ class SchedulerConfig:
     # Environment given to every run on top of the server's (e.g. PYTHONPATH for tests).
     run_env: dict[str, str] = field(default_factory=dict)
     default_executor: str = "local"
+    # Observed against declared (DESIGN.md "Observed usage, enforcement, learned declarations").
+    enforce_vram: str = "warn"  # "off" | "warn" | "kill"
+    vram_tolerance: float = 0.1
+    auto_margin: float = 0.1

@@ -8,7 +8,9 @@ declared.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -42,8 +44,11 @@ class GpuProbe(Protocol):
 class NvmlProbe:
     """The real probe, through nvidia-ml-py. A host without NVML has no GPUs."""
 
+    source = "nvml"
+
     def __init__(self) -> None:
         self._ok = False
+        self.error: str | None = None  # why NVML is unavailable (for doctor), None when it works
         try:
             import pynvml
 
@@ -51,7 +56,17 @@ class NvmlProbe:
             self._nvml = pynvml
             self._ok = True
         except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError...
+            self.error = f"{type(exc).__name__}: {exc}"
             log.info("NVML unavailable (%s): treating the host as having no GPUs", exc)
+
+    def driver_version(self) -> str | None:
+        if not self._ok:
+            return None
+        try:
+            version = self._nvml.nvmlSystemGetDriverVersion()
+        except Exception:
+            return None
+        return version.decode() if isinstance(version, bytes) else str(version)
 
     def devices(self) -> list[GpuInfo]:
         if not self._ok:
@@ -91,25 +106,100 @@ class NvmlProbe:
 class VirtualProbe:
     """Virtual GPUs of declared sizes, for hosts without any (the demo, the tests, CPU hosts).
 
-    ``set_foreign`` lets a test place processes the scheduler does not manage on a device, the
-    way NVML would report a notebook kernel that loaded a model by hand.
+    ``processes_file`` (``EVALSCHED_VIRTUAL_GPU_PROCESSES``) is the virtual process table: a JSON
+    list ``[{"pid": 123, "gpu": 0, "used_mb": 5000}, ...]``, reported exactly as NVML reports the
+    processes of real GPUs, so that unmanaged VRAM, kernels, leases and the observed usage of runs
+    work, and are tested, without a GPU. It is re-read whenever it changes (mtime and size); a
+    missing or invalid file means no processes, logged once per problem, never an error.
     """
 
-    def __init__(self, sizes_mb: list[int], name: str = "Virtual GPU") -> None:
+    source = "virtual"
+
+    def __init__(self, sizes_mb: list[int], name: str = "Virtual GPU", processes_file: str | None = None) -> None:
         self._devices = [GpuInfo(index=i, name=name, total_mb=int(s), virtual=True) for i, s in enumerate(sizes_mb)]
-        self._foreign: list[GpuProcess] = []
+        self.processes_file = processes_file or None
+        self._stamp: tuple[int, int, int] | None = None
+        self._table: list[GpuProcess] = []
+        self._problem: str | None = None
         self._lock = threading.Lock()
 
     def devices(self) -> list[GpuInfo]:
         return list(self._devices)
 
     def processes(self) -> list[GpuProcess]:
+        if not self.processes_file:
+            return []
         with self._lock:
-            return list(self._foreign)
+            try:
+                st = os.stat(self.processes_file)
+            except FileNotFoundError:
+                self._use([], "does not exist")
+                self._stamp = None
+                return []
+            except OSError as exc:
+                self._use([], f"cannot be read: {exc.strerror or exc}")
+                self._stamp = None
+                return []
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != self._stamp:
+                self._stamp = stamp
+                table, problem = read_process_table(self.processes_file, len(self._devices))
+                self._use(table, problem)
+            return list(self._table)
 
-    def set_foreign(self, processes: list[GpuProcess]) -> None:
-        with self._lock:
-            self._foreign = list(processes)
+    @property
+    def problem(self) -> str | None:
+        """Why the process table is not in use (missing, invalid), or None."""
+        return self._problem
+
+    def _use(self, table: list[GpuProcess], problem: str | None) -> None:
+        self._table = table
+        if problem is not None and problem != self._problem:
+            log.warning("virtual GPU process table %s %s: no virtual GPU processes", self.processes_file, problem)
+        self._problem = problem
+
+
+MAX_PROCESS_TABLE_BYTES = 1024 * 1024
+
+
+def read_process_table(path: str, device_count: int) -> tuple[list[GpuProcess], str | None]:
+    """The entries of a virtual process table file, or ``([], why)`` when it cannot be used.
+    Entries whose ``gpu`` is not a virtual device are dropped (one bad entry does not void the rest)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROCESS_TABLE_BYTES + 1)
+    except OSError as exc:
+        return [], f"cannot be read: {exc.strerror or exc}"
+    if len(data) > MAX_PROCESS_TABLE_BYTES:
+        return [], f"is larger than {MAX_PROCESS_TABLE_BYTES} bytes"
+    try:
+        raw = json.loads(data or b"[]")
+    except (ValueError, RecursionError):
+        return [], "is not valid JSON"
+    if not isinstance(raw, list):
+        return [], 'is not a JSON list of {"pid", "gpu", "used_mb"}'
+    out = []
+    for item in raw:
+        if not isinstance(item, dict):
+            continue
+        pid, gpu, used = item.get("pid"), item.get("gpu"), item.get("used_mb")
+        if type(pid) is not int or type(gpu) is not int or type(used) is not int:
+            continue
+        if pid <= 0 or used < 0 or not 0 <= gpu < device_count:
+            continue
+        name = item.get("name")
+        out.append(GpuProcess(pid=pid, device=gpu, used_mb=used, name=name if isinstance(name, str) else ""))
+    return out, None
+
+
+def write_process_table(path: str, entries: list[dict]) -> None:
+    """Replace a virtual process table atomically (what a test or a demo notebook uses to make a
+    process "hold" virtual VRAM)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(entries, f)
+    os.replace(tmp, path)
 
 
 def parse_sizes(text: str) -> list[int]:

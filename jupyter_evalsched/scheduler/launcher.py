@@ -24,6 +24,8 @@ from pathlib import Path
 
 import psutil
 
+from .cgroups import CgroupError, RunCgroup
+
 log = logging.getLogger(__name__)
 
 ExitCallback = Callable[[str, int], None]
@@ -37,6 +39,7 @@ class SpawnError(Exception):
 class RunProcess:
     run_id: str
     popen: subprocess.Popen
+    cgroup: RunCgroup | None = None  # every process of the run is in it (where the host has cgroups)
     pidfd: int | None = None
     kill_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     spawned_at: float = field(default_factory=time.time)
@@ -83,11 +86,25 @@ class Launcher:
     def running_pids(self) -> set[int]:
         return {p.pid for p in self._procs.values()}
 
+    @property
+    def running(self) -> dict[str, int]:
+        """Run id -> the pid of its live process."""
+        return {run_id: p.pid for run_id, p in self._procs.items()}
+
     def spawn(
-        self, run_id: str, argv: list[str], cwd: str, env: dict[str, str], stdout: Path, stderr: Path
+        self,
+        run_id: str,
+        argv: list[str],
+        cwd: str,
+        env: dict[str, str],
+        stdout: Path,
+        stderr: Path,
+        cgroup: RunCgroup | None = None,
     ) -> RunProcess:
         """Start ``argv`` in a new session, its output appended to ``stdout``/``stderr`` (never
-        through a symbolic link); SpawnError says why it could not start."""
+        through a symbolic link); SpawnError says why it could not start. With ``cgroup``, the
+        process is moved into it right away, off the event loop (the runner checks, before any
+        user code, that it is there: see ``runner._proc.ensure_in_cgroup``)."""
         if self._loop is None:
             raise RuntimeError("Launcher.bind(loop) first")
         try:
@@ -115,8 +132,10 @@ class Launcher:
         finally:
             os.close(out)
             os.close(err)
-        proc = RunProcess(run_id, popen)
+        proc = RunProcess(run_id, popen, cgroup)
         self._procs[run_id] = proc
+        if cgroup is not None:
+            self.loop.run_in_executor(None, _join_cgroup, cgroup, popen.pid)
         self._watch(proc)
         return proc
 
@@ -161,9 +180,10 @@ class Launcher:
             self._on_exit(proc.run_id, code)
         except Exception:
             log.exception("exit handler failed for run %s", proc.run_id)
-        # A descendant that left the group (setsid) escaped that killpg. Looked for off the
-        # event loop, after the exit is recorded: the next admission does not wait for /proc.
-        self.loop.run_in_executor(None, kill_escaped, proc.run_id, proc.spawned_at)
+        # A descendant that left the group (setsid) escaped that killpg: its cgroup holds it, or
+        # its environment names the run. Done off the event loop, after the exit is recorded: the
+        # next admission does not wait for it.
+        self.loop.run_in_executor(None, clean_up_after, proc)
 
     def terminate(self, run_id: str, grace_s: float) -> bool:
         """SIGTERM to the run's group, SIGKILL after ``grace_s``. False when it is not ours."""
@@ -172,8 +192,22 @@ class Launcher:
             return False
         _killpg(proc.pid, signal.SIGTERM)
         if proc.kill_timer is None:
-            proc.kill_timer = self.loop.call_later(grace_s, _killpg, proc.pid, signal.SIGKILL)
+            proc.kill_timer = self.loop.call_later(grace_s, self._kill_hard, proc)
         return True
+
+    def kill_now(self, run_id: str) -> bool:
+        """SIGKILL to everything of the run at once (a run that must stop before it hurts its
+        neighbours). False when it is not ours."""
+        proc = self._procs.get(run_id)
+        if proc is None:
+            return False
+        self._kill_hard(proc)
+        return True
+
+    def _kill_hard(self, proc: RunProcess) -> None:
+        _killpg(proc.pid, signal.SIGKILL)
+        if proc.cgroup is not None:
+            self.loop.run_in_executor(None, proc.cgroup.kill)
 
     def kill_all(self) -> list[str]:
         """On shutdown: SIGKILL every run group and reap; returns the run ids that were killed."""
@@ -189,10 +223,26 @@ class Launcher:
                 os.close(proc.pidfd)
             if proc.kill_timer is not None:
                 proc.kill_timer.cancel()
-            kill_escaped(proc.run_id, proc.spawned_at)
+            clean_up_after(proc)
             killed.append(proc.run_id)
         self._procs.clear()
         return killed
+
+
+def _join_cgroup(cgroup: RunCgroup, pid: int) -> None:
+    try:
+        cgroup.add(pid)
+    except CgroupError as exc:
+        # Gone already (a run that ends at once), or refused: the runner joins by itself.
+        log.debug("run %s: %s", cgroup.run_id, exc)
+
+
+def clean_up_after(proc: RunProcess) -> None:
+    """Kill whatever the run left behind and remove its cgroup (blocking: a thread's work)."""
+    if proc.cgroup is not None:
+        proc.cgroup.remove()
+    else:
+        kill_escaped(proc.run_id, proc.spawned_at)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -205,8 +255,9 @@ def _killpg(pgid: int, sig: int) -> None:
 def kill_escaped(run_id: str, since: float) -> list[int]:
     """Kill the processes a run left outside its process group (a descendant that called
     ``setsid``): they still carry ``EVALSCHED_RUN_ID=<run_id>`` in their environment. Only
-    processes started after ``since`` (the run's spawn) are looked at. Best effort: a process
-    that clears its environment escapes this too; a per-run cgroup is the complete answer."""
+    processes started after ``since`` (the run's spawn) are looked at. Best effort, for hosts
+    without cgroups: a process that clears its environment escapes this; the run's cgroup, where
+    there is one, holds every process of the run."""
     needle = b"EVALSCHED_RUN_ID=" + run_id.encode()
     me = os.getpid()
     killed = []

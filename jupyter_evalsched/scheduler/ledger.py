@@ -2,7 +2,12 @@
 
 ``usable`` per device, first that is set: the per-device override, ``EVALSCHED_USABLE_VRAM_MB``,
 else ``total - reserve - baseline`` (baseline = the shared models placed on it; virtual GPUs have
-no reserve). Free = usable - Σ marginal of the runs on it - VRAM held by unmanaged processes.
+no reserve). Free = usable - Σ marginal of the runs and leases on it - VRAM held by unmanaged
+processes.
+
+What the probe reports per process is sorted out by :func:`account`: our runs' VRAM is observed
+(never charged twice: their declaration is what admission counts), the model hosts' is the
+baseline, a lease holder's is charged ``max(lease, observed)``, and everything else is unmanaged.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .gpus import GpuInfo, GpuProcess
+from .kernels import KernelInfo
 from .policy import Capacity, Device, RunningJob
 
 
@@ -54,14 +60,73 @@ def device_budgets(
     return out
 
 
-def unmanaged_by_device(processes: Iterable[GpuProcess], managed_pids: set[int]) -> dict[int, Unmanaged]:
-    out: dict[int, Unmanaged] = {}
+@dataclass(slots=True)
+class Observation:
+    """What the probe's processes mean for the ledger (see :func:`account`)."""
+
+    unmanaged: dict[int, Unmanaged] = field(default_factory=dict)
+    runs: dict[str, dict[int, int]] = field(default_factory=dict)  # run id -> {device: MB used now}
+    leases: dict[str, dict[int, int]] = field(default_factory=dict)  # lease id -> {device: MB used now}
+    over_lease: dict[str, int] = field(default_factory=dict)  # lease id -> MB used beyond the lease
+
+
+def account(
+    processes: Iterable[GpuProcess],
+    *,
+    baseline_pids: Iterable[int] = (),
+    run_pids: Mapping[str, Iterable[int]] | None = None,
+    lease_pids: Mapping[str, Iterable[int]] | None = None,
+    lease_charges: Mapping[str, Mapping[int, int]] | None = None,
+    kernels: Mapping[int, KernelInfo] | None = None,
+) -> Observation:
+    """Sort the probe's processes out (pure).
+
+    ``baseline_pids``: the model hosts (their VRAM is the baseline). ``run_pids``: each running
+    run's processes (its VRAM is observed, its declaration charged). ``lease_pids``: each live
+    lease's process tree; ``lease_charges``: what each lease holds per device (nothing while it
+    waits). A lease holder is charged ``max(lease, observed)``: only what it uses beyond its lease
+    is unmanaged. Every other process is unmanaged, named by its kernel when it is one.
+    """
+    kernels = kernels or {}
+    baseline = set(baseline_pids)
+    owner_of_run = {pid: rid for rid, pids in (run_pids or {}).items() for pid in pids}
+    owner_of_lease = {pid: lid for lid, pids in (lease_pids or {}).items() for pid in pids}
+    out = Observation()
     for proc in processes:
-        if proc.pid in managed_pids:
-            continue  # our runs and our model host: their VRAM is declared, never counted twice
-        entry = out.setdefault(proc.device, Unmanaged())
-        entry.mb += proc.used_mb
-        entry.processes.append({"pid": proc.pid, "used_mb": proc.used_mb, "name": proc.name})
+        if proc.pid in baseline:
+            continue
+        run_id = owner_of_run.get(proc.pid)
+        if run_id is not None:
+            per = out.runs.setdefault(run_id, {})
+            per[proc.device] = per.get(proc.device, 0) + proc.used_mb
+            continue
+        lease_id = owner_of_lease.get(proc.pid)
+        entry = out.unmanaged.setdefault(proc.device, Unmanaged())
+        kernel = kernels.get(proc.pid)
+        entry.processes.append(
+            {
+                "pid": proc.pid,
+                "gpu": proc.device,
+                "used_mb": proc.used_mb,
+                "name": proc.name,
+                "kernel_id": kernel.kernel_id if kernel else None,
+                "session_path": kernel.session_path if kernel else None,
+                "lease_id": lease_id,
+            }
+        )
+        if lease_id is None:
+            entry.mb += proc.used_mb
+        else:
+            per = out.leases.setdefault(lease_id, {})
+            per[proc.device] = per.get(proc.device, 0) + proc.used_mb
+    for lease_id, per_device in out.leases.items():
+        charges = (lease_charges or {}).get(lease_id, {})
+        over = 0
+        for device, used in per_device.items():
+            excess = max(0, used - charges.get(device, 0))
+            out.unmanaged.setdefault(device, Unmanaged()).mb += excess
+            over += excess
+        out.over_lease[lease_id] = over
     return out
 
 
@@ -77,8 +142,10 @@ def ledger_view(
     cpu_slots: int,
     running: Iterable[RunningJob],
     unmanaged: Mapping[int, Unmanaged],
+    leases: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The ledger as the contract shapes it (plain dicts: this is on the hot path of GET /queue)."""
+    """The ledger as the contract shapes it (plain dicts: this is on the hot path of GET /queue).
+    ``running`` holds runs and granted leases; ``leases`` the lease records by id."""
     devices: dict[int, dict[str, Any]] = {
         b.index: {
             "index": b.index,
@@ -92,6 +159,7 @@ def ledger_view(
             "unmanaged_processes": [],
             "exclusive": None,
             "runs": [],
+            "leases": [],
         }
         for b in budgets
     }
@@ -104,7 +172,23 @@ def ledger_view(
                 continue
             taken = dev["usable_mb"] if run.exclusive else run.marginal_vram_mb
             dev["allocated_mb"] += taken
-            dev["runs"].append({"id": run.id, "marginal_vram_mb": taken})
+            if run.kind == "lease":
+                rec = (leases or {}).get(run.id) or {}
+                used = int((rec.get("observed_mb") or {}).get(str(index), 0))
+                dev["leases"].append(
+                    {
+                        "id": run.id,
+                        "vram_mb": taken,
+                        "pid": rec.get("pid"),
+                        "label": rec.get("label") or "",
+                        "kernel_id": rec.get("kernel_id"),
+                        "session_path": rec.get("session_path"),
+                        "observed_mb": used,
+                        "over_lease_mb": max(0, used - taken),
+                    }
+                )
+            else:
+                dev["runs"].append({"id": run.id, "marginal_vram_mb": taken})
             if run.exclusive:
                 dev["exclusive"] = run.id
     for index, dev in devices.items():

@@ -12,6 +12,12 @@ Rules, in order of precedence:
 - ... unless the head of the queue is starving (waited ``starvation_s`` or passed over
   ``starvation_passes`` times): then the GPUs and CPU slots it needs are reserved for it and no
   job behind it may take them. Reserved devices only drain, so the head eventually fits.
+
+Jobs are runs and leases alike (``kind``): a lease is VRAM held for interactive work, admitted by
+the same rules. A process that already holds VRAM outside the scheduler (a kernel that loaded a
+model before asking for its lease) is charged ``max(lease, observed)``, never both: the job's
+``held`` figures are the VRAM of its own process already counted as unmanaged on each device,
+which its placement absorbs.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ class QueuedJob:
     depends_on: tuple[str, ...] = ()
     waited_s: float = 0.0
     passed_over: int = 0
+    kind: str = "run"  # "run" or "lease"
+    # (device, MB): VRAM this job's own process already holds there, counted as unmanaged.
+    held: tuple[tuple[int, int], ...] = ()
 
     @property
     def uses_gpu(self) -> bool:
@@ -50,6 +59,8 @@ class RunningJob:
     marginal_vram_mb: int = 0
     exclusive: bool = False
     cpus: int = 1
+    kind: str = "run"  # "run" or "lease"
+    label: str = ""  # who holds a lease (its label, notebook or pid): named in the reasons of jobs it holds back
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,25 +139,42 @@ def never_fits(job: QueuedJob, capacity: Capacity) -> tuple[str, str] | None:
 class _Book:
     """Mutable accounting for one decision: free VRAM, run counts and exclusivity per device."""
 
-    __slots__ = ("free", "usable", "unmanaged", "runs", "exclusive", "cpu_free", "cpu_total")
+    __slots__ = ("free", "usable", "unmanaged", "runs", "exclusive", "cpu_free", "cpu_total", "leases")
 
     def __init__(self, capacity: Capacity, running: Sequence[RunningJob]):
         self.usable = {d.index: d.usable_mb for d in capacity.devices}
         self.unmanaged = {d.index: d.unmanaged_mb for d in capacity.devices}
         self.free = {d.index: d.usable_mb - d.unmanaged_mb for d in capacity.devices}
-        self.runs = {d.index: 0 for d in capacity.devices}
+        self.runs = {d.index: 0 for d in capacity.devices}  # runs and leases on each device
+        self.leases: dict[int, list[RunningJob]] = {d.index: [] for d in capacity.devices}
         self.exclusive: dict[int, str] = {}
         self.cpu_total = capacity.cpu_slots
         self.cpu_free = capacity.cpu_slots
         for run in running:
             self.take(run.id, run.devices, run.marginal_vram_mb, run.exclusive, run.cpus)
+            if run.kind == "lease":
+                for index in run.devices:
+                    if index in self.leases:
+                        self.leases[index].append(run)
 
-    def take(self, run_id: str, devices: Iterable[int], marginal: int, exclusive: bool, cpus: int) -> None:
+    def take(
+        self,
+        run_id: str,
+        devices: Iterable[int],
+        marginal: int,
+        exclusive: bool,
+        cpus: int,
+        held: Mapping[int, int] | None = None,
+    ) -> None:
         for index in devices:
             if index not in self.free:
                 continue  # a device that disappeared from the host; nothing to account
             # An exclusive run allocates the device's whole usable memory.
-            self.free[index] -= self.usable[index] if exclusive else marginal
+            charge = self.usable[index] if exclusive else marginal
+            # What the job's own process already held there (unmanaged until now) is absorbed.
+            absorbed = min(held.get(index, 0), charge) if held else 0
+            self.free[index] -= charge - absorbed
+            self.unmanaged[index] -= absorbed
             self.runs[index] += 1
             if exclusive:
                 self.exclusive[index] = run_id
@@ -154,15 +182,18 @@ class _Book:
 
     def candidates(self, job: QueuedJob, blocked: frozenset[int]) -> list[int]:
         """Devices the job could use now, best fit first (least free left over, then index)."""
+        held = dict(job.held)
         out = []
         for index, free in self.free.items():
             if index in blocked or index in self.exclusive:
                 continue
+            own = held.get(index, 0)
             if job.exclusive:
-                # Exclusive means nothing else on the device: no run of ours, no foreign process.
-                if self.runs[index] == 0 and self.unmanaged[index] == 0 and free >= job.marginal_vram_mb:
+                # Exclusive means nothing else on the device: no run or lease of ours, no foreign
+                # process (the job's own process aside).
+                if self.runs[index] == 0 and self.unmanaged[index] - own <= 0 and free + own >= job.marginal_vram_mb:
                     out.append(index)
-            elif free >= job.marginal_vram_mb:
+            elif free + min(own, job.marginal_vram_mb) >= job.marginal_vram_mb:
                 out.append(index)
         out.sort(key=lambda i: (self.free[i], i))
         return out
@@ -221,7 +252,7 @@ def decide(
 
         if placement is not None and cpu_ok:
             decision.starts.append(Start(job.id, placement))
-            book.take(job.id, placement, job.marginal_vram_mb, job.exclusive, job.cpus)
+            book.take(job.id, placement, job.marginal_vram_mb, job.exclusive, job.cpus, dict(job.held))
             decision.passed_over.extend(waiting_ahead)
             continue
 
@@ -296,11 +327,7 @@ def _describe_reservation(devices: frozenset[int], cpus: int) -> str:
 def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[int]) -> str:
     if not placed:
         if job.exclusive:
-            busy = ", ".join(
-                f"GPU {i}: {book.runs[i]} run{'s' if book.runs[i] != 1 else ''}"
-                for i in sorted(book.runs)
-                if book.runs[i]
-            )
+            busy = ", ".join(_device_users(book, i) for i in sorted(book.runs) if book.runs[i])
             return (
                 f"waiting_gpu_exclusive: needs {_gpus(job.gpus)} with nothing else on "
                 f"{'it' if job.gpus == 1 else 'them'}; {busy or 'none idle'}"
@@ -317,11 +344,43 @@ def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[i
         if job.gpus > 1:
             text += f"{roomy} of {job.gpus} have room; "
         text += most
+        leases = _lease_holders(book)
+        if leases:
+            text += "; " + leases
         unmanaged = sum(book.unmanaged.values())
         if unmanaged:
             text += f"; {unmanaged} MB held by processes outside the scheduler"
         return text
     return f"waiting_cpu: needs {job.cpus} CPU slot{'s' if job.cpus != 1 else ''}; {max(book.cpu_free, 0)} of {book.cpu_total} free"
+
+
+def _device_users(book: _Book, index: int) -> str:
+    """``GPU 0: 1 run, lease lease-... (analysis.ipynb)``: who holds a device."""
+    leases = book.leases.get(index, [])
+    runs = book.runs[index] - len(leases)
+    parts = [f"{runs} run{'s' if runs != 1 else ''}"] if runs else []
+    parts += [f"lease {lease.id} ({lease.label})" if lease.label else f"lease {lease.id}" for lease in leases]
+    return f"GPU {index}: " + ", ".join(parts)
+
+
+def _lease_holders(book: _Book, limit: int = 3) -> str:
+    """The leases that hold VRAM, largest first: ``lease L (analysis.ipynb) holds 14000 MB on GPU 0``."""
+    held = [(lease, index) for index, leases in sorted(book.leases.items()) for lease in leases]
+    if not held:
+        return ""
+    held.sort(key=lambda item: (-_lease_charge(book, *item), item[1], item[0].id))
+    parts = [
+        f"lease {lease.id}{f' ({lease.label})' if lease.label else ''} holds {_lease_charge(book, lease, index)} MB "
+        f"on GPU {index}"
+        for lease, index in held[:limit]
+    ]
+    if len(held) > limit:
+        parts.append(f"{len(held) - limit} more lease(s)")
+    return ", ".join(parts)
+
+
+def _lease_charge(book: _Book, lease: RunningJob, index: int) -> int:
+    return book.usable.get(index, 0) if lease.exclusive else lease.marginal_vram_mb
 
 
 def _gpus(n: int) -> str:

@@ -15,6 +15,7 @@ All of it runs on the event-loop thread.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -55,7 +56,9 @@ class Run:
     scheduling: dict[str, Any] = field(init=False)
     passed_over: int = 0  # times a later job was admitted ahead of it (anti-starvation)
     cancel_requested: bool = False
+    kill_reason: str | None = None  # set when the server stopped the run (over_vram: ...)
     timed_out: bool = False
+    warned: set[str] = field(default_factory=set)  # keys of the warnings already recorded
     done_on_disk: bool = False
     summary_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the summary last applied
 
@@ -85,7 +88,14 @@ class Run:
 
 
 def new_record(
-    run_id: str, spec: dict[str, Any], *, seq: int, executor: str, run_dir: str, idempotency_key: str | None = None
+    run_id: str,
+    spec: dict[str, Any],
+    *,
+    seq: int,
+    executor: str,
+    run_dir: str,
+    idempotency_key: str | None = None,
+    marginal_vram_source: str = "declared",
 ) -> dict[str, Any]:
     """The record of a run just submitted (``spec`` validated, defaults filled in)."""
     sched = contract.scheduling_of(spec)
@@ -108,8 +118,17 @@ def new_record(
             seq=seq,
             run_dir=run_dir,
             idempotency_key=idempotency_key,
+            entrypoint=spec.get("entrypoint"),
+            source_digest=source_digest(spec.get("source")),
+            marginal_vram_source=marginal_vram_source,
+            memory_mb=sched["memory_mb"],
         )
     ).model_dump(mode="json")
+
+
+def source_digest(source: str | None) -> str | None:
+    """What tells two cells' evals apart (both are ``eval.py:episode``)."""
+    return None if source is None else hashlib.sha256(source.encode()).hexdigest()
 
 
 def record_from_disk(raw: dict[str, Any], run_id: str, run_dir: str) -> dict[str, Any]:
@@ -197,8 +216,13 @@ class RunTable:
         return spec
 
     def next_seq(self) -> int:
+        """The next submission number: runs and leases share it (FIFO within a lane is by it)."""
         self._seq += 1
         return self._seq
+
+    def note_seq(self, seq: int) -> None:
+        """A number already taken (by a lease found at start)."""
+        self._seq = max(self._seq, seq)
 
     def counts(self) -> dict[str, int]:
         out = {"queued": 0, "running": 0, "total": len(self._runs)}
@@ -221,7 +245,9 @@ class RunTable:
     def changed(self, run: Run) -> None:
         """Tell listeners that the run's record changed."""
         self.version += 1
-        event = {"type": "run", "run": run.record}
+        self.emit({"type": "run", "run": run.record})
+
+    def emit(self, event: dict[str, Any]) -> None:
         for listener in list(self._listeners):
             try:
                 listener(event)
@@ -279,6 +305,42 @@ class RunTable:
             return False
         rec["progress"] = progress
         rec["metrics"] = metrics
+        return True
+
+    def observe(
+        self, run: Run, vram_mb: dict[int, int], rss_mb: int | None, source: str | None = None, notify: bool = True
+    ) -> bool:
+        """Fold what the run uses now into its ``observed`` peaks; True (and listeners told, unless
+        not ``notify``) when a peak rose. Not written by itself: the next transition writes it."""
+        old = run.record.get("observed")
+        peaks = dict((old or {}).get("peak_vram_mb") or {})
+        for device, mb in vram_mb.items():
+            if mb > peaks.get(str(device), -1):
+                peaks[str(device)] = int(mb)
+        peak_rss = (old or {}).get("peak_rss_mb")
+        if rss_mb is not None and (peak_rss is None or rss_mb > peak_rss):
+            peak_rss = int(rss_mb)
+        new = {
+            "peak_vram_mb": dict(sorted(peaks.items(), key=lambda kv: int(kv[0]))),
+            "peak_rss_mb": peak_rss,
+            "source": source or (old or {}).get("source") or "nvml",
+        }
+        if new == old:
+            return False
+        run.record["observed"] = new
+        if notify:
+            self.changed(run)
+        return True
+
+    def add_warning(self, run: Run, key: str, warning: str) -> bool:
+        """A problem seen while it runs (``over_vram: ...``), recorded once per ``key`` (a code
+        and a GPU, say); listeners get the run and a ``{"type": "warning"}`` event. True if new."""
+        if key in run.warned:
+            return False
+        run.warned.add(key)
+        run.record["warnings"] = [*run.record["warnings"], warning]
+        self.changed(run)
+        self.emit({"type": "warning", "run_id": run.id, "code": contract.reason_code(warning), "message": warning})
         return True
 
     def finish(self, run: Run, state: str, reason: str | None, *, done_on_disk: bool = False) -> None:

@@ -13,26 +13,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
 from .. import contract
 from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, TERMINAL_STATES
-from ..models import EvalSpec, utcnow_iso
+from ..models import EvalSpec, LeaseRequest, utcnow_iso
 from ..runner.entrypoint import resolve_entrypoint_file
 from ..store import FoundRun, RunFileError, RunStore, StoreError, new_run_id
 from . import policy
 from .config import SchedulerConfig
 from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
-from .executors import Executor, ExecutorContext
+from .executors import Executor, ExecutorContext, ObservedTarget
 from .executors.local import LocalExecutor
-from .gpus import GpuProbe
-from .ledger import DeviceBudget, Unmanaged, capacity, device_budgets, ledger_view, unmanaged_by_device
-from .runs import Listener, Run, RunTable, new_record, parse_timestamp, record_from_disk
+from .gpus import GpuProbe, GpuProcess
+from .kernels import KernelInfo, OwnKernel, identify
+from .leases import Lease, LeaseTable
+from .ledger import DeviceBudget, Observation, Unmanaged, account, capacity, device_budgets, ledger_view
+from .runs import Listener, Run, RunTable, new_record, parse_timestamp, record_from_disk, source_digest
 from .shared import NoSharedModels, SharedModels
 
 log = logging.getLogger("jupyter_evalsched")
@@ -53,6 +58,10 @@ class Scheduler:
         self.models: SharedModels = models if models is not None else NoSharedModels()
         self.store = RunStore(config.runs_dir, fsync=config.fsync)
         self.table = RunTable(self.store)
+        self.leases = LeaseTable(self.store, emit=self.table.emit)
+        # This server's kernels (their pids and notebooks), for naming GPU processes; set by the app.
+        self.own_kernels: Callable[[], Awaitable[list[OwnKernel]]] | None = None
+        self._kernels: dict[int, KernelInfo] = {}
         self.executors: dict[str, Executor] = {e.name: e for e in (executors or [LocalExecutor(self.models)])}
         # Admission's own view: the ledger runs waiting for resources, and those holding them.
         self._queued: dict[str, Run] = {}
@@ -64,6 +73,10 @@ class Scheduler:
         self._unmanaged: dict[int, Unmanaged] = {}
         self._budgets: list[DeviceBudget] = []
         self._queue_cache: tuple[int, bytes, float] | None = None
+        self._observed_version = 0  # bumped when the probe's figures change what the ledger shows
+        self._last_processes: list[GpuProcess] = []
+        self._last_sample: HostSample | None = None
+        self._observation: Observation | None = None
         self._started = False
         self._stopping = False
         self._creating: set[str] = set()
@@ -79,6 +92,7 @@ class Scheduler:
         self._by_key: dict[str, str] = {}  # Idempotency-Key -> the run it created
         self._keys_in_flight: dict[str, asyncio.Future[None]] = {}
         self.table.on_end(self._on_run_ended)
+        self.leases.on_end(self._on_lease_ended)
 
     # ----------------------------------------------------------------- life cycle
 
@@ -93,6 +107,11 @@ class Scheduler:
             executor.bind(self.context)
         found = await self._loop.run_in_executor(None, self._read_runs_dir)
         self._recover(found)
+        for executor in self.executors.values():
+            executor.recovered()
+        self.leases.bind(self._loop)
+        self.leases.recover(await self._loop.run_in_executor(None, self.store.read_leases))
+        self.table.note_seq(max((lease.record["seq"] for lease in self.leases), default=0))
         self._started = True
         self._tasks = [
             asyncio.ensure_future(self._sweep_forever()),
@@ -112,6 +131,7 @@ class Scheduler:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
+        self.leases.stop()
         if self._loop is not None:
             for executor in self.executors.values():
                 await executor.stop()
@@ -224,7 +244,8 @@ class Scheduler:
                 id="-",
                 seq=0,
                 priority=sched.priority,
-                marginal_vram_mb=sched.marginal_vram_mb,
+                # "auto" is resolved before (resolve_auto_vram); never-fits is checked on the figure.
+                marginal_vram_mb=sched.marginal_vram_mb if isinstance(sched.marginal_vram_mb, int) else 0,
                 gpus=sched.gpus,
                 exclusive=sched.exclusive_gpu,
                 cpus=sched.cpus,
@@ -300,6 +321,8 @@ class Scheduler:
                 f"the Idempotency-Key was used for run {run_id}, whose spec cannot be read: {exc}"
             ) from None
         again = self._normalized(spec)
+        if spec.scheduling.marginal_vram_mb == "auto":  # the figure it was resolved to stands
+            again["scheduling"]["marginal_vram_mb"] = first.get("scheduling", {}).get("marginal_vram_mb")
         if spec.cwd is None:  # "the server's root": a retry may reach another server after a failover
             first.pop("cwd", None)
             again.pop("cwd", None)
@@ -313,7 +336,46 @@ class Scheduler:
         spec_dict["executor"] = spec.executor or self.config.default_executor
         return spec_dict
 
+    def resolve_auto_vram(self, spec: EvalSpec) -> tuple[EvalSpec, str]:
+        """``marginal_vram_mb: "auto"`` -> the highest observed peak of the earlier succeeded runs of
+        the same eval that ran on a GPU, plus ``auto_margin``; SpecRejected without such a run.
+        Returns the spec with the figure, and where it came from (the record's
+        ``marginal_vram_source``)."""
+        if spec.scheduling.marginal_vram_mb != "auto":
+            return spec, "declared"
+        name = spec.executor or self.config.default_executor
+        executor = self.executors.get(name)
+        loc = ["scheduling", "marginal_vram_mb"]
+        if executor is not None and not executor.uses_ledger:
+            msg = f"'auto' needs observed usage, which {name} runs do not have: declare a number"
+            raise SpecRejected(f"scheduling.marginal_vram_mb: {msg}", [{"loc": loc, "msg": msg, "type": "auto"}])
+        key = (spec.entrypoint, source_digest(spec.source))
+        best: tuple[int, Run] | None = None
+        for run in self.table:
+            rec = run.record
+            observed = rec.get("observed")
+            if rec["state"] != contract.SUCCEEDED or not rec["devices"] or not isinstance(observed, dict):
+                continue
+            if (rec.get("entrypoint"), rec.get("source_digest")) != key:
+                continue
+            peak = max((int(v) for v in (observed.get("peak_vram_mb") or {}).values()), default=0)
+            if best is None or peak > best[0]:
+                best = (peak, run)
+        if best is None:
+            what = "this cell's eval" if spec.source is not None else repr(spec.entrypoint)
+            msg = (
+                f"'auto' needs an earlier succeeded run of {what} on a GPU whose VRAM was observed, and there is "
+                'none: declare a number (e.g. "marginal_vram_mb": 8000, or --vram 8000)'
+            )
+            raise SpecRejected(f"scheduling.marginal_vram_mb: {msg}", [{"loc": loc, "msg": msg, "type": "auto"}])
+        peak, run = best
+        figure = math.ceil(peak * (1 + self.config.auto_margin))
+        source = f"auto: {figure} MB = the {peak} MB peak of run {run.id} + {self.config.auto_margin:.0%}"
+        scheduling = spec.scheduling.model_copy(update={"marginal_vram_mb": figure})
+        return spec.model_copy(update={"scheduling": scheduling}), source
+
     async def _submit(self, spec: EvalSpec, idempotency_key: str | None) -> dict[str, Any]:
+        spec, vram_source = self.resolve_auto_vram(spec)
         self.validate_for_host(spec)
         run_id = new_run_id()
         while run_id in self.table or run_id in self._creating:
@@ -327,6 +389,7 @@ class Scheduler:
             executor=executor.name,
             run_dir=str(self.store.run_dir(run_id)),
             idempotency_key=idempotency_key,
+            marginal_vram_source=vram_source,
         )
         files = {contract.SPEC_FILE: _dumps(spec_dict), contract.JOB_FILE: _dumps(record)}
         if spec.source is not None:
@@ -393,6 +456,18 @@ class Scheduler:
             )
         return policy.LANE_INDEX[run.record["priority"]] >= self._head_lane
 
+    def _on_lease_ended(self, lease: Lease) -> None:
+        if not self._started or self._stopping:
+            return
+        self._account()  # what its process still holds is unmanaged again
+        if self._admitting:
+            self._decide_again = True
+        elif lease.record["devices"]:
+            self._settled = False
+            self._admit()  # what it held goes to the next in line at once
+        else:
+            self.request_admission()
+
     def _admit_new(self, run: Run) -> None:
         """Admission for one newly submitted job: O(running), not O(queue). With 10,000 jobs
         queued, a full decision per submission would make a burst of submissions quadratic."""
@@ -424,7 +499,7 @@ class Scheduler:
         try:
             for _ in range(100):  # dependency failures can cascade down a chain
                 self._decide_again = False
-                if not self._queued:
+                if not self._queued and not self.leases.queued():
                     self._settled, self._reservation, self._head_lane = True, None, len(policy.LANES)
                     return
                 decision = self._decide()
@@ -449,16 +524,29 @@ class Scheduler:
             self.table.finish(
                 run, FAILED, contract.reason(contract.DEPENDENCY_FAILED, f"{dep} ended {dep_state}", arg=dep)
             )
+        granted = False
         for start in decision.starts:
-            self._launch(self._queued[start.id], start.devices)
-        for run_id in decision.passed_over:
-            waiting = self._queued.get(run_id)
+            if start.id in self._queued:
+                self._launch(self._queued[start.id], start.devices)
+            else:
+                lease = self.leases.get(start.id)
+                if lease is not None and lease.live:
+                    self.leases.grant(lease, start.devices)
+                    granted = True
+        if granted:
+            self._account()
+        for job_id in decision.passed_over:
+            waiting: Run | Lease | None = self._queued.get(job_id) or self.leases.get(job_id)
             if waiting is not None:
                 waiting.passed_over += 1
-        for run_id, reason in decision.waiting.items():
-            waiting = self._queued.get(run_id)
-            if waiting is not None:
-                self.table.set_reason(waiting, reason)
+        for job_id, reason in decision.waiting.items():
+            queued_run = self._queued.get(job_id)
+            if queued_run is not None:
+                self.table.set_reason(queued_run, reason)
+                continue
+            lease = self.leases.get(job_id)
+            if lease is not None and lease.live:
+                self.leases.set_reason(lease, reason)
 
     def _as_queued(self, run: Run, now: float) -> policy.QueuedJob:
         sched = run.scheduling
@@ -475,6 +563,22 @@ class Scheduler:
             passed_over=run.passed_over,
         )
 
+    def _lease_as_queued(self, lease: Lease, now: float) -> policy.QueuedJob:
+        rec = lease.record
+        return policy.QueuedJob(
+            id=lease.id,
+            seq=rec["seq"],
+            priority=rec["priority"],
+            marginal_vram_mb=rec["vram_mb"],
+            gpus=rec["gpus"],
+            exclusive=rec["exclusive_gpu"],
+            cpus=0,  # interactive work runs in its kernel, on no CPU slot of ours
+            waited_s=now - lease.requested_ts,
+            passed_over=lease.passed_over,
+            kind="lease",
+            held=tuple(sorted(lease.observed.items())),
+        )
+
     def _dependency_states(self, runs: list[Run]) -> dict[str, str]:
         states = {}
         for run in runs:
@@ -487,13 +591,15 @@ class Scheduler:
     def _decide(self) -> policy.Decision:
         now = time.time()
         queued = [self._as_queued(run, now) for run in self._queued.values()]
+        queued += [self._lease_as_queued(lease, now) for lease in self.leases.queued()]
         self._head_lane = min((policy.effective_lane(q, self.config.policy) for q in queued), default=len(policy.LANES))
         cap = capacity(self._budgets, self.config.cpu_slots, self._unmanaged)
         deps = self._dependency_states(list(self._queued.values()))
         return policy.decide(queued, self._running_jobs(), cap, deps, self.config.policy)
 
     def _running_jobs(self) -> list[policy.RunningJob]:
-        return [
+        """What holds resources: running runs, then granted leases."""
+        jobs = [
             policy.RunningJob(
                 id=run.id,
                 devices=tuple(run.record["devices"]),
@@ -503,6 +609,19 @@ class Scheduler:
             )
             for run in self._running.values()
         ]
+        jobs += [
+            policy.RunningJob(
+                id=lease.id,
+                devices=tuple(lease.record["devices"]),
+                marginal_vram_mb=lease.record["vram_mb"],
+                exclusive=lease.record["exclusive_gpu"],
+                cpus=0,
+                kind="lease",
+                label=lease.holder,
+            )
+            for lease in self.leases.granted()
+        ]
+        return jobs
 
     def _launch(self, run: Run, devices: tuple[int, ...]) -> None:
         """Take the resources now (the ledger changes in this very decision), then start the run."""
@@ -518,6 +637,72 @@ class Scheduler:
             started_at=utcnow_iso(),
         )
         self.executors[run.executor].launch(run)
+
+    # ----------------------------------------------------------------- leases
+
+    async def request_lease(self, request: LeaseRequest) -> dict[str, Any]:
+        """A new lease, admitted at once when it fits (the answer says ``granted`` or ``queued``).
+        SpecRejected when it can never fit or its pid is not a live process."""
+        self._require_started()
+        probe_job = policy.QueuedJob(
+            id="-", seq=0, marginal_vram_mb=request.vram_mb, gpus=request.gpus, exclusive=request.exclusive_gpu, cpus=0
+        )
+        why = policy.never_fits(probe_job, capacity(self._budgets, self.config.cpu_slots, {}))
+        if why:
+            field_name = {"marginal_vram_mb": "vram_mb"}.get(why[0], why[0])
+            raise SpecRejected(
+                f"{field_name}: can never fit on this host: {why[1]}",
+                [{"loc": [field_name], "msg": f"can never fit on this host: {why[1]}", "type": "never_fits"}],
+            )
+        kernel: KernelInfo | None = None
+        tree: set[int] = set()
+        if request.pid is not None:
+            own = await self.own_kernels() if self.own_kernels is not None else []
+            kernel, tree = await self._require_loop().run_in_executor(self._io, _describe_holder, request.pid, own)
+        try:
+            lease = self.leases.request(
+                vram_mb=request.vram_mb,
+                gpus=request.gpus,
+                exclusive_gpu=request.exclusive_gpu,
+                priority=request.priority,
+                pid=request.pid,
+                ttl_s=request.ttl_s,
+                label=request.label,
+                seq=self.table.next_seq(),
+                kernel_id=kernel.kernel_id if kernel else None,
+                session_path=kernel.session_path if kernel else None,
+            )
+        except ValueError as exc:
+            raise SpecRejected(f"pid: {exc}", [{"loc": ["pid"], "msg": str(exc), "type": "no_such_process"}]) from None
+        except StoreError as exc:
+            raise Unavailable(str(exc)) from exc
+        # What its process holds already (as the last sweep saw it) is absorbed by its grant.
+        lease.holder_pids = frozenset(tree)
+        lease.observed = self._unmanaged_of(tree)
+        if not self._stopping:
+            self._settled = False
+            self._admit()
+        return lease.record
+
+    def _unmanaged_of(self, pids: set[int]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for device, entry in self._unmanaged.items():
+            used = sum(p["used_mb"] for p in entry.processes if p["pid"] in pids and p["lease_id"] is None)
+            if used:
+                out[device] = used
+        return out
+
+    def get_lease(self, lease_id: str) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise UnknownRun(f"no lease with id {lease_id!r}")
+        return lease
+
+    def release_lease(self, lease_id: str) -> dict[str, Any]:
+        """End a lease (``released``); a lease that already ended stays as it ended."""
+        lease = self.get_lease(lease_id)
+        self.leases.end(lease, contract.RELEASED, "released through the API")
+        return lease.record
 
     # ----------------------------------------------------------------- client operations
 
@@ -586,7 +771,16 @@ class Scheduler:
         return [self._queued[j.id] for j in jobs]
 
     def ledger(self) -> dict:
-        return ledger_view(self._budgets, self.config.cpu_slots, self._running_jobs(), self._unmanaged)
+        leases = {lease.id: lease.record for lease in self.leases.granted()}
+        return ledger_view(self._budgets, self.config.cpu_slots, self._running_jobs(), self._unmanaged, leases)
+
+    def leases_in_order(self) -> list[Lease]:
+        """Live leases: granted ones by grant, then queued ones in admission order."""
+        now = time.time()
+        granted = sorted(self.leases.granted(), key=lambda lease: lease.record["granted_at"] or "")
+        waiting = {lease.id: lease for lease in self.leases.queued()}
+        order = policy.admission_order((self._lease_as_queued(w, now) for w in waiting.values()), self.config.policy)
+        return granted + [waiting[job.id] for job in order]
 
     def queue_view(self) -> dict:
         queued = [run.record for run in self.queued_in_order()]
@@ -598,13 +792,14 @@ class Scheduler:
             "queued": queued,
             "running": sorted(running, key=lambda r: r["started_at"] or ""),
             "ledger": self.ledger(),
+            "leases": [lease.record for lease in self.leases_in_order()],
         }
 
     def queue_view_json(self) -> bytes:
         """The queue view serialised, cached until the next change (GET /queue is polled)."""
         cached = self._queue_cache
         now = time.monotonic()
-        version = self.table.version
+        version = self.table.version + self.leases.version + self._observed_version
         # Also expire after a second: aging reorders the queue with time alone.
         if cached is not None and cached[0] == version and now - cached[2] < 1.0:
             return cached[1]
@@ -652,6 +847,7 @@ class Scheduler:
     # ----------------------------------------------------------------- events
 
     def subscribe(self, listener: Listener) -> None:
+        """Every event: runs, leases and warnings (one stream)."""
         self.table.subscribe(listener)
 
     def unsubscribe(self, listener: Listener) -> None:
@@ -676,24 +872,103 @@ class Scheduler:
                     await executor.sweep()
                 if self.table.has_unwritten:
                     self.table.retry_unwritten()
-                await self._refresh_unmanaged()
+                self.leases.check_processes()
+                await self._observe()
                 self._admit()
             except Exception:
                 log.exception("evalsched: sweep failed")
 
-    async def _refresh_unmanaged(self) -> None:
+    async def _observe(self) -> None:
+        """Read what the probe and the host say each process uses, and sort it out: runs' observed
+        usage (and enforcement of their declarations), leases' holders, unmanaged VRAM by kernel."""
         loop = self._require_loop()
         processes = await loop.run_in_executor(None, self.probe.processes)
-        if not processes and not self._unmanaged:
-            return
-        own = set(self.models.pids())
+        targets: dict[str, ObservedTarget] = {}
         for executor in self.executors.values():
-            own |= executor.pids()
-        managed = await loop.run_in_executor(None, _with_descendants, own)
-        unmanaged = unmanaged_by_device(processes, managed)
-        if {k: v.mb for k, v in unmanaged.items()} != {k: v.mb for k, v in self._unmanaged.items()}:
-            self.table.version += 1
-        self._unmanaged = unmanaged
+            targets.update(executor.observed_targets())
+        leases = self.leases.live()
+        if not processes and not self._unmanaged and not targets and not any(lease.observed for lease in leases):
+            return
+        own_kernels: list[OwnKernel] = []
+        if processes and self.own_kernels is not None:
+            try:
+                own_kernels = await self.own_kernels()
+            except Exception:
+                log.debug("evalsched: this server's kernels could not be listed", exc_info=True)
+        lease_roots = {lease.id: lease.pid for lease in leases if lease.pid is not None}
+        sample = await loop.run_in_executor(
+            self._io, sample_host, processes, targets, self.models.pids(), lease_roots, own_kernels
+        )
+        self._kernels = sample.kernels
+        for lease in leases:
+            if lease.live:
+                lease.holder_pids = frozenset(sample.lease_pids.get(lease.id, lease.holder_pids))
+                kernel = sample.kernels.get(lease.pid) if lease.pid is not None else None
+                if kernel is not None:
+                    self.leases.set_kernel(lease, kernel.kernel_id, kernel.session_path)
+        self._last_processes, self._last_sample = processes, sample
+        self._account()
+        if self._observation is not None:
+            self._observe_runs(self._observation, sample)
+
+    def _observe_runs(self, observation: Observation, sample: HostSample) -> None:
+        """Peaks into the runs' records, and their declarations enforced (``enforce_vram``)."""
+        source = getattr(self.probe, "source", "nvml")
+        for run_id, rss_mb in sample.run_rss_mb.items():
+            run = self.table.get(run_id)
+            if run is None or run.terminal:
+                continue
+            used = observation.runs.get(run_id, {})
+            peak = sample.run_memory_peak_mb.get(run_id)
+            self.table.observe(run, used, max(rss_mb, peak or 0), source)
+            if used and self.config.enforce_vram != "off":
+                self._enforce_vram(run, used)
+
+    def _enforce_vram(self, run: Run, used: dict[int, int]) -> None:
+        rec = run.record
+        usable = {b.index: b.usable_mb for b in self._budgets}
+        for device, mb in sorted(used.items()):
+            if device not in rec["devices"]:
+                declared = 0  # a GPU it was not given (CUDA_VISIBLE_DEVICES ignored)
+            elif rec["exclusive_gpu"]:
+                declared = usable.get(device, 0)
+            else:
+                declared = rec["marginal_vram_mb"]
+            if mb <= declared * (1 + self.config.vram_tolerance):
+                continue
+            text = contract.reason(contract.OVER_VRAM, f"used {mb} MB on GPU {device}, declared {declared} MB")
+            self.table.add_warning(run, f"{contract.OVER_VRAM}:{device}", text)
+            if self.config.enforce_vram == "kill":
+                executor = self.executors.get(run.executor)
+                if executor is not None and executor.kill_run(run, text):
+                    log.warning("evalsched: run %s stopped: %s", run.id, text)
+                return
+
+    def _account(self) -> None:
+        """Sort the last sample out against the leases as they are now: after every sweep, and
+        when a lease is granted or ends (what its process holds changes hands at once)."""
+        if self._last_sample is None:
+            return
+        leases = self.leases.live()
+        budgets = {b.index: b.usable_mb for b in self._budgets}
+        observation = account(
+            self._last_processes,
+            baseline_pids=self._last_sample.baseline_pids,
+            run_pids=self._last_sample.run_pids,
+            lease_pids={lease.id: lease.holder_pids for lease in leases if lease.holder_pids},
+            lease_charges={
+                lease.id: {d: lease.charge(d, budgets.get(d, 0)) for d in lease.record["devices"]} for lease in leases
+            },
+            kernels=self._kernels,
+        )
+        if _ledger_figures(observation.unmanaged) != _ledger_figures(self._unmanaged):
+            self._observed_version += 1
+        self._unmanaged = observation.unmanaged
+        for lease in leases:
+            self.leases.set_observed(
+                lease, observation.leases.get(lease.id, {}), observation.over_lease.get(lease.id, 0)
+            )
+        self._observation = observation
 
     async def _watch_progress_forever(self) -> None:
         while True:
@@ -719,14 +994,87 @@ def _entrypoint_problem(spec: EvalSpec, cwd: str) -> tuple[str, str] | None:
     return None
 
 
-def _with_descendants(pids: set[int]) -> set[int]:
-    out = set(pids)
+@dataclass(slots=True)
+class HostSample:
+    """What the I/O thread read of the host for one observation."""
+
+    run_pids: dict[str, set[int]] = field(default_factory=dict)
+    baseline_pids: set[int] = field(default_factory=set)
+    lease_pids: dict[str, set[int]] = field(default_factory=dict)
+    kernels: dict[int, KernelInfo] = field(default_factory=dict)
+    run_rss_mb: dict[str, int] = field(default_factory=dict)
+    run_memory_peak_mb: dict[str, int] = field(default_factory=dict)  # from the run's memory cgroup
+
+
+def sample_host(
+    processes: list[GpuProcess],
+    targets: dict[str, ObservedTarget],
+    model_pids: set[int],
+    lease_roots: dict[str, int],
+    own_kernels: list[OwnKernel],
+) -> HostSample:
+    """In the I/O thread: the process trees of runs, model hosts and lease holders, runs' RSS, and
+    which GPU processes are kernels. One walk of the process table serves every tree."""
+    children = _children_map()
+    out = HostSample()
+    for run_id, target in targets.items():
+        pids = target.pids() if target.cgroup is not None else None
+        if not pids:
+            pids = _tree(target.pid, children)
+        out.run_pids[run_id] = pids
+        out.run_rss_mb[run_id] = _rss_mb(pids)
+        if target.cgroup is not None:
+            peak = target.cgroup.memory_peak_mb()
+            if peak is not None:
+                out.run_memory_peak_mb[run_id] = peak
+    for pid in model_pids:
+        out.baseline_pids |= _tree(pid, children)
+    for lease_id, pid in lease_roots.items():
+        out.lease_pids[lease_id] = _tree(pid, children)
+    ours = set().union(out.baseline_pids, *out.run_pids.values())
+    candidates = {p.pid for p in processes if p.pid not in ours} | set(lease_roots.values())
+    if candidates:
+        out.kernels = identify(candidates, own_kernels)
+    return out
+
+
+def _describe_holder(pid: int, own: list[OwnKernel]) -> tuple[KernelInfo | None, set[int]]:
+    """In the I/O thread: the kernel a lease's process is (or runs under), and its process tree."""
+    return identify([pid], own).get(pid), _tree(pid, _children_map())
+
+
+def _children_map() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        ppid = proc.info.get("ppid")
+        if ppid:
+            out.setdefault(ppid, []).append(proc.pid)
+    return out
+
+
+def _tree(root: int, children: dict[int, list[int]]) -> set[int]:
+    out = {root}
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
+    return out
+
+
+def _rss_mb(pids: set[int]) -> int:
+    total = 0
     for pid in pids:
         try:
-            out.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+            total += psutil.Process(pid).memory_info().rss
         except psutil.Error:
-            pass
-    return out
+            continue
+    return total // (1024 * 1024)
+
+
+def _ledger_figures(unmanaged: dict[int, Unmanaged]) -> dict[int, tuple[int, list]]:
+    return {k: (v.mb, v.processes) for k, v in unmanaged.items()}
 
 
 def _dumps(obj: Any) -> bytes:

@@ -261,6 +261,9 @@ def sbatch_options(
     ]
     if _uses_gpu(spec):
         opts.append(f"--gres=gpu:{max(1, int(scheduling.get('gpus') or 1))}")
+    memory_mb = scheduling.get("memory_mb")
+    if isinstance(memory_mb, int) and memory_mb > 0:
+        opts.append(f"--mem={memory_mb}M")  # SLURM enforces it through its own cgroup
     timeout_s = spec.get("timeout_s")
     if timeout_s is not None and timeout_s > 0:
         # SLURM's limit has minute granularity: round up, so it never cuts a run short of timeout_s.

@@ -22,8 +22,22 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from ...store import RunStore
+    from ..cgroups import RunCgroup
     from ..config import SchedulerConfig
     from ..runs import Run, RunTable
+
+
+@dataclass(frozen=True)
+class ObservedTarget:
+    """A live run on this host, as observation sees it: its process, and its cgroup when it has
+    one (then every process of the run is in it, whatever it did to its session)."""
+
+    pid: int
+    cgroup: RunCgroup | None = None
+
+    def pids(self) -> set[int]:
+        """Every process of the run (from its cgroup; empty without one). Blocking: I/O thread."""
+        return self.cgroup.pids() if self.cgroup is not None else set()
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,14 @@ class Executor:
         """Cancel a run this executor holds; the run ends ``cancelled`` (now or once it stops)."""
         raise NotImplementedError
 
+    def kill_run(self, run: Run, reason: str) -> bool:
+        """Stop a run now, everything it started included; it ends ``failed`` with ``reason``
+        (a run over its declared VRAM). False when this executor cannot."""
+        return False
+
+    def recovered(self) -> None:
+        """Called once recovery has seen every run: clean up what no run owns any more."""
+
     async def sweep(self) -> None:
         """The periodic backstop (missed exits, another system's state)."""
 
@@ -82,7 +104,11 @@ class Executor:
         """The processes of this executor's live runs on this host (NVML accounting)."""
         return set()
 
+    def observed_targets(self) -> dict[str, ObservedTarget]:
+        """The live runs on this host whose usage is observed (run id -> target)."""
+        return {}
+
     @property
-    def mode(self) -> dict[str, str]:
+    def mode(self) -> dict[str, object]:
         """How it works on this host, for ``GET /evalsched/status`` (e.g. clean-up method)."""
         return {}

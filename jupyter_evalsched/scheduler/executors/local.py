@@ -1,9 +1,12 @@
 """Runs as subprocesses of this server: ``python -m jupyter_evalsched.runner --run-dir DIR``.
 
 The run gets its devices, its environment and the URLs of the shared models it named, starts in
-a new session, dies with the server (rule 2), and its exit is noticed at once (pidfd). Its end is
-judged from its own files first (it finalized: succeeded, or failed by an exception), then from
-how the process ended (cancelled, timed out, killed by a signal, exited early).
+a new session and in a cgroup of its own (where the host allows: then nothing it starts can
+escape clean-up, and ``memory_mb`` is its memory limit), dies with the server (rule 2), and its
+exit is noticed at once (pidfd). Its end is judged from its own files first (it finalized:
+succeeded, or failed by an exception), then from how the process ended (stopped for using more
+VRAM than declared, out of its memory limit, cancelled, timed out, killed by a signal, exited
+early).
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import os
 import sys
 
 from ... import contract
-from ...contract import ABORTED, CANCELLED, FAILED, QUEUED
+from ...contract import ABORTED, CANCELLED, FAILED, QUEUED, SUCCEEDED
 from ...store import RunFileError
+from ..cgroups import CgroupError, Cgroups, RunCgroup
 from ..environment import run_environment
 from ..launcher import Launcher, SpawnError, kill_escaped, kill_stale_group, process_create_time, signal_name
 from ..runs import Run
 from ..shared import ModelUnavailable, NoSharedModels, SharedModels
-from . import Executor, ExecutorContext
+from . import Executor, ExecutorContext, ObservedTarget
 
 log = logging.getLogger("jupyter_evalsched")
 
@@ -30,13 +34,19 @@ class LocalExecutor(Executor):
     uses_ledger = True
 
     def __init__(
-        self, models: SharedModels | None = None, python: str = sys.executable, notify_exits: bool = True
+        self,
+        models: SharedModels | None = None,
+        python: str = sys.executable,
+        notify_exits: bool = True,
+        cgroups: Cgroups | None = None,
     ) -> None:
         self.models: SharedModels = models if models is not None else NoSharedModels()
         self.python = python
+        self.cgroups = cgroups  # None or mode "none": process groups only
         self.launcher = Launcher(self._on_exit, notify_exits=notify_exits)
         self._timeouts: dict[str, asyncio.TimerHandle] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}  # admitted runs waiting for their model host
+        self._cgroups: dict[str, RunCgroup] = {}  # the live runs' cgroups
 
     def bind(self, ctx: ExecutorContext) -> None:
         super().bind(ctx)
@@ -92,6 +102,9 @@ class LocalExecutor(Executor):
             parent_pid=os.getpid(),
             fsync=config.fsync,
         )
+        cgroup = self._make_cgroup(run)
+        if cgroup is not None:
+            env["EVALSCHED_CGROUP_PROCS"] = ":".join(cgroup.procs_files())
         try:
             ctx.store.write_shared_urls(run.id, urls)
             proc = self.launcher.spawn(
@@ -101,33 +114,86 @@ class LocalExecutor(Executor):
                 env=env,
                 stdout=ctx.store.log_path(run.id, "stdout"),
                 stderr=ctx.store.log_path(run.id, "stderr"),
+                cgroup=cgroup,
             )
         except (SpawnError, OSError) as exc:
+            if cgroup is not None:
+                ctx.loop.run_in_executor(ctx.io, cgroup.remove)
             # A run admitted but not started must not hold its resources.
             ctx.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"could not start the run: {exc}"))
             return
+        if cgroup is not None:
+            self._cgroups[run.id] = cgroup
         timeout = run.spec.get("timeout_s")
         if timeout:
             self._timeouts[run.id] = ctx.loop.call_later(timeout, self._on_timeout, run.id)
         ctx.table.update(run, pid=proc.pid, pid_create_time=process_create_time(proc.pid))
+
+    def _make_cgroup(self, run: Run) -> RunCgroup | None:
+        """The run's own cgroup (with its memory limit), or None where the host has none: then
+        the run's process group is what clean-up kills, and a ``memory_mb`` is not enforced,
+        which the run's warnings say."""
+        memory_mb = run.scheduling.get("memory_mb")
+        cgroup = None
+        why = ""
+        if self.cgroups is not None and self.cgroups.enabled:
+            try:
+                cgroup = self.cgroups.create(run.id, memory_mb)
+            except CgroupError as exc:
+                why = str(exc)
+                log.warning("evalsched: run %s runs without a cgroup: %s", run.id, exc)
+        else:
+            why = self.cgroups.support.detail if self.cgroups is not None else "cgroups are off"
+        if memory_mb and (cgroup is None or cgroup.memory_limit_mb is None):
+            why = why or "this host gives runs no memory cgroup"
+            run.record["warnings"] = [
+                *run.record["warnings"],
+                contract.reason("memory_limit_not_enforced", f"memory_mb={memory_mb} is not enforced: {why}"),
+            ]
+        return cgroup
 
     # ------------------------------------------------------------------ end
 
     def _on_exit(self, run_id: str, code: int) -> None:
         table = self.ctx.table
         run = table.get(run_id)
+        cgroup = self._cgroups.pop(run_id, None)
         if run is None or run.terminal:
             return
+        oom_kills = 0
+        if cgroup is not None:
+            # Read before clean-up removes the cgroup: the last figures, and whether the kernel
+            # killed something of the run for its memory limit.
+            oom_kills = cgroup.oom_kills()
+            peak = cgroup.memory_peak_mb()
+            if peak is not None:
+                table.observe(run, {}, peak, notify=False)
         with table.deferring_writes():
             run.record["exit_code"] = code
             verdict = table.conclude(run, code)
-            if verdict is not None:
-                table.finish(run, *verdict, done_on_disk=True)
-            else:
-                table.finish(run, *self._judge_exit(run, code))
+            done = verdict is not None
+            if verdict is None:
+                verdict = self._judge_exit(run, code)
+            if oom_kills and verdict[0] != SUCCEEDED and run.kill_reason is None and not run.cancel_requested:
+                verdict = (FAILED, self._oom_reason(run, cgroup, oom_kills, code))
+            table.finish(run, *verdict, done_on_disk=done)
+
+    @staticmethod
+    def _oom_reason(run: Run, cgroup: RunCgroup | None, kills: int, code: int | None) -> str:
+        limit = cgroup.memory_limit_mb if cgroup is not None else None
+        observed = run.record.get("observed") or {}
+        peak = observed.get("peak_rss_mb")
+        what = "the run process" if code == -9 else f"{kills} process{'es' if kills != 1 else ''} of the run"
+        return contract.reason(
+            contract.OOM,
+            f"the run reached its memory limit (memory_mb={limit or run.scheduling.get('memory_mb')}"
+            f"{f', peak {peak} MB' if peak is not None else ''}) and the kernel killed {what}",
+        )
 
     def _judge_exit(self, run: Run, code: int | None) -> tuple[str, str]:
         """How a run that did not finalize itself ended."""
+        if run.kill_reason is not None:
+            return FAILED, run.kill_reason
         if run.cancel_requested:
             return CANCELLED, contract.reason(contract.CANCELLED_REASON, "cancelled through the API")
         if run.timed_out:
@@ -158,6 +224,12 @@ class LocalExecutor(Executor):
         # False while the run waits for its model host: _launch_with_models then cancels it.
         self.launcher.terminate(run.id, self.ctx.config.cancel_grace_s)
 
+    def kill_run(self, run: Run, reason: str) -> bool:
+        if run.terminal or run.kill_reason is not None:
+            return False
+        run.kill_reason = reason
+        return self.launcher.kill_now(run.id)
+
     def recover(self, run: Run, done: bool) -> None:
         table = self.ctx.table
         if done:
@@ -169,7 +241,11 @@ class LocalExecutor(Executor):
                 table.finish(run, *self._judge_exit(run, run.record.get("exit_code")))
             return
         kill_stale_group(run.record.get("pid") or 0, run.record.get("pid_create_time"))
-        kill_escaped(run.id, run.record.get("pid_create_time") or 0.0)
+        stale = self.cgroups.existing(run.id) if self.cgroups is not None else None
+        if stale is not None:
+            stale.remove()  # everything it held: the setsid'd, environment-less descendants too
+        else:
+            kill_escaped(run.id, run.record.get("pid_create_time") or 0.0)
         table.finish(
             run, ABORTED, contract.reason(contract.SERVER_RESTART, "the server died or shut down while it ran")
         )
@@ -195,3 +271,32 @@ class LocalExecutor(Executor):
 
     def pids(self) -> set[int]:
         return self.launcher.running_pids
+
+    def observed_targets(self) -> dict[str, ObservedTarget]:
+        return {run_id: ObservedTarget(pid, self._cgroups.get(run_id)) for run_id, pid in self.launcher.running.items()}
+
+    def recovered(self) -> None:
+        """After recovery: cgroups left by runs no server follows any more (a server killed
+        while they ran) are emptied and removed, off the event loop."""
+        if self.cgroups is None or not self.cgroups.enabled:
+            return
+        # Listed now, before any new run makes its cgroup: only these are removed.
+        stale = [run_id for run_id in self.cgroups.stale_run_ids() if run_id not in self.launcher.running]
+        if stale:
+            self.ctx.loop.run_in_executor(self.ctx.io, _remove_stale_cgroups, self.cgroups, stale)
+
+    @property
+    def mode(self) -> dict[str, object]:
+        if self.cgroups is None:
+            return {"cgroups": {"mode": "none", "memory": False, "kill": "none", "detail": "cgroups are off"}}
+        return {"cgroups": self.cgroups.status()}
+
+
+def _remove_stale_cgroups(cgroups: Cgroups, run_ids: list[str]) -> None:
+    for run_id in run_ids:
+        stale = cgroups.existing(run_id)
+        if stale is not None:
+            pids = stale.kill()
+            stale.remove()
+            if pids:
+                log.warning("evalsched: killed %d process(es) left in the cgroup of run %s", len(pids), run_id)

@@ -1,0 +1,322 @@
+"""Interactive work in the ledger: :func:`lease` holds VRAM for this process, :func:`model` gives a
+kernel the host's shared models.
+
+A notebook that loads a 14 GB model asks for a lease first::
+
+    with jupyter_evalsched.lease(14000, label="exploration") as held:   # waits (interruptibly) until granted
+        model = AutoModel.from_pretrained(...).to(held.cuda_device)
+
+The lease is held by the calling process (its pid): it ends on ``release()`` (or the end of the
+``with``), when the process exits, or after ``ttl_s``. Granted before CUDA starts in the process,
+it sets ``CUDA_VISIBLE_DEVICES`` so that ``cuda:0`` is the leased GPU; afterwards it says which
+index to use. :func:`model` returns the client that runs get from ``ctx.model(name)``: the one copy
+the host's model host holds, no second load.
+
+Standard library only, like the rest of the client.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from html import escape
+from typing import Any
+from urllib.parse import quote
+
+from ..contract import LEASE_ENDED, LEASE_GRANTED, LEASE_QUEUED
+from .errors import EvalSchedClientError
+from .live_feed import LiveFeed
+from .transport import EvalSchedClient
+
+__all__ = ["Lease", "LeaseTimeout", "lease", "model"]
+
+
+class LeaseTimeout(EvalSchedClientError, TimeoutError):
+    """The lease was not granted within ``timeout`` seconds (it was released)."""
+
+
+class Lease:
+    """A lease of VRAM held by this process: ``id``, ``devices``, ``cuda_device``, ``record``;
+    ``release()``; a context manager (released at the end of the ``with``)."""
+
+    def __init__(self, client: EvalSchedClient, record: dict) -> None:
+        self.client = client
+        self.record = dict(record)
+        self.id: str = record["id"]
+        self.cuda_device: str | None = None  # what to pass to torch: "cuda:0"...
+        self.note = ""  # how the CUDA devices were set (or why not)
+
+    @property
+    def devices(self) -> list[int]:
+        """The leased GPU indices, in NVML's (PCI bus) order."""
+        return list(self.record.get("devices") or [])
+
+    @property
+    def state(self) -> str:
+        return str(self.record.get("state"))
+
+    def refresh(self) -> dict:
+        self.record = self.client.request("GET", f"leases/{self.id}")
+        return self.record
+
+    def release(self) -> None:
+        """End the lease (idempotent); what it held goes to what waits."""
+        if self.record.get("state") == LEASE_ENDED:
+            return
+        self.client.request("DELETE", f"leases/{self.id}")
+        self.record = {**self.record, "state": LEASE_ENDED}
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        where = ", ".join(f"GPU {d}" for d in self.devices) or "no GPU yet"
+        return f"<Lease {self.id} {self.state} {self.record.get('vram_mb')} MB on {where}>"
+
+    def _repr_html_(self) -> str:
+        rows = [
+            ("lease", self.id),
+            ("state", self.state),
+            (
+                "VRAM",
+                f"{self.record.get('vram_mb')} MB per GPU"
+                + (" (exclusive)" if self.record.get("exclusive_gpu") else ""),
+            ),
+            ("GPUs", ", ".join(str(d) for d in self.devices) or "-"),
+            ("use", self.cuda_device or "-"),
+            ("note", self.note),
+        ]
+        body = "".join(
+            f"<tr><th style='text-align:left'>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in rows if v
+        )
+        return f"<table class='evalsched-lease'>{body}</table>"
+
+
+def default_label() -> str:
+    """The notebook's name in a kernel started for one, else the program and pid."""
+    session = os.environ.get("JPY_SESSION_NAME")
+    if session:
+        return os.path.basename(session) or session
+    return f"{os.path.basename(sys.argv[0] or 'python')} (pid {os.getpid()})"
+
+
+def lease(
+    vram_mb: int = 0,
+    gpus: int = 1,
+    exclusive_gpu: bool = False,
+    timeout: float | None = None,
+    label: str | None = None,
+    *,
+    priority: str = "high",
+    ttl_s: float | None = None,
+    pid: int | None = None,
+    set_cuda_visible_devices: bool = True,
+    progress: bool = True,
+    client: EvalSchedClient | None = None,
+) -> Lease:
+    """Reserve ``vram_mb`` MB on each of ``gpus`` GPUs (or whole GPUs: ``exclusive_gpu``) in the
+    host's ledger, for this process (``pid``, default: this one); wait until it is granted.
+
+    While it waits, the reason is shown (a line that updates in a notebook, stderr elsewhere);
+    interrupting the kernel (or Ctrl-C) stops waiting and withdraws the request. After ``timeout``
+    seconds without a grant the request is withdrawn and :class:`LeaseTimeout` raised. Granted
+    before CUDA is initialised in this process, ``CUDA_VISIBLE_DEVICES`` is set to the leased GPUs
+    (``cuda:0`` is the first); afterwards ``cuda_device`` names the index to use.
+    """
+    client = client or EvalSchedClient()
+    body = {
+        "vram_mb": vram_mb,
+        "gpus": gpus,
+        "exclusive_gpu": exclusive_gpu,
+        "priority": priority,
+        "pid": os.getpid() if pid is None else pid,
+        "ttl_s": ttl_s,
+        "label": label if label is not None else default_label(),
+    }
+    held = Lease(client, client.request("POST", "leases", body=body))
+    if held.state == LEASE_QUEUED:
+        try:
+            _wait_for_grant(held, timeout, progress)
+        except BaseException:
+            _withdraw(held)
+            raise
+    if held.state != LEASE_GRANTED:
+        raise EvalSchedClientError(f"lease {held.id} ended before it was granted: {held.record.get('reason')}")
+    if pid is None or pid == os.getpid():
+        _point_cuda_at(held, set_cuda_visible_devices)
+    return held
+
+
+def _withdraw(held: Lease) -> None:
+    try:
+        held.release()
+    except EvalSchedClientError:
+        pass  # the server is gone: the lease ends with this process anyway
+
+
+class _LeaseTracker:
+    """Keeps one lease's record current for a :class:`LiveFeed`; done once it is not queued."""
+
+    def __init__(self, held: Lease, on_change: Any) -> None:
+        self.held = held
+        self.on_change = on_change
+        self._shown: dict | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.held.record.get("state") != LEASE_QUEUED
+
+    def apply(self, event: dict) -> None:
+        rec = event.get("lease") if event.get("type") == "lease" else None
+        if isinstance(rec, dict) and rec.get("id") == self.held.id:
+            self.held.record = dict(rec)
+
+    def wants_read(self, now: float) -> bool:
+        return False
+
+    def read(self, client: Any) -> None:
+        self.held.refresh()
+
+    def notify(self) -> None:
+        if self.held.record != self._shown:
+            self._shown = dict(self.held.record)
+            self.on_change(self.held.record)
+
+
+def _wait_for_grant(held: Lease, timeout: float | None, progress: bool) -> None:
+    show = _WaitDisplay(held) if progress else None
+    tracker = _LeaseTracker(held, show.update if show is not None else (lambda record: None))
+    feed = LiveFeed(held.client, tracker, poll_s=1.0, safety_poll_s=3.0)
+    try:
+        if not feed.run(timeout):
+            raise LeaseTimeout(
+                f"lease {held.id} was not granted within {timeout:g} s ({held.record.get('reason')}); "
+                "the request was withdrawn"
+            )
+    finally:
+        if show is not None:
+            show.finish()
+
+
+class _WaitDisplay:
+    """What a waiting lease shows: an updating line in a notebook, a line on stderr elsewhere."""
+
+    def __init__(self, held: Lease) -> None:
+        self.held = held
+        self.started = time.monotonic()
+        self._handle: Any = None
+        self._last = ""
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+        except ImportError:
+            shell = None
+        if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
+            from IPython.display import HTML, display
+
+            self._handle = display(HTML(self._html(held.record)), display_id=True)
+
+    def _text(self, record: dict) -> str:
+        waited = time.monotonic() - self.started
+        return f"lease {record.get('id')}: waiting {waited:.0f} s: {record.get('reason') or 'queued'}"
+
+    def _html(self, record: dict) -> str:
+        return f"<code>{escape(self._text(record))}</code>"
+
+    def update(self, record: dict) -> None:
+        if record.get("state") != LEASE_QUEUED:
+            return
+        if self._handle is not None:
+            from IPython.display import HTML
+
+            self._handle.update(HTML(self._html(record)))
+        else:
+            text = self._text(record)
+            if text != self._last:
+                print(text, file=sys.stderr)
+                self._last = text
+
+    def finish(self) -> None:
+        record = self.held.record
+        state = record.get("state")
+        line = f"lease {record.get('id')}: {state}" + (
+            f" on GPU {', '.join(str(d) for d in record.get('devices') or [])}" if state == LEASE_GRANTED else ""
+        )
+        if self._handle is not None:
+            from IPython.display import HTML
+
+            self._handle.update(HTML(f"<code>{escape(line)}</code>"))
+        elif self._last:
+            print(line, file=sys.stderr)
+
+
+def _point_cuda_at(held: Lease, set_visible: bool) -> None:
+    """``CUDA_VISIBLE_DEVICES`` = the leased GPUs if CUDA has not started in this process; else
+    the index of the first leased GPU among those this process sees."""
+    devices = held.devices
+    if not devices:
+        return
+    if set_visible and not _cuda_initialized():
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as NVML (and the ledger) number them
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        held.cuda_device = "cuda:0"
+        held.note = f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}: cuda:0 is GPU {devices[0]}"
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        held.cuda_device = f"cuda:{devices[0]}"
+    else:
+        order = [part.strip() for part in visible.split(",") if part.strip()]
+        held.cuda_device = f"cuda:{order.index(str(devices[0]))}" if str(devices[0]) in order else None
+    if held.cuda_device is None:
+        held.note = (
+            f"GPU {devices[0]} is not visible to this process (CUDA_VISIBLE_DEVICES={visible}): restart the "
+            "kernel and take the lease before CUDA starts"
+        )
+    else:
+        held.note = f"CUDA was already initialised in this process: use {held.cuda_device} (GPU {devices[0]})"
+    print(f"lease {held.id}: {held.note}", file=sys.stderr)
+
+
+def _cuda_initialized() -> bool:
+    """Whether a CUDA context may exist in this process already (then CUDA_VISIBLE_DEVICES is read)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                return True
+        except Exception:
+            return True  # cannot tell: assume the worst
+    # Other frameworks read CUDA_VISIBLE_DEVICES when they first touch the GPU; once imported we
+    # cannot tell whether they did, so only torch (which can say) counts as "not yet".
+    return any(name in sys.modules for name in ("jax", "cupy", "tensorflow", "numba.cuda"))
+
+
+# --------------------------------------------------------------------------- shared models
+
+_models: dict[tuple[str, str], Any] = {}
+_models_lock = threading.Lock()
+
+
+def model(name: str, *, client: EvalSchedClient | None = None) -> Any:
+    """The host's shared model ``name``: the same client a run gets from ``ctx.model(name)``
+    (``client(inputs, **kwargs) -> outputs``; a list is a batch), served by the model host's one
+    copy. Its host is started if it is not running; the model loads at the first call."""
+    from ..shared_models.client import connect
+
+    client = client or EvalSchedClient()
+    key = (client.base_url, name)
+    with _models_lock:
+        known = _models.get(key)
+        if known is not None:
+            return known
+    answer = client.request("POST", f"models/{quote(name, safe='')}/connect", body={})
+    shared = connect(answer["url"])
+    with _models_lock:
+        return _models.setdefault(key, shared)

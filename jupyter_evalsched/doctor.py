@@ -1,0 +1,201 @@
+"""What this host offers and what is in force: ``GET /evalsched/doctor``, ``jupyter evalsched doctor``.
+
+Each check is ``{"name", "status": "ok" | "degraded" | "error", "detail", "fix"}``: one line that
+says what was found, and, when it is not ok, what to do about it. The server's checks describe the
+scheduler as it runs; the same host checks (GPUs, cgroups, the runner's byte code) also run
+without a server, from the CLI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import EvalSchedApp
+    from .scheduler.cgroups import Cgroups
+    from .scheduler.gpus import GpuProbe
+
+OK, DEGRADED, ERROR = "ok", "degraded", "error"
+
+# What a run process imports before the eval: compiled once, or every run compiles it again.
+RUNNER_START_MODULES = (
+    "__init__.py",
+    "_version.py",
+    "contract.py",
+    "runner/__init__.py",
+    "runner/__main__.py",
+    "runner/run.py",
+    "runner/_proc.py",
+    "runner/fastjson.py",
+    "runner/results.py",
+    "runner/context.py",
+    "runner/entrypoint.py",
+    "runner/errors.py",
+)
+
+
+def check(name: str, status: str, detail: str, fix: str | None = None) -> dict[str, Any]:
+    return {"name": name, "status": status, "detail": detail, "fix": fix}
+
+
+def gpu_check(probe: GpuProbe) -> dict[str, Any]:
+    devices = probe.devices()
+    sizes = ", ".join(f"{d.total_mb}" for d in devices)
+    if getattr(probe, "source", "nvml") == "virtual":
+        table = getattr(probe, "processes_file", None)
+        problem = getattr(probe, "problem", None)
+        detail = f"{len(devices)} virtual GPU(s) of {sizes} MB"
+        if table:
+            procs = probe.processes()
+            detail += f"; process table {table}: " + (
+                f"{len(procs)} process(es)" if problem is None or "does not exist" in problem else problem
+            )
+            if problem is not None and "does not exist" not in problem:
+                return check("gpus", DEGRADED, detail, 'write a JSON list of {"pid", "gpu", "used_mb"} there')
+        return check("gpus", OK, detail)
+    error = getattr(probe, "error", None)
+    if error:
+        return check(
+            "gpus",
+            DEGRADED,
+            f"NVML unavailable ({error}): the host is treated as having no GPU; runs are CPU-only",
+            "install the NVIDIA driver (nvidia-ml-py is a dependency), or set EVALSCHED_VIRTUAL_GPUS=24000,24000 "
+            "on a host without GPUs",
+        )
+    if not devices:
+        return check("gpus", DEGRADED, "NVML works but finds no GPU", "check nvidia-smi on this host")
+    driver = getattr(probe, "driver_version", lambda: None)()
+    names = "; ".join(f"{d.index}: {d.name} {d.total_mb} MB" for d in devices)
+    return check("gpus", OK, f"NVML, driver {driver or '?'}: {len(devices)} GPU(s): {names}")
+
+
+def cgroup_check(cgroups: Cgroups | None) -> dict[str, Any]:
+    if cgroups is None:
+        return check(
+            "cgroups", DEGRADED, "off (EvalSchedApp.cgroups = False): process groups only", "set cgroups = True"
+        )
+    s = cgroups.support
+    if s.mode == "none":
+        return check("cgroups", DEGRADED, s.detail, "see the detail; memory_mb is not enforced meanwhile")
+    if not s.memory:
+        return check(
+            "cgroups",
+            DEGRADED,
+            f"{s.mode}: kill by {s.kill}, but no memory controller: memory_mb is not enforced ({s.detail})",
+            "give the server a delegated cgroup v2 subtree with the memory controller (EvalSchedApp.cgroup_parent)",
+        )
+    return check("cgroups", OK, f"{s.mode}: each run in its own cgroup, kill by {s.kill}, memory limits on")
+
+
+def runner_bytecode_check(package_dir: Path | None = None) -> dict[str, Any]:
+    root = package_dir or Path(__file__).resolve().parent
+    stale = []
+    for rel in RUNNER_START_MODULES:
+        source = root / rel
+        try:
+            cached = Path(importlib.util.cache_from_source(str(source)))
+            if not cached.exists() or cached.stat().st_mtime < source.stat().st_mtime:
+                stale.append(rel)
+        except (OSError, NotImplementedError, ValueError):
+            stale.append(rel)
+    if stale:
+        why = " (PYTHONDONTWRITEBYTECODE is set: runs never write it themselves)" if sys.dont_write_bytecode else ""
+        return check(
+            "runner",
+            DEGRADED,
+            f"{len(stale)} module(s) of the runner's start are not byte-compiled: {', '.join(stale[:4])}"
+            f"{'…' if len(stale) > 4 else ''}{why}; every run compiles them again (~6 ms)",
+            f"{sys.executable} -m compileall -q {root}",
+        )
+    return check("runner", OK, f"byte-compiled ({root})")
+
+
+def host_checks(probe: GpuProbe, cgroups: Cgroups | None) -> list[dict[str, Any]]:
+    """What the host offers, whether or not a server runs."""
+    return [gpu_check(probe), cgroup_check(cgroups), runner_bytecode_check()]
+
+
+def server_checks(app: EvalSchedApp, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The host checks as the scheduler sees them, and what the scheduler has in force."""
+    scheduler = app.scheduler
+    local = scheduler.executors.get("local")
+    out = host_checks(scheduler.probe, getattr(local, "cgroups", None))
+    ledger = scheduler.ledger()
+    if ledger["devices"]:
+        usable = ", ".join(f"GPU {d['index']}: {d['usable_mb']} of {d['total_mb']} MB" for d in ledger["devices"])
+        out.append(check("ledger", OK, f"usable {usable}; {ledger['cpu_slots']['total']} CPU slots"))
+    else:
+        out.append(check("ledger", OK, f"no GPU: CPU-only runs on {ledger['cpu_slots']['total']} CPU slots"))
+    config = scheduler.config
+    if config.enforce_vram == "off":
+        out.append(
+            check("enforcement", DEGRADED, "enforce_vram = off: runs over their declared VRAM go unnoticed", "warn")
+        )
+    else:
+        out.append(
+            check("enforcement", OK, f"enforce_vram = {config.enforce_vram}, tolerance {config.vram_tolerance:.0%}")
+        )
+    runs_dir = scheduler.store.root
+    broken = len(scheduler.broken)
+    primary = app.role.primary()
+    where = f"this server (pid {os.getpid()}) schedules {runs_dir}"
+    if primary is not None:
+        where += f", advertised at {primary.url}"
+    if broken:
+        out.append(
+            check(
+                "scheduler",
+                DEGRADED,
+                f"{where}; {broken} broken run director{'y' if broken == 1 else 'ies'}",
+                "see GET /evalsched/status (broken_runs) and DELETE them",
+            )
+        )
+    else:
+        out.append(check("scheduler", OK, f"{where}; {len(scheduler.table)} runs, {scheduler.counts['queued']} queued"))
+    if "slurm" in scheduler.executors:
+        missing = [cmd for cmd in ("sbatch", "squeue", "scancel") if shutil.which(cmd) is None]
+        if missing:
+            out.append(
+                check("slurm", ERROR, f"enabled, but {', '.join(missing)} not on PATH", "install SLURM's client")
+            )
+        else:
+            out.append(check("slurm", OK, f"enabled (default executor: {config.default_executor})"))
+    else:
+        out.append(check("slurm", OK, "off (EvalSchedApp.slurm_enabled)"))
+    for model in models:
+        if model.get("error"):
+            error = model["error"]
+            out.append(
+                check(
+                    f"model {model['name']}",
+                    ERROR,
+                    f"{error.get('type')}: {error.get('message')}",
+                    f"read its host's log: {model.get('log')}",
+                )
+            )
+        else:
+            out.append(check(f"model {model['name']}", OK, f"{model.get('state')} on {model.get('device') or 'cpu'}"))
+    return out
+
+
+def local_checks() -> list[dict[str, Any]]:
+    """The host checks without a server (the CLI, when none can be reached)."""
+    from .scheduler.cgroups import Cgroups
+    from .scheduler.gpus import NvmlProbe, VirtualProbe, parse_sizes
+
+    sizes = parse_sizes(os.environ.get("EVALSCHED_VIRTUAL_GPUS", ""))
+    probe: GpuProbe = (
+        VirtualProbe(sizes, processes_file=os.environ.get("EVALSCHED_VIRTUAL_GPU_PROCESSES") or None)
+        if sizes
+        else NvmlProbe()
+    )
+    cgroups = Cgroups.detect("auto", namespace=f"evalsched-doctor-{os.getpid()}")
+    try:
+        return host_checks(probe, cgroups)
+    finally:
+        cgroups.remove_namespace()

@@ -1,0 +1,132 @@
+"""Which GPU processes are notebook kernels, and of which notebook.
+
+A process is named as a kernel when it, or one of its ancestors, is the kernel process of one of
+the user's Jupyter servers on the host: the primary's own (its kernel manager knows their pids, its
+session manager their notebooks' current paths) or any other server's (a kernel started by
+jupyter_client has its connection file ``kernel-<id>.json`` on its command line, and a kernel
+started for a notebook has ``JPY_SESSION_NAME``, the notebook's path when it started, in its
+environment). Only processes of this user are readable, which is what we want.
+
+Reads of ``/proc`` happen in the scheduler's I/O thread, for the few processes that hold VRAM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+_CONNECTION_FILE_RE = re.compile(rb"kernel-([0-9a-fA-F-]{8,64})\.json")
+MAX_ANCESTORS = 8  # a GPU process deeper than this below a kernel is not named after it
+
+
+@dataclass(frozen=True, slots=True)
+class KernelInfo:
+    kernel_id: str
+    session_path: str | None  # the notebook, when the kernel belongs to one
+    pid: int  # the kernel process (the GPU process itself or one of its ancestors)
+    server_pid: int | None = None  # the Jupyter server that started it, when known
+
+
+@dataclass(frozen=True, slots=True)
+class OwnKernel:
+    """A kernel of this server, as its kernel and session managers know it."""
+
+    kernel_id: str
+    pid: int | None
+    session_path: str | None
+
+
+def _read(path: str, limit: int = 1 << 20) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def _parent(pid: int) -> int | None:
+    data = _read(f"/proc/{pid}/stat", 4096)
+    if not data:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last ')'.
+    try:
+        fields = data[data.rindex(b")") + 2 :].split()
+        ppid = int(fields[1])
+    except (ValueError, IndexError):
+        return None
+    return ppid or None
+
+
+def kernel_of_process(pid: int) -> KernelInfo | None:
+    """The kernel that ``pid`` is (from its command line and environment), or None."""
+    cmdline = _read(f"/proc/{pid}/cmdline")
+    if not cmdline:
+        return None
+    match = _CONNECTION_FILE_RE.search(cmdline)
+    if match is None:
+        return None
+    env = _environ(pid)
+    server = env.get("JPY_PARENT_PID", "")
+    return KernelInfo(
+        kernel_id=match.group(1).decode(),
+        session_path=env.get("JPY_SESSION_NAME") or None,
+        pid=pid,
+        server_pid=int(server) if server.isdigit() else None,
+    )
+
+
+def _environ(pid: int) -> dict[str, str]:
+    data = _read(f"/proc/{pid}/environ")
+    out: dict[str, str] = {}
+    for item in (data or b"").split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key in (b"JPY_PARENT_PID", b"JPY_SESSION_NAME"):
+            out[key.decode()] = value.decode("utf-8", "replace")
+    return out
+
+
+def identify(pids: Iterable[int], own: Iterable[OwnKernel] = ()) -> dict[int, KernelInfo]:
+    """``{pid: the kernel it belongs to}`` for the processes of ``pids`` that are kernels or run
+    below one. ``own``: this server's kernels, whose paths are current (a notebook renamed since
+    its kernel started keeps its old ``JPY_SESSION_NAME``)."""
+    own_by_pid = {k.pid: k for k in own if k.pid}
+    own_by_id = {k.kernel_id: k for k in own}
+    cache: dict[int, KernelInfo | None] = {}
+    out: dict[int, KernelInfo] = {}
+    for pid in set(pids):
+        info = _kernel_above(pid, own_by_pid, cache)
+        if info is None:
+            continue
+        mine = own_by_id.get(info.kernel_id)
+        if mine is not None and mine.session_path:
+            info = KernelInfo(info.kernel_id, mine.session_path, info.pid, os.getpid())
+        out[pid] = info
+    return out
+
+
+def _kernel_above(
+    pid: int, own_by_pid: Mapping[int, OwnKernel], cache: dict[int, KernelInfo | None]
+) -> KernelInfo | None:
+    seen: list[int] = []
+    current: int | None = pid
+    found: KernelInfo | None = None
+    for _ in range(MAX_ANCESTORS + 1):
+        if current is None or current <= 1:
+            break
+        if current in cache:
+            found = cache[current]
+            break
+        seen.append(current)
+        mine = own_by_pid.get(current)
+        if mine is not None:
+            found = KernelInfo(mine.kernel_id, mine.session_path, current, os.getpid())
+            break
+        found = kernel_of_process(current)
+        if found is not None:
+            break
+        current = _parent(current)
+    for p in seen:
+        cache[p] = found
+    return found

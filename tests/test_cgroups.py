@@ -1,0 +1,547 @@
+"""Per-run cgroups: planning from sample hosts, detection, and the real thing on this host.
+
+The live tests make real cgroups (root, and a host that offers them); each test uses its own
+namespace, and a finalizer kills and removes everything under it, so nothing is left behind even
+when a test fails. They synchronise with their processes through pipes, never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from waiting import wait_until
+
+from jupyter_evalsched.scheduler import cgroups as cgmod
+from jupyter_evalsched.scheduler.cgroups import CgroupError, Cgroups, CgroupSupport, plan, plan_mode
+
+# --------------------------------------------------------------------------- sample hosts
+
+PURE_V2_MOUNTS = """\
+sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0
+proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0
+cgroup2 /sys/fs/cgroup cgroup2 rw,nosuid,nodev,noexec,relatime,nsdelegate,memory_recursiveprot 0 0
+/dev/nvme0n1p2 / ext4 rw,relatime 0 0
+"""
+PURE_V2_SELF = "0::/user.slice/user-1000.slice/user@1000.service/app.slice/evalsched.scope\n"
+
+# This machine's layout (hybrid, in a process_api memory cgroup).
+HYBRID_MOUNTS = """\
+tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
+cgroup /sys/fs/cgroup/cpu cgroup rw,relatime,cpu 0 0
+cgroup /sys/fs/cgroup/cpuacct cgroup rw,relatime,cpuacct 0 0
+cgroup /sys/fs/cgroup/cpuset cgroup rw,relatime,cpuset 0 0
+cgroup /sys/fs/cgroup/memory cgroup rw,relatime,memory 0 0
+cgroup /sys/fs/cgroup/devices cgroup rw,relatime,devices 0 0
+cgroup /sys/fs/cgroup/freezer cgroup rw,relatime,freezer 0 0
+cgroup /sys/fs/cgroup/blkio cgroup rw,relatime,blkio 0 0
+cgroup /sys/fs/cgroup/pids cgroup rw,relatime,pids 0 0
+cgroup /sys/fs/cgroup/systemd cgroup rw,relatime,name=systemd 0 0
+cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0
+"""
+HYBRID_SELF = """\
+9:name=systemd:/
+8:pids:/
+7:blkio:/
+6:freezer:/
+5:devices:/
+4:memory:/process_api/610c8097a29d8493c43e97af71d4b96c
+3:cpuset:/
+2:cpuacct:/
+1:cpu:/
+0::/
+"""
+
+# A systemd v1-only host (cgroup v1 with co-mounted controllers, no cgroup2).
+V1_MOUNTS = """\
+tmpfs /sys/fs/cgroup tmpfs ro,nosuid,nodev,noexec,mode=755 0 0
+cgroup /sys/fs/cgroup/systemd cgroup rw,nosuid,nodev,noexec,relatime,xattr,name=systemd 0 0
+cgroup /sys/fs/cgroup/cpu,cpuacct cgroup rw,nosuid,nodev,noexec,relatime,cpu,cpuacct 0 0
+cgroup /sys/fs/cgroup/memory cgroup rw,nosuid,nodev,noexec,relatime,memory 0 0
+cgroup /sys/fs/cgroup/freezer cgroup rw,nosuid,nodev,noexec,relatime,freezer 0 0
+cgroup /sys/fs/cgroup/pids cgroup rw,nosuid,nodev,noexec,relatime,pids 0 0
+"""
+V1_SELF = """\
+11:pids:/user.slice/user-1000.slice/session-3.scope
+7:freezer:/
+4:memory:/user.slice/user-1000.slice/session-3.scope
+3:cpu,cpuacct:/user.slice
+1:name=systemd:/user.slice/user-1000.slice/session-3.scope
+"""
+
+NO_CGROUP_MOUNTS = """\
+proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0
+tmpfs /tmp tmpfs rw,nosuid,nodev 0 0
+"""
+
+
+def test_plan_pure_v2() -> None:
+    parents = plan(PURE_V2_MOUNTS, PURE_V2_SELF)
+    assert parents == {"v2": "/sys/fs/cgroup/user.slice/user-1000.slice/user@1000.service/app.slice/evalsched.scope"}
+    assert plan_mode(parents) == "v2"
+
+
+def test_plan_hybrid() -> None:
+    parents = plan(HYBRID_MOUNTS, HYBRID_SELF)
+    assert parents == {
+        "unified": "/sys/fs/cgroup/unified",
+        "memory": "/sys/fs/cgroup/memory/process_api/610c8097a29d8493c43e97af71d4b96c",
+        "freezer": "/sys/fs/cgroup/freezer",
+        "pids": "/sys/fs/cgroup/pids",
+    }
+    assert plan_mode(parents) == "hybrid"
+
+
+def test_plan_v1_only() -> None:
+    parents = plan(V1_MOUNTS, V1_SELF)
+    assert parents == {
+        "memory": "/sys/fs/cgroup/memory/user.slice/user-1000.slice/session-3.scope",
+        "freezer": "/sys/fs/cgroup/freezer",
+        "pids": "/sys/fs/cgroup/pids/user.slice/user-1000.slice/session-3.scope",
+    }
+    assert plan_mode(parents) == "v1"
+
+
+def test_plan_no_cgroup_mounts() -> None:
+    assert plan(NO_CGROUP_MOUNTS, PURE_V2_SELF) == {}
+    assert plan("", "") == {}
+    assert plan_mode({}) == "none"
+
+
+def test_plan_details() -> None:
+    # A v1 hierarchy that carries only name=systemd does not make a host hybrid.
+    mounts = "cgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\ncgroup /sys/fs/cgroup/systemd cgroup rw,name=systemd 0 0\n"
+    assert plan(mounts, "1:name=systemd:/\n0::/a\n") == {"v2": "/sys/fs/cgroup/unified/a"}
+    # Octal escapes in mount points; a hierarchy without a line in /proc/self/cgroup is skipped.
+    mounts = "cgroup2 /mnt/my\\040cgroups cgroup2 rw 0 0\ncgroup /c/memory cgroup rw,memory 0 0\n"
+    assert plan(mounts, "0::/x/y\n") == {"unified": "/mnt/my cgroups/x/y"}
+    assert cgmod.parse_self_cgroup("3:cpu,cpuacct:/a\n0::/b\n") == {"cpu": "/a", "cpuacct": "/a", "": "/b"}
+
+
+# --------------------------------------------------------------------------- detection without cgroups
+
+
+def test_detect_off() -> None:
+    cg = Cgroups.detect("off")
+    assert cg.support.mode == "none" and not cg.enabled
+    assert cg.status() == {"mode": "none", "memory": False, "kill": "none", "detail": cg.support.detail, "parents": {}}
+    with pytest.raises(CgroupError):
+        cg.create("r1")
+    assert cg.existing("r1") is None and cg.stale_run_ids() == []
+
+
+def _detect_from(tmp_path: Path, mounts_text: str | None, self_text: str = "0::/\n") -> Cgroups:
+    mounts = tmp_path / "mounts"
+    if mounts_text is not None:
+        mounts.write_text(mounts_text)
+    own = tmp_path / "self_cgroup"
+    own.write_text(self_text)
+    return Cgroups.detect(namespace="evalsched-test-x", mounts_file=str(mounts), self_cgroup_file=str(own))
+
+
+@pytest.mark.parametrize(
+    "mounts_text",
+    [
+        None,  # no mounts file at all
+        "",
+        NO_CGROUP_MOUNTS,
+        "cgroup2 /nonexistent/cgroup cgroup2 rw 0 0\n",
+        "cgroup /nonexistent/memory cgroup rw,memory 0 0\ncgroup /nonexistent/freezer cgroup rw,freezer 0 0\n",
+    ],
+    ids=["missing", "empty", "no-cgroups", "v2-missing-dir", "v1-missing-dir"],
+)
+def test_detect_nothing_usable(tmp_path: Path, mounts_text: str | None) -> None:
+    cg = _detect_from(tmp_path, mounts_text, "4:memory:/\n6:freezer:/\n0::/\n")
+    assert cg.support.mode == "none" and not cg.enabled
+    assert cg.support.kill == "none" and cg.support.parents == {}
+    assert "process groups" in cg.support.detail
+
+
+def test_detect_plain_directory_is_not_a_cgroup(tmp_path: Path) -> None:
+    # A directory that only looks like one: the probe's write fails (no interface files), and
+    # everything the probe made is removed again.
+    fake = tmp_path / "cg"
+    fake.mkdir()
+    (fake / "cgroup.procs").write_text("")
+    cg = _detect_from(tmp_path, f"cgroup2 {fake} cgroup2 rw 0 0\n")
+    assert cg.support.mode == "none"
+    assert sorted(p.name for p in fake.iterdir()) == ["cgroup.procs"]
+
+
+def test_detect_read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As root, mode bits do not stop mkdir: simulate a read-only mount (as in a default container).
+    fake = tmp_path / "cg"
+    fake.mkdir()
+    (fake / "cgroup.procs").write_text("")
+    real_mkdir = os.mkdir
+
+    def mkdir(path: str | os.PathLike[str], *args: int, **kwargs: int) -> None:
+        if str(path).startswith(str(fake)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    cg = _detect_from(tmp_path, f"cgroup2 {fake} cgroup2 rw 0 0\n")
+    assert cg.support.mode == "none"
+    assert "read-only" in cg.support.detail and "process groups" in cg.support.detail
+
+
+@pytest.mark.parametrize("setting", ["relative/dir", "/nonexistent/cgroup"])
+def test_detect_bad_setting(setting: str) -> None:
+    cg = Cgroups.detect(setting, namespace="evalsched-test-x")
+    assert cg.support.mode == "none" and setting in cg.support.detail
+
+
+def test_detect_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cgmod, "_detect", boom)
+    cg = Cgroups.detect()
+    assert cg.support.mode == "none" and "boom" in cg.support.detail
+
+
+# --------------------------------------------------------------------------- live cgroups on this host
+
+
+def _real_planned() -> dict[str, str]:
+    try:
+        with open("/proc/self/mounts") as m, open("/proc/self/cgroup") as c:
+            return plan(m.read(), c.read())
+    except OSError:
+        return {}
+
+
+REAL_PLAN = _real_planned()
+IS_ROOT = os.geteuid() == 0
+HYBRID_HERE = IS_ROOT and "unified" in REAL_PLAN and "memory" in REAL_PLAN
+
+
+def _kill_tree(directory: str) -> None:
+    for root, dirs, _files in os.walk(directory, topdown=False):
+        for d in dirs:
+            _kill_tree(os.path.join(root, d))
+    state = os.path.join(directory, "freezer.state")
+    if os.path.exists(state):
+        with open(state, "w") as f:
+            f.write("THAWED")
+    for _ in range(200):
+        try:
+            pids = open(os.path.join(directory, "cgroup.procs")).read().split()
+        except FileNotFoundError:
+            return
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+    for _ in range(100):
+        try:
+            os.rmdir(directory)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.005)
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    """A namespace of its own; afterwards nothing is left under it in any hierarchy."""
+    ns = f"evalsched-test-{uuid.uuid4().hex[:12]}"
+    yield ns
+    dirs = [os.path.join(p, ns) for p in REAL_PLAN.values()]
+    for d in dirs:
+        if os.path.isdir(d):
+            _kill_tree(d)
+    left = [d for d in dirs if os.path.exists(d)]
+    assert not left, f"cgroup directories left behind: {left}"
+
+
+@pytest.fixture
+def cgroups(namespace: str) -> Cgroups:
+    cg = Cgroups.detect(namespace=namespace)
+    if not cg.enabled:
+        if IS_ROOT and REAL_PLAN:
+            pytest.fail(f"cgroups should work on this host: {cg.support.detail}")
+        pytest.skip(f"no usable cgroups here: {cg.support.detail}")
+    return cg
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Popen objects of a test, killed and reaped afterwards whatever happened."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+        for stream in (p.stdin, p.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def _spawn(procs: list[subprocess.Popen[bytes]], args: list[str]) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    procs.append(p)
+    return p
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-I", "-S", "-c", code]
+
+
+def _readline(p: subprocess.Popen[bytes], timeout: float = 10.0) -> bytes:
+    assert p.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise AssertionError(f"no line from pid {p.pid} within {timeout} s")
+    return p.stdout.readline()
+
+
+def _go(p: subprocess.Popen[bytes]) -> None:
+    assert p.stdin is not None
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+
+
+def _dead(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _gone(run: cgmod.RunCgroup) -> bool:
+    return not any(p.exists() for p in run.paths.values())
+
+
+@pytest.mark.skipif(not HYBRID_HERE, reason="needs root on a hybrid cgroup host like the test machine")
+def test_detect_auto_here_is_hybrid(cgroups: Cgroups, namespace: str) -> None:
+    s = cgroups.support
+    assert (s.mode, s.memory, s.kill) == ("hybrid", True, "cgroup.kill")
+    assert set(s.parents) == {"unified", "memory"}
+    assert all(p.endswith("/" + namespace) and os.path.isdir(p) for p in s.parents.values())
+    assert s.parents["memory"] == os.path.join(REAL_PLAN["memory"], namespace)
+    # The probes are gone: nothing but interface files in the namespace directories.
+    assert cgroups.stale_run_ids() == []
+    assert all(not any(e.is_dir() for e in os.scandir(p)) for p in s.parents.values())
+    assert cgroups.status() == {
+        "mode": "hybrid",
+        "memory": True,
+        "kill": "cgroup.kill",
+        "detail": s.detail,
+        "parents": s.parents,
+    }
+    assert Cgroups.detect(namespace=namespace).support == s  # a second detection finds the same
+
+
+def test_create_limit_add_kill_remove(cgroups: Cgroups, procs: list[subprocess.Popen[bytes]]) -> None:
+    run = cgroups.create("20250101T000000.000001-abc123", memory_mb=64)
+    if cgroups.support.memory:
+        assert run.memory_limit_mb == 64
+    assert all(p.is_dir() for p in run.paths.values())
+    assert len(run.procs_files()) == len(run.paths)
+    assert not run.populated() and run.pids() == set()
+    p = _spawn(procs, ["sleep", "300"])
+    run.add(p.pid)
+    assert run.pids() == {p.pid} and run.populated()
+    assert p.pid in run.kill()
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert run.pids() == set() and not run.populated()
+    run.remove()
+    assert _gone(run)
+    run.remove()  # idempotent
+    assert run.kill() == set() and run.pids() == set() and not run.populated()
+
+
+def test_add_dead_process(cgroups: Cgroups, procs: list[subprocess.Popen[bytes]]) -> None:
+    run = cgroups.create("r-dead")
+    p = _spawn(procs, ["true"])
+    p.wait(timeout=5)
+    with pytest.raises(CgroupError, match="gone"):
+        run.add(p.pid)
+    run.remove()
+    assert _gone(run)
+
+
+def test_invalid_run_id(cgroups: Cgroups) -> None:
+    for bad in ("", "..", "a/b", "x" * 200):
+        with pytest.raises(CgroupError):
+            cgroups.create(bad)
+
+
+# Double fork; the grandchild starts a session of its own and clears its environment, the
+# intermediate exits: a process-group kill and an environment marker would both miss it.
+ESCAPE = r"""
+import os, sys
+sys.stdin.readline()  # the test has put us in the cgroup
+r, w = os.pipe()
+if os.fork() == 0:
+    os.close(r)
+    if os.fork() != 0:
+        os._exit(0)
+    os.setsid()
+    os.write(w, b"%d\n" % os.getpid())
+    os.execve("/bin/sleep", ["sleep", "300"], {})
+os.close(w)
+os.wait()
+sys.stdout.write(os.read(r, 64).decode())
+sys.stdout.flush()
+sys.stdin.readline()
+"""
+
+
+def test_kill_reaches_escaped_grandchild(cgroups: Cgroups, procs: list[subprocess.Popen[bytes]]) -> None:
+    run = cgroups.create("r-escape")
+    p = _spawn(procs, _python(ESCAPE))
+    run.add(p.pid)
+    _go(p)
+    gpid = int(_readline(p))
+    grand = psutil.Process(gpid)
+    wait_until(lambda: grand.exe() == "/bin/sleep" or grand.cmdline() == ["sleep", "300"], timeout=10)
+    assert grand.environ() == {} and os.getsid(gpid) == gpid != os.getsid(0)
+    assert {p.pid, gpid} <= run.pids()
+    assert {p.pid, gpid} <= run.kill()
+    assert run.pids() == set() and not run.populated()
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    # The grandchild is an orphan: dead at once, reaped by init whenever it gets round to it.
+    wait_until(lambda: _dead(grand), timeout=5)
+    run.remove()
+    assert _gone(run)
+
+
+OOM = r"""
+import sys
+sys.stdin.readline()
+b = bytearray(400 * 1024 * 1024)
+for i in range(0, len(b), 4096):
+    b[i] = 1
+print("survived", flush=True)
+"""
+
+
+def test_oom_kill_is_confined_and_counted(cgroups: Cgroups, procs: list[subprocess.Popen[bytes]]) -> None:
+    if not cgroups.support.memory:
+        pytest.skip(f"no memory controller for run cgroups: {cgroups.support.detail}")
+    run = cgroups.create("r-oom", memory_mb=100)
+    assert run.memory_limit_mb == 100
+    assert run.oom_kills() == 0
+    p = _spawn(procs, _python(OOM))
+    run.add(p.pid)
+    _go(p)
+    assert p.wait(timeout=15) == -signal.SIGKILL
+    assert p.stdout is not None and b"survived" not in p.stdout.read()
+    assert run.oom_kills() >= 1
+    peak = run.memory_peak_mb()
+    assert peak is not None and 90 <= peak <= 101
+    current = run.memory_current_mb()
+    assert current is not None and current <= 101
+    run.remove()
+    assert _gone(run)
+
+
+def test_existing_and_stale_from_another_instance(
+    cgroups: Cgroups, namespace: str, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    run = cgroups.create("r-old", memory_mb=64)
+    p = _spawn(procs, ["sleep", "300"])
+    run.add(p.pid)
+    # A restarted server: a new instance, same namespace.
+    later = Cgroups.detect(namespace=namespace)
+    assert later.stale_run_ids() == ["r-old"]
+    assert later.existing("r-nope") is None and later.existing("../x") is None
+    found = later.existing("r-old")
+    assert found is not None and found.paths == run.paths and found.pids() == {p.pid}
+    if later.support.memory:
+        assert found.memory_limit_mb == 64
+    found.remove()
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert _gone(run) and later.stale_run_ids() == [] and later.existing("r-old") is None
+
+
+def test_create_replaces_stale_cgroup(cgroups: Cgroups, namespace: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    old = cgroups.create("r-again")
+    p = _spawn(procs, ["sleep", "300"])
+    old.add(p.pid)
+    new = Cgroups.detect(namespace=namespace).create("r-again")
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert new.paths == old.paths and new.pids() == set()
+    new.remove()
+    assert _gone(new)
+    assert cgroups.remove_namespace()
+    assert all(not os.path.exists(d) for d in cgroups.support.parents.values())
+    # A namespace removed since detect() is made again on demand.
+    again = cgroups.create("r-again")
+    assert all(p.is_dir() for p in again.paths.values())
+    again.remove()
+
+
+SPAWNER = r"""
+import subprocess, sys
+sys.stdin.readline()
+kids = [subprocess.Popen(["sleep", "300"]) for _ in range(3)]
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.skipif(
+    not IS_ROOT or "freezer" not in REAL_PLAN or "memory" not in REAL_PLAN, reason="needs v1 freezer and memory"
+)
+@pytest.mark.parametrize("kill", ["freezer", "signal"])
+def test_v1_kill_methods(kill: str, namespace: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    # The v1-only paths, on this host's real v1 hierarchies.
+    parents = {"memory": os.path.join(REAL_PLAN["memory"], namespace)}
+    if kill == "freezer":
+        parents["freezer"] = os.path.join(REAL_PLAN["freezer"], namespace)
+    cg = Cgroups(CgroupSupport("v1", True, kill, "test", parents))
+    run = cg.create("r-v1", memory_mb=64)
+    assert run.memory_limit_mb == 64 and set(run.paths) == set(parents)
+    p = _spawn(procs, _python(SPAWNER))
+    run.add(p.pid)
+    _go(p)
+    assert _readline(p) == b"ready\n"
+    members = run.pids()
+    assert p.pid in members and len(members) == 4
+    assert run.kill() >= members
+    assert run.pids() == set() and not run.populated()
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    if kill == "freezer":
+        assert (run.paths["freezer"] / "freezer.state").read_text().strip() == "THAWED"
+    run.remove()
+    assert _gone(run)
+    assert cg.remove_namespace()
+
+
+@pytest.mark.skipif(not HYBRID_HERE, reason="needs root on a hybrid cgroup host like the test machine")
+def test_explicit_v2_parent(namespace: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    # The unified hierarchy as a "delegated subtree": v2 mode, no memory controller in it.
+    unified = REAL_PLAN["unified"]
+    cg = Cgroups.detect(unified, namespace=namespace)
+    assert (cg.support.mode, cg.support.memory, cg.support.kill) == ("v2", False, "cgroup.kill")
+    assert cg.support.parents == {"v2": os.path.join(unified, namespace)}
+    assert "memory" in cg.support.detail
+    run = cg.create("r-v2", memory_mb=64)
+    assert run.memory_limit_mb is None and run.memory_peak_mb() is None and run.oom_kills() == 0
+    p = _spawn(procs, ["sleep", "300"])
+    run.add(p.pid)
+    assert run.pids() == {p.pid}
+    run.remove()
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert _gone(run)

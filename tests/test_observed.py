@@ -1,0 +1,236 @@
+"""Observed against declared (#15): per-run cgroups (nothing escapes, memory limits), observed VRAM
+and host memory, enforcement of declarations, learned declarations ("auto")."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+from rest import spec, submit
+from waiting import async_wait_until, wait_until
+
+from jupyter_evalsched.client import LocalServer
+
+EVALS = str(Path(__file__).with_name("evals_observed.py"))
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def record(api, run_id: str) -> dict:
+    code, rec = await api("GET", f"runs/{run_id}")
+    assert code == 200, rec
+    return rec
+
+
+async def until(api, run_id: str, check, timeout: float = 15.0) -> dict:
+    async def probe():
+        rec = await record(api, run_id)
+        return rec if check(rec) else None
+
+    return await async_wait_until(probe, timeout=timeout)
+
+
+def gated(tmp_path: Path, name: str, vram: int, **scheduling) -> tuple[dict, Path, Path]:
+    """A run that writes its pid and runs until the test opens its gate (it then succeeds)."""
+    pid_file, gate = tmp_path / f"{name}.pid", tmp_path / f"{name}.gate"
+    body = {
+        "name": name,
+        "entrypoint": f"{EVALS}:gate",
+        "params": {"pid_file": str(pid_file), "gate": str(gate)},
+        "scheduling": {"marginal_vram_mb": vram, **scheduling},
+    }
+    return body, pid_file, gate
+
+
+async def running_pid(api, run_id: str, pid_file: Path) -> int:
+    await async_wait_until(pid_file.exists, timeout=15)
+    return int(pid_file.read_text())
+
+
+# --------------------------------------------------------------------------- observed VRAM and enforcement
+
+
+async def test_a_run_over_its_declaration_is_observed_and_warned_about(api, tmp_path, plant_gpu_processes, jp_ws_fetch):
+    ws = await jp_ws_fetch("evalsched", "events")
+    body, pid_file, gate = gated(tmp_path, "over", 8000)
+    rec = await submit(api, body)
+    pid = await running_pid(api, rec["id"], pid_file)
+    gpu = (await record(api, rec["id"]))["devices"][0]
+    plant_gpu_processes([{"pid": pid, "gpu": gpu, "used_mb": 10000}])
+    rec = await until(api, rec["id"], lambda r: r["warnings"])
+    assert rec["observed"]["peak_vram_mb"] == {str(gpu): 10000} and rec["observed"]["source"] == "virtual"
+    assert rec["warnings"] == [f"over_vram: used 10000 MB on GPU {gpu}, declared 8000 MB"]
+    assert rec["state"] == "running"  # warn is the default: it goes on
+    # Its own VRAM is observed, never charged twice: the ledger holds its declaration alone.
+    code, ledger = await api("GET", "ledger")
+    dev = ledger["devices"][gpu]
+    assert (dev["allocated_mb"], dev["unmanaged_mb"], dev["free_mb"]) == (8000, 0, 16000), dev
+    warning = None
+    while warning is None:
+        message = json.loads(await ws.read_message())
+        if message["type"] == "warning":
+            warning = message
+    assert warning == {
+        "type": "warning",
+        "run_id": rec["id"],
+        "code": "over_vram",
+        "message": rec["warnings"][0],
+    }
+    ws.close()
+    plant_gpu_processes([{"pid": pid, "gpu": gpu, "used_mb": 3000}])  # peaks never go down
+    gate.touch()
+    final = await until(api, rec["id"], lambda r: r["state"] == "succeeded")
+    assert final["observed"]["peak_vram_mb"] == {str(gpu): 10000}
+    assert final["observed"]["peak_rss_mb"] > 0
+    on_disk = json.loads(Path(final["run_dir"], "job.json").read_text())
+    assert on_disk["observed"] == final["observed"] and on_disk["warnings"] == final["warnings"]
+
+
+async def test_within_its_tolerance_a_run_gets_no_warning(api, tmp_path, plant_gpu_processes):
+    body, pid_file, gate = gated(tmp_path, "close", 8000)
+    rec = await submit(api, body)
+    pid = await running_pid(api, rec["id"], pid_file)
+    gpu = (await record(api, rec["id"]))["devices"][0]
+    plant_gpu_processes([{"pid": pid, "gpu": gpu, "used_mb": 8700}])  # +8.75 %, under the 10 % tolerance
+    rec = await until(api, rec["id"], lambda r: r["observed"] and r["observed"]["peak_vram_mb"])
+    gate.touch()
+    final = await until(api, rec["id"], lambda r: r["state"] == "succeeded")
+    assert final["warnings"] == [] and final["observed"]["peak_vram_mb"] == {str(gpu): 8700}
+
+
+@pytest.mark.parametrize("evalsched_config", [{"enforce_vram": "kill"}])
+async def test_with_enforcement_a_run_over_its_declaration_is_stopped(api, tmp_path, plant_gpu_processes):
+    body, pid_file, gate = gated(tmp_path, "greedy", 8000)
+    rec = await submit(api, body)
+    pid = await running_pid(api, rec["id"], pid_file)
+    gpu = (await record(api, rec["id"]))["devices"][0]
+    plant_gpu_processes([{"pid": pid, "gpu": gpu, "used_mb": 20000}])
+    final = await until(api, rec["id"], lambda r: r["state"] not in ("queued", "running"))
+    assert final["state"] == "failed"
+    assert final["reason"] == f"over_vram: used 20000 MB on GPU {gpu}, declared 8000 MB"
+    assert gone(pid)
+    code, ledger = await api("GET", "ledger")
+    assert ledger["devices"][gpu]["allocated_mb"] == 0
+
+
+# --------------------------------------------------------------------------- cgroups
+
+
+async def test_the_status_says_which_cgroup_mode_is_in_force(api):
+    code, status = await api("GET", "status")
+    cgroups = status["cgroups"]
+    # These machines have a hybrid hierarchy writable as root (ENVIRONMENT.md).
+    assert cgroups["mode"] != "none", cgroups
+    assert cgroups["memory"] is True and cgroups["kill"] != "none"
+    assert status["enforce_vram"] == "warn" and status["gpu_source"] == "virtual"
+
+
+async def test_cancel_leaves_nothing_of_a_run_that_escaped_its_session(api, tmp_path, wait_for):
+    pid_file = tmp_path / "escaped.pid"
+    rec = await submit(
+        api, {"entrypoint": f"{EVALS}:escape", "params": {"pid_file": str(pid_file)}, "cwd": str(tmp_path)}
+    )
+    await async_wait_until(pid_file.exists, timeout=15)
+    grandchild = int(pid_file.read_text())
+    proc = psutil.Process(grandchild)
+    assert proc.environ() == {} and os.getsid(grandchild) != os.getsid(proc.ppid() or grandchild)
+    code, _ = await api("POST", f"runs/{rec['id']}/cancel")
+    final = await wait_for(rec["id"])
+    assert final["state"] == "cancelled"
+    await async_wait_until(lambda: gone(grandchild), timeout=5)
+
+
+async def test_a_run_over_its_memory_limit_fails_with_oom(api, wait_for):
+    rec = await submit(api, {"entrypoint": f"{EVALS}:hog", "params": {"mb": 400}, "scheduling": {"memory_mb": 100}})
+    final = await wait_for(rec["id"])
+    assert final["state"] == "failed", final
+    assert final["reason"].startswith("oom: the run reached its memory limit (memory_mb=100"), final["reason"]
+    assert final["memory_mb"] == 100
+    assert final["observed"]["peak_rss_mb"] >= 90, final["observed"]
+
+
+async def test_a_run_within_its_memory_limit_succeeds_and_leaves_no_cgroup(api, wait_for, evalsched):
+    rec = await submit(api, {"entrypoint": f"{EVALS}:hog", "params": {"mb": 20}, "scheduling": {"memory_mb": 200}})
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded" and final["warnings"] == [], final
+    assert 20 <= final["observed"]["peak_rss_mb"] <= 200
+    cgroups = evalsched.executors["local"].cgroups
+    await async_wait_until(lambda: cgroups.existing(rec["id"]) is None, timeout=5)
+
+
+@pytest.mark.parametrize("evalsched_config", [{"cgroups": False}])
+async def test_without_cgroups_runs_work_and_a_memory_limit_is_said_to_be_unenforced(api, wait_for):
+    code, status = await api("GET", "status")
+    assert status["cgroups"]["mode"] == "none"
+    rec = await submit(api, {"entrypoint": f"{EVALS}:hog", "params": {"mb": 5}, "scheduling": {"memory_mb": 100}})
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded"
+    assert final["warnings"] and final["warnings"][0].startswith("memory_limit_not_enforced: memory_mb=100")
+
+
+def test_a_server_killed_mid_run_leaves_nothing_after_its_restart(tmp_path):
+    """Server death: the run dies with the server (PDEATHSIG), its escaped grandchild with the
+    run's cgroup when the next server recovers the runs directory."""
+    runs = str(tmp_path / "runs")
+    pid_file = tmp_path / "escaped.pid"
+    server = LocalServer(virtual_gpus="24000", runs_dir=runs)
+    try:
+        c = server.client()
+        rec = c.submit({"entrypoint": f"{EVALS}:escape", "params": {"pid_file": str(pid_file)}, "cwd": "/"})
+        wait_until(pid_file.exists, timeout=15)
+        grandchild = int(pid_file.read_text())
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+        assert not gone(grandchild)  # outside every group and without the run's environment
+    finally:
+        server.cleanup()
+    with LocalServer(virtual_gpus="24000", runs_dir=runs) as again:
+        final = again.client().get(rec["id"])
+        assert final["state"] == "aborted" and final["reason"].startswith("server_restart")
+        wait_until(lambda: gone(grandchild), timeout=5)
+
+
+# --------------------------------------------------------------------------- learned declarations
+
+
+async def test_auto_declares_the_highest_observed_peak_plus_the_margin(api, tmp_path, plant_gpu_processes):
+    peaks = {}
+    for name, used in (("first", 7000), ("second", 9000)):
+        body, pid_file, gate = gated(tmp_path, name, 10000)
+        rec = await submit(api, body)
+        pid = await running_pid(api, rec["id"], pid_file)
+        gpu = (await record(api, rec["id"]))["devices"][0]
+        plant_gpu_processes([{"pid": pid, "gpu": gpu, "used_mb": used}])
+        await until(api, rec["id"], lambda r: r["observed"] and r["observed"]["peak_vram_mb"])
+        gate.touch()
+        await until(api, rec["id"], lambda r: r["state"] == "succeeded")
+        peaks[rec["id"]] = used
+    plant_gpu_processes([])
+    body, _, gate = gated(tmp_path, "third", "auto")
+    gate.touch()
+    rec = await submit(api, body)
+    highest = max(peaks, key=peaks.get)
+    assert rec["marginal_vram_mb"] == math.ceil(9000 * 1.1) == 9900
+    assert rec["marginal_vram_source"] == f"auto: 9900 MB = the 9000 MB peak of run {highest} + 10%"
+    saved = json.loads(Path(rec["run_dir"], "spec.json").read_text())
+    assert saved["scheduling"]["marginal_vram_mb"] == 9900
+    declared = await submit(api, gated(tmp_path, "fourth", 1000)[0])
+    assert declared["marginal_vram_source"] == "declared"
+
+
+async def test_auto_without_history_is_a_422_that_says_what_to_do(api):
+    code, err = await api("POST", "runs", spec(vram="auto"))
+    assert code == 422
+    assert "'auto' needs an earlier succeeded run of 'jupyter_evalsched.examples.basic:sleepy'" in err["message"]
+    assert "declare a number" in err["message"]
+    assert err["detail"][0]["loc"] == ["scheduling", "marginal_vram_mb"]
