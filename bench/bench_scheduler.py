@@ -10,6 +10,8 @@ the same run (these machines are noisy: never compare with a number from another
    once-a-second tick that event-driven admission replaces.
 2. No-op turnaround: ``submit`` of a run whose episode does nothing → its terminal state, against
    ``Popen`` + ``wait`` of ``python -c pass`` with the same interpreter.
+3. The cost of a run's cgroup: the no-op turnaround with a cgroup per run (where the host has
+   cgroups) against the same without, the two schedulers alternating run by run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 from jupyter_evalsched.models import EvalSpec
+from jupyter_evalsched.scheduler.cgroups import Cgroups
 from jupyter_evalsched.scheduler.config import SchedulerConfig
 from jupyter_evalsched.scheduler.executors.local import LocalExecutor
 from jupyter_evalsched.scheduler.gpus import VirtualProbe
@@ -36,8 +39,11 @@ NOOP = "jupyter_evalsched.examples.basic:noop"
 class TimedScheduler(Scheduler):
     """Records when each run's end is recorded and each spawn returns (monotonic clock)."""
 
-    def __init__(self, config: SchedulerConfig, probe: VirtualProbe, event_driven: bool = True):
-        self.local = LocalExecutor(notify_exits=event_driven)  # not event-driven: the 1 s sweep alone
+    def __init__(
+        self, config: SchedulerConfig, probe: VirtualProbe, event_driven: bool = True, cgroups: Cgroups | None = None
+    ):
+        # not event-driven: the 1 s sweep alone
+        self.local = LocalExecutor(notify_exits=event_driven, cgroups=cgroups)
         super().__init__(config, probe, executors=[self.local])
         self.noticed: dict[str, float] = {}
         self.spawned: dict[str, float] = {}
@@ -114,6 +120,35 @@ async def noop_turnaround(rounds: int, root: Path) -> list[float]:
     return out
 
 
+async def cgroup_cost(rounds: int, root: Path) -> tuple[str, list[float], list[float]]:
+    """No-op turnarounds with and without a cgroup per run, alternating (the same noise for both)."""
+    cgroups = Cgroups.detect("auto", namespace=f"evalsched-bench-{os.getpid()}")
+    schedulers = {
+        with_cgroup: TimedScheduler(
+            SchedulerConfig(runs_dir=root / f"cg-{with_cgroup}", cpu_slots=4, progress_interval_s=10),
+            VirtualProbe([]),
+            cgroups=cgroups if with_cgroup else None,
+        )
+        for with_cgroup in (True, False)
+    }
+    for sched in schedulers.values():
+        await sched.start()
+    out: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for with_cgroup, sched in schedulers.items():
+                t0 = time.monotonic()
+                rec = await sched.submit_record(EvalSpec(entrypoint=NOOP, episodes=1, cwd=str(root)))
+                fut = sched.finished.setdefault(rec["id"], asyncio.get_running_loop().create_future())
+                out[with_cgroup].append(await asyncio.wait_for(fut, 30) - t0)
+    finally:
+        for sched in schedulers.values():
+            await sched.stop()
+        await asyncio.sleep(0.2)  # the last clean-ups (cgroup removal) run in a thread
+        cgroups.remove_namespace()
+    return cgroups.support.detail, out[True], out[False]
+
+
 def bare_popen(rounds: int) -> list[float]:
     out = []
     for _ in range(rounds):
@@ -176,6 +211,12 @@ async def main() -> None:
         print(
             f"   ratio run/bare interpreter (median): {ratio:.2f}x   target: <= 2x -> {'met' if ratio <= 2 else 'NOT met'}"
         )
+        detail, with_cg, without_cg = await cgroup_cost(args.rounds, root)
+        print("\n3. a cgroup per run: no-op turnaround with / without (alternating)")
+        print(f"   cgroups here: {detail}")
+        print(f"   with a cgroup per run           {ms(with_cg)}")
+        print(f"   process group only              {ms(without_cg)}")
+        print(f"   ratio with/without (median): {statistics.median(with_cg) / statistics.median(without_cg):.2f}x\n")
         files = file_creations(root, args.rounds)
         print(f"   context: a directory + 10 small files on this disk {ms(files)}")
         print(

@@ -9,6 +9,9 @@ in the same run, on the same model:
     (max_batch_size 8) versus none (max_batch_size 1). Target: >= 2x.
 (c) per-call overhead of the shared client versus calling the same model in-process, and the
     bare round trip of the protocol (a model that upper-cases strings).
+(d) memory with notebooks too: 4 run-like processes and 2 real ipykernel kernels using the model
+    through the host (what jupyter_evalsched.model() gives a kernel), against one process holding
+    the model (target <= 1.3x) and against one kernel that loads its own copy.
 
     .venv/bin/python bench/bench_shared_models.py [--model minilm|tiny] [--seconds 6] [--json out.json]
 
@@ -98,6 +101,49 @@ def start_all(scripts: list[list[str]]) -> list[subprocess.Popen]:
         if line.strip() != "ready":
             raise RuntimeError(f"a benchmark process failed (exit {proc.wait()})")
     return procs
+
+
+KERNEL_SHARED = """
+import jupyter_evalsched.client  # what a notebook that calls jupyter_evalsched.model() has imported
+from jupyter_evalsched.shared_models.client import connect
+shout = connect({url!r})
+for text in {sentences!r}:
+    shout(text)
+"""
+
+KERNEL_OWN_COPY = """
+import importlib, json
+module, function = {loader!r}.split(":")
+model = getattr(importlib.import_module(module), function)(**json.loads({kwargs!r}))
+for text in {sentences!r}:
+    model([text])
+"""
+
+
+def start_kernels(count: int, url: str | None, own: tuple[str, str] | None = None) -> list:
+    """Real ipykernel kernels (jupyter_client), each using the shared model at ``url`` (or, with
+    ``own``, loading its own copy); returns (manager, client, pid) per kernel, once they answered."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = []
+    for _ in range(count):
+        km, kc = start_new_kernel(kernel_name="python3", env=env)
+        if own is not None:
+            code = KERNEL_OWN_COPY.format(loader=own[0], kwargs=own[1], sentences=SENTENCES)
+        else:
+            code = KERNEL_SHARED.format(url=url, sentences=SENTENCES)
+        reply = kc.execute_interactive(code, timeout=300)
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"a benchmark kernel failed: {reply['content']}")
+        out.append((km, kc, km.provisioner.process.pid))
+    return out
+
+
+def stop_kernels(kernels: list) -> None:
+    for km, kc, _ in kernels:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
@@ -239,6 +285,30 @@ async def main() -> dict:
             "pss_own_over_one": round(own_pss / one_pss, 3),
         }
 
+        # (d) 4 runs and 2 notebook kernels on the one copy
+        kernels = await asyncio.to_thread(start_kernels, 2, urls["batched"])
+        try:
+            clients = await asyncio.to_thread(start_all, [[CLIENT, urls["batched"], *SENTENCES] for _ in range(4)])
+            kernel_pids = [pid for _, _, pid in kernels]
+            with_kernels_rss, _ = memory_of([pid_of["batched"]] + [p.pid for p in clients] + kernel_pids)
+            kernel_rss = memory_of(kernel_pids)[0] / 2
+            await asyncio.to_thread(stop_all, clients)
+        finally:
+            await asyncio.to_thread(stop_kernels, kernels)
+        own_kernel = await asyncio.to_thread(start_kernels, 1, None, (loader, kwargs))
+        try:
+            own_kernel_rss, _ = memory_of([own_kernel[0][2]])
+        finally:
+            await asyncio.to_thread(stop_kernels, own_kernel)
+        results["kernels"] = {
+            "kernel_process_mb": round(kernel_rss / 2**20, 1),
+            "runs_and_kernels_rss_mb": round(with_kernels_rss / 2**20),
+            "kernel_with_own_copy_mb": round(own_kernel_rss / 2**20),
+            "over_one_process": round(with_kernels_rss / one_rss, 3),
+            "over_one_kernel_with_own_copy": round(with_kernels_rss / own_kernel_rss, 3),
+            "own_copies_everywhere_estimate_over_one": round((4 * one_rss + 2 * own_kernel_rss) / one_rss, 2),
+        }
+
         # (b) throughput, 8 concurrent clients
         await asyncio.to_thread(connect(urls["unbatched"]), SENTENCES[0])  # load outside the timing
         # Alternate short rounds, so that a change in the machine's load hits both alike.
@@ -309,6 +379,17 @@ def report(results: dict) -> None:
     print(
         f"    PSS sums over one process alone: shared {m['pss_shared_over_one']}x, own copies {m['pss_own_over_one']}x"
         " (PSS splits library pages with every process mapping them, also unrelated ones)"
+    )
+    k = results["kernels"]
+    print("(d) 4 runs and 2 notebook kernels on the one copy, RSS")
+    print(
+        f"    host + 4 clients + 2 kernels of {k['kernel_process_mb']} MB = {k['runs_and_kernels_rss_mb']} MB"
+        f"  -> {k['over_one_process']}x one process holding the model   target <= 1.3x"
+    )
+    print(
+        f"    one kernel with its own copy        {k['kernel_with_own_copy_mb']:6d} MB"
+        f"  -> runs and kernels sharing = {k['over_one_kernel_with_own_copy']}x of it;"
+        f" own copies everywhere ~{k['own_copies_everywhere_estimate_over_one']}x one process"
     )
     print(f"(b) throughput, {t['clients']} concurrent clients, one input per call")
     print(

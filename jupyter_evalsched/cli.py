@@ -612,10 +612,14 @@ def cmd_queue(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- demo
 
 
+DEMO_LEASE_MB = 10000
+
+
 def demo_plan(sleep_s: float, episodes: int) -> list[tuple[str, dict]]:
-    """The demo's runs: on two 24000 MB GPUs, three 16000 MB runs cannot all run at once, the
-    exclusive run waits for an empty GPU, the high-priority run overtakes both, and one CPU run
-    waits for the first run (its ``depends_on`` is filled in at submission)."""
+    """The demo's runs: on two 24000 MB GPUs, one holding a notebook's 10000 MB lease at first, three
+    16000 MB runs cannot all run at once, the exclusive run waits for an empty GPU, the
+    high-priority run overtakes both, and one CPU run waits for the first run (its ``depends_on``
+    is filled in at submission)."""
     entry = "jupyter_evalsched.examples.basic:sleepy"
 
     def spec(name: str, vram: int = 0, priority: str = "normal", exclusive: bool = False) -> dict:
@@ -709,6 +713,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
             client = server.client()
             print(f"server at {client.base_url} (runs in {server.runs_dir})", file=sys.stderr)
 
+        # A notebook holding VRAM for interactive work: a lease, for as long as the first runs take.
+        lease = client.request(
+            "POST",
+            "leases",
+            body={
+                "vram_mb": DEMO_LEASE_MB,
+                "label": "demo notebook",
+                "pid": os.getpid(),
+                "ttl_s": max(1.5, args.sleep * args.episodes),
+            },
+        )
+        if not args.json:
+            print(
+                f"lease {lease['id']}: {DEMO_LEASE_MB} MB for 'demo notebook' ({lease['state']}, "
+                f"ends after {lease['ttl_s']:g} s)",
+                file=sys.stderr,
+            )
         ids: dict[str, str] = {}
         for label, spec in demo_plan(args.sleep, args.episodes):
             spec = dict(spec)

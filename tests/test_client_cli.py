@@ -468,6 +468,9 @@ def test_cli_demo(tmp_path):
     # Queueing really happened: the log shows VRAM and exclusive waits and the dependency.
     assert "waiting_vram" in proc.stdout and "waiting_gpu_exclusive" in proc.stdout
     assert "waiting_dependency" in proc.stdout
+    # A notebook's lease held VRAM at first: the ledger drew it (the reasons that name it are
+    # cut to the table's width here; tests/test_leases.py checks them whole).
+    assert "leases: demo notebook:10000" in proc.stdout and "10000 MB for 'demo notebook'" in proc.stderr
 
 
 def test_run_handle_repr_and_html(client, clean_queue):

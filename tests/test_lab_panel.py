@@ -4,8 +4,11 @@ A `jupyter lab` subprocess (random port, token, non-root base URL, isolated Jupy
 virtual 24 GB GPU) serves the prebuilt `jupyter-evalsched` lab extension and the server extension.
 Playwright drives Debian's Chromium: the panel must show the ledger, the queue with its pending
 reason, progress, metrics, logs, finished runs, and cancel runs through a confirmation dialog,
-live over the event socket and, when told not to use it, by polling the REST API. A second server
-without the server extension checks that the panel says so.
+live over the event socket and, when told not to use it, by polling the REST API; leases (drawn in
+the ledger, listed, released through a confirmation dialog), the VRAM of other processes per
+holder (a notebook kernel, a pid, a lease holder's excess) and a run's over_vram warning, fed by
+the virtual GPU process table (EVALSCHED_VIRTUAL_GPU_PROCESSES). A second server without the
+server extension checks that the panel says so.
 
 Needs: the package installed (``pip install -e .``) with the lab extension built and linked
 (``jupyter labextension develop --overwrite .``), /usr/bin/chromium and the playwright package.
@@ -24,11 +27,12 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import psutil
 import pytest
 from waiting import wait_until
 
@@ -78,6 +82,9 @@ def _isolated_env(root: Path) -> dict[str, str]:
     dirs = {name: root / name for name in ("home", "config", "data", "runtime", "runs", "work")}
     for path in dirs.values():
         path.mkdir(parents=True, exist_ok=True)
+    processes = _process_table_path(root)
+    if not processes.exists():
+        processes.write_text("[]")
     env.update(
         HOME=str(dirs["home"]),
         JUPYTER_CONFIG_DIR=str(dirs["config"]),
@@ -87,10 +94,16 @@ def _isolated_env(root: Path) -> dict[str, str]:
         EVALSCHED_VIRTUAL_GPUS=str(VRAM),
         EVALSCHED_RUNS_DIR=str(dirs["runs"]),
         EVALSCHED_CPU_SLOTS="4",
+        EVALSCHED_VIRTUAL_GPU_PROCESSES=str(processes),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         PYTHONUNBUFFERED="1",
     )
     return env
+
+
+def _process_table_path(root: Path) -> Path:
+    """The virtual GPU process table of a server: `[{"pid", "gpu", "used_mb"}]`, re-read on change."""
+    return root / "gpu-processes.json"
 
 
 class LabServer:
@@ -170,6 +183,18 @@ class LabServer:
         status, record = self.request("GET", f"evalsched/runs/{run_id}")
         assert status == 200, (status, record)
         return record
+
+    def lease(self, lease_id: str) -> dict:
+        status, record = self.request("GET", f"evalsched/leases/{lease_id}")
+        assert status == 200, (status, record)
+        return record
+
+    def set_gpu_processes(self, entries: list[dict]) -> None:
+        """Replace the virtual GPU process table (atomically: the server re-reads it on change)."""
+        path = _process_table_path(self.root)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, path)
 
     def wait_ready(self, *, evalsched: bool, timeout: float = 90.0) -> None:
         def ready() -> bool:
@@ -255,8 +280,13 @@ class PageErrors:
         )
 
 
-def _open_lab(browser: Any, server: LabServer) -> tuple[Any, Any, PageErrors]:
+def _open_lab(
+    browser: Any, server: LabServer, prepare: Callable[[Any], None] | None = None
+) -> tuple[Any, Any, PageErrors]:
+    """A page of JupyterLab with the panel visible; ``prepare(context)`` runs before it loads."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    if prepare is not None:
+        prepare(context)
     page = context.new_page()
     page.set_default_timeout(UI_TIMEOUT_MS)
     errors = PageErrors(page)
@@ -297,10 +327,10 @@ def _wait_gpu(page: Any, *, allocated: int, runs: str | None = None, index: int 
     page.wait_for_selector(selector)
 
 
-def _confirm_dialog(page: Any, accept: bool) -> None:
+def _confirm_dialog(page: Any, accept: bool, title: str = "Cancel run?") -> None:
     dialog = page.locator(".jp-Dialog")
     dialog.wait_for(state="visible")
-    assert "Cancel run?" in dialog.inner_text()
+    assert title in dialog.inner_text()
     if accept:
         dialog.locator("button.jp-mod-warn").click()
     else:
@@ -559,6 +589,419 @@ def test_panel_polling_fallback(lab: LabServer, browser: Any) -> None:
         context.close()
         _write_user_settings(lab, {})
         _set_theme(lab, "JupyterLab Light")
+
+
+def _sleeper() -> subprocess.Popen:
+    """A process of no consequence, to hold a lease or VRAM in the virtual process table."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+def _create_lease(server: LabServer, **body: Any) -> dict:
+    status, record = server.request("POST", "evalsched/leases", body)
+    assert status == 201, (status, record)
+    return record
+
+
+def _kernel_pid(server: LabServer, kernel_id: str) -> int | None:
+    """The pid of a kernel of the server (its connection file is on its command line)."""
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            cmdline = proc.cmdline()
+        except psutil.Error:
+            continue
+        if any(f"kernel-{kernel_id}.json" in part for part in cmdline):
+            return proc.pid
+    return None
+
+
+def _lease_row(page: Any, lease_id: str) -> Any:
+    return page.locator(f'{PANEL} [data-testid="evalsched-lease-row"][data-lease-id="{lease_id}"]')
+
+
+def test_panel_leases(lab: LabServer, browser: Any) -> None:
+    """A lease is drawn in the ledger and listed; a run that cannot fit beside it waits naming it;
+    Release asks first, then ends the lease, and the run starts."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {})
+    holder = _sleeper()
+    label = "analysis-lease"
+    lease_id: str | None = None
+    context = page = None
+    try:
+        lease = _create_lease(lab, vram_mb=14000, pid=holder.pid, label=label)
+        lease_id = lease["id"]
+        wait_until(lambda: lab.lease(lease_id)["state"] == "granted", timeout=30, interval=0.1)
+        context, page, errors = _open_lab(browser, lab)
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]')
+
+        # -- the ledger: the lease's own segment, labelled with who holds it ------------------
+        _wait_gpu(page, allocated=14000, runs="")
+        gpu = _gpu(page)
+        assert gpu.get_attribute("data-leases") == lease_id
+        seg = gpu.locator(f'.jp-EvalSched-seg[data-lease-id="{lease_id}"]')
+        seg.wait_for(state="visible")
+        assert seg.get_attribute("data-kind") == "lease"
+        assert seg.get_attribute("data-mb") == "14000"
+        assert seg.get_attribute("data-holder") == label
+        assert seg.inner_text() == label
+        title = seg.get_attribute("title") or ""
+        for needle in (lease_id, label, "14,000 MB", f"pid {holder.pid}"):
+            assert needle in title, (needle, title)
+        assert gpu.locator(f'.jp-EvalSched-legendItem[data-legend-lease-id="{lease_id}"]').is_visible()
+
+        # -- the Leases list: holder, state, size, GPU, pid, and a Release button ------------
+        row = _lease_row(page, lease_id)
+        row.wait_for(state="visible")
+        assert row.get_attribute("data-state") == "granted"
+        assert row.locator('[data-testid="evalsched-lease-holder"]').inner_text() == label
+        text = row.inner_text()
+        for needle in ("granted", "14,000 MB × 1 GPU", "GPU 0", f"pid {holder.pid}", lease_id):
+            assert needle in text, (needle, text)
+        release = row.locator('[data-testid="evalsched-lease-release"]')
+        assert release.is_visible()
+
+        # -- a run that cannot fit beside it waits, and its reason names the lease ----------
+        run_id = lab.submit(
+            {
+                "name": "after-the-lease",
+                "entrypoint": SLEEPY,
+                "episodes": 2,
+                "params": {"sleep_s": 0.2},
+                "scheduling": {"marginal_vram_mb": 16000},
+            }
+        )["id"]
+        queued = _wait_run(page, run_id, "queued", "queued")
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-run[data-run-id="{run_id}"][data-reason-code="waiting_vram"]')
+        page.wait_for_function(
+            "([sel, id]) => (document.querySelector(sel)?.textContent || '').includes(id)",
+            arg=[f'{PANEL} .jp-EvalSched-run[data-run-id="{run_id}"] [data-testid="evalsched-reason"]', lease_id],
+        )
+        assert label in queued.locator('[data-testid="evalsched-reason"]').inner_text()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-lease.png"))
+
+        # -- Release asks first: "Keep it" sends nothing; confirmed, one DELETE --------------
+        def is_release(request: Any) -> bool:
+            return request.method == "DELETE" and urlsplit(request.url).path.endswith(f"/evalsched/leases/{lease_id}")
+
+        releases: list[str] = []
+        page.on("request", lambda request: releases.append(request.url) if is_release(request) else None)
+        release.click()
+        _confirm_dialog(page, accept=False, title="Release lease?")
+        assert lab.lease(lease_id)["state"] == "granted"
+        assert row.is_visible()
+        release.click()
+        with page.expect_request(is_release):
+            _confirm_dialog(page, accept=True, title="Release lease?")
+        assert len(releases) == 1, f"a release was sent when the dialog said 'Keep it': {releases}"
+
+        # the lease leaves the list and the ledger, and the run it held back starts
+        row.wait_for(state="detached")
+        seg.wait_for(state="detached")
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-gpu[data-index="0"][data-leases=""]')
+        page.wait_for_selector(
+            f'{PANEL} .jp-EvalSched-run[data-run-id="{run_id}"]:is([data-state="running"], [data-state="succeeded"])'
+        )
+        ended = lab.lease(lease_id)
+        assert ended["state"] == "ended" and ended["reason"].startswith("released"), ended
+        _wait_run(page, run_id, "succeeded", "finished")
+        page.locator(f'{PANEL} .jp-EvalSched-section[data-section="leases"] .jp-EvalSched-empty').wait_for(
+            state="visible"
+        )
+        assert page.locator(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]').is_visible()
+        assert errors.errors == []
+    except BaseException:
+        if page is not None:
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "lab-panel-lease-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        if context is not None:
+            context.close()
+        if lease_id is not None:
+            lab.request("DELETE", f"evalsched/leases/{lease_id}")
+        _kill(holder)
+
+
+def test_panel_unmanaged_by_holder(lab: LabServer, browser: Any) -> None:
+    """VRAM the scheduler does not manage, per holder: a notebook kernel (by its notebook), another
+    process (by pid), and what a lease holder uses beyond its lease (beside the lease). No event
+    says when the process table changes: the panel re-reads the ledger while live."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {"refreshInterval": 1})
+    plain, leaser = _sleeper(), _sleeper()
+    session_id: str | None = None
+    lease_id: str | None = None
+    context = page = None
+    try:
+        status, session = lab.request(
+            "POST",
+            "api/sessions",
+            {
+                "path": "analysis-gpu.ipynb",
+                "name": "analysis-gpu.ipynb",
+                "type": "notebook",
+                "kernel": {"name": "python3"},
+            },
+        )
+        assert status == 201, (status, session)
+        session_id, kernel_id = session["id"], session["kernel"]["id"]
+        kernel_pid = wait_until(lambda: _kernel_pid(lab, kernel_id), timeout=60, interval=0.1, message="no kernel")
+        lease_id = _create_lease(lab, vram_mb=2000, pid=leaser.pid, label="small-lease")["id"]
+        lab.set_gpu_processes(
+            [
+                {"pid": plain.pid, "gpu": 0, "used_mb": 4000},
+                {"pid": kernel_pid, "gpu": 0, "used_mb": 5000},
+                {"pid": leaser.pid, "gpu": 0, "used_mb": 2600},  # 600 MB over its lease
+            ]
+        )
+
+        def seen() -> dict | None:
+            status, ledger = lab.request("GET", "evalsched/ledger")
+            assert status == 200, (status, ledger)
+            device = ledger["devices"][0]
+            return device if device["unmanaged_mb"] == 4000 + 5000 + 600 else None
+
+        device = wait_until(seen, timeout=30, interval=0.1, message="the server does not see the process table")
+        entry = next(p for p in device["unmanaged_processes"] if p["pid"] == kernel_pid)
+        assert entry["kernel_id"] == kernel_id, entry
+        session_path = entry["session_path"]
+        assert session_path and session_path.endswith("analysis-gpu.ipynb"), entry
+
+        context, page, errors = _open_lab(browser, lab)
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]')
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-gpu[data-index="0"][data-unmanaged-mb="9600"]')
+        gpu = _gpu(page)
+
+        notebook = gpu.locator('.jp-EvalSched-seg[data-holder-kind="kernel"]')
+        notebook.wait_for(state="visible")
+        assert notebook.get_attribute("data-holder") == "analysis-gpu.ipynb"
+        assert notebook.get_attribute("data-mb") == "5000"
+        assert notebook.get_attribute("data-kernel-id") == kernel_id
+        assert notebook.get_attribute("data-session-path") == session_path
+        assert notebook.inner_text() == "analysis-gpu.ipynb"
+        title = notebook.get_attribute("title") or ""
+        assert session_path in title and kernel_id in title, title
+
+        other = gpu.locator(f'.jp-EvalSched-seg[data-holder-kind="process"][data-pids="{plain.pid}"]')
+        assert other.get_attribute("data-holder") == f"pid {plain.pid}"
+        assert other.get_attribute("data-mb") == "4000"
+        assert other.inner_text() == f"pid {plain.pid}"
+
+        lease_seg = gpu.locator(f'.jp-EvalSched-seg[data-lease-id="{lease_id}"]')
+        assert lease_seg.get_attribute("data-mb") == "2000"
+        over = gpu.locator(f'.jp-EvalSched-seg[data-over-lease-id="{lease_id}"]')
+        assert over.get_attribute("data-kind") == "over"
+        assert over.get_attribute("data-mb") == "600"
+        assert "small-lease" in (over.get_attribute("title") or "")
+        # the excess is drawn right beside its lease
+        assert (
+            page.evaluate(
+                "([sel]) => document.querySelector(sel)?.nextElementSibling?.dataset.overLeaseId",
+                [f'{PANEL} .jp-EvalSched-seg[data-lease-id="{lease_id}"]'],
+            )
+            == lease_id
+        )
+        # the legend says what each colour is
+        for kind in ("lease", "over", "kernel", "unmanaged"):
+            assert gpu.locator(f'.jp-EvalSched-legendItem[data-kind="{kind}"]').count() >= 1, kind
+        badge = _lease_row(page, lease_id).locator('[data-testid="evalsched-lease-over"]')
+        badge.wait_for(state="visible")
+        assert "600 MB" in badge.inner_text()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-unmanaged.png"))
+
+        # the processes let go of their VRAM: the panel follows without a reload
+        lab.set_gpu_processes([])
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-gpu[data-index="0"][data-unmanaged-mb="0"]')
+        assert gpu.locator('.jp-EvalSched-seg[data-unmanaged="true"]').count() == 0
+        assert gpu.locator(".jp-EvalSched-seg[data-over-lease-id]").count() == 0
+        badge.wait_for(state="detached")
+        assert errors.errors == []
+    except BaseException:
+        if page is not None:
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "lab-panel-unmanaged-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        lab.set_gpu_processes([])
+        if context is not None:
+            context.close()
+        if lease_id is not None:
+            lab.request("DELETE", f"evalsched/leases/{lease_id}")
+        if session_id is not None:
+            lab.request("DELETE", f"api/sessions/{session_id}")
+        _kill(plain)
+        _kill(leaser)
+        _write_user_settings(lab, {})
+
+
+def test_panel_run_warning(lab: LabServer, browser: Any) -> None:
+    """A run seen using more VRAM than it declared shows a warning badge at once; its detail shows
+    the observed peaks, their source, its host memory limit and the warning."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {})
+    context = page = None
+    run_id: str | None = None
+    try:
+        context, page, errors = _open_lab(browser, lab)
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]')
+        run_id = lab.submit(
+            {
+                "name": "greedy",
+                "entrypoint": SLEEPY,
+                "episodes": 400,
+                "params": {"sleep_s": 0.25},
+                "scheduling": {"marginal_vram_mb": 8000, "memory_mb": 2048},
+            }
+        )["id"]
+        row = _wait_run(page, run_id, "running", "running")
+        pid = wait_until(lambda: lab.run(run_id)["pid"], timeout=30, interval=0.1)
+        badge = row.locator('[data-testid="evalsched-warning"]')
+        assert "over_vram" not in (row.get_attribute("data-warnings") or "")
+        lab.set_gpu_processes([{"pid": pid, "gpu": 0, "used_mb": 10000}])
+        expected = "over_vram: used 10000 MB on GPU 0, declared 8000 MB"
+        page.wait_for_function(
+            "([sel]) => (document.querySelector(sel)?.dataset.warnings || '').split(',').includes('over_vram')",
+            arg=[f'{PANEL} .jp-EvalSched-run[data-run-id="{run_id}"]'],
+        )
+        assert badge.is_visible()
+        assert "⚠" in badge.inner_text()
+        assert expected in (badge.get_attribute("title") or "")
+        assert expected in lab.run(run_id)["warnings"]
+
+        row.locator('[data-testid="evalsched-details"]').click()
+        detail = row.locator(".jp-EvalSched-detail")
+        detail.wait_for(state="visible")
+        detail.locator('dd[data-field="observed_vram"]').wait_for(state="visible")
+        assert detail.locator('dd[data-field="observed_vram"]').inner_text() == "GPU 0: 10,000 MB"
+        assert detail.locator('dd[data-field="observed_source"]').inner_text() == "virtual GPUs"
+        assert detail.locator('dd[data-field="memory_mb"]').inner_text() == "2,048 MB"
+        warning = detail.locator('.jp-EvalSched-warning[data-code="over_vram"]')
+        assert warning.is_visible() and "declared 8000 MB" in warning.inner_text()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-warning.png"))
+        assert errors.errors == []
+    except BaseException:
+        if page is not None:
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "lab-panel-warning-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        lab.set_gpu_processes([])
+        if run_id is not None:
+            lab.request("POST", f"evalsched/runs/{run_id}/cancel")
+        if context is not None:
+            context.close()
+
+
+# What the panel reads that an older server (before leases and observed usage) does not send.
+_NEWER_RUN_FIELDS = ("observed", "warnings", "marginal_vram_source", "memory_mb")
+_NEWER_DEVICE_FIELDS = ("leases", "unmanaged_processes")
+
+
+def _as_older_server(route: Any) -> None:
+    """Answer a REST read of the scheduler as an older server would: without the newer fields."""
+    response = route.fetch()
+    if response.status != 200 or "json" not in response.headers.get("content-type", ""):
+        route.fulfill(response=response)
+        return
+    body = response.json()
+
+    def strip_run(record: dict) -> None:
+        for key in _NEWER_RUN_FIELDS:
+            record.pop(key, None)
+
+    def strip_ledger(ledger: dict) -> None:
+        for device in ledger.get("devices", []):
+            for key in _NEWER_DEVICE_FIELDS:
+                device.pop(key, None)
+
+    if "queued" in body:  # the queue view
+        body.pop("leases", None)
+        for record in body["queued"] + body["running"]:
+            strip_run(record)
+        strip_ledger(body["ledger"])
+    elif "cpu_slots" in body:  # the ledger
+        strip_ledger(body)
+    elif "runs" in body:  # a list of runs
+        for record in body["runs"]:
+            strip_run(record)
+    elif "id" in body:  # a run
+        strip_run(body)
+    route.fulfill(response=response, json=body)
+
+
+def test_panel_older_server(lab: LabServer, browser: Any) -> None:
+    """Against a server that predates leases and observed usage (their fields stripped from its
+    answers, polling), the panel shows what it is told: no Leases section, a lease's VRAM as
+    allocated, unmanaged VRAM as one segment, and no errors."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {"useWebSocket": False, "refreshInterval": 0.5})
+    holder, plain = _sleeper(), _sleeper()
+    lease_id: str | None = None
+    context = page = None
+    try:
+        lease_id = _create_lease(lab, vram_mb=6000, pid=holder.pid, label="not-shown")["id"]
+        lab.set_gpu_processes([{"pid": plain.pid, "gpu": 0, "used_mb": 3000}])
+        wait_until(
+            lambda: lab.request("GET", "evalsched/ledger")[1]["devices"][0]["unmanaged_mb"] == 3000,
+            timeout=30,
+            interval=0.1,
+        )
+        context, page, errors = _open_lab(
+            browser,
+            lab,
+            lambda ctx: ctx.route(re.compile(r"/evalsched/(queue|ledger|runs)(/[^/?]+)?(\?.*)?$"), _as_older_server),
+        )
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="polling"]')
+        page.wait_for_selector(
+            f'{PANEL} .jp-EvalSched-gpu[data-index="0"][data-allocated-mb="6000"][data-unmanaged-mb="3000"]'
+        )
+        gpu = _gpu(page)
+        assert gpu.locator(".jp-EvalSched-seg[data-lease-id]").count() == 0
+        allocated = gpu.locator('.jp-EvalSched-seg[data-kind="run"]')
+        assert allocated.get_attribute("data-mb") == "6000" and "Allocated" in (allocated.get_attribute("title") or "")
+        unmanaged = gpu.locator('.jp-EvalSched-seg[data-unmanaged="true"]')
+        assert unmanaged.count() == 1 and unmanaged.get_attribute("data-mb") == "3000"
+        assert gpu.locator('.jp-EvalSched-legendItem[data-kind="unmanaged"]').is_visible()
+        assert page.locator(f'{PANEL} .jp-EvalSched-section[data-section="leases"]').is_hidden()
+
+        run_id = lab.submit({"name": "old-style", "entrypoint": SLEEPY, "episodes": 2, "params": {"sleep_s": 0.1}})[
+            "id"
+        ]
+        row = _wait_run(page, run_id, "succeeded", "finished")
+        row.locator('[data-testid="evalsched-details"]').click()
+        detail = row.locator(".jp-EvalSched-detail")
+        detail.locator('dd[data-field="executor"]').wait_for(state="visible")
+        for field in ("observed_vram", "observed_source", "memory_mb", "marginal_vram_source"):
+            assert detail.locator(f'[data-field="{field}"]').count() == 0, field
+        assert row.locator('[data-testid="evalsched-warning"]').count() == 0
+        assert errors.errors == []
+    except BaseException:
+        if page is not None:
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "lab-panel-older-server-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        lab.set_gpu_processes([])
+        if context is not None:
+            context.close()
+        if lease_id is not None:
+            lab.request("DELETE", f"evalsched/leases/{lease_id}")
+        _kill(holder)
+        _kill(plain)
+        _write_user_settings(lab, {})
 
 
 def test_panel_without_server_extension(tmp_path: Path, browser: Any) -> None:

@@ -216,6 +216,18 @@ async def test_lease_changes_are_events_on_the_socket(jp_ws_fetch, api):
     ws.close()
 
 
+async def test_unmanaged_vram_changes_are_ledger_events(api, jp_ws_fetch, plant_gpu_processes):
+    ws = await jp_ws_fetch("evalsched", "events")
+    json.loads(await ws.read_message())  # the snapshot
+    plant_gpu_processes([{"pid": 999999, "gpu": 1, "used_mb": 3000}])
+    while True:
+        message = json.loads(await ws.read_message())
+        if message["type"] == "ledger":
+            break
+    assert message["ledger"]["devices"][1]["unmanaged_mb"] == 3000
+    ws.close()
+
+
 # --------------------------------------------------------------------------- charged max(lease, observed)
 
 

@@ -177,3 +177,22 @@ def test_queue_tracker_patches_progress_and_rereads_after_state_changes():
     assert tracker.wants_read(time.monotonic() + QueueTracker.SETTLE_S)
     tracker.notify()
     assert views[-1]["queued"] == [] and not tracker.done
+
+
+def test_queue_tracker_follows_leases_and_ledger_events():
+    views: list[dict] = []
+    tracker = QueueTracker(views.append)
+    tracker.apply({"type": "snapshot", "queue": {"queued": [], "running": [], "ledger": {"devices": []}}})
+    assert tracker.view["leases"] == []
+    lease = {"id": "lease-1", "state": "queued", "vram_mb": 1000}
+    tracker.apply({"type": "lease", "lease": lease})
+    assert tracker.view["leases"] == [lease] and tracker.wants_read(time.monotonic() + 1)
+    tracker._want_read, tracker._settle_at = False, None  # as a read would (no server here)
+    tracker.apply({"type": "lease", "lease": {**lease, "observed_mb": {"0": 5}}})  # same state: no read
+    assert not tracker.wants_read(time.monotonic() + 1)
+    tracker.apply({"type": "lease", "lease": {**lease, "state": "ended"}})
+    assert tracker.view["leases"] == [] and tracker.wants_read(time.monotonic() + 1)
+    ledger = {"devices": [{"index": 0, "unmanaged_mb": 700}]}
+    tracker.apply({"type": "ledger", "ledger": ledger})
+    tracker.notify()
+    assert views[-1]["ledger"] == ledger

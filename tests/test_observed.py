@@ -198,6 +198,10 @@ def test_a_server_killed_mid_run_leaves_nothing_after_its_restart(tmp_path):
         final = again.client().get(rec["id"])
         assert final["state"] == "aborted" and final["reason"].startswith("server_restart")
         wait_until(lambda: gone(grandchild), timeout=5)
+        parents = again.client().request("GET", "status")["cgroups"]["parents"]
+        assert parents and all(os.path.isdir(p) for p in parents.values())
+    # A server that stops leaves no cgroup behind, not even its (empty) namespace.
+    assert not any(os.path.exists(p) for p in parents.values()), parents
 
 
 # --------------------------------------------------------------------------- learned declarations

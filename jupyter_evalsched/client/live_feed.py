@@ -351,7 +351,7 @@ class QueueTracker:
     def __init__(self, on_change: Callable[[dict], Any] | None = None, *, finished_limit: int = 0):
         self.on_change = on_change
         self.finished_limit = finished_limit
-        self.view: dict = {"queued": [], "running": [], "ledger": None}
+        self.view: dict = {"queued": [], "running": [], "ledger": None, "leases": []}
         self.finished: list[dict] = []
         self._terminal_events: list[dict] = []  # terminal records from events since the last read
         self._changed = False
@@ -366,6 +366,7 @@ class QueueTracker:
             "queued": list(view.get("queued") or []),
             "running": list(view.get("running") or []),
             "ledger": view.get("ledger"),
+            "leases": list(view.get("leases") or []),
         }
         if finished is not None:
             self._merge_finished(finished, [])
@@ -384,6 +385,23 @@ class QueueTracker:
             self.set_view(event["queue"])
         elif kind == "run" and isinstance(event.get("run"), dict):
             self._apply_run(event["run"])
+        elif kind == "ledger" and isinstance(event.get("ledger"), dict):
+            self.view["ledger"] = event["ledger"]  # VRAM outside the scheduler changed
+            self._changed = True
+        elif kind == "lease" and isinstance(event.get("lease"), dict):
+            self._apply_lease(event["lease"])
+
+    def _apply_lease(self, rec: dict) -> None:
+        leases = [item for item in self.view.get("leases") or [] if item.get("id") != rec.get("id")]
+        old = next((item for item in self.view.get("leases") or [] if item.get("id") == rec.get("id")), None)
+        if rec.get("state") != "ended":
+            leases.append(dict(rec))
+        self.view["leases"] = leases
+        if old is None or old.get("state") != rec.get("state"):
+            # A grant or an end moves VRAM in the ledger, and the queue's reasons with it.
+            self._want_read = True
+            self._settle_at = time.monotonic() + self.SETTLE_S
+        self._changed = True
 
     def _apply_run(self, rec: dict) -> None:
         rid = rec.get("id")

@@ -961,14 +961,17 @@ class Scheduler:
             },
             kernels=self._kernels,
         )
-        if _ledger_figures(observation.unmanaged) != _ledger_figures(self._unmanaged):
-            self._observed_version += 1
+        changed = _ledger_figures(observation.unmanaged) != _ledger_figures(self._unmanaged)
         self._unmanaged = observation.unmanaged
         for lease in leases:
             self.leases.set_observed(
                 lease, observation.leases.get(lease.id, {}), observation.over_lease.get(lease.id, 0)
             )
         self._observation = observation
+        if changed:
+            # VRAM outside the scheduler changed: no run or lease did, so say it on its own.
+            self._observed_version += 1
+            self.table.emit({"type": "ledger", "ledger": self.ledger()})
 
     async def _watch_progress_forever(self) -> None:
         while True:

@@ -43,6 +43,14 @@ export interface IRunRecord {
   progress: IProgress;
   marginal_vram_mb: number;
   depends_on: string[];
+  // Observed usage; every one may be missing (older servers).
+  observed?: IObserved | null;
+  /** Problems seen while it ran, each starting with a code (`over_vram: ...`). */
+  warnings?: string[];
+  /** `declared`, or `auto: ...` with the figures. */
+  marginal_vram_source?: string;
+  /** The host memory limit asked for. */
+  memory_mb?: number | null;
   [key: string]: unknown;
 }
 
@@ -74,6 +82,21 @@ export interface ISummary {
   error?: IRunError | null;
 }
 
+/** What a run was seen to use while it ran (peaks only); absent on older servers. */
+export interface IObserved {
+  peak_vram_mb?: { [gpu: string]: number };
+  peak_rss_mb?: number | null;
+  source?: string;
+}
+
+/** The warnings of a run record: [] when the server does not send any (or an older one). */
+export function runWarnings(record: { [key: string]: unknown }): string[] {
+  const warnings = record.warnings;
+  return Array.isArray(warnings)
+    ? warnings.filter((w): w is string => typeof w === 'string')
+    : [];
+}
+
 export interface IRunDetail extends IRunRecord {
   summary: ISummary | null;
 }
@@ -81,6 +104,87 @@ export interface IRunDetail extends IRunRecord {
 export interface ILedgerRun {
   id: string;
   marginal_vram_mb: number;
+}
+
+/** A granted lease as a ledger device lists it (what it holds on that GPU). */
+export interface ILedgerLease {
+  id: string;
+  vram_mb: number;
+  pid?: number | null;
+  label?: string;
+  kernel_id?: string | null;
+  session_path?: string | null;
+  /** What its process uses on this GPU now. */
+  observed_mb?: number;
+  /** Observed beyond the lease: counted in the device's unmanaged_mb. */
+  over_lease_mb?: number;
+}
+
+/** A process seen on a GPU that no run holds. */
+export interface IUnmanagedProcess {
+  pid: number;
+  gpu: number;
+  used_mb: number;
+  name?: string;
+  kernel_id?: string | null;
+  session_path?: string | null;
+  /** The lease that covers it (only its excess is unmanaged then). */
+  lease_id?: string | null;
+}
+
+export type LeaseState = 'queued' | 'granted' | 'ended';
+
+/** The lease record (REST, events and the queue view's `leases`). */
+export interface ILeaseRecord {
+  id: string;
+  state: LeaseState;
+  reason?: string | null;
+  vram_mb: number;
+  gpus?: number;
+  exclusive_gpu?: boolean;
+  priority?: string;
+  devices?: number[];
+  cuda_visible_devices?: string | null;
+  pid?: number | null;
+  label?: string;
+  kernel_id?: string | null;
+  session_path?: string | null;
+  ttl_s?: number | null;
+  requested_at?: string;
+  granted_at?: string | null;
+  ended_at?: string | null;
+  observed_mb?: { [gpu: string]: number };
+  over_lease_mb?: number;
+  [key: string]: unknown;
+}
+
+export interface ILeaseList {
+  leases: ILeaseRecord[];
+}
+
+/** Who holds a lease: its label, else the basename of its notebook, else its pid. */
+export function leaseHolder(lease: {
+  id?: string;
+  label?: string;
+  session_path?: string | null;
+  pid?: number | null;
+}): string {
+  if (lease.label) {
+    return lease.label;
+  }
+  if (lease.session_path) {
+    return basename(lease.session_path);
+  }
+  if (lease.pid !== null && lease.pid !== undefined) {
+    return `pid ${lease.pid}`;
+  }
+  return lease.id ?? '';
+}
+
+/** The last part of a path (`work/analysis.ipynb` → `analysis.ipynb`). */
+export function basename(path: string): string {
+  const parts = path.split('/').filter(Boolean);
+  return parts.length ? parts[parts.length - 1] : path;
 }
 
 export interface ILedgerDevice {
@@ -92,8 +196,12 @@ export interface ILedgerDevice {
   allocated_mb: number;
   free_mb: number;
   unmanaged_mb?: number;
+  /** A run id or a lease id. */
   exclusive?: string | null;
   runs: ILedgerRun[];
+  /** Granted leases on this GPU (absent on older servers). */
+  leases?: ILedgerLease[];
+  unmanaged_processes?: IUnmanagedProcess[];
 }
 
 export interface ILedger {
@@ -105,6 +213,8 @@ export interface IQueueView {
   queued: IRunRecord[];
   running: IRunRecord[];
   ledger: ILedger;
+  /** Live leases, granted first then queued in admission order (absent on older servers). */
+  leases?: ILeaseRecord[];
 }
 
 export interface IRunList {
@@ -116,6 +226,8 @@ export interface IRunList {
 export type EventMessage =
   | { type: 'snapshot'; queue: IQueueView }
   | { type: 'run'; run: IRunRecord }
+  | { type: 'lease'; lease: ILeaseRecord }
+  | { type: 'warning'; run_id: string; code: string; message: string }
   | { type: string; [key: string]: unknown };
 
 export type LogStream = 'stdout' | 'stderr';
@@ -243,6 +355,19 @@ export class EvalSchedAPI {
       body: JSON.stringify(spec),
       headers: { 'Content-Type': 'application/json' }
     });
+  }
+
+  listLeases(): Promise<ILeaseList> {
+    return this._json<ILeaseList>(['leases']);
+  }
+
+  getLease(id: string): Promise<ILeaseRecord> {
+    return this._json<ILeaseRecord>(['leases', id]);
+  }
+
+  /** End a lease (`DELETE /evalsched/leases/{id}`: 204, idempotent). */
+  async releaseLease(id: string): Promise<void> {
+    await this._request(['leases', id], undefined, { method: 'DELETE' });
   }
 
   async getLogs(

@@ -8,7 +8,13 @@ import { launchIcon, refreshIcon } from '@jupyterlab/ui-components';
 import { IDisposable } from '@lumino/disposable';
 import { Widget } from '@lumino/widgets';
 
-import { EvalSchedError, IRunRecord, isTerminal, LogStream } from './api';
+import {
+  EvalSchedError,
+  IRunRecord,
+  isTerminal,
+  LogStream,
+  runWarnings
+} from './api';
 import {
   executorOf,
   formatDuration,
@@ -17,7 +23,8 @@ import {
   formatTimestamp,
   h,
   isSlurm,
-  parseTime
+  parseTime,
+  splitReason
 } from './format';
 import { evalschedIcon } from './icon';
 import { EvalSchedModel, latestMetrics } from './model';
@@ -50,6 +57,10 @@ export class RunDetailView implements IDisposable {
     this._info = h('dl', { className: 'jp-EvalSched-kv' });
     this._metrics = h('div', { className: 'jp-EvalSched-metricsTable' });
     this._error = h('div', { className: 'jp-EvalSched-runError' });
+    this._warnings = h('div', {
+      className: 'jp-EvalSched-warnings',
+      attrs: { 'data-testid': 'evalsched-detail-warnings' }
+    });
 
     this._streamButtons = (['stdout', 'stderr'] as LogStream[]).map(stream => {
       const button = h('button', {
@@ -94,6 +105,7 @@ export class RunDetailView implements IDisposable {
     this._logNote = h('div', { className: 'jp-EvalSched-logNote' });
     this.node.append(
       this._info,
+      this._warnings,
       this._metrics,
       this._error,
       h('div', { className: 'jp-EvalSched-logs' }, [
@@ -173,6 +185,7 @@ export class RunDetailView implements IDisposable {
     const record = this._model.getRun(this._id);
     const summary = this._model.getSummary(this._id);
     this._info.replaceChildren();
+    this._warnings.replaceChildren();
     if (!record) {
       this._info.append(
         h('dt', { text: trans.__('Run') }),
@@ -235,6 +248,41 @@ export class RunDetailView implements IDisposable {
         record.marginal_vram_mb ? formatMB(record.marginal_vram_mb) : null
       ],
       [
+        trans.__('VRAM from'),
+        typeof record.marginal_vram_source === 'string' &&
+        record.marginal_vram_source &&
+        record.marginal_vram_source !== 'declared'
+          ? record.marginal_vram_source
+          : null,
+        'marginal_vram_source'
+      ],
+      [
+        trans.__('Host memory limit'),
+        typeof record.memory_mb === 'number'
+          ? formatMB(record.memory_mb)
+          : null,
+        'memory_mb'
+      ],
+      [trans.__('Peak VRAM'), peakVram(record), 'observed_vram'],
+      [
+        trans.__('Peak host memory'),
+        typeof record.observed?.peak_rss_mb === 'number'
+          ? formatMB(record.observed.peak_rss_mb)
+          : null,
+        'observed_rss'
+      ],
+      [
+        trans.__('Observed by'),
+        record.observed && typeof record.observed.source === 'string'
+          ? record.observed.source === 'virtual'
+            ? trans.__('virtual GPUs')
+            : record.observed.source === 'nvml'
+              ? trans.__('NVML')
+              : record.observed.source
+          : null,
+        'observed_source'
+      ],
+      [
         trans.__('PID'),
         record.pid !== null && record.pid !== undefined
           ? String(record.pid)
@@ -261,6 +309,27 @@ export class RunDetailView implements IDisposable {
       this._info.append(
         h('dt', { text: label, attrs }),
         h('dd', { text: value, title: value, attrs })
+      );
+    }
+
+    for (const warning of runWarnings(record)) {
+      const { code, text } = splitReason(warning);
+      this._warnings.append(
+        h(
+          'div',
+          {
+            className: 'jp-EvalSched-warning',
+            title: warning,
+            attrs: { 'data-code': code }
+          },
+          [
+            h('span', {
+              className: 'jp-EvalSched-reasonCode',
+              text: `⚠ ${code}`
+            }),
+            text
+          ]
+        )
       );
     }
 
@@ -393,6 +462,7 @@ export class RunDetailView implements IDisposable {
   private _info: HTMLElement;
   private _metrics: HTMLElement;
   private _error: HTMLElement;
+  private _warnings: HTMLElement;
   private _log: HTMLElement;
   private _logNote: HTMLElement;
   private _streamButtons: HTMLButtonElement[];
@@ -401,6 +471,21 @@ export class RunDetailView implements IDisposable {
   private _lastLogFetch = 0;
   private _logTimer: ReturnType<typeof setTimeout> | null = null;
   private _isDisposed = false;
+}
+
+/** `GPU 0: 10,000 MB, GPU 1: 9,500 MB`: the observed VRAM peaks of a run, or null. */
+function peakVram(record: IRunRecord): string | null {
+  const peaks = record.observed?.peak_vram_mb;
+  if (!peaks || typeof peaks !== 'object') {
+    return null;
+  }
+  const entries = Object.entries(peaks)
+    .filter(([, mb]) => typeof mb === 'number')
+    .sort(([a], [b]) => Number(a) - Number(b));
+  if (!entries.length) {
+    return null;
+  }
+  return entries.map(([gpu, mb]) => `GPU ${gpu}: ${formatMB(mb)}`).join(', ');
 }
 
 /** A run's detail as a main-area widget. */

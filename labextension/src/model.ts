@@ -2,10 +2,13 @@
  * The live state behind the panel: queue, running runs, ledger, recently finished runs and the
  * latest summaries.
  *
- * Fed by `WS /evalsched/events` (a snapshot, then one message per run change). A `Poll` of the
- * REST API (GET /evalsched/queue and the recently finished runs) runs beside it: every few
- * seconds (with exponential backoff on failures) while the socket is unavailable, and only as a
- * slow resynchronisation while the socket is live. It stands by while the page is hidden.
+ * Fed by `WS /evalsched/events` (a snapshot, then one message per run or lease change, and
+ * warnings). A `Poll` of the REST API (GET /evalsched/queue and the recently finished runs) runs
+ * beside it: every few seconds (with exponential backoff on failures) while the socket is
+ * unavailable, and only as a slow resynchronisation while the socket is live. While the socket is
+ * live a second, light `Poll` reads the ledger (GET /evalsched/ledger) every few seconds: the VRAM
+ * of processes the scheduler does not manage is observed, and no event says when it changes. Both
+ * stand by while the page is hidden.
  */
 import { ServerConnection } from '@jupyterlab/services';
 import { IDisposable } from '@lumino/disposable';
@@ -17,12 +20,14 @@ import {
   EvalSchedError,
   EventMessage,
   ExtensionMissingError,
+  ILeaseRecord,
   ILedger,
   IMetricStats,
   IQueueView,
   IRunRecord,
   ISummary,
   isTerminal,
+  runWarnings,
   TERMINAL_STATES
 } from './api';
 
@@ -91,6 +96,16 @@ export function latestMetrics(
   return fromRecord ?? fromSummary ?? {};
 }
 
+/** Whether two records of a run show the same observed usage and warnings. */
+function sameUsage(a: IRunRecord, b: IRunRecord): boolean {
+  return (
+    JSON.stringify(runWarnings(a)) === JSON.stringify(runWarnings(b)) &&
+    JSON.stringify(a.observed ?? null) === JSON.stringify(b.observed ?? null) &&
+    a.marginal_vram_source === b.marginal_vram_source &&
+    a.memory_mb === b.memory_mb
+  );
+}
+
 const PRIORITY_RANK: { [p: string]: number } = { high: 0, normal: 1, low: 2 };
 
 export class EvalSchedModel implements IDisposable {
@@ -102,6 +117,13 @@ export class EvalSchedModel implements IDisposable {
       factory: () => this._pollTick(),
       frequency: this._frequency(),
       name: 'jupyter-evalsched:queue',
+      standby: 'when-hidden'
+    });
+    this._ledgerPoll = new Poll({
+      auto: false,
+      factory: () => this._ledgerTick(),
+      frequency: this._ledgerFrequency(),
+      name: 'jupyter-evalsched:ledger',
       standby: 'when-hidden'
     });
   }
@@ -137,6 +159,21 @@ export class EvalSchedModel implements IDisposable {
 
   get ledger(): ILedger | null {
     return this._ledger;
+  }
+
+  /** The live leases: granted first, then queued in admission order. */
+  get leases(): ReadonlyArray<ILeaseRecord> {
+    return this._leases;
+  }
+
+  /** True once the server showed that it knows leases (an older one does not). */
+  get leasesSupported(): boolean {
+    return this._leasesSupported;
+  }
+
+  /** A live lease by id. */
+  getLease(id: string): ILeaseRecord | undefined {
+    return this._leases.find(l => l.id === id);
   }
 
   get mode(): ConnectionMode {
@@ -178,6 +215,7 @@ export class EvalSchedModel implements IDisposable {
     this._started = true;
     this._setMode(this._options.useWebSocket ? 'connecting' : 'polling');
     void this._poll.start();
+    void this._ledgerPoll.start();
     if (this._options.useWebSocket) {
       this._connect();
     }
@@ -188,6 +226,7 @@ export class EvalSchedModel implements IDisposable {
     const before = this._options;
     this._options = { ...this._options, ...options };
     this._poll.frequency = this._frequency();
+    this._ledgerPoll.frequency = this._ledgerFrequency();
     if (this._options.finishedLimit !== before.finishedLimit) {
       this._trimFinished();
       this._changed.emit();
@@ -247,6 +286,20 @@ export class EvalSchedModel implements IDisposable {
     return record;
   }
 
+  /**
+   * Release a lease (DELETE, idempotent): it leaves the list at once; the ledger and the runs it
+   * held back follow with the next read of the queue view (and through the event stream).
+   */
+  async release(id: string): Promise<void> {
+    await this.api.releaseLease(id);
+    const before = this._leases.length;
+    this._leases = this._leases.filter(l => l.id !== id);
+    if (this._leases.length !== before) {
+      this._changed.emit();
+    }
+    this._scheduleQueueFetch();
+  }
+
   /** Submit a spec; the new run appears at once (and through the event stream). */
   async submit(spec: Record<string, unknown>): Promise<IRunRecord> {
     const record = await this.api.submitRun(spec);
@@ -274,6 +327,7 @@ export class EvalSchedModel implements IDisposable {
     }
     this._summaryTimers.clear();
     this._poll.dispose();
+    this._ledgerPoll.dispose();
     Signal.clearData(this);
   }
 
@@ -386,10 +440,29 @@ export class EvalSchedModel implements IDisposable {
         }
         break;
       }
+      case 'lease': {
+        const lease = (message as { lease?: ILeaseRecord }).lease;
+        if (lease && typeof lease.id === 'string') {
+          this._leasesSupported = true;
+          this._upsertLease(lease);
+          this._changed.emit();
+        }
+        break;
+      }
+      case 'warning': {
+        const { run_id: id, message: text } = message as {
+          run_id?: unknown;
+          message?: unknown;
+        };
+        if (typeof id === 'string' && typeof text === 'string') {
+          this._addWarning(id, text);
+        }
+        break;
+      }
       case 'ledger': {
         const ledger = (message as { ledger?: ILedger }).ledger;
         if (ledger && Array.isArray(ledger.devices)) {
-          this._ledger = ledger;
+          this._setLedger(ledger);
           this._changed.emit();
         }
         break;
@@ -397,6 +470,57 @@ export class EvalSchedModel implements IDisposable {
       default:
         break;
     }
+  }
+
+  /**
+   * A lease changed. Granted leases come first, then the queued ones (placed at the end here;
+   * their admission order comes with the next read of the queue view). A state change (new,
+   * granted, ended) changes the ledger and the reasons of the runs it holds back: re-read the
+   * queue view; a change of what its process uses changes the ledger only.
+   */
+  private _upsertLease(lease: ILeaseRecord): void {
+    const at = this._leases.findIndex(l => l.id === lease.id);
+    const before = at >= 0 ? this._leases[at] : undefined;
+    if (lease.state === 'ended') {
+      if (before) {
+        this._leases = this._leases.filter(l => l.id !== lease.id);
+      }
+      this._scheduleQueueFetch();
+      return;
+    }
+    if (before && before.state === lease.state) {
+      const list = this._leases.slice();
+      list[at] = lease;
+      this._leases = list;
+      this._scheduleLedgerFetch();
+      return;
+    }
+    const rest = this._leases.filter(l => l.id !== lease.id);
+    if (lease.state === 'granted') {
+      const firstQueued = rest.findIndex(l => l.state !== 'granted');
+      const i = firstQueued < 0 ? rest.length : firstQueued;
+      rest.splice(i, 0, lease);
+    } else {
+      rest.push(lease);
+    }
+    this._leases = rest;
+    this._scheduleQueueFetch();
+  }
+
+  /** A `warning` event: the run's record shows it at once (its next record carries it too). */
+  private _addWarning(id: string, text: string): void {
+    const known = this._records.get(id);
+    if (!known) {
+      // Not a run we show yet: read it (a re-read brings its warnings along).
+      this._queueSummaryFetch(id, 0);
+      return;
+    }
+    const warnings = runWarnings(known);
+    if (warnings.includes(text)) {
+      return;
+    }
+    this._upsert({ ...known, warnings: [...warnings, text] }, false);
+    this._changed.emit();
   }
 
   // ---------------------------------------------------------------- REST
@@ -421,6 +545,34 @@ export class EvalSchedModel implements IDisposable {
       this._handleError(reason);
       throw reason; // makes the poll back off
     }
+  }
+
+  /** While the socket is live: the ledger, for the VRAM no event reports (unmanaged processes). */
+  private async _ledgerTick(): Promise<void> {
+    if (this._mode !== 'live' || !this._socket) {
+      return; // the queue poll reads the ledger with the queue view
+    }
+    const epoch = this._ledgerEpoch;
+    const ledger = await this.api.getLedger();
+    if (
+      epoch === this._ledgerEpoch && // else a newer one came meanwhile
+      ledger &&
+      Array.isArray(ledger.devices) &&
+      JSON.stringify(ledger) !== JSON.stringify(this._ledger)
+    ) {
+      this._setLedger(ledger);
+      this._changed.emit();
+    }
+  }
+
+  /**
+   * Replace the ledger. Reads of the ledger alone are dropped when another ledger arrived while
+   * they were under way (a queue view read after a lease ended must not be undone by a ledger
+   * read sent before).
+   */
+  private _setLedger(ledger: ILedger): void {
+    this._ledger = ledger;
+    this._ledgerEpoch++;
   }
 
   /** Read the recently finished runs (the event stream's snapshot holds the queue only). */
@@ -473,11 +625,16 @@ export class EvalSchedModel implements IDisposable {
     }
     this._ledgerTimer = setTimeout(() => {
       this._ledgerTimer = null;
+      const epoch = this._ledgerEpoch;
       this.api
         .getLedger()
         .then(ledger => {
-          if (ledger && Array.isArray(ledger.devices)) {
-            this._ledger = ledger;
+          if (
+            epoch === this._ledgerEpoch &&
+            ledger &&
+            Array.isArray(ledger.devices)
+          ) {
+            this._setLedger(ledger);
             this._changed.emit();
           }
         })
@@ -560,7 +717,15 @@ export class EvalSchedModel implements IDisposable {
     this._running = queue.running.map(r => this._records.get(r.id) ?? r);
     this._finished = this._finished.map(r => this._records.get(r.id) ?? r);
     if (queue.ledger && Array.isArray(queue.ledger.devices)) {
-      this._ledger = queue.ledger;
+      this._setLedger(queue.ledger);
+    }
+    if (Array.isArray(queue.leases)) {
+      this._leasesSupported = true;
+      this._leases = queue.leases.filter(
+        l => l && typeof l.id === 'string' && l.state !== 'ended'
+      );
+    } else {
+      this._leases = []; // an older server: no leases
     }
     this._loaded = true;
     // Runs that left the queue without an event we saw: they ended; read their final record.
@@ -589,7 +754,8 @@ export class EvalSchedModel implements IDisposable {
         before.state !== merged.state ||
         before.progress?.done !== merged.progress?.done ||
         before.reason !== merged.reason ||
-        before.finished_at !== merged.finished_at
+        before.finished_at !== merged.finished_at ||
+        !sameUsage(before, merged)
       ) {
         this._runChanged.emit(merged);
       }
@@ -732,6 +898,16 @@ export class EvalSchedModel implements IDisposable {
     }
   }
 
+  private _ledgerFrequency(): {
+    interval: number;
+    max: number;
+    backoff: boolean;
+  } {
+    const interval = Math.max(1, this._options.refreshInterval) * 1000;
+    const max = Math.max(interval, this._options.maxRefreshInterval * 1000);
+    return { interval, max, backoff: true };
+  }
+
   private _frequency(): { interval: number; max: number; backoff: boolean } {
     const fast = Math.max(0.5, this._options.refreshInterval) * 1000;
     const max = Math.max(
@@ -745,6 +921,7 @@ export class EvalSchedModel implements IDisposable {
 
   private _options: IModelOptions;
   private _poll: Poll;
+  private _ledgerPoll: Poll;
   private _socket: WebSocket | null = null;
   private _reconnectTimer: ReturnType<typeof setTimeout> | null = null;
   private _reconnectDelay = RECONNECT_MIN_MS;
@@ -758,6 +935,9 @@ export class EvalSchedModel implements IDisposable {
   private _running: IRunRecord[] = [];
   private _finished: IRunRecord[] = [];
   private _ledger: ILedger | null = null;
+  private _ledgerEpoch = 0;
+  private _leases: ILeaseRecord[] = [];
+  private _leasesSupported = false;
   private _mode: ConnectionMode = 'connecting';
   private _error: IModelError | null = null;
   private _loaded = false;

@@ -1,7 +1,8 @@
 /**
- * The side panel: the host's VRAM ledger, the queue in admission order, the running runs with
- * their progress and latest metrics, and the recently finished runs. Plain DOM on a Lumino
- * widget, keyed by run id so that an open detail survives live updates.
+ * The side panel: the host's VRAM ledger (runs, leases and the VRAM of other processes, per
+ * holder), the live leases, the queue in admission order, the running runs with their progress
+ * and latest metrics, and the recently finished runs. Plain DOM on a Lumino widget, keyed by run
+ * (and lease) id so that an open detail survives live updates.
  */
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { TranslationBundle } from '@jupyterlab/translation';
@@ -15,12 +16,18 @@ import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
 import {
+  basename,
   EvalSchedError,
+  ILeaseRecord,
   ILedger,
   ILedgerDevice,
+  ILedgerLease,
   IRunRecord,
   ISummary,
-  isTerminal
+  isTerminal,
+  IUnmanagedProcess,
+  leaseHolder,
+  runWarnings
 } from './api';
 import { RunDetailView } from './detail';
 import {
@@ -48,6 +55,10 @@ const MAX_QUEUED_SHOWN = 200;
 const MAX_ROW_METRICS = 4;
 /** Colour slots of runs (CSS classes jp-EvalSched-c0 … c7). */
 const COLOR_SLOTS = 8;
+/** A bar segment is labelled with its holder when it is at least this share of the bar. */
+const LABEL_MIN_SHARE = 0.12;
+/** Unmanaged holders of one kind named in a GPU's legend at most (the rest are summed). */
+const MAX_LEGEND_HOLDERS = 3;
 
 type Section = 'running' | 'queued' | 'finished';
 
@@ -115,6 +126,27 @@ export class EvalSchedPanel extends Widget {
       this._cpu
     ]);
 
+    // Leases: shown once the server says it knows them (an older one does not).
+    this._leaseList = h('div', {
+      className: 'jp-EvalSched-list',
+      attrs: { 'data-section': 'leases', 'data-testid': 'evalsched-leases' }
+    });
+    this._leaseEmpty = h('div', {
+      className: 'jp-EvalSched-empty',
+      text: trans.__('No VRAM is leased for interactive work.')
+    });
+    this._leaseCount = h('span', { className: 'jp-EvalSched-count' });
+    this._leaseSection = this._section(
+      trans.__('Leases'),
+      'leases',
+      [this._leaseList, this._leaseEmpty],
+      this._leaseCount
+    );
+    this._leaseSection.title = trans.__(
+      'VRAM held for interactive work (notebook kernels), admitted like runs'
+    );
+    this._leaseSection.hidden = true;
+
     // Run lists
     const makeList = (section: Section) =>
       h('div', {
@@ -172,6 +204,7 @@ export class EvalSchedPanel extends Widget {
 
     const body = h('div', { className: 'jp-EvalSched-body' }, [
       ledgerSection,
+      this._leaseSection,
       running,
       queued,
       finished,
@@ -211,6 +244,10 @@ export class EvalSchedPanel extends Widget {
       row.dispose();
     }
     this._rows.clear();
+    for (const row of this._leaseRows.values()) {
+      row.dispose();
+    }
+    this._leaseRows.clear();
     this.model.changed.disconnect(this._onModelChanged, this);
     this.model.summaryChanged.disconnect(this._onSummaryChanged, this);
     super.dispose();
@@ -326,6 +363,7 @@ export class EvalSchedPanel extends Widget {
 
     this._assignColors(model.ledger);
     this._renderLedger(model.ledger);
+    this._renderLeases();
     this._renderRuns();
   }
 
@@ -391,17 +429,39 @@ export class EvalSchedPanel extends Widget {
 
   private _renderDevice(device: ILedgerDevice): HTMLElement {
     const trans = this._trans;
-    const unmanaged = Math.max(0, device.unmanaged_mb ?? 0);
     const baseline = Math.max(0, device.baseline_mb);
     const usable = Math.max(0, device.usable_mb);
     const free = Math.max(0, device.free_mb);
     const runs = device.runs ?? [];
+    const leases = Array.isArray(device.leases) ? device.leases : [];
     const runsSum = runs.reduce(
       (a, r) => a + Math.max(0, r.marginal_vram_mb),
       0
     );
-    // An exclusive run allocates the whole usable memory, more than it declared.
-    const allocated = Math.max(0, device.allocated_mb, runsSum);
+    const leaseSum = leases.reduce((a, l) => a + Math.max(0, l.vram_mb), 0);
+    // An exclusive holder allocates the whole usable memory, more than it declared.
+    const allocated = Math.max(0, device.allocated_mb, runsSum + leaseSum);
+    const exclusiveExtra = Math.max(0, allocated - runsSum - leaseSum);
+    // Unmanaged VRAM, per holder: what leases' processes use beyond their lease (drawn beside
+    // each lease), processes without a lease grouped by notebook (kernels) or by pid, and any
+    // rest the server does not itemise (an older server).
+    const overSum = leases.reduce(
+      (a, l) => a + Math.max(0, l.over_lease_mb ?? 0),
+      0
+    );
+    // A process within a lease on this GPU is the lease's (its excess is drawn beside it); one
+    // whose lease is on other GPUs holds what it uses here outside of any lease.
+    const leased = new Set(leases.map(l => l.id));
+    const groups = unmanagedGroups(
+      (Array.isArray(device.unmanaged_processes)
+        ? device.unmanaged_processes
+        : []
+      ).filter(p => !p.lease_id || !leased.has(p.lease_id))
+    );
+    const groupSum = groups.reduce((a, g) => a + g.mb, 0);
+    const reported = Math.max(0, device.unmanaged_mb ?? 0);
+    const unmanagedRest = Math.max(0, reported - overSum - groupSum);
+    const unmanaged = Math.max(reported, overSum + groupSum);
     const scale = Math.max(
       device.total_mb,
       baseline + usable,
@@ -427,7 +487,8 @@ export class EvalSchedPanel extends Widget {
       kind: string,
       mb: number,
       title: string,
-      attrs: Record<string, string> = {}
+      attrs: Record<string, string> = {},
+      label?: string
     ) => {
       if (mb <= 0) {
         return;
@@ -438,6 +499,11 @@ export class EvalSchedPanel extends Widget {
         attrs: { 'data-kind': kind, 'data-mb': String(mb), ...attrs }
       });
       el.style.width = pct(mb);
+      if (label && mb / scale >= LABEL_MIN_SHARE) {
+        el.append(
+          h('span', { className: 'jp-EvalSched-segLabel', text: label })
+        );
+      }
       bar.append(el);
       return el;
     };
@@ -446,7 +512,6 @@ export class EvalSchedPanel extends Widget {
       baseline,
       trans.__('Shared models (baseline): %1', formatMB(baseline))
     );
-    const exclusiveExtra = Math.max(0, allocated - runsSum);
     for (const run of runs) {
       const record = this.model.getRun(run.id);
       let mb = Math.max(0, run.marginal_vram_mb);
@@ -466,16 +531,68 @@ export class EvalSchedPanel extends Widget {
         `jp-EvalSched-c${this.colorOf(run.id) ?? colorSlot(run.id, COLOR_SLOTS)}`
       );
     }
-    if (!runs.length && allocated > 0) {
+    for (const lease of leases) {
+      let mb = Math.max(0, lease.vram_mb);
+      const exclusive = device.exclusive === lease.id;
+      if (exclusive) {
+        mb += exclusiveExtra;
+      }
+      const holder = leaseHolder(lease);
+      seg(
+        'lease',
+        mb,
+        this._leaseTitle(lease, mb, exclusive),
+        {
+          'data-lease-id': lease.id,
+          'data-holder': holder
+        },
+        holder
+      );
+      const over = Math.max(0, lease.over_lease_mb ?? 0);
+      seg(
+        'over',
+        over,
+        trans.__(
+          '%1 uses %2 more than its lease %3 (%4 in all on this GPU): the excess counts as unmanaged',
+          holder,
+          formatMB(over),
+          lease.id,
+          formatMB(lease.observed_mb ?? mb + over)
+        ),
+        { 'data-over-lease-id': lease.id, 'data-holder': holder }
+      );
+    }
+    if (!runs.length && !leases.length && allocated > 0) {
       seg('run', allocated, trans.__('Allocated: %1', formatMB(allocated)));
+    }
+    for (const group of groups) {
+      const attrs: Record<string, string> = {
+        'data-holder': group.holder,
+        'data-holder-kind': group.kind,
+        'data-pids': group.pids.join(',')
+      };
+      if (group.sessionPath) {
+        attrs['data-session-path'] = group.sessionPath;
+      }
+      if (group.kernelIds.length) {
+        attrs['data-kernel-id'] = group.kernelIds.join(',');
+      }
+      seg(
+        group.kind === 'kernel' ? 'kernel' : 'unmanaged',
+        group.mb,
+        this._groupTitle(group),
+        { ...attrs, 'data-unmanaged': 'true' },
+        group.holder
+      );
     }
     seg(
       'unmanaged',
-      unmanaged,
+      unmanagedRest,
       trans.__(
         'Not managed by the scheduler (other processes): %1',
-        formatMB(unmanaged)
-      )
+        formatMB(unmanagedRest)
+      ),
+      { 'data-unmanaged': 'true' }
     );
     seg('free', free, trans.__('Free: %1', formatMB(free)));
     const rest = scale - baseline - allocated - unmanaged - free;
@@ -485,6 +602,11 @@ export class EvalSchedPanel extends Widget {
       trans.__('Reserved or otherwise unusable: %1', formatMB(rest))
     );
 
+    // The legend: what each colour is.
+    const kernelMb = groups
+      .filter(g => g.kind === 'kernel')
+      .reduce((a, g) => a + g.mb, 0);
+    const otherMb = unmanaged - overSum - kernelMb;
     const legend = h('div', { className: 'jp-EvalSched-legend' }, [
       baseline > 0
         ? legendItem(
@@ -492,13 +614,46 @@ export class EvalSchedPanel extends Widget {
             trans.__('shared models %1', formatMB(baseline))
           )
         : null,
-      unmanaged > 0
-        ? legendItem('unmanaged', trans.__('unmanaged %1', formatMB(unmanaged)))
+      ...leases.map(lease =>
+        legendItem(
+          'lease',
+          trans.__(
+            'lease: %1 %2',
+            leaseHolder(lease),
+            formatMB(
+              lease.vram_mb +
+                (device.exclusive === lease.id ? exclusiveExtra : 0)
+            )
+          ),
+          { 'data-legend-lease-id': lease.id },
+          this._leaseTitle(lease, lease.vram_mb, device.exclusive === lease.id)
+        )
+      ),
+      overSum > 0
+        ? legendItem(
+            'over',
+            trans.__('over lease %1', formatMB(overSum)),
+            {},
+            trans.__(
+              'What lease holders use beyond their leases (counted as unmanaged)'
+            )
+          )
         : null,
+      ...this._unmanagedLegend(
+        groups.filter(g => g.kind === 'kernel'),
+        'kernel',
+        kernelMb
+      ),
+      ...this._unmanagedLegend(
+        groups.filter(g => g.kind === 'process'),
+        'unmanaged',
+        otherMb
+      ),
       device.exclusive
         ? h('span', {
             className: 'jp-EvalSched-tag',
-            text: trans.__('exclusive')
+            text: trans.__('exclusive'),
+            title: trans.__('Held exclusively by %1', device.exclusive)
           })
         : null,
       h('span', {
@@ -519,8 +674,9 @@ export class EvalSchedPanel extends Widget {
           'data-baseline-mb': String(device.baseline_mb),
           'data-allocated-mb': String(device.allocated_mb),
           'data-free-mb': String(device.free_mb),
-          'data-unmanaged-mb': String(unmanaged),
+          'data-unmanaged-mb': String(reported),
           'data-runs': runs.map(r => r.id).join(','),
+          'data-leases': leases.map(l => l.id).join(','),
           'data-testid': 'evalsched-gpu'
         }
       },
@@ -549,6 +705,170 @@ export class EvalSchedPanel extends Widget {
         legend
       ]
     );
+  }
+
+  /**
+   * Legend items of unmanaged holders of one colour: one per holder (notebook or pid), the
+   * smallest folded into one item beyond a few; `total` also counts VRAM the server does not
+   * itemise.
+   */
+  private _unmanagedLegend(
+    groups: IUnmanagedGroup[],
+    kind: 'kernel' | 'unmanaged',
+    total: number
+  ): HTMLElement[] {
+    const trans = this._trans;
+    if (total <= 0) {
+      return [];
+    }
+    const what =
+      kind === 'kernel'
+        ? trans.__(
+            'A notebook kernel holding VRAM without a lease (not managed by the scheduler)'
+          )
+        : trans.__('A process holding VRAM that the scheduler does not manage');
+    const shown =
+      groups.length > MAX_LEGEND_HOLDERS + 1
+        ? groups.slice(0, MAX_LEGEND_HOLDERS)
+        : groups;
+    const items = shown.map(g =>
+      legendItem(
+        kind,
+        kind === 'kernel'
+          ? trans.__('notebook: %1 %2', g.holder, formatMB(g.mb))
+          : trans.__('process: %1 %2', g.holder, formatMB(g.mb)),
+        { 'data-holder': g.holder },
+        `${what}\n${this._groupTitle(g)}`
+      )
+    );
+    const rest = total - shown.reduce((a, g) => a + g.mb, 0);
+    if (rest > 0) {
+      const more = groups.length - shown.length;
+      items.push(
+        legendItem(
+          kind,
+          more > 0
+            ? kind === 'kernel'
+              ? trans._n(
+                  '%1 more notebook %2',
+                  '%1 more notebooks %2',
+                  more,
+                  formatMB(rest)
+                )
+              : trans._n(
+                  '%1 more process %2',
+                  '%1 more processes %2',
+                  more,
+                  formatMB(rest)
+                )
+            : trans.__('other processes %1', formatMB(rest)),
+          {},
+          what
+        )
+      );
+    }
+    return items;
+  }
+
+  /** The tooltip of a lease's segment: id, holder, MB, notebook, pid. */
+  private _leaseTitle(
+    lease: ILedgerLease,
+    mb: number,
+    exclusive: boolean
+  ): string {
+    const trans = this._trans;
+    const lines = [
+      exclusive
+        ? trans.__(
+            'Lease %1 held by %2: %3, exclusive',
+            lease.id,
+            leaseHolder(lease),
+            formatMB(mb)
+          )
+        : trans.__(
+            'Lease %1 held by %2: %3',
+            lease.id,
+            leaseHolder(lease),
+            formatMB(mb)
+          )
+    ];
+    if (lease.session_path) {
+      lines.push(trans.__('Notebook: %1', lease.session_path));
+    }
+    if (lease.kernel_id) {
+      lines.push(trans.__('Kernel: %1', lease.kernel_id));
+    }
+    if (lease.pid !== null && lease.pid !== undefined) {
+      lines.push(trans.__('Process: pid %1', lease.pid));
+    }
+    if (lease.observed_mb) {
+      lines.push(trans.__('Uses now: %1', formatMB(lease.observed_mb)));
+    }
+    return lines.join('\n');
+  }
+
+  /** The tooltip of an unmanaged holder's segment. */
+  private _groupTitle(group: IUnmanagedGroup): string {
+    const trans = this._trans;
+    const lines = [
+      trans.__(
+        '%1: %2, not managed by the scheduler',
+        group.holder,
+        formatMB(group.mb)
+      )
+    ];
+    if (group.sessionPath) {
+      lines.push(trans.__('Notebook: %1', group.sessionPath));
+    }
+    if (group.kernelIds.length) {
+      lines.push(trans.__('Kernel: %1', group.kernelIds.join(', ')));
+    }
+    if (group.kind === 'kernel' || group.pids.length > 1) {
+      lines.push(trans.__('Processes: pid %1', group.pids.join(', ')));
+    }
+    if (group.names.length) {
+      lines.push(trans.__('Command: %1', group.names.join(', ')));
+    }
+    if (group.leaseIds.length) {
+      lines.push(
+        trans.__(
+          'Its lease %1 is on other GPUs: what it uses here is outside of it',
+          group.leaseIds.join(', ')
+        )
+      );
+    }
+    return lines.join('\n');
+  }
+
+  /** The live leases, keyed by id (granted first, then queued in admission order). */
+  private _renderLeases(): void {
+    const model = this.model;
+    this._leaseSection.hidden = !model.leasesSupported;
+    const leases = model.leases;
+    const live = new Set(leases.map(l => l.id));
+    for (const [id, row] of this._leaseRows) {
+      if (!live.has(id)) {
+        row.dispose();
+        this._leaseRows.delete(id);
+      }
+    }
+    const list = this._leaseList;
+    leases.forEach((lease, index) => {
+      let row = this._leaseRows.get(lease.id);
+      if (!row) {
+        row = new LeaseRow(lease.id, this);
+        this._leaseRows.set(lease.id, row);
+      }
+      row.update(lease);
+      if (list.children[index] !== row.node) {
+        list.insertBefore(row.node, list.children[index] ?? null);
+      }
+    });
+    while (list.children.length > leases.length) {
+      list.lastElementChild!.remove();
+    }
+    this._leaseEmpty.hidden = leases.length > 0 || !model.loaded;
+    this._leaseCount.textContent = String(leases.length);
   }
 
   private _renderRuns(): void {
@@ -673,6 +993,9 @@ export class EvalSchedPanel extends Widget {
     for (const row of this._rows.values()) {
       row.tick(now);
     }
+    for (const row of this._leaseRows.values()) {
+      row.tick(now);
+    }
   }
 
   // ---------------------------------------------------------------- used by rows
@@ -724,6 +1047,53 @@ export class EvalSchedPanel extends Widget {
     }
   }
 
+  /** @internal Ask for confirmation, then release a lease (DELETE /evalsched/leases/{id}). */
+  async confirmRelease(lease: ILeaseRecord): Promise<void> {
+    const trans = this._trans;
+    const holder = leaseHolder(lease);
+    const size = leaseSize(lease, trans);
+    const result = await showDialog({
+      title: trans.__('Release lease?'),
+      body:
+        lease.state === 'granted'
+          ? trans.__(
+              'Release the %1 that “%2” holds (%3)? Its process keeps running, but the scheduler no longer keeps that VRAM for it: queued runs may take it.',
+              size,
+              holder,
+              lease.id
+            )
+          : trans.__(
+              'Withdraw the request of “%1” (%2) for %3?',
+              holder,
+              lease.id,
+              size
+            ),
+      buttons: [
+        Dialog.cancelButton({ label: trans.__('Keep it') }),
+        Dialog.warnButton({
+          label: trans.__('Release'),
+          ariaLabel: trans.__('Release lease')
+        })
+      ]
+    });
+    if (!result.button.accept) {
+      return;
+    }
+    try {
+      await this.model.release(lease.id);
+    } catch (reason) {
+      if (reason instanceof EvalSchedError && reason.status === 404) {
+        // It ended meanwhile (or is unknown to this server): show what is.
+        void this.model.refresh();
+        return;
+      }
+      await showErrorMessage(
+        trans.__('Cannot release %1', lease.id),
+        reason instanceof Error ? reason.message : String(reason)
+      );
+    }
+  }
+
   private _trans: TranslationBundle;
   private _logTail: number;
   private _openInTab: (id: string) => void;
@@ -737,20 +1107,119 @@ export class EvalSchedPanel extends Widget {
   private _empty: Record<Section, HTMLElement>;
   private _counts: Record<Section, HTMLElement>;
   private _rows = new Map<string, RunRow>();
+  private _leaseSection: HTMLElement;
+  private _leaseList: HTMLElement;
+  private _leaseEmpty: HTMLElement;
+  private _leaseCount: HTMLElement;
+  private _leaseRows = new Map<string, LeaseRow>();
   private _colors = new Map<string, number>();
   private _ledgerKey = '';
   private _ticker: ReturnType<typeof setInterval> | null = null;
 }
 
-function legendItem(kind: string, text: string): HTMLElement {
+function legendItem(
+  kind: string,
+  text: string,
+  attrs: Record<string, string> = {},
+  title?: string
+): HTMLElement {
   return h(
     'span',
-    { className: 'jp-EvalSched-legendItem', attrs: { 'data-kind': kind } },
+    {
+      className: 'jp-EvalSched-legendItem',
+      title,
+      attrs: { 'data-kind': kind, ...attrs }
+    },
     [
       h('span', { className: `jp-EvalSched-swatch jp-EvalSched-seg-${kind}` }),
       text
     ]
   );
+}
+
+/** VRAM of processes without a lease, by holder: one notebook (kernel) or one process. */
+interface IUnmanagedGroup {
+  kind: 'kernel' | 'process';
+  holder: string;
+  mb: number;
+  pids: number[];
+  names: string[];
+  sessionPath: string | null;
+  kernelIds: string[];
+  /** Leases (on other GPUs) of its processes. */
+  leaseIds: string[];
+}
+
+/**
+ * Group a device's unmanaged processes by who holds them: a notebook kernel's processes by its
+ * notebook (the basename of session_path; by kernel id when there is no path), every other
+ * process by its pid. Notebooks first, then the largest holders.
+ */
+export function unmanagedGroups(
+  processes: ReadonlyArray<IUnmanagedProcess>
+): IUnmanagedGroup[] {
+  const groups = new Map<string, IUnmanagedGroup>();
+  for (const p of processes) {
+    const used = Math.max(0, Number(p.used_mb) || 0);
+    const kernel = !!(p.session_path || p.kernel_id);
+    const key = p.session_path
+      ? `notebook:${p.session_path}`
+      : p.kernel_id
+        ? `kernel:${p.kernel_id}`
+        : `pid:${p.pid}`;
+    let group = groups.get(key);
+    if (!group) {
+      group = {
+        kind: kernel ? 'kernel' : 'process',
+        holder: p.session_path
+          ? basename(p.session_path)
+          : p.kernel_id
+            ? `kernel ${p.kernel_id.slice(0, 8)}`
+            : `pid ${p.pid}`,
+        mb: 0,
+        pids: [],
+        names: [],
+        sessionPath: p.session_path || null,
+        kernelIds: [],
+        leaseIds: []
+      };
+      groups.set(key, group);
+    }
+    group.mb += used;
+    if (!group.pids.includes(p.pid)) {
+      group.pids.push(p.pid);
+    }
+    if (p.name && !group.names.includes(p.name)) {
+      group.names.push(p.name);
+    }
+    if (p.kernel_id && !group.kernelIds.includes(p.kernel_id)) {
+      group.kernelIds.push(p.kernel_id);
+    }
+    if (p.lease_id && !group.leaseIds.includes(p.lease_id)) {
+      group.leaseIds.push(p.lease_id);
+    }
+  }
+  return [...groups.values()]
+    .filter(g => g.mb > 0)
+    .sort(
+      (a, b) =>
+        (a.kind === 'kernel' ? 0 : 1) - (b.kind === 'kernel' ? 0 : 1) ||
+        b.mb - a.mb ||
+        (a.holder < b.holder ? -1 : a.holder > b.holder ? 1 : 0)
+    );
+}
+
+/** `14,000 MB × 1 GPU`, `exclusive` marked. */
+export function leaseSize(
+  lease: ILeaseRecord,
+  trans: TranslationBundle
+): string {
+  const gpus = lease.gpus ?? 1;
+  const perGpu =
+    lease.vram_mb > 0
+      ? trans._n('%2 × %1 GPU', '%2 × %1 GPUs', gpus, formatMB(lease.vram_mb))
+      : trans._n('%1 GPU', '%1 GPUs', gpus);
+  return lease.exclusive_gpu ? trans.__('%1, exclusive', perGpu) : perGpu;
 }
 
 /**
@@ -773,6 +1242,11 @@ class RunRow {
       attrs: { 'data-testid': 'evalsched-position' }
     });
     this._state = h('span', { className: 'jp-EvalSched-state' });
+    this._warn = h('span', {
+      className: 'jp-EvalSched-warnBadge',
+      attrs: { 'data-testid': 'evalsched-warning' }
+    });
+    this._warn.hidden = true;
     this._name = h('button', {
       className: 'jp-EvalSched-runName',
       attrs: { type: 'button', 'data-testid': 'evalsched-run-name' }
@@ -895,6 +1369,23 @@ class RunRow {
     this._state.dataset.state = record.state;
     this._cancel.hidden = isTerminal(record.state);
 
+    // Warnings (over_vram, …): a badge with the first code; the full texts as its tooltip.
+    const warnings = runWarnings(record);
+    const codes = [...new Set(warnings.map(w => splitReason(w).code))];
+    this._warn.hidden = warnings.length === 0;
+    node.dataset.warnings = codes.join(',');
+    if (warnings.length) {
+      this._warn.textContent =
+        codes.length > 1
+          ? `⚠ ${codes[0]} +${codes.length - 1}`
+          : `⚠ ${codes[0]}`;
+      this._warn.title = warnings.join('\n');
+      this._warn.setAttribute(
+        'aria-label',
+        trans.__('Warnings: %1', warnings.join('; '))
+      );
+    }
+
     // Meta line: position, id, priority, resources.
     this._position.hidden = section !== 'queued';
     this._position.textContent = `#${position + 1}`;
@@ -903,6 +1394,9 @@ class RunRow {
       position + 1
     );
     const parts: (HTMLElement | string)[] = [];
+    if (!this._warn.hidden) {
+      parts.push(this._warn);
+    }
     parts.push(
       h('span', {
         className: 'jp-EvalSched-runId',
@@ -1093,6 +1587,7 @@ class RunRow {
   private _chip: HTMLElement;
   private _position: HTMLElement;
   private _state: HTMLElement;
+  private _warn: HTMLElement;
   private _name: HTMLButtonElement;
   private _caret: HTMLButtonElement;
   private _cancel: HTMLButtonElement;
@@ -1105,6 +1600,241 @@ class RunRow {
   private _metrics: HTMLElement;
   private _detailHost: HTMLElement;
   private _detail: RunDetailView | null = null;
+}
+
+/**
+ * One live lease in the Leases list: holder, state (and why it waits), size, GPUs, pid, notebook
+ * and what its process uses, with a Release button.
+ */
+class LeaseRow {
+  constructor(
+    readonly id: string,
+    private _panel: EvalSchedPanel
+  ) {
+    const trans = _panel.trans;
+    this.node = h('div', {
+      className: 'jp-EvalSched-lease',
+      attrs: { 'data-lease-id': id, 'data-testid': 'evalsched-lease-row' }
+    });
+    this._holder = h('span', {
+      className: 'jp-EvalSched-leaseHolder',
+      attrs: { 'data-testid': 'evalsched-lease-holder' }
+    });
+    this._state = h('span', { className: 'jp-EvalSched-state' });
+    this._release = h('button', {
+      className: 'jp-EvalSched-textButton jp-EvalSched-release',
+      text: trans.__('Release'),
+      title: trans.__(
+        'Release this lease: its VRAM goes back to the scheduler'
+      ),
+      attrs: { type: 'button', 'data-testid': 'evalsched-lease-release' }
+    });
+    this._release.addEventListener('click', () => {
+      const lease = this._lease;
+      if (lease && lease.state !== 'ended') {
+        void this._panel.confirmRelease(lease);
+      }
+    });
+    this._meta = h('div', { className: 'jp-EvalSched-runMeta' });
+    this._notebook = h('div', {
+      className: 'jp-EvalSched-leaseNotebook',
+      attrs: { 'data-testid': 'evalsched-lease-notebook' }
+    });
+    this._reason = h('div', {
+      className: 'jp-EvalSched-reason',
+      attrs: { 'data-testid': 'evalsched-reason' }
+    });
+    this._usage = h('div', { className: 'jp-EvalSched-leaseUsage' });
+    this.node.append(
+      h('div', { className: 'jp-EvalSched-runHead' }, [
+        h('span', {
+          className: 'jp-EvalSched-colorChip jp-EvalSched-seg-lease',
+          title: trans.__('Its colour in the GPU bar')
+        }),
+        this._holder,
+        this._state,
+        this._release
+      ]),
+      this._meta,
+      this._notebook,
+      this._reason,
+      this._usage
+    );
+  }
+
+  readonly node: HTMLElement;
+
+  update(lease: ILeaseRecord): void {
+    if (lease === this._lease) {
+      return; // records are replaced, never mutated
+    }
+    this._lease = lease;
+    const trans = this._panel.trans;
+    const node = this.node;
+    const holder = leaseHolder(lease);
+    const { code, text } = splitReason(lease.reason);
+    node.dataset.state = lease.state;
+    node.dataset.reasonCode = code;
+    node.dataset.holder = holder;
+    node.dataset.vramMb = String(lease.vram_mb);
+    node.dataset.devices = (lease.devices ?? []).join(',');
+    this._holder.textContent = holder;
+    this._holder.title = holder;
+    this._state.textContent = lease.state;
+    this._state.dataset.state = lease.state;
+
+    const parts: HTMLElement[] = [
+      h('span', {
+        className: 'jp-EvalSched-vram',
+        text: leaseSize(lease, trans),
+        attrs: { 'data-field': 'size' }
+      })
+    ];
+    if (lease.exclusive_gpu) {
+      parts.push(
+        h('span', {
+          className: 'jp-EvalSched-tag',
+          text: trans.__('exclusive')
+        })
+      );
+    }
+    if (lease.devices && lease.devices.length) {
+      parts.push(
+        h('span', {
+          text: `GPU ${lease.devices.join(',')}`,
+          title: lease.cuda_visible_devices
+            ? `CUDA_VISIBLE_DEVICES=${lease.cuda_visible_devices}`
+            : undefined,
+          attrs: { 'data-field': 'devices' }
+        })
+      );
+    }
+    if (lease.pid !== null && lease.pid !== undefined) {
+      parts.push(
+        h('span', {
+          text: trans.__('pid %1', lease.pid),
+          title: trans.__('The lease ends when this process exits'),
+          attrs: { 'data-field': 'pid' }
+        })
+      );
+    }
+    if (
+      lease.priority &&
+      lease.priority !== 'high' &&
+      lease.state === 'queued'
+    ) {
+      parts.push(
+        h('span', {
+          className: 'jp-EvalSched-priority',
+          text: lease.priority,
+          attrs: { 'data-priority': lease.priority }
+        })
+      );
+    }
+    parts.push(
+      h('span', {
+        className: 'jp-EvalSched-runId',
+        text: lease.id,
+        title: lease.id
+      })
+    );
+    this._time = h('span', { className: 'jp-EvalSched-time' });
+    parts.push(this._time);
+    this._meta.replaceChildren(...parts);
+
+    this._notebook.hidden = !lease.session_path;
+    if (lease.session_path) {
+      this._notebook.textContent = lease.session_path;
+      this._notebook.title = lease.kernel_id
+        ? trans.__(
+            'Notebook %1 (kernel %2)',
+            lease.session_path,
+            lease.kernel_id
+          )
+        : trans.__('Notebook %1', lease.session_path);
+    }
+
+    this._reason.hidden = lease.state !== 'queued' || !lease.reason;
+    if (lease.reason) {
+      this._reason.replaceChildren(
+        h('span', { className: 'jp-EvalSched-reasonCode', text: code }),
+        text ? h('span', { className: 'jp-EvalSched-reasonText', text }) : ''
+      );
+      this._reason.title = lease.reason;
+    }
+
+    const observed = Object.entries(lease.observed_mb ?? {}).filter(
+      ([, mb]) => mb > 0
+    );
+    const over = Math.max(0, lease.over_lease_mb ?? 0);
+    this._usage.hidden = observed.length === 0 && over === 0;
+    this._usage.replaceChildren(
+      observed.length
+        ? h('span', {
+            text: trans.__(
+              'uses %1',
+              observed
+                .map(([gpu, mb]) => trans.__('%1 on GPU %2', formatMB(mb), gpu))
+                .join(', ')
+            )
+          })
+        : '',
+      over > 0
+        ? h('span', {
+            className: 'jp-EvalSched-warnBadge',
+            text: trans.__('⚠ %1 over its lease', formatMB(over)),
+            title: trans.__(
+              'Its process uses %1 more than it leased: the excess counts as unmanaged VRAM',
+              formatMB(over)
+            ),
+            attrs: { 'data-testid': 'evalsched-lease-over' }
+          })
+        : ''
+    );
+    this.tick(Date.now());
+  }
+
+  /** Refresh the time shown on the row: how long it has been held or has waited. */
+  tick(now: number): void {
+    const lease = this._lease;
+    if (!lease || !this._time) {
+      return;
+    }
+    const trans = this._panel.trans;
+    const granted = parseTime(lease.granted_at);
+    const requested = parseTime(lease.requested_at);
+    let text = '';
+    if (lease.state === 'granted' && granted !== null) {
+      text = trans.__('held %1', formatDuration(now - granted));
+      if (lease.ttl_s) {
+        text +=
+          ' · ' +
+          trans.__(
+            'ends in %1',
+            formatDuration(granted + lease.ttl_s * 1000 - now)
+          );
+      }
+    } else if (lease.state === 'queued' && requested !== null) {
+      text = trans.__('waiting %1', formatDuration(now - requested));
+    }
+    if (this._time.textContent !== text) {
+      this._time.textContent = text;
+    }
+  }
+
+  dispose(): void {
+    this.node.remove();
+  }
+
+  private _lease: ILeaseRecord | null = null;
+  private _holder: HTMLElement;
+  private _state: HTMLElement;
+  private _release: HTMLButtonElement;
+  private _meta: HTMLElement;
+  private _notebook: HTMLElement;
+  private _reason: HTMLElement;
+  private _usage: HTMLElement;
+  private _time: HTMLElement | null = null;
 }
 
 /**

@@ -174,7 +174,8 @@ class LocalExecutor(Executor):
             done = verdict is not None
             if verdict is None:
                 verdict = self._judge_exit(run, code)
-            if oom_kills and verdict[0] != SUCCEEDED and run.kill_reason is None and not run.cancel_requested:
+            stopped = run.kill_reason is not None or run.cancel_requested or run.timed_out
+            if oom_kills and verdict[0] != SUCCEEDED and not stopped:
                 verdict = (FAILED, self._oom_reason(run, cgroup, oom_kills, code))
             table.finish(run, *verdict, done_on_disk=done)
 
@@ -268,6 +269,8 @@ class LocalExecutor(Executor):
                 table.finish(
                     run, ABORTED, contract.reason(contract.SERVER_RESTART, "the server shut down while it ran")
                 )
+        if self.cgroups is not None and self.cgroups.enabled:
+            self.cgroups.remove_namespace()  # only if no run cgroup is left in it
 
     def pids(self) -> set[int]:
         return self.launcher.running_pids
