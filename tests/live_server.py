@@ -18,7 +18,7 @@ from waiting import wait_until  # the one wait_until; re-exported for the module
 from jupyter_evalsched.client import TERMINAL_STATES, EvalSchedClient, LocalServer
 from jupyter_evalsched.scheduler.gpus import write_process_table
 
-__all__ = ["CRASH", "SLEEPY", "clean_queue", "cli", "client", "live_server", "wait_state", "wait_until"]
+__all__ = ["CRASH", "SLEEPY", "clean_queue", "cli", "client", "ip", "live_server", "wait_state", "wait_until"]
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 CRASH = "jupyter_evalsched.examples.basic:crash"
@@ -56,6 +56,22 @@ def live_server(request):
 @pytest.fixture
 def client(live_server) -> EvalSchedClient:
     return live_server.client()
+
+
+@pytest.fixture
+def ip(live_server, monkeypatch, tmp_path):
+    """An IPython shell (IPython's test app, one per process) with ``%load_ext jupyter_evalsched``,
+    pointed at the live server, in a fresh working directory."""
+    from IPython.testing import globalipapp
+
+    monkeypatch.setenv("EVALSCHED_URL", live_server.url)
+    monkeypatch.setenv("EVALSCHED_TOKEN", live_server.token)
+    monkeypatch.chdir(tmp_path)
+    globalipapp.start_ipython()  # once per process; later calls are no-ops
+    shell = globalipapp.get_ipython()
+    shell.run_line_magic("load_ext", "jupyter_evalsched")
+    yield shell
+    shell.run_line_magic("unload_ext", "jupyter_evalsched")
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import threading
 
 import nbformat
 import pytest
-from IPython.testing import globalipapp
 from nbclient import NotebookClient
 
 import jupyter_evalsched
@@ -19,21 +18,9 @@ from jupyter_evalsched.client.lease import LeaseTimeout
 from jupyter_evalsched.scheduler.gpus import write_process_table
 
 try:
-    from .live_server import SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until
+    from .live_server import SLEEPY, clean_queue, cli, client, ip, live_server, wait_state, wait_until
 except ImportError:
-    from live_server import SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until  # noqa: F401
-
-
-@pytest.fixture
-def ip(live_server, monkeypatch, tmp_path):
-    monkeypatch.setenv("EVALSCHED_URL", live_server.url)
-    monkeypatch.setenv("EVALSCHED_TOKEN", live_server.token)
-    monkeypatch.chdir(tmp_path)
-    globalipapp.start_ipython()
-    shell = globalipapp.get_ipython()
-    shell.run_line_magic("load_ext", "jupyter_evalsched")
-    yield shell
-    shell.run_line_magic("unload_ext", "jupyter_evalsched")
+    from live_server import SLEEPY, clean_queue, cli, client, ip, live_server, wait_state, wait_until  # noqa: F401
 
 
 @pytest.fixture
@@ -155,8 +142,10 @@ def test_cli_doctor_without_a_server_checks_the_host(live_server, tmp_path):
     assert any(line.startswith("OK        cgroups") for line in lines), proc.stdout
 
 
-def test_submit_with_vram_auto_without_history_says_what_to_do(live_server):
-    proc = cli(live_server, "submit", SLEEPY, "--vram", "auto")
+def test_submit_with_vram_auto_without_history_says_what_to_do(live_server, tmp_path):
+    # An eval of its own: no earlier run of it, whatever else ran on the shared server.
+    (tmp_path / "fresh_eval.py").write_text("def episode(ctx, index):\n    return {}\n")
+    proc = cli(live_server, "submit", "fresh_eval.py:episode", "--vram", "auto", cwd=str(tmp_path))
     assert proc.returncode == 2
     assert "'auto' needs an earlier succeeded run" in proc.stderr and "declare a number" in proc.stderr
     proc = cli(live_server, "submit", SLEEPY, "--vram", "lots")

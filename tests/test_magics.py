@@ -6,26 +6,13 @@ import json
 import os
 
 import pytest
-from IPython.testing import globalipapp
 
 from jupyter_evalsched.client import SPEC_FLAGS, RunHandle
 
 try:
-    from .live_server import SLEEPY, clean_queue, client, live_server, wait_state
+    from .live_server import SLEEPY, clean_queue, client, ip, live_server, wait_state
 except ImportError:
-    from live_server import SLEEPY, clean_queue, client, live_server, wait_state  # noqa: F401
-
-
-@pytest.fixture
-def ip(live_server, monkeypatch, tmp_path):
-    monkeypatch.setenv("EVALSCHED_URL", live_server.url)
-    monkeypatch.setenv("EVALSCHED_TOKEN", live_server.token)
-    monkeypatch.chdir(tmp_path)
-    globalipapp.start_ipython()  # once per process; later calls are no-ops
-    shell = globalipapp.get_ipython()
-    shell.run_line_magic("load_ext", "jupyter_evalsched")
-    yield shell
-    shell.run_line_magic("unload_ext", "jupyter_evalsched")
+    from live_server import SLEEPY, clean_queue, client, ip, live_server, wait_state  # noqa: F401
 
 
 def _spec(handle: RunHandle) -> dict:

@@ -359,7 +359,9 @@ class Scheduler:
             if (rec.get("entrypoint"), rec.get("source_digest")) != key:
                 continue
             peak = max((int(v) for v in (observed.get("peak_vram_mb") or {}).values()), default=0)
-            if best is None or peak > best[0]:
+            # A run seen using no VRAM at all says nothing of what the eval needs on a GPU (and a
+            # figure of 0 would make the next run a CPU-only one).
+            if peak > 0 and (best is None or peak > best[0]):
                 best = (peak, run)
         if best is None:
             what = "this cell's eval" if spec.source is not None else repr(spec.entrypoint)
