@@ -263,7 +263,9 @@ class EvalSchedApp(ExtensionApp):
             # One namespace per user and runs directory: a server never touches the run cgroups of
             # another scheduler (another runs directory) on the host, stale ones included.
             digest = hashlib.sha256(os.path.realpath(self.runs_path).encode()).hexdigest()[:10]
-            found = self._cgroups_found = Cgroups.detect(setting, namespace=f"evalsched-{os.getuid()}-{digest}")
+            prefix = f"evalsched-{os.getuid()}-"
+            found = self._cgroups_found = Cgroups.detect(setting, namespace=prefix + digest)
+            found.remove_empty_siblings(prefix)  # left by killed servers of other runs directories
             support = found.support
             if found.enabled:
                 self.log.info("evalsched: each run gets a cgroup (%s)", support.detail)

@@ -545,3 +545,22 @@ def test_explicit_v2_parent(namespace: str, procs: list[subprocess.Popen[bytes]]
     run.remove()
     assert p.wait(timeout=5) == -signal.SIGKILL
     assert _gone(run)
+
+
+def test_empty_sibling_namespaces_are_removed_and_busy_ones_kept():
+    prefix = f"evalsched-test-sib-{uuid.uuid4().hex[:8]}-"
+    ours = Cgroups.detect("auto", namespace=prefix + "ours")
+    left = Cgroups.detect("auto", namespace=prefix + "left")  # a killed server's, empty
+    busy = Cgroups.detect("auto", namespace=prefix + "busy")  # a live server's, with a run
+    run = busy.create("20260101T000000.000000-abcdef")
+    try:
+        assert ours.remove_empty_siblings(prefix) == len(left.support.parents)
+        assert not any(os.path.exists(p) for p in left.support.parents.values())
+        assert all(os.path.isdir(p) for p in busy.support.parents.values())
+        assert all(os.path.isdir(p) for p in ours.support.parents.values())
+        again = busy.create("20260101T000000.000000-abcde0")  # a live server's namespace survives
+        again.remove()
+    finally:
+        run.remove()
+        for cgroups in (ours, left, busy):
+            cgroups.remove_namespace()

@@ -961,6 +961,29 @@ class Cgroups:
                 continue
         return sorted(i for i in ids if contract.is_valid_run_id(i))
 
+    def remove_empty_siblings(self, prefix: str) -> int:
+        """rmdir the *empty* namespaces beside ours whose names start with ``prefix`` (other runs
+        directories' schedulers of this user, left by servers that were killed). Safe while their
+        servers live: rmdir refuses a namespace that holds a run, and ``create`` makes a missing one
+        again. Returns how many were removed."""
+        removed = 0
+        for ns_dir in self._support.parents.values():
+            parent, own = os.path.split(ns_dir)
+            try:
+                entries = list(os.scandir(parent))
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.name == own or not entry.name.startswith(prefix):
+                    continue
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        os.rmdir(entry.path)
+                        removed += 1
+                except OSError:
+                    pass  # not empty (a live scheduler's runs), or not ours to remove
+        return removed
+
     def remove_namespace(self) -> bool:
         """rmdir the namespace directories if no run cgroup is left in them (server shutdown,
         tests). True when all are gone."""
