@@ -501,14 +501,17 @@ class RunCgroup:
         return self._memory_mb("memory.usage_in_bytes", "memory.current")
 
     def _memory_mb(self, v1_name: str, v2_name: str) -> int | None:
+        value = self._memory_bytes(v1_name, v2_name)
+        return None if value is None else _mb_up(value)
+
+    def _memory_bytes(self, v1_name: str, v2_name: str) -> int | None:
         path = self._memory_file(v1_name, v2_name)
         if path is None:
             return None
         try:
-            value = _bytes_value(_read(path))
+            return _bytes_value(_read(path))
         except OSError:
             return None
-        return None if value is None else _mb_up(value)
 
     def oom_kills(self) -> int:
         path = self._memory_file("memory.oom_control", "memory.events")
@@ -521,13 +524,7 @@ class RunCgroup:
 
     def read_memory_limit_mb(self) -> int | None:
         """The memory limit the kernel holds now (None: unlimited or no memory support)."""
-        path = self._memory_file("memory.limit_in_bytes", "memory.max")
-        if path is None:
-            return None
-        try:
-            value = _bytes_value(_read(path))
-        except OSError:
-            return None
+        value = self._memory_bytes("memory.limit_in_bytes", "memory.max")
         return None if value is None else value // MiB
 
     def set_memory_limit(self, memory_mb: int) -> int:

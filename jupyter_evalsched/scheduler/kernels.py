@@ -12,7 +12,6 @@ Reads of ``/proc`` happen in the scheduler's I/O thread, for the few processes t
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ class KernelInfo:
     kernel_id: str
     session_path: str | None  # the notebook, when the kernel belongs to one
     pid: int  # the kernel process (the GPU process itself or one of its ancestors)
-    server_pid: int | None = None  # the Jupyter server that started it, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +65,10 @@ def kernel_of_process(pid: int) -> KernelInfo | None:
     match = _CONNECTION_FILE_RE.search(cmdline)
     if match is None:
         return None
-    env = _environ(pid)
-    server = env.get("JPY_PARENT_PID", "")
     return KernelInfo(
         kernel_id=match.group(1).decode(),
-        session_path=env.get("JPY_SESSION_NAME") or None,
+        session_path=_environ(pid).get("JPY_SESSION_NAME") or None,
         pid=pid,
-        server_pid=int(server) if server.isdigit() else None,
     )
 
 
@@ -82,7 +77,7 @@ def _environ(pid: int) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in (data or b"").split(b"\0"):
         key, sep, value = item.partition(b"=")
-        if sep and key in (b"JPY_PARENT_PID", b"JPY_SESSION_NAME"):
+        if sep and key == b"JPY_SESSION_NAME":
             out[key.decode()] = value.decode("utf-8", "replace")
     return out
 
@@ -101,7 +96,7 @@ def identify(pids: Iterable[int], own: Iterable[OwnKernel] = ()) -> dict[int, Ke
             continue
         mine = own_by_id.get(info.kernel_id)
         if mine is not None and mine.session_path:
-            info = KernelInfo(info.kernel_id, mine.session_path, info.pid, os.getpid())
+            info = KernelInfo(info.kernel_id, mine.session_path, info.pid)
         out[pid] = info
     return out
 
@@ -121,7 +116,7 @@ def _kernel_above(
         seen.append(current)
         mine = own_by_pid.get(current)
         if mine is not None:
-            found = KernelInfo(mine.kernel_id, mine.session_path, current, os.getpid())
+            found = KernelInfo(mine.kernel_id, mine.session_path, current)
             break
         found = kernel_of_process(current)
         if found is not None:

@@ -83,10 +83,6 @@ class Launcher:
         return self._loop
 
     @property
-    def running_pids(self) -> set[int]:
-        return {p.pid for p in self._procs.values()}
-
-    @property
     def running(self) -> dict[str, int]:
         """Run id -> the pid of its live process."""
         return {run_id: p.pid for run_id, p in self._procs.items()}

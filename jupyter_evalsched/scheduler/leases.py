@@ -42,10 +42,6 @@ def new_lease_id() -> str:
     return LEASE_ID_PREFIX + datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%f") + "-" + secrets.token_hex(3)
 
 
-def is_lease_id(value: str) -> bool:
-    return value.startswith(LEASE_ID_PREFIX) and contract.is_valid_run_id(value)
-
-
 @dataclass(eq=False, slots=True)
 class Lease:
     record: dict[str, Any]

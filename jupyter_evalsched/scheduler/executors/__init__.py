@@ -100,10 +100,6 @@ class Executor:
     async def stop(self) -> None:
         """The server shuts down: end what must not outlive it."""
 
-    def pids(self) -> set[int]:
-        """The processes of this executor's live runs on this host (NVML accounting)."""
-        return set()
-
     def observed_targets(self) -> dict[str, ObservedTarget]:
         """The live runs on this host whose usage is observed (run id -> target)."""
         return {}

@@ -272,9 +272,6 @@ class LocalExecutor(Executor):
         if self.cgroups is not None and self.cgroups.enabled:
             self.cgroups.remove_namespace()  # only if no run cgroup is left in it
 
-    def pids(self) -> set[int]:
-        return self.launcher.running_pids
-
     def observed_targets(self) -> dict[str, ObservedTarget]:
         return {run_id: ObservedTarget(pid, self._cgroups.get(run_id)) for run_id, pid in self.launcher.running.items()}
 
