@@ -154,6 +154,28 @@ class EvalSchedApp(ExtensionApp):
         0.1, help="marginal_vram_mb 'auto' declares the highest observed peak of earlier runs plus this fraction."
     ).tag(config=True)
 
+    auto_resume = Bool(
+        False,
+        help="Runs interrupted by the server's death or shutdown are queued again at start (in their queue order) "
+        "and resume from their episodes.jsonl, instead of ending aborted.",
+    ).tag(config=True)
+    retry_backoff_s = Float(
+        10.0, help="A run's first automatic retry (spec 'retries') waits this long; each next one twice as long."
+    ).tag(config=True)
+    retry_backoff_max_s = Float(600.0, help="The longest back-off before an automatic retry.").tag(config=True)
+    preemption = Bool(
+        True,
+        help="A waiting job of a higher lane that cannot fit otherwise may stop preemptible runs of lower lanes "
+        "(scheduling.preemptible) at an episode boundary; they resume later.",
+    ).tag(config=True)
+    preempt_grace_s = Float(
+        30.0, help="How long a preempted run has to reach its next episode boundary before it is signalled."
+    ).tag(config=True)
+    preempt_min_runtime_s = Float(
+        60.0, help="A run is preempted only after it has run this long (in its current attempt)."
+    ).tag(config=True)
+    max_preemptions = Int(3, help="A run preempted this many times is not preempted again.").tag(config=True)
+
     promotion_interval_s = Float(
         1.0,
         help="How often a server that does not schedule (another holds the runs directory's lock) tries "
@@ -229,7 +251,12 @@ class EvalSchedApp(ExtensionApp):
             usable_override={int(k): int(v) for k, v in self.usable_vram_mb.items()},
             env_usable_mb=self.default_usable_vram_mb,
             policy=policy.PolicyConfig(
-                starvation_s=self.starvation_s, starvation_passes=self.starvation_passes, aging_s=self.aging_s
+                starvation_s=self.starvation_s,
+                starvation_passes=self.starvation_passes,
+                aging_s=self.aging_s,
+                preemption=self.preemption,
+                preempt_min_runtime_s=self.preempt_min_runtime_s,
+                max_preemptions=self.max_preemptions,
             ),
             cancel_grace_s=self.cancel_grace_s,
             sweep_interval_s=self.sweep_interval_s,
@@ -241,6 +268,10 @@ class EvalSchedApp(ExtensionApp):
             enforce_vram=self.enforce_vram,
             vram_tolerance=self.vram_tolerance,
             auto_margin=self.auto_margin,
+            auto_resume=self.auto_resume,
+            retry_backoff_s=self.retry_backoff_s,
+            retry_backoff_max_s=self.retry_backoff_max_s,
+            preempt_grace_s=self.preempt_grace_s,
         )
         executors: list[Executor] = [LocalExecutor(model_host, cgroups=self._host_cgroups())]
         if self.slurm_enabled:

@@ -52,6 +52,12 @@ SERVER_RESTART = "server_restart"
 MODEL_UNAVAILABLE = "model_unavailable"  # model_unavailable: <model>: <why, with the host's stderr>
 OVER_VRAM = "over_vram"  # over_vram: used 20000 MB on GPU 0, declared 8000 MB
 OOM = "oom"  # the run's cgroup hit its memory_mb limit and the kernel killed it
+PREEMPTED_BY = "preempted_by"  # preempted_by:<id>: queued again, resumes when there is room
+PREEMPTING = "preempting"  # preempting:<id>: running, told to stop at its next episode boundary
+RETRYING = "retrying"  # queued, waiting out the back-off before an automatic retry
+# The reason codes of a failure that ``retry_on`` may name, and its default.
+RETRYABLE_CODES = (EXCEPTION, EXIT_CODE, SIGNAL, OOM, TIMEOUT, OVER_VRAM, MODEL_UNAVAILABLE)
+DEFAULT_RETRY_ON = (EXIT_CODE, SIGNAL, OOM)
 # How a lease ends.
 RELEASED = "released"
 PROCESS_EXITED = "process_exited"
@@ -93,6 +99,11 @@ EPISODES_FILE = "episodes.jsonl"
 STDOUT_FILE = "stdout.log"
 STDERR_FILE = "stderr.log"
 DONE_FILE = "_DONE"
+# Written by the server into a running run's directory to preempt it: the runner stops at its next
+# episode boundary without finalizing (EXIT_STOPPED), and the run is resumed later.
+STOP_FILE = "_STOP"
+# The runner's exit status when it stopped at an episode boundary because of STOP_FILE (EX_TEMPFAIL).
+EXIT_STOPPED = 75
 
 # The entrypoint of a spec that carries ``source`` (the cell of ``%%eval_submit``).
 DEFAULT_SOURCE_ENTRYPOINT = EVAL_SOURCE_FILE + ":episode"
@@ -121,6 +132,7 @@ SCHEDULING_DEFAULTS: Mapping[str, Any] = {
     "priority": "normal",
     "cpus": 1,
     "memory_mb": None,
+    "preemptible": None,  # None: True for the low lane, False otherwise
 }
 
 
@@ -131,6 +143,8 @@ def scheduling_of(spec: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(SCHEDULING_DEFAULTS)
     if isinstance(given, dict):
         out.update({k: v for k, v in given.items() if v is not None})
+    if out["preemptible"] is None:
+        out["preemptible"] = out["priority"] == "low"
     return out
 
 

@@ -307,6 +307,13 @@ class CancelHandler(EvalSchedHandler):
         self.send_json(await self.scheduler.cancel(run_id))
 
 
+class ResumeHandler(EvalSchedHandler):
+    @web.authenticated
+    @authorized
+    async def post(self, run_id: str) -> None:
+        self.send_json(self.scheduler.resume(run_id))
+
+
 class LogsHandler(EvalSchedHandler):
     _track_activity = False
 
@@ -550,6 +557,7 @@ def handlers() -> list[tuple[str, type]]:
     return [
         (r"/evalsched/runs/?", RunsHandler),
         (rf"/evalsched/runs/{RUN_ID}/cancel/?", CancelHandler),
+        (rf"/evalsched/runs/{RUN_ID}/resume/?", ResumeHandler),
         (rf"/evalsched/runs/{RUN_ID}/logs/?", LogsHandler),
         (rf"/evalsched/runs/{RUN_ID}/episodes/?", EpisodesHandler),
         (rf"/evalsched/runs/{RUN_ID}/?", RunHandler),

@@ -42,6 +42,7 @@ MAX_CPUS = 4096
 MAX_WORKERS = 256
 MAX_SOURCE_CHARS = 1_000_000
 MAX_PARAMS_JSON_CHARS = 1_000_000
+MAX_RETRIES = 100
 
 
 def utcnow_iso() -> str:
@@ -69,6 +70,11 @@ class Scheduling(_Strict):
     cpus: int = Field(1, ge=0, le=MAX_CPUS, description="CPU slots the run takes")
     memory_mb: int | None = Field(
         None, ge=1, le=MAX_MEMORY_MB, description="host memory limit of the run (its cgroup), in MB"
+    )
+    preemptible: bool | None = Field(
+        None,
+        description="a waiting job of a higher lane may stop it at an episode boundary (it resumes later); "
+        "default: true in the low lane, false otherwise",
     )
 
     @field_validator("marginal_vram_mb", mode="before")
@@ -103,6 +109,21 @@ class EvalSpec(_Strict):
     executor: Executor | None = Field(
         None, description="where the run executes: this host's ledger ('local') or SLURM; default: the server's"
     )
+    retries: int = Field(0, ge=0, le=MAX_RETRIES, description="automatic resumes after a failure named in retry_on")
+    retry_on: list[str] = Field(
+        default_factory=lambda: list(contract.DEFAULT_RETRY_ON),
+        max_length=len(contract.RETRYABLE_CODES),
+        description="the reason codes of failures that are retried: " + ", ".join(contract.RETRYABLE_CODES),
+    )
+    detach: bool = Field(False, description="the run does not die with the server; a restarted server re-attaches it")
+
+    @field_validator("retry_on")
+    @classmethod
+    def _retry_codes(cls, v: list[str]) -> list[str]:
+        for code in v:
+            if code not in contract.RETRYABLE_CODES:
+                raise ValueError(f"unknown reason code {code!r}; choose from {', '.join(contract.RETRYABLE_CODES)}")
+        return list(dict.fromkeys(v))
 
     @field_validator("name")
     @classmethod
@@ -174,6 +195,8 @@ class EvalSpec(_Strict):
             self.entrypoint = "eval.py:episode"
         if self.name is None:
             self.name = default_name(self.entrypoint)
+        if self.scheduling.preemptible is None:
+            self.scheduling.preemptible = self.scheduling.priority == "low"
         return self
 
 
@@ -284,6 +307,17 @@ class Observed(BaseModel):
     source: Literal["nvml", "virtual"] = Field("nvml", description="where the VRAM figures come from")
 
 
+class AttemptEnd(BaseModel):
+    """How an earlier attempt of a run ended (the record's ``history``)."""
+
+    attempt: int
+    state: Literal["failed", "cancelled", "aborted", "preempted"]
+    reason: str | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    episodes_done: int = 0
+
+
 class RunRecord(BaseModel):
     """The run record: REST answers, events and ``job.json`` share it. Every field the server
     sends is declared here (a test checks); unknown fields in an old ``job.json`` are dropped."""
@@ -328,6 +362,14 @@ class RunRecord(BaseModel):
     warnings: list[str] = Field(
         default_factory=list, description="problems seen while it ran, each starting with a code (over_vram: ...)"
     )
+    attempt: int = Field(1, description="1 for the first attempt; resumes, retries and preemptions add one")
+    preemptions: int = Field(0, description="times the run was preempted (stopped for a higher lane, resumed later)")
+    preemptible: bool = Field(False, description="scheduling.preemptible, defaults filled in")
+    retries: int = Field(0, description="automatic retries allowed (the spec's retries)")
+    retries_used: int = Field(0, description="automatic retries made (a resume through the API starts again at 0)")
+    retry_at: str | None = Field(None, description="when a retry waiting out its back-off is admitted again")
+    detach: bool = Field(False, description="the run does not die with the server")
+    history: list[AttemptEnd] = Field(default_factory=list, description="how each earlier attempt ended")
 
 
 RECORD_FIELDS = frozenset(RunRecord.model_fields)

@@ -141,6 +141,15 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "responses": {"200": _json("RunRecord", "the run"), **_errors(404, 409)},
             },
         },
+        "/runs/{run_id}/resume": {
+            "parameters": [RUN_ID_PARAM],
+            "post": {
+                "summary": "Queue a failed, aborted or cancelled run again (same id, attempt + 1); it skips the "
+                "episodes already in episodes.jsonl",
+                "operationId": "resumeRun",
+                "responses": {"200": _json("RunRecord", "the run, queued"), **_errors(404, 409, 503)},
+            },
+        },
         "/runs/{run_id}/logs": {
             "parameters": [RUN_ID_PARAM],
             "get": {

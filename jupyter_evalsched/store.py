@@ -352,6 +352,27 @@ class RunStore:
         if self.fsync:
             fsync_dir(self.run_dir(run_id))
 
+    def unmark_done(self, run_id: str) -> None:
+        """Remove ``_DONE`` (a run queued again: resumed or retried), durably before the record
+        says queued; OSError when it cannot be removed."""
+        try:
+            os.unlink(self.file(run_id, contract.DONE_FILE))
+        except FileNotFoundError:
+            return
+        if self.fsync:
+            fsync_dir(self.run_dir(run_id))
+
+    def write_stop(self, run_id: str) -> None:
+        """``_STOP``: the run stops at its next episode boundary (preemption)."""
+        fd = os.open(self.file(run_id, contract.STOP_FILE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+
+    def clear_stop(self, run_id: str) -> None:
+        try:
+            os.unlink(self.file(run_id, contract.STOP_FILE))
+        except FileNotFoundError:
+            pass
+
     def log_path(self, run_id: str, stream: str) -> Path:
         """Where a run's ``stdout``/``stderr`` goes (the launcher opens it for appending)."""
         return self.file(run_id, contract.STDOUT_FILE if stream == "stdout" else contract.STDERR_FILE)

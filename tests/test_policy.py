@@ -308,3 +308,143 @@ def test_a_starving_head_eventually_runs(n):
         # The oldest running small job finishes each round; new ones start.
         running = running[1:] + _running_from(d, by_id)
     raise AssertionError("the big job starved")
+
+
+# ---------------------------------------------------------------- preemption
+
+PREEMPT = PolicyConfig(preempt_min_runtime_s=60, max_preemptions=3)
+
+
+def r(id, vram, prio="low", preemptible=True, runtime=600.0, **kw):
+    return RunningJob(id, (0,), vram, False, 1, priority=prio, preemptible=preemptible, runtime_s=runtime, **kw)
+
+
+def test_a_high_job_that_cannot_fit_preempts_a_low_run():
+    d = decide([q("h", 5, priority="high", marginal_vram_mb=16000)], [r("low", 16000)], ONE_GPU, {}, PREEMPT)
+    assert d.preempt == {"low": "h"} and not d.starts
+    assert d.waiting["h"].startswith("waiting_vram")
+
+
+def test_preemption_guard_rails():
+    high = [q("h", 5, priority="high", marginal_vram_mb=16000)]
+    # Not preemptible, too young, preempted too often, or of the same lane: never.
+    for running in (
+        r("a", 16000, preemptible=False),
+        r("a", 16000, runtime=59.0),
+        r("a", 16000, preemptions=3),
+        r("a", 16000, prio="high"),
+    ):
+        assert decide(high, [running], ONE_GPU, {}, PREEMPT).preempt == {}, running
+    # A lower lane never preempts a higher one.
+    low_job = [q("l", 5, priority="low", marginal_vram_mb=16000)]
+    assert decide(low_job, [r("a", 16000, prio="normal")], ONE_GPU, {}, PREEMPT).preempt == {}
+    # A job that fits needs nobody to stop; with preemption off nothing is preempted.
+    assert (
+        decide([q("h", 5, priority="high", marginal_vram_mb=8000)], [r("a", 16000)], ONE_GPU, {}, PREEMPT).preempt == {}
+    )
+    off = replace(PREEMPT, preemption=False)
+    assert decide(high, [r("a", 16000)], ONE_GPU, {}, off).preempt == {}
+    # A job held back by a dependency waits for it, not for room.
+    dep = [q("h", 5, priority="high", marginal_vram_mb=16000, depends_on=("x",))]
+    assert decide(dep, [r("a", 16000)], ONE_GPU, {"x": "running"}, PREEMPT).preempt == {}
+
+
+def test_preemption_takes_the_fewest_then_the_newest_runs():
+    running = [r("old-big", 16000, runtime=900), r("b", 4000, runtime=300), r("c", 4000, runtime=100)]
+    d = decide([q("h", 5, priority="high", marginal_vram_mb=16000)], running, ONE_GPU, {}, PREEMPT)
+    assert d.preempt == {"old-big": "h"}  # one run frees enough; two small ones would not
+    running = [r("older", 12000, runtime=900), r("newer", 12000, runtime=100)]
+    d = decide([q("h", 5, priority="high", marginal_vram_mb=12000)], running, ONE_GPU, {}, PREEMPT)
+    assert d.preempt == {"newer": "h"}
+    # Normal work is preempted for high work only when it is preemptible; low work goes first.
+    running = [r("n", 12000, prio="normal", preemptible=True, runtime=100), r("l", 12000, runtime=900)]
+    d = decide([q("h", 5, priority="high", marginal_vram_mb=12000)], running, ONE_GPU, {}, PREEMPT)
+    assert d.preempt == {"n": "h"}  # both may go; the newest is chosen
+
+
+def test_a_run_already_stopping_makes_the_room_and_is_not_doubled():
+    running = [r("a", 16000, stopping=True), r("b", 8000)]
+    high = [q("h", 5, priority="high", marginal_vram_mb=16000)]
+    assert decide(high, running, ONE_GPU, {}, PREEMPT).preempt == {}
+    # Two high jobs: the stopping run's room is claimed by the first; the second gets b stopped.
+    two = [q("h", 5, priority="high", marginal_vram_mb=16000), q("h2", 6, priority="high", marginal_vram_mb=8000)]
+    assert decide(two, running, ONE_GPU, {}, PREEMPT).preempt == {"b": "h2"}
+
+
+def test_cpu_slots_are_room_too():
+    cap = Capacity(devices=(), cpu_slots=2)
+    running = [RunningJob("l", (), 0, False, 2, priority="low", preemptible=True, runtime_s=600)]
+    d = decide([q("h", 5, priority="high", cpus=1)], running, cap, {}, PREEMPT)
+    assert d.preempt == {"l": "h"} and d.waiting["h"].startswith("waiting_cpu")
+
+
+running_st = st.lists(
+    st.tuples(
+        st.sampled_from(["high", "normal", "low"]),
+        st.booleans(),
+        st.sampled_from([0, 4000, 8000, 12000, 16000]),
+        st.integers(0, 3),  # device (mod the host's)
+        st.integers(0, 2),  # cpus
+        st.sampled_from([0.0, 30.0, 120.0, 5000.0]),
+        st.integers(0, 4),
+        st.sampled_from([False, False, False, True]),
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(raw=jobs_st, cap=capacity_st, run_raw=running_st)
+def test_preemption_properties(raw, cap, run_raw):
+    """Only preemptible runs of strictly lower lanes, old enough, preempted fewer times than the
+    limit, not stopping already, for a job that waits for room and does not start, and only when
+    that job could not fit with the runs already stopping gone. Lanes strictly decrease along a
+    preemption, so a preempted run can never preempt its preemptor: no cycles."""
+    if not cap.devices:
+        return
+    running = [
+        RunningJob(
+            f"r{i}",
+            (dev % len(cap.devices),) if vram else (),
+            vram,
+            False,
+            cpus,
+            priority=prio,
+            preemptible=pre,
+            runtime_s=rt,
+            preemptions=n,
+            stopping=stopping,
+        )
+        for i, (prio, pre, vram, dev, cpus, rt, n, stopping) in enumerate(run_raw)
+    ]
+    queued = [j for j in _queued(raw) if never_fits(j, cap) is None]
+    d = decide(queued, running, cap, {}, PREEMPT)
+    by_id = {j.id: j for j in queued}
+    victims = {v.id: v for v in running}
+    started = {s.id for s in d.starts}
+    lane = {"high": 0, "normal": 1, "low": 2}
+    for victim_id, job_id in d.preempt.items():
+        v, job = victims[victim_id], by_id[job_id]
+        assert v.preemptible and not v.stopping and v.kind == "run"
+        assert v.runtime_s >= PREEMPT.preempt_min_runtime_s and v.preemptions < PREEMPT.max_preemptions
+        assert lane[v.priority] > lane[job.priority]
+        assert job_id not in started and d.waiting[job_id].split(":")[0] in {
+            "waiting_vram",
+            "waiting_cpu",
+            "waiting_gpu_exclusive",
+        }
+    if not d.preempt:
+        return
+    # The first job that preempts could not have fitted once the stopping runs were gone, and does
+    # fit once its victims are gone too (what the decision admitted counted).
+    first = next(j for j in admission_order(queued, PREEMPT) if j.id in d.preempt.values())
+    admitted = _running_from(d, by_id)
+    earlier = [j.id for j in admission_order(queued, PREEMPT)]
+    earlier = earlier[: earlier.index(first.id)]
+    if any(job_id in earlier for job_id in d.preempt.values()):
+        return
+    off = replace(PREEMPT, preemption=False)
+    base = [v for v in running if not v.stopping] + admitted
+    # (Earlier waiting jobs may have claimed the stopping runs' room: only then may it not fit.)
+    mine = [v for v in base if d.preempt.get(v.id) != first.id]
+    assert first.id in {s.id for s in decide([first], mine, cap, {}, off).starts}

@@ -229,7 +229,8 @@ def test_success_aggregates_metrics_and_writes_every_file(tmp_path, started):
     assert lines[0]["metrics"] == {"x": 0.5, "flag": True, "n": 0}
     assert lines[2]["metrics"]["x"] is None and lines[4]["metrics"]["x"] is None  # strict JSON: no NaN
     for e in lines:
-        assert set(e) == {"index", "metrics", "started_at", "finished_at", "worker"}
+        assert set(e) == {"index", "metrics", "started_at", "finished_at", "worker", "attempt"}
+        assert e["attempt"] == 1
         assert ISO_UTC.match(e["started_at"]) and e["started_at"] <= e["finished_at"]
         assert s["started_at"] <= e["started_at"]
     # Every file the runner writes is strict JSON (what a browser or another language reads).
@@ -1058,3 +1059,90 @@ def test_fastjson_errors_match_json():
         fastjson.dumps({"x": float("nan")})
     with pytest.raises(TypeError):
         fastjson.dumps({"x": object()})
+
+
+# --------------------------------------------------------------------------- attempts: resume and _STOP
+
+SLEEPY_ENTRY = "jupyter_evalsched.examples.basic:sleepy"
+
+
+def sleepy_score(seed: int) -> float:
+    from jupyter_evalsched.examples.basic import _unit_float
+
+    return _unit_float(seed)
+
+
+def episode_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines() if line]
+
+
+def test_a_resumed_run_skips_finished_episodes_and_ignores_a_partial_last_line(tmp_path, started):
+    run_dir = make_run_dir(tmp_path, entrypoint=SLEEPY_ENTRY, episodes=6, seed=10, params={"sleep_s": 0})
+    earlier = [
+        {"index": i, "metrics": {"score": sleepy_score(10 + i)}, "started_at": "x", "finished_at": "y", "worker": 1}
+        for i in (0, 3)
+    ]
+    text = "".join(json.dumps(e) + "\n" for e in earlier)
+    # An attempt that died while writing its third line; and a line of another run's size.
+    text += json.dumps({"index": 99, "metrics": {"score": 5.0}}) + "\n" + '{"index": 1, "metri'
+    (run_dir / "episodes.jsonl").write_text(text)
+
+    assert run_to_end(run_dir, started, env=runner_env(EVALSCHED_ATTEMPT="2")) == 0
+    lines = episode_lines(run_dir)  # every line parses: the partial one was cut off
+    indices = [e["index"] for e in lines if e["index"] != 99]
+    assert sorted(indices) == list(range(6)), indices  # each index exactly once
+    assert lines[:2] == earlier, "the earlier attempt's lines were rewritten"
+    assert [e["attempt"] for e in lines[3:]] == [2, 2, 2, 2] and [e["index"] for e in lines[3:]] == [1, 2, 4, 5]
+    s = summary(run_dir)
+    assert s["status"] == "succeeded" and s["episodes_done"] == 6 and s["episodes_total"] == 6
+    expected = [sleepy_score(10 + i) for i in range(6)]
+    assert s["metrics"]["score"]["count"] == 6
+    assert s["metrics"]["score"]["mean"] == pytest.approx(statistics.fmean(expected), rel=1e-12)
+    assert s["metrics"]["score"]["std"] == pytest.approx(statistics.pstdev(expected), rel=1e-9)
+
+
+def test_a_resumed_run_whose_episodes_are_all_done_only_finalizes(tmp_path, started):
+    run_dir = make_run_dir(tmp_path, entrypoint="no_such_module_at_all:episode", episodes=2)
+    lines = [{"index": i, "metrics": {"m": i}} for i in range(2)]
+    (run_dir / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert run_to_end(run_dir, started, env=runner_env(EVALSCHED_ATTEMPT="3")) == 0
+    s = summary(run_dir)  # the eval was not even imported: nothing was left to run
+    assert s["status"] == "succeeded" and s["metrics"]["m"]["mean"] == 0.5 and (run_dir / "_DONE").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_stop_file_stops_the_run_at_an_episode_boundary_and_a_resume_finishes_it(tmp_path, started, workers):
+    run_dir = make_run_dir(
+        tmp_path, entrypoint=SLEEPY_ENTRY, episodes=400, workers=workers, params={"sleep_s": 0.02}, seed=3
+    )
+    proc = start_runner(run_dir, started)
+    wait_until(lambda: (run_dir / "episodes.jsonl").exists() and len(episode_lines(run_dir)) >= 4)
+    (run_dir / "_STOP").touch()
+    assert proc.wait(30) == 75  # EXIT_STOPPED: not finalized
+    assert not (run_dir / "_DONE").exists()
+    first = episode_lines(run_dir)
+    assert len(first) < 400, "the run did not stop"
+    assert len({e["index"] for e in first}) == len(first)  # no episode twice
+    s = summary(run_dir)
+    assert s["status"] == "running" and s["episodes_done"] == len(first)
+    assert "stopped at an episode boundary" in (run_dir / "stderr.log").read_text()
+
+    (run_dir / "_STOP").unlink()
+    assert run_to_end(run_dir, started, env=runner_env(EVALSCHED_ATTEMPT="2"), timeout=60) == 0
+    lines = episode_lines(run_dir)
+    assert sorted(e["index"] for e in lines) == list(range(400))
+    assert lines[: len(first)] == first and {e["attempt"] for e in lines[len(first) :]} == {2}
+    final = summary(run_dir)
+    assert final["status"] == "succeeded" and final["episodes_done"] == 400
+    expected = statistics.fmean(sleepy_score(3 + i) for i in range(400))
+    assert final["metrics"]["score"]["mean"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_ctx_attempt_is_the_attempt_number(tmp_path, started):
+    run_dir = make_run_dir(
+        tmp_path,
+        source="def episode(ctx, index):\n    return {'attempt': ctx.attempt}\n",
+        episodes=1,
+    )
+    assert run_to_end(run_dir, started, env=runner_env(EVALSCHED_ATTEMPT="4")) == 0
+    assert episode_lines(run_dir)[0]["metrics"] == {"attempt": 4} and episode_lines(run_dir)[0]["attempt"] == 4

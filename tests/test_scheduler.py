@@ -94,6 +94,7 @@ async def test_run_directory_contract(api, wait_for, runs_dir):
         "priority": "normal",
         "cpus": 1,
         "memory_mb": None,
+        "preemptible": False,
     }
     assert saved["name"] == "basic.accuracy_toy" and saved["seed"] == 0 and saved["cwd"]
     job = json.loads((run / "job.json").read_text())

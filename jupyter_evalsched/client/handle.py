@@ -84,6 +84,12 @@ class RunHandle:
         self._record = self.client.cancel(self.id)
         return self._record
 
+    def resume(self) -> dict:
+        """Queue a failed, aborted or cancelled run again (same id, ``attempt`` + 1); its next
+        attempt skips the episodes already done. Returns the record."""
+        self._record = self.client.resume(self.id)
+        return self._record
+
     # ---- waiting
 
     def wait(self, timeout: float | None = None, progress: Any = True) -> dict:

@@ -164,6 +164,9 @@ class EvalSchedClient:
     def cancel(self, run_id: str) -> dict:
         return self.request("POST", f"runs/{_quote_id(run_id)}/cancel", body={})
 
+    def resume(self, run_id: str) -> dict:
+        return self.request("POST", f"runs/{_quote_id(run_id)}/resume", body={})
+
     def logs(self, run_id: str, stream: str = "stdout", tail: int | None = None) -> str:
         return self.request("GET", f"runs/{_quote_id(run_id)}/logs", query={"stream": stream, "tail": tail}, raw=True)
 

@@ -62,6 +62,8 @@ def accuracy_toy(ctx, index):
 def crash(ctx, index):
     """Fail as ``params["how"]`` says, in episode ``params["at"]`` (default: the first episode
     this function runs); the other episodes sleep ``params["sleep_s"]`` (default 0) and succeed.
+    With ``params["until_attempt"]``, only attempts up to that number crash (a later attempt of
+    the resumed run succeeds: how retries and resume are shown).
 
     * ``exception``: raise RuntimeError (the runner finalizes: failed, reason ``exception``)
     * ``memoryerror``: a real allocation that cannot succeed, raising MemoryError
@@ -75,7 +77,8 @@ def crash(ctx, index):
       the child is a stray in the run's process group
     """
     at = ctx.params.get("at")
-    if at is not None and index != at:
+    until_attempt = ctx.params.get("until_attempt")
+    if (at is not None and index != at) or (until_attempt is not None and ctx.attempt > until_attempt):
         time.sleep(float(ctx.params.get("sleep_s", 0)))
         return {"ok": 1}
     how = ctx.params.get("how", "exception")

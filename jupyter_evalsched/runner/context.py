@@ -109,11 +109,12 @@ class EpisodeContext:
 
     ``params`` (the spec's params; shared by all episodes of a process, so treat it as
     read-only), ``index``, ``seed`` (the spec's seed + index), ``devices`` (GPU indices, maybe
-    empty), ``run_dir`` (str), ``run_id``, ``episodes`` (the total), ``log`` (a
-    ``logging.Logger`` writing to stderr) and ``model(name)`` (a client of a shared model).
+    empty), ``run_dir`` (str), ``run_id``, ``episodes`` (the total), ``attempt`` (1, or more for
+    a resumed run), ``log`` (a ``logging.Logger`` writing to stderr) and ``model(name)`` (a client
+    of a shared model).
     """
 
-    __slots__ = ("params", "index", "seed", "devices", "run_dir", "run_id", "episodes", "_models")
+    __slots__ = ("params", "index", "seed", "devices", "run_dir", "run_id", "episodes", "attempt", "_models")
 
     def __init__(
         self,
@@ -126,6 +127,7 @@ class EpisodeContext:
         run_id: str,
         episodes: int,
         models: ModelRegistry,
+        attempt: int = 1,
     ) -> None:
         self.params = params
         self.index = index
@@ -134,6 +136,7 @@ class EpisodeContext:
         self.run_dir = run_dir
         self.run_id = run_id
         self.episodes = episodes
+        self.attempt = attempt
         self._models = models
 
     @property
@@ -154,7 +157,7 @@ class EpisodeContext:
 class ContextFactory:
     """Makes the ``ctx`` of each episode from what is fixed for the whole run."""
 
-    __slots__ = ("params", "seed", "devices", "run_dir", "run_id", "episodes", "models")
+    __slots__ = ("params", "seed", "devices", "run_dir", "run_id", "episodes", "models", "attempt")
 
     def __init__(
         self,
@@ -166,6 +169,7 @@ class ContextFactory:
         run_id: str,
         episodes: int,
         models: ModelRegistry,
+        attempt: int = 1,
     ) -> None:
         self.params = params
         self.seed = seed
@@ -174,6 +178,7 @@ class ContextFactory:
         self.run_id = run_id
         self.episodes = episodes
         self.models = models
+        self.attempt = attempt
 
     def __call__(self, index: int) -> EpisodeContext:
         return EpisodeContext(
@@ -185,4 +190,5 @@ class ContextFactory:
             run_id=self.run_id,
             episodes=self.episodes,
             models=self.models,
+            attempt=self.attempt,
         )

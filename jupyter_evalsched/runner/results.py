@@ -94,7 +94,9 @@ def _coerce_number(value: object, name: str, index: int) -> Number:
     )
 
 
-def _as_finite_float(value: Number) -> float | None:
+def _as_finite_float(value: Number | None) -> float | None:
+    if value is None:  # a non-finite value as episodes.jsonl holds it
+        return None
     try:
         number = float(value)
     except OverflowError:  # an int too large for a float
@@ -120,7 +122,7 @@ class MetricAggregator:
         # name -> [count, mean, m2, min, max, skipped] (count and skipped are ints)
         self._stats: dict[str, list[float]] = {}
 
-    def add(self, metrics: Mapping[str, Number]) -> None:
+    def add(self, metrics: Mapping[str, Number | None]) -> None:
         for name, value in metrics.items():
             stats = self._stats.get(name)
             if stats is None:
@@ -220,24 +222,66 @@ DURABLE = os.environ.get("EVALSCHED_FSYNC") == "1"
 class RunFiles:
     """The run's single writer of ``episodes.jsonl``, ``summary.json`` and ``_DONE``."""
 
-    def __init__(self, run_dir: str, run_id: str, episodes_total: int) -> None:
+    def __init__(self, run_dir: str, run_id: str, episodes_total: int, attempt: int = 1) -> None:
         self.run_dir = run_dir
         self.run_id = run_id
         self.episodes_total = episodes_total
+        self.attempt = attempt
         self.episodes_done = 0
+        # Indices an earlier attempt of this run finished (a resumed run skips them).
+        self.done_indices: set[int] = set()
         self.aggregator = MetricAggregator()
         self.started_at = utc_now_iso()
         self._summary_path = os.path.join(run_dir, SUMMARY_FILE)
         # The first fsync'd intermediate summary comes an interval after the start: the initial
         # one is not worth an fsync on the start-up path.
         self._last_fsync = time.monotonic()
-        # Truncate: a run directory without _DONE that is started again starts from scratch,
-        # so that the log and the summary always describe the same episodes.
-        self._episodes_fd = os.open(
-            os.path.join(run_dir, EPISODES_FILE),
-            _WRITE_FLAGS | os.O_TRUNC | os.O_APPEND,
-            _FILE_MODE,
-        )
+        # Appended to, never truncated: the lines of earlier attempts are the run's checkpoint.
+        self._episodes_path = os.path.join(run_dir, EPISODES_FILE)
+        self._episodes_fd = os.open(self._episodes_path, _WRITE_FLAGS | os.O_APPEND, _FILE_MODE)
+        if os.fstat(self._episodes_fd).st_size:
+            self._load_earlier_attempts()
+
+    def _load_earlier_attempts(self) -> None:
+        """Fold in the episodes earlier attempts finished, so that the summary covers them all and
+        their indices are not run again. A partial last line (an attempt that died while writing
+        it) is cut off, so that the next line starts on its own; a line that is not an episode of
+        this run, or repeats an index, counts for nothing."""
+        import json  # resumed runs only: the start-up path of a first attempt never reads JSON lines
+
+        fd = os.open(self._episodes_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        complete = data.rfind(b"\n") + 1
+        if complete < len(data):
+            os.ftruncate(self._episodes_fd, complete)
+        for raw in data[:complete].split(b"\n"):
+            try:
+                line = json.loads(raw) if raw.strip() else None
+            except ValueError:
+                continue
+            if not isinstance(line, dict):
+                continue
+            index, metrics = line.get("index"), line.get("metrics")
+            if type(index) is not int or not 0 <= index < self.episodes_total or index in self.done_indices:
+                continue
+            if not isinstance(metrics, dict):
+                continue
+            self.done_indices.add(index)
+            # null is how a non-finite value was written: the aggregator counts it as skipped.
+            self.aggregator.add(
+                {
+                    k: v
+                    for k, v in metrics.items()
+                    if isinstance(k, str) and (v is None or type(v) in (bool, int, float))
+                }
+            )
+        self.episodes_done = len(self.done_indices)
 
     def write_initial_summary(self) -> None:
         self._write_summary("running", None, final=False)
@@ -251,6 +295,7 @@ class RunFiles:
                 "started_at": started_at,
                 "finished_at": finished_at,
                 "worker": worker,
+                "attempt": self.attempt,
             }
         )
         # One write() per line on an O_APPEND descriptor: a tailing reader never sees two lines

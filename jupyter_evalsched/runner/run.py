@@ -10,6 +10,10 @@ Failure semantics (see also the package docstring for exit codes):
 * Signals are not exceptions here. SIGINT is reset to its default action, like SIGTERM, so an
   interrupt from outside ends the process like a cancel, and the server records it. No handler
   finalizes on a signal: on cancel the server signals the process group and finalizes itself.
+* A ``_STOP`` file in the run directory (the server preempts the run) stops it at the next
+  episode boundary, workers included: the episodes finished so far are in ``episodes.jsonl``,
+  the run is not finalized and the runner exits ``EXIT_STOPPED``; a later attempt (resume) skips
+  them. Every attempt appends to ``episodes.jsonl`` and runs only the indices it lacks.
 * A process exit the runner cannot intercept (``os._exit``, a segfault, SIGKILL) leaves the run
   unfinalized; the server records ``exit_code:<n>`` or ``signal:<NAME>``. With workers, a
   worker's death is seen by the run process, which finalizes the run as failed with a
@@ -23,7 +27,15 @@ import _signal
 import os
 import sys
 
-from ..contract import DEFAULT_SOURCE_ENTRYPOINT, DONE_FILE, SHARED_URLS_FILE, SPEC_FILE, split_entrypoint
+from ..contract import (
+    DEFAULT_SOURCE_ENTRYPOINT,
+    DONE_FILE,
+    EXIT_STOPPED,
+    SHARED_URLS_FILE,
+    SPEC_FILE,
+    STOP_FILE,
+    split_entrypoint,
+)
 from . import fastjson
 from ._proc import (
     EXIT_PARENT_GONE,
@@ -127,9 +139,17 @@ def _line_buffer_stdio() -> None:
                 pass
 
 
+def attempt_number() -> int:
+    """``EVALSCHED_ATTEMPT``: 1 for a run's first attempt, more when it is resumed."""
+    raw = os.environ.get("EVALSCHED_ATTEMPT", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    # First thing: die with the parent, then make sure the parent did not die before that.
-    set_parent_death_signal()
+    # First thing: die with the parent, then make sure the parent did not die before that. A
+    # detached run (spec ``detach``) outlives the server on purpose: no death signal.
+    if os.environ.get("EVALSCHED_DETACH") != "1":
+        set_parent_death_signal()
     expected = expected_parent_pid()
     if parent_is_gone(expected):
         _say(f"the parent process {expected} is gone (parent is now {os.getppid()}); not starting")
@@ -179,7 +199,7 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
         episodes_total = guess if type(guess) is int and guess >= 0 else 0
 
     try:
-        files = RunFiles(run_dir, os.path.basename(run_dir), episodes_total)
+        files = RunFiles(run_dir, os.path.basename(run_dir), episodes_total, attempt_number())
         files.write_initial_summary()
     except OSError as exc:
         _say(f"cannot write the run files in {run_dir}: {exc}")
@@ -191,6 +211,10 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
             error = _run_episodes(spec, run_dir, files)
         else:
             error = describe_exception(spec)
+        if isinstance(error, _Stopped):
+            left = files.episodes_total - files.episodes_done
+            _say(f"stopped at an episode boundary ({STOP_FILE}): {files.episodes_done} episodes done, {left} left")
+            return EXIT_STOPPED
         if error is not None:
             where = f"episode {error['episode']}" if error.get("episode") is not None else "before its episodes"
             _say(f"run failed ({where}):\n{error['traceback']}".rstrip("\n"))
@@ -201,8 +225,19 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
     return EXIT_FINALIZED
 
 
-def _run_episodes(spec: RunSpec, run_dir: str, files: RunFiles) -> ErrorInfo | None:
-    """Run every episode; None on success, else the ``error`` object of the failure."""
+class _Stopped:
+    """What ``_run_episodes`` returns when ``_STOP`` stopped the run between two episodes."""
+
+    def __repr__(self) -> str:
+        return "STOPPED"
+
+
+STOPPED = _Stopped()
+
+
+def _run_episodes(spec: RunSpec, run_dir: str, files: RunFiles) -> ErrorInfo | _Stopped | None:
+    """Run every episode earlier attempts did not; None on success, STOPPED when ``_STOP``
+    stopped it, else the ``error`` object of the failure."""
     from .context import ContextFactory, ModelRegistry, parse_devices
     from .entrypoint import load_episode_function
     from .errors import describe_exception
@@ -222,25 +257,40 @@ def _run_episodes(spec: RunSpec, run_dir: str, files: RunFiles) -> ErrorInfo | N
         run_id=files.run_id,
         episodes=spec.episodes,
         models=ModelRegistry(urls),
+        attempt=files.attempt,
     )
 
     def load_episode() -> EpisodeFunction:
         return load_episode_function(spec.entrypoint, run_dir, cwd)
 
-    if spec.workers > 1 and spec.episodes > 0:
+    done = files.done_indices
+    indices = [i for i in range(spec.episodes) if i not in done] if done else list(range(spec.episodes))
+    stop_path = os.path.join(run_dir, STOP_FILE)
+
+    def stop_requested() -> bool:
+        return os.path.lexists(stop_path)  # one stat per episode
+
+    if spec.workers > 1 and len(indices) > 1:
         from .workers import run_in_workers
 
-        return run_in_workers(
-            min(spec.workers, spec.episodes), spec.episodes, load_episode, make_ctx, files.record_episode
+        outcome = run_in_workers(
+            min(spec.workers, len(indices)), indices, load_episode, make_ctx, files.record_episode, stop_requested
         )
+        return STOPPED if outcome == "stopped" else outcome
 
     # One worker: the episodes run in this process; nothing to fork, nothing to import.
+    if not indices:
+        return None
+    if stop_requested():
+        return STOPPED
     try:
         episode = load_episode()
     except BaseException as exc:
         return describe_exception(exc)
     pid = os.getpid()
-    for index in range(spec.episodes):
+    for position, index in enumerate(indices):
+        if position and stop_requested():
+            return STOPPED
         started_at = utc_now_iso()
         try:
             metrics = validate_metrics(episode(make_ctx(index), index), index)

@@ -13,6 +13,9 @@ Mechanism: ``multiprocessing`` with the "fork" start method, one duplex pipe per
 * Every worker arms its own PR_SET_PDEATHSIG against the run process (the death signal is not
   inherited across fork) and checks that the run process is still its parent, so no worker
   outlives the run, however the run process dies.
+* ``stop_requested()`` (the server's ``_STOP``) is asked before each index is handed out: once it
+  says yes, no more are, the running episodes finish and are recorded, and the result is
+  ``"stopped"``.
 * A worker that raises, or dies (signal, ``os._exit``), fails the run: no more episodes are
   handed out, the other workers are terminated (SIGTERM, then SIGKILL after a grace period)
   and the run process finalizes the run as failed.
@@ -116,27 +119,34 @@ def _signal_name(signum: int) -> str:
 
 def run_in_workers(
     n_workers: int,
-    episodes_total: int,
+    indices: list[int],
     load_episode: Callable[[], EpisodeFunction],
     make_ctx: Callable[[int], EpisodeContext],
     on_episode: Callable[[int, Metrics, str, str, int], None],
-) -> ErrorInfo | None:
-    """Run episodes ``0..episodes_total-1`` in ``n_workers`` forked processes.
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> ErrorInfo | Literal["stopped"] | None:
+    """Run the episodes ``indices`` (in that order) in ``n_workers`` forked processes.
 
     ``on_episode(index, metrics, started_at, finished_at, worker_pid)`` is called in this
-    process for every finished episode. Returns None when all succeeded, else the ``error``
-    object of the first failure.
+    process for every finished episode. Returns None when all succeeded, ``"stopped"`` when
+    ``stop_requested`` stopped it before every index was handed out, else the ``error`` object
+    of the first failure.
     """
     import multiprocessing
     from multiprocessing.connection import wait
 
     fork = multiprocessing.get_context("fork")
     run_pid = os.getpid()
-    next_indices = iter(range(episodes_total))
+    next_indices = iter(indices)
     workers: list[_Worker] = []
+    stopped = False
 
     def hand_out(worker: _Worker) -> None:
-        index = next(next_indices, None)
+        nonlocal stopped
+        index = None if stopped else next(next_indices, None)
+        if index is not None and stop_requested():
+            stopped = True
+            index = None
         worker.episode = index
         worker.stopping = index is None
         try:
@@ -217,7 +227,7 @@ def run_in_workers(
                         error = death_error(worker)
                         break
         all_done = error is None
-        return error
+        return "stopped" if error is None and stopped else error
     finally:
         # After a failure, or an exception of our own (a run file that cannot be written), the
         # workers still running are terminated; after success they are exiting already.

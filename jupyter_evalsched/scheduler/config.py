@@ -29,3 +29,9 @@ class SchedulerConfig:
     enforce_vram: str = "warn"  # "off" | "warn" | "kill"
     vram_tolerance: float = 0.1
     auto_margin: float = 0.1
+    # Attempts (DESIGN.md "Attempts, resume, retries, preemption, detached runs"); the preemption
+    # guard rails are in ``policy``.
+    auto_resume: bool = False
+    retry_backoff_s: float = 10.0
+    retry_backoff_max_s: float = 600.0
+    preempt_grace_s: float = 30.0

@@ -14,12 +14,14 @@ def run_environment(
     parent_pid: int | None,
     fsync: bool,
     base: Mapping[str, str] | None = None,
+    attempt: int = 1,
+    detach: bool = False,
 ) -> dict[str, str]:
     """``base`` (the server's environment) updated by each layer, then the run's own variables.
 
     ``devices`` None: the devices are not ours to give (SLURM sets them from its allocation).
     ``parent_pid`` None: the run's parent is not this server (SLURM's step daemon), so the runner
-    must not check it.
+    must not check it. ``detach``: the run arms no death signal (it outlives the server).
     """
     env = dict(os.environ if base is None else base)
     for layer in layers:
@@ -30,8 +32,13 @@ def run_environment(
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the indices then match NVML's
         env["EVALSCHED_DEVICES"] = indices
     env["EVALSCHED_RUN_ID"] = run_id  # also how clean-up finds a run's escaped descendants
-    if parent_pid is not None:
+    env.pop("EVALSCHED_PARENT_PID", None)
+    env.pop("EVALSCHED_DETACH", None)
+    if detach:
+        env["EVALSCHED_DETACH"] = "1"
+    elif parent_pid is not None:
         env["EVALSCHED_PARENT_PID"] = str(parent_pid)
+    env["EVALSCHED_ATTEMPT"] = str(attempt)
     env["PYTHONUNBUFFERED"] = "1"
     if fsync:
         env["EVALSCHED_FSYNC"] = "1"

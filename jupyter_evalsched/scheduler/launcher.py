@@ -8,11 +8,16 @@ long as the server.
 
 Exit is noticed through a pidfd registered with the event loop: the next admission happens in
 the same loop iteration as the exit, not at the next tick of a sweep.
+
+A detached run (spec ``detach``) arms no death signal and is left running at shutdown; the next
+server adopts it (``adopt``: by pid and start time, watched through a pidfd). An adopted process
+is not our child, so its exit status cannot be known: its own files say how it ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -28,7 +33,7 @@ from .cgroups import CgroupError, RunCgroup
 
 log = logging.getLogger(__name__)
 
-ExitCallback = Callable[[str, int], None]
+ExitCallback = Callable[[str, "int | None"], None]  # run id, exit code (None: not known)
 
 
 class SpawnError(Exception):
@@ -38,15 +43,25 @@ class SpawnError(Exception):
 @dataclass(slots=True)
 class RunProcess:
     run_id: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | None  # None: adopted from an earlier server (not our child)
     cgroup: RunCgroup | None = None  # every process of the run is in it (where the host has cgroups)
     pidfd: int | None = None
     kill_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     spawned_at: float = field(default_factory=time.time)
+    detached: bool = False  # left running at shutdown
+    adopted_pid: int = 0
+    create_time: float | None = None
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.popen.pid if self.popen is not None else self.adopted_pid
+
+    def ended(self) -> tuple[bool, int | None]:
+        """(whether it has ended, its exit code when that can be known)."""
+        if self.popen is not None:
+            code = self.popen.poll()
+            return code is not None, code
+        return not is_same_process(self.adopted_pid, self.create_time, alive_only=True), None
 
 
 def process_create_time(pid: int) -> float | None:
@@ -56,13 +71,20 @@ def process_create_time(pid: int) -> float | None:
         return None
 
 
-def is_same_process(pid: int | None, create_time: float | None) -> bool:
+def is_same_process(pid: int | None, create_time: float | None, alive_only: bool = False) -> bool:
     """True only when ``pid`` is alive *and* is the process that started at ``create_time``:
-    a recycled pid belongs to another process and must never be mistaken for a run."""
+    a recycled pid belongs to another process and must never be mistaken for a run.
+    ``alive_only``: a zombie (exited, not yet reaped by its parent) does not count."""
     if not pid or create_time is None:
         return False
-    now = process_create_time(pid)
-    return now is not None and abs(now - create_time) < 0.05
+    try:
+        proc = psutil.Process(pid)
+        now = proc.create_time()
+        if alive_only and proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    return abs(now - create_time) < 0.05
 
 
 class Launcher:
@@ -72,6 +94,9 @@ class Launcher:
         self.notify_exits = notify_exits
         self._procs: dict[str, RunProcess] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Clean-up of ended runs still under way (a thread's work): a run's next attempt waits
+        # for it, or it could remove the new attempt's cgroup.
+        self.cleaning: dict[str, asyncio.Future[None]] = {}
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -96,6 +121,7 @@ class Launcher:
         stdout: Path,
         stderr: Path,
         cgroup: RunCgroup | None = None,
+        detached: bool = False,
     ) -> RunProcess:
         """Start ``argv`` in a new session, its output appended to ``stdout``/``stderr`` (never
         through a symbolic link); SpawnError says why it could not start. With ``cgroup``, the
@@ -128,10 +154,22 @@ class Launcher:
         finally:
             os.close(out)
             os.close(err)
-        proc = RunProcess(run_id, popen, cgroup)
+        proc = RunProcess(run_id, popen, cgroup, detached=detached)
         self._procs[run_id] = proc
         if cgroup is not None:
             self.loop.run_in_executor(None, _join_cgroup, cgroup, popen.pid)
+        self._watch(proc)
+        return proc
+
+    def adopt(self, run_id: str, pid: int, create_time: float | None, cgroup: RunCgroup | None) -> RunProcess:
+        """Follow a detached run an earlier server started (the caller checked pid and start
+        time): its exit is noticed through a pidfd, like a child's, without its status."""
+        if self._loop is None:
+            raise RuntimeError("Launcher.bind(loop) first")
+        proc = RunProcess(
+            run_id, None, cgroup, detached=True, adopted_pid=pid, create_time=create_time, spawned_at=create_time or 0.0
+        )
+        self._procs[run_id] = proc
         self._watch(proc)
         return proc
 
@@ -149,29 +187,38 @@ class Launcher:
         proc = self._procs.get(run_id)
         if proc is None:
             return
-        code = proc.popen.poll()
-        if code is None:
-            return
-        self._finish(proc, code)
+        ended, code = proc.ended()
+        if ended:
+            self._finish(proc, code)
 
     def poll(self) -> None:
         """Backstop for hosts without pidfd (and for missed wake-ups)."""
         for proc in list(self._procs.values()):
-            code = proc.popen.poll()
-            if code is not None:
+            ended, code = proc.ended()
+            if ended:
                 self._finish(proc, code)
 
-    def _finish(self, proc: RunProcess, code: int) -> None:
-        self._procs.pop(proc.run_id, None)
+    def _stop_watching(self, proc: RunProcess) -> None:
         if proc.pidfd is not None:
             self.loop.remove_reader(proc.pidfd)
             os.close(proc.pidfd)
             proc.pidfd = None
         if proc.kill_timer is not None:
             proc.kill_timer.cancel()
+
+    def _finish(self, proc: RunProcess, code: int | None) -> None:
+        self._procs.pop(proc.run_id, None)
+        self._stop_watching(proc)
         # The leader is gone; anything it left in its group (a forked child that outlived it)
-        # goes too. The group id cannot be reused yet: it is the leader's pid, just reaped.
-        _killpg(proc.pid, signal.SIGKILL)
+        # goes too. The group id cannot be reused yet: it is the leader's pid, just reaped. (An
+        # adopted leader was reaped by another process, so its pid may be reused already: its
+        # cgroup, where it has one, is what clean-up empties.)
+        if proc.popen is not None or proc.cgroup is None:
+            _killpg(proc.pid, signal.SIGKILL)
+        # Registered before the exit handler runs: it may start the run's next attempt at once,
+        # which must wait for this clean-up (it would remove the new attempt's cgroup).
+        cleaned: asyncio.Future[None] = self.loop.create_future()
+        self.cleaning[proc.run_id] = cleaned
         try:
             self._on_exit(proc.run_id, code)
         except Exception:
@@ -179,7 +226,16 @@ class Launcher:
         # A descendant that left the group (setsid) escaped that killpg: its cgroup holds it, or
         # its environment names the run. Done off the event loop, after the exit is recorded: the
         # next admission does not wait for it.
-        self.loop.run_in_executor(None, clean_up_after, proc)
+        work = self.loop.run_in_executor(None, clean_up_after, proc)
+        work.add_done_callback(functools.partial(self._cleaned, proc.run_id, cleaned))
+
+    def _cleaned(self, run_id: str, cleaned: asyncio.Future[None], work: asyncio.Future[None]) -> None:
+        if self.cleaning.get(run_id) is cleaned:
+            del self.cleaning[run_id]
+        if not work.cancelled() and work.exception() is not None:
+            log.error("clean-up after run %s failed", run_id, exc_info=work.exception())
+        if not cleaned.done():
+            cleaned.set_result(None)
 
     def terminate(self, run_id: str, grace_s: float) -> bool:
         """SIGTERM to the run's group, SIGKILL after ``grace_s``. False when it is not ours."""
@@ -206,19 +262,20 @@ class Launcher:
             self.loop.run_in_executor(None, proc.cgroup.kill)
 
     def kill_all(self) -> list[str]:
-        """On shutdown: SIGKILL every run group and reap; returns the run ids that were killed."""
+        """On shutdown: SIGKILL every run group and reap; returns the run ids that were killed.
+        Detached runs are left running (the next server adopts them)."""
         killed = []
         for proc in list(self._procs.values()):
+            if proc.detached:
+                self._stop_watching(proc)
+                continue
             _killpg(proc.pid, signal.SIGKILL)
             try:
-                proc.popen.wait(timeout=5)
+                if proc.popen is not None:
+                    proc.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 log.error("run %s (pid %s) did not die on SIGKILL", proc.run_id, proc.pid)
-            if proc.pidfd is not None:
-                self.loop.remove_reader(proc.pidfd)
-                os.close(proc.pidfd)
-            if proc.kill_timer is not None:
-                proc.kill_timer.cancel()
+            self._stop_watching(proc)
             clean_up_after(proc)
             killed.append(proc.run_id)
         self._procs.clear()

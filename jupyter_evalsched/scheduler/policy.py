@@ -13,6 +13,13 @@ Rules, in order of precedence:
   ``starvation_passes`` times): then the GPUs and CPU slots it needs are reserved for it and no
   job behind it may take them. Reserved devices only drain, so the head eventually fits.
 
+- preemption: a waiting job that cannot fit otherwise gets room by stopping the fewest, newest
+  preemptible runs of strictly lower lanes (declared lanes: aging never lets a job preempt), each
+  of which has run ``preempt_min_runtime_s`` and was preempted fewer than ``max_preemptions``
+  times. Runs already stopping count as freed (and claimed by the first job they make room for),
+  so a job never preempts twice for the same room. A preempted run comes back in its own lane,
+  which can never preempt the lane that preempted it: no cycles.
+
 Jobs are runs and leases alike (``kind``): a lease is VRAM held for interactive work, admitted by
 the same rules. A process that already holds VRAM outside the scheduler (a kernel that loaded a
 model before asking for its lease) is charged ``max(lease, observed)``, never both: the job's
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import combinations
 
 from .. import contract
 
@@ -61,6 +69,11 @@ class RunningJob:
     cpus: int = 1
     kind: str = "run"  # "run" or "lease"
     label: str = ""  # who holds a lease (its label, notebook or pid): named in the reasons of jobs it holds back
+    priority: str = "normal"  # its declared lane
+    preemptible: bool = False
+    runtime_s: float = 0.0  # how long its current attempt has run
+    preemptions: int = 0
+    stopping: bool = False  # told to stop (preempted): its resources are about to be freed
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +95,9 @@ class PolicyConfig:
     starvation_s: float = 600.0
     starvation_passes: int = 50
     aging_s: float = 3600.0
+    preemption: bool = True
+    preempt_min_runtime_s: float = 60.0
+    max_preemptions: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +118,8 @@ class Decision:
     reserved_for: str | None = None
     reserved_devices: tuple[int, ...] = ()
     reserved_cpus: int = 0
+    # running run id -> the waiting job it is stopped for (it resumes later)
+    preempt: dict[str, str] = field(default_factory=dict)
 
 
 def effective_lane(job: QueuedJob, config: PolicyConfig) -> int:
@@ -140,6 +158,25 @@ class _Book:
     """Mutable accounting for one decision: free VRAM, run counts and exclusivity per device."""
 
     __slots__ = ("free", "usable", "unmanaged", "runs", "exclusive", "cpu_free", "cpu_total", "leases")
+
+    def copy(self) -> _Book:
+        twin = object.__new__(_Book)
+        twin.usable, twin.cpu_total, twin.cpu_free = self.usable, self.cpu_total, self.cpu_free
+        twin.unmanaged, twin.free, twin.runs = dict(self.unmanaged), dict(self.free), dict(self.runs)
+        twin.exclusive = dict(self.exclusive)
+        twin.leases = {k: list(v) for k, v in self.leases.items()}
+        return twin
+
+    def release(self, run: RunningJob) -> None:
+        """Undo ``take`` of a running run (what it holds once it has stopped)."""
+        for index in run.devices:
+            if index not in self.free:
+                continue
+            self.free[index] += self.usable[index] if run.exclusive else run.marginal_vram_mb
+            self.runs[index] -= 1
+            if self.exclusive.get(index) == run.id:
+                del self.exclusive[index]
+        self.cpu_free += run.cpus
 
     def __init__(self, capacity: Capacity, running: Sequence[RunningJob]):
         self.usable = {d.index: d.usable_mb for d in capacity.devices}
@@ -273,7 +310,92 @@ def decide(
             reserved_cpus = job.cpus
             decision.reserved_devices = tuple(sorted(reserved_devices))
             decision.reserved_cpus = reserved_cpus
+    if config.preemption:
+        _plan_preemptions(ordered, decision, book, running, config)
     return decision
+
+
+# Resource reasons: only a job waiting for room may preempt (not one held back by a dependency or
+# an older job's reservation).
+_ROOM_CODES = (contract.WAITING_VRAM, contract.WAITING_GPU_EXCLUSIVE, contract.WAITING_CPU)
+PREEMPTION_PLANS_PER_DECISION = 16  # waiting jobs considered per decision: bounds its cost
+_MAX_VICTIMS = 8
+_MAX_TRIALS = 2000
+
+
+def _plan_preemptions(
+    ordered: Sequence[QueuedJob], decision: Decision, book: _Book, running: Sequence[RunningJob], config: PolicyConfig
+) -> None:
+    """Fill ``decision.preempt`` for the waiting jobs, in admission order, that cannot fit."""
+    movable = [
+        r
+        for r in running
+        if r.kind == "run"
+        and r.preemptible
+        and not r.stopping
+        and r.runtime_s >= config.preempt_min_runtime_s
+        and r.preemptions < config.max_preemptions
+    ]
+    stopping = [r for r in running if r.stopping]
+    if not movable and not stopping:
+        return
+    lowest_movable = max((LANE_INDEX.get(r.priority, 1) for r in movable), default=-1)
+    # The book as it will be once the stopping runs are gone; each job that gets room claims it.
+    future = book.copy()
+    for run in stopping:
+        future.release(run)
+    planned = 0
+    for job in ordered:
+        if planned >= PREEMPTION_PLANS_PER_DECISION:
+            break
+        if contract.reason_code(decision.waiting.get(job.id)) not in _ROOM_CODES:
+            continue
+        lane = LANE_INDEX.get(job.priority, 1)
+        if _fits(job, future):
+            _claim(job, future)  # runs already stopping make its room
+            continue
+        if lane >= lowest_movable:
+            continue
+        planned += 1
+        # Newest first: the least work is interrupted (and lost: at most an episode each).
+        candidates = sorted(
+            (r for r in movable if r.id not in decision.preempt and LANE_INDEX.get(r.priority, 1) > lane),
+            key=lambda r: (r.runtime_s, r.id),
+        )
+        victims = _fewest_newest(job, future, candidates)
+        if victims is None:
+            continue
+        for victim in victims:
+            decision.preempt[victim.id] = job.id
+            future.release(victim)
+        _claim(job, future)
+
+
+def _fits(job: QueuedJob, book: _Book) -> bool:
+    return job.cpus <= book.cpu_free and _place(job, book, frozenset()) is not None
+
+
+def _claim(job: QueuedJob, book: _Book) -> None:
+    placement = _place(job, book, frozenset()) or ()
+    book.take(job.id, placement, job.marginal_vram_mb, job.exclusive, job.cpus, dict(job.held))
+
+
+def _fewest_newest(job: QueuedJob, book: _Book, candidates: list[RunningJob]) -> tuple[RunningJob, ...] | None:
+    """The smallest set of ``candidates`` whose stop lets ``job`` fit, preferring the newest
+    (candidates come newest first, and combinations keep that order); None when none does."""
+    relevant = [r for r in candidates if r.cpus or r.devices]
+    trials = 0
+    for size in range(1, min(len(relevant), _MAX_VICTIMS) + 1):
+        for victims in combinations(relevant, size):
+            trials += 1
+            if trials > _MAX_TRIALS:
+                return None
+            trial = book.copy()
+            for victim in victims:
+                trial.release(victim)
+            if _fits(job, trial):
+                return victims
+    return None
 
 
 def _starving(job: QueuedJob, config: PolicyConfig) -> bool:

@@ -8,7 +8,13 @@ through this table.
 
 Listeners: ``subscribe`` gets ``{"type": "run", "run": <record>}`` at every visible change (the
 event socket); ``on_end`` gets each run that reached a terminal state (admission frees its
-resources, executors wake dependents). A listener that raises is logged, never propagated.
+resources, executors wake dependents); ``on_requeue`` each run queued again for another attempt
+(resumed, retried, preempted, resumed after a restart). A listener that raises is logged, never
+propagated.
+
+A run goes back to ``queued`` only through ``requeue``, and a failure becomes a retry instead of
+an end inside ``finish`` (the ``requeue_policy``): a client waiting for the run never sees a
+terminal state that is not final.
 
 All of it runs on the event-loop thread.
 """
@@ -33,6 +39,21 @@ log = logging.getLogger("jupyter_evalsched")
 
 Listener = Callable[[dict], None]
 EndListener = Callable[["Run"], None]
+RequeueListener = Callable[["Run", "Requeue"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    """A run's next attempt: the reason it waits with, the record fields that change (``attempt``,
+    ``history``, ``retries_used``, ``preemptions``, ``retry_at``), and how long it waits before
+    admission may start it (a retry's back-off)."""
+
+    reason: str | None
+    fields: dict[str, Any]
+    delay_s: float = 0.0
+
+
+RequeuePolicy = Callable[["Run", str, "str | None"], "Requeue | None"]
 
 
 # What of a spec stays in memory: the rest (params, source, env: up to megabytes each) is read
@@ -59,6 +80,8 @@ class Run:
     kill_reason: str | None = None  # set when the server stopped the run (over_vram: ...)
     timed_out: bool = False
     warned: set[str] = field(default_factory=set)  # keys of the warnings already recorded
+    preempted_by: str | None = None  # the job it is being stopped for (its _STOP is written)
+    started_ts: float | None = None  # time.time() of the current attempt's start
     done_on_disk: bool = False
     summary_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the summary last applied
 
@@ -122,6 +145,9 @@ def new_record(
             source_digest=source_digest(spec.get("source")),
             marginal_vram_source=marginal_vram_source,
             memory_mb=sched["memory_mb"],
+            preemptible=sched["preemptible"],
+            retries=spec.get("retries") or 0,
+            detach=bool(spec.get("detach")),
         )
     ).model_dump(mode="json")
 
@@ -174,6 +200,8 @@ class RunTable:
         self._seq = 0
         self._listeners: list[Listener] = []
         self._end_listeners: list[EndListener] = []
+        self._requeue_listeners: list[RequeueListener] = []
+        self.requeue_policy: RequeuePolicy | None = None  # a failure retried instead of ended
         self._unwritten: set[str] = set()  # runs whose job.json or _DONE a write refused
         self._deferred: list[Run] | None = None
         self.version = 0  # bumped at every change: caches of views compare it
@@ -241,6 +269,9 @@ class RunTable:
 
     def on_end(self, listener: EndListener) -> None:
         self._end_listeners.append(listener)
+
+    def on_requeue(self, listener: RequeueListener) -> None:
+        self._requeue_listeners.append(listener)
 
     def changed(self, run: Run) -> None:
         """Tell listeners that the run's record changed."""
@@ -350,6 +381,10 @@ class RunTable:
             raise ValueError(f"{state!r} is not a terminal state")
         if run.terminal:
             return  # the first verdict stands
+        if state == FAILED and self.requeue_policy is not None:
+            plan = self.requeue_policy(run, state, reason)
+            if plan is not None and self.requeue(run, plan, quiet=True):
+                return
         run.record.update(state=state, reason=reason, finished_at=utcnow_iso())
         run.done_on_disk = done_on_disk
         self._active.pop(run.id, None)
@@ -363,6 +398,47 @@ class RunTable:
                 listener(run)
             except Exception:
                 log.exception("evalsched: end listener failed for run %s", run.id)
+
+    def requeue(self, run: Run, plan: Requeue, *, quiet: bool = False) -> bool:
+        """Queue the run again for its next attempt, from ``running`` (retry, preemption, restart)
+        or from a terminal state (resume). ``_DONE`` goes first, then ``job.json`` says queued: a
+        reader of the directory never sees a terminal record without ``_DONE``, and the record in
+        memory (what the API answers) changes only once both are on disk. False (the run is left
+        as it was) when ``_DONE`` cannot be removed; StoreError from a resume (``quiet`` False)."""
+        try:
+            self.store.unmark_done(run.id)
+            self.store.clear_stop(run.id)
+        except OSError as exc:
+            if quiet:
+                log.error("evalsched: run %s cannot be queued again (its _DONE stays): %s", run.id, exc)
+                return False
+            raise StoreError(f"cannot queue run {run.id} again: {exc.strerror or exc}") from exc
+        run.record.update(
+            state=contract.QUEUED,
+            reason=plan.reason,
+            pid=None,
+            pid_create_time=None,
+            exit_code=None,
+            finished_at=None,
+            devices=[],
+            slurm_job_id=None,
+            slurm_state=None,
+            **plan.fields,
+        )
+        run.done_on_disk = False
+        run.cancel_requested = run.timed_out = False
+        run.kill_reason = run.preempted_by = run.started_ts = None
+        run.summary_stamp = None
+        self._active[run.id] = run
+        self._unwritten.discard(run.id)
+        self.save(run)
+        self.changed(run)
+        for listener in list(self._requeue_listeners):
+            try:
+                listener(run, plan)
+            except Exception:
+                log.exception("evalsched: requeue listener failed for run %s", run.id)
+        return True
 
     def conclude(self, run: Run, exit_code: int | None = None) -> tuple[str, str | None] | None:
         """The verdict of a run that finalized itself (its ``_DONE`` exists and its summary says

@@ -28,7 +28,7 @@ from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, TERMINAL_STA
 from ..models import EvalSpec, LeaseRequest, utcnow_iso
 from ..runner.entrypoint import resolve_entrypoint_file
 from ..store import FoundRun, RunFileError, RunStore, StoreError, new_run_id
-from . import policy
+from . import attempts, policy
 from .config import SchedulerConfig
 from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
 from .executors import Executor, ExecutorContext, ObservedTarget
@@ -37,7 +37,17 @@ from .gpus import GpuProbe, GpuProcess
 from .kernels import KernelInfo, OwnKernel, identify
 from .leases import Lease, LeaseTable
 from .ledger import DeviceBudget, Observation, Unmanaged, account, capacity, device_budgets, ledger_view
-from .runs import Listener, Run, RunTable, new_record, parse_timestamp, record_from_disk, source_digest
+from .runs import (
+    Listener,
+    Requeue,
+    Run,
+    RunTable,
+    new_record,
+    parse_timestamp,
+    record_from_disk,
+    slim_spec,
+    source_digest,
+)
 from .shared import NoSharedModels, SharedModels
 
 log = logging.getLogger("jupyter_evalsched")
@@ -91,7 +101,11 @@ class Scheduler:
         self.broken: dict[str, str] = {}  # run directories recovery could not read: id -> why
         self._by_key: dict[str, str] = {}  # Idempotency-Key -> the run it created
         self._keys_in_flight: dict[str, asyncio.Future[None]] = {}
+        # Retries waiting out their back-off: queued, not yet admissible (run id -> its timer).
+        self._backoff: dict[str, asyncio.TimerHandle] = {}
+        self.table.requeue_policy = self._retry_policy
         self.table.on_end(self._on_run_ended)
+        self.table.on_requeue(self._on_run_requeued)
         self.leases.on_end(self._on_lease_ended)
 
     # ----------------------------------------------------------------- life cycle
@@ -131,6 +145,9 @@ class Scheduler:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
+        for timer in self._backoff.values():
+            timer.cancel()  # they stay queued on disk: the next start admits them
+        self._backoff.clear()
         self.leases.stop()
         if self._loop is not None:
             for executor in self.executors.values():
@@ -204,11 +221,18 @@ class Scheduler:
             why = f"the {run.executor} executor is not enabled on this server any more"
             self.table.finish(run, ABORTED, contract.reason(contract.SERVER_RESTART, why))
         elif executor.uses_ledger and state == QUEUED:
-            run.record["reason"] = None
+            retry_at = run.record.get("retry_at")
+            left = parse_timestamp(retry_at) - time.time() if retry_at else 0.0
+            if left > 0 and self._loop is not None:
+                self._backoff[run.id] = self._loop.call_later(left, self._retry_due, run.id)
+                return
+            if contract.reason_code(run.record["reason"]) not in (contract.PREEMPTED_BY, contract.SERVER_RESTART):
+                run.record["reason"] = None
             self._queued[run.id] = run
         else:
             if executor.uses_ledger:
                 self._running[run.id] = run  # holds its resources until its end is recorded
+                run.started_ts = parse_timestamp(run.record.get("started_at"))
             executor.recover(run, done)
 
     # ----------------------------------------------------------------- submission
@@ -236,6 +260,14 @@ class Scheduler:
                     "loc": ["models"],
                     "msg": "shared models serve local runs only: a SLURM run on another node "
                     "cannot reach this host's model host; load the model in the eval instead",
+                    "type": "unsupported",
+                }
+            )
+        if spec.detach and spec.models:
+            errors.append(
+                {
+                    "loc": ["detach"],
+                    "msg": "a detached run cannot use shared models: their host dies with the server, the run would not",
                     "type": "unsupported",
                 }
             )
@@ -446,6 +478,82 @@ class Scheduler:
         else:
             self.request_admission()
 
+    def _retry_policy(self, run: Run, state: str, reason: str | None) -> Requeue | None:
+        """A failure retried instead of ended (``retries``, ``retry_on``): a plain decision on the
+        record; the run table carries it out."""
+        if self._stopping:
+            return None
+        return attempts.retry_plan(
+            run.record,
+            run.spec.get("retry_on") or contract.DEFAULT_RETRY_ON,
+            state,
+            reason,
+            backoff_s=self.config.retry_backoff_s,
+            backoff_max_s=self.config.retry_backoff_max_s,
+            now=time.time(),
+        )
+
+    def _on_run_requeued(self, run: Run, plan: Requeue) -> None:
+        """A run queued again (resume, retry, preemption, restart): back to admission, after its
+        back-off; what it held is free at once."""
+        self._queued.pop(run.id, None)
+        held = self._running.pop(run.id, None) is not None
+        timer = self._backoff.pop(run.id, None)
+        if timer is not None:
+            timer.cancel()
+        executor = self.executors.get(run.executor)
+        if executor is None:
+            return
+        if not executor.uses_ledger:
+            if self._started and not self._stopping:
+                executor.submit(run)  # handed over again (SLURM)
+            return
+        if plan.delay_s > 0 and self._loop is not None and not self._stopping:
+            self._backoff[run.id] = self._loop.call_later(plan.delay_s, self._retry_due, run.id)
+        else:
+            self._queued[run.id] = run
+        if not self._started or self._stopping:
+            return
+        if self._admitting:
+            self._decide_again = True
+        elif held:
+            self._settled = False
+            self._admit()  # what it held goes to the next in line at once
+        else:
+            self.request_admission()
+
+    def _retry_due(self, run_id: str) -> None:
+        self._backoff.pop(run_id, None)
+        run = self.table.get(run_id)
+        if run is None or run.state != QUEUED or self._stopping:
+            return
+        self.table.update(run, save=False, retry_at=None)
+        self._queued[run.id] = run
+        self.request_admission()
+
+    def resume(self, run_id: str) -> dict[str, Any]:
+        """Queue a failed, aborted or cancelled run again under the same id: its next attempt
+        skips the episodes already in ``episodes.jsonl``."""
+        self._require_started()
+        run = self.get(run_id)
+        if run.state not in (FAILED, ABORTED, CANCELLED):
+            what = "it is still " + run.state if not run.terminal else "it succeeded"
+            raise StateConflict(f"run {run_id} cannot be resumed: {what} (only failed, aborted or cancelled runs can)")
+        if run.executor not in self.executors:
+            raise StateConflict(f"run {run_id} cannot be resumed: the {run.executor} executor is not enabled here")
+        try:
+            spec = self.table.full_spec(run)
+        except RunFileError as exc:
+            raise StateConflict(f"run {run_id} cannot be resumed: its spec cannot be read ({exc})") from None
+        # A run found finished at start kept its record alone: its spec is needed again.
+        run.spec = slim_spec(spec)
+        run.scheduling = contract.scheduling_of(run.spec)
+        try:
+            self.table.requeue(run, attempts.resume_plan(run.record))
+        except StoreError as exc:
+            raise Unavailable(str(exc)) from exc
+        return run.record
+
     def _can_decide_alone(self, run: Run) -> bool:
         """A new job can be decided on its own when nothing else changed since the last full
         decision (the waiting jobs still cannot start) and it does not outrank the head of the
@@ -537,6 +645,11 @@ class Scheduler:
                     granted = True
         if granted:
             self._account()
+        for victim_id, job_id in decision.preempt.items():
+            victim = self._running.get(victim_id)
+            executor = self.executors.get(victim.executor) if victim is not None else None
+            if victim is not None and executor is not None and executor.preempt(victim, job_id):
+                log.info("evalsched: preempting run %s for %s", victim_id, job_id)
         for job_id in decision.passed_over:
             waiting: Run | Lease | None = self._queued.get(job_id) or self.leases.get(job_id)
             if waiting is not None:
@@ -601,6 +714,7 @@ class Scheduler:
 
     def _running_jobs(self) -> list[policy.RunningJob]:
         """What holds resources: running runs, then granted leases."""
+        now = time.time()
         jobs = [
             policy.RunningJob(
                 id=run.id,
@@ -608,6 +722,11 @@ class Scheduler:
                 marginal_vram_mb=run.record["marginal_vram_mb"],
                 exclusive=run.scheduling["exclusive_gpu"],
                 cpus=run.scheduling["cpus"],
+                priority=run.record["priority"],
+                preemptible=run.record["preemptible"],
+                runtime_s=now - (run.started_ts or now),
+                preemptions=run.record["preemptions"],
+                stopping=run.preempted_by is not None,
             )
             for run in self._running.values()
         ]
@@ -629,6 +748,7 @@ class Scheduler:
         """Take the resources now (the ledger changes in this very decision), then start the run."""
         del self._queued[run.id]
         self._running[run.id] = run
+        run.started_ts = time.time()
         self.table.update(
             run,
             save=False,
@@ -723,7 +843,10 @@ class Scheduler:
         if run.terminal:
             raise StateConflict(f"run {run_id} already ended ({run.state}); nothing to cancel")
         executor = self.executors.get(run.executor)
-        if run.id in self._queued or executor is None:
+        timer = self._backoff.pop(run.id, None)
+        if timer is not None:
+            timer.cancel()
+        if run.id in self._queued or timer is not None or executor is None:
             self.table.finish(
                 run, CANCELLED, contract.reason(contract.CANCELLED_REASON, "cancelled through the API while queued")
             )

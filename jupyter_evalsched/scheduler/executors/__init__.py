@@ -91,6 +91,11 @@ class Executor:
         (a run over its declared VRAM). False when this executor cannot."""
         return False
 
+    def preempt(self, run: Run, by: str) -> bool:
+        """Stop a running run at its next episode boundary so that ``by`` can start; it is queued
+        again once it stopped (``RunTable.requeue``). False when this executor cannot."""
+        return False
+
     def recovered(self) -> None:
         """Called once recovery has seen every run: clean up what no run owns any more."""
 

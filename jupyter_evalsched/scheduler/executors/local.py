@@ -7,6 +7,11 @@ exit is noticed at once (pidfd). Its end is judged from its own files first (it 
 succeeded, or failed by an exception), then from how the process ended (stopped for using more
 VRAM than declared, out of its memory limit, cancelled, timed out, killed by a signal, exited
 early).
+
+A run stopped for a higher lane (``preempt``: ``_STOP`` in its directory, then its process group
+after ``preempt_grace_s``) is queued again (``preempted_by:<id>``) rather than ended. A detached
+run is left running at shutdown and adopted again by the next server when its pid and start time
+still match; with ``auto_resume``, a run the server's death interrupted is queued again.
 """
 
 from __future__ import annotations
@@ -15,14 +20,24 @@ import asyncio
 import logging
 import os
 import sys
+import time
 
 from ... import contract
 from ...contract import ABORTED, CANCELLED, FAILED, QUEUED, SUCCEEDED
 from ...store import RunFileError
+from ..attempts import preempted_plan, restart_plan
 from ..cgroups import CgroupError, Cgroups, RunCgroup
 from ..environment import run_environment
-from ..launcher import Launcher, SpawnError, kill_escaped, kill_stale_group, process_create_time, signal_name
-from ..runs import Run
+from ..launcher import (
+    Launcher,
+    SpawnError,
+    is_same_process,
+    kill_escaped,
+    kill_stale_group,
+    process_create_time,
+    signal_name,
+)
+from ..runs import Requeue, Run, parse_timestamp
 from ..shared import ModelUnavailable, NoSharedModels, SharedModels
 from . import Executor, ExecutorContext, ObservedTarget
 
@@ -47,15 +62,35 @@ class LocalExecutor(Executor):
         self._timeouts: dict[str, asyncio.TimerHandle] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}  # admitted runs waiting for their model host
         self._cgroups: dict[str, RunCgroup] = {}  # the live runs' cgroups
+        self._preempt_timers: dict[str, asyncio.TimerHandle] = {}
 
     def bind(self, ctx: ExecutorContext) -> None:
         super().bind(ctx)
         self.launcher.bind(ctx.loop)
         ctx.table.on_end(self._forget)
+        ctx.table.on_requeue(self._on_requeued)
 
     # ------------------------------------------------------------------ start
 
     def launch(self, run: Run) -> None:
+        cleaning = self.launcher.cleaning.get(run.id)
+        if cleaning is not None:
+            # The previous attempt's clean-up (its cgroup's removal) is still under way in a
+            # thread: the new attempt starts once it is done, or that would remove its cgroup.
+            cleaning.add_done_callback(lambda _: self._launch_now(run))
+            return
+        self._launch_now(run)
+
+    def _launch_now(self, run: Run) -> None:
+        if run.terminal or run.state != contract.RUNNING:
+            return  # cancelled meanwhile
+        if run.cancel_requested:
+            self.ctx.table.finish(
+                run,
+                CANCELLED,
+                contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+            )
+            return
         if run.record["models"]:
             # The model host may need starting: the run waits for it (resources held), visibly.
             self.ctx.table.update(run)
@@ -101,6 +136,8 @@ class LocalExecutor(Executor):
             devices=run.record["devices"],
             parent_pid=os.getpid(),
             fsync=config.fsync,
+            attempt=run.record["attempt"],
+            detach=run.record["detach"],
         )
         cgroup = self._make_cgroup(run)
         if cgroup is not None:
@@ -110,11 +147,12 @@ class LocalExecutor(Executor):
             proc = self.launcher.spawn(
                 run.id,
                 [self.python, "-m", "jupyter_evalsched.runner", "--run-dir", str(ctx.store.run_dir(run.id))],
-                cwd=run.spec["cwd"],
+                cwd=spec.get("cwd") or ctx.config.default_cwd,
                 env=env,
                 stdout=ctx.store.log_path(run.id, "stdout"),
                 stderr=ctx.store.log_path(run.id, "stderr"),
                 cgroup=cgroup,
+                detached=run.record["detach"],
             )
         except (SpawnError, OSError) as exc:
             if cgroup is not None:
@@ -146,6 +184,8 @@ class LocalExecutor(Executor):
             why = self.cgroups.support.detail if self.cgroups is not None else "cgroups are off"
         if memory_mb and (cgroup is None or cgroup.memory_limit_mb is None):
             why = why or "this host gives runs no memory cgroup"
+            if any(w.startswith("memory_limit_not_enforced") for w in run.record["warnings"]):
+                return cgroup  # said at an earlier attempt
             run.record["warnings"] = [
                 *run.record["warnings"],
                 contract.reason("memory_limit_not_enforced", f"memory_mb={memory_mb} is not enforced: {why}"),
@@ -154,7 +194,7 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ end
 
-    def _on_exit(self, run_id: str, code: int) -> None:
+    def _on_exit(self, run_id: str, code: int | None) -> None:
         table = self.ctx.table
         run = table.get(run_id)
         cgroup = self._cgroups.pop(run_id, None)
@@ -172,6 +212,14 @@ class LocalExecutor(Executor):
             run.record["exit_code"] = code
             verdict = table.conclude(run, code)
             done = verdict is not None
+            if run.preempted_by is not None:
+                if verdict is None and not (run.kill_reason or run.cancel_requested or run.timed_out):
+                    # Stopped at an episode boundary (or signalled after its grace): next attempt.
+                    table.requeue(run, preempted_plan(run.record, run.preempted_by), quiet=True)
+                    if not run.terminal and run.state == QUEUED:
+                        return
+                else:
+                    self._clear_stop(run)  # it ended on its own first: the _STOP is moot
             if verdict is None:
                 verdict = self._judge_exit(run, code)
             stopped = run.kill_reason is not None or run.cancel_requested or run.timed_out
@@ -203,6 +251,20 @@ class LocalExecutor(Executor):
             return FAILED, contract.reason(
                 contract.SIGNAL, "the run process was killed by a signal", arg=signal_name(code)
             )
+        if code is None:  # an adopted detached run: not our child, its status is not ours to read
+            return FAILED, contract.reason(
+                contract.EXIT_CODE,
+                "the detached run process exited without finishing (its exit status is known only to the "
+                "server that started it)",
+                arg="unknown",
+            )
+        if code == contract.EXIT_STOPPED:
+            return FAILED, contract.reason(
+                contract.EXIT_CODE,
+                f"the run stopped at an episode boundary because {contract.STOP_FILE} is in its directory "
+                "(resume it to go on)",
+                arg=code,
+            )
         return FAILED, contract.reason(contract.EXIT_CODE, "the run process exited without finishing", arg=code)
 
     def _on_timeout(self, run_id: str) -> None:
@@ -214,9 +276,59 @@ class LocalExecutor(Executor):
         self.launcher.terminate(run_id, self.ctx.config.cancel_grace_s)
 
     def _forget(self, run: Run) -> None:
-        timer = self._timeouts.pop(run.id, None)
-        if timer is not None:
-            timer.cancel()
+        for timers in (self._timeouts, self._preempt_timers):
+            timer = timers.pop(run.id, None)
+            if timer is not None:
+                timer.cancel()
+
+    def _on_requeued(self, run: Run, plan: Requeue) -> None:
+        self._forget(run)
+        task = self._starting.pop(run.id, None)
+        if task is not None:
+            task.cancel()
+
+    def _clear_stop(self, run: Run) -> None:
+        try:
+            self.ctx.store.clear_stop(run.id)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ preemption
+
+    def preempt(self, run: Run, by: str) -> bool:
+        """Ask the run to stop at its next episode boundary for ``by`` (``_STOP``); its process
+        group is signalled once ``preempt_grace_s`` has passed. False when it cannot be asked (not
+        started yet, or already ending)."""
+        if run.terminal or run.preempted_by is not None or run.id not in self.launcher.running:
+            return False
+        if run.cancel_requested or run.kill_reason is not None or run.timed_out:
+            return False
+        ctx = self.ctx
+        try:
+            ctx.store.write_stop(run.id)
+        except OSError as exc:
+            log.warning("evalsched: cannot preempt run %s: %s", run.id, exc)
+            return False
+        run.preempted_by = by
+        grace = ctx.config.preempt_grace_s
+        ctx.table.set_reason(
+            run,
+            contract.reason(
+                contract.PREEMPTING,
+                f"stops at its next episode boundary to make room for {by} (signalled after {grace:g} s)",
+                arg=by,
+            ),
+        )
+        self._preempt_timers[run.id] = ctx.loop.call_later(grace, self._preempt_overdue, run.id)
+        return True
+
+    def _preempt_overdue(self, run_id: str) -> None:
+        self._preempt_timers.pop(run_id, None)
+        run = self.ctx.table.get(run_id)
+        if run is None or run.terminal or run.preempted_by is None:
+            return
+        log.warning("evalsched: run %s did not stop within preempt_grace_s; signalling it", run_id)
+        self.launcher.terminate(run_id, self.ctx.config.cancel_grace_s)
 
     # ------------------------------------------------------------------ operations
 
@@ -241,15 +353,43 @@ class LocalExecutor(Executor):
             else:
                 table.finish(run, *self._judge_exit(run, run.record.get("exit_code")))
             return
-        kill_stale_group(run.record.get("pid") or 0, run.record.get("pid_create_time"))
+        pid, create_time = run.record.get("pid") or 0, run.record.get("pid_create_time")
+        if run.record["detach"] and is_same_process(pid, create_time, alive_only=True):
+            self._adopt(run, pid, create_time)
+            return
+        kill_stale_group(pid, create_time)
         stale = self.cgroups.existing(run.id) if self.cgroups is not None else None
         if stale is not None:
             stale.remove()  # everything it held: the setsid'd, environment-less descendants too
         else:
-            kill_escaped(run.id, run.record.get("pid_create_time") or 0.0)
-        table.finish(
-            run, ABORTED, contract.reason(contract.SERVER_RESTART, "the server died or shut down while it ran")
+            kill_escaped(run.id, create_time or 0.0)
+        why = (
+            "the detached run died without finishing while no server watched it"
+            if run.record["detach"]
+            else "the server died or shut down while it ran"
         )
+        if self.ctx.config.auto_resume:
+            table.requeue(run, restart_plan(run.record, why), quiet=True)
+            if run.state == QUEUED:
+                return
+        table.finish(run, ABORTED, contract.reason(contract.SERVER_RESTART, why))
+
+    def _adopt(self, run: Run, pid: int, create_time: float | None) -> None:
+        """A detached run still running from an earlier server: followed again, its resources
+        held, its timeout counted from its start."""
+        cgroup = self.cgroups.existing(run.id) if self.cgroups is not None else None
+        self.launcher.adopt(run.id, pid, create_time, cgroup)
+        if cgroup is not None:
+            self._cgroups[run.id] = cgroup
+        started = parse_timestamp(run.record.get("started_at"))
+        run.started_ts = started
+        timeout = run.spec.get("timeout_s")
+        if timeout:
+            left = max(0.0, started + timeout - time.time())
+            self._timeouts[run.id] = self.ctx.loop.call_later(left, self._on_timeout, run.id)
+        log.info("evalsched: re-attached detached run %s (pid %d)", run.id, pid)
+        # A detached run whose process ended between the look above and the pidfd is noticed now.
+        self.launcher.poll()
 
     async def sweep(self) -> None:
         self.launcher.poll()
@@ -263,12 +403,16 @@ class LocalExecutor(Executor):
             run = table.get(run_id)
             if run is not None and not run.terminal:
                 table.update(run, state=QUEUED, reason=None, devices=[], started_at=None)
-        for run_id in self.launcher.kill_all():
+        why = "the server shut down while it ran"
+        for run_id in self.launcher.kill_all():  # detached runs go on
             run = table.get(run_id)
-            if run is not None:
-                table.finish(
-                    run, ABORTED, contract.reason(contract.SERVER_RESTART, "the server shut down while it ran")
-                )
+            if run is None:
+                continue
+            if self.ctx.config.auto_resume:
+                table.requeue(run, restart_plan(run.record, why), quiet=True)
+                if run.state == QUEUED:
+                    continue
+            table.finish(run, ABORTED, contract.reason(contract.SERVER_RESTART, why))
         if self.cgroups is not None and self.cgroups.enabled:
             self.cgroups.remove_namespace()  # only if no run cgroup is left in it
 

@@ -116,6 +116,7 @@ class SlurmExecutor(Executor):
                 parent_pid=None,
                 fsync=ctx.config.fsync,
                 base=server_environment(os.environ, self.cli.config.export_env),
+                attempt=run.record["attempt"],
             )
             ctx.store.write_shared_urls(run.id, {})
             job_id = await ctx.loop.run_in_executor(ctx.io, self.cli.submit, run.id, run_dir, spec, env, dep_ids)

@@ -1,0 +1,174 @@
+"""Runs that survive the server, with real `jupyter server` processes killed with SIGKILL:
+``auto_resume`` (an interrupted run resumes from its episodes) and detached runs (they keep
+running and are re-attached by the next server)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+from pathlib import Path
+
+import psutil
+from live_server import wait_until
+
+from jupyter_evalsched.client import LocalServer
+from jupyter_evalsched.examples.basic import _unit_float
+
+SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+FAST = [
+    "--EvalSchedApp.cancel_grace_s=2.0",
+    "--EvalSchedApp.sweep_interval_s=0.5",
+    "--EvalSchedApp.progress_interval_s=0.05",
+]
+
+
+def sleepy_run(episodes: int, seed: int, **kw) -> dict:
+    spec = {
+        "entrypoint": SLEEPY,
+        "episodes": episodes,
+        "seed": seed,
+        "params": {"sleep_s": 0.1},
+        "cwd": "/",  # outlives each server (a server's own root_dir is removed with it)
+        "scheduling": {"marginal_vram_mb": 8000},
+    }
+    spec.update(kw)
+    return spec
+
+
+def lines_of(runs: Path, run_id: str) -> list[dict]:
+    path = runs / run_id / "episodes.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_server(server: LocalServer) -> None:
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    server.cleanup()
+
+
+def settled(client, run_id: str):
+    rec = client.get(run_id)
+    return rec if rec["state"] in ("succeeded", "failed", "cancelled", "aborted") else None
+
+
+def test_auto_resume_after_sigkill_finishes_the_run_as_if_uninterrupted(tmp_path):
+    runs = tmp_path / "runs"
+    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = server.client()
+        rec = c.submit(sleepy_run(20, seed=500))
+        wait_until(lambda: len(lines_of(runs, rec["id"])) >= 5, timeout=30)
+        pid = c.get(rec["id"])["pid"]
+    finally:
+        kill_server(server)
+    wait_until(lambda: not alive(pid), timeout=5, message="the run outlived its server")
+    before = lines_of(runs, rec["id"])
+    assert 5 <= len(before) < 20
+
+    restarted = LocalServer(
+        virtual_gpus="24000", runs_dir=str(runs), extra_args=[*FAST, "--EvalSchedApp.auto_resume=True"]
+    )
+    try:
+        c = restarted.client()
+        final = wait_until(lambda: settled(c, rec["id"]), timeout=60)
+        assert final["state"] == "succeeded", final
+        assert final["attempt"] == 2 and [h["state"] for h in final["history"]] == ["aborted"]
+        assert final["history"][0]["reason"].startswith("server_restart")
+        lines = lines_of(runs, rec["id"])
+        assert sorted(e["index"] for e in lines) == list(range(20))  # each index exactly once
+        assert lines[: len(before)] == before  # what finished before the kill was not run again
+        assert {e["attempt"] for e in lines[len(before) :]} == {2}
+        expected = statistics.fmean(_unit_float(500 + i) for i in range(20))
+        assert abs(final["metrics"]["score"]["mean"] - expected) < 1e-12
+        assert (runs / rec["id"] / "_DONE").exists()
+    finally:
+        restarted.cleanup()
+
+
+def test_without_auto_resume_the_run_is_aborted_and_resumable(tmp_path):
+    runs = tmp_path / "runs"
+    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = server.client()
+        rec = c.submit(sleepy_run(10, seed=1))
+        wait_until(lambda: len(lines_of(runs, rec["id"])) >= 2, timeout=30)
+    finally:
+        server.stop()  # a clean shutdown: the run is killed and ends aborted (rule 4)
+        server.cleanup()
+    restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = restarted.client()
+        aborted = c.get(rec["id"])
+        assert aborted["state"] == "aborted" and aborted["reason"].startswith("server_restart")
+        resumed = c.handle(rec["id"]).resume()
+        assert resumed["attempt"] == 2
+        final = wait_until(lambda: settled(c, rec["id"]), timeout=60)
+        assert final["state"] == "succeeded"
+        assert sorted(e["index"] for e in lines_of(runs, rec["id"])) == list(range(10))
+    finally:
+        restarted.cleanup()
+
+
+def test_a_detached_run_survives_sigkill_of_the_server_and_is_reattached(tmp_path):
+    runs = tmp_path / "runs"
+    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = server.client()
+        rec = c.submit(sleepy_run(30, seed=9, detach=True))
+        assert rec["detach"] is True
+        wait_until(lambda: len(lines_of(runs, rec["id"])) >= 2, timeout=30)
+        pid = c.get(rec["id"])["pid"]
+    finally:
+        kill_server(server)
+    # It goes on without any server: more episodes finish after the kill.
+    at_kill = len(lines_of(runs, rec["id"]))
+    wait_until(lambda: len(lines_of(runs, rec["id"])) > at_kill + 2, timeout=30, message="the detached run stopped")
+    assert alive(pid)
+
+    restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = restarted.client()
+        rec2 = c.get(rec["id"])
+        if rec2["state"] == "running":  # re-attached while it runs: it holds its VRAM meanwhile
+            ledger = c.ledger()
+            assert {"id": rec["id"], "marginal_vram_mb": 8000} in ledger["devices"][0]["runs"], ledger
+            assert rec2["pid"] == pid
+        final = wait_until(lambda: settled(c, rec["id"]), timeout=60)
+        assert final["state"] == "succeeded" and final["attempt"] == 1, final
+        assert sorted(e["index"] for e in lines_of(runs, rec["id"])) == list(range(30))
+        assert not alive(pid)
+        assert c.ledger()["devices"][0]["runs"] == []
+    finally:
+        restarted.cleanup()
+
+
+def test_a_detached_run_that_died_unwatched_is_aborted(tmp_path):
+    runs = tmp_path / "runs"
+    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = server.client()
+        rec = c.submit(sleepy_run(1000, seed=2, detach=True))
+        wait_until(lambda: len(lines_of(runs, rec["id"])) >= 1, timeout=30)
+        pid = c.get(rec["id"])["pid"]
+    finally:
+        kill_server(server)
+    psutil.Process(pid).kill()  # it dies while no server watches it
+    wait_until(lambda: not alive(pid), timeout=5)
+    restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        rec2 = restarted.client().get(rec["id"])
+        assert rec2["state"] == "aborted", rec2
+        assert rec2["reason"].startswith("server_restart: the detached run died without finishing while no server")
+        assert (runs / rec["id"] / "_DONE").exists()
+    finally:
+        restarted.cleanup()
