@@ -404,6 +404,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{'observed':<17}peak VRAM {vram}; peak host memory {rss if rss is not None else '?'} MB")
     for warning in rec.get("warnings") or []:
         print(f"{'warning':<17}{warning}")
+    if (rec.get("attempt") or 1) > 1 or rec.get("retries"):
+        extra = [f"attempt {rec.get('attempt', 1)}"]
+        if rec.get("retries"):
+            extra.append(f"retries {rec.get('retries_used', 0)} of {rec['retries']} used")
+        if rec.get("preemptions"):
+            extra.append(f"preempted {rec['preemptions']} time(s)")
+        if rec.get("retry_at"):
+            extra.append(f"next attempt at {rec['retry_at']}")
+        print(f"{'attempts':<17}{'; '.join(extra)}")
+    for h in rec.get("history") or []:
+        print(
+            f"{'attempt ' + str(h.get('attempt')):<17}{h.get('state')} after {h.get('episodes_done', 0)} episodes: {h.get('reason')}"
+        )
+    if rec.get("detach"):
+        print(f"{'detached':<17}yes (does not die with the server)")
     print(f"{'progress':<17}{_progress(rec)}")
     summary = rec.get("summary") or {}
     for name, stats in (summary.get("metrics") or {}).items():
@@ -509,6 +524,15 @@ def cmd_wait(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     rec = _client(args).cancel(args.run_id)
     _print_json(rec) if args.json else print(_record_line(rec))
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    client = _client(args)
+    rec = client.resume(args.run_id)
+    if args.wait:
+        return _wait_and_report(client, args.run_id, args, None)
+    _print_json(rec) if args.json else print(_record_line(rec) + f"  (attempt {rec.get('attempt', '?')})")
     return 0
 
 
@@ -837,6 +861,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("cancel", cmd_cancel, "cancel a queued or running run")
     p.add_argument("run_id", metavar="ID")
+
+    p = add(
+        "resume",
+        cmd_resume,
+        "queue a failed, aborted or cancelled run again; it skips the episodes already done",
+    )
+    p.add_argument("run_id", metavar="ID")
+    p.add_argument("--wait", action="store_true", help="then wait for it; exit 0 only if it succeeded")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (with --wait)")
 
     p = add("delete", cmd_delete, "delete a finished run's directory")
     p.add_argument("run_id", metavar="ID")

@@ -236,6 +236,21 @@ def _age(value: str | None) -> str:
     return format_duration((datetime.now(t.tzinfo) - t).total_seconds())
 
 
+def attempt_text(rec: dict) -> str:
+    """``attempt 2 · preempted ×1 · retry 1/3``: what a run's attempts say, empty for a first
+    attempt with nothing to tell."""
+    parts = []
+    if (rec.get("attempt") or 1) > 1:
+        parts.append(f"attempt {rec['attempt']}")
+    if rec.get("preemptions"):
+        parts.append(f"preempted ×{rec['preemptions']}")
+    if rec.get("retries"):
+        parts.append(f"retry {rec.get('retries_used') or 0}/{rec['retries']}")
+    if rec.get("detach"):
+        parts.append("detached")
+    return " · ".join(parts)
+
+
 def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str:
     """The label of one run in the queue widget (HTML): state, name, id, priority, then the VRAM
     (and GPUs) of a local run or the SLURM badge of a SLURM run, then progress, reason, metrics."""
@@ -268,6 +283,9 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
     peak = max((int(v) for v in (observed.get("peak_vram_mb") or {}).values()), default=0)
     if peak and not slurm:
         where += f" (seen {peak} MB)"
+    attempts = attempt_text(rec)
+    if attempts:
+        where += f" · {_esc(attempts)}"
     for warning in rec.get("warnings") or []:
         where += (
             f" <span class='jupyter-evalsched-warning' title='{_esc(warning)}' style='background:#fdecea;"
@@ -653,6 +671,7 @@ class RunProgress(widgets.VBox):
         ]
         if record.get("reason") and state != SUCCEEDED:
             parts.append(record["reason"])
+        parts.append(attempt_text(record))
         metrics = format_metrics(record)
         if metrics:
             parts.append(metrics)

@@ -225,9 +225,16 @@ async def test_a_preempted_run_says_so_while_it_stops_and_waits(api, wait_for, e
         code, r = await api("GET", f"runs/{low['id']}")
         return r if r["state"] == "queued" else None
 
-    waiting = await async_wait_until(requeued)
+    await async_wait_until(requeued)
     assert any(x.startswith(f"preempting:{high['id']}: stops at its next episode boundary") for x in reasons), reasons
-    assert waiting["preemptions"] == 1
+
+    async def decided():  # admission has looked at it again: its reason still says why it is back
+        code, r = await api("GET", f"runs/{low['id']}")
+        return r if "; now waiting_vram: needs 8000 MB" in (r["reason"] or "") else None
+
+    waiting = await async_wait_until(decided)
+    assert waiting["reason"].startswith(f"preempted_by:{high['id']}: stopped after "), waiting["reason"]
+    assert waiting["preemptions"] == 1 and waiting["state"] == "queued"
     code, queue = await api("GET", "queue")
     assert [r["id"] for r in queue["running"]] == [high["id"]]
     await api("POST", f"runs/{high['id']}/cancel")

@@ -573,3 +573,48 @@ def test_non_root_base_url(tmp_path):
         assert c.wait(rec["id"], timeout=20)["state"] == "succeeded"
         proc = cli(server, "wait", rec["id"], cwd=str(tmp_path))
         assert proc.returncode == 0, proc.stderr
+
+
+# --------------------------------------------------------------------------- attempts
+
+
+def test_cli_attempt_flags_and_resume(live_server, client, clean_queue):
+    crash = "jupyter_evalsched.examples.basic:crash"
+    proc = cli(
+        live_server,
+        "submit",
+        crash,
+        "--episodes",
+        "3",
+        "--param",
+        "how=exit",
+        "--param",
+        "at=1",
+        "--param",
+        "until_attempt=1",
+        "--retry-on",
+        "signal",
+        "--retries",
+        "2",
+        "--no-preemptible",
+        "--priority",
+        "low",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(proc.stdout)
+    spec = json.loads(open(os.path.join(rec["run_dir"], "spec.json")).read())
+    assert spec["retries"] == 2 and spec["retry_on"] == ["signal"] and spec["scheduling"]["preemptible"] is False
+    assert rec["preemptible"] is False and rec["retries"] == 2
+    # exit_code is not in its retry_on: it fails; resume then finishes it.
+    failed = client.handle(rec).wait(timeout=30, progress=False)
+    assert failed["state"] == "failed" and failed["attempt"] == 1 and failed["reason"].startswith("exit_code:3")
+    proc = cli(live_server, "resume", rec["id"], "--wait", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    status = cli(live_server, "status", rec["id"])
+    assert "attempt 2" in status.stdout and "attempt 1" in status.stdout and "exit_code:3" in status.stdout
+    assert client.get(rec["id"])["state"] == "succeeded"
+    again = cli(live_server, "resume", rec["id"])
+    assert again.returncode != 0 and "succeeded" in again.stderr and "Traceback" not in again.stderr
+    bad = cli(live_server, "submit", crash, "--retry-on", "bogus")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr

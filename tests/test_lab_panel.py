@@ -7,8 +7,9 @@ reason, progress, metrics, logs, finished runs, and cancel runs through a confir
 live over the event socket and, when told not to use it, by polling the REST API; leases (drawn in
 the ledger, listed, released through a confirmation dialog), the VRAM of other processes per
 holder (a notebook kernel, a pid, a lease holder's excess) and a run's over_vram warning, fed by
-the virtual GPU process table (EVALSCHED_VIRTUAL_GPU_PROCESSES). A second server without the
-server extension checks that the panel says so.
+the virtual GPU process table (EVALSCHED_VIRTUAL_GPU_PROCESSES); attempts: Resume of a failed run,
+a preempted run and an automatic retry (on a server of their own, with preemption and back-off
+short enough to watch). A server without the server extension checks that the panel says so.
 
 Needs: the package installed (``pip install -e .``) with the lab extension built and linked
 (``jupyter labextension develop --overwrite .``), /usr/bin/chromium and the playwright package.
@@ -56,6 +57,7 @@ PANEL = "#jupyter-evalsched-panel"
 PANEL_TAB = '.lm-TabBar-tab[data-id="jupyter-evalsched-panel"]'
 VRAM = 24000
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+CRASH = "jupyter_evalsched.examples.basic:crash"
 # Generous: runs are real subprocesses and CI machines have two cores.
 UI_TIMEOUT_MS = 30_000
 
@@ -904,8 +906,316 @@ def test_panel_run_warning(lab: LabServer, browser: Any) -> None:
             context.close()
 
 
-# What the panel reads that an older server (before leases and observed usage) does not send.
-_NEWER_RUN_FIELDS = ("observed", "warnings", "marginal_vram_source", "memory_mb")
+def _row_selector(run_id: str) -> str:
+    return f'{PANEL} .jp-EvalSched-run[data-run-id="{run_id}"]'
+
+
+def _watch_row(page: Any, run_id: str) -> None:
+    """Record in the page every (state, attempt, reason code, Resume hidden) that the run's row
+    shows, from now on: transitions shorter than a poll of the test are kept too."""
+    page.evaluate(
+        """([sel, id]) => {
+             const seen = ((window.__evalschedSeen = window.__evalschedSeen || {})[id] = []);
+             const note = () => {
+               const row = document.querySelector(sel);
+               if (!row) { return; }
+               const resume = row.querySelector('.jp-EvalSched-runHead [data-testid="evalsched-resume"]');
+               const now = { state: row.dataset.state, attempt: row.dataset.attempt,
+                             reason: row.dataset.reasonCode, resumeHidden: !!(resume && resume.hidden) };
+               const last = seen[seen.length - 1];
+               if (!last || JSON.stringify(last) !== JSON.stringify(now)) { seen.push(now); }
+             };
+             note();
+             new MutationObserver(note).observe(document.querySelector('#jupyter-evalsched-panel'), {
+               subtree: true, childList: true, attributes: true,
+               attributeFilter: ['data-state', 'data-attempt', 'data-reason-code', 'hidden'] });
+           }""",
+        [_row_selector(run_id), run_id],
+    )
+
+
+def _seen(page: Any, run_id: str) -> list[dict]:
+    return page.evaluate("(id) => window.__evalschedSeen[id]", run_id)
+
+
+def test_panel_resume(lab: LabServer, browser: Any) -> None:
+    """A run that failed (exit code 3 in episode 2 of its first attempt) has a Resume button; a
+    refusal shows the server's message; resumed (no dialog), it is queued again under the same id,
+    runs attempt 2 from episode 2 and succeeds: the row says `attempt 2` and has no Resume button,
+    the detail shows how attempt 1 ended."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {})
+    context = page = None
+    try:
+        context, page, errors = _open_lab(browser, lab)
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]')
+        run_id = lab.submit(
+            {
+                "name": "crash-once",
+                "entrypoint": CRASH,
+                "episodes": 4,
+                # sleep_s: the second attempt runs long enough to be seen running
+                "params": {"how": "exit", "code": 3, "at": 2, "until_attempt": 1, "sleep_s": 0.3},
+            }
+        )["id"]
+        row = _wait_run(page, run_id, "failed", "finished")
+        page.wait_for_selector(f'{_row_selector(run_id)}[data-state="failed"][data-reason-code="exit_code"]')
+        assert row.get_attribute("data-reason-arg") == "3"
+        assert row.get_attribute("data-attempt") == "1"
+        assert row.locator('[data-testid="evalsched-reason"]').inner_text().startswith("exit_code:3")
+        first = lab.run(run_id)
+        assert first["state"] == "failed" and first["attempt"] == 1, first
+        assert first["reason"].startswith("exit_code:3") and first["progress"]["done"] == 2, first
+        resume = row.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]')
+        assert resume.is_visible() and resume.inner_text() == "Resume"
+        assert row.locator('[data-testid="evalsched-cancel"]').is_hidden()
+        for badge in ("attempt", "preemptions", "retries", "detached"):  # a plain first attempt
+            assert row.locator(f'[data-testid="evalsched-{badge}"]').count() == 0, badge
+
+        # -- the detail in a tab has its own Resume (no run row beside it; inline, the row's) ----
+        row.locator('[data-testid="evalsched-details"]').click()
+        inline = row.locator(".jp-EvalSched-detail")
+        inline.wait_for(state="visible")
+        assert inline.locator('[data-testid="evalsched-resume"]').count() == 0
+        inline.locator('[data-testid="evalsched-open-tab"]').click()
+        row.locator('[data-testid="evalsched-details"]').click()
+        inline.wait_for(state="detached")
+        tab = page.locator(f'.jp-MainAreaWidget[id="jupyter-evalsched-run-{run_id}"]')
+        tab_resume = tab.locator('[data-testid="evalsched-resume"]')
+        tab_resume.wait_for(state="visible")
+
+        # -- a refusal (409) shows the server's message; the run stays failed ------------------
+        refusal = f"run {run_id} cannot be resumed: refused by the test"
+        # (makeRequest appends a cache-busting query to every request)
+        resume_path = re.compile(rf"/evalsched/runs/{re.escape(run_id)}/resume(\?.*)?$")
+        page.route(resume_path, lambda route: route.fulfill(status=409, json={"message": refusal}))
+        tab_resume.click()
+        dialog = page.locator(".jp-Dialog")
+        dialog.wait_for(state="visible")
+        assert f"Cannot resume {run_id}" in dialog.inner_text() and refusal in dialog.inner_text()
+        dialog.locator("button.jp-mod-reject").click()
+        dialog.wait_for(state="detached")
+        page.unroute(resume_path)
+        assert lab.run(run_id)["state"] == "failed"
+        assert row.get_attribute("data-state") == "failed" and resume.is_visible() and tab_resume.is_visible()
+
+        # -- Resume: no dialog, one POST, the same id queued again as attempt 2 ----------------
+        _watch_row(page, run_id)
+
+        def is_resume(response: Any) -> bool:
+            return response.request.method == "POST" and urlsplit(response.url).path.endswith(
+                f"/evalsched/runs/{run_id}/resume"
+            )
+
+        with page.expect_response(is_resume) as answer:
+            resume.click()
+        assert answer.value.status == 200
+        queued = answer.value.json()
+        assert queued["id"] == run_id and queued["state"] == "queued" and queued["attempt"] == 2, queued
+        assert page.locator(".jp-Dialog").count() == 0
+
+        done = _wait_run(page, run_id, "succeeded", "finished")
+        page.wait_for_selector(f'{_row_selector(run_id)}[data-state="succeeded"][data-attempt="2"]')
+        seen = _seen(page, run_id)
+        assert seen[0] == {"state": "failed", "attempt": "1", "reason": "exit_code", "resumeHidden": False}, seen
+        after = seen[1:]
+        states = [s["state"] for s in after]
+        assert states[0] in ("queued", "running") and "running" in states and states[-1] == "succeeded", seen
+        assert "failed" not in states, seen  # never back to failed (no stale record undid the resume)
+        assert all(s["attempt"] == "2" and s["resumeHidden"] for s in after), seen
+
+        assert done.locator('[data-testid="evalsched-attempt"]').inner_text() == "attempt 2"
+        assert done.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]').is_hidden()
+        assert done.locator('[data-testid="evalsched-preemptions"]').count() == 0
+        assert done.locator('[data-testid="evalsched-retries"]').count() == 0
+
+        # -- the detail: the attempt, and how attempt 1 ended ---------------------------------
+        done.locator('[data-testid="evalsched-details"]').click()
+        detail = done.locator(".jp-EvalSched-detail")
+        detail.wait_for(state="visible")
+        entries = detail.locator('[data-testid="evalsched-history-entry"]')
+        entries.first.wait_for(state="visible")
+        assert entries.count() == 1
+        entry = entries.first
+        assert entry.get_attribute("data-attempt") == "1"
+        assert entry.get_attribute("data-state") == "failed"
+        assert entry.get_attribute("data-reason-code") == "exit_code"
+        assert entry.get_attribute("data-episodes-done") == "2"
+        text = entry.inner_text()
+        for needle in ("attempt 1", "failed", "exit_code:3", "2 episodes done"):
+            assert needle in text, (needle, text)
+        assert detail.locator('dd[data-field="attempt"]').inner_text() == "2"
+        # the tab follows: no Resume, the same history
+        tab_resume.wait_for(state="hidden")
+        assert tab.locator(
+            '[data-testid="evalsched-history-entry"][data-attempt="1"][data-state="failed"]'
+        ).is_visible()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-resume.png"))
+
+        final = lab.run(run_id)
+        assert final["state"] == "succeeded" and final["attempt"] == 2, final
+        assert final["progress"] == {"done": 4, "total": 4}, final
+        assert [(e["attempt"], e["state"], e["episodes_done"]) for e in final["history"]] == [(1, "failed", 2)], final
+        assert final["history"][0]["reason"].startswith("exit_code:3"), final
+        # a succeeded run cannot be resumed: 409 with a message (what the button would show)
+        status, body = lab.request("POST", f"evalsched/runs/{run_id}/resume")
+        assert status == 409 and isinstance(body, dict) and body.get("message"), (status, body)
+        assert errors.errors == []
+    except BaseException:
+        if page is not None:
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "lab-panel-resume-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        if context is not None:
+            context.close()
+
+
+def test_panel_preemption_and_retry(tmp_path: Path, browser: Any) -> None:
+    """A preemptible low-lane run is told to stop at its next episode boundary for a high-lane run
+    that cannot fit beside it: its running row says so (`preempting:<id>`, in words); it is queued
+    again as attempt 2 with `preempted ×1`, resumes after the high-lane run and succeeds, and its
+    detail shows how attempt 1 ended. A detached run allowed one automatic retry fails, waits out
+    its back-off (`retrying`, with a countdown to `retry_at`, `retry 1/1`), then succeeds."""
+    config = tmp_path / "config"
+    config.mkdir(parents=True, exist_ok=True)
+    # A run may be preempted at once (the default waits for it to have run 60 s); a short back-off.
+    (config / "jupyter_server_config.json").write_text(
+        json.dumps({"EvalSchedApp": {"preempt_min_runtime_s": 0, "retry_backoff_s": 3}})
+    )
+    server = _start(tmp_path)
+    context = page = None
+    try:
+        context, page, errors = _open_lab(browser, server)
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]')
+        low = server.submit(
+            {
+                "name": "low-preemptible",
+                "entrypoint": SLEEPY,
+                "episodes": 3,
+                # long episodes: told to stop just after a boundary, it runs on for most of one
+                "params": {"sleep_s": 1.0},
+                "scheduling": {"marginal_vram_mb": 16000, "priority": "low"},
+            }
+        )
+        assert low["preemptible"] is True, low  # the low lane's default
+        low_id = low["id"]
+        _wait_run(page, low_id, "running", "running")
+        _watch_row(page, low_id)
+        wait_until(lambda: server.run(low_id)["progress"]["done"] >= 1, timeout=30, interval=0.05)
+        high_id = server.submit(
+            {
+                "name": "high-lane",
+                "entrypoint": SLEEPY,
+                "episodes": 3,
+                "params": {"sleep_s": 0.4},
+                "scheduling": {"marginal_vram_mb": 16000, "priority": "high"},
+            }
+        )["id"]
+
+        # -- running, told to stop: the reason shows on the running row, in words ------------
+        page.wait_for_selector(f'{_row_selector(low_id)}[data-state="running"][data-reason-code="preempting"]')
+        row = _run(page, low_id)
+        assert row.get_attribute("data-reason-arg") == high_id
+        reason = row.locator('[data-testid="evalsched-reason"]')
+        text = reason.inner_text()
+        assert reason.is_visible() and f"preempting:{high_id}" in text, text
+        assert f"being preempted for {high_id}" in text, text
+
+        # -- queued again, attempt 2, preempted once; no Resume (it is not finished) ---------
+        page.wait_for_selector(f'{_row_selector(low_id)}[data-state="queued"][data-attempt="2"]')
+        assert row.locator('[data-testid="evalsched-preemptions"]').inner_text() == "preempted ×1"
+        assert row.locator('[data-testid="evalsched-attempt"]').inner_text() == "attempt 2"
+        assert row.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]').is_hidden()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-preempted.png"))
+
+        _wait_run(page, high_id, "succeeded", "finished")
+        done = _wait_run(page, low_id, "succeeded", "finished")
+        assert done.locator('[data-testid="evalsched-preemptions"]').inner_text() == "preempted ×1"
+        assert done.locator('[data-testid="evalsched-attempt"]').inner_text() == "attempt 2"
+        seen = _seen(page, low_id)
+        states = [(s["state"], s["attempt"]) for s in seen]
+        assert states[0] == ("running", "1") and ("queued", "2") in states and states[-1] == ("succeeded", "2"), seen
+        assert all(s["resumeHidden"] for s in seen), seen
+
+        done.locator('[data-testid="evalsched-details"]').click()
+        detail = done.locator(".jp-EvalSched-detail")
+        entry = detail.locator('[data-testid="evalsched-history-entry"]')
+        entry.first.wait_for(state="visible")
+        assert entry.count() == 1
+        assert entry.get_attribute("data-attempt") == "1"
+        assert entry.get_attribute("data-state") == "preempted"
+        assert entry.get_attribute("data-reason-code") == "preempted_by"
+        assert f"preempted_by:{high_id}" in entry.inner_text()
+        assert detail.locator('dd[data-field="preemptions"]').inner_text() == "1 time"
+
+        final = server.run(low_id)
+        assert final["state"] == "succeeded" and final["preemptions"] == 1 and final["attempt"] == 2, final
+        assert final["progress"] == {"done": 3, "total": 3}, final
+        assert [(e["attempt"], e["state"]) for e in final["history"]] == [(1, "preempted")], final
+
+        # -- an automatic retry: failed, queued in back-off until retry_at, then attempt 2 ------
+        retried = server.submit(
+            {
+                "name": "retried",
+                "entrypoint": CRASH,
+                "episodes": 2,
+                "params": {"how": "exit", "code": 3, "at": 0, "until_attempt": 1},
+                "retries": 1,
+                "detach": True,
+            }
+        )
+        assert retried["retries"] == 1 and retried["detach"] is True, retried
+        retried_id = retried["id"]
+        _watch_row(page, retried_id)  # from before its row appears: it fails at once
+        page.wait_for_selector(f'{_row_selector(retried_id)}[data-state="queued"][data-reason-code="retrying"]')
+        row = _run(page, retried_id)
+        assert row.locator('[data-testid="evalsched-retries"]').inner_text() == "retry 1/1"
+        assert row.locator('[data-testid="evalsched-attempt"]').inner_text() == "attempt 2"
+        assert row.locator('[data-testid="evalsched-detached"]').inner_text() == "detached"
+        countdown = row.locator('[data-testid="evalsched-retry-at"]')
+        assert countdown.get_attribute("data-retry-at") == server.run(retried_id)["retry_at"]
+        assert re.fullmatch(r"retry in 0:0[1-3]|retrying now", countdown.inner_text()), countdown.inner_text()
+        page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-retrying.png"))
+        done = _wait_run(page, retried_id, "succeeded", "finished")
+        assert done.locator('[data-testid="evalsched-retries"]').inner_text() == "retry 1/1"
+        assert done.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]').is_hidden()
+        states = [s["state"] for s in _seen(page, retried_id)]
+        assert "queued" in states and states[-1] == "succeeded" and "failed" not in states, states
+        final = server.run(retried_id)
+        assert final["attempt"] == 2 and final["retries_used"] == 1 and final["retry_at"] is None, final
+        assert [(e["attempt"], e["state"]) for e in final["history"]] == [(1, "failed")], final
+        assert errors.errors == []
+    except BaseException:
+        if page is not None:
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "lab-panel-preemption-failure.png"))
+        print(server.log_tail())
+        raise
+    finally:
+        if context is not None:
+            context.close()
+        server.stop()
+
+
+# What the panel reads that an older server (before leases, observed usage and attempts) does not send.
+_NEWER_RUN_FIELDS = (
+    "observed",
+    "warnings",
+    "marginal_vram_source",
+    "memory_mb",
+    "attempt",
+    "preemptions",
+    "preemptible",
+    "retries",
+    "retries_used",
+    "retry_at",
+    "detach",
+    "history",
+)
 _NEWER_DEVICE_FIELDS = ("leases", "unmanaged_processes")
 
 
@@ -942,9 +1252,9 @@ def _as_older_server(route: Any) -> None:
 
 
 def test_panel_older_server(lab: LabServer, browser: Any) -> None:
-    """Against a server that predates leases and observed usage (their fields stripped from its
-    answers, polling), the panel shows what it is told: no Leases section, a lease's VRAM as
-    allocated, unmanaged VRAM as one segment, and no errors."""
+    """Against a server that predates leases, observed usage and attempts (their fields stripped
+    from its answers, polling), the panel shows what it is told: no Leases section, a lease's VRAM
+    as allocated, unmanaged VRAM as one segment, a run as its first attempt, and no errors."""
     _wait_idle(lab)
     _write_user_settings(lab, {"useWebSocket": False, "refreshInterval": 0.5})
     holder, plain = _sleeper(), _sleeper()
@@ -983,9 +1293,20 @@ def test_panel_older_server(lab: LabServer, browser: Any) -> None:
         row.locator('[data-testid="evalsched-details"]').click()
         detail = row.locator(".jp-EvalSched-detail")
         detail.locator('dd[data-field="executor"]').wait_for(state="visible")
-        for field in ("observed_vram", "observed_source", "memory_mb", "marginal_vram_source"):
+        for field in (
+            "observed_vram",
+            "observed_source",
+            "memory_mb",
+            "marginal_vram_source",
+            "attempt",
+            "preemptions",
+        ):
             assert detail.locator(f'[data-field="{field}"]').count() == 0, field
         assert row.locator('[data-testid="evalsched-warning"]').count() == 0
+        # no attempts: the first one, no badge, no history
+        assert row.get_attribute("data-attempt") == "1"
+        assert row.locator(".jp-EvalSched-badge").count() == 0
+        assert detail.locator('[data-testid="evalsched-history-entry"]').count() == 0
         assert errors.errors == []
     except BaseException:
         if page is not None:
@@ -1108,4 +1429,77 @@ def test_slurm_badge_helpers_without_a_browser(tmp_path: Path) -> None:
     static = REPO / "jupyter_evalsched" / "labextension" / "static"
     bundle = "\n".join(p.read_text(errors="replace") for p in static.glob("*.js"))
     for needle in ("jp-EvalSched-slurm", "data-slurm-job-id", "SLURM job", "SLURM state", "Executor"):
+        assert needle in bundle, f"{needle!r} not in the built lab extension: rebuild it"
+
+
+def test_attempt_badge_helpers_without_a_browser(tmp_path: Path) -> None:
+    """The badges of a run row (`attempt N`, `preempted ×N`, `retry k/n`, `detached`), the bare
+    reason code and argument, the attempts history and when Resume applies, from the compiled
+    helpers in `labextension/lib/format.js`, run by Node; an older server's record (none of the
+    fields) gets no badge, attempt 1 and no history. The shipped bundle has the button and badges."""
+    node = shutil.which("node")
+    assert node, "node is needed (it builds the lab extension too)"
+    src = REPO / "labextension" / "src" / "format.ts"
+    lib = REPO / "labextension" / "lib" / "format.js"
+    assert lib.exists() and lib.stat().st_mtime >= src.stat().st_mtime, (
+        "labextension/lib is missing or older than src: run `cd labextension && jlpm build`"
+    )
+    module = tmp_path / "format.mjs"
+    module.write_text(lib.read_text())
+    script = tmp_path / "check.mjs"
+    script.write_text(
+        "import { attemptOf, historyOf, isResumable, parseReason, retryInSeconds, runBadges }"
+        " from './format.mjs';\n"
+        "const records = [\n"
+        "  {},\n"
+        "  { attempt: 1, preemptions: 0, retries: 0, retries_used: 0, detach: false, history: [] },\n"
+        "  { attempt: 3, preemptions: 2, retries: 3, retries_used: 1, detach: true },\n"
+        "  { attempt: 2, preemptions: 1, retries: 0 },\n"
+        "  { attempt: 'x', preemptions: -1, retries: null, detach: 'yes' },\n"
+        "];\n"
+        "const out = {\n"
+        "  badges: records.map(r => runBadges(r).map(b => [b.kind, b.text])),\n"
+        "  attempts: records.map(attemptOf),\n"
+        "  reasons: ['preempted_by:r-9: stopped after 2 of 6', 'preempting:r-9', 'retrying: attempt 2',\n"
+        "            'exit_code:3', 'waiting_vram: needs 16000 MB', null]\n"
+        "    .map(r => { const p = parseReason(r); return [p.code, p.arg, p.head, p.text]; }),\n"
+        "  history: historyOf({ history: [\n"
+        "    { attempt: 2, state: 'preempted', reason: 'preempted_by:r-9', episodes_done: 3 },\n"
+        "    { attempt: 1, state: 'failed', reason: 'exit_code:3', started_at: 'a', finished_at: 'b',\n"
+        "      episodes_done: 2 },\n"
+        "    'junk'] }).map(e => [e.attempt, e.state, e.reason, e.episodes_done]),\n"
+        "  noHistory: historyOf({ history: 'nope' }),\n"
+        "  resumable: ['failed', 'aborted', 'cancelled', 'succeeded', 'queued', 'running'].map(isResumable),\n"
+        "  retryIn: [retryInSeconds('2030-01-01T00:00:10.000000+00:00', Date.parse('2030-01-01T00:00:00Z')),\n"
+        "            retryInSeconds('2030-01-01T00:00:10+00:00', Date.parse('2030-01-01T00:01:00Z')),\n"
+        "            retryInSeconds(null)],\n"
+        "};\n"
+        "console.log(JSON.stringify(out));\n"
+    )
+    proc = subprocess.run([node, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["badges"] == [
+        [],
+        [],
+        [["attempt", "attempt 3"], ["preemptions", "preempted ×2"], ["retries", "retry 1/3"], ["detached", "detached"]],
+        [["attempt", "attempt 2"], ["preemptions", "preempted ×1"]],
+        [],
+    ]
+    assert out["attempts"] == [1, 1, 3, 2, 1]
+    assert out["reasons"] == [
+        ["preempted_by", "r-9", "preempted_by:r-9", "stopped after 2 of 6"],
+        ["preempting", "r-9", "preempting:r-9", ""],
+        ["retrying", "", "retrying", "attempt 2"],
+        ["exit_code", "3", "exit_code:3", ""],
+        ["waiting_vram", "", "waiting_vram", "needs 16000 MB"],
+        ["", "", "", ""],
+    ]
+    assert out["history"] == [[1, "failed", "exit_code:3", 2], [2, "preempted", "preempted_by:r-9", 3]]
+    assert out["noHistory"] == []
+    assert out["resumable"] == [True, True, True, False, False, False]
+    assert out["retryIn"] == [10, 0, None]
+    static = REPO / "jupyter_evalsched" / "labextension" / "static"
+    bundle = "\n".join(p.read_text(errors="replace") for p in static.glob("*.js"))
+    for needle in ("evalsched-resume", "evalsched-history-entry", "jp-EvalSched-badge", "evalsched-retry-at"):
         assert needle in bundle, f"{needle!r} not in the built lab extension: rebuild it"

@@ -36,7 +36,8 @@ def test_line_magic_flags_become_the_spec(ip, client, clean_queue, tmp_path):
         "eval_submit",
         f"{SLEEPY} --name 'my run' --episodes 3 --vram 1000 --gpus 2 --cpus 2 --priority high "
         "--exclusive --depends-on first --param sleep_s=0.01 --param tag=hello "
-        "--param cfg='{\"a\": [1, 2]}' --workers 2 --timeout 60 --seed 5 --memory 2048",
+        "--param cfg='{\"a\": [1, 2]}' --workers 2 --timeout 60 --seed 5 --memory 2048 --preemptible "
+        "--retries 2 --retry-on signal --retry-on oom",
     )
     assert isinstance(h, RunHandle)
     spec = _spec(h)
@@ -51,7 +52,9 @@ def test_line_magic_flags_become_the_spec(ip, client, clean_queue, tmp_path):
         "priority": "high",
         "cpus": 2,
         "memory_mb": 2048,
+        "preemptible": True,
     }
+    assert spec["retries"] == 2 and spec["retry_on"] == ["signal", "oom"] and spec["detach"] is False
     assert spec["cwd"] == str(tmp_path)
     final = h.wait(timeout=30, progress=False)
     assert final["state"] == "succeeded" and final["summary"]["episodes_done"] == 3
@@ -156,3 +159,9 @@ def test_eval_queue_widget(ip, capsys):
     finally:
         widget.close()
     assert not widget._feed.alive
+
+
+def test_magic_detach_flag(ip, live_server, clean_queue):
+    handle = ip.run_line_magic("eval_submit", "jupyter_evalsched.examples.basic:noop --detach --retries 1")
+    rec = handle.wait(timeout=30, progress=False)
+    assert rec["state"] == "succeeded" and rec["detach"] is True and rec["retries"] == 1

@@ -314,3 +314,11 @@ def test_interpreter_exit_with_live_widgets_is_clean(live_server, clean_queue, t
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok" and proc.stderr == ""
     assert time.monotonic() - started < 10
+
+
+def test_run_rows_tell_attempts():
+    first = {"id": "a", "name": "n", "state": "running", "progress": {"done": 1, "total": 4}, "attempt": 1}
+    assert "attempt" not in run_row_html(first) and "preempted" not in run_row_html(first)
+    again = {**first, "attempt": 3, "preemptions": 1, "retries": 2, "retries_used": 1, "detach": True}
+    row = run_row_html(again)
+    assert "attempt 3 · preempted ×1 · retry 1/2 · detached" in row

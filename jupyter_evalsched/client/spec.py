@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from ..contract import LANES
+from ..contract import LANES, RETRYABLE_CODES
 from .errors import SpecError
 from .handle import run_id_of
 
@@ -64,6 +64,41 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--workers",), dict(type=int, metavar="N", help="worker processes for the episodes (default 1)")),
     (("--timeout",), dict(type=float, metavar="SECONDS", help="fail the run after this many seconds")),
     (("--seed",), dict(type=int, help="base seed; episode i gets seed + i (default 0)")),
+    (
+        ("--retries",),
+        dict(
+            type=int,
+            metavar="N",
+            help="resume the run automatically up to N times after a failure named by --retry-on (default 0)",
+        ),
+    ),
+    (
+        ("--retry-on",),
+        dict(
+            action="append",
+            dest="retry_on",
+            metavar="CODE",
+            choices=list(RETRYABLE_CODES),
+            help="a reason code that is retried (repeatable; default: exit_code, signal, oom)",
+        ),
+    ),
+    (
+        ("--preemptible",),
+        dict(
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="a waiting run of a higher lane may stop this one at an episode boundary; it resumes later "
+            "(default: only in the low lane)",
+        ),
+    ),
+    (
+        ("--detach",),
+        dict(
+            action="store_true",
+            default=None,
+            help="the run does not die with the server; a restarted server re-attaches it",
+        ),
+    ),
     (
         ("--executor",),
         dict(
@@ -132,6 +167,9 @@ _TOP_LEVEL_FLAGS = {
     "seed": "seed",
     "timeout": "timeout_s",
     "executor": "executor",
+    "retries": "retries",
+    "retry_on": "retry_on",
+    "detach": "detach",
 }
 _SCHEDULING_FLAGS = {
     "vram": "marginal_vram_mb",
@@ -140,6 +178,7 @@ _SCHEDULING_FLAGS = {
     "priority": "priority",
     "exclusive": "exclusive_gpu",
     "memory": "memory_mb",
+    "preemptible": "preemptible",
 }
 
 

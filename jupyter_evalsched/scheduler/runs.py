@@ -82,6 +82,7 @@ class Run:
     warned: set[str] = field(default_factory=set)  # keys of the warnings already recorded
     preempted_by: str | None = None  # the job it is being stopped for (its _STOP is written)
     started_ts: float | None = None  # time.time() of the current attempt's start
+    requeued_reason: str | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
     done_on_disk: bool = False
     summary_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the summary last applied
 

@@ -226,7 +226,10 @@ class Scheduler:
             if left > 0 and self._loop is not None:
                 self._backoff[run.id] = self._loop.call_later(left, self._retry_due, run.id)
                 return
-            if contract.reason_code(run.record["reason"]) not in (contract.PREEMPTED_BY, contract.SERVER_RESTART):
+            code = contract.reason_code(run.record["reason"])
+            if code == contract.PREEMPTED_BY:
+                run.requeued_reason = run.record["reason"].split("; now ", 1)[0]
+            elif code != contract.SERVER_RESTART:
                 run.record["reason"] = None
             self._queued[run.id] = run
         else:
@@ -508,6 +511,8 @@ class Scheduler:
             if self._started and not self._stopping:
                 executor.submit(run)  # handed over again (SLURM)
             return
+        # Why it is back in the queue stays its reason while it waits (admission's reason follows).
+        run.requeued_reason = plan.reason if contract.reason_code(plan.reason) == contract.PREEMPTED_BY else None
         if plan.delay_s > 0 and self._loop is not None and not self._stopping:
             self._backoff[run.id] = self._loop.call_later(plan.delay_s, self._retry_due, run.id)
         else:
@@ -599,7 +604,7 @@ class Scheduler:
             self._carry_out(decision)
             return
         for reason in decision.waiting.values():
-            self.table.set_reason(run, reason)
+            self.table.set_reason(run, _waiting_reason(run, reason))
 
     def _admit(self) -> None:
         self._admit_scheduled = False
@@ -657,7 +662,7 @@ class Scheduler:
         for job_id, reason in decision.waiting.items():
             queued_run = self._queued.get(job_id)
             if queued_run is not None:
-                self.table.set_reason(queued_run, reason)
+                self.table.set_reason(queued_run, _waiting_reason(queued_run, reason))
                 continue
             lease = self.leases.get(job_id)
             if lease is not None and lease.live:
@@ -749,6 +754,7 @@ class Scheduler:
         del self._queued[run.id]
         self._running[run.id] = run
         run.started_ts = time.time()
+        run.requeued_reason = None
         self.table.update(
             run,
             save=False,
@@ -1107,6 +1113,14 @@ class Scheduler:
                         self.table.refresh_progress(run)
             except Exception:
                 log.exception("evalsched: progress watch failed")
+
+
+def _waiting_reason(run: Run, reason: str) -> str:
+    """Admission's reason for a waiting run; for a preempted one, after ``preempted_by:<id>: ...``
+    (the code stays the preemption's until it starts again)."""
+    if run.requeued_reason is None:
+        return reason
+    return contract.one_line(f"{run.requeued_reason}; now {reason}", 1000)
 
 
 def _entrypoint_problem(spec: EvalSpec, cwd: str) -> tuple[str, str] | None:

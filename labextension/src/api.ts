@@ -51,7 +51,32 @@ export interface IRunRecord {
   marginal_vram_source?: string;
   /** The host memory limit asked for. */
   memory_mb?: number | null;
+  // Resume, retries and preemption; every one may be missing (older servers).
+  /** 1 for the first attempt. */
+  attempt?: number;
+  /** Times the run was preempted. */
+  preemptions?: number;
+  preemptible?: boolean;
+  /** Automatic retries allowed, and made so far. */
+  retries?: number;
+  retries_used?: number;
+  /** A failed attempt in back-off (queued, reason `retrying`) is retried then. */
+  retry_at?: string | null;
+  /** The run does not die with the server. */
+  detach?: boolean;
+  /** How each earlier attempt ended. */
+  history?: IAttemptHistoryEntry[];
   [key: string]: unknown;
+}
+
+/** How one earlier attempt of a run ended (an entry of the record's `history`). */
+export interface IAttemptHistoryEntry {
+  attempt: number;
+  state: 'failed' | 'cancelled' | 'aborted' | 'preempted' | string;
+  reason: string | null;
+  started_at: string | null;
+  finished_at: string | null;
+  episodes_done: number;
 }
 
 export interface IMetricStats {
@@ -345,6 +370,17 @@ export class EvalSchedAPI {
 
   cancelRun(id: string): Promise<IRunRecord> {
     return this._json<IRunRecord>(['runs', id, 'cancel'], undefined, {
+      method: 'POST'
+    });
+  }
+
+  /**
+   * Resume a run that failed, was aborted or cancelled (`POST /evalsched/runs/{id}/resume`): it is
+   * queued again under the same id, its attempt one more, skipping the episodes already done.
+   * 409 when the run is in another state, 404 for an unknown id.
+   */
+  resumeRun(id: string): Promise<IRunRecord> {
+    return this._json<IRunRecord>(['runs', id, 'resume'], undefined, {
       method: 'POST'
     });
   }

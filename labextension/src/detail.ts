@@ -2,7 +2,7 @@
  * The detail of one run: its record, the metrics of its summary, its error and the tail of its
  * logs. Shown inline (expanded row of the panel) and in a main-area tab.
  */
-import { MainAreaWidget } from '@jupyterlab/apputils';
+import { MainAreaWidget, showErrorMessage } from '@jupyterlab/apputils';
 import { TranslationBundle } from '@jupyterlab/translation';
 import { launchIcon, refreshIcon } from '@jupyterlab/ui-components';
 import { IDisposable } from '@lumino/disposable';
@@ -16,14 +16,22 @@ import {
   runWarnings
 } from './api';
 import {
+  attemptOf,
   executorOf,
   formatDuration,
   formatMB,
   formatNumber,
   formatTimestamp,
   h,
+  historyOf,
+  IBadgeLabels,
+  isResumable,
   isSlurm,
+  parseReason,
   parseTime,
+  preemptionsOf,
+  retriesOf,
+  retryAtOf,
   splitReason
 } from './format';
 import { evalschedIcon } from './icon';
@@ -31,6 +39,89 @@ import { EvalSchedModel, latestMetrics } from './model';
 
 /** Refresh the logs of a running run at most this often while they are shown (ms). */
 const LOG_REFRESH_MS = 2000;
+
+/**
+ * Resume a run that ended without succeeding (`POST /evalsched/runs/{id}/resume`); a refusal
+ * (409: it is not failed, aborted or cancelled; 404: unknown) shows the server's message.
+ */
+export async function resumeRun(
+  model: EvalSchedModel,
+  id: string,
+  trans: TranslationBundle
+): Promise<void> {
+  try {
+    await model.resume(id);
+  } catch (reason) {
+    await showErrorMessage(
+      trans.__('Cannot resume %1', id),
+      reason instanceof Error ? reason.message : String(reason)
+    );
+  }
+}
+
+/**
+ * Readable text of the reason codes of preemption and retries (`preempted_by:<id>`,
+ * `preempting:<id>`, `retrying`), with the server's sentence when it sent one; '' for other codes
+ * (their sentence alone says it).
+ */
+export function readableReason(
+  code: string,
+  arg: string,
+  text: string,
+  trans: TranslationBundle
+): string {
+  const by = arg || trans.__('a higher lane');
+  switch (code) {
+    case 'preempted_by':
+      return text
+        ? trans.__('preempted by %1 — %2', by, text)
+        : trans.__(
+            'preempted by %1: queued again, it resumes where it stopped when there is room',
+            by
+          );
+    case 'preempting':
+      return text
+        ? trans.__('being preempted for %1 — %2', by, text)
+        : trans.__(
+            'being preempted for %1: it stops at its next episode boundary',
+            by
+          );
+    case 'retrying':
+      return text
+        ? trans.__('automatic retry — %1', text)
+        : trans.__('waiting out the back-off before an automatic retry');
+    default:
+      return '';
+  }
+}
+
+/** The badge words of a run row, translated. */
+export function badgeLabels(trans: TranslationBundle): IBadgeLabels {
+  return {
+    attempt: n => [
+      trans.__('attempt %1', n),
+      trans.__(
+        'Attempt %1: the run was resumed or retried, skipping the episodes already done',
+        n
+      )
+    ],
+    preemptions: n => [
+      trans.__('preempted ×%1', n),
+      trans.__(
+        'Preempted by higher-priority work (times: %1); it resumed where it stopped',
+        n
+      )
+    ],
+    retries: (used, allowed) => [
+      trans.__('retry %1/%2', used, allowed),
+      trans.__('Automatic retries: %1 of %2 made', used, allowed)
+    ],
+    detached: () => [
+      trans.__('detached'),
+      trans.__('Detached: the run does not die with the Jupyter server')
+    ]
+  };
+}
 
 export interface IRunDetailOptions {
   model: EvalSchedModel;
@@ -61,6 +152,34 @@ export class RunDetailView implements IDisposable {
       className: 'jp-EvalSched-warnings',
       attrs: { 'data-testid': 'evalsched-detail-warnings' }
     });
+    this._history = h('div', {
+      className: 'jp-EvalSched-history',
+      attrs: { 'data-testid': 'evalsched-history' }
+    });
+    // In a tab (no run row beside it) the detail has the run's actions itself.
+    this._actions = h('div', { className: 'jp-EvalSched-detailActions' });
+    this._actions.hidden = true;
+    if (!options.onOpenInTab) {
+      const resume = h('button', {
+        className: 'jp-EvalSched-textButton jp-EvalSched-resume',
+        text: trans.__('Resume'),
+        title: trans.__(
+          'Resume this run: queued again under the same id, skipping the episodes already done'
+        ),
+        attrs: { type: 'button', 'data-testid': 'evalsched-resume' }
+      });
+      resume.addEventListener('click', () => {
+        const record = this._model.getRun(this._id);
+        if (record && isResumable(record.state) && !resume.disabled) {
+          resume.disabled = true;
+          void resumeRun(this._model, this._id, trans).finally(() => {
+            resume.disabled = false;
+          });
+        }
+      });
+      this._resume = resume;
+      this._actions.append(resume);
+    }
 
     this._streamButtons = (['stdout', 'stderr'] as LogStream[]).map(stream => {
       const button = h('button', {
@@ -104,8 +223,10 @@ export class RunDetailView implements IDisposable {
     });
     this._logNote = h('div', { className: 'jp-EvalSched-logNote' });
     this.node.append(
+      this._actions,
       this._info,
       this._warnings,
+      this._history,
       this._metrics,
       this._error,
       h('div', { className: 'jp-EvalSched-logs' }, [
@@ -186,6 +307,9 @@ export class RunDetailView implements IDisposable {
     const summary = this._model.getSummary(this._id);
     this._info.replaceChildren();
     this._warnings.replaceChildren();
+    this._history.replaceChildren();
+    this._actions.hidden =
+      !this._resume || !record || !isResumable(record.state);
     if (!record) {
       this._info.append(
         h('dt', { text: trans.__('Run') }),
@@ -195,11 +319,62 @@ export class RunDetailView implements IDisposable {
     }
     const started = parseTime(record.started_at);
     const finished = parseTime(record.finished_at);
+    const reason = parseReason(record.reason);
+    const readable = readableReason(reason.code, reason.arg, '', trans);
+    const attempt = attemptOf(record);
+    const history = historyOf(record);
+    const preemptions = preemptionsOf(record);
+    const retries = retriesOf(record);
+    const retryAt = retryAtOf(record);
     const rows: [string, string | null, string?][] = [
       [trans.__('Run id'), record.id],
       [trans.__('Name'), record.name],
       [trans.__('State'), record.state],
-      [trans.__('Reason'), record.reason || null],
+      [
+        trans.__('Reason'),
+        record.reason
+          ? readable && !reason.text
+            ? `${record.reason} (${readable})`
+            : record.reason
+          : null,
+        'reason'
+      ],
+      [
+        trans.__('Attempt'),
+        attempt > 1 || history.length ? String(attempt) : null,
+        'attempt'
+      ],
+      [
+        trans.__('Preempted'),
+        preemptions > 0 ? trans._n('%1 time', '%1 times', preemptions) : null,
+        'preemptions'
+      ],
+      [
+        trans.__('Preemptible'),
+        record.preemptible === true
+          ? trans.__('yes: a higher lane may stop it at an episode boundary')
+          : null,
+        'preemptible'
+      ],
+      [
+        trans.__('Automatic retries'),
+        retries.allowed > 0
+          ? trans.__('%1 of %2 made', retries.used, retries.allowed)
+          : null,
+        'retries'
+      ],
+      [
+        trans.__('Retry at'),
+        retryAt ? formatTimestamp(retryAt) : null,
+        'retry_at'
+      ],
+      [
+        trans.__('Detached'),
+        record.detach === true
+          ? trans.__('yes: it does not die with the server')
+          : null,
+        'detach'
+      ],
       [trans.__('Priority'), record.priority],
       [trans.__('Submitted'), formatTimestamp(record.submitted_at)],
       [trans.__('Started'), formatTimestamp(record.started_at)],
@@ -333,6 +508,81 @@ export class RunDetailView implements IDisposable {
       );
     }
 
+    // How each earlier attempt ended: one line each, oldest first.
+    if (history.length) {
+      this._history.append(
+        h('span', {
+          className: 'jp-EvalSched-subhead',
+          text: trans.__('Earlier attempts')
+        })
+      );
+      for (const entry of history) {
+        const end = parseReason(entry.reason);
+        const from = parseTime(entry.started_at);
+        const to = parseTime(entry.finished_at);
+        const ran =
+          from !== null && to !== null ? formatDuration(to - from) : null;
+        this._history.append(
+          h(
+            'div',
+            {
+              className: 'jp-EvalSched-attemptEnd',
+              title: entry.reason ?? undefined,
+              attrs: {
+                'data-testid': 'evalsched-history-entry',
+                'data-attempt': String(entry.attempt),
+                'data-state': entry.state,
+                'data-reason-code': end.code,
+                'data-episodes-done':
+                  entry.episodes_done === null
+                    ? ''
+                    : String(entry.episodes_done)
+              }
+            },
+            [
+              h('span', {
+                className: 'jp-EvalSched-attemptNumber',
+                text: trans.__('attempt %1', entry.attempt)
+              }),
+              h('span', {
+                className: 'jp-EvalSched-state',
+                text: entry.state,
+                attrs: { 'data-state': entry.state }
+              }),
+              entry.reason
+                ? h('span', {
+                    className: 'jp-EvalSched-reasonCode',
+                    text: end.head
+                  })
+                : null,
+              entry.reason && end.text
+                ? h('span', {
+                    className: 'jp-EvalSched-reasonText',
+                    text: end.text
+                  })
+                : null,
+              entry.episodes_done !== null
+                ? h('span', {
+                    className: 'jp-EvalSched-attemptEpisodes',
+                    text: trans._n(
+                      '%1 episode done',
+                      '%1 episodes done',
+                      entry.episodes_done
+                    )
+                  })
+                : null,
+              ran
+                ? h('span', {
+                    className: 'jp-EvalSched-muted',
+                    text: trans.__('ran %1', ran)
+                  })
+                : null
+            ]
+          )
+        );
+      }
+    }
+
     this._metrics.replaceChildren();
     const metrics = latestMetrics(record, summary);
     const names = Object.keys(metrics).sort();
@@ -463,6 +713,9 @@ export class RunDetailView implements IDisposable {
   private _metrics: HTMLElement;
   private _error: HTMLElement;
   private _warnings: HTMLElement;
+  private _history: HTMLElement;
+  private _actions: HTMLElement;
+  private _resume: HTMLButtonElement | null = null;
   private _log: HTMLElement;
   private _logNote: HTMLElement;
   private _streamButtons: HTMLButtonElement[];

@@ -184,3 +184,178 @@ export function slurmLabel(record: ISlurmFields): string {
     typeof record.slurm_state === 'string' ? record.slurm_state : '';
   return [job ? `SLURM ${job}` : 'SLURM', state].filter(Boolean).join(' · ');
 }
+
+/**
+ * A reason in the contract's shape: `code`, `code:arg`, `code: sentence` or `code:arg: sentence`.
+ * `code` is the bare code (what the server's `reason_code` gives), `head` is code and argument as
+ * written (`exit_code:3`), `text` the human sentence (may be empty).
+ */
+export function parseReason(reason: string | null | undefined): {
+  code: string;
+  arg: string;
+  head: string;
+  text: string;
+} {
+  const { code: head, text } = splitReason(reason);
+  const at = head.indexOf(':');
+  return at < 0
+    ? { code: head, arg: '', head, text }
+    : { code: head.slice(0, at), arg: head.slice(at + 1), head, text };
+}
+
+/** The retry and preemption fields of a run record (all absent on older servers). */
+export interface IAttemptFields {
+  attempt?: unknown;
+  preemptions?: unknown;
+  preemptible?: unknown;
+  retries?: unknown;
+  retries_used?: unknown;
+  retry_at?: unknown;
+  detach?: unknown;
+  history?: unknown;
+  [key: string]: unknown;
+}
+
+/** How one earlier attempt of a run ended (an entry of its `history`). */
+export interface IAttemptEnd {
+  attempt: number;
+  state: string;
+  reason: string | null;
+  started_at: string | null;
+  finished_at: string | null;
+  episodes_done: number | null;
+}
+
+function wholeNumber(value: unknown): number | null {
+  return typeof value === 'number' && Number.isFinite(value) && value >= 0
+    ? Math.floor(value)
+    : null;
+}
+
+/** The attempt a run is on: 1 for the first (also when the server does not say). */
+export function attemptOf(record: IAttemptFields): number {
+  return Math.max(1, wholeNumber(record.attempt) ?? 1);
+}
+
+/** How many times a run was preempted (0 when the server does not say). */
+export function preemptionsOf(record: IAttemptFields): number {
+  return wholeNumber(record.preemptions) ?? 0;
+}
+
+/** Automatic retries: allowed, and made so far (0 and 0 when the server does not say). */
+export function retriesOf(record: IAttemptFields): {
+  allowed: number;
+  used: number;
+} {
+  return {
+    allowed: wholeNumber(record.retries) ?? 0,
+    used: wholeNumber(record.retries_used) ?? 0
+  };
+}
+
+/** When a run in back-off is retried (`retry_at`), or null. */
+export function retryAtOf(record: IAttemptFields): string | null {
+  return typeof record.retry_at === 'string' && record.retry_at
+    ? record.retry_at
+    : null;
+}
+
+/** How each earlier attempt ended, oldest first ([] when the server sends no history). */
+export function historyOf(record: IAttemptFields): IAttemptEnd[] {
+  const history = record.history;
+  if (!Array.isArray(history)) {
+    return [];
+  }
+  const text = (v: unknown) => (typeof v === 'string' && v ? v : null);
+  return history
+    .filter(
+      (e): e is { [key: string]: unknown } =>
+        !!e && typeof e === 'object' && !Array.isArray(e)
+    )
+    .map((e, i) => ({
+      attempt: Math.max(1, wholeNumber(e.attempt) ?? i + 1),
+      state: typeof e.state === 'string' ? e.state : '',
+      reason: text(e.reason),
+      started_at: text(e.started_at),
+      finished_at: text(e.finished_at),
+      episodes_done: wholeNumber(e.episodes_done)
+    }))
+    .sort((a, b) => a.attempt - b.attempt);
+}
+
+/** A badge of a run row: what sets this attempt apart from a plain first run. */
+export interface IRunBadge {
+  kind: 'attempt' | 'preemptions' | 'retries' | 'detached';
+  text: string;
+  title: string;
+}
+
+/** The words of the badges (the panel passes translated ones). */
+export interface IBadgeLabels {
+  attempt(attempt: number): [text: string, title: string];
+  preemptions(preemptions: number): [text: string, title: string];
+  retries(used: number, allowed: number): [text: string, title: string];
+  detached(): [text: string, title: string];
+}
+
+export const BADGE_LABELS: IBadgeLabels = {
+  attempt: n => [
+    `attempt ${n}`,
+    `Attempt ${n}: the run was resumed or retried, skipping the episodes already done`
+  ],
+  preemptions: n => [
+    `preempted ×${n}`,
+    `Preempted by higher-priority work (times: ${n}); it resumed where it stopped`
+  ],
+  retries: (used, allowed) => [
+    `retry ${used}/${allowed}`,
+    `Automatic retries: ${used} of ${allowed} made`
+  ],
+  detached: () => [
+    'detached',
+    'Detached: the run does not die with the Jupyter server'
+  ]
+};
+
+/**
+ * The badges of a run row: `attempt N` (N > 1), `preempted ×N` (N > 0), `retry k/n` (n > 0
+ * automatic retries allowed, k made) and `detached`. None for a plain run or an older server.
+ */
+export function runBadges(
+  record: IAttemptFields,
+  labels: IBadgeLabels = BADGE_LABELS
+): IRunBadge[] {
+  const badges: IRunBadge[] = [];
+  const badge = (kind: IRunBadge['kind'], [text, title]: [string, string]) =>
+    badges.push({ kind, text, title });
+  const attempt = attemptOf(record);
+  if (attempt > 1) {
+    badge('attempt', labels.attempt(attempt));
+  }
+  const preemptions = preemptionsOf(record);
+  if (preemptions > 0) {
+    badge('preemptions', labels.preemptions(preemptions));
+  }
+  const { allowed, used } = retriesOf(record);
+  if (allowed > 0) {
+    badge('retries', labels.retries(used, allowed));
+  }
+  if (record.detach === true) {
+    badge('detached', labels.detached());
+  }
+  return badges;
+}
+
+/** Seconds until a run in back-off is retried (0 once due), or null without a `retry_at`. */
+export function retryInSeconds(
+  retryAt: string | null | undefined,
+  now = Date.now()
+): number | null {
+  const at = parseTime(retryAt);
+  return at === null ? null : Math.max(0, Math.ceil((at - now) / 1000));
+}
+
+/** The run states that Resume applies to (a run that ended without succeeding). */
+export function isResumable(state: string): boolean {
+  return state === 'failed' || state === 'aborted' || state === 'cancelled';
+}

@@ -30,6 +30,7 @@ import {
   runWarnings,
   TERMINAL_STATES
 } from './api';
+import { attemptOf } from './format';
 
 /** How the model currently gets its data. */
 export type ConnectionMode = 'connecting' | 'live' | 'polling' | 'offline';
@@ -103,6 +104,17 @@ function sameUsage(a: IRunRecord, b: IRunRecord): boolean {
     JSON.stringify(a.observed ?? null) === JSON.stringify(b.observed ?? null) &&
     a.marginal_vram_source === b.marginal_vram_source &&
     a.memory_mb === b.memory_mb
+  );
+}
+
+/** True when two records of a run agree on its attempt, retries, preemptions and history. */
+function sameAttempt(a: IRunRecord, b: IRunRecord): boolean {
+  return (
+    a.attempt === b.attempt &&
+    a.preemptions === b.preemptions &&
+    a.retries_used === b.retries_used &&
+    a.retry_at === b.retry_at &&
+    (a.history?.length ?? 0) === (b.history?.length ?? 0)
   );
 }
 
@@ -279,6 +291,20 @@ export class EvalSchedModel implements IDisposable {
   /** Cancel a run; the new record comes back at once and through the event stream. */
   async cancel(id: string): Promise<IRunRecord> {
     const record = await this.api.cancelRun(id);
+    if (this._upsert(record, true)) {
+      this._onStateChange();
+    }
+    this._changed.emit();
+    return record;
+  }
+
+  /**
+   * Resume a run that failed, was aborted or cancelled: the answer (the run queued again, its
+   * attempt one more) moves it from the finished runs to the queue at once; the rest comes through
+   * the event stream.
+   */
+  async resume(id: string): Promise<IRunRecord> {
+    const record = await this.api.resumeRun(id);
     if (this._upsert(record, true)) {
       this._onStateChange();
     }
@@ -747,6 +773,10 @@ export class EvalSchedModel implements IDisposable {
     before?: IRunRecord;
   } {
     const before = this._records.get(record.id);
+    if (before && attemptOf(record) < attemptOf(before)) {
+      // A read made before the run was resumed or retried (attempts only grow): stale.
+      return { merged: before, before };
+    }
     const merged = before ? { ...before, ...record } : record;
     this._records.set(record.id, merged);
     if (before) {
@@ -755,7 +785,8 @@ export class EvalSchedModel implements IDisposable {
         before.progress?.done !== merged.progress?.done ||
         before.reason !== merged.reason ||
         before.finished_at !== merged.finished_at ||
-        !sameUsage(before, merged)
+        !sameUsage(before, merged) ||
+        !sameAttempt(before, merged)
       ) {
         this._runChanged.emit(merged);
       }

@@ -29,17 +29,31 @@ import {
   leaseHolder,
   runWarnings
 } from './api';
-import { RunDetailView } from './detail';
 import {
+  badgeLabels,
+  readableReason,
+  resumeRun,
+  RunDetailView
+} from './detail';
+import {
+  attemptOf,
   colorSlot,
   executorOf,
   formatAgo,
   formatDuration,
   formatMB,
   formatNumber,
+  formatTimestamp,
   h,
+  IBadgeLabels,
+  isResumable,
   isSlurm,
+  parseReason,
   parseTime,
+  preemptionsOf,
+  retryAtOf,
+  retryInSeconds,
+  runBadges,
   slurmLabel,
   splitReason
 } from './format';
@@ -76,6 +90,7 @@ export class EvalSchedPanel extends Widget {
     this.model = options.model;
     this._trans = options.trans;
     this._logTail = options.logTail;
+    this._badgeLabels = badgeLabels(options.trans);
     this._openInTab = options.openInTab;
     const trans = this._trans;
 
@@ -1005,6 +1020,11 @@ export class EvalSchedPanel extends Widget {
     return this._trans;
   }
 
+  /** @internal The badge words of run rows, translated. */
+  get badgeLabels(): IBadgeLabels {
+    return this._badgeLabels;
+  }
+
   /** @internal */
   openInTab(id: string): void {
     this._openInTab(id);
@@ -1045,6 +1065,11 @@ export class EvalSchedPanel extends Widget {
             : String(reason);
       await showErrorMessage(trans.__('Cannot cancel %1', record.id), message);
     }
+  }
+
+  /** @internal Resume a run that ended without succeeding (no confirmation: nothing is lost). */
+  async resume(record: IRunRecord): Promise<void> {
+    await resumeRun(this.model, record.id, this._trans);
   }
 
   /** @internal Ask for confirmation, then release a lease (DELETE /evalsched/leases/{id}). */
@@ -1095,6 +1120,7 @@ export class EvalSchedPanel extends Widget {
   }
 
   private _trans: TranslationBundle;
+  private _badgeLabels: IBadgeLabels;
   private _logTail: number;
   private _openInTab: (id: string) => void;
   private _conn: HTMLElement;
@@ -1275,6 +1301,24 @@ class RunRow {
         void this._panel.confirmCancel(record);
       }
     });
+    this._resume = h('button', {
+      className: 'jp-EvalSched-textButton jp-EvalSched-resume',
+      text: trans.__('Resume'),
+      title: trans.__(
+        'Resume this run: queued again under the same id, skipping the episodes already done'
+      ),
+      attrs: { type: 'button', 'data-testid': 'evalsched-resume' }
+    });
+    this._resume.hidden = true;
+    this._resume.addEventListener('click', () => {
+      const record = this._record;
+      if (record && isResumable(record.state) && !this._resume.disabled) {
+        this._resume.disabled = true;
+        void this._panel.resume(record).finally(() => {
+          this._resume.disabled = false;
+        });
+      }
+    });
     this._meta = h('div', { className: 'jp-EvalSched-runMeta' });
     this._reason = h('div', {
       className: 'jp-EvalSched-reason',
@@ -1309,6 +1353,7 @@ class RunRow {
         this._position,
         this._name,
         this._state,
+        this._resume,
         this._cancel
       ]),
       this._meta,
@@ -1347,8 +1392,11 @@ class RunRow {
     node.dataset.state = record.state;
     node.dataset.section = section;
     node.dataset.priority = record.priority;
-    const { code, text } = splitReason(record.reason);
+    const { code, arg, head, text } = parseReason(record.reason);
     node.dataset.reasonCode = code;
+    node.dataset.reasonArg = arg;
+    node.dataset.attempt = String(attemptOf(record));
+    node.dataset.preemptions = String(preemptionsOf(record));
     node.dataset.progressDone = String(record.progress?.done ?? 0);
     node.dataset.progressTotal = String(record.progress?.total ?? 0);
     node.dataset.executor = executorOf(record);
@@ -1368,6 +1416,7 @@ class RunRow {
     this._state.textContent = record.state;
     this._state.dataset.state = record.state;
     this._cancel.hidden = isTerminal(record.state);
+    this._resume.hidden = !isResumable(record.state);
 
     // Warnings (over_vram, …): a badge with the first code; the full texts as its tooltip.
     const warnings = runWarnings(record);
@@ -1413,6 +1462,17 @@ class RunRow {
         })
       );
     }
+    // Attempt, preemptions, automatic retries, detached: only what sets the run apart.
+    for (const badge of runBadges(record, this._panel.badgeLabels)) {
+      parts.push(
+        h('span', {
+          className: `jp-EvalSched-badge jp-EvalSched-badge-${badge.kind}`,
+          text: badge.text,
+          title: badge.title,
+          attrs: { 'data-testid': `evalsched-${badge.kind}` }
+        })
+      );
+    }
     if (isSlurm(record)) {
       // Not on this host's GPUs: the SLURM job and its state instead of VRAM and devices.
       const job =
@@ -1455,12 +1515,36 @@ class RunRow {
     parts.push(this._time);
     this._meta.replaceChildren(...parts);
 
-    // Reason: the pending reason of a queued run, the end reason of a finished one.
-    this._reason.hidden = !record.reason || section === 'running';
+    // Reason: the pending reason of a queued run, the end reason of a finished one; of a running
+    // run only that it is being preempted.
+    this._reason.hidden =
+      !record.reason || (section === 'running' && code !== 'preempting');
+    this._retry = null;
     if (record.reason) {
+      const readable = readableReason(code, arg, text, trans);
+      const retryAt = code === 'retrying' ? retryAtOf(record) : null;
+      if (retryAt) {
+        this._retry = h('span', {
+          className: 'jp-EvalSched-retryAt',
+          title: trans.__('Retry at %1', formatTimestamp(retryAt) ?? retryAt),
+          attrs: {
+            'data-testid': 'evalsched-retry-at',
+            'data-retry-at': retryAt
+          }
+        });
+      }
       this._reason.replaceChildren(
-        h('span', { className: 'jp-EvalSched-reasonCode', text: code }),
-        text ? h('span', { className: 'jp-EvalSched-reasonText', text }) : ''
+        h('span', { className: 'jp-EvalSched-reasonCode', text: head }),
+        this._retry ?? '',
+        readable
+          ? h('span', {
+              className: 'jp-EvalSched-reasonText',
+              text: readable,
+              attrs: { 'data-readable': 'true' }
+            })
+          : text
+            ? h('span', { className: 'jp-EvalSched-reasonText', text })
+            : ''
       );
       this._reason.title = record.reason;
     }
@@ -1544,6 +1628,21 @@ class RunRow {
     if (this._time.textContent !== text) {
       this._time.textContent = text;
     }
+    if (this._retry) {
+      const seconds = retryInSeconds(this._retry.dataset.retryAt, now);
+      const when =
+        seconds === null
+          ? ''
+          : seconds > 0
+            ? this._panel.trans.__(
+                'retry in %1',
+                formatDuration(seconds * 1000)
+              )
+            : this._panel.trans.__('retrying now');
+      if (this._retry.textContent !== when) {
+        this._retry.textContent = when;
+      }
+    }
   }
 
   /** Show or hide the inline detail (record, metrics, logs). */
@@ -1591,8 +1690,10 @@ class RunRow {
   private _name: HTMLButtonElement;
   private _caret: HTMLButtonElement;
   private _cancel: HTMLButtonElement;
+  private _resume: HTMLButtonElement;
   private _meta: HTMLElement;
   private _time: HTMLElement | null = null;
+  private _retry: HTMLElement | null = null;
   private _reason: HTMLElement;
   private _progress: HTMLElement;
   private _progressFill: HTMLElement;
@@ -1672,7 +1773,7 @@ class LeaseRow {
     const trans = this._panel.trans;
     const node = this.node;
     const holder = leaseHolder(lease);
-    const { code, text } = splitReason(lease.reason);
+    const { code, head, text } = parseReason(lease.reason);
     node.dataset.state = lease.state;
     node.dataset.reasonCode = code;
     node.dataset.holder = holder;
@@ -1757,7 +1858,7 @@ class LeaseRow {
     this._reason.hidden = lease.state !== 'queued' || !lease.reason;
     if (lease.reason) {
       this._reason.replaceChildren(
-        h('span', { className: 'jp-EvalSched-reasonCode', text: code }),
+        h('span', { className: 'jp-EvalSched-reasonCode', text: head }),
         text ? h('span', { className: 'jp-EvalSched-reasonText', text }) : ''
       );
       this._reason.title = lease.reason;

@@ -378,6 +378,7 @@ class LocalExecutor(Executor):
         """A detached run still running from an earlier server: followed again, its resources
         held, its timeout counted from its start."""
         cgroup = self.cgroups.existing(run.id) if self.cgroups is not None else None
+        self._clear_stop(run)  # a preemption the dead server asked for is no one's any more
         self.launcher.adopt(run.id, pid, create_time, cgroup)
         if cgroup is not None:
             self._cgroups[run.id] = cgroup
