@@ -487,3 +487,118 @@ def test_schemathesis_finds_no_5xx(tmp_path):
         assert not strays, strays
     finally:
         server.cleanup()
+
+
+# ----------------------------------------------------------------------------- preemption churn
+
+
+def test_preemption_and_retry_churn_loses_and_doubles_no_episode(tmp_path):
+    """Low preemptible runs (some with workers, some crashing once and retried) filling two GPUs
+    while high runs keep arriving: every run succeeds, every episode index is in its
+    episodes.jsonl exactly once, scores equal an uninterrupted run's, no run is preempted beyond
+    the limit, and the ledger is never overcommitted."""
+    from jupyter_evalsched.examples.basic import _unit_float
+
+    runs = tmp_path / "runs"
+    extra = [
+        *FAST,
+        "--EvalSchedApp.preempt_min_runtime_s=0.2",
+        "--EvalSchedApp.preempt_grace_s=10",
+        "--EvalSchedApp.retry_backoff_s=0.1",
+    ]
+    server = LocalServer(virtual_gpus="16000,16000", runs_dir=str(runs), cpu_slots=8, extra_args=extra)
+    overcommits: list[dict] = []
+    stop = threading.Event()
+
+    def watch_ledger(client) -> None:
+        while not stop.is_set():
+            try:
+                for dev in client.ledger()["devices"]:
+                    if dev["allocated_mb"] > dev["usable_mb"]:
+                        overcommits.append(dev)
+            except EvalSchedError:
+                pass
+            time.sleep(0.02)
+
+    try:
+        c = server.client()
+        watcher = threading.Thread(target=watch_ledger, args=(server.client(),), daemon=True)
+        watcher.start()
+        low = []
+        for i in range(8):
+            spec = {
+                "entrypoint": SLEEPY,
+                "episodes": 40,
+                "seed": 1000 * i,
+                "workers": 1 + i % 2,
+                "params": {"sleep_s": 0.03},
+                "cwd": "/",
+                "scheduling": {"marginal_vram_mb": 8000, "priority": "low"},
+            }
+            low.append(c.submit(spec))
+        crashing = [
+            c.submit(
+                {
+                    "entrypoint": "jupyter_evalsched.examples.basic:crash",
+                    "episodes": 20,
+                    "params": {"how": "sigkill", "at": 7, "until_attempt": 1, "sleep_s": 0.03},
+                    "retries": 1,
+                    "cwd": "/",
+                    "scheduling": {"marginal_vram_mb": 8000, "priority": "low"},
+                }
+            )
+            for _ in range(2)
+        ]
+        high = []
+        for i in range(10):
+            time.sleep(0.3)
+            high.append(
+                c.submit(
+                    {
+                        "entrypoint": SLEEPY,
+                        "episodes": 3,
+                        "seed": 7 + i,
+                        "params": {"sleep_s": 0.05},
+                        "cwd": "/",
+                        "scheduling": {"marginal_vram_mb": 8000, "priority": "high"},
+                    }
+                )
+            )
+        everything = low + crashing + high
+        finals = {
+            r["id"]: wait_until(
+                lambda r=r: (lambda x: x if x["state"] in TERMINAL else None)(c.get(r["id"])), timeout=300
+            )
+            for r in everything
+        }
+        stop.set()
+        watcher.join(timeout=5)
+    finally:
+        stop.set()
+        server.cleanup()
+
+    bad = {k: v for k, v in finals.items() if v["state"] != "succeeded"}
+    if bad:
+        Path("/tmp/churn_fail.json").write_text(json.dumps(bad, indent=1))
+    assert {f["state"] for f in finals.values()} == {"succeeded"}, [
+        (json.dumps(v), (runs / k / "stderr.log").read_text()[-1500:])
+        for k, v in finals.items()
+        if v["state"] != "succeeded"
+    ]
+    preemptions = sum(f["preemptions"] for f in finals.values())
+    for rec in everything:
+        final = finals[rec["id"]]
+        lines = [json.loads(x) for x in (runs / rec["id"] / "episodes.jsonl").read_text().splitlines()]
+        total = final["progress"]["total"]
+        assert sorted(e["index"] for e in lines) == list(range(total)), rec["id"]
+        assert final["preemptions"] <= 3 and (runs / rec["id"] / "_DONE").exists()
+        assert not (runs / rec["id"] / "_STOP").exists()
+        if rec in low:
+            seed = 1000 * low.index(rec)
+            expected = sum(_unit_float(seed + i) for i in range(total)) / total
+            assert abs(final["metrics"]["score"]["mean"] - expected) < 1e-9
+    assert all(f["preemptions"] == 0 for f in (finals[r["id"]] for r in high))
+    assert all(finals[r["id"]]["retries_used"] == 1 for r in crashing)
+    assert not overcommits, overcommits[:3]
+    assert preemptions > 0, "the high runs never preempted anything"
+    print(f"\npreemption churn: {len(everything)} runs, {preemptions} preemptions, all succeeded, no episode twice")

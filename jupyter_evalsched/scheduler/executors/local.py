@@ -215,8 +215,8 @@ class LocalExecutor(Executor):
             if run.preempted_by is not None:
                 if verdict is None and not (run.kill_reason or run.cancel_requested or run.timed_out):
                     # Stopped at an episode boundary (or signalled after its grace): next attempt.
-                    table.requeue(run, preempted_plan(run.record, run.preempted_by), quiet=True)
-                    if not run.terminal and run.state == QUEUED:
+                    # (The next attempt may be admitted, even started, before requeue returns.)
+                    if table.requeue(run, preempted_plan(run.record, run.preempted_by), quiet=True):
                         return
                 else:
                     self._clear_stop(run)  # it ended on its own first: the _STOP is moot
@@ -369,8 +369,7 @@ class LocalExecutor(Executor):
             else "the server died or shut down while it ran"
         )
         if self.ctx.config.auto_resume:
-            table.requeue(run, restart_plan(run.record, why), quiet=True)
-            if run.state == QUEUED:
+            if table.requeue(run, restart_plan(run.record, why), quiet=True):
                 return
         table.finish(run, ABORTED, contract.reason(contract.SERVER_RESTART, why))
 
@@ -410,8 +409,7 @@ class LocalExecutor(Executor):
             if run is None:
                 continue
             if self.ctx.config.auto_resume:
-                table.requeue(run, restart_plan(run.record, why), quiet=True)
-                if run.state == QUEUED:
+                if table.requeue(run, restart_plan(run.record, why), quiet=True):
                     continue
             table.finish(run, ABORTED, contract.reason(contract.SERVER_RESTART, why))
         if self.cgroups is not None and self.cgroups.enabled:
