@@ -156,3 +156,30 @@ async def test_one_squeue_per_poll_with_many_jobs_and_back_off_while_nothing_cha
     before = cli.calls["squeue"]
     await executor.sweep()
     assert cli.calls["squeue"] == before + 1
+
+
+def test_slurm_runs_retry_and_resume_through_sbatch(tmp_path, cleanup):
+    """A SLURM run that dies is retried as a new SLURM job (its attempt reaches the job through the
+    exported environment) and skips the episodes done; a failed one resumes the same way."""
+    runs = tmp_path / "runs"
+    with server(runs) as srv:
+        c = srv.client()
+        retried = c.submit(
+            slurm_run(
+                entry=CRASH, episodes=3, params={"how": "exit", "code": 3, "at": 1, "until_attempt": 1}, retries=1
+            )
+        )
+        failed = c.submit(slurm_run(entry=CRASH, episodes=2, params={"how": "exception", "at": 1, "until_attempt": 1}))
+        r = final(c, retried["id"])
+        assert r["state"] == "succeeded" and r["attempt"] == 2 and r["retries_used"] == 1, r
+        assert r["history"][0]["reason"].startswith("exit_code:3"), r["history"]
+        lines = [json.loads(x) for x in (runs / retried["id"] / "episodes.jsonl").read_text().splitlines()]
+        assert [(e["index"], e["attempt"]) for e in lines] == [(0, 1), (1, 2), (2, 2)]
+        first_job = r["history"][0]
+        r = final(c, failed["id"])
+        assert r["state"] == "failed" and r["reason"].startswith("exception")
+        job_before = r["slurm_job_id"]
+        assert c.handle(failed["id"]).resume()["attempt"] == 2
+        r = final(c, failed["id"])
+        assert r["state"] == "succeeded" and r["attempt"] == 2 and r["slurm_job_id"] != job_before, r
+        assert first_job["episodes_done"] == 1

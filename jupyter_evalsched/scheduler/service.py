@@ -508,8 +508,9 @@ class Scheduler:
         if executor is None:
             return
         if not executor.uses_ledger:
-            if self._started and not self._stopping:
-                executor.submit(run)  # handed over again (SLURM)
+            if self._started and not self._stopping and self._loop is not None:
+                # Handed over again (SLURM), after the retry's back-off.
+                self._loop.call_later(plan.delay_s, self._hand_over_again, run.id)
             return
         # Why it is back in the queue stays its reason while it waits (admission's reason follows).
         run.requeued_reason = plan.reason if contract.reason_code(plan.reason) == contract.PREEMPTED_BY else None
@@ -526,6 +527,15 @@ class Scheduler:
             self._admit()  # what it held goes to the next in line at once
         else:
             self.request_admission()
+
+    def _hand_over_again(self, run_id: str) -> None:
+        run = self.table.get(run_id)
+        executor = self.executors.get(run.executor) if run is not None else None
+        if run is None or executor is None or run.state != QUEUED or self._stopping:
+            return  # cancelled meanwhile
+        if run.record.get("retry_at"):
+            self.table.update(run, save=False, retry_at=None)
+        executor.submit(run)
 
     def _retry_due(self, run_id: str) -> None:
         self._backoff.pop(run_id, None)
