@@ -268,3 +268,16 @@ async def _state(api, run_id: str, state: str):
 async def test_detached_runs_cannot_use_shared_models(api):
     code, body = await api("POST", "runs", spec(detach=True, models=["tiny"]))
     assert code == 422 and any(d["loc"] == ["detach"] for d in body["detail"]), body
+
+
+async def test_a_resumed_run_keeps_its_timeout(api, wait_for):
+    """The next attempt gets its own timeout_s (counted from its start): resuming never disarms it."""
+    rec = await submit(api, spec(episodes=200, sleep_s=0.05, timeout_s=1.0))
+    first = await wait_for(rec["id"])
+    assert first["state"] == "failed" and first["reason"].startswith("timeout"), first
+    code, resumed = await api("POST", f"runs/{rec['id']}/resume")
+    assert code == 200, resumed
+    second = await wait_for(rec["id"], timeout=20)
+    assert second["state"] == "failed" and second["reason"].startswith("timeout"), second
+    assert second["attempt"] == 2 and second["progress"]["done"] < 200
+    assert [h["reason"].split(":")[0] for h in second["history"]] == ["timeout"]

@@ -500,7 +500,7 @@ class Scheduler:
         """A run queued again (resume, retry, preemption, restart): back to admission, after its
         back-off; what it held is free at once."""
         self._queued.pop(run.id, None)
-        held = self._running.pop(run.id, None) is not None
+        self._running.pop(run.id, None)
         timer = self._backoff.pop(run.id, None)
         if timer is not None:
             timer.cancel()
@@ -522,10 +522,9 @@ class Scheduler:
             return
         if self._admitting:
             self._decide_again = True
-        elif held:
-            self._settled = False
-            self._admit()  # what it held goes to the next in line at once
         else:
+            # Soon, not now: every requeue listener (the executor's clean-up of the attempt that
+            # ended) runs first, and the caller finishes with the run before its next attempt.
             self.request_admission()
 
     def _hand_over_again(self, run_id: str) -> None:

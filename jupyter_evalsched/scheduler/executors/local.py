@@ -63,6 +63,7 @@ class LocalExecutor(Executor):
         self._starting: dict[str, asyncio.Task[None]] = {}  # admitted runs waiting for their model host
         self._cgroups: dict[str, RunCgroup] = {}  # the live runs' cgroups
         self._preempt_timers: dict[str, asyncio.TimerHandle] = {}
+        self._stopping = False
 
     def bind(self, ctx: ExecutorContext) -> None:
         super().bind(ctx)
@@ -84,6 +85,9 @@ class LocalExecutor(Executor):
     def _launch_now(self, run: Run) -> None:
         if run.terminal or run.state != contract.RUNNING:
             return  # cancelled meanwhile
+        if self._stopping:  # admitted, then the server began to shut down: it loses nothing
+            self.ctx.table.update(run, state=QUEUED, reason=None, devices=[], started_at=None)
+            return
         if run.cancel_requested:
             self.ctx.table.finish(
                 run,
@@ -398,6 +402,7 @@ class LocalExecutor(Executor):
         """Shutdown: running runs are killed and end ``aborted`` (rule 4). Runs admitted but not
         started (waiting for their model host) lose nothing: they go back to the queue."""
         table = self.ctx.table
+        self._stopping = True
         for run_id, task in list(self._starting.items()):
             task.cancel()
             run = table.get(run_id)
