@@ -24,6 +24,7 @@ ABORTED = "aborted"
 STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, ABORTED)
 ACTIVE_STATES = frozenset({QUEUED, RUNNING})
 TERMINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED, ABORTED})
+RESUMABLE_STATES = frozenset({FAILED, CANCELLED, ABORTED})  # POST /runs/{id}/resume queues them again
 
 # Leases (VRAM held for interactive work): their own three states.
 LEASE_QUEUED = "queued"

@@ -45,6 +45,7 @@ from .contract import (
     CANCELLED,
     FAILED,
     QUEUED,
+    RESUMABLE_STATES,
     RUNNING,
     SCHEDULING_DEFAULTS,
     SUCCEEDED,
@@ -585,8 +586,9 @@ class QueueWidget(widgets.VBox):
 
 class RunProgress(widgets.VBox):
     """One run: a progress bar with state, elapsed time, reason and latest metrics, and a cancel
-    button. ``live=True`` follows the run in a background thread until it ends; ``live=False``
-    leaves the updates to the caller (``update(record)``), as ``RunHandle.wait`` does."""
+    button (a resume button once it failed, was aborted or cancelled). ``live=True`` follows the
+    run in a background thread until it ends (and again after a resume); ``live=False`` leaves the
+    updates to the caller (``update(record)``), as ``RunHandle.wait`` does."""
 
     def __init__(
         self,
@@ -613,23 +615,24 @@ class RunProgress(widgets.VBox):
         self._status = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
         self._button = widgets.Button(description="Cancel", icon="times", layout=widgets.Layout(width="auto"))
         self._button.on_click(lambda _b: self._cancel())
+        self._resume_button = widgets.Button(
+            description="Resume", icon="redo", layout=widgets.Layout(width="auto", display="none")
+        )
+        self._resume_button.on_click(lambda _b: self._resume())
         super().__init__(
             children=[
                 self._title,
-                widgets.HBox([self._bar, self._status, self._button], layout=widgets.Layout(align_items="center")),
+                widgets.HBox(
+                    [self._bar, self._status, self._button, self._resume_button],
+                    layout=widgets.Layout(align_items="center"),
+                ),
             ]
         )
         self.add_class("jupyter-evalsched-run")
 
-        self._tracker = RunTracker(self.run_id, _weakly(self.update), record=self.record)
-        self._feed = LiveFeed(
-            self.client,
-            self._tracker,
-            poll_s=poll_s,
-            safety_poll_s=safety_poll_s,
-            on_tick=_weakly(self._on_tick),
-            name=f"evalsched-run-{self.run_id}",
-        )
+        self._live = live
+        self._poll_s, self._safety_poll_s = poll_s, safety_poll_s
+        self._feed = self._new_feed(self.record)
         if live:
             self._feed.read_now()
         self.update(self._tracker.record)
@@ -657,6 +660,7 @@ class RunProgress(widgets.VBox):
         terminal = state in TERMINAL_STATES
         self._button.disabled = terminal
         self._button.layout.visibility = "hidden" if terminal else "visible"
+        self._resume_button.layout.display = "" if state in RESUMABLE_STATES else "none"
         self.update_count += 1
 
     def _status_html(self, record: dict) -> str:
@@ -691,6 +695,17 @@ class RunProgress(widgets.VBox):
             self.update(self.record)  # the elapsed clock
         return True
 
+    def _new_feed(self, record: dict) -> LiveFeed:
+        self._tracker = RunTracker(self.run_id, _weakly(self.update), record=record)
+        return LiveFeed(
+            self.client,
+            self._tracker,
+            on_tick=_weakly(self._on_tick),
+            name=f"evalsched-run-{self.run_id}",
+            poll_s=self._poll_s,
+            safety_poll_s=self._safety_poll_s,
+        )
+
     def _cancel(self) -> None:
         try:
             self.update(self.client.cancel(self.run_id))
@@ -699,6 +714,21 @@ class RunProgress(widgets.VBox):
             self._action_error = str(e)
             self.update(self.record)
         self._feed.wake()
+
+    def _resume(self) -> None:
+        """Queue the run again; a live widget follows its next attempt to its end."""
+        try:
+            record = self.client.resume(self.run_id)
+        except EvalSchedClientError as e:
+            self._action_error = str(e)
+            self.update(self.record)
+            return
+        self._action_error = None
+        self.update(record)
+        if self._live and not self._closed:
+            self._feed.stop(join=True)
+            self._feed = self._new_feed(record)  # the old tracker is done with the ended attempt
+            self._feed.start()
 
     @property
     def mode(self) -> str:
@@ -709,7 +739,7 @@ class RunProgress(widgets.VBox):
             return
         self._closed = True
         self._feed.stop(join=True)
-        for w in (self._title, self._bar, self._status, self._button):
+        for w in (self._title, self._bar, self._status, self._button, self._resume_button):
             w.close()
         for child in self.children:
             child.close()

@@ -322,3 +322,27 @@ def test_run_rows_tell_attempts():
     again = {**first, "attempt": 3, "preemptions": 1, "retries": 2, "retries_used": 1, "detach": True}
     row = run_row_html(again)
     assert "attempt 3 · preempted ×1 · retry 1/2 · detached" in row
+
+
+def test_run_progress_resumes_a_failed_run_and_follows_it(client, clean_queue):
+    rec = client.submit(
+        {
+            "entrypoint": "jupyter_evalsched.examples.basic:crash",
+            "episodes": 3,
+            "params": {"how": "exit", "code": 3, "at": 1, "until_attempt": 1},
+            "name": "resumable",
+        }
+    )
+    progress = RunProgress(rec["id"], client)
+    try:
+        wait_until(lambda: progress.record["state"] == "failed", timeout=20)
+        assert progress._resume_button.layout.display == "" and progress._button.layout.visibility == "hidden"
+        progress._resume_button.click()
+        wait_until(lambda: progress.record["state"] == "succeeded", timeout=20)
+        assert progress.record["attempt"] == 2 and progress._resume_button.layout.display == "none"
+        assert "attempt 2" in progress._status.value
+        wait_until(lambda: not progress._feed.alive, timeout=5)
+        progress._resume_button.click()  # refused now (it succeeded): the error is shown, nothing breaks
+        assert "cannot be resumed" in progress._status.value
+    finally:
+        progress.close()

@@ -550,7 +550,7 @@ class Scheduler:
         skips the episodes already in ``episodes.jsonl``."""
         self._require_started()
         run = self.get(run_id)
-        if run.state not in (FAILED, ABORTED, CANCELLED):
+        if run.state not in contract.RESUMABLE_STATES:
             what = "it is still " + run.state if not run.terminal else "it succeeded"
             raise StateConflict(f"run {run_id} cannot be resumed: {what} (only failed, aborted or cancelled runs can)")
         if run.executor not in self.executors:
