@@ -448,7 +448,8 @@ class StatusHandler(EvalSchedHandler):
         }
         if not is_delegating(self):
             scheduler = self.scheduler
-            body.update(runs_dir=str(scheduler.store.root), counts=scheduler.counts)
+            # started: recovery has read the runs directory (until then run endpoints answer 503).
+            body.update(runs_dir=str(scheduler.store.root), counts=scheduler.counts, started=scheduler.started)
             local = scheduler.executors.get("local")
             if local is not None:
                 body["cgroups"] = local.mode.get("cgroups")

@@ -84,6 +84,8 @@ def test_two_servers_one_queue_and_failover(tmp_path):
         t0 = time.monotonic()
         wait_until(lambda: b.request("GET", "status")["role"] == "primary", timeout=15, ignore=(EvalSchedError,))
         took = time.monotonic() - t0
+        # Primary now; its scheduler answers once recovery has read the runs directory.
+        wait_until(lambda: b.request("GET", "status").get("started"), timeout=15, ignore=(EvalSchedError,))
         assert took < 5, f"failover took {took:.1f} s"
         assert b.get(long_a["id"])["state"] == "aborted"
         assert final(b, queued_b["id"])["state"] == "succeeded"
