@@ -9,6 +9,18 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import psutil
+
+
+def alive(pid: int | None) -> bool:
+    """Whether ``pid`` is a live process (a zombie, exited but not reaped, is not)."""
+    if not pid:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
 
 def _status_field(pid: int, name: str) -> str | None:
     """A field of ``/proc/<pid>/status``; None when the process is gone."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 from live_server import wait_until
+from proc_status import alive
 
 from jupyter_evalsched.client import LocalServer
 from jupyter_evalsched.examples.basic import _unit_float
@@ -41,13 +42,6 @@ def lines_of(runs: Path, run_id: str) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def kill_server(server: LocalServer) -> None:

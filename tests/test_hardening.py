@@ -18,9 +18,8 @@ import subprocess
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
-from proc_status import ignores_signal
+from proc_status import alive, ignores_signal
 from rest import CRASH, NOOP, SLEEPY, spec, submit
 from waiting import async_wait_until
 
@@ -87,15 +86,6 @@ def capped_oom(ctx, index):
 @pytest.fixture
 def evalsched_config():
     return {"cpu_slots": 16}
-
-
-def alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def only_run_dirs(runs_dir: Path) -> list[str]:

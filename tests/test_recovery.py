@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 from live_server import wait_until
+from proc_status import alive
 
 from jupyter_evalsched.client import LocalServer
 
@@ -22,13 +23,6 @@ FAST = [
     "--EvalSchedApp.sweep_interval_s=0.5",
     "--EvalSchedApp.progress_interval_s=0.05",
 ]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def long_run(vram: int, **kw) -> dict:

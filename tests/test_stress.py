@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 from live_server import wait_until
+from proc_status import alive
 
 from jupyter_evalsched.client import EvalSchedError, LocalServer
 from jupyter_evalsched.models import is_valid_run_id
@@ -33,13 +34,6 @@ FAST = [
     "--EvalSchedApp.sweep_interval_s=0.5",
     "--EvalSchedApp.progress_interval_s=0.05",
 ]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def run_dirs(runs: Path) -> list[str]:
