@@ -216,22 +216,34 @@ def tail_lines(path: Path, n: int | None, max_bytes: int = 8 * 1024 * 1024) -> s
         return "".join(lines[-n:]) if n > 0 else ""
 
 
+# (inode, mtime_ns, ctime_ns, size). Timestamps tick coarsely (a few ms here), so two versions of
+# a file written within one tick can share them and their size; an atomic replacement always
+# brings another inode, so the inode tells them apart (a reused inode number still needs the
+# rest to match as well).
+FileStamp = tuple[int, int, int, int]
+
+
+def file_stamp(st: os.stat_result) -> FileStamp:
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+
+
 @dataclass(slots=True)
 class _Cached:
-    key: tuple[int, int]
+    key: FileStamp
     value: Any
 
 
 class FileCache:
-    """Parsed JSON keyed by (mtime_ns, size): unchanged files are never parsed twice."""
+    """Parsed JSON keyed by its ``FileStamp``: unchanged files are never parsed twice."""
 
     def __init__(self, max_entries: int = 1024) -> None:
         self._entries: dict[Path, _Cached] = {}
         self._max = max_entries
         self._lock = threading.Lock()
 
-    def read_json(self, path: Path) -> Any:
-        """As :func:`read_json_file` (None when missing, RunFileError when unusable), cached."""
+    def read_json(self, path: Path, fresh: bool = False) -> Any:
+        """As :func:`read_json_file` (None when missing, RunFileError when unusable), cached;
+        ``fresh``: parsed again whatever the cache holds (a verdict must see the last version)."""
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -239,10 +251,10 @@ class FileCache:
             return None
         except OSError as exc:
             raise RunFileError(f"{Path(path).name} cannot be read: {exc.strerror or exc}") from None
-        key = (st.st_mtime_ns, st.st_size)
+        key = file_stamp(st)
         with self._lock:
             hit = self._entries.get(path)
-        if hit is not None and hit.key == key:
+        if hit is not None and hit.key == key and not fresh:
             return hit.value
         value = read_json_file(path)
         with self._lock:
@@ -430,18 +442,18 @@ class RunStore:
     def done_exists(self, run_id: str) -> bool:
         return os.path.lexists(self.file(run_id, contract.DONE_FILE))
 
-    def summary(self, run_id: str) -> Any:
-        """The run's ``summary.json`` (cached by mtime and size), None when absent; RunFileError
-        when it cannot be used."""
-        return self.cache.read_json(self.file(run_id, contract.SUMMARY_FILE))
+    def summary(self, run_id: str, fresh: bool = False) -> Any:
+        """The run's ``summary.json`` (cached by its stamp unless ``fresh``), None when absent;
+        RunFileError when it cannot be used."""
+        return self.cache.read_json(self.file(run_id, contract.SUMMARY_FILE), fresh=fresh)
 
-    def summary_stamp(self, run_id: str) -> tuple[int, int] | None:
-        """(mtime_ns, size) of ``summary.json``: a cheap test of "has it changed"."""
+    def summary_stamp(self, run_id: str) -> FileStamp | None:
+        """The ``FileStamp`` of ``summary.json``: a cheap test of "has it changed"."""
         try:
             st = os.lstat(self.file(run_id, contract.SUMMARY_FILE))
         except OSError:
             return None
-        return (st.st_mtime_ns, st.st_size)
+        return file_stamp(st)
 
     def spec(self, run_id: str) -> Any:
         """The spec as written at submission (server-owned; None when it is gone)."""

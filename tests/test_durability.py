@@ -169,3 +169,20 @@ async def test_a_shutdown_keeps_queued_and_admitted_but_unstarted_runs_queued(ap
     assert state(waiting_model["id"]) == "queued", "admitted, never started: back to the queue"
     assert [state(q["id"]) for q in queued] == ["queued", "queued"]
     assert not (runs_dir / waiting_model["id"] / "_DONE").exists()
+
+
+def test_the_file_cache_tells_two_versions_of_one_tick_apart(tmp_path):
+    """Timestamps tick coarsely: a summary replaced within one tick by another of the same size
+    (episodes_done 2 -> 3) must not be answered from the cache. The replacement's inode differs."""
+    from jupyter_evalsched.store import FileCache, atomic_write_json
+
+    path = tmp_path / "summary.json"
+    atomic_write_json(path, {"episodes_done": 2})
+    cache = FileCache()
+    assert cache.read_json(path) == {"episodes_done": 2}
+    first = os.lstat(path)
+    atomic_write_json(path, {"episodes_done": 3})
+    os.utime(path, ns=(first.st_atime_ns, first.st_mtime_ns))  # the same tick, the same size
+    assert os.lstat(path).st_size == first.st_size
+    assert cache.read_json(path) == {"episodes_done": 3}
+    assert cache.read_json(path, fresh=True) == {"episodes_done": 3}

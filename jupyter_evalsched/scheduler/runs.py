@@ -33,7 +33,7 @@ from typing import Any
 from .. import contract
 from ..contract import ACTIVE_STATES, FAILED, SUCCEEDED, TERMINAL_STATES
 from ..models import RECORD_FIELDS, RunRecord, utcnow_iso
-from ..store import RunFileError, RunStore, StoreError
+from ..store import FileStamp, RunFileError, RunStore, StoreError
 
 log = logging.getLogger("jupyter_evalsched")
 
@@ -84,7 +84,7 @@ class Run:
     started_ts: float | None = None  # time.time() of the current attempt's start
     requeued_reason: str | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
     done_on_disk: bool = False
-    summary_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the summary last applied
+    summary_stamp: FileStamp | None = None  # of the summary last applied
 
     def __post_init__(self) -> None:
         self.spec = slim_spec(self.spec)
@@ -447,7 +447,7 @@ class RunTable:
         cannot be read is a failure whose reason says what is wrong with it."""
         rid = run.id
         try:
-            summary = self.store.summary(rid)
+            summary = self.store.summary(rid, fresh=True)  # the last version, whatever its stamp
         except RunFileError as exc:
             if not self.store.done_exists(rid):
                 return None
