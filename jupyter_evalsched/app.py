@@ -176,6 +176,29 @@ class EvalSchedApp(ExtensionApp):
     ).tag(config=True)
     max_preemptions = Int(3, help="A run preempted this many times is not preempted again.").tag(config=True)
 
+    warm_start = Bool(
+        True,
+        help="Fork runs from a pre-started interpreter (a zygote) that has imported the runner and "
+        "preload_modules, so that a run does not pay for those imports. Runs whose spec sets "
+        "fresh_interpreter, detached runs, and any run the zygote is in doubt about start cold.",
+    ).tag(config=True)
+    preload_modules = List(
+        Unicode(),
+        help="Modules the zygote imports before it forks runs (e.g. torch, transformers, numpy); they must not "
+        "start threads or initialise CUDA at import. Default: $EVALSCHED_PRELOAD, comma-separated.",
+    ).tag(config=True)
+
+    @default("preload_modules")
+    def _default_preload(self) -> list[str]:
+        return [m.strip() for m in os.environ.get("EVALSCHED_PRELOAD", "").split(",") if m.strip()]
+
+    max_zygotes = Int(
+        4, help="Zygotes kept at once, one per run environment (runs whose environment differs where it matters)."
+    ).tag(config=True)
+    zygote_idle_s = Float(
+        600.0, help="A zygote for another environment than the server's own is closed after this long unused."
+    ).tag(config=True)
+
     promotion_interval_s = Float(
         1.0,
         help="How often a server that does not schedule (another holds the runs directory's lock) tries "
@@ -272,6 +295,10 @@ class EvalSchedApp(ExtensionApp):
             retry_backoff_s=self.retry_backoff_s,
             retry_backoff_max_s=self.retry_backoff_max_s,
             preempt_grace_s=self.preempt_grace_s,
+            warm_start=self.warm_start,
+            preload_modules=list(self.preload_modules),
+            max_zygotes=self.max_zygotes,
+            zygote_idle_s=self.zygote_idle_s,
         )
         executors: list[Executor] = [LocalExecutor(model_host, cgroups=self._host_cgroups())]
         if self.slurm_enabled:

@@ -419,6 +419,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     if rec.get("detach"):
         print(f"{'detached':<17}yes (does not die with the server)")
+    if rec.get("start"):
+        print(f"{'start':<17}{rec['start']} ({rec.get('start_detail') or ''})")
     print(f"{'progress':<17}{_progress(rec)}")
     summary = rec.get("summary") or {}
     for name, stats in (summary.get("metrics") or {}).items():

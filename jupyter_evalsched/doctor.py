@@ -115,6 +115,40 @@ def runner_bytecode_check(package_dir: Path | None = None) -> dict[str, Any]:
     return check("runner", OK, f"byte-compiled ({root})")
 
 
+def warm_start_check(warm: dict[str, Any]) -> dict[str, Any]:
+    """Whether runs are forked from a warm zygote, and why not when they are not."""
+    if not warm.get("enabled"):
+        return check("warm_start", DEGRADED, "off (EvalSchedApp.warm_start = False): every run starts cold", "True")
+    if warm.get("refused"):
+        return check(
+            "warm_start",
+            DEGRADED,
+            f"{warm['refused']}; every run starts cold",
+            "remove that module from preload_modules (a preload must not start threads or touch CUDA at import)",
+        )
+    zygotes = warm.get("zygotes") or []
+    ready = [z for z in zygotes if z.get("state") == "ready"]
+    preload = ", ".join(warm.get("preload") or []) or "the runner only"
+    failed = [f for z in zygotes for f in z.get("failed") or []]
+    if failed:
+        return check(
+            "warm_start",
+            DEGRADED,
+            f"could not preload {'; '.join(failed[:3])} (runs import it themselves)",
+            "fix or remove it in preload_modules",
+        )
+    if not ready:
+        states = ", ".join(f"{z.get('pid')}: {z.get('state')}" for z in zygotes) or "none yet"
+        return check("warm_start", OK, f"on, preloading {preload}; zygotes {states}")
+    first = ready[0]
+    return check(
+        "warm_start",
+        OK,
+        f"on: {len(ready)} zygote(s) ready (pid {first.get('pid')}, preloaded {preload} in {first.get('import_s')} s), "
+        f"{sum(z.get('forks') or 0 for z in zygotes)} runs forked",
+    )
+
+
 def host_checks(probe: GpuProbe, cgroups: Cgroups | None) -> list[dict[str, Any]]:
     """What the host offers, whether or not a server runs."""
     return [gpu_check(probe), cgroup_check(cgroups), runner_bytecode_check()]
@@ -140,6 +174,9 @@ def server_checks(app: EvalSchedApp, models: list[dict[str, Any]]) -> list[dict[
         out.append(
             check("enforcement", OK, f"enforce_vram = {config.enforce_vram}, tolerance {config.vram_tolerance:.0%}")
         )
+    if local is not None:
+        warm = local.mode.get("warm_start")
+        out.append(warm_start_check(warm if isinstance(warm, dict) else {}))
     runs_dir = scheduler.store.root
     broken = len(scheduler.broken)
     primary = app.role.primary()

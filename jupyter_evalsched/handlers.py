@@ -452,7 +452,9 @@ class StatusHandler(EvalSchedHandler):
             body.update(runs_dir=str(scheduler.store.root), counts=scheduler.counts, started=scheduler.started)
             local = scheduler.executors.get("local")
             if local is not None:
-                body["cgroups"] = local.mode.get("cgroups")
+                mode = local.mode
+                body["cgroups"] = mode.get("cgroups")
+                body["warm_start"] = mode.get("warm_start")
             body["enforce_vram"] = scheduler.config.enforce_vram
             body["gpu_source"] = getattr(scheduler.probe, "source", "nvml")
             body["broken_runs"] = [{"id": k, "problem": v} for k, v in sorted(scheduler.broken.items())]

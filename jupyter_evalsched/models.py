@@ -116,6 +116,9 @@ class EvalSpec(_Strict):
         description="the reason codes of failures that are retried: " + ", ".join(contract.RETRYABLE_CODES),
     )
     detach: bool = Field(False, description="the run does not die with the server; a restarted server re-attaches it")
+    fresh_interpreter: bool = Field(
+        False, description="start the run in a fresh interpreter, never forked from a warm zygote"
+    )
 
     @field_validator("retry_on")
     @classmethod
@@ -369,6 +372,10 @@ class RunRecord(BaseModel):
     retries_used: int = Field(0, description="automatic retries made (a resume through the API starts again at 0)")
     retry_at: str | None = Field(None, description="when a retry waiting out its back-off is admitted again")
     detach: bool = Field(False, description="the run does not die with the server")
+    start: Literal["warm", "cold"] | None = Field(
+        None, description="how its current attempt started: forked from a zygote ('warm') or a fresh interpreter"
+    )
+    start_detail: str | None = Field(None, description="which zygote forked it, or why it started cold")
     history: list[AttemptEnd] = Field(default_factory=list, description="how each earlier attempt ended")
 
 

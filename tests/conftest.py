@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from waiting import async_wait_until
+from waiting import async_wait_until, reached_state
 
 from jupyter_evalsched.scheduler.gpus import write_process_table
 
@@ -101,7 +101,7 @@ def wait_for(api):
 
         async def settled() -> bool:
             answer["code"], answer["rec"] = await api("GET", f"runs/{run_id}")
-            return answer["code"] != 200 or answer["rec"]["state"] in states
+            return answer["code"] != 200 or reached_state(answer["rec"], states)
 
         try:
             await async_wait_until(settled, timeout=timeout)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from waiting import wait_until  # the one wait_until; re-exported for the modules that use this one
+from waiting import reached_state, wait_until  # the one wait_until; re-exported for the modules that use this one
 
 from jupyter_evalsched.client import TERMINAL_STATES, EvalSchedClient, LocalServer
 from jupyter_evalsched.scheduler.gpus import write_process_table
@@ -100,7 +100,7 @@ def wait_state(client: EvalSchedClient, run_id: str, states=TERMINAL_STATES, tim
 
     def reached():
         holder["rec"] = client.get(run_id)
-        return holder["rec"]["state"] in states
+        return reached_state(holder["rec"], states)
 
     wait_until(reached, timeout, message=f"run {run_id} did not reach {sorted(states)} in {timeout} s")
     return holder["rec"]

@@ -1045,6 +1045,7 @@ def test_panel_resume(lab: LabServer, browser: Any) -> None:
         for needle in ("attempt 1", "failed", "exit_code:3", "2 episodes done"):
             assert needle in text, (needle, text)
         assert detail.locator('dd[data-field="attempt"]').inner_text() == "2"
+        assert detail.locator('dd[data-field="start"]').inner_text().startswith("warm: forked by zygote")
         # the tab follows: no Resume, the same history
         tab_resume.wait_for(state="hidden")
         assert tab.locator(
@@ -1215,6 +1216,8 @@ _NEWER_RUN_FIELDS = (
     "retry_at",
     "detach",
     "history",
+    "start",
+    "start_detail",
 )
 _NEWER_DEVICE_FIELDS = ("leases", "unmanaged_processes")
 

@@ -42,16 +42,19 @@ def short_run(vram: int, **kw) -> dict:
     return spec
 
 
-def test_sigkill_of_the_server_aborts_running_and_requeues_queued(tmp_path):
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_sigkill_of_the_server_aborts_running_and_requeues_queued(tmp_path, start):
     runs = tmp_path / "runs"
-    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    extra = [*FAST, f"--EvalSchedApp.warm_start={start == 'warm'}"]
+    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=extra)
     try:
         c = server.client()
         a = c.submit(long_run(10000))
         b = c.submit(long_run(10000))
         q1 = c.submit(short_run(10000, episodes=2))
         q2 = c.submit(short_run(10000, depends_on=[q1["id"]]))
-        wait_until(lambda: all(c.get(r["id"])["state"] == "running" for r in (a, b)))
+        wait_until(lambda: all(c.get(r["id"])["pid"] for r in (a, b)))  # running, its process there
+        assert [c.get(r["id"])["start"] for r in (a, b)] == [start, start]
         pids = [c.get(r["id"])["pid"] for r in (a, b)]
         assert c.get(q1["id"])["state"] == "queued"
         server.process.send_signal(signal.SIGKILL)

@@ -69,3 +69,11 @@ async def async_wait_until(
         if time.monotonic() > deadline:
             raise _failure(message, timeout, last)
         await asyncio.sleep(interval)
+
+
+def reached_state(rec: dict, states) -> bool:
+    """The record is in one of ``states``; ``running`` counts once its process is there (a warm
+    start's pid comes a moment after admission, as a run waiting for its model host has none)."""
+    if rec["state"] not in states:
+        return False
+    return rec["state"] != "running" or rec.get("pid") is not None or bool(rec.get("models"))

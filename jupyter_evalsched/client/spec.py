@@ -100,6 +100,14 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         ),
     ),
     (
+        ("--fresh-interpreter",),
+        dict(
+            action="store_true",
+            default=None,
+            help="start the run in a fresh interpreter, not forked from the server's warm zygote",
+        ),
+    ),
+    (
         ("--executor",),
         dict(
             choices=["local", "slurm"],
@@ -170,6 +178,7 @@ _TOP_LEVEL_FLAGS = {
     "retries": "retries",
     "retry_on": "retry_on",
     "detach": "detach",
+    "fresh_interpreter": "fresh_interpreter",
 }
 _SCHEDULING_FLAGS = {
     "vram": "marginal_vram_mb",

@@ -154,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     if parent_is_gone(expected):
         _say(f"the parent process {expected} is gone (parent is now {os.getppid()}); not starting")
         return EXIT_PARENT_GONE
+    return main_checked(argv)
 
+
+def main_checked(argv: list[str] | None = None) -> int:
+    """The run, once its life is tied to its parent's (by ``main``, or by the zygote that forked
+    it: see ``zygote.become_run``)."""
     run_dir = parse_args(sys.argv[1:] if argv is None else argv)
     if run_dir is None:
         _say(_USAGE)

@@ -35,3 +35,8 @@ class SchedulerConfig:
     retry_backoff_s: float = 10.0
     retry_backoff_max_s: float = 600.0
     preempt_grace_s: float = 30.0
+    # Warm starts (DESIGN.md "Warm starts"): runs forked from a zygote that preloaded these.
+    warm_start: bool = True
+    preload_modules: list[str] = field(default_factory=list)
+    max_zygotes: int = 4
+    zygote_idle_s: float = 600.0

@@ -9,6 +9,10 @@ long as the server.
 Exit is noticed through a pidfd registered with the event loop: the next admission happens in
 the same loop iteration as the exit, not at the next tick of a sweep.
 
+A warm start (``fork``) asks a zygote (``zygotes.py``) to fork the run instead: the zygote is its
+parent, ties the run's death signal to itself (it dies with the server), reaps it and reports its
+exit code over its socket, read on the loop. Nothing of it blocks the loop.
+
 A detached run (spec ``detach``) arms no death signal and is left running at shutdown; the next
 server adopts it (``adopt``: by pid and start time, watched through a pidfd). An adopted process
 is not our child, so its exit status cannot be known: its own files say how it ended.
@@ -30,6 +34,7 @@ from pathlib import Path
 import psutil
 
 from .cgroups import CgroupError, RunCgroup
+from .zygotes import ForkRequest, ZygoteClient
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +48,18 @@ class SpawnError(Exception):
 @dataclass(slots=True)
 class RunProcess:
     run_id: str
-    popen: subprocess.Popen | None  # None: adopted from an earlier server (not our child)
+    popen: subprocess.Popen | None  # None: forked by a zygote, or adopted from an earlier server
     cgroup: RunCgroup | None = None  # every process of the run is in it (where the host has cgroups)
     pidfd: int | None = None
     kill_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     spawned_at: float = field(default_factory=time.time)
     detached: bool = False  # left running at shutdown
-    adopted_pid: int = 0
+    adopted_pid: int = 0  # adopted, or forked by a zygote
     create_time: float | None = None
+    zygote: ZygoteClient | None = field(default=None, repr=False)  # its parent, which reports its exit
+    pending: bool = False  # asked of the zygote, no pid yet
+    pending_signal: tuple[str, float] | None = None  # ("term", grace) or ("kill", 0): sent once it has a pid
+    exit_code: int | None = None  # a forked run's, as its zygote reported it
 
     @property
     def pid(self) -> int:
@@ -61,6 +70,8 @@ class RunProcess:
         if self.popen is not None:
             code = self.popen.poll()
             return code is not None, code
+        if self.zygote is not None:  # its zygote reaps it and says so
+            return self.exit_code is not None, self.exit_code
         return not is_same_process(self.adopted_pid, self.create_time, alive_only=True), None
 
 
@@ -109,8 +120,86 @@ class Launcher:
 
     @property
     def running(self) -> dict[str, int]:
-        """Run id -> the pid of its live process."""
-        return {run_id: p.pid for run_id, p in self._procs.items()}
+        """Run id -> the pid of its live process (not those still being forked)."""
+        return {run_id: p.pid for run_id, p in self._procs.items() if not p.pending}
+
+    def _open_logs(self, stdout: Path, stderr: Path) -> tuple[int, int]:
+        try:
+            out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            try:
+                err = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            except OSError:
+                os.close(out)
+                raise
+        except OSError as exc:
+            raise SpawnError(f"cannot open the run's log files: {exc.strerror or exc}") from exc
+        return out, err
+
+    def fork(
+        self,
+        run_id: str,
+        zygote: ZygoteClient,
+        run_dir: str,
+        cwd: str,
+        env: dict[str, str],
+        stdout: Path,
+        stderr: Path,
+        cgroup: RunCgroup | None,
+        on_started: Callable[[RunProcess], None],
+        on_cold: Callable[[str], None],
+        on_error: Callable[[str], None],
+    ) -> RunProcess:
+        """Ask ``zygote`` to fork the run (a warm start). The answer comes later, on the loop:
+        ``on_started`` once it has a pid, ``on_cold(why)`` when the zygote would rather not (the
+        caller then starts it cold), ``on_error(why)`` when it cannot start at all. A signal asked
+        for meanwhile (cancel, kill) is sent once the pid is known."""
+        out, err = self._open_logs(stdout, stderr)
+        proc = RunProcess(run_id, None, cgroup, zygote=zygote, pending=True)
+        self._procs[run_id] = proc
+
+        def forked(pid: int) -> None:
+            if self._procs.get(run_id) is not proc:  # given up meanwhile (shutdown)
+                _killpg(pid, signal.SIGKILL)
+                return
+            proc.adopted_pid = pid
+            proc.pending = False
+            proc.spawned_at = time.time()
+            if cgroup is not None:
+                self.loop.run_in_executor(None, _join_cgroup, cgroup, pid)
+            asked, proc.pending_signal = proc.pending_signal, None
+            on_started(proc)
+            if asked is not None and self._procs.get(run_id) is proc:
+                if asked[0] == "kill":
+                    self._kill_hard(proc)
+                else:
+                    self.terminate(run_id, asked[1])
+
+        def answered(then: Callable[[str], None], why: str) -> None:
+            if self._procs.get(run_id) is proc:
+                del self._procs[run_id]
+                then(why)
+
+        zygote.fork(
+            ForkRequest(
+                run_id,
+                run_dir,
+                cwd,
+                env,
+                (out, err),
+                forked,
+                functools.partial(answered, on_cold),
+                functools.partial(answered, on_error),
+            )
+        )
+        return proc
+
+    def zygote_exited(self, run_id: str, pid: int, code: int) -> None:
+        """A zygote reaped a run it forked (or died, taking its runs with it: code -9)."""
+        proc = self._procs.get(run_id)
+        if proc is None or proc.zygote is None or proc.pid != pid:
+            return
+        proc.exit_code = code
+        self._finish(proc, code)
 
     def spawn(
         self,
@@ -129,15 +218,7 @@ class Launcher:
         user code, that it is there: see ``runner._proc.ensure_in_cgroup``)."""
         if self._loop is None:
             raise RuntimeError("Launcher.bind(loop) first")
-        try:
-            out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-            try:
-                err = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-            except OSError:
-                os.close(out)
-                raise
-        except OSError as exc:
-            raise SpawnError(f"cannot open the run's log files: {exc.strerror or exc}") from exc
+        out, err = self._open_logs(stdout, stderr)
         try:
             popen = subprocess.Popen(
                 argv,
@@ -194,6 +275,8 @@ class Launcher:
     def poll(self) -> None:
         """Backstop for hosts without pidfd (and for missed wake-ups)."""
         for proc in list(self._procs.values()):
+            if proc.pending:
+                continue
             ended, code = proc.ended()
             if ended:
                 self._finish(proc, code)
@@ -213,7 +296,8 @@ class Launcher:
         # goes too. The group id cannot be reused yet: it is the leader's pid, just reaped. (An
         # adopted leader was reaped by another process, so its pid may be reused already: its
         # cgroup, where it has one, is what clean-up empties.)
-        if proc.popen is not None or proc.cgroup is None:
+        # (A forked run's zygote did this before it reaped the leader.)
+        if proc.zygote is None and (proc.popen is not None or proc.cgroup is None):
             _killpg(proc.pid, signal.SIGKILL)
         # Registered before the exit handler runs: it may start the run's next attempt at once,
         # which must wait for this clean-up (it would remove the new attempt's cgroup).
@@ -242,6 +326,10 @@ class Launcher:
         proc = self._procs.get(run_id)
         if proc is None:
             return False
+        if proc.pending:
+            if proc.pending_signal is None:
+                proc.pending_signal = ("term", grace_s)
+            return True
         _killpg(proc.pid, signal.SIGTERM)
         if proc.kill_timer is None:
             proc.kill_timer = self.loop.call_later(grace_s, self._kill_hard, proc)
@@ -253,6 +341,9 @@ class Launcher:
         proc = self._procs.get(run_id)
         if proc is None:
             return False
+        if proc.pending:
+            proc.pending_signal = ("kill", 0.0)
+            return True
         self._kill_hard(proc)
         return True
 
@@ -268,6 +359,9 @@ class Launcher:
         for proc in list(self._procs.values()):
             if proc.detached:
                 self._stop_watching(proc)
+                continue
+            if proc.pending:  # not forked yet: it is killed when its pid comes (or by its zygote's end)
+                killed.append(proc.run_id)
                 continue
             _killpg(proc.pid, signal.SIGKILL)
             try:

@@ -64,6 +64,10 @@ export interface IRunRecord {
   retry_at?: string | null;
   /** The run does not die with the server. */
   detach?: boolean;
+  /** How its current attempt started: forked from a zygote, or a fresh interpreter. */
+  start?: 'warm' | 'cold' | null;
+  /** Which zygote forked it, or why it started cold. */
+  start_detail?: string | null;
   /** How each earlier attempt ended. */
   history?: IAttemptHistoryEntry[];
   [key: string]: unknown;

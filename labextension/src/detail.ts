@@ -375,6 +375,15 @@ export class RunDetailView implements IDisposable {
           : null,
         'detach'
       ],
+      [
+        trans.__('Start'),
+        record.start === 'warm'
+          ? trans.__('warm: %1', record.start_detail ?? '')
+          : record.start === 'cold'
+            ? trans.__('cold: %1', record.start_detail ?? '')
+            : null,
+        'start'
+      ],
       [trans.__('Priority'), record.priority],
       [trans.__('Submitted'), formatTimestamp(record.submitted_at)],
       [trans.__('Started'), formatTimestamp(record.started_at)],

@@ -30,6 +30,7 @@ from ..cgroups import CgroupError, Cgroups, RunCgroup
 from ..environment import run_environment
 from ..launcher import (
     Launcher,
+    RunProcess,
     SpawnError,
     is_same_process,
     kill_escaped,
@@ -39,6 +40,7 @@ from ..launcher import (
 )
 from ..runs import Requeue, Run, parse_timestamp
 from ..shared import ModelUnavailable, NoSharedModels, SharedModels
+from ..zygotes import WarmStartConfig, ZygotePool, cold_reason
 from . import Executor, ExecutorContext, ObservedTarget
 
 log = logging.getLogger("jupyter_evalsched")
@@ -59,6 +61,7 @@ class LocalExecutor(Executor):
         self.python = python
         self.cgroups = cgroups  # None or mode "none": process groups only
         self.launcher = Launcher(self._on_exit, notify_exits=notify_exits)
+        self.zygotes: ZygotePool | None = None  # warm starts (set up at bind when they are on)
         self._timeouts: dict[str, asyncio.TimerHandle] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}  # admitted runs waiting for their model host
         self._cgroups: dict[str, RunCgroup] = {}  # the live runs' cgroups
@@ -68,6 +71,20 @@ class LocalExecutor(Executor):
     def bind(self, ctx: ExecutorContext) -> None:
         super().bind(ctx)
         self.launcher.bind(ctx.loop)
+        config = ctx.config
+        if config.warm_start:
+            self.zygotes = ZygotePool(
+                WarmStartConfig(
+                    preload=list(config.preload_modules),
+                    max_zygotes=config.max_zygotes,
+                    idle_s=config.zygote_idle_s,
+                    python=self.python,
+                ),
+                self.launcher.zygote_exited,
+            )
+            self.zygotes.bind(ctx.loop)
+            base = run_environment("", config.run_env, devices=None, parent_pid=os.getpid(), fsync=config.fsync)
+            self.zygotes.start(base)
         ctx.table.on_end(self._forget)
         ctx.table.on_requeue(self._on_requeued)
 
@@ -146,12 +163,62 @@ class LocalExecutor(Executor):
         cgroup = self._make_cgroup(run)
         if cgroup is not None:
             env["EVALSCHED_CGROUP_PROCS"] = ":".join(cgroup.procs_files())
+        cwd = spec.get("cwd") or ctx.config.default_cwd
         try:
             ctx.store.write_shared_urls(run.id, urls)
+        except OSError as exc:
+            self._start_failed(run, cgroup, str(exc))
+            return
+        why = cold_reason(spec, env, self.zygotes is not None)
+        zygote = None
+        if why is None and self.zygotes is not None:
+            choice = self.zygotes.choose(env)
+            if isinstance(choice, str):
+                why = choice
+            else:
+                zygote = choice
+        if zygote is None:
+            self._spawn_cold(run, cwd, env, cgroup, why or "warm_start is off")
+            return
+        try:
+            self.launcher.fork(
+                run.id,
+                zygote,
+                str(ctx.store.run_dir(run.id)),
+                cwd,
+                env,
+                ctx.store.log_path(run.id, "stdout"),
+                ctx.store.log_path(run.id, "stderr"),
+                cgroup,
+                on_started=lambda proc: self._started(run, proc, cgroup, "warm", f"forked by zygote {zygote.pid}"),
+                on_cold=lambda why: self._spawn_cold(run, cwd, env, cgroup, why),
+                on_error=lambda why: self._start_failed(run, cgroup, why),
+            )
+        except SpawnError as exc:
+            self._start_failed(run, cgroup, str(exc))
+
+    def _spawn_cold(self, run: Run, cwd: str, env: dict[str, str], cgroup: RunCgroup | None, why: str) -> None:
+        """Start the run in a fresh interpreter; ``why`` says why it is not forked."""
+        ctx = self.ctx
+        if run.terminal or run.state != contract.RUNNING:
+            self._drop_cgroup(cgroup)
+            return
+        if run.cancel_requested or run.kill_reason is not None:  # asked while a zygote was asked
+            self._drop_cgroup(cgroup)
+            if run.kill_reason is not None:
+                ctx.table.finish(run, FAILED, run.kill_reason)
+            else:
+                ctx.table.finish(
+                    run,
+                    CANCELLED,
+                    contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                )
+            return
+        try:
             proc = self.launcher.spawn(
                 run.id,
                 [self.python, "-m", "jupyter_evalsched.runner", "--run-dir", str(ctx.store.run_dir(run.id))],
-                cwd=spec.get("cwd") or ctx.config.default_cwd,
+                cwd=cwd,
                 env=env,
                 stdout=ctx.store.log_path(run.id, "stdout"),
                 stderr=ctx.store.log_path(run.id, "stderr"),
@@ -159,17 +226,35 @@ class LocalExecutor(Executor):
                 detached=run.record["detach"],
             )
         except (SpawnError, OSError) as exc:
-            if cgroup is not None:
-                ctx.loop.run_in_executor(ctx.io, cgroup.remove)
-            # A run admitted but not started must not hold its resources.
-            ctx.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"could not start the run: {exc}"))
+            self._start_failed(run, cgroup, str(exc))
             return
+        self._started(run, proc, cgroup, "cold", why)
+
+    def _start_failed(self, run: Run, cgroup: RunCgroup | None, why: str) -> None:
+        self._drop_cgroup(cgroup)
+        if run.terminal:
+            return
+        # A run admitted but not started must not hold its resources.
+        self.ctx.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"could not start the run: {why}"))
+
+    def _drop_cgroup(self, cgroup: RunCgroup | None) -> None:
+        if cgroup is not None:
+            self.ctx.loop.run_in_executor(self.ctx.io, cgroup.remove)
+
+    def _started(self, run: Run, proc: RunProcess, cgroup: RunCgroup | None, start: str, detail: str) -> None:
+        ctx = self.ctx
         if cgroup is not None:
             self._cgroups[run.id] = cgroup
         timeout = run.spec.get("timeout_s")
         if timeout:
             self._timeouts[run.id] = ctx.loop.call_later(timeout, self._on_timeout, run.id)
-        ctx.table.update(run, pid=proc.pid, pid_create_time=process_create_time(proc.pid))
+        ctx.table.update(
+            run,
+            pid=proc.pid,
+            pid_create_time=process_create_time(proc.pid),
+            start=start,
+            start_detail=detail,
+        )
 
     def _make_cgroup(self, run: Run) -> RunCgroup | None:
         """The run's own cgroup (with its memory limit), or None where the host has none: then
@@ -397,6 +482,8 @@ class LocalExecutor(Executor):
 
     async def sweep(self) -> None:
         self.launcher.poll()
+        if self.zygotes is not None:
+            self.zygotes.sweep()
 
     async def stop(self) -> None:
         """Shutdown: running runs are killed and end ``aborted`` (rule 4). Runs admitted but not
@@ -417,6 +504,8 @@ class LocalExecutor(Executor):
                 if table.requeue(run, restart_plan(run.record, why), quiet=True):
                     continue
             table.finish(run, ABORTED, contract.reason(contract.SERVER_RESTART, why))
+        if self.zygotes is not None:
+            self.zygotes.close()  # after the runs: a zygote's end is its runs' end
         if self.cgroups is not None and self.cgroups.enabled:
             self.cgroups.remove_namespace()  # only if no run cgroup is left in it
 
@@ -435,9 +524,15 @@ class LocalExecutor(Executor):
 
     @property
     def mode(self) -> dict[str, object]:
+        warm: dict[str, object] = (
+            self.zygotes.status() if self.zygotes is not None else {"enabled": False, "refused": None, "zygotes": []}
+        )
         if self.cgroups is None:
-            return {"cgroups": {"mode": "none", "memory": False, "kill": "none", "detail": "cgroups are off"}}
-        return {"cgroups": self.cgroups.status()}
+            return {
+                "cgroups": {"mode": "none", "memory": False, "kill": "none", "detail": "cgroups are off"},
+                "warm_start": warm,
+            }
+        return {"cgroups": self.cgroups.status(), "warm_start": warm}
 
 
 def _remove_stale_cgroups(cgroups: Cgroups, run_ids: list[str]) -> None:

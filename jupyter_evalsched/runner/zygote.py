@@ -1,0 +1,553 @@
+"""The zygote: a pre-started interpreter that forks runs, so that a run does not pay for its imports.
+
+``python -m jupyter_evalsched.runner.zygote`` is started by the server with one end of a
+``SOCK_SEQPACKET`` socket pair (``EVALSCHED_ZYGOTE_FD``) and dies with it (the death signal, then
+the same parent check as a run). It imports the runner and ``EVALSCHED_PRELOAD`` (comma-separated
+module names), then answers requests, one JSON message each:
+
+* server -> zygote ``{"op": "fork", "run_id", "run_dir", "cwd", "env"}`` with the run's stdout and
+  stderr as two descriptors (``SCM_RIGHTS``); the reply is ``{"op": "forked", "run_id", "pid"}``,
+  ``{"op": "cold", "run_id", "why"}`` (in doubt: the server starts the run in a fresh interpreter)
+  or ``{"op": "error", "run_id", "why"}`` (it cannot start at all: its cwd is gone).
+* ``{"op": "retire"}``: no more forks; the zygote exits once its last run has ended.
+* zygote -> server ``{"op": "ready", ...}`` once preloaded (or ``{"op": "refused", "why"}``: a
+  preload started a thread or touched CUDA, and nothing may be forked from such a process), and
+  ``{"op": "exit", "run_id", "pid", "code"}`` for every run that ends (``code`` as
+  ``Popen.returncode``: negative for a signal).
+
+A forked run must be indistinguishable from a fresh interpreter for the eval: its own session, the
+death signal tied to the zygote (which dies with the server: rule 2), its environment, cwd,
+``sys.argv``, ``sys.path`` (``sys.path[0]`` is the run's cwd, as with ``python -m``; the rest is
+the zygote's, which started with the same ``PYTHON*`` variables), stdout and stderr, reseeded
+random generators, no inherited descriptors or threads, and user code imported after the fork.
+Before each fork the zygote checks that nothing changed underneath it: a thread or CUDA state
+since its start (it then refuses for good), a preloaded module's file edited (it answers cold and
+retires: the server starts a fresh zygote), or the run's cwd shadowing a preloaded module (cold).
+
+One thing cannot be made fresh: ``str`` hashes are salted once per interpreter, so the runs of one
+zygote share the zygote's salt (a random one, unless ``PYTHONHASHSEED`` is set).
+"""
+
+from __future__ import annotations
+
+import _signal
+import gc
+import json
+import os
+import select
+import socket
+import sys
+import time
+
+from ._proc import EXIT_PARENT_GONE, expected_parent_pid, parent_is_gone, set_parent_death_signal
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+ZYGOTE_FD = "EVALSCHED_ZYGOTE_FD"
+PRELOAD = "EVALSCHED_PRELOAD"
+MAX_MESSAGE = 1 << 20  # a request carries a run's environment: far below this
+
+# What a run's start imports anyway: preloaded always.
+RUNNER_MODULES = (
+    "jupyter_evalsched.runner.run",
+    "jupyter_evalsched.runner.results",
+    "jupyter_evalsched.runner.context",
+    "jupyter_evalsched.runner.entrypoint",
+    "jupyter_evalsched.runner.errors",
+    "jupyter_evalsched.runner.workers",
+)
+
+# The child exits with this when it could not become the run (EX_OSERR); it says why on stderr.
+EXIT_CHILD_SETUP = 71
+
+# Names whose shared libraries mean CUDA (or the NVIDIA driver) is loaded in this process.
+_CUDA_LIBRARIES = ("libcuda.so", "libnvidia-ml.so", "libcudart.so")
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def thread_count() -> int:
+    """Threads of this process as the kernel sees them (a C library's threads included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+def cuda_state() -> str | None:
+    """What says CUDA is initialised here, or None. A forked child of a process that initialised
+    CUDA cannot use CUDA (and may hang), hence the zygote's rule: never CUDA before fork."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                return "torch.cuda is initialised"
+        except Exception:
+            pass
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            maps = f.read()
+    except OSError:
+        maps = b""
+    for name in _CUDA_LIBRARIES:
+        at = maps.find(name.encode())
+        if at >= 0:
+            start = maps.rfind(b" ", 0, at) + 1
+            end = maps.find(b"\n", at)
+            return f"{maps[start : end if end >= 0 else None].decode('utf-8', 'replace')} is loaded"
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/dev/nvidia"):
+                return f"{target} is open"
+    except OSError:
+        pass
+    return None
+
+
+def unsafe_to_fork() -> str | None:
+    """Why forking now would give a child a broken process, or None."""
+    threads = thread_count()
+    if threads > 1:
+        import threading
+
+        names = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        which = f" ({', '.join(names[:3])})" if names else " (started outside Python)"
+        return f"the zygote has {threads} threads{which}; a forked run would inherit a broken process"
+    cuda = cuda_state()
+    if cuda is not None:
+        return f"CUDA state in the zygote: {cuda}"
+    return None
+
+
+# ---------------------------------------------------------------------------- what was preloaded
+
+
+def _stdlib_dirs() -> tuple[str, ...]:
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths})
+
+
+def module_files() -> dict[str, tuple[int, int, int]]:
+    """{file: (inode, mtime_ns, size)} of every loaded module outside the standard library:
+    an edit to any of them replaces the zygote (the standard library changes only with Python)."""
+    skip = _stdlib_dirs()
+    out: dict[str, tuple[int, int, int]] = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or path in out:
+            continue
+        real = os.path.realpath(path)
+        if real.startswith(skip):
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        out[path] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return out
+
+
+def changed_file(stamps: dict[str, tuple[int, int, int]]) -> str | None:
+    for path, stamp in stamps.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if (st.st_ino, st.st_mtime_ns, st.st_size) != stamp:
+            return path
+    return None
+
+
+def top_level_modules() -> dict[str, str]:
+    """{name: the file or package directory it was loaded from} for the loaded top-level modules."""
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if "." in name:
+            continue
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str):
+            continue
+        if os.path.basename(path).startswith("__init__."):
+            path = os.path.dirname(path)
+        out[name] = os.path.realpath(path)
+    return out
+
+
+def shadowing(cwd: str, loaded: dict[str, str]) -> str | None:
+    """A module in ``cwd`` (``sys.path[0]`` of the run) that a fresh interpreter would import
+    instead of the one preloaded here, or None."""
+    try:
+        names = os.listdir(cwd)
+    except OSError:
+        return None
+    for entry in names:
+        if entry in loaded:
+            candidate = os.path.join(cwd, entry)
+            if os.path.isfile(os.path.join(candidate, "__init__.py")) and os.path.realpath(candidate) != loaded[entry]:
+                return entry
+            continue
+        stem, dot, ext = entry.partition(".")
+        if dot and stem in loaded and (ext == "py" or ext.endswith("so") or ext == "pyc"):
+            if os.path.realpath(os.path.join(cwd, entry)) != loaded[stem]:
+                return stem
+    return None
+
+
+class _RecordingEnviron(os._Environ):  # type: ignore[type-arg]
+    """``os.environ`` while the preloads import: which variables they read (their values are then
+    fixed in the zygote, so a run may be forked only when it has the same). Iterating it reads
+    every variable."""
+
+    read: set[str] = set()
+
+    def __getitem__(self, key):  # type: ignore[no-untyped-def]
+        _RecordingEnviron.read.add(key)
+        return super().__getitem__(key)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _RecordingEnviron.read.add("*")
+        return super().__iter__()
+
+
+def preload(names: list[str]) -> tuple[list[str], list[str], str | None, list[str]]:
+    """Import the runner, then ``names``: (imported, failed with why, refusal, variables read)."""
+    imported, failed = [], []
+    original = os.environ.__class__
+    os.environ.__class__ = _RecordingEnviron
+    try:
+        for name in (*RUNNER_MODULES, *names):
+            try:
+                __import__(name)
+            except BaseException as exc:  # a broken preload must not take the zygote down
+                failed.append(f"{name}: {type(exc).__name__}: {exc}")
+                continue
+            if name not in RUNNER_MODULES:
+                imported.append(name)
+            why = unsafe_to_fork()
+            if why is not None:
+                return imported, failed, f"preloading {name!r} made it unsafe to fork: {why}", []
+    finally:
+        os.environ.__class__ = original
+    return imported, failed, None, sorted(_RecordingEnviron.read)
+
+
+# ---------------------------------------------------------------------------- the zygote
+
+
+class Zygote:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.children: dict[int, str] = {}  # pid -> run id
+        self.retiring = False
+        self.refused: str | None = None
+        self.stamps: dict[str, tuple[int, int, int]] = {}
+        self.loaded: dict[str, str] = {}
+        self.base_path: list[str] = []
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def send(self, message: dict[str, object]) -> None:
+        try:
+            self.sock.send(json.dumps(message, separators=(",", ":")).encode())
+        except OSError:
+            pass  # the server is gone: the next receive sees it
+
+    def start(self) -> None:
+        started = time.monotonic()
+        names = [n.strip() for n in os.environ.get(PRELOAD, "").split(",") if n.strip()]
+        imported, failed, refused, env_read = preload(names)
+        import_s = time.monotonic() - started
+        if refused is not None:
+            self.refused = refused
+            self.send({"op": "refused", "pid": os.getpid(), "why": refused, "failed": failed})
+            return
+        self.stamps = module_files()
+        self.loaded = top_level_modules()
+        self.base_path = list(sys.path[1:])  # [0] is our own cwd; a run gets its own there
+        # Long-lived objects need not be scanned by the collector again in every child (and
+        # touching them would copy their pages).
+        gc.collect()
+        gc.freeze()
+        self.send(
+            {
+                "op": "ready",
+                "pid": os.getpid(),
+                "preloaded": imported,
+                "failed": failed,
+                "modules": len(sys.modules),
+                "files": len(self.stamps),
+                "import_s": round(import_s, 4),
+                "env_read": env_read,
+            }
+        )
+
+    def serve(self) -> int:
+        _signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        _signal.signal(_signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up fd is written
+        self.reap()
+        while True:
+            if self.retiring and not self.children:
+                return 0
+            try:
+                ready, _, _ = select.select([self.sock.fileno(), self.wake_r], [], [])
+            except InterruptedError:
+                continue
+            if self.wake_r in ready:
+                try:
+                    while os.read(self.wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+                self.reap()
+            if self.sock.fileno() in ready and not self.receive():
+                # The server is gone (it died, or closed us): our runs must not outlive it.
+                for pid in list(self.children):
+                    _killpg(pid)
+                return 0
+
+    def receive(self) -> bool:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            return False
+        try:
+            message = json.loads(data)
+        except ValueError:
+            message = {}
+        op = message.get("op")
+        if op == "fork":
+            try:
+                self.fork(message, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        else:
+            for fd in fds:
+                os.close(fd)
+            if op == "retire":
+                self.retiring = True
+        return True
+
+    def fork(self, request: dict[str, Any], fds: list[int]) -> None:
+        run_id = request.get("run_id", "")
+        if self.retiring or self.refused is not None:
+            self.send({"op": "cold", "run_id": run_id, "why": self.refused or "the zygote is retiring"})
+            return
+        cwd, env, run_dir = request.get("cwd"), request.get("env"), request.get("run_dir")
+        if len(fds) != 2 or not isinstance(cwd, str) or not isinstance(env, dict) or not isinstance(run_dir, str):
+            self.send({"op": "cold", "run_id": run_id, "why": "malformed fork request"})
+            return
+        if not os.path.isdir(cwd):
+            self.send({"op": "error", "run_id": run_id, "why": f"FileNotFoundError: no such directory (cwd {cwd!r})"})
+            return
+        why = unsafe_to_fork()
+        if why is not None:
+            self.refused = why
+            self.send({"op": "refused", "pid": os.getpid(), "why": why, "failed": []})
+            self.send({"op": "cold", "run_id": run_id, "why": why})
+            self.retiring = True
+            return
+        changed = changed_file(self.stamps)
+        if changed is not None:
+            self.retiring = True  # the server starts a fresh zygote; this one ends with its runs
+            self.send({"op": "stale", "pid": os.getpid(), "why": f"{changed} changed since the zygote imported it"})
+            self.send({"op": "cold", "run_id": run_id, "why": f"{changed} changed since the zygote imported it"})
+            return
+        shadow = shadowing(cwd, self.loaded)
+        if shadow is not None:
+            self.send(
+                {
+                    "op": "cold",
+                    "run_id": run_id,
+                    "why": f"the run's cwd has its own {shadow!r}, which the zygote preloaded from elsewhere",
+                }
+            )
+            return
+        for stream in (sys.stdout, sys.stderr):  # nothing of ours may end up in a run's log
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        me = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(become_run(self, me, request, fds))
+        self.children[pid] = run_id
+        self.send({"op": "forked", "run_id": run_id, "pid": pid})
+
+    def reap(self) -> None:
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                break
+            if info is None:
+                break
+            pid = info.si_pid
+            run_id = self.children.get(pid)
+            if run_id is not None:
+                # The run's leader has exited but is not reaped yet, so its group id cannot be
+                # reused: whatever it left in its group goes now, as the server does for its own
+                # children.
+                _killpg(pid)
+            try:
+                _, status = os.waitpid(pid, 0)
+            except ChildProcessError:
+                continue
+            if self.children.pop(pid, None) is not None:
+                self.send({"op": "exit", "run_id": run_id, "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, _signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---------------------------------------------------------------------------- the child
+
+
+def become_run(zygote: Zygote, zygote_pid: int, request: dict[str, Any], fds: list[int]) -> int:
+    """In the forked child: turn into the run's process, then run it. Returns the exit code."""
+    try:
+        os.setsid()
+        detached = request["env"].get("EVALSCHED_DETACH") == "1"
+        if not detached:
+            set_parent_death_signal()
+            if os.getppid() != zygote_pid:  # the zygote died before the signal was armed
+                return EXIT_PARENT_GONE
+        _signal.set_wakeup_fd(-1)
+        for sig in (_signal.SIGCHLD, _signal.SIGINT, _signal.SIGTERM):
+            _signal.signal(sig, _signal.SIG_DFL)
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)  # as a fresh interpreter has it
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        zygote.sock.detach()
+        os.closerange(3, _max_fd())  # the socket, the wake-up pipe, the log fds, whatever preloads opened
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        show_environment(request["env"])
+        run_dir = request["run_dir"]
+        from . import __main__ as entry
+
+        sys.argv = [entry.__file__, "--run-dir", run_dir]
+        sys.orig_argv = [sys.executable, "-m", "jupyter_evalsched.runner", "--run-dir", run_dir]
+        sys.path[:] = [os.getcwd(), *zygote.base_path]
+        import importlib
+
+        importlib.invalidate_caches()  # directory listings the zygote cached may be stale: user code is fresh
+        _reseed()  # (the preloaded objects stay frozen: collecting them would copy their pages)
+    except BaseException as exc:
+        try:
+            os.write(2, f"evalsched zygote: cannot become the run: {type(exc).__name__}: {exc}\n".encode())
+        except OSError:
+            pass
+        return EXIT_CHILD_SETUP
+    from .run import main_checked
+
+    code = main_checked()
+    entry._exit(code)
+    return code  # not reached: _exit leaves
+
+
+ENV_RESERVE = "EVALSCHED_ENV_RESERVE"  # room in the zygote's initial environment, see show_environment
+
+
+def show_environment(env: dict[str, str]) -> bool:
+    """Make ``/proc/<pid>/environ`` show the run's environment, as a fresh interpreter's does.
+
+    That file is the process's initial environment block, which ``os.environ`` never changes: a
+    forked run would show the zygote's, and so would every process it forks without exec. The
+    server's clean-up finds a run's leftovers by ``EVALSCHED_RUN_ID`` there (on hosts without
+    cgroups), and other tools read it too. So the block is rewritten in place, through
+    ``/proc/self/mem`` (the zygote starts with ``EVALSCHED_ENV_RESERVE`` padding it, room for
+    the run's own variables); the rest of the block is NULs. False when it could not be done
+    (the environment does not fit, or ``/proc`` refuses)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50 and 51)
+    except (OSError, IndexError, ValueError):
+        return False
+    block = b"".join(f"{k}={v}".encode("utf-8", "surrogateescape") + b"\0" for k, v in env.items())
+    if not start or len(block) > end - start:
+        return False
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDWR)
+        try:
+            os.pwrite(fd, block + b"\0" * (end - start - len(block)), start)
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _max_fd() -> int:
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (OSError, ValueError):
+        return 65536
+
+
+def _reseed() -> None:
+    """A fresh interpreter seeds its generators from the OS: so does every forked run."""
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        try:
+            numpy.random.seed()
+        except Exception:
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            torch.seed()
+        except Exception:
+            pass
+
+
+def main() -> int:
+    set_parent_death_signal()
+    expected = expected_parent_pid()
+    if parent_is_gone(expected):
+        return EXIT_PARENT_GONE
+    try:
+        fd = int(os.environ.pop(ZYGOTE_FD))
+    except (KeyError, ValueError):
+        sys.stderr.write(f"evalsched zygote: {ZYGOTE_FD} is not set; the server starts the zygote\n")
+        return 2
+    os.environ.pop(ENV_RESERVE, None)  # (it stays in the initial block, where it makes room)
+    sock = socket.socket(fileno=fd)
+    zygote = Zygote(sock)
+    zygote.start()
+    if zygote.refused is not None:
+        return 0
+    return zygote.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,551 @@
+"""Warm starts, the server's side: the zygotes runs are forked from (DESIGN.md, "Warm starts").
+
+A ``ZygoteClient`` is one zygote process (``runner/zygote.py``) and the socket to it, read on the
+event loop: a fork request is one non-blocking send, the fork itself happens in the zygote, and
+the pid and later the exit code come back as messages; nothing blocks the loop. A
+``ZygotePool`` keeps one zygote per environment: a zygote may fork a run only when the run's
+environment has the same values for what the zygote's imports depended on (``incompatible``);
+another environment gets its own zygote, up to ``max_zygotes``, reaped when idle.
+
+Whether a run may be forked at all (``cold_reason``) is decided here and in the zygote, which
+refuses (threads, CUDA) or answers cold (a preloaded module's file changed: it is then replaced;
+the run's cwd shadows a preloaded module) when in doubt. A cold start is always correct, so every
+doubt ends in one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("jupyter_evalsched")
+
+# Set per run after the fork; never part of what makes two environments alike.
+PER_RUN_VARIABLES = frozenset(
+    {
+        "EVALSCHED_RUN_ID",
+        "EVALSCHED_PARENT_PID",
+        "EVALSCHED_ATTEMPT",
+        "EVALSCHED_DEVICES",
+        "EVALSCHED_DETACH",
+        "EVALSCHED_CGROUP_PROCS",
+        "EVALSCHED_PRELOAD",
+        "EVALSCHED_ENV_RESERVE",
+        "EVALSCHED_ZYGOTE_FD",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+    }
+)
+# Read by the interpreter, the dynamic loader or native libraries at start or load time, where
+# the zygote cannot see the read: they must match whatever the preloads are.
+STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "MALLOC_", "GLIBC_")
+
+MAX_MESSAGE = 1 << 16  # the zygote's messages are small
+
+
+def zygote_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment a zygote for runs with ``env`` starts with: the run's, without what is
+    set per run."""
+    return {k: v for k, v in env.items() if k not in PER_RUN_VARIABLES}
+
+
+def incompatible(zygote_env: Mapping[str, str], env_read: list[str] | None, run_env: Mapping[str, str]) -> str | None:
+    """The first variable whose value in ``run_env`` differs from the zygote's where it matters
+    (read while preloading, or read at start-up by the interpreter or a native library), or None
+    when the run may be forked from that zygote. ``env_read`` None (not known yet): every
+    variable matters. ``"*"`` in it: a preload iterated the environment, so every one does."""
+    names: set[str] = set(zygote_env) | set(run_env)
+    if env_read is not None and "*" not in env_read:
+        names = set(env_read) | {n for n in names if n.startswith(STARTUP_PREFIXES)}
+    else:
+        names -= PER_RUN_VARIABLES
+    for name in sorted(names):
+        if zygote_env.get(name) != run_env.get(name):
+            return name
+    return None
+
+
+def cold_reason(spec: Mapping[str, Any], env: Mapping[str, str], warm_start: bool) -> str | None:
+    """Why a run must start in a fresh interpreter whatever the zygotes say, or None."""
+    if not warm_start:
+        return "warm_start is off"
+    if spec.get("fresh_interpreter"):
+        return "the spec asks for fresh_interpreter"
+    if spec.get("detach"):
+        return "a detached run starts in a fresh interpreter: one forked by the zygote would die with it"
+    path = env.get("PYTHONPATH")
+    if path is not None and any(not entry or not os.path.isabs(entry) for entry in path.split(os.pathsep)):
+        return "PYTHONPATH has a relative entry, which a fresh interpreter resolves against the run's cwd"
+    return None
+
+
+# ---------------------------------------------------------------------------- one zygote
+
+STARTING, READY, RETIRING, REFUSED, DEAD = "starting", "ready", "retiring", "refused", "dead"
+
+
+@dataclass
+class ForkRequest:
+    run_id: str
+    run_dir: str
+    cwd: str
+    env: dict[str, str]
+    fds: tuple[int, int]  # the run's stdout and stderr, closed once sent (or given up)
+    on_forked: Callable[[int], None]
+    on_cold: Callable[[str], None]  # the reason: start it in a fresh interpreter
+    on_error: Callable[[str], None]  # it cannot start at all
+
+
+ExitHandler = Callable[[str, int, int], None]  # run id, pid, exit code
+
+
+@dataclass
+class ZygoteClient:
+    loop: asyncio.AbstractEventLoop
+    python: str
+    env: dict[str, str]
+    preload: list[str]
+    on_exit: ExitHandler
+    on_change: Callable[[ZygoteClient], None] | None = None
+    state: str = STARTING
+    pid: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    why: str | None = None  # refused, stale or dead: why
+    children: dict[str, int] = field(default_factory=dict)  # run id -> pid
+    forks: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.monotonic)
+    _sock: socket.socket | None = None
+    _popen: subprocess.Popen | None = None
+    _queue: collections.deque[ForkRequest] = field(default_factory=collections.deque)
+    _waiting: dict[str, ForkRequest] = field(default_factory=dict)  # sent, no answer yet
+    _cwd: str | None = None
+    _writer: bool = False
+
+    @property
+    def env_read(self) -> list[str] | None:
+        read = self.info.get("env_read")
+        return list(read) if isinstance(read, list) else None
+
+    def start(self) -> None:
+        """Start the zygote process (from the event loop's thread: its death signal is tied to
+        the thread that forks it, which lives as long as the server)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._cwd = tempfile.mkdtemp(prefix="evalsched-zygote-")  # sys.path[0]: nothing to import there
+        env = dict(self.env)
+        env["EVALSCHED_ZYGOTE_FD"] = str(theirs.fileno())
+        env["EVALSCHED_PARENT_PID"] = str(os.getpid())
+        env["EVALSCHED_PRELOAD"] = ",".join(self.preload)
+        # Room in its initial environment block, which each forked run rewrites to show its own
+        # environment in /proc (runner.zygote.show_environment).
+        env["EVALSCHED_ENV_RESERVE"] = "x" * 16384
+        try:
+            # Its output (a preload's warnings) goes to the server's log through a pipe: no file of
+            # it is held open (the runs directory stays remountable). Runs forked from it write
+            # their own log files instead.
+            self._popen = subprocess.Popen(
+                [self.python, "-m", "jupyter_evalsched.runner.zygote"],
+                cwd=self._cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            ours.close()
+            self._gone(f"could not start the zygote: {exc}")
+            return
+        finally:
+            theirs.close()
+        self.pid = self._popen.pid
+        ours.setblocking(False)
+        self._sock = ours
+        self.loop.add_reader(ours.fileno(), self._readable)
+        output = self._popen.stdout
+        if output is not None:
+            os.set_blocking(output.fileno(), False)
+            self.loop.add_reader(output.fileno(), self._output)
+
+    def _output(self) -> None:
+        output = self._popen.stdout if self._popen is not None else None
+        if output is None or output.closed:
+            return
+        try:
+            data = os.read(output.fileno(), 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_output()
+            return
+        for line in data.decode("utf-8", "replace").splitlines():
+            if line.strip():
+                log.info("evalsched zygote %d: %s", self.pid, line.rstrip()[:2000])
+
+    # ------------------------------------------------------------------ requests
+
+    def fork(self, request: ForkRequest) -> None:
+        self.last_used = time.monotonic()
+        if self.state in (READY, STARTING):
+            self._queue.append(request)
+            if self.state == READY:
+                self._flush()
+            return
+        _close_fds(request)
+        request.on_cold(self.why or f"the zygote is {self.state}")
+
+    def _flush(self) -> None:
+        sock = self._sock
+        while self._queue and sock is not None and self.state == READY:
+            request = self._queue[0]
+            message = {
+                "op": "fork",
+                "run_id": request.run_id,
+                "run_dir": request.run_dir,
+                "cwd": request.cwd,
+                "env": request.env,
+            }
+            try:
+                socket.send_fds(sock, [json.dumps(message).encode()], list(request.fds))
+            except BlockingIOError:
+                if not self._writer:
+                    self.loop.add_writer(sock.fileno(), self._flush)
+                    self._writer = True
+                return
+            except OSError as exc:
+                self._gone(f"the zygote's socket failed: {exc}")
+                return
+            self._queue.popleft()
+            _close_fds(request)
+            self._waiting[request.run_id] = request
+        if self._writer and sock is not None:
+            self.loop.remove_writer(sock.fileno())
+            self._writer = False
+
+    def retire(self) -> None:
+        """No more forks: it ends once its runs have (a replaced zygote: its runs go on)."""
+        if self.state in (STARTING, READY):
+            self.state = RETIRING
+            self._send({"op": "retire"})
+            self._cold_all("the zygote was replaced")
+            if self.on_change is not None:
+                self.on_change(self)
+
+    def close(self, wait: bool = True) -> None:
+        """Closing the socket ends the zygote, and with it any run it still has. ``wait``: for
+        its exit (at shutdown); else the pool's sweep reaps it."""
+        self._cold_all("the zygote was closed")
+        self._shut_socket()
+        if self._popen is not None and wait:
+            try:
+                self._popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._popen.kill()
+                self._popen.wait()
+            self._output()  # its last words
+            self._close_output()
+        self._remove_cwd()
+        if self.state != REFUSED:
+            self.state = DEAD
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.send(json.dumps(message).encode())
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ answers
+
+    def _readable(self) -> None:
+        sock = self._sock
+        while sock is not None:
+            try:
+                data = sock.recv(MAX_MESSAGE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                data = b""
+                log.debug("zygote %d: %s", self.pid, exc)
+            if not data:
+                self._gone(self.why or "the zygote exited")
+                return
+            try:
+                self._handle(json.loads(data))
+            except Exception:
+                log.exception("evalsched: bad message from zygote %d", self.pid)
+            sock = self._sock
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        run_id = message.get("run_id", "")
+        if op == "ready":
+            self.state = READY
+            self.info = message
+            failed = message.get("failed") or []
+            log.info(
+                "evalsched: zygote %d ready in %.2f s (preloaded: %s)%s",
+                self.pid,
+                time.monotonic() - self.started_at,
+                ", ".join(message.get("preloaded") or []) or "the runner only",
+                f"; could not preload: {'; '.join(failed)}" if failed else "",
+            )
+            self._notify()
+            self._flush()
+        elif op == "refused":
+            self.state = REFUSED
+            self.why = f"warm starts are off: {message.get('why')}"
+            log.warning("evalsched: %s; runs start cold", self.why)
+            self._cold_all(self.why)
+            self._notify()
+        elif op == "stale":
+            self.state = RETIRING
+            self.why = f"replaced: {message.get('why')}"
+            log.info("evalsched: zygote %d %s", self.pid, self.why)
+            self._cold_all(self.why)
+            self._notify()
+        elif op == "forked":
+            request = self._waiting.pop(run_id, None)
+            pid = int(message["pid"])
+            self.children[run_id] = pid
+            self.forks += 1
+            if request is not None:
+                request.on_forked(pid)
+        elif op == "cold":
+            request = self._waiting.pop(run_id, None)
+            if request is not None:
+                request.on_cold(str(message.get("why")))
+        elif op == "error":
+            request = self._waiting.pop(run_id, None)
+            if request is not None:
+                request.on_error(str(message.get("why")))
+        elif op == "exit":
+            pid = int(message["pid"])
+            if self.children.get(run_id) == pid:
+                del self.children[run_id]
+            self.last_used = time.monotonic()
+            self.on_exit(run_id, pid, int(message["code"]))
+
+    def _notify(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def _cold_all(self, why: str) -> None:
+        waiting = list(self._queue) + list(self._waiting.values())
+        self._queue.clear()
+        self._waiting.clear()
+        for request in waiting:
+            _close_fds(request)
+            request.on_cold(why)
+
+    def _gone(self, why: str) -> None:
+        """The zygote exited (or never started): its runs died with it (their death signal)."""
+        self._shut_socket()
+        if self._popen is not None:
+            code = self._popen.poll()
+            if code is not None and code != 0:
+                why = f"{why} (exit status {code})"
+        if self.state not in (REFUSED, RETIRING) or self.children:
+            log.log(
+                logging.WARNING if self.state != RETIRING else logging.INFO,
+                "evalsched: zygote %d gone: %s",
+                self.pid,
+                why,
+            )
+        if self.state != REFUSED:
+            self.state = DEAD
+            self.why = self.why or why
+        self._cold_all(why)
+        children, self.children = self.children, {}
+        for run_id, pid in children.items():
+            self.on_exit(run_id, pid, -9)
+        self._remove_cwd()
+        self._notify()
+
+    def _close_output(self) -> None:
+        output = self._popen.stdout if self._popen is not None else None
+        if output is not None and not output.closed:
+            try:
+                self.loop.remove_reader(output.fileno())
+            except (ValueError, OSError):
+                pass
+            output.close()
+
+    def _shut_socket(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                self.loop.remove_reader(sock.fileno())
+                if self._writer:
+                    self.loop.remove_writer(sock.fileno())
+                    self._writer = False
+            except (ValueError, OSError):
+                pass
+            sock.close()
+
+    def _remove_cwd(self) -> None:
+        if self._cwd is not None:
+            shutil.rmtree(self._cwd, ignore_errors=True)
+            self._cwd = None
+
+    def reap(self) -> bool:
+        """True once the zygote process has ended (polled by the pool's sweep)."""
+        ended = self._popen is None or self._popen.poll() is not None
+        if ended:
+            self._close_output()
+        return ended
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "state": self.state,
+            "why": self.why,
+            "preloaded": list(self.info.get("preloaded") or []),
+            "failed": list(self.info.get("failed") or []),
+            "import_s": self.info.get("import_s"),
+            "modules": self.info.get("modules"),
+            "runs": len(self.children),
+            "forks": self.forks,
+        }
+
+
+def _close_fds(request: ForkRequest) -> None:
+    for fd in request.fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    request.fds = (-1, -1)
+
+
+# ---------------------------------------------------------------------------- the pool
+
+
+@dataclass
+class WarmStartConfig:
+    enabled: bool = True
+    preload: list[str] = field(default_factory=list)
+    max_zygotes: int = 4
+    idle_s: float = 600.0
+    python: str = sys.executable
+
+
+class ZygotePool:
+    def __init__(self, config: WarmStartConfig, on_exit: ExitHandler) -> None:
+        self.config = config
+        self.on_exit = on_exit
+        self.zygotes: list[ZygoteClient] = []
+        self.refused: str | None = None  # a preload that can never be forked from: warm starts are off
+        self.primary_env: dict[str, str] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._early_deaths = 0
+        self._closed = False
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def start(self, run_env: Mapping[str, str]) -> None:
+        """The zygote for the server's own run environment, started with the server."""
+        if not self.config.enabled:
+            return
+        self.primary_env = zygote_environment(run_env)
+        self._new(self.primary_env)
+
+    def _new(self, env: dict[str, str]) -> ZygoteClient:
+        assert self._loop is not None, "ZygotePool.bind(loop) first"
+        zygote = ZygoteClient(
+            self._loop, self.config.python, env, list(self.config.preload), self.on_exit, on_change=self._changed
+        )
+        self.zygotes.append(zygote)
+        zygote.start()
+        return zygote
+
+    def _changed(self, zygote: ZygoteClient) -> None:
+        if zygote.state == REFUSED and self.refused is None:
+            self.refused = zygote.why
+        elif zygote.state == READY:
+            self._early_deaths = 0
+        elif zygote.state == DEAD and not zygote.info:
+            # It died before it was ready: a preload that crashes the interpreter. Twice more and
+            # warm starts are off (a cold start is always possible).
+            self._early_deaths += 1
+            if self._early_deaths >= 3 and self.refused is None:
+                self.refused = f"warm starts are off: the zygote died {self._early_deaths} times before it was ready ({zygote.why})"
+                log.warning("evalsched: %s", self.refused)
+        if zygote.state in (RETIRING, DEAD) and zygote.env == self.primary_env and self._loop is not None:
+            self._loop.call_soon(self._replace_primary)
+
+    def _replace_primary(self) -> None:
+        """The server's own zygote was replaced (stale) or died: the next one starts now, to be
+        ready before it is needed."""
+        if not self.config.enabled or self.refused is not None or self.primary_env is None or self._closed:
+            return
+        if not any(z.env == self.primary_env and z.state in (READY, STARTING) for z in self.zygotes):
+            self._new(self.primary_env)
+
+    def choose(self, run_env: Mapping[str, str]) -> ZygoteClient | str:
+        """The zygote to fork a run with ``run_env`` from (started if need be), or why none."""
+        if self.refused is not None:
+            return self.refused
+        wanted = zygote_environment(run_env)
+        for zygote in self.zygotes:
+            if zygote.state not in (READY, STARTING):
+                continue
+            read = zygote.env_read if zygote.state == READY else None
+            if incompatible(zygote.env, read, wanted) is None:
+                return zygote
+        live = [z for z in self.zygotes if z.state in (READY, STARTING)]
+        if len(live) >= self.config.max_zygotes:
+            idle = [z for z in live if not z.children and z.env != self.primary_env]
+            if not idle:
+                differs = incompatible(live[0].env, live[0].env_read, wanted)
+                return (
+                    f"all {len(live)} zygotes (max_zygotes) serve other environments "
+                    f"(this run's {differs} differs) and are busy"
+                )
+            min(idle, key=lambda z: z.last_used).close(wait=False)
+        return self._new(wanted)
+
+    def sweep(self) -> None:
+        """Close zygotes idle for ``idle_s`` (but the server's own), drop the ended ones."""
+        now = time.monotonic()
+        for zygote in list(self.zygotes):
+            if zygote.state in (READY, STARTING) and not zygote.children and zygote.env != self.primary_env:
+                if now - zygote.last_used > self.config.idle_s:
+                    log.info("evalsched: zygote %d idle for %.0f s: closed", zygote.pid, now - zygote.last_used)
+                    zygote.close(wait=False)
+            if zygote.state in (DEAD, RETIRING) and zygote.reap() and not zygote.children:
+                if zygote._sock is not None:
+                    zygote._gone("it ended")
+                self.zygotes.remove(zygote)
+        self._replace_primary()
+
+    def close(self) -> None:
+        self._closed = True
+        for zygote in self.zygotes:
+            zygote.close()
+        self.zygotes.clear()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "enabled": self.config.enabled,
+            "preload": list(self.config.preload),
+            "refused": self.refused,
+            "zygotes": [z.status() for z in self.zygotes],
+        }

@@ -1,0 +1,65 @@
+"""Evals for the warm-start tests (#17), run as file entrypoints (``<this file>:fingerprint``).
+Standard library only."""
+
+import json
+import os
+import random
+import signal
+import sys
+import threading
+
+
+def fingerprint(ctx, index):
+    """What a run's process looks like to the eval, written to ``params["out"]``."""
+    fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+    handlers = {
+        name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGTERM", "SIGCHLD", "SIGPIPE")
+    }
+    umask = os.umask(0)
+    os.umask(umask)
+    with open("/proc/self/environ", "rb") as f:
+        block = f.read()
+    out = {
+        "environ": dict(os.environ),
+        "proc_environ": dict(e.decode().split("=", 1) for e in block.split(b"\0") if e),
+        "cwd": os.getcwd(),
+        "argv": list(sys.argv),
+        "path": list(sys.path),
+        "random": random.random(),
+        "fds": fds,
+        "tasks": len(os.listdir("/proc/self/task")),
+        "threads": threading.active_count(),
+        "handlers": handlers,
+        "umask": umask,
+        "stdin": os.readlink("/proc/self/fd/0"),
+        "sid_is_pid": os.getsid(0) == os.getpid(),
+        "main_module": getattr(sys.modules["__main__"], "__spec__", None) is not None,
+    }
+    with open(ctx.params["out"], "w") as f:
+        json.dump(out, f)
+    return {"ok": 1}
+
+
+def read_value(ctx, index):
+    """The VALUE of the module named ``params["module"]`` (preloaded, or imported now)."""
+    module = __import__(ctx.params["module"])
+    return {"value": float(module.VALUE)}
+
+
+def escape_fork_only(ctx, index):
+    """Fork a child that leaves the run's process group and session (setsid) and sleeps, without
+    exec: only its (inherited) environment in /proc says whose it is. Its pid goes to
+    ``params["pid_file"]``; the run then ends."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        os.write(write_end, b"x")
+        import time
+
+        time.sleep(300)
+        os._exit(0)
+    os.read(read_end, 1)
+    with open(ctx.params["pid_file"], "w") as f:
+        f.write(str(child))
+    return {"child": child}

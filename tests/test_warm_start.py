@@ -1,0 +1,259 @@
+"""Warm starts (#17): runs forked from a zygote look like fresh interpreters to the eval, and
+every doubt (threads, CUDA, edited modules, shadowing, another environment) ends in a cold
+start or another zygote. A real server, real zygotes, real runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from rest import SLEEPY, spec, submit
+from waiting import async_wait_until
+
+from jupyter_evalsched.doctor import server_checks
+from jupyter_evalsched.scheduler.zygotes import cold_reason, incompatible, zygote_environment
+
+HERE = Path(__file__).resolve().parent
+FINGERPRINT = f"{HERE / 'evals_warm.py'}:fingerprint"
+READ_VALUE = f"{HERE / 'evals_warm.py'}:read_value"
+ESCAPE = f"{HERE / 'evals_warm.py'}:escape_fork_only"
+
+# The per-run variables: set after the fork, different for every run by design.
+PER_RUN = {"EVALSCHED_RUN_ID", "EVALSCHED_CGROUP_PROCS"}
+
+
+@pytest.fixture
+def preload_dir(tmp_path):
+    """A directory on the runs' PYTHONPATH holding the modules the tests preload."""
+    path = tmp_path / "preload"
+    path.mkdir()
+    (path / "warm_value.py").write_text("VALUE = 1\n")
+    (path / "warm_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True, name='sleeper').start()\n"
+    )
+    # A shared library called libcuda.so.1: what a real CUDA initialisation maps into a process.
+    import psutil._psutil_linux as native
+
+    shutil.copy(native.__file__, path / "libcuda.so.1")
+    (path / "warm_cuda.py").write_text(f"import ctypes\nctypes.CDLL({str(path / 'libcuda.so.1')!r})\n")
+    return path
+
+
+@pytest.fixture
+def preload():
+    return ["warm_value"]
+
+
+@pytest.fixture
+def evalsched_config(preload_dir, preload):
+    return {"run_env": {"PYTHONPATH": str(preload_dir)}, "preload_modules": preload}
+
+
+async def status(api) -> dict:
+    code, body = await api("GET", "status")
+    assert code == 200, body
+    return body
+
+
+async def ready_zygote(api) -> dict:
+    answer = {}
+
+    async def ready():
+        answer["warm"] = (await status(api))["warm_start"]
+        return any(z["state"] == "ready" for z in answer["warm"]["zygotes"]) or answer["warm"]["refused"]
+
+    await async_wait_until(ready, timeout=30, message="no zygote became ready")
+    return answer["warm"]
+
+
+async def run_fingerprint(api, wait_for, out: Path, **kw) -> tuple[dict, dict]:
+    rec = await submit(api, spec(entry=FINGERPRINT, params={"out": str(out)}, **kw))
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded", final
+    return final, json.loads(out.read_text())
+
+
+def comparable(fp: dict, run_id: str) -> dict:
+    """A fingerprint with what differs between any two runs by design taken out."""
+    fp = dict(fp)
+    fp["environ"] = {k: v for k, v in fp["environ"].items() if k not in PER_RUN}
+    fp["proc_environ"] = {k: v for k, v in fp["proc_environ"].items() if k not in PER_RUN}
+    fp["argv"] = [a.replace(run_id, "<run>") for a in fp["argv"]]
+    del fp["random"]
+    return fp
+
+
+async def test_warm_and_cold_runs_look_alike_to_the_eval(api, wait_for, tmp_path):
+    await ready_zygote(api)
+    env = {"EVAL_FLAVOUR": "salty"}  # a variable nothing preloaded read: the same zygote serves it
+    warm1, fp1 = await run_fingerprint(api, wait_for, tmp_path / "w1.json", env=env)
+    warm2, fp2 = await run_fingerprint(api, wait_for, tmp_path / "w2.json", env=env)
+    cold, fpc = await run_fingerprint(api, wait_for, tmp_path / "c.json", env=env, fresh_interpreter=True)
+    assert (warm1["start"], warm2["start"], cold["start"]) == ("warm", "warm", "cold")
+    assert "forked by zygote" in warm1["start_detail"]
+    assert cold["start_detail"] == "the spec asks for fresh_interpreter"
+
+    assert comparable(fp1, warm1["id"]) == comparable(fpc, cold["id"])
+    assert comparable(fp2, warm2["id"]) == comparable(fpc, cold["id"])
+    assert fp1["environ"]["EVAL_FLAVOUR"] == "salty"
+    assert fp1["proc_environ"] == fp1["environ"]  # /proc shows the run's environment, as for a cold run
+    assert fp1["environ"]["EVALSCHED_RUN_ID"] == warm1["id"]
+    assert fp1["fds"] == fpc["fds"]  # 0, 1, 2, the listing's own and the runner's episodes file
+    assert fp1["tasks"] == 1 and fp1["threads"] == 1
+    assert fp1["sid_is_pid"] and fp1["stdin"] == "/dev/null"
+    assert fp1["cwd"] in fp1["path"][:2]  # after the eval file's own directory
+    # Reseeded: no two runs share a random state, warm or cold.
+    assert len({fp1["random"], fp2["random"], fpc["random"]}) == 3
+
+
+@pytest.mark.parametrize(
+    ("preload", "culprit", "why"),
+    [(["warm_thread"], "warm_thread", "threads (sleeper)"), (["warm_cuda"], "warm_cuda", "libcuda.so.1 is loaded")],
+)
+async def test_an_unsafe_preload_is_refused_and_runs_go_cold(
+    api, wait_for, tmp_path, jp_serverapp, caplog, culprit, why
+):
+    warm = await ready_zygote(api)
+    assert warm["refused"] and culprit in warm["refused"] and why in warm["refused"], warm
+    final, fp = await run_fingerprint(api, wait_for, tmp_path / "fp.json")
+    assert final["start"] == "cold" and culprit in final["start_detail"]
+    assert fp["tasks"] == 1
+    checks = {c["name"]: c for c in server_checks(_app(jp_serverapp), [])}
+    assert checks["warm_start"]["status"] == "degraded" and culprit in checks["warm_start"]["detail"]
+    assert any("warm starts are off" in r.getMessage() and culprit in r.getMessage() for r in caplog.records)
+
+
+async def test_an_edited_preload_takes_effect_like_in_a_fresh_interpreter(api, wait_for, preload_dir):
+    await ready_zygote(api)
+
+    async def value() -> tuple[float, dict]:
+        rec = await submit(api, spec(entry=READ_VALUE, params={"module": "warm_value"}))
+        final = await wait_for(rec["id"])
+        assert final["state"] == "succeeded", final
+        return final["summary"]["metrics"]["value"]["mean"], final
+
+    first, rec = await value()
+    assert first == 1 and rec["start"] == "warm"
+    zygote = rec["start_detail"]
+    source = preload_dir / "warm_value.py"
+    source.write_text("VALUE = 2.0\n")
+    os.utime(source, ns=(time.time_ns(), time.time_ns() + 10**9))  # whatever the clock's tick
+    second, rec = await value()
+    assert second == 2 and rec["start"] == "cold" and "warm_value.py changed" in rec["start_detail"]
+    await ready_zygote(api)  # its replacement
+
+    async def warm_again() -> bool:
+        third, rec = await value()
+        assert third == 2
+        return rec["start"] == "warm" and rec["start_detail"] != zygote
+
+    await async_wait_until(warm_again, timeout=20, message="no fresh zygote took over")
+
+
+async def test_a_cwd_that_shadows_a_preload_starts_cold(api, wait_for, tmp_path):
+    await ready_zygote(api)
+    cwd = tmp_path / "project"
+    cwd.mkdir()
+    (cwd / "warm_value.py").write_text("VALUE = 3\n")
+    rec = await submit(api, spec(entry=READ_VALUE, params={"module": "warm_value"}, cwd=str(cwd)))
+    final = await wait_for(rec["id"])
+    assert final["summary"]["metrics"]["value"]["mean"] == 3
+    assert final["start"] == "cold" and "'warm_value'" in final["start_detail"]
+
+
+async def test_another_interpreter_environment_gets_its_own_zygote(api, wait_for, tmp_path):
+    await ready_zygote(api)
+    plain, fp_plain = await run_fingerprint(api, wait_for, tmp_path / "a.json")
+    # PYTHONWARNINGS is read by the interpreter at start: the server's zygote cannot serve it.
+    other, fp_other = await run_fingerprint(api, wait_for, tmp_path / "b.json", env={"PYTHONWARNINGS": "ignore"})
+    cold, fp_cold = await run_fingerprint(
+        api, wait_for, tmp_path / "c.json", env={"PYTHONWARNINGS": "ignore"}, fresh_interpreter=True
+    )
+    assert plain["start"] == other["start"] == "warm"
+    assert plain["start_detail"] != other["start_detail"]
+    assert comparable(fp_other, other["id"]) == comparable(fp_cold, cold["id"])
+    zygotes = (await status(api))["warm_start"]["zygotes"]
+    assert len([z for z in zygotes if z["state"] == "ready"]) == 2
+
+
+async def test_a_zygote_that_dies_takes_its_runs_and_is_replaced(api, wait_for, tmp_path):
+    warm = await ready_zygote(api)
+    zygote_pid = next(z["pid"] for z in warm["zygotes"] if z["state"] == "ready")
+    rec = await submit(api, spec(episodes=200, sleep_s=0.1))
+    running = await wait_for(rec["id"], states=("running",))
+    assert running["start"] == "warm"
+    run = psutil.Process(running["pid"])
+    assert run.ppid() == zygote_pid
+    os.kill(zygote_pid, signal.SIGKILL)
+    final = await wait_for(rec["id"], timeout=10)
+    assert final["state"] == "failed" and final["reason"].startswith("signal:SIGKILL"), final
+    assert not psutil.pid_exists(run.pid) or run.status() == psutil.STATUS_ZOMBIE
+
+    async def replaced() -> bool:
+        zygotes = (await status(api))["warm_start"]["zygotes"]
+        return any(z["state"] == "ready" and z["pid"] != zygote_pid for z in zygotes)
+
+    await async_wait_until(replaced, timeout=20, message="the dead zygote was not replaced")
+    after, _ = await run_fingerprint(api, wait_for, tmp_path / "after.json")
+    assert after["start"] == "warm"
+
+
+@pytest.mark.parametrize("preload", [[]])
+async def test_cancel_while_the_fork_is_asked_and_timeouts_of_warm_runs(api, wait_for):
+    await ready_zygote(api)
+    # Cancelled at once: the cancel may come before the zygote's answer; it is sent on arrival.
+    rec = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.2))
+    code, _ = await api("POST", f"runs/{rec['id']}/cancel")
+    assert code == 200
+    final = await wait_for(rec["id"], timeout=10)
+    assert final["state"] == "cancelled", final
+    timed = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.2, timeout_s=0.5))
+    final = await wait_for(timed["id"], timeout=10)
+    assert final["state"] == "failed" and final["reason"].startswith("timeout") and final["start"] == "warm"
+
+
+@pytest.mark.parametrize("evalsched_config", [{"cgroups": False}])
+async def test_without_cgroups_a_forked_runs_setsid_leftover_is_found_by_its_environment(api, wait_for, tmp_path):
+    await ready_zygote(api)
+    pid_file = tmp_path / "leftover.pid"
+    rec = await submit(api, spec(entry=ESCAPE, params={"pid_file": str(pid_file)}))
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded" and final["start"] == "warm", final
+    leftover = int(pid_file.read_text())
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(leftover).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    await async_wait_until(gone, timeout=10, message=f"the run's setsid'd leftover {leftover} outlived it")
+
+
+def test_environment_compatibility_rules():
+    zygote = zygote_environment({"PATH": "/bin", "HOME": "/h", "EVALSCHED_RUN_ID": "x", "PYTHONPATH": "/p"})
+    assert "EVALSCHED_RUN_ID" not in zygote
+    run = {**zygote, "EVALSCHED_RUN_ID": "y", "CUDA_VISIBLE_DEVICES": "1", "MY_FLAG": "1"}
+    # Known reads: only those and the start-up variables matter.
+    assert incompatible(zygote, ["HOME"], run) is None
+    assert incompatible(zygote, ["HOME", "MY_FLAG"], run) == "MY_FLAG"
+    assert incompatible(zygote, ["HOME"], {**run, "PYTHONPATH": "/q"}) == "PYTHONPATH"
+    assert incompatible(zygote, ["HOME"], {**run, "OMP_NUM_THREADS": "2"}) == "OMP_NUM_THREADS"
+    # Reads not known yet, or the whole environment read: everything but the per-run variables.
+    assert incompatible(zygote, None, run) == "MY_FLAG"
+    assert incompatible(zygote, ["*"], {**zygote, "EVALSCHED_RUN_ID": "z"}) is None
+    assert cold_reason({}, {}, warm_start=False) == "warm_start is off"
+    assert "fresh_interpreter" in cold_reason({"fresh_interpreter": True}, {}, True)
+    assert "detached" in cold_reason({"detach": True}, {}, True)
+    assert "relative" in cold_reason({}, {"PYTHONPATH": "lib:/abs"}, True)
+    assert cold_reason({}, {"PYTHONPATH": "/abs"}, True) is None
+
+
+def _app(jp_serverapp):
+    return jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
