@@ -5,9 +5,10 @@ the same run (these machines are noisy: never compare with a number from another
 
 1. Admission latency: two runs that cannot share the GPU (16000 MB each on a 24000 MB virtual
    GPU). Measured from the first run's exit (its ``_DONE``, written just before it exits, and the
-   moment the scheduler records the first run's end) to the second run's spawn. Baseline: the same scheduler
-   with exit notification disabled, so that only its 1 s backstop sweep notices exits — the
-   once-a-second tick that event-driven admission replaces.
+   moment the scheduler records the first run's end) to the second run's start (the process
+   exists: spawned, or forked by the zygote). Baseline: the same scheduler with exit notification
+   disabled, so that only its 1 s backstop sweep notices exits — the once-a-second tick that
+   event-driven admission replaces.
 2. No-op turnaround: ``submit`` of a run whose episode does nothing → its terminal state, against
    ``Popen`` + ``wait`` of ``python -c pass`` with the same interpreter.
 3. The cost of a run's cgroup: the no-op turnaround with a cgroup per run (where the host has
@@ -37,7 +38,8 @@ NOOP = "jupyter_evalsched.examples.basic:noop"
 
 
 class TimedScheduler(Scheduler):
-    """Records when each run's end is recorded and each spawn returns (monotonic clock)."""
+    """Records when each run's end is recorded and each run starts (monotonic clock): the start is
+    when the process exists (spawned, or forked by the zygote)."""
 
     def __init__(
         self, config: SchedulerConfig, probe: VirtualProbe, event_driven: bool = True, cgroups: Cgroups | None = None
@@ -48,14 +50,13 @@ class TimedScheduler(Scheduler):
         self.noticed: dict[str, float] = {}
         self.spawned: dict[str, float] = {}
         self.finished: dict[str, asyncio.Future] = {}
-        spawn = self.local.launcher.spawn
+        started = self.local._started  # called once the run's process exists, warm or cold
 
-        def timed_spawn(run_id, *args, **kwargs):
-            proc = spawn(run_id, *args, **kwargs)
-            self.spawned[run_id] = time.monotonic()
-            return proc
+        def timed_started(run, *args, **kwargs):
+            self.spawned[run.id] = time.monotonic()
+            return started(run, *args, **kwargs)
 
-        self.local.launcher.spawn = timed_spawn
+        self.local._started = timed_started
         self.table.subscribe(self._changed)  # told of an end before the admission it triggers
 
     def _changed(self, event: dict) -> None:
@@ -73,6 +74,16 @@ class TimedScheduler(Scheduler):
         return record
 
 
+async def zygote_ready(sched: TimedScheduler, timeout: float = 30.0) -> None:
+    """Measure warm starts only once the zygote is ready (else the first runs queue behind it)."""
+    pool = sched.local.zygotes
+    deadline = time.monotonic() + timeout
+    while pool is not None and not any(z.state == "ready" for z in pool.zygotes) and pool.refused is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no zygote became ready")
+        await asyncio.sleep(0.01)
+
+
 def mono_of_wall(wall: float) -> float:
     return time.monotonic() - (time.time() - wall)
 
@@ -80,11 +91,15 @@ def mono_of_wall(wall: float) -> float:
 async def admission_latency(rounds: int, event_driven: bool, root: Path) -> tuple[list[float], list[float]]:
     runs = root / ("event" if event_driven else "tick")
     sched = TimedScheduler(
-        SchedulerConfig(runs_dir=runs, cpu_slots=4, sweep_interval_s=1.0, progress_interval_s=10),
+        # The baseline is the sweep alone: no pidfd, and no zygote either (it reports exits too).
+        SchedulerConfig(
+            runs_dir=runs, cpu_slots=4, sweep_interval_s=1.0, progress_interval_s=10, warm_start=event_driven
+        ),
         VirtualProbe([24000]),
         event_driven=event_driven,
     )
     await sched.start()
+    await zygote_ready(sched)
     from_done, from_notice = [], []
     try:
         for _ in range(rounds):
@@ -106,6 +121,7 @@ async def noop_turnaround(rounds: int, root: Path) -> list[float]:
         SchedulerConfig(runs_dir=root / "noop", cpu_slots=4, progress_interval_s=10), VirtualProbe([])
     )
     await sched.start()
+    await zygote_ready(sched)
     out = []
     try:
         for _ in range(rounds):
@@ -133,6 +149,7 @@ async def cgroup_cost(rounds: int, root: Path) -> tuple[str, list[float], list[f
     }
     for sched in schedulers.values():
         await sched.start()
+        await zygote_ready(sched)
     out: dict[bool, list[float]] = {True: [], False: []}
     try:
         for _ in range(rounds):
@@ -191,7 +208,7 @@ async def main() -> None:
         print(f"python {sys.executable}; {os.cpu_count()} cores\n")
         ev_done, ev_notice = await admission_latency(args.rounds, True, root)
         tick_done, tick_notice = await admission_latency(args.tick_rounds, False, root)
-        print("1. admission latency: a run's exit -> the next admitted run's spawn")
+        print("1. admission latency: a run's exit -> the next admitted run's start (spawned or forked)")
         print(f"   event-driven, from _DONE        {ms(ev_done)}")
         print(f"   event-driven, from exit noticed {ms(ev_notice)}")
         print(f"   baseline 1 s sweep, from _DONE  {ms(tick_done)}")

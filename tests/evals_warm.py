@@ -63,3 +63,11 @@ def escape_fork_only(ctx, index):
     with open(ctx.params["pid_file"], "w") as f:
         f.write(str(child))
     return {"child": child}
+
+
+def numpy_state(ctx, index):
+    """numpy's global generator and a BLAS product (its thread pool) in the run."""
+    import numpy
+
+    a = numpy.arange(40000, dtype=float).reshape(200, 200)
+    return {"random": float(numpy.random.random()), "trace": float(numpy.trace(a @ a))}

@@ -23,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 FINGERPRINT = f"{HERE / 'evals_warm.py'}:fingerprint"
 READ_VALUE = f"{HERE / 'evals_warm.py'}:read_value"
 ESCAPE = f"{HERE / 'evals_warm.py'}:escape_fork_only"
+NUMPY_STATE = f"{HERE / 'evals_warm.py'}:numpy_state"
 
 # The per-run variables: set after the fork, different for every run by design.
 PER_RUN = {"EVALSCHED_RUN_ID", "EVALSCHED_CGROUP_PROCS"}
@@ -234,6 +235,42 @@ async def test_without_cgroups_a_forked_runs_setsid_leftover_is_found_by_its_env
             return True
 
     await async_wait_until(gone, timeout=10, message=f"the run's setsid'd leftover {leftover} outlived it")
+
+
+@pytest.mark.parametrize("preload", [["numpy"]])
+async def test_numpy_is_preloaded_with_its_blas_pool_and_reseeded(api, wait_for):
+    """numpy's OpenBLAS starts a thread pool at import; it is fork-safe (its own fork handler
+    shuts it down), so the zygote shuts it down the same way instead of refusing."""
+    warm = await ready_zygote(api)
+    assert warm["refused"] is None and warm["zygotes"][0]["preloaded"] == ["numpy"], warm
+    finals = []
+    for _ in range(2):
+        rec = await submit(api, spec(entry=NUMPY_STATE))
+        finals.append(await wait_for(rec["id"]))
+    assert all(f["state"] == "succeeded" and f["start"] == "warm" for f in finals), finals
+    metrics = [f["summary"]["metrics"] for f in finals]
+    a = [[float(i * 200 + j) for j in range(200)] for i in range(200)]
+    trace = sum(a[i][k] * a[k][i] for i in range(200) for k in range(200))
+    assert all(m["trace"]["mean"] == pytest.approx(trace) for m in metrics)
+    assert metrics[0]["random"]["mean"] != metrics[1]["random"]["mean"]
+
+
+def test_the_zygote_watches_installed_packages_too():
+    """In a virtual environment the standard library's platform directory holds site-packages:
+    a package installed there is watched (an upgrade replaces the zygote), the stdlib is not."""
+    import json as stdlib_module
+
+    import psutil as installed
+
+    from jupyter_evalsched.runner import zygote
+
+    watched = zygote.module_files()
+    assert installed.__file__ in watched
+    assert stdlib_module.__file__ not in watched
+    stamps = {installed.__file__: watched[installed.__file__]}
+    assert zygote.changed_file(stamps) is None
+    stamps[installed.__file__] = (0, 0, 0)
+    assert zygote.changed_file(stamps) == installed.__file__
 
 
 def test_environment_compatibility_rules():

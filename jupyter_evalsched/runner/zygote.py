@@ -51,6 +51,7 @@ MAX_MESSAGE = 1 << 20  # a request carries a run's environment: far below this
 
 # What a run's start imports anyway: preloaded always.
 RUNNER_MODULES = (
+    "jupyter_evalsched.runner.__main__",
     "jupyter_evalsched.runner.run",
     "jupyter_evalsched.runner.results",
     "jupyter_evalsched.runner.context",
@@ -113,9 +114,58 @@ def cuda_state() -> str | None:
     return None
 
 
+def _fork_safe_pools() -> list[Any]:
+    """The thread pools loaded here that are known to survive a fork: OpenBLAS (numpy's, and so
+    torch's) registers a fork handler that shuts its pool down before every fork and starts it
+    again when next needed; ``blas_thread_shutdown_`` is that handler."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            maps = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    libs = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.rsplit("/", 1)[-1].lower()})
+    out = []
+    for lib in libs:
+        if not lib.startswith("/"):
+            continue
+        try:
+            import ctypes
+
+            shutdown = getattr(ctypes.CDLL(lib), "blas_thread_shutdown_", None)
+        except OSError:
+            continue
+        if shutdown is not None:
+            out.append(shutdown)
+    return out
+
+
+_pools: list[Any] | None = None
+
+
+def forget_pools() -> None:
+    global _pools
+    _pools = None
+
+
+def quiesce_fork_safe_pools() -> None:
+    """Shut down the known fork-safe pools now, as their own fork handlers would: their threads
+    must not count as threads that make forking unsafe."""
+    global _pools
+    if _pools is None:
+        _pools = _fork_safe_pools()
+    for shutdown in _pools:
+        try:
+            shutdown()
+        except Exception:
+            pass
+
+
 def unsafe_to_fork() -> str | None:
     """Why forking now would give a child a broken process, or None."""
     threads = thread_count()
+    if threads > 1:
+        quiesce_fork_safe_pools()
+        threads = thread_count()
     if threads > 1:
         import threading
 
@@ -131,24 +181,37 @@ def unsafe_to_fork() -> str | None:
 # ---------------------------------------------------------------------------- what was preloaded
 
 
-def _stdlib_dirs() -> tuple[str, ...]:
+def _stdlib_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the standard library's directories, the site directories): in a virtual environment
+    ``platstdlib`` is the environment's ``lib/pythonX.Y``, which holds its site-packages."""
+    import site
     import sysconfig
 
     paths = sysconfig.get_paths()
-    return tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths})
+    stdlib = {os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths}
+    sites = {os.path.realpath(paths[k]) + os.sep for k in ("purelib", "platlib") if k in paths}
+    try:
+        sites.update(os.path.realpath(p) + os.sep for p in site.getsitepackages())
+    except AttributeError:
+        pass
+    user = getattr(site, "USER_SITE", None)
+    if user:
+        sites.add(os.path.realpath(user) + os.sep)
+    return tuple(stdlib), tuple(sites)
 
 
 def module_files() -> dict[str, tuple[int, int, int]]:
-    """{file: (inode, mtime_ns, size)} of every loaded module outside the standard library:
-    an edit to any of them replaces the zygote (the standard library changes only with Python)."""
-    skip = _stdlib_dirs()
+    """{file: (inode, mtime_ns, size)} of every loaded module outside the standard library
+    (installed packages included): an edit to any of them replaces the zygote (the standard
+    library changes only with Python)."""
+    stdlib, sites = _stdlib_dirs()
     out: dict[str, tuple[int, int, int]] = {}
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
         if not isinstance(path, str) or path in out:
             continue
         real = os.path.realpath(path)
-        if real.startswith(skip):
+        if real.startswith(stdlib) and not real.startswith(sites):
             continue
         try:
             st = os.stat(path)
@@ -234,6 +297,7 @@ def preload(names: list[str]) -> tuple[list[str], list[str], str | None, list[st
                 continue
             if name not in RUNNER_MODULES:
                 imported.append(name)
+            forget_pools()  # the import may have loaded a pool's library
             why = unsafe_to_fork()
             if why is not None:
                 return imported, failed, f"preloading {name!r} made it unsafe to fork: {why}", []
@@ -444,8 +508,7 @@ def become_run(zygote: Zygote, zygote_pid: int, request: dict[str, Any], fds: li
         zygote.sock.detach()
         os.closerange(3, _max_fd())  # the socket, the wake-up pipe, the log fds, whatever preloads opened
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
+        set_environment(request["env"])
         show_environment(request["env"])
         run_dir = request["run_dir"]
         from . import __main__ as entry
@@ -468,6 +531,16 @@ def become_run(zygote: Zygote, zygote_pid: int, request: dict[str, Any], fds: li
     code = main_checked()
     entry._exit(code)
     return code  # not reached: _exit leaves
+
+
+def set_environment(env: dict[str, str]) -> None:
+    """``os.environ`` becomes ``env``: only what differs is changed (most of a run's environment is
+    the zygote's own, and every change is a ``putenv``)."""
+    for key in [k for k in os.environ if k not in env]:
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 ENV_RESERVE = "EVALSCHED_ENV_RESERVE"  # room in the zygote's initial environment, see show_environment
@@ -525,7 +598,7 @@ def _reseed() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         try:
-            torch.seed()
+            torch.default_generator.seed()  # the CPU generator (torch.seed() also visits devices: slow)
         except Exception:
             pass
 

@@ -298,6 +298,9 @@ class ZygoteClient:
         if op == "ready":
             self.state = READY
             self.info = message
+            # Its cwd (sys.path[0], empty on purpose) is not needed any more: removed now, so
+            # that a server killed later leaves no directory behind.
+            self._remove_cwd()
             failed = message.get("failed") or []
             log.info(
                 "evalsched: zygote %d ready in %.2f s (preloaded: %s)%s",
