@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from proc_status import alive
 from rest import SLEEPY, spec, submit
 from waiting import async_wait_until
 
@@ -194,7 +195,7 @@ async def test_a_zygote_that_dies_takes_its_runs_and_is_replaced(api, wait_for, 
     os.kill(zygote_pid, signal.SIGKILL)
     final = await wait_for(rec["id"], timeout=10)
     assert final["state"] == "failed" and final["reason"].startswith("signal:SIGKILL"), final
-    assert not psutil.pid_exists(run.pid) or run.status() == psutil.STATUS_ZOMBIE
+    await async_wait_until(lambda: not alive(run.pid), timeout=5, message="the zygote's run outlived it")
 
     async def replaced() -> bool:
         zygotes = (await status(api))["warm_start"]["zygotes"]
@@ -227,14 +228,9 @@ async def test_without_cgroups_a_forked_runs_setsid_leftover_is_found_by_its_env
     final = await wait_for(rec["id"])
     assert final["state"] == "succeeded" and final["start"] == "warm", final
     leftover = int(pid_file.read_text())
-
-    def gone() -> bool:
-        try:
-            return psutil.Process(leftover).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    await async_wait_until(gone, timeout=10, message=f"the run's setsid'd leftover {leftover} outlived it")
+    await async_wait_until(
+        lambda: not alive(leftover), timeout=10, message=f"the run's setsid'd leftover {leftover} outlived it"
+    )
 
 
 @pytest.mark.parametrize("preload", [["numpy"]])
