@@ -6,7 +6,7 @@ heavy (pydantic, tornado, jupyter_server) is imported here. The entry points imp
 
 from ._version import __version__
 
-__all__ = ["__version__", "lease", "model"]
+__all__ = ["__version__", "compare", "lease", "model", "sweep"]
 
 
 def lease(*args, **kwargs):
@@ -21,6 +21,25 @@ def model(name, **kwargs):
     from .client.lease import model as _model
 
     return _model(name, **kwargs)
+
+
+def sweep(spec, sweep, **kwargs):
+    """Submit ``spec`` at every point of ``sweep`` (a grid ``{"param": [values]}`` or a list of
+    points); returns a :class:`~jupyter_evalsched.client.SweepHandle`. ``client=`` to choose
+    the server."""
+    from .client.transport import EvalSchedClient
+
+    client = kwargs.pop("client", None) or EvalSchedClient()
+    return client.sweep_handle(client.submit_sweep(spec, sweep, **kwargs))
+
+
+def compare(runs=None, *, sweep=None, baseline=None, client=None):
+    """Runs (ids, handles or records) or a sweep side by side, as a pandas DataFrame with a
+    ``.plot(metric, x=param)`` (see :func:`jupyter_evalsched.client.comparison.compare`)."""
+    from .client.comparison import compare as _compare
+    from .client.transport import EvalSchedClient
+
+    return _compare(client or EvalSchedClient(), runs, sweep=sweep, baseline=baseline)
 
 
 def _jupyter_server_extension_points():

@@ -21,6 +21,7 @@ from typing import Any
 from .client import (
     SPEC_FILE_SUFFIXES,
     SPEC_FLAGS,
+    SWEEP_FLAGS,
     EvalSchedClient,
     EvalSchedClientError,
     LiveFeed,
@@ -35,7 +36,10 @@ from .client import (
     format_duration,
     format_metrics,
     load_spec_file,
+    sweep_from_options,
 )
+from .client.formatting import compare_table
+from .client.sweep import sweep_record
 from .contract import SUCCEEDED, TERMINAL_STATES
 
 PROG = "jupyter evalsched"
@@ -274,6 +278,9 @@ def _client(args: argparse.Namespace) -> EvalSchedClient:
     return EvalSchedClient(args.url, args.token)
 
 
+SWEEP_PREFIX = "sweep-"  # sweep ids; run ids never start so
+
+
 def _record_line(rec: dict) -> str:
     parts = [rec.get("id", "?"), rec.get("name") or "", rec.get("state", "?")]
     if rec.get("reason"):
@@ -330,6 +337,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise SpecError(f"cannot read {args.source_file}: {e.strerror or e}") from None
     spec = apply_spec_options(base, args, default_cwd=os.getcwd())
     client = _client(args)
+    sweep = sweep_from_options(args)
+    if sweep is not None:
+        return _submit_sweep(client, spec, sweep, args)
     rec = client.submit(spec)
     if args.wait:
         if not args.json:
@@ -339,6 +349,54 @@ def cmd_submit(args: argparse.Namespace) -> int:
         _print_json(rec)
     else:
         print(_record_line(rec))
+    return 0
+
+
+def _submit_sweep(client: EvalSchedClient, spec: dict, sweep: dict | list, args: argparse.Namespace) -> int:
+    view = client.submit_sweep(spec, sweep)
+    if not args.wait:
+        if args.json:
+            _print_json(view)
+        else:
+            print(f"sweep {view['id']}: {len(view['runs'])} runs")
+            for rec in view["runs"]:
+                print(f"  {_record_line(rec)}")
+        return 0
+    if not args.json:
+        print(f"submitted sweep {view['id']}: {len(view['runs'])} runs", file=sys.stderr)
+    return _wait_for_sweep(client, view["id"], args, args.wait_timeout)
+
+
+def _wait_for_sweep(client: EvalSchedClient, sweep_id: str, args: argparse.Namespace, timeout: float | None) -> int:
+    handle = client.sweep_handle(sweep_id)
+    try:
+        view = handle.wait(timeout=timeout, progress=TextProgress(stream=sys.stderr) if not args.quiet else False)
+    except WaitTimeout as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(view)
+    else:
+        print(compare_table(client.compare(sweep=sweep_id)))
+    return 0 if sweep_record(view)["state"] == SUCCEEDED else 1
+
+
+def cmd_sweeps(args: argparse.Namespace) -> int:
+    sweeps = _client(args).sweeps(limit=args.limit)
+    if args.json:
+        _print_json(sweeps)
+        return 0
+    for s in sweeps:
+        counts = ", ".join(f"{n} {state}" for state, n in sorted(s["counts"].items()))
+        print(f"{s['id']}  {(s.get('name') or '').split(' [')[0]}  {s['runs']} runs: {counts}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if bool(args.run_ids) == bool(args.sweep):
+        raise SpecError("compare needs run ids, or --sweep ID (one of them)")
+    answer = _client(args).compare(runs=args.run_ids or None, sweep=args.sweep, baseline=args.baseline)
+    _print_json(answer) if args.json else print(compare_table(answer, limit_metrics=args.metrics))
     return 0
 
 
@@ -520,10 +578,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
+    if args.run_id.startswith(SWEEP_PREFIX):
+        return _wait_for_sweep(_client(args), args.run_id, args, args.timeout)
     return _wait_and_report(_client(args), args.run_id, args, args.timeout)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    if args.run_id.startswith(SWEEP_PREFIX):  # a sweep: its unfinished runs
+        view = _client(args).cancel_sweep(args.run_id)
+        if args.json:
+            _print_json(view)
+        else:
+            for rec in view["runs"]:
+                print(_record_line(rec))
+        return 0
     rec = _client(args).cancel(args.run_id)
     _print_json(rec) if args.json else print(_record_line(rec))
     return 0
@@ -830,14 +898,16 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         help="spec.json / spec.yaml, or 'pkg.module:function' / 'path/file.py:function' (optional with --source-file)",
     )
-    for flag_args, flag_kwargs in SPEC_FLAGS:
+    for flag_args, flag_kwargs in (*SPEC_FLAGS, *SWEEP_FLAGS):
         p.add_argument(*flag_args, **flag_kwargs)
     p.add_argument(
         "--source-file",
         metavar="FILE",
         help="send FILE as the spec's source, saved as the run's eval.py; the entrypoint defaults to eval.py:episode",
     )
-    p.add_argument("--wait", action="store_true", help="wait for the run; exit 0 only if it succeeded")
+    p.add_argument(
+        "--wait", action="store_true", help="wait for the run (or sweep); exit 0 only if it (all of it) succeeded"
+    )
     # --timeout is the run's timeout_s (a spec flag), so waiting has its own option.
     p.add_argument(
         "--wait-timeout",
@@ -856,13 +926,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("status", cmd_status, "show one run's record and metrics")
     p.add_argument("run_id", metavar="ID")
 
-    p = add("wait", cmd_wait, "wait for a run with a progress bar; exit 0 only if it succeeded")
+    p = add("wait", cmd_wait, "wait for a run (or a sweep) with a progress bar; exit 0 only if it succeeded")
     p.add_argument("run_id", metavar="ID")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop waiting after SECONDS (exit 1)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
-    p = add("cancel", cmd_cancel, "cancel a queued or running run")
+    p = add("cancel", cmd_cancel, "cancel a queued or running run, or a sweep's unfinished runs")
     p.add_argument("run_id", metavar="ID")
+
+    p = add("sweeps", cmd_sweeps, "list the sweeps, newest first")
+    p.add_argument("--limit", type=int, help="at most this many sweeps (server default 100)")
+
+    p = add(
+        "compare",
+        cmd_compare,
+        "runs (or a sweep's runs) side by side: metrics ± stderr, paired deltas against a baseline with 95%% intervals",
+    )
+    p.add_argument("run_ids", metavar="ID", nargs="*", help="the runs to compare")
+    p.add_argument("--sweep", metavar="SWEEP_ID", help="compare this sweep's runs")
+    p.add_argument("--baseline", metavar="ID", help="the run deltas are against (default: the first)")
+    p.add_argument("--metrics", type=int, default=3, metavar="N", help="show the first N metrics (default 3)")
 
     p = add(
         "resume",

@@ -28,7 +28,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from . import contract
 from ._version import __version__
 from .contract import STATES
-from .models import EvalSpec, LeaseRequest
+from .models import EvalSpec, LeaseRequest, SweepRequest
 from .scheduler.errors import SchedulerError
 from .scheduler.service import Scheduler
 from .scheduler.shared import ModelUnavailable
@@ -46,6 +46,7 @@ IDEMPOTENCY_KEY_RE = re.compile(r"[!-~]{1,200}")
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 LEASE_ID = r"(?P<lease_id>[^/]+)"
+SWEEP_ID = r"(?P<sweep_id>[^/]+)"
 
 
 class ApiError(web.HTTPError):
@@ -208,6 +209,13 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
             raise ApiError(400, f"query parameter {name!r} must be between {lo} and {hi}, got {value}")
         return value
 
+    def idempotency_key(self) -> str | None:
+        """The request's ``Idempotency-Key`` (400 when it is malformed)."""
+        key = self.request.headers.get("Idempotency-Key")
+        if key is not None and not IDEMPOTENCY_KEY_RE.fullmatch(key):
+            raise ApiError(400, "the Idempotency-Key header must be 1 to 200 printable ASCII characters")
+        return key
+
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Blocking reads of run files, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -233,10 +241,7 @@ class RunsHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def post(self) -> None:
-        key = self.request.headers.get("Idempotency-Key")
-        if key is not None and not IDEMPOTENCY_KEY_RE.fullmatch(key):
-            raise ApiError(400, "the Idempotency-Key header must be 1 to 200 printable ASCII characters")
-        record, created = await self.scheduler.submit(parse_spec(self.request.body), key)
+        record, created = await self.scheduler.submit(parse_spec(self.request.body), self.idempotency_key())
         self.set_header("Location", self.request.path.rstrip("/") + "/" + record["id"])
         if not created:
             self.set_header("Idempotent-Replayed", "true")
@@ -338,6 +343,56 @@ class EpisodesHandler(EvalSchedHandler):
     async def get(self, run_id: str) -> None:
         run = self.scheduler.get(run_id)
         self.send_json({"episodes": await self.in_thread(self.scheduler.episodes, run.id)})
+
+
+class SweepsHandler(EvalSchedHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        limit = self.int_arg("limit", 100, 1, MAX_LIST_LIMIT)
+        self.send_json({"sweeps": self.scheduler.list_sweeps(limit or 100)})
+
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        request = parse_body(self.request.body, SweepRequest, "sweep")
+        view, created = await self.scheduler.submit_sweep(request.base_spec(), request.sweep, self.idempotency_key())
+        self.set_header("Location", self.request.path.rstrip("/") + "/" + view["id"])
+        if not created:
+            self.set_header("Idempotent-Replayed", "true")
+        self.send_json(view, status=201 if created else 200)
+
+
+class SweepHandler(EvalSchedHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    async def get(self, sweep_id: str) -> None:
+        self.send_json(self.scheduler.sweep_view(sweep_id))
+
+
+class SweepCancelHandler(EvalSchedHandler):
+    @web.authenticated
+    @authorized
+    async def post(self, sweep_id: str) -> None:
+        self.send_json(await self.scheduler.cancel_sweep(sweep_id))
+
+
+class CompareHandler(EvalSchedHandler):
+    _track_activity = False
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        runs_arg = self.get_argument("runs", None)
+        run_ids = [r.strip() for r in runs_arg.split(",") if r.strip()] if runs_arg is not None else None
+        sweep_id = self.get_argument("sweep", None) or None
+        baseline = self.get_argument("baseline", None) or None
+        runs = self.scheduler.compare_inputs(run_ids, sweep_id, baseline)
+        self.send_json(await self.in_thread(self.scheduler.compare_runs, runs, baseline))
 
 
 class LeasesHandler(EvalSchedHandler):
@@ -564,6 +619,10 @@ def handlers() -> list[tuple[str, type]]:
         (rf"/evalsched/runs/{RUN_ID}/logs/?", LogsHandler),
         (rf"/evalsched/runs/{RUN_ID}/episodes/?", EpisodesHandler),
         (rf"/evalsched/runs/{RUN_ID}/?", RunHandler),
+        (r"/evalsched/sweeps/?", SweepsHandler),
+        (rf"/evalsched/sweeps/{SWEEP_ID}/cancel/?", SweepCancelHandler),
+        (rf"/evalsched/sweeps/{SWEEP_ID}/?", SweepHandler),
+        (r"/evalsched/compare/?", CompareHandler),
         (r"/evalsched/leases/?", LeasesHandler),
         (rf"/evalsched/leases/{LEASE_ID}/?", LeaseHandler),
         (r"/evalsched/queue/?", QueueHandler),

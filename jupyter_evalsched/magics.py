@@ -1,5 +1,5 @@
-"""IPython magics: ``%eval_submit``, ``%%eval_submit``, ``%eval_queue``, ``%eval_lease`` and
-``%eval_release``.
+"""IPython magics: ``%eval_submit``, ``%%eval_submit``, ``%eval_sweep``, ``%%eval_sweep``,
+``%eval_queue``, ``%eval_lease`` and ``%eval_release``.
 
 Load with ``%load_ext jupyter_evalsched``. Errors (no server, invalid spec, a run that can never
 fit) are printed as one line on stderr and the magic returns None: a library traceback would only
@@ -20,12 +20,15 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from .client import (
     SPEC_FILE_SUFFIXES,
     SPEC_FLAGS,
+    SWEEP_FLAGS,
     EvalSchedClient,
     EvalSchedClientError,
     RunHandle,
     SpecError,
+    SweepHandle,
     apply_spec_options,
     load_spec_file,
+    sweep_from_options,
 )
 
 __all__ = ["EvalSchedMagics", "load_ipython_extension", "unload_ipython_extension"]
@@ -44,6 +47,12 @@ def _parse(magic_func, line: str):
 def _spec_flags(func):
     # Added in reverse because decorators stack bottom-up: the help then lists them in order.
     for args, kwargs in reversed(SPEC_FLAGS):
+        func = magic_arguments.argument(*args, **kwargs)(func)
+    return func
+
+
+def _sweep_flags(func):
+    for args, kwargs in reversed(SWEEP_FLAGS):
         func = magic_arguments.argument(*args, **kwargs)(func)
     return func
 
@@ -113,20 +122,7 @@ class EvalSchedMagics(Magics):
         try:
             if args.out is not None and not args.out.isidentifier():
                 raise SpecError(f"--out expects a variable name, got {args.out!r}")
-            self._resolve_handles(args)
-            if cell is not None:
-                if args.target is not None:
-                    raise SpecError(
-                        f"%%eval_submit takes flags only: the cell is the eval's source (got ARG {args.target!r})"
-                    )
-                if not cell.strip():
-                    raise SpecError("%%eval_submit: the cell is empty; it should define episode(ctx, index)")
-                base: dict = {"source": cell}
-            else:
-                if args.target is None:
-                    raise SpecError("%eval_submit needs ARG: a spec file, a dict spec or an entrypoint")
-                base = self._resolve_target(args.target)
-            spec = apply_spec_options(base, args, default_cwd=os.getcwd())
+            spec = self._spec(args, cell, "eval_submit")
             handle = self.client.handle(self.client.submit(spec))
         except EvalSchedClientError as e:
             print(f"eval_submit: {e}", file=sys.stderr)
@@ -134,6 +130,69 @@ class EvalSchedMagics(Magics):
         if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = handle
         return handle
+
+    # ------------------------------------------------------------------ %eval_sweep
+
+    @line_cell_magic
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument(
+        "target",
+        nargs="?",
+        metavar="ARG",
+        help="line form only: a .json/.yaml spec file, a dict spec in the namespace, or an entrypoint",
+    )
+    @_sweep_flags
+    @_spec_flags
+    @magic_arguments.argument("--out", metavar="VAR", help="also store the sweep handle in the variable VAR")
+    def eval_sweep(self, line: str, cell: str | None = None) -> SweepHandle | None:
+        """Submit one run per point of a sweep and return the sweep's handle.
+
+        Line form::
+
+            %eval_sweep mypkg.evals:episode --sweep temperature=0.2,0.7,1.0 --sweep k=1,5
+            %eval_sweep spec.yaml --sweep-points '[{"k": 1}, {"k": 5, "temperature": 0.2}]'
+
+        Cell form (the cell is the eval's source, ``eval.py:episode``)::
+
+            %%eval_sweep --sweep skill=0.3,0.6,0.9 --episodes 20
+            def episode(ctx, index):
+                ...
+
+        ``--sweep PARAM=V1,V2`` (repeatable) makes a grid, every combination; ``--sweep-points``
+        a list of points. Each run's params are the spec's updated with its point. The handle has
+        ``runs``, ``wait()`` (one progress bar), ``cancel()`` and ``compare()``.
+        """
+        args = _parse(self.eval_sweep, line)
+        try:
+            if args.out is not None and not args.out.isidentifier():
+                raise SpecError(f"--out expects a variable name, got {args.out!r}")
+            sweep = sweep_from_options(args)
+            if sweep is None:
+                raise SpecError("%eval_sweep needs --sweep PARAM=V1,V2,... or --sweep-points JSON")
+            spec = self._spec(args, cell, "eval_sweep")
+            handle = self.client.sweep_handle(self.client.submit_sweep(spec, sweep))
+        except EvalSchedClientError as e:
+            print(f"eval_sweep: {e}", file=sys.stderr)
+            return None
+        if args.out and self.shell is not None:
+            self.shell.user_ns[args.out] = handle
+        return handle
+
+    def _spec(self, args: Any, cell: str | None, magic: str) -> dict:
+        """The spec of ``%magic ARG`` (a spec file, a dict spec or an entrypoint) or of
+        ``%%magic`` (the cell is the eval's source), with the flags applied."""
+        self._resolve_handles(args)
+        if cell is not None:
+            if args.target is not None:
+                raise SpecError(f"%%{magic} takes flags only: the cell is the eval's source (got ARG {args.target!r})")
+            if not cell.strip():
+                raise SpecError(f"%%{magic}: the cell is empty; it should define episode(ctx, index)")
+            base: dict = {"source": cell}
+        else:
+            if args.target is None:
+                raise SpecError(f"%{magic} needs ARG: a spec file, a dict spec or an entrypoint")
+            base = self._resolve_target(args.target)
+        return apply_spec_options(base, args, default_cwd=os.getcwd())
 
     def _resolve_target(self, target: str) -> dict:
         if target.endswith(SPEC_FILE_SUFFIXES):
@@ -154,13 +213,17 @@ class EvalSchedMagics(Magics):
         raise SpecError(f"{target!r} is not a spec file (.json, .yaml), a dict spec or an entrypoint")
 
     def _resolve_handles(self, args: Any) -> None:
-        """``--depends-on h1`` where ``h1`` is a run handle in the namespace means its id."""
+        """``--depends-on h1`` where ``h1`` is a run handle in the namespace means its id (a
+        sweep handle: its runs' ids)."""
         if not args.depends_on or self.shell is None:
             return
-        resolved = []
+        resolved: list[str] = []
         for value in args.depends_on:
             obj = self.shell.user_ns.get(value) if value.isidentifier() else None
-            resolved.append(obj.id if isinstance(obj, RunHandle) else value)
+            if isinstance(obj, SweepHandle):  # every run of the sweep
+                resolved.extend(r.id for r in obj.runs)
+            else:
+                resolved.append(obj.id if isinstance(obj, RunHandle) else value)
         args.depends_on = resolved
 
     # ------------------------------------------------------------------ %eval_queue

@@ -321,6 +321,18 @@ class AttemptEnd(BaseModel):
     episodes_done: int = 0
 
 
+class SweepRequest(EvalSpec):
+    """``POST /evalsched/sweeps``: a spec plus the points to run it at."""
+
+    sweep: Any = Field(
+        description='a grid {"<param>": [values, ...]} (every combination) or a list of points '
+        '[{"<param>": value, ...}]; each point updates the spec\'s params for one run'
+    )
+
+    def base_spec(self) -> EvalSpec:
+        return EvalSpec.model_validate(self.model_dump(exclude={"sweep"}, by_alias=True, exclude_unset=True))
+
+
 class RunRecord(BaseModel):
     """The run record: REST answers, events and ``job.json`` share it. Every field the server
     sends is declared here (a test checks); unknown fields in an old ``job.json`` are dropped."""
@@ -376,10 +388,69 @@ class RunRecord(BaseModel):
         None, description="how its current attempt started: forked from a zygote ('warm') or a fresh interpreter"
     )
     start_detail: str | None = Field(None, description="which zygote forked it, or why it started cold")
+    sweep_id: str | None = Field(None, description="the sweep the run belongs to (POST /evalsched/sweeps)")
+    sweep_point: dict[str, Any] | None = Field(
+        None, description="the parameters its sweep set for it (its params are the spec's updated with them)"
+    )
     history: list[AttemptEnd] = Field(default_factory=list, description="how each earlier attempt ended")
 
 
 RECORD_FIELDS = frozenset(RunRecord.model_fields)
+
+
+class SweepView(BaseModel):
+    id: str
+    runs: list[RunRecord]
+    counts: dict[str, int] = Field(default_factory=dict, description="runs per state")
+
+
+class SweepCreated(BaseModel):
+    id: str
+    runs: list[RunRecord]
+
+
+class SweepSummary(BaseModel):
+    id: str
+    name: str | None = Field(None, description="the name of its first run")
+    runs: int
+    counts: dict[str, int]
+    submitted_at: str | None = None
+    seq: int
+
+
+class SweepList(BaseModel):
+    sweeps: list[SweepSummary]
+
+
+class MetricStat(BaseModel):
+    mean: float | None = Field(description="over the episodes where the metric is a finite number")
+    stderr: float | None = Field(description="sample standard deviation / sqrt(count); null below 2 episodes")
+    count: int
+
+
+class MetricDelta(BaseModel):
+    mean: float | None = Field(description="mean paired difference against the baseline; null without pairs")
+    ci95: list[float] | None = Field(description="95 % Student t interval of that mean; null below 2 pairs")
+    paired: int = Field(description="episode indices both runs have")
+
+
+class CompareRow(BaseModel):
+    id: str
+    name: str | None
+    state: str | None = None
+    params: dict[str, Any] = Field(description="the values of the parameters that differ between the runs")
+    metrics: dict[str, MetricStat]
+    delta: dict[str, MetricDelta]
+    wall_s: float | None = Field(description="finished_at - started_at")
+    peak_vram_mb: int | None = Field(description="the observed VRAM peak, summed over its GPUs")
+    error: str | None = Field(None, description="why its spec or episodes could not be read")
+
+
+class Comparison(BaseModel):
+    params: list[str] = Field(description="the names of the parameters whose values differ")
+    metrics: list[str]
+    baseline: str | None = Field(description="the run the deltas are against")
+    rows: list[CompareRow]
 
 
 class RunDetail(RunRecord):

@@ -10,6 +10,7 @@ from pydantic.json_schema import models_json_schema
 from ._version import __version__
 from .models import (
     STATES,
+    Comparison,
     EpisodeList,
     ErrorBody,
     EvalSpec,
@@ -22,6 +23,10 @@ from .models import (
     RunDetail,
     RunList,
     RunRecord,
+    SweepCreated,
+    SweepList,
+    SweepRequest,
+    SweepView,
 )
 
 _MODELS = (
@@ -37,8 +42,13 @@ _MODELS = (
     LeaseRequest,
     LeaseRecord,
     LeaseList,
+    SweepRequest,
+    SweepCreated,
+    SweepView,
+    SweepList,
+    Comparison,
 )
-_REQUESTS = (EvalSpec, LeaseRequest)  # schemas of what clients send, the rest of what they get
+_REQUESTS = (EvalSpec, LeaseRequest, SweepRequest)  # schemas of what clients send, the rest of what they get
 
 
 @lru_cache(maxsize=1)
@@ -80,6 +90,12 @@ RUN_ID_PARAM = {
 }
 
 
+SWEEP_ID_PARAM = {
+    "name": "sweep_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": "^sweep-[A-Za-z0-9._-]{1,58}$"},
+}
 LEASE_ID_PARAM = {
     "name": "lease_id",
     "in": "path",
@@ -148,6 +164,67 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "episodes already in episodes.jsonl",
                 "operationId": "resumeRun",
                 "responses": {"200": _json("RunRecord", "the run, queued"), **_errors(404, 409, 503)},
+            },
+        },
+        "/sweeps": {
+            "get": {
+                "summary": "List sweeps, newest first",
+                "operationId": "listSweeps",
+                "parameters": [
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 100000, "default": 100},
+                    }
+                ],
+                "responses": {"200": _json("SweepList", "the sweeps"), **_errors(400)},
+            },
+            "post": {
+                "summary": "Submit a sweep: one run per point of a grid or a list",
+                "operationId": "submitSweep",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("SweepRequest")}}},
+                "responses": {"201": _json("SweepCreated", "the queued runs"), **_errors(400, 413, 422, 503)},
+            },
+        },
+        "/sweeps/{sweep_id}": {
+            "parameters": [SWEEP_ID_PARAM],
+            "get": {
+                "summary": "A sweep's runs and their states",
+                "operationId": "getSweep",
+                "responses": {"200": _json("SweepView", "the sweep"), **_errors(404)},
+            },
+        },
+        "/sweeps/{sweep_id}/cancel": {
+            "parameters": [SWEEP_ID_PARAM],
+            "post": {
+                "summary": "Cancel a sweep's unfinished runs (finished ones stay)",
+                "operationId": "cancelSweep",
+                "responses": {"200": _json("SweepView", "the sweep"), **_errors(404)},
+            },
+        },
+        "/compare": {
+            "get": {
+                "summary": "Runs side by side: metrics with standard errors, paired deltas against a baseline",
+                "operationId": "compareRuns",
+                "parameters": [
+                    {
+                        "name": "runs",
+                        "in": "query",
+                        "required": False,
+                        "description": "comma-separated run ids (or sweep)",
+                        "schema": {"type": "string"},
+                    },
+                    {"name": "sweep", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {
+                        "name": "baseline",
+                        "in": "query",
+                        "required": False,
+                        "description": "the run the deltas are against (default: the first)",
+                        "schema": {"type": "string"},
+                    },
+                ],
+                "responses": {"200": _json("Comparison", "the comparison"), **_errors(404, 422)},
             },
         },
         "/runs/{run_id}/logs": {

@@ -40,6 +40,7 @@ from .client import (
     parse_time,
     register_notebook_progress,
 )
+from .client.formatting import ending_line
 from .contract import (
     ABORTED,
     CANCELLED,
@@ -762,6 +763,10 @@ class RunProgressReporter:
     def finish(self, record: dict) -> None:
         if record:
             self.widget.update(record)
+            if record.get("state") in TERMINAL_STATES:
+                # Plain text under the widget: a saved notebook shows how the run ended even where
+                # widgets do not render.
+                print(ending_line(record))
 
 
 register_notebook_progress(RunProgressReporter, RunProgress)

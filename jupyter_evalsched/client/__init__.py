@@ -9,6 +9,7 @@ One concept per module:
 - :mod:`.events`: :class:`EventStream`, the ``/evalsched/events`` WebSocket;
 - :mod:`.live_feed`: :class:`LiveFeed`, events with polling fallback, and what it tracks;
 - :mod:`.handle`: :class:`RunHandle`, one run;
+- :mod:`.sweep`: :class:`SweepHandle`, one sweep and its runs;
 - :mod:`.progress`: how ``wait()`` shows progress (text, or a widget registered by the notebook side);
 - :mod:`.local_server`: :class:`LocalServer`, a private server for the demo and the tests;
 - :mod:`.formatting`: times, durations and metrics as text.
@@ -33,7 +34,16 @@ from .handle import RunHandle
 from .live_feed import LiveFeed, QueueTracker, RunTracker
 from .local_server import LocalServer
 from .progress import ProgressReporter, TextProgress, register_notebook_progress
-from .spec import SPEC_FILE_SUFFIXES, SPEC_FLAGS, apply_spec_options, load_spec_file, parse_param
+from .spec import (
+    SPEC_FILE_SUFFIXES,
+    SPEC_FLAGS,
+    SWEEP_FLAGS,
+    apply_spec_options,
+    load_spec_file,
+    parse_param,
+    sweep_from_options,
+)
+from .sweep import SweepHandle
 from .transport import EvalSchedClient
 
 __all__ = [
@@ -50,11 +60,14 @@ __all__ = [
     "RunTracker",
     "QueueTracker",
     "RunHandle",
+    "SweepHandle",
     "ProgressReporter",
     "TextProgress",
     "register_notebook_progress",
     "LocalServer",
     "SPEC_FLAGS",
+    "SWEEP_FLAGS",
+    "sweep_from_options",
     "SPEC_FILE_SUFFIXES",
     "apply_spec_options",
     "load_spec_file",

@@ -59,3 +59,70 @@ def format_metrics(source: dict | None, limit: int = 4) -> str:
     if len(means) > limit:
         items.append("…")
     return " ".join(items)
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def compare_table(answer: dict, limit_metrics: int = 3) -> str:
+    """A ``GET /evalsched/compare`` answer as a plain-text table: the differing parameters, each
+    metric's mean ± stderr and its paired delta against the baseline with the 95 % interval."""
+    params = list(answer.get("params") or [])
+    metrics = list(answer.get("metrics") or [])[:limit_metrics]
+    baseline = answer.get("baseline")
+    header = ["run", *params]
+    for m in metrics:
+        header += [m, f"Δ{m} [95% CI] (n)"]
+    header += ["wall", "peak VRAM"]
+    rows = [header]
+    for row in answer.get("rows") or []:
+        mark = " *" if row.get("id") == baseline else ""
+        cells = [f"{row.get('id')}{mark}"] + [str((row.get("params") or {}).get(p)) for p in params]
+        for m in metrics:
+            stat = (row.get("metrics") or {}).get(m) or {}
+            delta = (row.get("delta") or {}).get(m) or {}
+            mean, err = stat.get("mean"), stat.get("stderr")
+            cells.append(f"{_num(mean)} ± {_num(err, 2)}" if err is not None else _num(mean))
+            ci = delta.get("ci95")
+            if row.get("id") == baseline:
+                cells.append("baseline")
+            elif delta.get("mean") is None:
+                cells.append("no shared episodes")
+            else:
+                interval = f" [{_num(ci[0])}, {_num(ci[1])}]" if ci else ""
+                cells.append(f"{delta['mean']:+.4g}{interval} ({delta.get('paired', 0)})")
+        cells.append(format_duration(row.get("wall_s")) if row.get("wall_s") is not None else "-")
+        cells.append(f"{row['peak_vram_mb']} MB" if row.get("peak_vram_mb") is not None else "-")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    more = len(answer.get("metrics") or []) - len(metrics)
+    if more > 0:
+        lines.append(f"(+{more} more metrics: --json shows all)")
+    lines.append("* baseline: deltas are paired over the episodes both runs have (same seeds), t interval")
+    return "\n".join(lines)
+
+
+def ending_line(record: dict) -> str:
+    """How a wait ends, in one line: the run, its state (and why, when it did not succeed), its
+    time and its headline metric (the first, with its standard error when known)."""
+    name = record.get("name") or record.get("id", "?")
+    state = record.get("state", "?")
+    text = f"{name}: {state}"
+    if state != "succeeded" and record.get("reason"):
+        text += f" ({record['reason']})"
+    elapsed = elapsed_s(record)
+    if elapsed is not None:
+        text += f" in {format_duration(elapsed)}"
+    summary = record.get("summary") or {}
+    metrics = summary.get("metrics") or {}
+    for metric, stats in metrics.items():
+        if isinstance(stats, dict) and isinstance(stats.get("mean"), (int, float)):
+            text += f" · {metric} = {stats['mean']:.4g}"
+            std, count = stats.get("std"), stats.get("count")
+            if isinstance(std, (int, float)) and isinstance(count, int) and count > 1:
+                text += f" ± {std / (count - 1) ** 0.5:.2g}"  # the summary's std is the population's
+            break
+    return text

@@ -142,6 +142,81 @@ def parse_param(text: str) -> tuple[str, Any]:
     return key, value
 
 
+# The sweep flags of `jupyter evalsched submit` and `%eval_sweep` (not of `%eval_submit`).
+SWEEP_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (
+        ("--sweep",),
+        dict(
+            action="append",
+            default=None,
+            metavar="PARAM=V1,V2,...",
+            help="run at every combination of these values (repeatable: a grid); values are JSON when they "
+            "parse, else strings",
+        ),
+    ),
+    (
+        ("--sweep-points",),
+        dict(
+            default=None,
+            metavar="JSON",
+            help='run at each of these points: a JSON list like \'[{"temperature": 0.2}, {"temperature": 1.0, "k": 5}]\'',
+        ),
+    ),
+]
+
+
+def sweep_from_options(options: Any) -> dict | list | None:
+    """The ``sweep`` of ``--sweep``/``--sweep-points`` (None when neither is given)."""
+    grid_args = getattr(options, "sweep", None)
+    points_arg = getattr(options, "sweep_points", None)
+    if grid_args and points_arg:
+        raise SpecError("give --sweep (a grid) or --sweep-points (a list), not both")
+    if points_arg:
+        try:
+            points = json.loads(points_arg)
+        except ValueError as e:
+            raise SpecError(f"--sweep-points is not JSON: {e}") from None
+        if not isinstance(points, list):
+            raise SpecError("--sweep-points takes a JSON list of objects")
+        return points
+    if not grid_args:
+        return None
+    grid: dict[str, list[Any]] = {}
+    for text in grid_args:
+        name, sep, raw = text.partition("=")
+        name = name.strip()
+        if not sep or not name or not raw:
+            raise SpecError(f"--sweep expects PARAM=V1,V2,..., got {text!r}")
+        if name in grid:
+            raise SpecError(f"--sweep {name} is given twice")
+        grid[name] = [_value(v) for v in _split_values(raw)]
+    return grid
+
+
+def _split_values(raw: str) -> list[str]:
+    """``0.2,0.7,"a,b",[1,2]`` -> the four values: commas inside quotes or brackets do not split."""
+    out, depth, quote, start = [], 0, False, 0
+    for i, c in enumerate(raw):
+        if c == '"' and (i == 0 or raw[i - 1] != "\\"):
+            quote = not quote
+        elif not quote and c in "[{":
+            depth += 1
+        elif not quote and c in "]}":
+            depth -= 1
+        elif c == "," and not quote and depth == 0:
+            out.append(raw[start:i])
+            start = i + 1
+    out.append(raw[start:])
+    return [v.strip() for v in out]
+
+
+def _value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
 def load_spec_file(path: str) -> dict:
     """Read a ``.json`` or ``.yaml`` spec. A relative ``cwd`` in it is relative to the file."""
     try:

@@ -21,6 +21,7 @@ from .errors import HOW_TO_FIX, EvalSchedError, ServerNotFound, WaitTimeout
 from .events import EventStream
 from .handle import RunHandle, run_id_of
 from .live_feed import LiveFeed, RunTracker
+from .sweep import SweepHandle
 
 
 class EvalSchedClient:
@@ -132,12 +133,42 @@ class EvalSchedClient:
         the server answers a key it has seen with the run it created, so a retry never makes a
         second run. Gives up after ``submit_retry_s`` seconds."""
         body = json.loads(json.dumps(spec, default=run_id_of))
+        return self._post_idempotent("runs", body, idempotency_key)
+
+    def submit_sweep(self, spec: dict, sweep: dict | list, *, idempotency_key: str | None = None) -> dict:
+        """``POST /evalsched/sweeps``: ``{"id", "runs": [records]}``, one run per point of
+        ``sweep`` (a grid ``{"param": [values]}`` or a list of points ``[{"param": value}]``).
+        Retried like :meth:`submit`: a retry never makes a second sweep."""
+        body = json.loads(json.dumps({**spec, "sweep": sweep}, default=run_id_of))
+        return self._post_idempotent("sweeps", body, idempotency_key)
+
+    def sweep(self, sweep_id: str) -> dict:
+        """``{"id", "runs": [records], "counts": {"<state>": n}}``."""
+        return self.request("GET", f"sweeps/{urllib.parse.quote(str(sweep_id), safe='')}")
+
+    def sweeps(self, limit: int | None = None) -> builtins.list[dict]:
+        """The sweeps, newest first (``id``, ``name``, ``runs``, ``counts``, ``submitted_at``)."""
+        return self.request("GET", "sweeps", query={"limit": limit})["sweeps"]
+
+    def cancel_sweep(self, sweep_id: str) -> dict:
+        return self.request("POST", f"sweeps/{urllib.parse.quote(str(sweep_id), safe='')}/cancel", body={})
+
+    def compare(self, runs: builtins.list[Any] | None = None, sweep: str | None = None, baseline: Any = None) -> dict:
+        """``GET /evalsched/compare``: the runs (ids, handles or records), or a sweep's, side by side."""
+        query: dict[str, Any] = {"baseline": _id_of(baseline) if baseline is not None else None}
+        if runs is not None:
+            query["runs"] = ",".join(_id_of(r) for r in runs)
+        if sweep is not None:
+            query["sweep"] = sweep
+        return self.request("GET", "compare", query=query)
+
+    def _post_idempotent(self, path: str, body: dict, idempotency_key: str | None) -> Any:
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         deadline = time.monotonic() + self.submit_retry_s
         pause = 0.1
         while True:
             try:
-                return self.request("POST", "runs", body=body, headers=headers)
+                return self.request("POST", path, body=body, headers=headers)
             except (EvalSchedError, ServerNotFound) as exc:
                 if isinstance(exc, ServerNotFound):
                     retryable = exc.maybe_received
@@ -189,6 +220,10 @@ class EvalSchedClient:
     def handle(self, run: str | dict) -> RunHandle:
         """A :class:`RunHandle` for a run id or record."""
         return RunHandle(self, run)
+
+    def sweep_handle(self, sweep: str | dict) -> SweepHandle:
+        """A :class:`SweepHandle` for a sweep id or view."""
+        return SweepHandle(self, sweep)
 
     def events(self, *, connect_timeout: float = 10.0, backend: str | None = None) -> EventStream:
         """The ``/evalsched/events`` WebSocket as an iterator of event dicts (close it, or use ``with``).

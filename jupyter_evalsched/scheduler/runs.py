@@ -120,6 +120,8 @@ def new_record(
     run_dir: str,
     idempotency_key: str | None = None,
     marginal_vram_source: str = "declared",
+    sweep_id: str | None = None,
+    sweep_point: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The record of a run just submitted (``spec`` validated, defaults filled in)."""
     sched = contract.scheduling_of(spec)
@@ -149,6 +151,8 @@ def new_record(
             preemptible=sched["preemptible"],
             retries=spec.get("retries") or 0,
             detach=bool(spec.get("detach")),
+            sweep_id=sweep_id,
+            sweep_point=sweep_point,
         )
     ).model_dump(mode="json")
 
@@ -210,7 +214,9 @@ class RunTable:
     # ------------------------------------------------------------------ registry
 
     def get(self, run_id: str) -> Run | None:
-        return self._runs.get(run_id) if contract.is_valid_run_id(run_id) else None
+        # Only valid ids are ever in the table: no need to check the id's characters (admission
+        # looks up every queued run's dependencies with this, many times a second).
+        return self._runs.get(run_id) if isinstance(run_id, str) else None
 
     def __contains__(self, run_id: object) -> bool:
         return run_id in self._runs

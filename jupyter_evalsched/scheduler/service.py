@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+from pydantic import ValidationError
 
 from .. import contract
 from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, TERMINAL_STATES
 from ..models import EvalSpec, LeaseRequest, utcnow_iso
 from ..runner.entrypoint import resolve_entrypoint_file
 from ..store import FoundRun, RunFileError, RunStore, StoreError, new_run_id
-from . import attempts, policy
+from . import attempts, compare, policy, sweeps
 from .config import SchedulerConfig
 from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
 from .executors import Executor, ExecutorContext, ObservedTarget
@@ -411,9 +412,17 @@ class Scheduler:
         scheduling = spec.scheduling.model_copy(update={"marginal_vram_mb": figure})
         return spec.model_copy(update={"scheduling": scheduling}), source
 
-    async def _submit(self, spec: EvalSpec, idempotency_key: str | None) -> dict[str, Any]:
-        spec, vram_source = self.resolve_auto_vram(spec)
-        self.validate_for_host(spec)
+    async def _submit(
+        self,
+        spec: EvalSpec,
+        idempotency_key: str | None,
+        sweep: tuple[str, dict[str, Any]] | None = None,
+        vram_source: str | None = None,
+    ) -> dict[str, Any]:
+        """``vram_source`` given: the spec was checked already (a sweep's runs share one check)."""
+        if vram_source is None:
+            spec, vram_source = self.resolve_auto_vram(spec)
+            self.validate_for_host(spec)
         run_id = new_run_id()
         while run_id in self.table or run_id in self._creating:
             run_id = new_run_id()
@@ -427,6 +436,8 @@ class Scheduler:
             run_dir=str(self.store.run_dir(run_id)),
             idempotency_key=idempotency_key,
             marginal_vram_source=vram_source,
+            sweep_id=sweep[0] if sweep else None,
+            sweep_point=sweep[1] if sweep else None,
         )
         files = {contract.SPEC_FILE: _dumps(spec_dict), contract.JOB_FILE: _dumps(record)}
         if spec.source is not None:
@@ -868,6 +879,142 @@ class Scheduler:
         else:
             await executor.cancel(run)
         return run.record
+
+    # ----------------------------------------------------------------- sweeps and comparison
+
+    async def submit_sweep(
+        self, spec: EvalSpec, sweep: Any, idempotency_key: str | None = None
+    ) -> tuple[dict[str, Any], bool]:
+        """One run per point of ``sweep`` (DESIGN.md "Sweeps and comparison"), every one an
+        ordinary run with ``sweep_id``. All points are checked before the first run is written.
+        With ``idempotency_key``, run i has the key ``<key>#<i>``: a retried submission answers
+        with the runs already made, and makes the ones an interrupted first try did not."""
+        self._require_started()
+        try:
+            points = sweeps.expand(sweep)
+        except sweeps.SweepError as exc:
+            raise SpecRejected(
+                f"{'.'.join(map(str, exc.loc))}: {exc.msg}", [{"loc": exc.loc, "msg": exc.msg, "type": "sweep"}]
+            ) from None
+        spec, vram_source = self.resolve_auto_vram(spec)
+        self.validate_for_host(spec)
+        specs = [self._sweep_spec(spec, point, i) for i, point in enumerate(points)]
+        keys = [None if idempotency_key is None else f"{idempotency_key}#{i}" for i in range(len(points))]
+        sweep_id = None
+        known = [self._by_key.get(k) for k in keys if k is not None]
+        if any(known):
+            first = next(run_id for run_id in known if run_id)
+            sweep_id = self.get(first).record.get("sweep_id")
+        sweep_id = sweep_id or sweeps.new_sweep_id()
+        records: list[dict[str, Any]] = []
+        made: list[str] = []
+        try:
+            for i, (one, point) in enumerate(zip(specs, points, strict=True)):
+                key = keys[i]
+                if key is not None and key in self._by_key:
+                    records.append(self._replay(self._by_key[key], one))
+                    continue
+                records.append(await self._submit(one, key, (sweep_id, point), vram_source))
+                made.append(records[-1]["id"])
+        except Exception:
+            # No half-made sweep is left to run: the runs this call made are cancelled (their
+            # directories stay, and say so).
+            for run_id in made:
+                run = self.table.get(run_id)
+                if run is not None and not run.terminal:
+                    await self.cancel(run_id)
+            raise
+        return {"id": sweep_id, "runs": records}, bool(made)
+
+    def _sweep_spec(self, spec: EvalSpec, point: dict[str, Any], index: int) -> EvalSpec:
+        raw = spec.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        raw["params"] = {**spec.params, **point}
+        raw["name"] = sweeps.run_name(spec.name, point)
+        try:
+            return EvalSpec.model_validate_json(json.dumps(raw))
+        except ValidationError as exc:
+            first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
+            loc = ["sweep", index, *first["loc"]]
+            msg = f"point {index} ({sweeps.point_label(point)}) makes an invalid spec: {first['msg']}"
+            raise SpecRejected(msg, [{"loc": loc, "msg": msg, "type": first["type"]}]) from None
+
+    def sweep_runs(self, sweep_id: str) -> list[Run]:
+        runs = sorted((r for r in self.table if r.record.get("sweep_id") == sweep_id), key=lambda r: r.record["seq"])
+        if not runs:
+            raise UnknownRun(f"no sweep with id {sweep_id!r}")
+        return runs
+
+    def sweep_view(self, sweep_id: str) -> dict[str, Any]:
+        runs = self.sweep_runs(sweep_id)
+        return {"id": sweep_id, "runs": [r.record for r in runs], "counts": sweeps.counts([r.state for r in runs])}
+
+    def list_sweeps(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The sweeps, newest first: id, the name of their eval, counts, submitted_at."""
+        groups: dict[str, list[Run]] = {}
+        for run in self.table:
+            sweep_id = run.record.get("sweep_id")
+            if sweep_id:
+                groups.setdefault(sweep_id, []).append(run)
+        out = []
+        for sweep_id, runs in groups.items():
+            runs.sort(key=lambda r: r.record["seq"])
+            out.append(
+                {
+                    "id": sweep_id,
+                    "name": runs[0].record.get("name"),
+                    "runs": len(runs),
+                    "counts": sweeps.counts([r.state for r in runs]),
+                    "submitted_at": runs[0].record.get("submitted_at"),
+                    "seq": runs[0].record["seq"],
+                }
+            )
+        out.sort(key=lambda s: s["seq"], reverse=True)
+        return out[:limit]
+
+    async def cancel_sweep(self, sweep_id: str) -> dict[str, Any]:
+        """Cancel the sweep's unfinished runs; finished ones stay as they are."""
+        for run in self.sweep_runs(sweep_id):
+            if not run.terminal:
+                await self.cancel(run.id)
+        return self.sweep_view(sweep_id)
+
+    def compare_inputs(self, run_ids: list[str] | None, sweep_id: str | None, baseline: str | None) -> list[Run]:
+        """The runs a comparison is about, checked (unknown ids: 404; too many, or a baseline
+        that is not among them: 422)."""
+        if (run_ids is None) == (sweep_id is None):
+            raise SpecRejected("name the runs to compare: ?runs=a,b,c or ?sweep=ID (one of them)")
+        runs = (
+            self.sweep_runs(sweep_id) if sweep_id is not None else [self.get(r) for r in dict.fromkeys(run_ids or [])]
+        )
+        if not runs:
+            raise SpecRejected("no runs to compare")
+        if len(runs) > compare.MAX_COMPARE_RUNS:
+            raise SpecRejected(f"{len(runs)} runs; at most {compare.MAX_COMPARE_RUNS} are compared at once")
+        if baseline is not None and baseline not in {r.id for r in runs}:
+            raise SpecRejected(f"the baseline {baseline!r} is not one of the compared runs")
+        return runs
+
+    def compare_runs(self, runs: list[Run], baseline: str | None) -> dict[str, Any]:
+        """The comparison (blocking: it reads every run's spec and episodes; a thread's work)."""
+        data = []
+        problems: dict[str, str] = {}
+        for run in runs:
+            record = dict(run.record)
+            try:
+                record["params"] = self.table.full_spec(run).get("params") or {}
+            except RunFileError as exc:
+                record["params"] = {}
+                problems[run.id] = str(exc)
+            try:
+                episodes = compare.episode_metrics(self.store.episodes(run.id))
+            except RunFileError as exc:
+                episodes = {}
+                problems[run.id] = str(exc)
+            data.append((record, episodes))
+        result = compare.compare(data, baseline)
+        for row in result["rows"]:
+            row["error"] = problems.get(row["id"])
+        return result
 
     def delete(self, run_id: str) -> None:
         if run_id in self.broken and run_id not in self.table:

@@ -1,0 +1,159 @@
+""":class:`SweepHandle`: one sweep (``POST /evalsched/sweeps``) and its runs, from Python."""
+
+from __future__ import annotations
+
+import sys
+import time
+from html import escape
+from typing import TYPE_CHECKING, Any
+
+from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TERMINAL_STATES
+from .errors import EvalSchedClientError, WaitTimeout
+from .handle import RunHandle
+from .progress import ProgressReporter, TextProgress, _NoProgress
+
+if TYPE_CHECKING:
+    from .transport import EvalSchedClient
+
+
+def sweep_record(view: dict) -> dict:
+    """The sweep as one run-like record, for a progress bar: its episodes done of all, a state
+    (running while any run is active; else failed when any failed, cancelled when any was
+    cancelled, succeeded), the counts as its reason, and its first run's name."""
+    runs = view.get("runs") or []
+    counts = view.get("counts") or {}
+    done = sum(int((r.get("progress") or {}).get("done") or 0) for r in runs)
+    total = sum(int((r.get("progress") or {}).get("total") or 0) for r in runs)
+    if any(r.get("state") in (QUEUED, RUNNING) for r in runs):
+        state = RUNNING if any(r.get("state") == RUNNING for r in runs) or done else QUEUED
+    elif counts.get(FAILED) or counts.get(ABORTED):
+        state = FAILED
+    elif counts.get(CANCELLED):
+        state = CANCELLED
+    else:
+        state = SUCCEEDED
+    started = [r["started_at"] for r in runs if r.get("started_at")]
+    finished = [r["finished_at"] for r in runs if r.get("finished_at")]
+    base = (runs[0].get("name") or "").split(" [")[0] if runs else ""
+    return {
+        "id": view.get("id"),
+        "name": f"sweep {base} ({len(runs)} runs)".replace("  ", " "),
+        "state": state,
+        "reason": ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or None,
+        "progress": {"done": done, "total": total},
+        "started_at": min(started) if started else None,
+        "finished_at": max(finished) if finished and state in TERMINAL_STATES else None,
+    }
+
+
+class SweepHandle:
+    """A sweep: ``runs`` (:class:`RunHandle`), ``wait()``, ``cancel()``, ``compare()``."""
+
+    poll_s = 0.5
+
+    def __init__(self, client: EvalSchedClient, sweep: str | dict):
+        self.client = client
+        if isinstance(sweep, dict):
+            self.id = str(sweep["id"])
+            self._view: dict | None = sweep
+        else:
+            self.id = str(sweep)
+            self._view = None
+
+    # ---- reading
+
+    def refresh(self) -> dict:
+        """``GET /evalsched/sweeps/{id}``: ``{"id", "runs", "counts"}``."""
+        self._view = self.client.sweep(self.id)
+        return self._view
+
+    @property
+    def view(self) -> dict:
+        return self._view if self._view is not None else self.refresh()
+
+    @property
+    def runs(self) -> list[RunHandle]:
+        return [RunHandle(self.client, record) for record in self.view.get("runs") or []]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(self.refresh().get("counts") or {})
+
+    @property
+    def done(self) -> bool:
+        return all(r.get("state") in TERMINAL_STATES for r in self.refresh().get("runs") or [])
+
+    # ---- acting
+
+    def cancel(self) -> dict:
+        """Cancel the sweep's unfinished runs; finished runs keep their results."""
+        self._view = self.client.cancel_sweep(self.id)
+        return self._view
+
+    def wait(self, timeout: float | None = None, progress: Any = True) -> dict:
+        """Wait until every run of the sweep has ended; returns the sweep's view. One progress
+        bar for the sweep (episodes done of all its runs). Interrupting stops waiting, not the
+        sweep; :class:`WaitTimeout` after ``timeout`` seconds."""
+        reporter: ProgressReporter
+        if progress is True:
+            reporter = TextProgress()
+        elif progress is False or progress is None:
+            reporter = _NoProgress()
+        else:
+            reporter = progress
+        deadline = None if timeout is None else time.monotonic() + timeout
+        view: dict = self._view or {"id": self.id, "runs": []}
+        try:
+            while True:
+                view = self.refresh()
+                record = sweep_record(view)
+                reporter.update(record)
+                if record["state"] in TERMINAL_STATES:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WaitTimeout(self.id, timeout or 0.0, record)
+                time.sleep(self.poll_s)
+        except KeyboardInterrupt:
+            reporter.finish(sweep_record(view))
+            print(f"stopped waiting; sweep {self.id} goes on (cancel it with .cancel())", file=sys.stderr)
+            return view
+        except BaseException:
+            reporter.finish(sweep_record(view))
+            raise
+        reporter.finish(record)
+        return view
+
+    def compare(self, baseline: Any = None) -> Any:
+        """The sweep's runs side by side: see :func:`jupyter_evalsched.compare`."""
+        from .comparison import frame
+
+        return frame(self.client.compare(sweep=self.id, baseline=baseline))
+
+    # ---- display
+
+    def __repr__(self) -> str:
+        view = self._view or {}
+        counts = ", ".join(f"{n} {s}" for s, n in sorted((view.get("counts") or {}).items()))
+        return f"<SweepHandle {self.id} {len(view.get('runs') or [])} runs{': ' + counts if counts else ''}>"
+
+    def _repr_html_(self) -> str:
+        try:
+            view = self._view or self.refresh()
+        except EvalSchedClientError:
+            view = {"id": self.id, "runs": []}
+        rows = "".join(
+            "<tr>"
+            + "".join(
+                f"<td>{escape(str(v))}</td>"
+                for v in (
+                    r.get("id"),
+                    ", ".join(f"{k}={v}" for k, v in (r.get("sweep_point") or {}).items()),
+                    r.get("state"),
+                    "{done}/{total}".format(**(r.get("progress") or {"done": 0, "total": 0})),
+                )
+            )
+            + "</tr>"
+            for r in view.get("runs") or []
+        )
+        head = "<tr><th>run</th><th>point</th><th>state</th><th>episodes</th></tr>"
+        return f"<div><b>sweep {escape(self.id)}</b><table class='evalsched-sweep'>{head}{rows}</table></div>"

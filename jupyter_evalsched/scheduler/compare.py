@@ -1,0 +1,195 @@
+"""Runs side by side (DESIGN.md, "Sweeps and comparison"). Pure functions of run records and
+their episodes (from ``episodes.jsonl``).
+
+For each run and metric: the mean over the episodes where the metric is a finite number, its
+standard error (sample standard deviation / sqrt(n)) and n. Against the baseline run: the paired
+differences over the episode indices both runs have (the same index means the same seed, so the
+pairing removes the episodes' own variance), their mean, and a 95 % Student t interval,
+mean ± t(0.975, n - 1) · sd / sqrt(n) (no interval below two pairs). The t quantile is computed
+here (regularised incomplete beta, bisection): no scipy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+MAX_COMPARE_RUNS = 200
+
+
+def episode_metrics(lines: Iterable[Mapping[str, Any]]) -> dict[int, dict[str, float]]:
+    """``{index: {metric: value}}`` from ``episodes.jsonl`` lines; a later line for an index (a
+    later attempt ran it again) replaces an earlier one; non-finite values and non-numbers are
+    left out."""
+    out: dict[int, dict[str, float]] = {}
+    for line in lines:
+        index = line.get("index")
+        metrics = line.get("metrics")
+        if type(index) is not int or not isinstance(metrics, Mapping):
+            continue
+        values = {}
+        for name, value in metrics.items():
+            if isinstance(value, bool):
+                value = float(value)
+            if isinstance(value, int | float) and math.isfinite(value):
+                values[str(name)] = float(value)
+        out[index] = values
+    return out
+
+
+def summarize(values: list[float]) -> dict[str, float | int | None]:
+    n = len(values)
+    if n == 0:
+        return {"mean": None, "stderr": None, "count": 0}
+    mean = math.fsum(values) / n
+    if n < 2:
+        return {"mean": mean, "stderr": None, "count": n}
+    var = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
+    return {"mean": mean, "stderr": math.sqrt(var / n), "count": n}
+
+
+def paired_delta(run: dict[int, float], baseline: dict[int, float]) -> dict[str, Any]:
+    shared = sorted(run.keys() & baseline.keys())
+    diffs = [run[i] - baseline[i] for i in shared]
+    n = len(diffs)
+    if n == 0:
+        return {"mean": None, "ci95": None, "paired": 0}
+    mean = math.fsum(diffs) / n
+    if n < 2:
+        return {"mean": mean, "ci95": None, "paired": n}
+    sd = math.sqrt(math.fsum((d - mean) ** 2 for d in diffs) / (n - 1))
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    return {"mean": mean, "ci95": [mean - half, mean + half], "paired": n}
+
+
+def compare(
+    runs: Sequence[tuple[Mapping[str, Any], dict[int, dict[str, float]]]], baseline_id: str | None = None
+) -> dict[str, Any]:
+    """The ``GET /evalsched/compare`` answer for ``runs`` (record, episode metrics), in order;
+    the baseline is ``baseline_id`` or the first run."""
+    if not runs:
+        return {"params": [], "metrics": [], "baseline": None, "rows": []}
+    base_index = 0
+    if baseline_id is not None:
+        ids = [record["id"] for record, _ in runs]
+        base_index = ids.index(baseline_id)
+    all_params = [dict(_params(record)) for record, _ in runs]
+    names: list[str] = []
+    for params in all_params:
+        for name in params:
+            if name not in names:
+                names.append(name)
+    differing = [n for n in names if len({_key(p.get(n, _MISSING)) for p in all_params}) > 1]
+    metrics: list[str] = []
+    for _, episodes in runs:
+        for values in episodes.values():
+            for name in values:
+                if name not in metrics:
+                    metrics.append(name)
+    base_episodes = runs[base_index][1]
+    rows = []
+    for (record, episodes), params in zip(runs, all_params, strict=True):
+        row_metrics = {}
+        deltas = {}
+        for metric in metrics:
+            per_index = {i: v[metric] for i, v in episodes.items() if metric in v}
+            row_metrics[metric] = summarize([per_index[i] for i in sorted(per_index)])
+            base = {i: v[metric] for i, v in base_episodes.items() if metric in v}
+            deltas[metric] = paired_delta(per_index, base)
+        rows.append(
+            {
+                "id": record["id"],
+                "name": record.get("name"),
+                "state": record.get("state"),
+                "params": {n: params.get(n) for n in differing},
+                "metrics": row_metrics,
+                "delta": deltas,
+                "wall_s": wall_seconds(record),
+                "peak_vram_mb": peak_vram_mb(record),
+            }
+        )
+    return {"params": differing, "metrics": metrics, "baseline": runs[base_index][0]["id"], "rows": rows}
+
+
+def wall_seconds(record: Mapping[str, Any]) -> float | None:
+    from .runs import parse_timestamp
+
+    started, finished = record.get("started_at"), record.get("finished_at")
+    if not started or not finished:
+        return None
+    return round(parse_timestamp(finished) - parse_timestamp(started), 3)
+
+
+def peak_vram_mb(record: Mapping[str, Any]) -> int | None:
+    """The run's observed VRAM peak, summed over its GPUs (None when never observed)."""
+    peaks = ((record.get("observed") or {}).get("peak_vram_mb")) or {}
+    return sum(int(v) for v in peaks.values()) if peaks else None
+
+
+_MISSING = object()
+
+
+def _params(record: Mapping[str, Any]) -> Mapping[str, Any]:
+    return record.get("params") or {}
+
+
+def _key(value: Any) -> str:
+    import json
+
+    if value is _MISSING:
+        return "\0missing"
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+# ---------------------------------------------------------------------------- Student t
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (0.5 < p < 1) of Student's t with ``df`` degrees of freedom."""
+    if df < 1:
+        raise ValueError("df must be at least 1")
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def t_cdf(t: float, df: int) -> float:
+    x = df / (df + t * t)
+    tail = 0.5 * _betainc(df / 2.0, 0.5, x)
+    return 1.0 - tail if t >= 0 else tail
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b) (continued fraction, Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 500):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * f / a

@@ -1,0 +1,113 @@
+"""Sweeps: one submission, many runs (DESIGN.md, "Sweeps and comparison"). Pure functions.
+
+A sweep is a spec plus ``"sweep"``: a grid ``{"<param>": [values, ...], ...}`` (every
+combination, the first parameter varying slowest) or a list of points ``[{"<param>": value,
+...}, ...]``. Each point becomes one ordinary run whose ``params`` are the spec's updated with
+the point; its record carries ``sweep_id`` and ``sweep_point``. A sweep has no state of its own:
+it is the set of runs that name it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import secrets
+import time
+from typing import Any
+
+MAX_SWEEP_RUNS = 1000
+SWEEP_ID_PREFIX = "sweep-"
+
+
+class SweepError(ValueError):
+    """A sweep that cannot be expanded: ``loc`` and ``msg`` as in a validation error."""
+
+    def __init__(self, loc: list[str | int], msg: str) -> None:
+        super().__init__(msg)
+        self.loc = loc
+        self.msg = msg
+
+
+def new_sweep_id() -> str:
+    return f"{SWEEP_ID_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+def is_valid_sweep_id(text: str) -> bool:
+    if not text.startswith(SWEEP_ID_PREFIX) or len(text) > 64:
+        return False
+    rest = text[len(SWEEP_ID_PREFIX) :]
+    return bool(rest) and all(c.isalnum() or c in "-_." for c in rest)
+
+
+def expand(sweep: Any) -> list[dict[str, Any]]:
+    """The points of a sweep, in order; SweepError says what is wrong."""
+    if isinstance(sweep, dict):
+        if not sweep:
+            raise SweepError(["sweep"], "a grid needs at least one parameter")
+        axes = []
+        for name, values in sweep.items():
+            _check_name(name, ["sweep", name])
+            if not isinstance(values, list) or not values:
+                raise SweepError(["sweep", name], "a grid parameter takes a non-empty list of values")
+            if len({_canonical(v) for v in values}) != len(values):
+                raise SweepError(["sweep", name], "the same value is listed twice")
+            axes.append([(name, v) for v in values])
+        size = 1
+        for axis in axes:
+            size *= len(axis)
+        if size > MAX_SWEEP_RUNS:
+            raise SweepError(["sweep"], f"the grid makes {size} runs; at most {MAX_SWEEP_RUNS} per sweep")
+        return [dict(combo) for combo in itertools.product(*axes)]
+    if isinstance(sweep, list):
+        if not sweep:
+            raise SweepError(["sweep"], "a list sweep needs at least one point")
+        if len(sweep) > MAX_SWEEP_RUNS:
+            raise SweepError(["sweep"], f"the list has {len(sweep)} points; at most {MAX_SWEEP_RUNS} per sweep")
+        seen = set()
+        points = []
+        for i, point in enumerate(sweep):
+            if not isinstance(point, dict) or not point:
+                raise SweepError(["sweep", i], "a point is a non-empty object of parameter values")
+            for name in point:
+                _check_name(name, ["sweep", i, name])
+            key = _canonical(point)
+            if key in seen:
+                raise SweepError(["sweep", i], "the same point is listed twice")
+            seen.add(key)
+            points.append(dict(point))
+        return points
+    raise SweepError(["sweep"], 'a sweep is a grid {"<param>": [values]} or a list of points [{"<param>": value}]')
+
+
+def point_label(point: dict[str, Any]) -> str:
+    """``temperature=0.2, k=1``: how a run of a sweep is told apart from its siblings."""
+    return ", ".join(f"{k}={_short(v)}" for k, v in point.items())
+
+
+def run_name(base: str | None, point: dict[str, Any], limit: int = 200) -> str | None:
+    """The name of a sweep's run: the spec's name (if any) with its point."""
+    if base is None:
+        return None
+    name = f"{base} [{point_label(point)}]"
+    return name if len(name) <= limit else name[: limit - 1] + "…"
+
+
+def counts(states: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for state in states:
+        out[state] = out.get(state, 0) + 1
+    return out
+
+
+def _check_name(name: Any, loc: list[str | int]) -> None:
+    if not isinstance(name, str) or not name or len(name) > 200 or any(ord(c) < 32 for c in name):
+        raise SweepError(loc, "a parameter name is a non-empty string of at most 200 printable characters")
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return text if len(text) <= 40 else text[:39] + "…"

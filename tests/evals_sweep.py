@@ -1,0 +1,13 @@
+"""Evals for the sweep and comparison tests (#18), run as file entrypoints. Standard library only."""
+
+import random
+
+
+def scored(ctx, index):
+    """``score`` = ``params["base"]`` + noise drawn from the episode's seed (so two runs share an
+    episode's noise: paired differences are exactly the difference of their bases), and ``step``
+    = the index. Raises at episode ``params["fail_at"]`` when it is given."""
+    if ctx.params.get("fail_at") is not None and index >= int(ctx.params["fail_at"]):
+        raise RuntimeError(f"failing at episode {index} as asked")
+    noise = random.Random(ctx.seed).random()
+    return {"score": float(ctx.params.get("base", 0.0)) + noise, "step": float(index)}

@@ -1,0 +1,216 @@
+"""Sweeps and comparison (#18) over the REST API of a real server: the runs a sweep makes, its
+cancel, and comparisons computed again here from the runs' episodes.jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from rest import SLEEPY, spec, submit
+
+from jupyter_evalsched.scheduler.compare import t_quantile
+
+HERE = Path(__file__).resolve().parent
+SCORED = f"{HERE / 'evals_sweep.py'}:scored"
+
+
+@pytest.fixture
+def evalsched_config():
+    return {"cpu_slots": 16}
+
+
+async def sweep(api, body, expect=201, headers=None):
+    code, answer = await api("POST", "sweeps", body)
+    assert code == expect, answer
+    return answer
+
+
+def params_of(runs_dir: Path, run_id: str) -> dict:
+    return json.loads((runs_dir / run_id / "spec.json").read_text())["params"]
+
+
+def episodes_of(runs_dir: Path, run_id: str) -> dict[int, dict]:
+    lines = (runs_dir / run_id / "episodes.jsonl").read_text().splitlines()
+    return {e["index"]: e["metrics"] for e in map(json.loads, lines)}
+
+
+async def test_a_grid_makes_one_run_per_combination(api, wait_for, runs_dir):
+    body = spec(entry=SCORED, episodes=2, params={"base": 1.0, "keep": "me"}, name="grid")
+    body["sweep"] = {"temperature": [0.2, 0.7, 1.0], "k": [1, 5]}
+    made = await sweep(api, body)
+    assert made["id"].startswith("sweep-") and len(made["runs"]) == 6
+    points = [(r["sweep_point"]["temperature"], r["sweep_point"]["k"]) for r in made["runs"]]
+    assert points == [(0.2, 1), (0.2, 5), (0.7, 1), (0.7, 5), (1.0, 1), (1.0, 5)]
+    for run in made["runs"]:
+        assert run["sweep_id"] == made["id"]
+        assert params_of(runs_dir, run["id"]) == {"base": 1.0, "keep": "me", **run["sweep_point"]}
+    assert made["runs"][0]["name"] == "grid [temperature=0.2, k=1]"
+    for run in made["runs"]:
+        assert (await wait_for(run["id"]))["state"] == "succeeded"
+    code, view = await api("GET", f"sweeps/{made['id']}")
+    assert (
+        code == 200
+        and view["counts"] == {"succeeded": 6}
+        and [r["id"] for r in view["runs"]] == [r["id"] for r in made["runs"]]
+    )
+    code, listing = await api("GET", "sweeps")
+    assert code == 200 and listing["sweeps"][0]["id"] == made["id"] and listing["sweeps"][0]["runs"] == 6
+
+
+async def test_a_list_sweep_and_runs_that_depend_on_a_sweeps_runs(api, wait_for, runs_dir):
+    body = spec(entry=SCORED, episodes=1, params={"base": 0.0})
+    body["sweep"] = [{"base": 1.0}, {"base": 2.0, "extra": True}, {"base": 3.0}]
+    made = await sweep(api, body)
+    assert [params_of(runs_dir, r["id"]) for r in made["runs"]] == [
+        {"base": 1.0},
+        {"base": 2.0, "extra": True},
+        {"base": 3.0},
+    ]
+    after = await submit(api, spec(depends_on=[r["id"] for r in made["runs"]]))
+    final = await wait_for(after["id"])
+    assert final["state"] == "succeeded"
+    ends = [(await wait_for(r["id"]))["finished_at"] for r in made["runs"]]
+    assert all(end <= final["started_at"] for end in ends)
+
+
+@pytest.mark.parametrize(
+    ("bad", "where"),
+    [
+        ({}, "sweep"),
+        ([], "sweep"),
+        ({"t": []}, "sweep.t"),
+        ({"t": [1, 1]}, "sweep.t"),
+        ([{"t": 1}, {"t": 1}], "sweep.1"),
+        ([{"t": 1}, 5], "sweep.1"),
+        ({"t": list(range(40)), "k": list(range(40))}, "sweep"),
+        ("temperature", "sweep"),
+    ],
+)
+async def test_a_bad_sweep_is_a_precise_422_and_makes_no_run(api, bad, where):
+    body = spec(entry=SCORED)
+    body["sweep"] = bad
+    answer = await sweep(api, body, expect=422)
+    assert answer["message"].startswith(where), answer
+    code, runs = await api("GET", "runs")
+    assert runs["total"] == 0
+
+
+async def test_a_point_that_makes_an_invalid_spec_is_refused_before_any_run(api):
+    body = spec(entry=SCORED, name="x" * 190)
+    body["sweep"] = {"t": ["a" * 50]}  # the run's name would pass the limit: it is cut, not refused
+    made = await sweep(api, body)
+    assert len(made["runs"][0]["name"]) <= 200
+    body = spec(entry=f"{HERE / 'no_such_file.py'}:episode")
+    body["sweep"] = {"t": [1, 2]}
+    answer = await sweep(api, body, expect=422)
+    assert "no_such_file.py" in answer["message"], answer
+    assert (await api("GET", "runs"))[1]["total"] == 1  # the first sweep's run only
+
+
+async def test_cancel_of_a_sweep_cancels_only_its_unfinished_runs(api, wait_for):
+    body = spec(entry=SLEEPY, episodes=1)
+    body["sweep"] = {"sleep_s": [0.01, 60.0]}
+    made = await sweep(api, body)
+    fast, slow = made["runs"]
+    assert (await wait_for(fast["id"]))["state"] == "succeeded"
+    await wait_for(slow["id"], states=("running",))
+    code, view = await api("POST", f"sweeps/{made['id']}/cancel")
+    assert code == 200
+    assert (await wait_for(slow["id"]))["state"] == "cancelled"
+    assert (await wait_for(fast["id"]))["state"] == "succeeded"
+    code, view = await api("GET", f"sweeps/{made['id']}")
+    assert view["counts"] == {"succeeded": 1, "cancelled": 1}
+    assert (await api("GET", "sweeps/sweep-nope"))[0] == 404
+    assert (await api("POST", "sweeps/sweep-nope/cancel"))[0] == 404
+
+
+async def test_a_retried_sweep_submission_answers_with_the_same_runs(api, jp_fetch):
+    body = spec(entry=SCORED)
+    body["sweep"] = {"base": [1.0, 2.0]}
+    answers = []
+    for _ in range(2):
+        resp = await jp_fetch(
+            "evalsched",
+            "sweeps",
+            method="POST",
+            body=json.dumps(body),
+            headers={"Idempotency-Key": "abc-1"},
+            raise_error=False,
+        )
+        answers.append((resp.code, json.loads(resp.body)))
+    (first_code, first), (second_code, second) = answers
+    assert (first_code, second_code) == (201, 200)
+    assert second["id"] == first["id"] and [r["id"] for r in second["runs"]] == [r["id"] for r in first["runs"]]
+
+
+def mean(xs):
+    return math.fsum(xs) / len(xs)
+
+
+def stderr(xs):
+    m = mean(xs)
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+async def test_compare_a_sweep_matches_its_episodes(api, wait_for, runs_dir):
+    body = spec(entry=SCORED, episodes=6, params={"label": "same"})
+    body["sweep"] = {"base": [0.0, 0.5, 2.0], "k": [1, 2]}
+    made = await sweep(api, body)
+    for run in made["runs"]:
+        assert (await wait_for(run["id"]))["state"] == "succeeded"
+    baseline = made["runs"][1]["id"]
+    code, cmp = await api("GET", "compare", params={"sweep": made["id"], "baseline": baseline})
+    assert code == 200, cmp
+    assert cmp["params"] == ["base", "k"] and cmp["baseline"] == baseline
+    assert cmp["metrics"] == ["score", "step"]
+    base_eps = episodes_of(runs_dir, baseline)
+    for row, run in zip(cmp["rows"], made["runs"], strict=True):
+        assert row["id"] == run["id"] and row["params"] == run["sweep_point"]
+        eps = episodes_of(runs_dir, run["id"])
+        scores = [eps[i]["score"] for i in sorted(eps)]
+        stat = row["metrics"]["score"]
+        assert stat["count"] == 6
+        assert stat["mean"] == pytest.approx(mean(scores), abs=1e-12)
+        assert stat["stderr"] == pytest.approx(stderr(scores), abs=1e-12)
+        diffs = [eps[i]["score"] - base_eps[i]["score"] for i in sorted(eps)]
+        delta = row["delta"]["score"]
+        assert delta["paired"] == 6 and delta["mean"] == pytest.approx(mean(diffs), abs=1e-12)
+        half = 2.5705818366147395 * (stderr(diffs) if any(abs(d - diffs[0]) > 1e-12 for d in diffs) else 0.0)
+        assert delta["ci95"] == pytest.approx([mean(diffs) - half, mean(diffs) + half], abs=1e-9)
+        assert row["wall_s"] is not None and row["wall_s"] >= 0
+
+
+async def test_compare_pairs_only_the_episodes_both_runs_have(api, wait_for, runs_dir):
+    full = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 1.0}))
+    short = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 3.0, "fail_at": 5}))
+    assert (await wait_for(full["id"]))["state"] == "succeeded"
+    assert (await wait_for(short["id"]))["state"] == "failed"
+    code, cmp = await api("GET", "compare", params={"runs": f"{full['id']},{short['id']}"})
+    assert code == 200, cmp
+    assert cmp["params"] == ["base", "fail_at"] and cmp["baseline"] == full["id"]
+    row = cmp["rows"][1]
+    assert row["params"] == {"base": 3.0, "fail_at": 5}
+    assert row["metrics"]["score"]["count"] == 5 and row["delta"]["score"]["paired"] == 5
+    a, b = episodes_of(runs_dir, full["id"]), episodes_of(runs_dir, short["id"])
+    diffs = [b[i]["score"] - a[i]["score"] for i in sorted(b)]
+    assert row["delta"]["score"]["mean"] == pytest.approx(mean(diffs)) == pytest.approx(2.0)
+    assert cmp["rows"][0]["delta"]["score"] == {"mean": 0.0, "ci95": [0.0, 0.0], "paired": 8}
+    assert cmp["rows"][1]["params"] == {"base": 3.0, "fail_at": 5}
+    assert cmp["rows"][0]["params"] == {"base": 1.0, "fail_at": None}
+
+
+async def test_compare_refuses_what_it_cannot_answer(api):
+    run = await submit(api, spec(entry=SCORED))
+    assert (await api("GET", "compare"))[0] == 422
+    assert (await api("GET", "compare", params={"runs": run["id"], "sweep": "sweep-x"}))[0] == 422
+    assert (await api("GET", "compare", params={"runs": "nope"}))[0] == 404
+    assert (await api("GET", "compare", params={"sweep": "sweep-nope"}))[0] == 404
+    code, answer = await api("GET", "compare", params={"runs": run["id"], "baseline": "other"})
+    assert code == 422 and "baseline" in answer["message"]
+
+
+def test_t_quantiles_match_the_tables():
+    for df, expected in [(1, 12.7062047), (2, 4.3026527), (5, 2.5705818), (9, 2.2621572), (30, 2.0422725)]:
+        assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
