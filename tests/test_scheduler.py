@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 from proc_status import ignores_signal
-from rest import CRASH, spec, submit
+from rest import CRASH, NOOP, spec, submit
 from waiting import async_wait_until
 
 
@@ -203,6 +203,34 @@ async def test_dependencies(api, wait_for, runs_dir):
     assert r["pid"] is None and (runs_dir / after_bad["id"] / "_DONE").exists()
     r = await wait_for(chained["id"])
     assert r["state"] == "failed" and r["reason"].startswith(f"dependency_failed:{after_bad['id']}")
+
+
+async def test_runs_held_by_a_dependency_stay_out_of_decisions_and_are_freed_by_its_end(
+    api, wait_for, evalsched, tmp_path
+):
+    """Many runs waiting on one running run: they say why (its state, as it changes), are not
+    part of admission's decisions (which then cost nothing for them), and all start once it
+    succeeds; a dependency that fails fails its dependents."""
+    opened = tmp_path / "open"
+    gate_entry = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:gate"
+    gate = await submit(api, spec(entry=gate_entry, params={"gate": str(opened)}))
+    waiting = [await submit(api, spec(entry=NOOP, depends_on=[gate["id"]])) for _ in range(30)]
+    doomed = await submit(api, spec(entry=CRASH, params={"how": "exception", "sleep_s": 0.3}))
+    after_doomed = await submit(api, spec(entry=NOOP, depends_on=[doomed["id"]]))
+
+    async def all_held():
+        recs = [(await api("GET", f"runs/{r['id']}"))[1] for r in waiting]
+        return all(r["reason"] == f"waiting_dependency: {gate['id']} is running" for r in recs)
+
+    await async_wait_until(all_held, message="the held runs did not say that their dependency is running")
+    assert all(r["id"] in evalsched._blocked for r in waiting)
+    assert evalsched._waiting_on[gate["id"]] == {r["id"] for r in waiting}
+    opened.touch()
+    for rec in waiting:
+        assert (await wait_for(rec["id"]))["state"] == "succeeded"
+    final = await wait_for(after_doomed["id"])
+    assert final["state"] == "failed" and final["reason"].startswith(f"dependency_failed:{doomed['id']}")
+    assert not evalsched._blocked and not evalsched._waiting_on
 
 
 async def test_priorities_and_exclusive(api, wait_for, evalsched):

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
+from typing import Protocol
 
 from .. import contract
 
@@ -403,8 +404,18 @@ def _starving(job: QueuedJob, config: PolicyConfig) -> bool:
 
 
 def _dependency_verdict(job: QueuedJob, states: Mapping[str, str]) -> tuple[str, str] | None:
+    return dependency_verdict(job.depends_on, states)
+
+
+class StateLookup(Protocol):
+    def get(self, key: str, /) -> str | None: ...
+
+
+def dependency_verdict(depends_on: Iterable[str], states: Mapping[str, str] | StateLookup) -> tuple[str, str] | None:
+    """None when every dependency succeeded; ``("failed", dep)`` when one cannot succeed any
+    more (absent from ``states`` counts as failed); else ``("waiting", reason)``."""
     pending = []
-    for dep in job.depends_on:
+    for dep in depends_on:
         state = states.get(dep)
         if state == "succeeded":
             continue

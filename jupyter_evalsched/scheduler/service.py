@@ -76,6 +76,10 @@ class Scheduler:
         self.executors: dict[str, Executor] = {e.name: e for e in (executors or [LocalExecutor(self.models)])}
         # Admission's own view: the ledger runs waiting for resources, and those holding them.
         self._queued: dict[str, Run] = {}
+        # Queued runs held by a dependency still queued or running: (reason, dependencies). They
+        # are kept out of admission's decisions and looked at again when a dependency changes.
+        self._blocked: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._waiting_on: dict[str, set[str]] = {}  # dependency id -> blocked runs waiting on it
         self._running: dict[str, Run] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.context: ExecutorContext | None = None  # what executors get; set by start()
@@ -107,6 +111,7 @@ class Scheduler:
         self.table.requeue_policy = self._retry_policy
         self.table.on_end(self._on_run_ended)
         self.table.on_requeue(self._on_run_requeued)
+        self.table.subscribe(self._run_changed)
         self.leases.on_end(self._on_lease_ended)
 
     # ----------------------------------------------------------------- life cycle
@@ -203,6 +208,8 @@ class Scheduler:
                 self.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"RunFileError: {why}"))
                 continue
             self._recover_run(run, f.done)
+        for queued in list(self._queued.values()):  # now that every run is known
+            self._check_dependencies(queued)
         if len(self.table):
             log.info(
                 "evalsched: recovered %d runs (%d queued) from %s", len(self.table), len(self._queued), self.store.root
@@ -232,7 +239,7 @@ class Scheduler:
                 run.requeued_reason = run.record["reason"].split("; now ", 1)[0]
             elif code != contract.SERVER_RESTART:
                 run.record["reason"] = None
-            self._queued[run.id] = run
+            self._enqueue(run)
         else:
             if executor.uses_ledger:
                 self._running[run.id] = run  # holds its resources until its end is recorded
@@ -461,7 +468,7 @@ class Scheduler:
         if not executor.uses_ledger:
             executor.submit(run)
             return record
-        self._queued[run_id] = run
+        self._enqueue(run)
         if self._settled and not self._admit_scheduled and self._can_decide_alone(run):
             self._admit_new(run)
         else:
@@ -479,7 +486,7 @@ class Scheduler:
         self._loop.call_soon(self._admit)
 
     def _on_run_ended(self, run: Run) -> None:
-        self._queued.pop(run.id, None)
+        self._dequeue(run.id)
         held = self._running.pop(run.id, None) is not None
         if not self._started or self._stopping:
             return
@@ -510,7 +517,7 @@ class Scheduler:
     def _on_run_requeued(self, run: Run, plan: Requeue) -> None:
         """A run queued again (resume, retry, preemption, restart): back to admission, after its
         back-off; what it held is free at once."""
-        self._queued.pop(run.id, None)
+        self._dequeue(run.id)
         self._running.pop(run.id, None)
         timer = self._backoff.pop(run.id, None)
         if timer is not None:
@@ -528,7 +535,7 @@ class Scheduler:
         if plan.delay_s > 0 and self._loop is not None and not self._stopping:
             self._backoff[run.id] = self._loop.call_later(plan.delay_s, self._retry_due, run.id)
         else:
-            self._queued[run.id] = run
+            self._enqueue(run)
         if not self._started or self._stopping:
             return
         if self._admitting:
@@ -553,7 +560,7 @@ class Scheduler:
         if run is None or run.state != QUEUED or self._stopping:
             return
         self.table.update(run, save=False, retry_at=None)
-        self._queued[run.id] = run
+        self._enqueue(run)
         self.request_admission()
 
     def resume(self, run_id: str) -> dict[str, Any]:
@@ -728,13 +735,84 @@ class Scheduler:
                     states[dep_id] = dep.state
         return states
 
+    # ----------------------------------------------------------------- the queue and dependencies
+
+    def _enqueue(self, run: Run) -> None:
+        self._queued[run.id] = run
+        self._check_dependencies(run)
+
+    def _dequeue(self, run_id: str) -> None:
+        self._queued.pop(run_id, None)
+        self._unblock(run_id)
+
+    def _check_dependencies(self, run: Run) -> bool:
+        """Whether the queued ``run`` is held by a dependency still queued or running (then it
+        says so, and stays out of admission's decisions until a dependency changes). A run
+        whose dependencies all succeeded, or one of which failed, is admission's to decide."""
+        self._unblock(run.id)
+        if run.id not in self._queued or not run.depends_on:
+            return False
+        verdict = policy.dependency_verdict(run.depends_on, _DependencyStates(self.table))
+        if verdict is None or verdict[0] != "waiting":
+            return False
+        deps = tuple(run.depends_on)
+        self._blocked[run.id] = (verdict[1], deps)
+        for dep in deps:
+            self._waiting_on.setdefault(dep, set()).add(run.id)
+        self.table.set_reason(run, _waiting_reason(run, verdict[1]))
+        return True
+
+    def _unblock(self, run_id: str) -> None:
+        held = self._blocked.pop(run_id, None)
+        if held is None:
+            return
+        for dep in held[1]:
+            waiting = self._waiting_on.get(dep)
+            if waiting is not None:
+                waiting.discard(run_id)
+                if not waiting:
+                    del self._waiting_on[dep]
+
+    def _run_changed(self, event: dict[str, Any]) -> None:
+        """A run's record changed: the runs waiting on it are looked at again (its start changes
+        their reason; its end may free them, or fail them)."""
+        if event.get("type") != "run":
+            return
+        waiting = self._waiting_on.get(event["run"]["id"])
+        if not waiting:
+            return
+        freed = False
+        for run_id in list(waiting):
+            run = self._queued.get(run_id)
+            if run is None:
+                self._unblock(run_id)
+            elif not self._check_dependencies(run):
+                freed = True
+        if freed and self._started and not self._stopping:
+            if self._admitting:
+                self._decide_again = True
+            else:
+                self.request_admission()
+
+    def _recheck_blocked(self) -> None:
+        """Backstop (the periodic sweep): every held run looked at again."""
+        for run_id in list(self._blocked):
+            run = self._queued.get(run_id)
+            if run is None:
+                self._unblock(run_id)
+            elif not self._check_dependencies(run):
+                self.request_admission()
+
     def _decide(self) -> policy.Decision:
         now = time.time()
-        queued = [self._as_queued(run, now) for run in self._queued.values()]
+        # Runs held by a dependency cannot start and take nothing from the others: a decision
+        # costs O(the runs that could start), not O(the queue), however many wait on others.
+        eligible = [run for run in self._queued.values() if run.id not in self._blocked]
+        queued = [self._as_queued(run, now) for run in eligible]
         queued += [self._lease_as_queued(lease, now) for lease in self.leases.queued()]
         self._head_lane = min((policy.effective_lane(q, self.config.policy) for q in queued), default=len(policy.LANES))
         cap = capacity(self._budgets, self.config.cpu_slots, self._unmanaged)
-        deps = self._dependency_states(list(self._queued.values()))
+        deps = self._dependency_states(eligible)
         return policy.decide(queued, self._running_jobs(), cap, deps, self.config.policy)
 
     def _running_jobs(self) -> list[policy.RunningJob]:
@@ -771,7 +849,7 @@ class Scheduler:
 
     def _launch(self, run: Run, devices: tuple[int, ...]) -> None:
         """Take the resources now (the ledger changes in this very decision), then start the run."""
-        del self._queued[run.id]
+        self._dequeue(run.id)
         self._running[run.id] = run
         run.started_ts = time.time()
         run.requeued_reason = None
@@ -1161,6 +1239,7 @@ class Scheduler:
                     self.table.retry_unwritten()
                 self.leases.check_processes()
                 await self._observe()
+                self._recheck_blocked()
                 self._admit()
             except Exception:
                 log.exception("evalsched: sweep failed")
@@ -1269,6 +1348,19 @@ class Scheduler:
                         self.table.refresh_progress(run)
             except Exception:
                 log.exception("evalsched: progress watch failed")
+
+
+class _DependencyStates:
+    """The states of runs, looked up as dependencies are (a Mapping's ``get``)."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: RunTable) -> None:
+        self._table = table
+
+    def get(self, run_id: str, /) -> str | None:
+        run = self._table.get(run_id)
+        return run.state if run is not None else None
 
 
 def _waiting_reason(run: Run, reason: str) -> str:
