@@ -449,7 +449,11 @@ class Zygote:
             except (OSError, ValueError):
                 pass
         me = os.getpid()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: a fresh interpreter may still start
+            self.send({"op": "cold", "run_id": run_id, "why": f"the zygote could not fork: {exc}"})
+            return
         if pid == 0:
             os._exit(become_run(self, me, request, fds))
         self.children[pid] = run_id
