@@ -1509,3 +1509,431 @@ def test_attempt_badge_helpers_without_a_browser(tmp_path: Path) -> None:
     bundle = "\n".join(p.read_text(errors="replace") for p in static.glob("*.js"))
     for needle in ("evalsched-resume", "evalsched-history-entry", "jp-EvalSched-badge", "evalsched-retry-at"):
         assert needle in bundle, f"{needle!r} not in the built lab extension: rebuild it"
+
+
+# ---------------------------------------------------------------------------- sweeps, comparison,
+# notifications
+
+TOY = "jupyter_evalsched.examples.basic:accuracy_toy"
+SWEEP = f'{PANEL} [data-testid="evalsched-sweep"]'
+COMPARE = '[data-testid="evalsched-compare"]'
+
+
+def _submit_sweep(server: LabServer, body: dict) -> dict:
+    status, view = server.request("POST", "evalsched/sweeps", body)
+    assert status == 201, (status, view)
+    return view
+
+
+def _wait_sweep(server: LabServer, sweep_id: str, done: Callable[[dict], bool], timeout: float = 120.0) -> dict:
+    """Until ``done(GET /evalsched/sweeps/{id})``; returns that view."""
+    last: dict = {}
+
+    def check() -> bool:
+        status, view = server.request("GET", f"evalsched/sweeps/{sweep_id}")
+        if status != 200:
+            pytest.fail(f"GET evalsched/sweeps/{sweep_id}: {status} {view}")
+        last["view"] = view
+        return done(view)
+
+    try:
+        wait_until(check, timeout=timeout, interval=0.2)
+    except AssertionError:
+        raise AssertionError(f"sweep {sweep_id} not as expected: {last.get('view')}") from None
+    return last["view"]
+
+
+def _all_ended(view: dict) -> bool:
+    return all(r["state"] in ("succeeded", "failed", "cancelled", "aborted") for r in view["runs"])
+
+
+def _sweep_row(page: Any, sweep_id: str, attrs: str = "") -> Any:
+    return page.locator(f'{SWEEP}[data-sweep-id="{sweep_id}"]{attrs}')
+
+
+def _show_panel(page: Any) -> None:
+    if not page.locator(PANEL).is_visible():
+        page.click(PANEL_TAB)
+    page.wait_for_selector(PANEL, state="visible")
+
+
+def _shown(x: float | None) -> str:
+    """A number as the panel's formatNumber shows it (about four significant digits)."""
+    if x is None:
+        return "–"
+    if float(x).is_integer() and abs(x) < 1e9:
+        return str(int(x))
+    assert 1e-3 <= abs(x) < 1e6, x  # the exponent form is not emulated here
+    return repr(float(f"{x:.4g}"))
+
+
+def test_panel_sweep_rows(lab: LabServer, browser: Any) -> None:
+    """A sweep is one row (its name, runs per state, episodes over all its runs) that expands to
+    its runs as ordinary run rows labelled with their points; its runs are not listed on their
+    own. Cancel sweep (behind a confirmation) cancels what is unfinished and leaves the rest."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {})
+    context, page, errors = _open_lab(browser, lab)
+    try:
+        page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]')
+        grid = {"skill": [0.3, 0.6, 0.9], "label": ["a", "b"]}
+        view = _submit_sweep(lab, {"name": "toy-grid", "entrypoint": TOY, "episodes": 4, "sweep": grid})
+        sweep_id, runs = view["id"], view["runs"]
+        assert len(runs) == 6 and all(r["sweep_id"] == sweep_id for r in runs)
+        _wait_sweep(lab, sweep_id, _all_ended)
+
+        row = _sweep_row(page, sweep_id, '[data-count-succeeded="6"]')
+        row.wait_for(state="visible")
+        assert _sweep_row(page, sweep_id).count() == 1
+        assert row.get_attribute("data-section") == "finished"
+        assert row.get_attribute("data-state") == "succeeded"
+        assert row.get_attribute("data-runs") == "6"
+        assert json.loads(row.get_attribute("data-counts")) == {"succeeded": 6}
+        assert (row.get_attribute("data-progress-done"), row.get_attribute("data-progress-total")) == ("24", "24")
+        assert row.locator('[data-testid="evalsched-sweep-name"]').inner_text() == "toy-grid"
+        assert "6 succeeded" in row.locator('[data-testid="evalsched-sweep-counts"]').inner_text()
+        assert row.locator('[data-testid="evalsched-sweep-cancel"]').is_hidden()  # nothing unfinished
+        assert row.locator('[data-testid="evalsched-sweep-compare"]').is_visible()
+        # its runs are not listed on their own
+        for run in runs:
+            assert page.locator(f'{PANEL} .jp-EvalSched-run[data-run-id="{run["id"]}"]').count() == 0
+
+        # -- expanded: its runs as run rows, labelled with their points, in submission order ----
+        row.locator('[data-testid="evalsched-sweep-toggle"]').click()
+        children = row.locator('[data-testid="evalsched-sweep-runs"] .jp-EvalSched-run')
+        page.wait_for_function(
+            "([sel]) => document.querySelectorAll(sel).length === 6",
+            arg=[f'{SWEEP}[data-sweep-id="{sweep_id}"] [data-testid="evalsched-sweep-runs"] .jp-EvalSched-run'],
+        )
+        assert row.get_attribute("data-expanded") == "true"
+        expected = [f"skill={s}, label={label}" for s in (0.3, 0.6, 0.9) for label in ("a", "b")]
+        assert [children.nth(i).get_attribute("data-point") for i in range(6)] == expected
+        assert [children.nth(i).get_attribute("data-run-id") for i in range(6)] == [r["id"] for r in runs]
+        for i in range(6):
+            child = children.nth(i)
+            assert child.get_attribute("data-sweep-id") == sweep_id
+            assert child.get_attribute("data-state") == "succeeded"
+            assert child.get_attribute("data-section") == "finished"
+            assert child.locator('[data-testid="evalsched-run-name"]').inner_text() == expected[i]
+            assert child.locator('.jp-EvalSched-metric[data-metric="accuracy"]').count() == 1
+        # an ordinary run row: its inline detail opens
+        children.nth(0).locator('[data-testid="evalsched-details"]').click()
+        children.nth(0).locator('.jp-EvalSched-detail dd[data-field="executor"]').wait_for(state="visible")
+        row.locator('[data-testid="evalsched-sweep-toggle"]').click()
+        children.first.wait_for(state="detached")
+        assert row.get_attribute("data-expanded") == "false"
+
+        # -- a sweep with a long point: listed among the running; Cancel sweep -----------------
+        view = _submit_sweep(
+            lab, {"name": "sleepy-sweep", "entrypoint": SLEEPY, "episodes": 1, "sweep": {"sleep_s": [0.01, 60]}}
+        )
+        sleepy_id = view["id"]
+        quick, slow = (r["id"] for r in view["runs"])
+        row = _sweep_row(page, sleepy_id, '[data-count-succeeded="1"][data-count-running="1"]')
+        row.wait_for(state="visible")
+        assert row.get_attribute("data-section") == "running"
+        assert row.get_attribute("data-state") == "running"
+        assert json.loads(row.get_attribute("data-counts")) == {"running": 1, "succeeded": 1}
+        in_running = f'{PANEL} .jp-EvalSched-list[data-section="running"] [data-sweep-id="{sleepy_id}"]'
+        assert page.locator(in_running).count() == 1
+        cancel = row.locator('[data-testid="evalsched-sweep-cancel"]')
+        assert cancel.is_visible()
+        cancel.click()
+        _confirm_dialog(page, False, "Cancel sweep?")  # kept: nothing changes
+        assert lab.run(slow)["state"] == "running"
+        cancel.click()
+        _confirm_dialog(page, True, "Cancel sweep?")
+        row = _sweep_row(page, sleepy_id, '[data-count-succeeded="1"][data-count-cancelled="1"]')
+        row.wait_for(state="visible")
+        page.wait_for_selector(f'{SWEEP}[data-sweep-id="{sleepy_id}"][data-section="finished"][data-state="cancelled"]')
+        assert row.locator('[data-testid="evalsched-sweep-cancel"]').is_hidden()
+        assert lab.run(quick)["state"] == "succeeded" and lab.run(slow)["state"] == "cancelled"
+        status, server_view = lab.request("GET", f"evalsched/sweeps/{sleepy_id}")
+        assert status == 200 and server_view["counts"] == {"succeeded": 1, "cancelled": 1}
+        assert errors.errors == []
+    except BaseException:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-sweep-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        context.close()
+
+
+def test_panel_compare(lab: LabServer, browser: Any) -> None:
+    """Compare on a finished sweep opens a tab: one row per run whose means, standard errors and
+    deltas are the server's (GET /evalsched/compare), the baseline marked and selectable (the
+    deltas follow it), a metric selector, and a chart with one point per run against the first
+    differing parameter, one line per value of the other. Runs selected in the panel compare too;
+    an error of the server is shown in the view."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {})
+    view = _submit_sweep(
+        lab,
+        {
+            "name": "toy-compare",
+            "entrypoint": TOY,
+            "episodes": 6,
+            "sweep": {"skill": [0.3, 0.6, 0.9], "label": ["a", "b"]},
+        },
+    )
+    sweep_id, runs = view["id"], view["runs"]
+    ids = [r["id"] for r in runs]
+    _wait_sweep(lab, sweep_id, _all_ended)
+    context, page, errors = _open_lab(browser, lab)
+    try:
+        row = _sweep_row(page, sweep_id, '[data-count-succeeded="6"]')
+        row.wait_for(state="visible")
+        row.locator('[data-testid="evalsched-sweep-compare"]').click()
+        compare = page.locator(f'{COMPARE}[data-sweep-id="{sweep_id}"]')
+        page.wait_for_selector(f'{COMPARE}[data-sweep-id="{sweep_id}"][data-status="ready"]')
+        assert page.locator(f'.jp-MainAreaWidget[id="jupyter-evalsched-compare-{sweep_id}"]').is_visible()
+
+        def check_table(baseline: str) -> dict:
+            status, expected = lab.request("GET", f"evalsched/compare?sweep={sweep_id}&baseline={baseline}")
+            assert status == 200, expected
+            assert expected["baseline"] == baseline
+            assert compare.get_attribute("data-baseline") == baseline
+            rows = compare.locator('[data-testid="evalsched-compare-row"]')
+            assert rows.count() == 6
+            assert [rows.nth(i).get_attribute("data-run-id") for i in range(6)] == ids
+            assert set(expected["params"]) == {"skill", "label"}
+            assert set(expected["metrics"]) >= {"accuracy", "answer_length"}
+            for want in expected["rows"]:
+                ui = compare.locator(f'[data-testid="evalsched-compare-row"][data-run-id="{want["id"]}"]')
+                assert ui.get_attribute("data-baseline") == str(want["id"] == baseline).lower()
+                for param in expected["params"]:
+                    cell = ui.locator(f'td[data-field="param"][data-param="{param}"]')
+                    assert cell.inner_text() == str(want["params"][param])
+                for metric in expected["metrics"]:
+                    stat, delta = want["metrics"][metric], want["delta"][metric]
+                    mean = ui.locator(f'td[data-metric="{metric}"][data-field="mean"]')
+                    assert float(mean.get_attribute("data-value")) == stat["mean"]
+                    text = _shown(stat["mean"])
+                    if stat["stderr"] is not None:
+                        text += f" ± {_shown(stat['stderr'])}"
+                    assert mean.inner_text() == text
+                    cell = ui.locator(f'td[data-metric="{metric}"][data-field="delta"]')
+                    assert float(cell.get_attribute("data-value")) == delta["mean"]
+                    assert cell.get_attribute("data-paired") == str(delta["paired"]) == "6"
+                    if want["id"] == baseline:
+                        assert cell.inner_text() == "baseline"
+                    else:
+                        lo, hi = delta["ci95"]
+                        assert float(cell.get_attribute("data-ci-lo")) == lo
+                        assert float(cell.get_attribute("data-ci-hi")) == hi
+                        assert f"[{_shown(lo)}, {_shown(hi)}] (6)" in cell.inner_text()
+                        assert cell.inner_text().lstrip("+").startswith(_shown(delta["mean"]))
+                wall = ui.locator('td[data-field="wall_s"]')
+                assert float(wall.get_attribute("data-value")) == want["wall_s"]
+            tag = compare.locator('[data-testid="evalsched-compare-baseline-tag"]')
+            assert tag.count() == 1
+            assert (
+                compare.locator(f'[data-run-id="{baseline}"] [data-testid="evalsched-compare-baseline-tag"]').count()
+                == 1
+            )
+            return expected
+
+        first = check_table(ids[0])  # the first run by default
+        assert compare.locator('[data-testid="evalsched-compare-baseline"]').input_value() == ids[0]
+
+        # -- the chart: the metric against skill (numeric), one line per label ------------------
+        metric = compare.get_attribute("data-metric")
+        assert metric == first["metrics"][0]
+        chart = compare.locator('[data-testid="evalsched-compare-chart"]')
+        assert chart.get_attribute("data-x-param") == first["params"][0]
+        assert chart.get_attribute("data-x-kind") == ("numeric" if first["params"][0] == "skill" else "categorical")
+        points = chart.locator('[data-testid="evalsched-compare-point"]')
+        assert points.count() == 6
+        assert sorted(points.nth(i).get_attribute("data-run-id") for i in range(6)) == sorted(ids)
+        means = {r["id"]: r["metrics"][metric]["mean"] for r in first["rows"]}
+        for i in range(6):
+            point = points.nth(i)
+            assert float(point.get_attribute("data-y")) == means[point.get_attribute("data-run-id")]
+        assert chart.get_attribute("data-series") == "2"
+        assert compare.locator('[data-testid="evalsched-compare-legend"] .jp-EvalSched-legendItem').count() == 2
+        assert chart.locator("polyline").count() == 2
+        ARTIFACTS.mkdir(exist_ok=True)
+        compare.screenshot(path=str(ARTIFACTS / "lab-compare-sweep.png"))
+
+        # -- another metric ----------------------------------------------------------------------
+        other = next(m for m in first["metrics"] if m != metric)
+        compare.locator('[data-testid="evalsched-compare-metric"]').select_option(other)
+        page.wait_for_selector(f'{COMPARE}[data-sweep-id="{sweep_id}"] svg[data-metric="{other}"]')
+        other_means = {r["id"]: r["metrics"][other]["mean"] for r in first["rows"]}
+        for i in range(points.count()):
+            point = points.nth(i)
+            assert float(point.get_attribute("data-y")) == other_means[point.get_attribute("data-run-id")]
+
+        # -- another baseline: re-read with &baseline=, the deltas follow -------------------------
+        compare.locator('[data-testid="evalsched-compare-baseline"]').select_option(ids[-1])
+        page.wait_for_selector(f'{COMPARE}[data-sweep-id="{sweep_id}"][data-baseline="{ids[-1]}"][data-status="ready"]')
+        second = check_table(ids[-1])
+        before = {r["id"]: r["delta"]["accuracy"]["mean"] for r in first["rows"]}
+        after = {r["id"]: r["delta"]["accuracy"]["mean"] for r in second["rows"]}
+        assert before[ids[-1]] != 0 or after[ids[0]] != 0  # the toy's skills differ: so do the deltas
+        assert after[ids[-1]] == 0 and before[ids[0]] == 0
+        assert compare.get_attribute("data-metric") == other  # the chosen metric stays
+
+        # -- an error of the server is shown in the view, never thrown ------------------------
+        failing = re.compile(r"/evalsched/compare(\?.*)?$")
+        page.route(
+            failing,
+            lambda route: route.fulfill(
+                status=422, json={"message": "the baseline 'x' is not one of the compared runs"}
+            ),
+        )
+        compare.locator('[data-testid="evalsched-compare-refresh"]').click()
+        message = compare.locator('[data-testid="evalsched-compare-message"]')
+        message.wait_for(state="visible")
+        assert "is not one of the compared runs" in message.inner_text()
+        assert compare.get_attribute("data-status") == "error" and compare.get_attribute("data-error") == "422"
+        assert compare.locator('[data-testid="evalsched-compare-row"]').count() == 0
+        page.unroute(failing)
+        compare.locator('[data-testid="evalsched-compare-refresh"]').click()
+        page.wait_for_selector(f'{COMPARE}[data-sweep-id="{sweep_id}"][data-status="ready"]')
+        assert message.is_hidden() and compare.locator('[data-testid="evalsched-compare-row"]').count() == 6
+
+        # -- runs selected in the panel: Compare (2), the first selected is the baseline ------------
+        _show_panel(page)
+        row.locator('[data-testid="evalsched-sweep-toggle"]').click()
+        children = row.locator('[data-testid="evalsched-sweep-runs"] .jp-EvalSched-run')
+        children.nth(5).wait_for(state="visible")
+        selection = page.locator(f'{PANEL} [data-testid="evalsched-selection"]')
+        assert selection.is_hidden()
+        children.nth(4).locator('[data-testid="evalsched-select"]').check()
+        page.wait_for_selector(f'{PANEL} [data-testid="evalsched-selection"][data-count="1"]')
+        assert page.locator(f'{PANEL} [data-testid="evalsched-compare-selected"]').is_disabled()
+        children.nth(1).locator('[data-testid="evalsched-select"]').check()
+        button = page.locator(f'{PANEL} [data-testid="evalsched-compare-selected"]')
+        assert button.inner_text() == "Compare (2)" and button.is_enabled()
+        button.click()
+        picked = f"{ids[4]},{ids[1]}"
+        pair = page.locator(f'{COMPARE}[data-runs="{picked}"]')
+        page.wait_for_selector(f'{COMPARE}[data-runs="{picked}"][data-status="ready"]')
+        assert pair.get_attribute("data-baseline") == ids[4]
+        rows = pair.locator('[data-testid="evalsched-compare-row"]')
+        assert [rows.nth(i).get_attribute("data-run-id") for i in range(rows.count())] == [ids[4], ids[1]]
+        status, expected = lab.request("GET", f"evalsched/compare?runs={picked}")
+        assert status == 200
+        for want in expected["rows"]:
+            cell = pair.locator(f'[data-run-id="{want["id"]}"] td[data-metric="accuracy"][data-field="mean"]')
+            assert float(cell.get_attribute("data-value")) == want["metrics"]["accuracy"]["mean"]
+        assert pair.locator('[data-testid="evalsched-compare-point"]').count() == 2
+        _show_panel(page)
+        page.locator(f'{PANEL} [data-testid="evalsched-selection-clear"]').click()
+        selection.wait_for(state="hidden")
+        assert children.nth(4).locator('[data-testid="evalsched-select"]').is_checked() is False
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-compare.png"))
+        assert errors.errors == []
+    except BaseException:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-compare-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        context.close()
+
+
+def _notified(page: Any, entry: str) -> None:
+    """Until the panel says what it decided for a run or sweep that ended (`<id>:<decision>`)."""
+    page.wait_for_function(
+        "([sel, entry]) => (document.querySelector(sel)?.dataset.notified || '').split(' ').includes(entry)",
+        arg=[PANEL, entry],
+    )
+
+
+def _toast(page: Any, text: str) -> Any:
+    return page.locator(".Toastify__toast", has=page.locator(".jp-toast-message", has_text=text))
+
+
+def test_panel_failure_notification(lab: LabServer, browser: Any) -> None:
+    """With the default setting a run that fails while the page watches is an error notification
+    naming it, whose Open opens the run's tab; with notifications off, none."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {})
+    context, page, errors = _open_lab(browser, lab)
+    try:
+        page.wait_for_selector(f'{PANEL}[data-notifications="failures"] .jp-EvalSched-conn[data-mode="live"]')
+        name = f"crash-notify-{secrets.token_hex(3)}"
+        run_id = lab.submit({"name": name, "entrypoint": CRASH, "episodes": 1, "params": {"how": "exception"}})["id"]
+        _wait_run(page, run_id, "failed", "finished")
+        _notified(page, f"{run_id}:error")
+        toast = _toast(page, name)
+        toast.wait_for(state="visible")
+        assert "failed" in toast.inner_text()
+        assert page.locator(".jp-Notification-Toast-error", has_text=name).count() == 1
+        toast.locator(".jp-toast-button", has_text="Open").click()
+        page.locator(f'.jp-MainAreaWidget[id="jupyter-evalsched-run-{run_id}"]').wait_for(state="visible")
+        toast.wait_for(state="detached")  # an action closes its toast
+        assert errors.errors == []
+    except BaseException:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-notification-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        context.close()
+
+    _write_user_settings(lab, {"notifications": "off"})
+    context, page, errors = _open_lab(browser, lab)
+    try:
+        page.wait_for_selector(f'{PANEL}[data-notifications="off"] .jp-EvalSched-conn[data-mode="live"]')
+        name = f"crash-quiet-{secrets.token_hex(3)}"
+        run_id = lab.submit({"name": name, "entrypoint": CRASH, "episodes": 1, "params": {"how": "exception"}})["id"]
+        _wait_run(page, run_id, "failed", "finished")
+        # The deterministic signal: the panel saw it end and decided not to notify (the toast,
+        # had there been one, is emitted in the same call).
+        _notified(page, f"{run_id}:suppressed")
+        assert page.locator(".jp-toast-message", has_text=name).count() == 0
+        assert page.locator(".Toastify__toast").count() == 0
+        assert errors.errors == []
+    except BaseException:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-notification-off-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        context.close()
+        _write_user_settings(lab, {})
+
+
+def test_panel_sweep_notification(lab: LabServer, browser: Any) -> None:
+    """Under `all`, a sweep's runs do not notify on their own: the sweep does, once, when its last
+    run ends; its Open shows the sweep's row in the panel, expanded."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {"notifications": "all"})
+    context, page, errors = _open_lab(browser, lab)
+    try:
+        page.wait_for_selector(f'{PANEL}[data-notifications="all"] .jp-EvalSched-conn[data-mode="live"]')
+        name = f"sweep-notify-{secrets.token_hex(3)}"
+        view = _submit_sweep(
+            lab, {"name": name, "entrypoint": SLEEPY, "episodes": 2, "sweep": {"sleep_s": [0.05, 0.3]}}
+        )
+        sweep_id = view["id"]
+        _notified(page, f"{sweep_id}:success")
+        for run in view["runs"]:
+            _notified(page, f"{run['id']}:sweep")
+        toast = _toast(page, name)
+        toast.wait_for(state="visible")
+        assert "2 succeeded" in toast.inner_text()
+        assert page.locator(".jp-Notification-Toast-success", has_text=name).count() == 1
+        notified = (page.locator(PANEL).get_attribute("data-notified") or "").split()
+        assert notified.count(f"{sweep_id}:success") == 1
+        assert not any(e.startswith(r["id"]) and not e.endswith(":sweep") for e in notified for r in view["runs"])
+        toast.locator(".jp-toast-button", has_text="Open").click()
+        _sweep_row(page, sweep_id, '[data-expanded="true"][data-count-succeeded="2"]').wait_for(state="visible")
+        page.wait_for_function(
+            "([sel]) => document.querySelectorAll(sel).length === 2",
+            arg=[f'{SWEEP}[data-sweep-id="{sweep_id}"] [data-testid="evalsched-sweep-runs"] .jp-EvalSched-run'],
+        )
+        assert errors.errors == []
+    except BaseException:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-sweep-notification-failure.png"))
+        print(lab.log_tail())
+        raise
+    finally:
+        context.close()
+        _write_user_settings(lab, {})

@@ -70,7 +70,90 @@ export interface IRunRecord {
   start_detail?: string | null;
   /** How each earlier attempt ended. */
   history?: IAttemptHistoryEntry[];
+  /** The sweep the run belongs to (absent or null: not a sweep's run; older servers). */
+  sweep_id?: string | null;
+  /** The parameters its sweep set for this run. */
+  sweep_point?: { [param: string]: unknown } | null;
+  /** Submission counter: the queue's order. */
+  seq?: number;
   [key: string]: unknown;
+}
+
+/** The sweep of a run record, or null (not a sweep's run, or an older server). */
+export function sweepIdOf(record: { sweep_id?: unknown }): string | null {
+  return typeof record.sweep_id === 'string' && record.sweep_id
+    ? record.sweep_id
+    : null;
+}
+
+/** Runs per state (`{"succeeded": 4, "running": 2}`). */
+export type StateCounts = { [state: string]: number };
+
+/** `GET /evalsched/sweeps/{id}` (and the answer of its cancel). */
+export interface ISweepView {
+  id: string;
+  runs: IRunRecord[];
+  counts: StateCounts;
+}
+
+/** An entry of `GET /evalsched/sweeps`. */
+export interface ISweepSummary {
+  id: string;
+  name: string | null;
+  runs: number;
+  counts: StateCounts;
+  submitted_at?: string | null;
+  seq: number;
+}
+
+/** A metric of a run in a comparison: over the episodes where it is a finite number. */
+export interface ICompareStat {
+  mean: number | null;
+  stderr: number | null;
+  count: number;
+}
+
+/** The paired difference of a metric against the baseline (shared episode indices). */
+export interface ICompareDelta {
+  mean: number | null;
+  ci95: [number, number] | null;
+  paired: number;
+}
+
+export interface ICompareRow {
+  id: string;
+  name: string | null;
+  state?: string | null;
+  /** The values of the parameters that differ between the compared runs. */
+  params: { [param: string]: unknown };
+  metrics: { [metric: string]: ICompareStat };
+  delta: { [metric: string]: ICompareDelta };
+  wall_s: number | null;
+  peak_vram_mb: number | null;
+  /** Why its spec or episodes could not be read. */
+  error?: string | null;
+}
+
+/** `GET /evalsched/compare`. */
+export interface IComparison {
+  params: string[];
+  metrics: string[];
+  baseline: string | null;
+  rows: ICompareRow[];
+}
+
+/** What to compare: a sweep's runs, or runs by id (exactly one of them). */
+export interface ICompareTarget {
+  sweep?: string;
+  runs?: string[];
+  baseline?: string;
+}
+
+/** A stable key of a comparison target (its baseline aside): `sweep:<id>` or `runs:<a>,<b>`. */
+export function compareKey(target: ICompareTarget): string {
+  return target.sweep
+    ? `sweep:${target.sweep}`
+    : `runs:${(target.runs ?? []).join(',')}`;
 }
 
 /** How one earlier attempt of a run ended (an entry of the record's `history`). */
@@ -394,6 +477,43 @@ export class EvalSchedAPI {
       method: 'POST',
       body: JSON.stringify(spec),
       headers: { 'Content-Type': 'application/json' }
+    });
+  }
+
+  /** Submit a sweep: a spec plus `sweep` (a grid or a list of points). */
+  submitSweep(spec: Record<string, unknown>): Promise<ISweepView> {
+    return this._json<ISweepView>(['sweeps'], undefined, {
+      method: 'POST',
+      body: JSON.stringify(spec),
+      headers: { 'Content-Type': 'application/json' }
+    });
+  }
+
+  listSweeps(limit?: number): Promise<{ sweeps: ISweepSummary[] }> {
+    return this._json<{ sweeps: ISweepSummary[] }>(['sweeps'], { limit });
+  }
+
+  /** A sweep's runs and counts; 404 for an unknown sweep. */
+  getSweep(id: string): Promise<ISweepView> {
+    return this._json<ISweepView>(['sweeps', id]);
+  }
+
+  /** Cancel a sweep's unfinished runs; answers the sweep as it is then. */
+  cancelSweep(id: string): Promise<ISweepView> {
+    return this._json<ISweepView>(['sweeps', id, 'cancel'], undefined, {
+      method: 'POST'
+    });
+  }
+
+  /**
+   * Compare runs (`GET /evalsched/compare?runs=a,b` or `?sweep=ID`, `&baseline=`): 404 for an
+   * unknown run or sweep, 422 for a bad combination.
+   */
+  compare(target: ICompareTarget): Promise<IComparison> {
+    return this._json<IComparison>(['compare'], {
+      runs: target.sweep ? undefined : (target.runs ?? []).join(','),
+      sweep: target.sweep,
+      baseline: target.baseline
     });
   }
 

@@ -359,3 +359,65 @@ export function retryInSeconds(
 export function isResumable(state: string): boolean {
   return state === 'failed' || state === 'aborted' || state === 'cancelled';
 }
+
+/** The point of a sweep's run (`sweep_point`), or null (not a sweep's run; older servers). */
+export function sweepPointOf(record: {
+  sweep_point?: unknown;
+}): { [param: string]: unknown } | null {
+  const point = record.sweep_point;
+  return point && typeof point === 'object' && !Array.isArray(point)
+    ? (point as { [param: string]: unknown })
+    : null;
+}
+
+/** A parameter value as the server writes it in a run name: strings bare, the rest as JSON. */
+export function paramText(value: unknown): string {
+  if (typeof value === 'string') {
+    return value;
+  }
+  const text = JSON.stringify(value);
+  return text === undefined ? String(value) : text;
+}
+
+/**
+ * Where the point starts in a sweep run's name (`<base> [<point>]`): the last ` [<first param>=`,
+ * else the last ` [`; -1 when there is none.
+ */
+function pointStart(name: string, point: { [param: string]: unknown }): number {
+  const first = Object.keys(point)[0];
+  const at = first === undefined ? -1 : name.lastIndexOf(` [${first}=`);
+  return at >= 0 ? at : name.lastIndexOf(' [');
+}
+
+/**
+ * How a sweep's run is told apart from its siblings: `temperature=0.2, k=1` (the server's text in
+ * its name when it is there, else made from `sweep_point`).
+ */
+export function sweepPointLabel(record: {
+  name?: string;
+  sweep_point?: unknown;
+}): string {
+  const point = sweepPointOf(record);
+  const name = record.name ?? '';
+  if (!point) {
+    return name;
+  }
+  const at = pointStart(name, point);
+  if (at >= 0 && name.endsWith(']')) {
+    return name.slice(at + 2, -1);
+  }
+  return Object.entries(point)
+    .map(([k, v]) => `${k}=${paramText(v)}`)
+    .join(', ');
+}
+
+/** The name of a sweep: its run's name up to the point (`<base> [<point>]` → `<base>`). */
+export function sweepBaseName(record: {
+  name?: string;
+  sweep_point?: unknown;
+}): string {
+  const name = record.name ?? '';
+  const point = sweepPointOf(record) ?? {};
+  const at = pointStart(name, point);
+  return at > 0 ? name.slice(0, at) : name;
+}

@@ -14,10 +14,14 @@ import {
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 
-import { EvalSchedAPI } from './api';
+import { compareKey, EvalSchedAPI, ICompareTarget } from './api';
+import type { CompareView } from './compare';
 import { createRunDetailTab, RunDetailWidget } from './detail';
 import { evalschedIcon } from './icon';
 import { DEFAULT_OPTIONS, EvalSchedModel, IModelOptions } from './model';
+// Activation needs it at once: the notifier must watch the model from the start.
+// eslint-disable-next-line jupyter/prefer-lazy-imports
+import { notificationMode, NotificationMode, RunNotifier } from './notify';
 import { EvalSchedPanel, PANEL_ID } from './panel';
 
 export { EvalSchedAPI } from './api';
@@ -30,20 +34,47 @@ namespace CommandIDs {
   export const open = 'jupyter-evalsched:open';
   export const refresh = 'jupyter-evalsched:refresh';
   export const openRun = 'jupyter-evalsched:open-run';
+  export const compare = 'jupyter-evalsched:compare';
 }
 
 interface IPanelSettings extends IModelOptions {
   logTail: number;
   area: 'left' | 'right';
   rank: number;
+  notifications: NotificationMode;
 }
 
 const DEFAULT_SETTINGS: IPanelSettings = {
   ...DEFAULT_OPTIONS,
   logTail: 200,
   area: 'right',
-  rank: 900
+  rank: 900,
+  notifications: 'failures'
 };
+
+/** The target of a comparison from command arguments (`sweep`, or `runs` as a list or "a,b"). */
+function compareTarget(args: {
+  [key: string]: unknown;
+}): ICompareTarget | null {
+  const baseline =
+    typeof args.baseline === 'string' && args.baseline
+      ? args.baseline
+      : undefined;
+  if (typeof args.sweep === 'string' && args.sweep) {
+    return { sweep: args.sweep, baseline };
+  }
+  const raw = args.runs;
+  const runs = (
+    Array.isArray(raw)
+      ? raw.map(String)
+      : typeof raw === 'string'
+        ? raw.split(',')
+        : []
+  )
+    .map(r => r.trim())
+    .filter(Boolean);
+  return runs.length ? { runs, baseline } : null;
+}
 
 function readSettings(
   settings: ISettingRegistry.ISettings | null
@@ -60,7 +91,8 @@ function readSettings(
     finishedLimit: get<number>('finishedLimit'),
     logTail: get<number>('logTail'),
     area: get<string>('area') === 'left' ? 'left' : 'right',
-    rank: get<number>('rank')
+    rank: get<number>('rank'),
+    notifications: notificationMode(get<string>('notifications'))
   };
 }
 
@@ -115,12 +147,51 @@ const plugin: JupyterFrontEndPlugin<void> = {
       app.shell.activateById(widget.id);
     };
 
+    const compareTracker = new WidgetTracker<MainAreaWidget<CompareView>>({
+      namespace: 'jupyter-evalsched-compare'
+    });
+    const openCompare = async (target: ICompareTarget): Promise<void> => {
+      const key = compareKey(target);
+      const existing = compareTracker.find(
+        w => compareKey(w.content.target) === key
+      );
+      if (existing) {
+        app.shell.activateById(existing.id);
+        if (target.baseline && existing.content.baseline !== target.baseline) {
+          void existing.content.setBaseline(target.baseline);
+        } else {
+          void existing.content.load();
+        }
+        return;
+      }
+      // Loaded when first needed: most sessions never compare.
+      const { createCompareTab } = await import('./compare');
+      const opened = compareTracker.find(
+        w => compareKey(w.content.target) === key
+      );
+      if (opened) {
+        app.shell.activateById(opened.id); // opened meanwhile
+        return;
+      }
+      const widget = createCompareTab({
+        model,
+        trans,
+        target,
+        openRun: openInTab
+      });
+      void compareTracker.add(widget);
+      app.shell.add(widget, 'main');
+      app.shell.activateById(widget.id);
+    };
+
     const panel = new EvalSchedPanel({
       model,
       trans,
       logTail: current.logTail,
-      openInTab
+      openInTab,
+      openCompare: target => void openCompare(target)
     });
+    panel.node.dataset.notifications = current.notifications;
     panel.title.caption = trans.__('Evaluation scheduler');
     app.shell.add(panel, current.area, { rank: current.rank });
     if (restorer) {
@@ -130,7 +201,36 @@ const plugin: JupyterFrontEndPlugin<void> = {
         args: widget => ({ id: widget.content.runId }),
         name: widget => widget.content.runId
       });
+      void restorer.restore(compareTracker, {
+        command: CommandIDs.compare,
+        args: widget =>
+          widget.content.target.sweep
+            ? { sweep: widget.content.target.sweep }
+            : { runs: (widget.content.target.runs ?? []).join(',') },
+        name: widget => compareKey(widget.content.target)
+      });
     }
+
+    // Notifications when runs and sweeps this page watched end. "Open" of a sweep shows its row
+    // in the panel, expanded; its comparison when the panel no longer lists it.
+    const notifier = new RunNotifier({
+      model,
+      trans,
+      mode: current.notifications,
+      openRun: id => {
+        model.start();
+        openInTab(id);
+      },
+      revealSweep: id => {
+        app.shell.activateById(PANEL_ID);
+        if (!panel.revealSweep(id)) {
+          void openCompare({ sweep: id });
+        }
+      },
+      openCompare: target => void openCompare(target),
+      note: entry => panel.noteNotification(entry)
+    });
+    panel.disposed.connect(() => notifier.dispose());
 
     // The panel starts the model when it is first shown (or a command needs data): a host
     // where nobody opens the panel pays nothing.
@@ -142,6 +242,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       current = readSettings(settings);
       model.configure(current);
       panel.logTail = current.logTail;
+      notifier.mode = current.notifications;
+      panel.node.dataset.notifications = current.notifications;
     });
 
     app.commands.addCommand(CommandIDs.open, {
@@ -188,6 +290,41 @@ const plugin: JupyterFrontEndPlugin<void> = {
         }
         model.start();
         openInTab(id);
+      }
+    });
+
+    app.commands.addCommand(CommandIDs.compare, {
+      label: trans.__('Compare Evaluation Runs'),
+      icon: evalschedIcon,
+      describedBy: {
+        args: {
+          type: 'object',
+          properties: {
+            sweep: {
+              type: 'string',
+              description: trans.__('Compare the runs of this sweep')
+            },
+            runs: {
+              type: 'string',
+              description: trans.__(
+                'Compare these runs (comma-separated ids; the first is the baseline)'
+              )
+            },
+            baseline: {
+              type: 'string',
+              description: trans.__('The run the others are compared against')
+            }
+          }
+        }
+      },
+      isEnabled: args => compareTarget(args) !== null,
+      execute: args => {
+        const target = compareTarget(args);
+        if (!target) {
+          return;
+        }
+        model.start();
+        return openCompare(target);
       }
     });
 

@@ -26,8 +26,12 @@ import {
   IQueueView,
   IRunRecord,
   ISummary,
+  ISweepView,
   isTerminal,
+  RunState,
   runWarnings,
+  StateCounts,
+  sweepIdOf,
   TERMINAL_STATES
 } from './api';
 import { attemptOf } from './format';
@@ -120,6 +124,40 @@ function sameAttempt(a: IRunRecord, b: IRunRecord): boolean {
 
 const PRIORITY_RANK: { [p: string]: number } = { high: 0, normal: 1, low: 2 };
 
+/** Coalesce reads of a sweep (GET /evalsched/sweeps/{id}) after its runs appear (ms). */
+const SWEEP_DEBOUNCE_MS = 200;
+
+/** A run seen to end: it was queued or running, and now is terminal. */
+export interface IRunEnd {
+  record: IRunRecord;
+  /** Its state before (queued or running). */
+  previous: RunState;
+}
+
+/** The runs of a sweep in submission order (seq, then submission time, then id). */
+function bySubmission(a: IRunRecord, b: IRunRecord): number {
+  const sa = typeof a.seq === 'number' ? a.seq : Number.MAX_SAFE_INTEGER;
+  const sb = typeof b.seq === 'number' ? b.seq : Number.MAX_SAFE_INTEGER;
+  if (sa !== sb) {
+    return sa - sb;
+  }
+  const ta = a.submitted_at ?? '';
+  const tb = b.submitted_at ?? '';
+  if (ta !== tb) {
+    return ta < tb ? -1 : 1;
+  }
+  return a.id < b.id ? -1 : a.id > b.id ? 1 : 0;
+}
+
+/** Runs per state. */
+export function countStates(records: ReadonlyArray<IRunRecord>): StateCounts {
+  const counts: StateCounts = {};
+  for (const r of records) {
+    counts[r.state] = (counts[r.state] ?? 0) + 1;
+  }
+  return counts;
+}
+
 export class EvalSchedModel implements IDisposable {
   constructor(api: EvalSchedAPI, options: Partial<IModelOptions> = {}) {
     this.api = api;
@@ -155,6 +193,14 @@ export class EvalSchedModel implements IDisposable {
   /** Emitted with a run record whenever the record of that run changes. */
   get runChanged(): ISignal<this, IRunRecord> {
     return this._runChanged;
+  }
+
+  /**
+   * Emitted when a run this model knew as queued or running is seen terminal (live: never for
+   * runs that were terminal when first seen).
+   */
+  get runEnded(): ISignal<this, IRunEnd> {
+    return this._runEnded;
   }
 
   get queued(): ReadonlyArray<IRunRecord> {
@@ -212,6 +258,71 @@ export class EvalSchedModel implements IDisposable {
   /** The known record of a run (queued, running or recently finished). */
   getRun(id: string): IRunRecord | undefined {
     return this._records.get(id);
+  }
+
+  /**
+   * The runs of a sweep, in submission order: every run of it that this model knows (their
+   * records are the freshest) and the others from the last read of the sweep
+   * (GET /evalsched/sweeps/{id}). Empty for an unknown sweep.
+   */
+  sweepRuns(id: string): IRunRecord[] {
+    const members = this._sweepMembers.get(id);
+    if (!members) {
+      return [];
+    }
+    const view = this._sweepViews.get(id);
+    const fromView = new Map((view?.runs ?? []).map(r => [r.id, r]));
+    const out: IRunRecord[] = [];
+    for (const runId of members) {
+      const record = this._records.get(runId) ?? fromView.get(runId);
+      if (record) {
+        out.push(record);
+      }
+    }
+    return out.sort(bySubmission);
+  }
+
+  /**
+   * Read a sweep now (GET /evalsched/sweeps/{id}); null when the server does not know it (404).
+   * Its runs the model does not know yet are kept aside (they are not put into the lists).
+   */
+  async fetchSweep(id: string): Promise<ISweepView | null> {
+    try {
+      const view = await this.api.getSweep(id);
+      this._applySweep(view);
+      this._changed.emit();
+      return view;
+    } catch (reason) {
+      if (reason instanceof EvalSchedError && reason.status === 404) {
+        // Unknown (deleted, or a server without sweeps): not asked again before the next
+        // resynchronisation.
+        this._sweepViews.delete(id);
+        this._sweepFetchedAt.set(id, Date.now());
+        this._changed.emit();
+        return null;
+      }
+      throw reason;
+    }
+  }
+
+  /**
+   * Cancel a sweep's unfinished runs (POST /evalsched/sweeps/{id}/cancel); the records of its
+   * runs come back at once (and through the event stream).
+   */
+  async cancelSweep(id: string): Promise<ISweepView> {
+    const view = await this.api.cancelSweep(id);
+    let changed = false;
+    for (const record of view.runs ?? []) {
+      if (this._records.has(record.id) && this._upsert(record, true)) {
+        changed = true;
+      }
+    }
+    this._applySweep(view);
+    if (changed) {
+      this._onStateChange();
+    }
+    this._changed.emit();
+    return view;
   }
 
   /** The latest fetched summary of a run: undefined when never fetched, null when none. */
@@ -352,6 +463,10 @@ export class EvalSchedModel implements IDisposable {
       clearTimeout(timer);
     }
     this._summaryTimers.clear();
+    for (const timer of this._sweepTimers.values()) {
+      clearTimeout(timer);
+    }
+    this._sweepTimers.clear();
     this._poll.dispose();
     this._ledgerPoll.dispose();
     Signal.clearData(this);
@@ -559,6 +674,7 @@ export class EvalSchedModel implements IDisposable {
       ]);
       this._applyQueue(queue);
       this._setError(null);
+      this._resyncSweeps();
       this._changed.emit();
       if (
         this._options.useWebSocket &&
@@ -779,6 +895,13 @@ export class EvalSchedModel implements IDisposable {
     }
     const merged = before ? { ...before, ...record } : record;
     this._records.set(record.id, merged);
+    const sweepId = sweepIdOf(merged);
+    if (sweepId) {
+      this._noteSweepMember(sweepId, merged.id);
+    }
+    if (before && !isTerminal(before.state) && isTerminal(merged.state)) {
+      this._runEnded.emit({ record: merged, previous: before.state });
+    }
     if (before) {
       if (
         before.state !== merged.state ||
@@ -906,6 +1029,83 @@ export class EvalSchedModel implements IDisposable {
     this._summaryTimers.set(id, timer);
   }
 
+  // ---------------------------------------------------------------- sweeps
+
+  /** A run of a sweep: remember it, and read the sweep when this run is news to it. */
+  private _noteSweepMember(sweepId: string, runId: string): void {
+    let members = this._sweepMembers.get(sweepId);
+    if (!members) {
+      members = new Set();
+      this._sweepMembers.set(sweepId, members);
+    }
+    if (members.has(runId)) {
+      return;
+    }
+    members.add(runId);
+    const view = this._sweepViews.get(sweepId);
+    if (!view || !view.runs.some(r => r.id === runId)) {
+      this._scheduleSweepFetch(sweepId);
+    }
+  }
+
+  private _applySweep(view: ISweepView): void {
+    if (!view || typeof view.id !== 'string' || !Array.isArray(view.runs)) {
+      return;
+    }
+    this._sweepViews.set(view.id, view);
+    this._sweepFetchedAt.set(view.id, Date.now());
+    let members = this._sweepMembers.get(view.id);
+    if (!members) {
+      members = new Set();
+      this._sweepMembers.set(view.id, members);
+    }
+    for (const record of view.runs) {
+      members.add(record.id);
+    }
+  }
+
+  private _scheduleSweepFetch(id: string, delay = SWEEP_DEBOUNCE_MS): void {
+    if (this._sweepTimers.has(id) || this._isDisposed || !this._started) {
+      return;
+    }
+    const timer = setTimeout(() => {
+      this._sweepTimers.delete(id);
+      this.fetchSweep(id).catch(reason =>
+        console.warn(`jupyter-evalsched: cannot read sweep ${id}`, reason)
+      );
+    }, delay);
+    this._sweepTimers.set(id, timer);
+  }
+
+  /**
+   * With each resynchronisation: re-read the sweeps that have runs in the lists (not more often
+   * than the live resynchronisation), and forget those that have none.
+   */
+  private _resyncSweeps(): void {
+    const listed = new Set<string>();
+    for (const list of [this._queued, this._running, this._finished]) {
+      for (const record of list) {
+        const sweepId = sweepIdOf(record);
+        if (sweepId) {
+          listed.add(sweepId);
+        }
+      }
+    }
+    const now = Date.now();
+    for (const id of [...this._sweepMembers.keys()]) {
+      if (!listed.has(id)) {
+        this._sweepMembers.delete(id);
+        this._sweepViews.delete(id);
+        this._sweepFetchedAt.delete(id);
+        continue;
+      }
+      const at = this._sweepFetchedAt.get(id) ?? 0;
+      if (now - at >= LIVE_RESYNC_MS) {
+        this._scheduleSweepFetch(id, 0);
+      }
+    }
+  }
+
   private _forget(id: string): void {
     this._records.delete(id);
     this._summaries.delete(id);
@@ -962,6 +1162,10 @@ export class EvalSchedModel implements IDisposable {
   private _lastSummaryFetch = new Map<string, number>();
   private _records = new Map<string, IRunRecord>();
   private _summaries = new Map<string, ISummary | null>();
+  private _sweepMembers = new Map<string, Set<string>>();
+  private _sweepViews = new Map<string, ISweepView>();
+  private _sweepFetchedAt = new Map<string, number>();
+  private _sweepTimers = new Map<string, ReturnType<typeof setTimeout>>();
   private _queued: IRunRecord[] = [];
   private _running: IRunRecord[] = [];
   private _finished: IRunRecord[] = [];
@@ -977,4 +1181,5 @@ export class EvalSchedModel implements IDisposable {
   private _changed = new Signal<this, void>(this);
   private _summaryChanged = new Signal<this, string>(this);
   private _runChanged = new Signal<this, IRunRecord>(this);
+  private _runEnded = new Signal<this, IRunEnd>(this);
 }

@@ -18,6 +18,7 @@ import { Widget } from '@lumino/widgets';
 import {
   basename,
   EvalSchedError,
+  ICompareTarget,
   ILeaseRecord,
   ILedger,
   ILedgerDevice,
@@ -27,7 +28,9 @@ import {
   isTerminal,
   IUnmanagedProcess,
   leaseHolder,
-  runWarnings
+  runWarnings,
+  StateCounts,
+  sweepIdOf
 } from './api';
 import {
   badgeLabels,
@@ -55,10 +58,12 @@ import {
   retryInSeconds,
   runBadges,
   slurmLabel,
-  splitReason
+  splitReason,
+  sweepBaseName,
+  sweepPointLabel
 } from './format';
 import { evalschedIcon } from './icon';
-import { EvalSchedModel, latestMetrics } from './model';
+import { countStates, EvalSchedModel, latestMetrics } from './model';
 
 /** The DOM id of the panel (public contract). */
 export const PANEL_ID = 'jupyter-evalsched-panel';
@@ -73,8 +78,67 @@ const COLOR_SLOTS = 8;
 const LABEL_MIN_SHARE = 0.12;
 /** Unmanaged holders of one kind named in a GPU's legend at most (the rest are summed). */
 const MAX_LEGEND_HOLDERS = 3;
+/** Runs of an expanded sweep shown at most; the rest is counted. */
+const MAX_SWEEP_RUNS_SHOWN = 200;
+/** Notification decisions kept in the panel's `data-notified` (a test hook). */
+const MAX_NOTIFIED_KEPT = 30;
+/** The order in which a sweep's counts are shown. */
+const STATE_ORDER = [
+  'running',
+  'queued',
+  'succeeded',
+  'failed',
+  'aborted',
+  'cancelled'
+];
 
 type Section = 'running' | 'queued' | 'finished';
+
+/** The list a run of this state is shown in. */
+function sectionOf(state: string): Section {
+  return state === 'queued'
+    ? 'queued'
+    : state === 'running'
+      ? 'running'
+      : 'finished';
+}
+
+/**
+ * Where a sweep's row is listed: among the running while any of its runs runs, else among the
+ * queued while any waits, else among the finished.
+ */
+function sweepSection(counts: StateCounts): Section {
+  return (counts.running ?? 0) > 0
+    ? 'running'
+    : (counts.queued ?? 0) > 0
+      ? 'queued'
+      : 'finished';
+}
+
+/**
+ * One state for a whole sweep: running, queued, else how it ended (failed before aborted before
+ * cancelled before succeeded: the worst of its runs).
+ */
+export function sweepState(counts: StateCounts): string {
+  for (const state of ['running', 'queued', 'failed', 'aborted', 'cancelled']) {
+    if ((counts[state] ?? 0) > 0) {
+      return state;
+    }
+  }
+  return 'succeeded';
+}
+
+/** Put `nodes` into `list` in this order (moving, not rebuilding), and drop the rest. */
+function reconcile(list: HTMLElement, nodes: HTMLElement[]): void {
+  nodes.forEach((node, index) => {
+    if (list.children[index] !== node) {
+      list.insertBefore(node, list.children[index] ?? null);
+    }
+  });
+  while (list.children.length > nodes.length) {
+    list.lastElementChild!.remove();
+  }
+}
 
 export interface IPanelOptions {
   model: EvalSchedModel;
@@ -82,6 +146,8 @@ export interface IPanelOptions {
   logTail: number;
   /** Open the detail of a run in a main-area tab. */
   openInTab: (id: string) => void;
+  /** Open the comparison of runs (or of a sweep's runs) in a main-area tab. */
+  openCompare?: (target: ICompareTarget) => void;
 }
 
 export class EvalSchedPanel extends Widget {
@@ -92,6 +158,7 @@ export class EvalSchedPanel extends Widget {
     this._logTail = options.logTail;
     this._badgeLabels = badgeLabels(options.trans);
     this._openInTab = options.openInTab;
+    this._openCompare = options.openCompare ?? null;
     const trans = this._trans;
 
     this.id = PANEL_ID;
@@ -129,6 +196,41 @@ export class EvalSchedPanel extends Widget {
       attrs: { 'data-testid': 'evalsched-error', role: 'alert' }
     });
     this._banner.hidden = true;
+
+    // Runs selected for a comparison
+    this._selectionText = h('span', {
+      className: 'jp-EvalSched-selectionText'
+    });
+    this._compareSelected = h('button', {
+      className: 'jp-EvalSched-textButton jp-EvalSched-compareButton',
+      attrs: { type: 'button', 'data-testid': 'evalsched-compare-selected' }
+    });
+    this._compareSelected.addEventListener('click', () => {
+      if (this._selected.length >= 2) {
+        this.openCompare({ runs: [...this._selected] });
+      }
+    });
+    const clear = h('button', {
+      className: 'jp-EvalSched-textButton',
+      text: trans.__('Clear'),
+      title: trans.__('Clear the selection'),
+      attrs: { type: 'button', 'data-testid': 'evalsched-selection-clear' }
+    });
+    clear.addEventListener('click', () => this.clearSelection());
+    this._selectionBar = h(
+      'div',
+      {
+        className: 'jp-EvalSched-selection',
+        attrs: { 'data-testid': 'evalsched-selection', 'data-count': '0' }
+      },
+      [
+        this._selectionText,
+        h('span', { className: 'jp-EvalSched-spacer' }),
+        this._compareSelected,
+        clear
+      ]
+    );
+    this._selectionBar.hidden = true;
 
     // Ledger
     this._gpus = h('div', {
@@ -225,7 +327,7 @@ export class EvalSchedPanel extends Widget {
       finished,
       this._form.node
     ]);
-    this.node.append(header, this._banner, body);
+    this.node.append(header, this._banner, this._selectionBar, body);
 
     this.model.changed.connect(this._onModelChanged, this);
     this.model.summaryChanged.connect(this._onSummaryChanged, this);
@@ -250,6 +352,60 @@ export class EvalSchedPanel extends Widget {
     this._rows.get(id)?.toggle(open);
   }
 
+  /**
+   * Expand a sweep's row and scroll it into view (briefly highlighted). False when the panel
+   * does not list that sweep.
+   */
+  revealSweep(id: string): boolean {
+    this._render();
+    const row = this._sweepRows.get(id);
+    if (!row) {
+      return false;
+    }
+    row.toggle(true);
+    row.node.scrollIntoView({ block: 'nearest' });
+    row.highlight();
+    return true;
+  }
+
+  /** The runs selected for a comparison, in the order they were selected. */
+  get selection(): ReadonlyArray<string> {
+    return this._selected;
+  }
+
+  /** @internal */
+  isSelected(id: string): boolean {
+    return this._selected.includes(id);
+  }
+
+  /** Select (or unselect) a run for a comparison. */
+  setSelected(id: string, selected: boolean): void {
+    const has = this._selected.includes(id);
+    if (selected === has) {
+      return;
+    }
+    this._selected = selected
+      ? [...this._selected, id]
+      : this._selected.filter(r => r !== id);
+    this._syncSelection();
+  }
+
+  clearSelection(): void {
+    if (this._selected.length) {
+      this._selected = [];
+      this._syncSelection();
+    }
+  }
+
+  /**
+   * @internal Record what was decided for a run or sweep that ended (`<id>:<kind>`, kind one of
+   * error, success, info, off, sweep): the panel's `data-notified`, a test hook.
+   */
+  noteNotification(entry: string): void {
+    this._notified = [...this._notified, entry].slice(-MAX_NOTIFIED_KEPT);
+    this.node.dataset.notified = this._notified.join(' ');
+  }
+
   dispose(): void {
     if (this.isDisposed) {
       return;
@@ -259,6 +415,10 @@ export class EvalSchedPanel extends Widget {
       row.dispose();
     }
     this._rows.clear();
+    for (const row of this._sweepRows.values()) {
+      row.dispose();
+    }
+    this._sweepRows.clear();
     for (const row of this._leaseRows.values()) {
       row.dispose();
     }
@@ -888,65 +1048,172 @@ export class EvalSchedPanel extends Widget {
 
   private _renderRuns(): void {
     const model = this.model;
-    const placed = new Map<string, [Section, IRunRecord, number]>();
-    const order: Record<Section, string[]> = {
+    type Item =
+      | { kind: 'run'; record: IRunRecord; position: number }
+      | {
+          kind: 'sweep';
+          id: string;
+          members: IRunRecord[];
+          counts: StateCounts;
+        };
+    const items: Record<Section, Item[]> = {
       running: [],
       queued: [],
       finished: []
     };
+    const placedRuns = new Set<string>();
+    const placedSweeps = new Set<string>();
+    // Runs shown (as rows or within a sweep's row): what the section counts and "… more" count.
+    const covered = new Set<string>();
+    let queuedItems = 0;
     const place = (record: IRunRecord, position: number) => {
-      if (placed.has(record.id)) {
+      if (placedRuns.has(record.id)) {
         return;
       }
       const current = model.getRun(record.id) ?? record;
-      const section: Section =
-        current.state === 'queued'
-          ? 'queued'
-          : current.state === 'running'
-            ? 'running'
-            : 'finished';
-      if (section === 'queued' && order.queued.length >= MAX_QUEUED_SHOWN) {
+      const sweepId = sweepIdOf(current);
+      if (sweepId) {
+        // One row per sweep, listed where its liveliest run is.
+        placedRuns.add(current.id);
+        if (placedSweeps.has(sweepId)) {
+          return;
+        }
+        let members = model.sweepRuns(sweepId);
+        if (!members.some(r => r.id === current.id)) {
+          members = [...members, current];
+        }
+        const counts = countStates(members);
+        const section = sweepSection(counts);
+        if (section === 'queued' && queuedItems >= MAX_QUEUED_SHOWN) {
+          return;
+        }
+        if (section === 'queued') {
+          queuedItems++;
+        }
+        placedSweeps.add(sweepId);
+        for (const r of members) {
+          covered.add(r.id);
+        }
+        items[section].push({ kind: 'sweep', id: sweepId, members, counts });
         return;
       }
-      placed.set(current.id, [section, current, position]);
-      order[section].push(current.id);
+      const section = sectionOf(current.state);
+      if (section === 'queued' && queuedItems >= MAX_QUEUED_SHOWN) {
+        return;
+      }
+      if (section === 'queued') {
+        queuedItems++;
+      }
+      placedRuns.add(current.id);
+      covered.add(current.id);
+      items[section].push({ kind: 'run', record: current, position });
     };
     model.running.forEach((r, i) => place(r, i));
     model.queued.forEach((r, i) => place(r, i));
     model.finished.forEach((r, i) => place(r, i));
 
+    // A sweep's queued runs show their place in the admission order.
+    const queuedAt = new Map<string, number>();
+    model.queued.forEach((r, i) => queuedAt.set(r.id, i));
+
+    const shownRuns = new Set<string>();
+    const shownSweeps = new Set<string>();
+    const runRow = (record: IRunRecord, section: Section, position: number) => {
+      let row = this._rows.get(record.id);
+      if (!row) {
+        row = new RunRow(record.id, this);
+        this._rows.set(record.id, row);
+      }
+      row.update(record, section, position);
+      shownRuns.add(record.id);
+      return row.node;
+    };
+    let finishedRuns = 0;
+    for (const section of ['running', 'queued', 'finished'] as Section[]) {
+      const nodes: HTMLElement[] = [];
+      items[section].forEach((item, index) => {
+        if (item.kind === 'run') {
+          nodes.push(runRow(item.record, section, item.position));
+          if (section === 'finished') {
+            finishedRuns++;
+          }
+          return;
+        }
+        let sweep = this._sweepRows.get(item.id);
+        if (!sweep) {
+          sweep = new SweepRow(item.id, this);
+          this._sweepRows.set(item.id, sweep);
+        }
+        sweep.update(item.members, item.counts, section, index);
+        shownSweeps.add(item.id);
+        nodes.push(sweep.node);
+        if (section === 'finished') {
+          finishedRuns += item.members.length;
+        }
+        if (sweep.expanded) {
+          const shown = item.members.slice(0, MAX_SWEEP_RUNS_SHOWN);
+          sweep.setRuns(
+            shown.map((record, i) => {
+              const own = sectionOf(record.state);
+              return runRow(
+                record,
+                own,
+                own === 'queued' ? (queuedAt.get(record.id) ?? i) : i
+              );
+            }),
+            item.members.length - shown.length
+          );
+        } else {
+          sweep.setRuns([], 0);
+        }
+      });
+      reconcile(this._lists[section], nodes);
+      this._empty[section].hidden = nodes.length > 0 || !model.loaded;
+    }
     for (const [id, row] of this._rows) {
-      if (!placed.has(id)) {
+      if (!shownRuns.has(id)) {
         row.dispose();
         this._rows.delete(id);
       }
     }
-    for (const section of ['running', 'queued', 'finished'] as Section[]) {
-      const list = this._lists[section];
-      order[section].forEach((id, index) => {
-        const [, record, position] = placed.get(id)!;
-        let row = this._rows.get(id);
-        if (!row) {
-          row = new RunRow(id, this);
-          this._rows.set(id, row);
-        }
-        row.update(record, section, position);
-        if (list.children[index] !== row.node) {
-          list.insertBefore(row.node, list.children[index] ?? null);
-        }
-      });
-      while (list.children.length > order[section].length) {
-        list.lastElementChild!.remove();
+    for (const [id, row] of this._sweepRows) {
+      if (!shownSweeps.has(id)) {
+        row.dispose();
+        this._sweepRows.delete(id);
       }
-      this._empty[section].hidden = order[section].length > 0 || !model.loaded;
     }
     this._counts.running.textContent = String(model.running.length);
     this._counts.queued.textContent = String(model.queued.length);
-    this._counts.finished.textContent = String(order.finished.length);
-    const hidden = model.queued.length - order.queued.length;
+    this._counts.finished.textContent = String(finishedRuns);
+    const hidden = model.queued.filter(r => !covered.has(r.id)).length;
     this._more.hidden = hidden <= 0;
     this._more.textContent = this._trans.__('… and %1 more queued', hidden);
+    this._syncSelection();
     this._tick();
+  }
+
+  /** The selection bar and the rows' checkboxes. */
+  private _syncSelection(): void {
+    const trans = this._trans;
+    const n = this._selected.length;
+    this._selectionBar.hidden = n === 0;
+    this._selectionBar.dataset.count = String(n);
+    this._selectionText.textContent = trans._n(
+      '%1 run selected',
+      '%1 runs selected',
+      n
+    );
+    this._compareSelected.textContent = trans.__('Compare (%1)', n);
+    this._compareSelected.disabled = n < 2 || !this._openCompare;
+    this._compareSelected.title =
+      n < 2
+        ? trans.__('Select at least two runs to compare them')
+        : trans.__(
+            'Compare the selected runs side by side (the first selected is the baseline)'
+          );
+    for (const row of this._rows.values()) {
+      row.setSelected(this._selected.includes(row.id));
+    }
   }
 
   /**
@@ -1011,6 +1278,9 @@ export class EvalSchedPanel extends Widget {
     for (const row of this._leaseRows.values()) {
       row.tick(now);
     }
+    for (const row of this._sweepRows.values()) {
+      row.tick(now);
+    }
   }
 
   // ---------------------------------------------------------------- used by rows
@@ -1028,6 +1298,53 @@ export class EvalSchedPanel extends Widget {
   /** @internal */
   openInTab(id: string): void {
     this._openInTab(id);
+  }
+
+  /** Open the comparison of runs, or of a sweep's runs, in a main-area tab. */
+  openCompare(target: ICompareTarget): void {
+    this._openCompare?.(target);
+  }
+
+  /** @internal Whether a comparison can be opened (the panel was given a way to). */
+  get canCompare(): boolean {
+    return this._openCompare !== null;
+  }
+
+  /** @internal Ask for confirmation, then cancel a sweep's unfinished runs. */
+  async confirmCancelSweep(
+    id: string,
+    name: string,
+    unfinished: number
+  ): Promise<void> {
+    const trans = this._trans;
+    const result = await showDialog({
+      title: trans.__('Cancel sweep?'),
+      body: trans._n(
+        'Cancel the %1 unfinished run of “%2” (%3)? Its finished runs stay as they are.',
+        'Cancel the %1 unfinished runs of “%2” (%3)? Its finished runs stay as they are.',
+        unfinished,
+        name,
+        id
+      ),
+      buttons: [
+        Dialog.cancelButton({ label: trans.__('Keep it') }),
+        Dialog.warnButton({
+          label: trans.__('Cancel sweep'),
+          ariaLabel: trans.__('Cancel sweep')
+        })
+      ]
+    });
+    if (!result.button.accept) {
+      return;
+    }
+    try {
+      await this.model.cancelSweep(id);
+    } catch (reason) {
+      await showErrorMessage(
+        trans.__('Cannot cancel sweep %1', id),
+        reason instanceof Error ? reason.message : String(reason)
+      );
+    }
   }
 
   /** @internal Ask for confirmation, then cancel. */
@@ -1123,6 +1440,13 @@ export class EvalSchedPanel extends Widget {
   private _badgeLabels: IBadgeLabels;
   private _logTail: number;
   private _openInTab: (id: string) => void;
+  private _openCompare: ((target: ICompareTarget) => void) | null;
+  private _selected: string[] = [];
+  private _selectionBar: HTMLElement;
+  private _selectionText: HTMLElement;
+  private _compareSelected: HTMLButtonElement;
+  private _sweepRows = new Map<string, SweepRow>();
+  private _notified: string[] = [];
   private _conn: HTMLElement;
   private _banner: HTMLElement;
   private _gpus: HTMLElement;
@@ -1249,8 +1573,327 @@ export function leaseSize(
 }
 
 /**
+ * One sweep in one of the lists: its name, runs per state, the episodes done over all its runs,
+ * Compare and Cancel sweep; expanded, its runs as ordinary run rows labelled with their points.
+ */
+class SweepRow {
+  constructor(
+    readonly id: string,
+    private _panel: EvalSchedPanel
+  ) {
+    const trans = _panel.trans;
+    this.node = h('div', {
+      className: 'jp-EvalSched-sweep',
+      attrs: {
+        'data-sweep-id': id,
+        'data-testid': 'evalsched-sweep',
+        'data-expanded': 'false'
+      }
+    });
+    this._caret = h('button', {
+      className: 'jp-EvalSched-iconButton jp-EvalSched-toggle',
+      title: trans.__('Show the runs of this sweep'),
+      attrs: {
+        type: 'button',
+        'data-testid': 'evalsched-sweep-toggle',
+        'aria-expanded': 'false'
+      }
+    });
+    this._caret.append(caretRightIcon.element({ tag: 'span' }));
+    this._caret.addEventListener('click', () => this.toggle());
+    this._name = h('button', {
+      className: 'jp-EvalSched-runName',
+      attrs: { type: 'button', 'data-testid': 'evalsched-sweep-name' }
+    });
+    this._name.addEventListener('click', () => this.toggle());
+    this._state = h('span', { className: 'jp-EvalSched-state' });
+    this._compare = h('button', {
+      className: 'jp-EvalSched-textButton jp-EvalSched-compareButton',
+      text: trans.__('Compare'),
+      title: trans.__('Compare the runs of this sweep side by side'),
+      attrs: { type: 'button', 'data-testid': 'evalsched-sweep-compare' }
+    });
+    this._compare.hidden = !_panel.canCompare;
+    this._compare.addEventListener('click', () =>
+      this._panel.openCompare({ sweep: this.id })
+    );
+    this._cancel = h('button', {
+      className: 'jp-EvalSched-iconButton jp-EvalSched-cancel',
+      title: trans.__('Cancel the unfinished runs of this sweep'),
+      attrs: { type: 'button', 'data-testid': 'evalsched-sweep-cancel' }
+    });
+    this._cancel.append(closeIcon.element({ tag: 'span' }));
+    this._cancel.addEventListener('click', () => {
+      const unfinished = this._unfinished();
+      if (unfinished > 0) {
+        void this._panel.confirmCancelSweep(this.id, this._label, unfinished);
+      }
+    });
+    this._counts = h('div', {
+      className: 'jp-EvalSched-sweepCounts',
+      attrs: { 'data-testid': 'evalsched-sweep-counts' }
+    });
+    this._meta = h('div', { className: 'jp-EvalSched-runMeta' });
+    this._time = h('span', { className: 'jp-EvalSched-time' });
+    this._bar = new ProgressBar('evalsched-sweep-progress');
+    this._progress = this._bar.node;
+    this._runs = h('div', {
+      className: 'jp-EvalSched-list jp-EvalSched-sweepRuns',
+      attrs: { 'data-testid': 'evalsched-sweep-runs' }
+    });
+    this._more = h('div', { className: 'jp-EvalSched-more' });
+    this._runsHost = h('div', { className: 'jp-EvalSched-sweepRunsHost' }, [
+      this._runs,
+      this._more
+    ]);
+    this._runsHost.hidden = true;
+    this._sweepTag = h('span', {
+      className: 'jp-EvalSched-sweepTag',
+      text: trans.__('sweep'),
+      title: trans.__('One submission, one run per point')
+    });
+    this.node.append(
+      h('div', { className: 'jp-EvalSched-runHead' }, [
+        this._caret,
+        this._name,
+        this._state,
+        this._cancel
+      ]),
+      this._meta,
+      h('div', { className: 'jp-EvalSched-sweepLine' }, [
+        this._counts,
+        h('span', { className: 'jp-EvalSched-spacer' }),
+        this._compare
+      ]),
+      this._progress,
+      this._runsHost
+    );
+  }
+
+  readonly node: HTMLElement;
+
+  get expanded(): boolean {
+    return this._expanded;
+  }
+
+  update(
+    members: IRunRecord[],
+    counts: StateCounts,
+    section: Section,
+    position: number
+  ): void {
+    const same =
+      members.length === this._members.length &&
+      members.every((r, i) => r === this._members[i]);
+    if (same && section === this._section && position === this._position) {
+      return; // records are replaced, never mutated: nothing changed
+    }
+    this._members = members;
+    this._section = section;
+    this._position = position;
+    const trans = this._panel.trans;
+    const node = this.node;
+    const first = members[0];
+    this._label = first ? sweepBaseName(first) || this.id : this.id;
+    const state = sweepState(counts);
+    node.dataset.section = section;
+    node.dataset.state = state;
+    node.dataset.runs = String(members.length);
+    const shownCounts: StateCounts = {};
+    for (const s of STATE_ORDER) {
+      node.setAttribute(`data-count-${s}`, String(counts[s] ?? 0));
+      if (counts[s]) {
+        shownCounts[s] = counts[s];
+      }
+    }
+    for (const [s, n] of Object.entries(counts)) {
+      if (!STATE_ORDER.includes(s)) {
+        shownCounts[s] = n;
+      }
+    }
+    node.dataset.counts = JSON.stringify(shownCounts);
+    this._name.textContent = this._label;
+    this._name.title = trans.__('Sweep %1 — show its runs', this.id);
+    this._state.textContent = state;
+    this._state.dataset.state = state;
+    this._cancel.hidden = this._unfinished() === 0;
+
+    this._counts.replaceChildren(
+      ...Object.entries(shownCounts).map(([s, n]) =>
+        h('span', {
+          className: 'jp-EvalSched-sweepCount',
+          text: `${n} ${s}`,
+          attrs: { 'data-state': s, 'data-count': String(n) }
+        })
+      )
+    );
+    this._meta.replaceChildren(
+      this._sweepTag,
+      h('span', {
+        className: 'jp-EvalSched-runId',
+        text: this.id,
+        title: this.id
+      }),
+      h('span', {
+        text: trans._n('%1 run', '%1 runs', members.length)
+      }),
+      this._time
+    );
+
+    // Progress: episodes done over all its runs.
+    let done = 0;
+    let total = 0;
+    for (const r of members) {
+      done += r.progress?.done ?? 0;
+      total += r.progress?.total ?? 0;
+    }
+    node.dataset.progressDone = String(done);
+    node.dataset.progressTotal = String(total);
+    this._bar.set(
+      done,
+      total,
+      total > 0
+        ? trans.__('%1 / %2 episodes', done, total)
+        : trans.__('starting…')
+    );
+    this.tick(Date.now());
+  }
+
+  /** Its runs' rows (shown while it is expanded); `more` runs are not shown. */
+  setRuns(rows: HTMLElement[], more: number): void {
+    reconcile(this._runs, rows);
+    this._more.hidden = more <= 0;
+    this._more.textContent =
+      more > 0 ? this._panel.trans.__('… and %1 more runs', more) : '';
+  }
+
+  /** Expand (or collapse) it: its runs as run rows. */
+  toggle(open?: boolean): void {
+    const show = open ?? !this._expanded;
+    if (show === this._expanded) {
+      return;
+    }
+    this._expanded = show;
+    this._runsHost.hidden = !show;
+    this.node.dataset.expanded = String(show);
+    this.node.classList.toggle('jp-mod-expanded', show);
+    this._caret.setAttribute('aria-expanded', String(show));
+    this._caret.replaceChildren(
+      (show ? caretDownIcon : caretRightIcon).element({ tag: 'span' })
+    );
+    this._panel.update();
+  }
+
+  /** Draw attention to it for a moment (after a notification's Open). */
+  highlight(): void {
+    this.node.classList.add('jp-mod-highlight');
+    if (this._highlightTimer !== null) {
+      clearTimeout(this._highlightTimer);
+    }
+    this._highlightTimer = setTimeout(() => {
+      this._highlightTimer = null;
+      this.node.classList.remove('jp-mod-highlight');
+    }, 2000);
+  }
+
+  /** How long it has run (while active), or when it finished. */
+  tick(now: number): void {
+    const trans = this._panel.trans;
+    let started: number | null = null;
+    let finished: number | null = null;
+    for (const r of this._members) {
+      const s = parseTime(r.started_at);
+      const f = parseTime(r.finished_at);
+      if (s !== null && (started === null || s < started)) {
+        started = s;
+      }
+      if (f !== null && (finished === null || f > finished)) {
+        finished = f;
+      }
+    }
+    let text = '';
+    if (this._section !== 'finished') {
+      text =
+        started !== null
+          ? trans.__('elapsed %1', formatDuration(now - started))
+          : '';
+    } else {
+      text = formatAgo(finished, now);
+    }
+    if (this._time.textContent !== text) {
+      this._time.textContent = text;
+    }
+  }
+
+  dispose(): void {
+    if (this._highlightTimer !== null) {
+      clearTimeout(this._highlightTimer);
+    }
+    this.node.remove();
+  }
+
+  private _unfinished(): number {
+    return this._members.filter(r => !isTerminal(r.state)).length;
+  }
+
+  private _members: IRunRecord[] = [];
+  private _section: Section | null = null;
+  private _position = -1;
+  private _expanded = false;
+  private _label = '';
+  private _highlightTimer: ReturnType<typeof setTimeout> | null = null;
+  private _caret: HTMLButtonElement;
+  private _name: HTMLButtonElement;
+  private _state: HTMLElement;
+  private _sweepTag: HTMLElement;
+  private _compare: HTMLButtonElement;
+  private _cancel: HTMLButtonElement;
+  private _counts: HTMLElement;
+  private _meta: HTMLElement;
+  private _time: HTMLElement;
+  private _progress: HTMLElement;
+  private _bar: ProgressBar;
+  private _runs: HTMLElement;
+  private _more: HTMLElement;
+  private _runsHost: HTMLElement;
+}
+
+/**
  * One run in one of the lists. Keeps its element (and its open detail) across updates.
  */
+/** A progress bar: a fill, a label, and the ARIA values of a progressbar. */
+class ProgressBar {
+  constructor(testid: string) {
+    this._fill = h('div', { className: 'jp-EvalSched-progressFill' });
+    this._label = h('span', { className: 'jp-EvalSched-progressLabel' });
+    this.node = h(
+      'div',
+      {
+        className: 'jp-EvalSched-progress',
+        attrs: {
+          role: 'progressbar',
+          'aria-valuemin': '0',
+          'data-testid': testid
+        }
+      },
+      [this._fill, this._label]
+    );
+  }
+
+  readonly node: HTMLElement;
+
+  set(done: number, total: number, label: string): void {
+    const pct = total > 0 ? Math.min(100, (100 * done) / total) : 0;
+    this._fill.style.width = `${pct}%`;
+    this._label.textContent = label;
+    this.node.setAttribute('aria-valuenow', String(done));
+    this.node.setAttribute('aria-valuemax', String(total));
+  }
+
+  private _fill: HTMLElement;
+  private _label: HTMLElement;
+}
+
 class RunRow {
   constructor(
     readonly id: string,
@@ -1278,6 +1921,19 @@ class RunRow {
       attrs: { type: 'button', 'data-testid': 'evalsched-run-name' }
     });
     this._name.addEventListener('click', () => this.toggle());
+    this._select = h('input', {
+      className: 'jp-EvalSched-select',
+      title: trans.__('Select for a comparison'),
+      attrs: {
+        type: 'checkbox',
+        'data-testid': 'evalsched-select',
+        'aria-label': trans.__('Select %1 for a comparison', id)
+      }
+    });
+    this._select.hidden = !_panel.canCompare;
+    this._select.addEventListener('change', () => {
+      this._panel.setSelected(this.id, this._select.checked);
+    });
     this._caret = h('button', {
       className: 'jp-EvalSched-iconButton jp-EvalSched-toggle',
       title: trans.__('Show details and logs'),
@@ -1324,22 +1980,8 @@ class RunRow {
       className: 'jp-EvalSched-reason',
       attrs: { 'data-testid': 'evalsched-reason' }
     });
-    this._progressFill = h('div', { className: 'jp-EvalSched-progressFill' });
-    this._progressLabel = h('span', {
-      className: 'jp-EvalSched-progressLabel'
-    });
-    this._progress = h(
-      'div',
-      {
-        className: 'jp-EvalSched-progress',
-        attrs: {
-          role: 'progressbar',
-          'aria-valuemin': '0',
-          'data-testid': 'evalsched-progress'
-        }
-      },
-      [this._progressFill, this._progressLabel]
-    );
+    this._bar = new ProgressBar('evalsched-progress');
+    this._progress = this._bar.node;
     this._metrics = h('div', {
       className: 'jp-EvalSched-rowMetrics',
       attrs: { 'data-testid': 'evalsched-metrics' }
@@ -1349,6 +1991,7 @@ class RunRow {
     this.node.append(
       h('div', { className: 'jp-EvalSched-runHead' }, [
         this._caret,
+        this._select,
         this._chip,
         this._position,
         this._name,
@@ -1368,6 +2011,14 @@ class RunRow {
   logTail: number;
   section: Section = 'queued';
   position = 0;
+
+  /** Check (or uncheck) its selection box. */
+  setSelected(selected: boolean): void {
+    if (this._select.checked !== selected) {
+      this._select.checked = selected;
+    }
+    this.node.classList.toggle('jp-mod-selected', selected);
+  }
 
   update(record: IRunRecord, section: Section, position: number): void {
     const trans = this._panel.trans;
@@ -1411,8 +2062,24 @@ class RunRow {
       this._chip.title = this._panel.trans.__('Its colour in the GPU bar');
     }
 
-    this._name.textContent = record.name || record.id;
-    this._name.title = trans.__('%1 — show details and logs', record.id);
+    // A sweep's run is told apart from its siblings by its point (its sweep's row has the name).
+    const sweepId = sweepIdOf(record);
+    if (sweepId) {
+      const point = sweepPointLabel(record);
+      node.dataset.sweepId = sweepId;
+      node.dataset.point = point;
+      this._name.textContent = point || record.name || record.id;
+      this._name.title = trans.__(
+        '%1 (%2) — show details and logs',
+        record.name || record.id,
+        record.id
+      );
+    } else {
+      delete node.dataset.sweepId;
+      delete node.dataset.point;
+      this._name.textContent = record.name || record.id;
+      this._name.title = trans.__('%1 — show details and logs', record.id);
+    }
     this._state.textContent = record.state;
     this._state.dataset.state = record.state;
     this._cancel.hidden = isTerminal(record.state);
@@ -1553,12 +2220,11 @@ class RunRow {
     const done = record.progress?.done ?? 0;
     const total = record.progress?.total ?? 0;
     this._progress.hidden = section !== 'running';
-    const pct = total > 0 ? Math.min(100, (100 * done) / total) : 0;
-    this._progressFill.style.width = `${pct}%`;
-    this._progressLabel.textContent =
-      total > 0 ? `${done} / ${total}` : trans.__('starting…');
-    this._progress.setAttribute('aria-valuenow', String(done));
-    this._progress.setAttribute('aria-valuemax', String(total));
+    this._bar.set(
+      done,
+      total,
+      total > 0 ? `${done} / ${total}` : trans.__('starting…')
+    );
 
     // Latest metrics (mean of each): from the record, else from the summary.
     const metrics = latestMetrics(record, summary);
@@ -1688,6 +2354,7 @@ class RunRow {
   private _state: HTMLElement;
   private _warn: HTMLElement;
   private _name: HTMLButtonElement;
+  private _select: HTMLInputElement;
   private _caret: HTMLButtonElement;
   private _cancel: HTMLButtonElement;
   private _resume: HTMLButtonElement;
@@ -1696,8 +2363,7 @@ class RunRow {
   private _retry: HTMLElement | null = null;
   private _reason: HTMLElement;
   private _progress: HTMLElement;
-  private _progressFill: HTMLElement;
-  private _progressLabel: HTMLElement;
+  private _bar: ProgressBar;
   private _metrics: HTMLElement;
   private _detailHost: HTMLElement;
   private _detail: RunDetailView | null = null;
