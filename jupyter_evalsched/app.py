@@ -15,6 +15,7 @@ from tornado.ioloop import PeriodicCallback
 from traitlets import Bool, Dict, Enum, Float, Int, List, Type, Unicode, default, validate
 
 from .internal import InternalListener
+from .metrics import collector
 from .primary import HostRole, UnsafePath, new_secret
 from .store import MODEL_LOGS_DIR
 
@@ -400,6 +401,7 @@ class EvalSchedApp(ExtensionApp):
         if self.model_host is not None:
             await self.model_host.start()
         await self.scheduler.start()
+        collector().follow(self.scheduler)  # the scheduler's series on the server's /metrics
         from .handlers import handlers
 
         self._internal = InternalListener(handlers(), self._server.web_app.settings, new_secret())
@@ -428,10 +430,16 @@ class EvalSchedApp(ExtensionApp):
             self._internal = None
         if self.scheduler.started:
             await self.scheduler.stop()
+        self._unfollow()
         if self.model_host is not None:
             await self.model_host.stop()
         self.role.release()
         self._make_scheduler()
+
+    def _unfollow(self) -> None:
+        metrics = collector()
+        if metrics.following is self.scheduler:
+            metrics.follow(None)
 
     async def describe_models(self) -> list[dict]:
         """``GET /evalsched/models``' list: every shared model and its host's figures."""
@@ -483,6 +491,7 @@ class EvalSchedApp(ExtensionApp):
                 await self._internal.stop()
                 self._internal = None
             await self.scheduler.stop()
+            self._unfollow()
             if self.model_host is not None:
                 await self.model_host.stop()
         self.role.release()

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from prom import scrape, value
 from waiting import async_wait_until
 
 UPPER = "jupyter_evalsched.shared_models.testing:upper"
@@ -34,7 +35,7 @@ def evalsched_config():
     }
 
 
-async def test_four_runs_share_one_load(api, wait_for):
+async def test_four_runs_share_one_load(api, wait_for, jp_fetch):
     ids = []
     for _ in range(4):
         code, rec = await api("POST", "runs", {"source": EVAL, "episodes": 5, "models": ["shout"]})
@@ -49,6 +50,15 @@ async def test_four_runs_share_one_load(api, wait_for):
     assert shout["requests"] == 20 and shout["batches"] <= 20 and shout["mean_batch_size"] >= 1.0
     on_gpu = next(m for m in body["models"] if m["name"] == "on-gpu")
     assert on_gpu["state"] == "not_loaded"  # lazily: nobody used it
+
+    # The same figures on the server's /metrics (refreshed in the background every few seconds).
+    async def served():
+        samples = await scrape(jp_fetch)
+        return samples if value(samples, "evalsched_model_requests_total", model="shout") == 20 else None
+
+    samples = await async_wait_until(served, timeout=20, message="the model's requests never reached /metrics")
+    assert value(samples, "evalsched_model_batch_size_count", model="shout") == shout["batches"]
+    assert value(samples, "evalsched_model_batch_size_sum", model="shout") == shout["inputs"] == 40  # 2 per call
 
 
 async def test_model_vram_is_the_ledger_baseline(api):
