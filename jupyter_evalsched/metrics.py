@@ -170,7 +170,9 @@ class SchedulerCollector:
                 runs.add_metric([state, priority], n)
             yield runs
             finished = CounterMetricFamily(
-                "evalsched_runs_finished", "Runs that reached a terminal state since the server started", labels=["state"]
+                "evalsched_runs_finished",
+                "Runs that reached a terminal state since the server started",
+                labels=["state"],
             )
             for state in sorted(TERMINAL_STATES):
                 finished.add_metric([state], self.finished.get(state, 0))
