@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from jupyter_core.paths import jupyter_data_dir, jupyter_runtime_dir
 from jupyter_server.extension.application import ExtensionApp
@@ -41,6 +43,36 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{name}={text!r} is not a number") from None
 
 
+class CliList(List):
+    """A List setting that also takes ``--EvalSchedApp.x=[1, 2]`` or ``=a,b`` on the server's
+    command line. (traitlets hands an extension's command-line value over as a string, and its
+    own ``List.from_string`` fails for typed elements there; the value is validated when set.)"""
+
+    def from_string(self, s: str) -> Any:
+        text = s.strip()
+        if text.startswith("["):
+            return _literal(text)
+        return [self._trait.from_string(part.strip()) if self._trait else part.strip() for part in text.split(",")]
+
+
+class CliDict(Dict):
+    """A Dict setting that also takes ``--EvalSchedApp.x={"k": "v"}`` on the command line."""
+
+    def from_string(self, s: str) -> Any:
+        value = _literal(s.strip())
+        key_trait = self._key_trait
+        if isinstance(value, dict) and key_trait is not None:  # JSON keys are strings: {"0": ...}
+            value = {key_trait.from_string(k) if isinstance(k, str) else k: v for k, v in value.items()}
+        return value
+
+
+def _literal(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return ast.literal_eval(text)
+
+
 class EvalSchedApp(ExtensionApp):
     """One evaluation scheduler per host: queue, VRAM ledger, run subprocesses, shared models."""
 
@@ -55,7 +87,7 @@ class EvalSchedApp(ExtensionApp):
     def _default_runs_dir(self) -> str:
         return os.environ.get("EVALSCHED_RUNS_DIR") or os.path.join(jupyter_data_dir(), "evalsched", "runs")
 
-    virtual_gpus = List(
+    virtual_gpus = CliList(
         Int(),
         help="Sizes in MB of virtual GPUs for a host without any (e.g. [24000, 24000]). "
         "Default: $EVALSCHED_VIRTUAL_GPUS (comma-separated). Empty: discover real GPUs through NVML.",
@@ -85,7 +117,7 @@ class EvalSchedApp(ExtensionApp):
         512, help="VRAM kept free on each real GPU (CUDA context of the model host, fragmentation)."
     ).tag(config=True)
 
-    usable_vram_mb = Dict(
+    usable_vram_mb = CliDict(
         key_trait=Int(),
         value_trait=Int(),
         help="Per-device usable VRAM in MB, {gpu_index: mb}; wins over everything else.",
@@ -128,7 +160,7 @@ class EvalSchedApp(ExtensionApp):
         config=True
     )
     fsync = Bool(False, help="fsync run files on every write (survives power loss, costs throughput).").tag(config=True)
-    run_env = Dict(value_trait=Unicode(), help="Environment added to every run (under the spec's own env).").tag(
+    run_env = CliDict(value_trait=Unicode(), help="Environment added to every run (under the spec's own env).").tag(
         config=True
     )
 
@@ -183,7 +215,7 @@ class EvalSchedApp(ExtensionApp):
         "preload_modules, so that a run does not pay for those imports. Runs whose spec sets "
         "fresh_interpreter, detached runs, and any run the zygote is in doubt about start cold.",
     ).tag(config=True)
-    preload_modules = List(
+    preload_modules = CliList(
         Unicode(),
         help="Modules the zygote imports before it forks runs (e.g. torch, transformers, numpy); they must not "
         "start threads or initialise CUDA at import. Default: $EVALSCHED_PRELOAD, comma-separated.",
@@ -218,14 +250,14 @@ class EvalSchedApp(ExtensionApp):
         ["local", "slurm"], "local", help="Where runs execute when their spec does not say: 'local' or 'slurm'."
     ).tag(config=True)
 
-    slurm = Dict(
+    slurm = CliDict(
         help="SLURM settings: partition, account, extra_sbatch_args (list), python (the interpreter "
         "on the compute nodes), poll_interval_s (1: squeue while jobs change) and max_poll_interval_s "
         "(15: while nothing changes, polls back off to this). Run directories must be on a filesystem "
         "the nodes share."
     ).tag(config=True)
 
-    models = List(
+    models = CliList(
         Dict(),
         help="Shared models: a list of dicts (name, task or loader, model, device, dtype, "
         "max_batch_size, max_wait_ms, vram_mb, ...). See the README.",
