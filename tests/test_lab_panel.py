@@ -482,6 +482,11 @@ def test_panel_live(lab: LabServer, browser: Any) -> None:
 
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel.png"))
+        # The user guide's picture (docs/panel.md): a running run and one queued behind it.
+        if os.environ.get("EVALSCHED_DOC_SCREENSHOTS"):
+            shots = Path(os.environ["EVALSCHED_DOC_SCREENSHOTS"])
+            shots.mkdir(parents=True, exist_ok=True)
+            page.locator(PANEL).screenshot(path=str(shots / "panel.png"))
 
         _run(page, d).locator('[data-testid="evalsched-cancel"]').click()
         _confirm_dialog(page, accept=True)
