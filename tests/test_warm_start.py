@@ -233,6 +233,24 @@ async def test_without_cgroups_a_forked_runs_setsid_leftover_is_found_by_its_env
     )
 
 
+@pytest.mark.parametrize("preload", [["warm_crash"]])
+async def test_a_preload_that_kills_the_zygote_turns_warm_starts_off_after_three_tries(
+    api, wait_for, tmp_path, preload_dir
+):
+    (preload_dir / "warm_crash.py").write_text("import os\nos._exit(3)\n")
+    answer = {}
+
+    async def refused():
+        answer["warm"] = (await status(api))["warm_start"]
+        return answer["warm"]["refused"]
+
+    await async_wait_until(refused, timeout=30, message="warm starts stayed on with a zygote that dies at once")
+    assert "died 3 times before it was ready" in answer["warm"]["refused"], answer
+    assert "exit status 3" in answer["warm"]["refused"]
+    final, _ = await run_fingerprint(api, wait_for, tmp_path / "fp.json")
+    assert final["start"] == "cold" and "died 3 times" in final["start_detail"]
+
+
 @pytest.mark.parametrize("preload", [["numpy"]])
 async def test_numpy_is_preloaded_with_its_blas_pool_and_reseeded(api, wait_for):
     """numpy's OpenBLAS starts a thread pool at import; it is fork-safe (its own fork handler

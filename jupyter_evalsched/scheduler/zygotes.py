@@ -361,7 +361,12 @@ class ZygoteClient:
         """The zygote exited (or never started): its runs died with it (their death signal)."""
         self._shut_socket()
         if self._popen is not None:
-            code = self._popen.poll()
+            try:
+                # Its socket closed as it exited: the status follows within moments (bounded, as
+                # this is the loop).
+                code = self._popen.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                code = None
             if code is not None and code != 0:
                 why = f"{why} (exit status {code})"
         if self.state not in (REFUSED, RETIRING) or self.children:
