@@ -233,6 +233,32 @@ async def test_without_cgroups_a_forked_runs_setsid_leftover_is_found_by_its_env
     )
 
 
+@pytest.mark.parametrize("evalsched_config", [{"max_zygotes": 2, "zygote_idle_s": 0.3, "sweep_interval_s": 0.1}])
+async def test_zygotes_of_other_environments_are_capped_and_closed_when_idle(api, wait_for, tmp_path):
+    await ready_zygote(api)
+    first, _ = await run_fingerprint(api, wait_for, tmp_path / "a.json", env={"PYTHONWARNINGS": "ignore"})
+    assert first["start"] == "warm"  # a second zygote, for this environment
+    # A third environment while the second zygote is busy: the cap (2) is reached, so it starts cold.
+    gate = tmp_path / "open"
+    busy = await submit(
+        api,
+        spec(entry=f"{HERE / 'evals_observed.py'}:gate", params={"gate": str(gate)}, env={"PYTHONWARNINGS": "ignore"}),
+    )
+    await wait_for(busy["id"], states=("running",))
+    third, _ = await run_fingerprint(api, wait_for, tmp_path / "b.json", env={"PYTHONWARNINGS": "error"})
+    assert third["start"] == "cold" and "max_zygotes" in third["start_detail"], third
+    gate.touch()
+    await wait_for(busy["id"])
+
+    async def only_the_servers_own():  # the idle one is closed after zygote_idle_s; the server's stays
+        zygotes = [z for z in (await status(api))["warm_start"]["zygotes"] if z["state"] == "ready"]
+        return len(zygotes) == 1
+
+    await async_wait_until(only_the_servers_own, timeout=20, message="the idle zygote was never closed")
+    again, _ = await run_fingerprint(api, wait_for, tmp_path / "c.json")
+    assert again["start"] == "warm"
+
+
 @pytest.mark.parametrize("preload", [["warm_crash"]])
 async def test_a_preload_that_kills_the_zygote_turns_warm_starts_off_after_three_tries(
     api, wait_for, tmp_path, preload_dir
