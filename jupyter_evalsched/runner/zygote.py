@@ -9,7 +9,6 @@ module names), then answers requests, one JSON message each:
   stderr as two descriptors (``SCM_RIGHTS``); the reply is ``{"op": "forked", "run_id", "pid"}``,
   ``{"op": "cold", "run_id", "why"}`` (in doubt: the server starts the run in a fresh interpreter)
   or ``{"op": "error", "run_id", "why"}`` (it cannot start at all: its cwd is gone).
-* ``{"op": "retire"}``: no more forks; the zygote exits once its last run has ended.
 * zygote -> server ``{"op": "ready", ...}`` once preloaded (or ``{"op": "refused", "why"}``: a
   preload started a thread or touched CUDA, and nothing may be forked from such a process), and
   ``{"op": "exit", "run_id", "pid", "code"}`` for every run that ends (``code`` as
@@ -401,11 +400,9 @@ class Zygote:
             finally:
                 for fd in fds:
                     os.close(fd)
-        else:
+        else:  # nothing else is asked of a zygote
             for fd in fds:
                 os.close(fd)
-            if op == "retire":
-                self.retiring = True
         return True
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> None:

@@ -32,13 +32,6 @@ def new_sweep_id() -> str:
     return f"{SWEEP_ID_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
-def is_valid_sweep_id(text: str) -> bool:
-    if not text.startswith(SWEEP_ID_PREFIX) or len(text) > 64:
-        return False
-    rest = text[len(SWEEP_ID_PREFIX) :]
-    return bool(rest) and all(c.isalnum() or c in "-_." for c in rest)
-
-
 def expand(sweep: Any) -> list[dict[str, Any]]:
     """The points of a sweep, in order; SweepError says what is wrong."""
     if isinstance(sweep, dict):

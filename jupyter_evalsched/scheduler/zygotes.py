@@ -30,7 +30,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runner.zygote import ENV_RESERVE, PRELOAD, ZYGOTE_FD
+
 log = logging.getLogger("jupyter_evalsched")
+
+ENV_RESERVE_BYTES = 16384  # room for a run's environment in /proc (runner.zygote.show_environment)
 
 # Set per run after the fork; never part of what makes two environments alike.
 PER_RUN_VARIABLES = frozenset(
@@ -41,9 +45,9 @@ PER_RUN_VARIABLES = frozenset(
         "EVALSCHED_DEVICES",
         "EVALSCHED_DETACH",
         "EVALSCHED_CGROUP_PROCS",
-        "EVALSCHED_PRELOAD",
-        "EVALSCHED_ENV_RESERVE",
-        "EVALSCHED_ZYGOTE_FD",
+        PRELOAD,
+        ENV_RESERVE,
+        ZYGOTE_FD,
         "CUDA_VISIBLE_DEVICES",
         "CUDA_DEVICE_ORDER",
     }
@@ -145,12 +149,12 @@ class ZygoteClient:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._cwd = tempfile.mkdtemp(prefix="evalsched-zygote-")  # sys.path[0]: nothing to import there
         env = dict(self.env)
-        env["EVALSCHED_ZYGOTE_FD"] = str(theirs.fileno())
+        env[ZYGOTE_FD] = str(theirs.fileno())
         env["EVALSCHED_PARENT_PID"] = str(os.getpid())
-        env["EVALSCHED_PRELOAD"] = ",".join(self.preload)
+        env[PRELOAD] = ",".join(self.preload)
         # Room in its initial environment block, which each forked run rewrites to show its own
         # environment in /proc (runner.zygote.show_environment).
-        env["EVALSCHED_ENV_RESERVE"] = "x" * 16384
+        env[ENV_RESERVE] = "x" * ENV_RESERVE_BYTES
         try:
             # Its output (a preload's warnings) goes to the server's log through a pipe: no file of
             # it is held open (the runs directory stays remountable). Runs forked from it write
@@ -238,15 +242,6 @@ class ZygoteClient:
             self.loop.remove_writer(sock.fileno())
             self._writer = False
 
-    def retire(self) -> None:
-        """No more forks: it ends once its runs have (a replaced zygote: its runs go on)."""
-        if self.state in (STARTING, READY):
-            self.state = RETIRING
-            self._send({"op": "retire"})
-            self._cold_all("the zygote was replaced")
-            if self.on_change is not None:
-                self.on_change(self)
-
     def close(self, wait: bool = True) -> None:
         """Closing the socket ends the zygote, and with it any run it still has. ``wait``: for
         its exit (at shutdown); else the pool's sweep reaps it."""
@@ -263,13 +258,6 @@ class ZygoteClient:
         self._remove_cwd()
         if self.state != REFUSED:
             self.state = DEAD
-
-    def _send(self, message: dict[str, Any]) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.send(json.dumps(message).encode())
-            except OSError:
-                pass
 
     # ------------------------------------------------------------------ answers
 
