@@ -155,6 +155,61 @@ async def test_a_recycled_pid_is_not_mistaken_for_the_run(jp_serverapp, runs_dir
     assert (run / "_DONE").exists()
 
 
+async def test_a_detached_run_that_ends_while_the_server_starts_keeps_its_verdict(jp_serverapp, runs_dir, monkeypatch):
+    """A detached run that finishes after the restarted server looked at its directory (no
+    ``_DONE`` yet) but before its process was checked is judged by its own ``_DONE``, not aborted."""
+    from jupyter_evalsched.store import RunStore
+
+    run_id = "20260101T000000.000000-dddddd"
+    run = runs_dir / run_id
+    run.mkdir(parents=True)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    (run / "spec.json").write_text(
+        json.dumps({"entrypoint": "x:y", "episodes": 2, "cwd": "/", "detach": True, "scheduling": {}})
+    )
+    (run / "job.json").write_text(
+        json.dumps(
+            {
+                "id": run_id,
+                "name": "x",
+                "state": "running",
+                "reason": None,
+                "priority": "normal",
+                "submitted_at": "2026-01-01T00:00:00.000000+00:00",
+                "started_at": "2026-01-01T00:00:01.000000+00:00",
+                "finished_at": None,
+                "pid": ended.pid,
+                "pid_create_time": 1.0,
+                "devices": [],
+                "exit_code": None,
+                "progress": {"done": 1, "total": 2},
+                "marginal_vram_mb": 0,
+                "depends_on": [],
+                "seq": 1,
+                "detach": True,
+            }
+        )
+    )
+    scan = RunStore.scan
+
+    def scan_then_the_run_ends(self):
+        found = scan(self)
+        # What the runner does last, just after the look: its final summary, then _DONE; then it exits.
+        summary = {"status": "succeeded", "episodes_done": 2, "episodes_total": 2, "metrics": {"score": 0.5}}
+        (run / "summary.json").write_text(json.dumps(summary))
+        (run / "_DONE").write_text("")
+        return found
+
+    monkeypatch.setattr(RunStore, "scan", scan_then_the_run_ends)
+    await jp_serverapp.extension_manager.start_all_extensions()
+    scheduler = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
+    rec = scheduler.get(run_id).record
+    assert rec["state"] == "succeeded", rec
+    assert rec["progress"] == {"done": 2, "total": 2} and rec["metrics"] == {"score": 0.5}
+    assert json.loads((run / "job.json").read_text())["state"] == "succeeded"
+
+
 async def test_recovery_tolerates_garbage(jp_serverapp, runs_dir):
     runs_dir.mkdir(parents=True)
     (runs_dir / "broken").mkdir()

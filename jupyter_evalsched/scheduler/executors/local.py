@@ -434,6 +434,14 @@ class LocalExecutor(Executor):
 
     def recover(self, run: Run, done: bool) -> None:
         table = self.ctx.table
+        pid, create_time = run.record.get("pid") or 0, run.record.get("pid_create_time")
+        if not done:
+            if run.record["detach"] and is_same_process(pid, create_time, alive_only=True):
+                self._adopt(run, pid, create_time)
+                return
+            # ``done`` is from the scan: the run may have finished since (``_DONE`` is written
+            # before it exits, and a detached run goes on while the server starts).
+            done = self.ctx.store.done_exists(run.id)
         if done:
             # The run finalized itself while no server was watching: its verdict stands.
             verdict = table.conclude(run, run.record.get("exit_code"))
@@ -441,10 +449,6 @@ class LocalExecutor(Executor):
                 table.finish(run, *verdict, done_on_disk=True)
             else:
                 table.finish(run, *self._judge_exit(run, run.record.get("exit_code")))
-            return
-        pid, create_time = run.record.get("pid") or 0, run.record.get("pid_create_time")
-        if run.record["detach"] and is_same_process(pid, create_time, alive_only=True):
-            self._adopt(run, pid, create_time)
             return
         kill_stale_group(pid, create_time)
         stale = self.cgroups.existing(run.id) if self.cgroups is not None else None
