@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 
 def filled_spec(**fields) -> dict:
     """A ``spec.json`` as the server writes it: every field present, defaults filled in.
@@ -29,3 +32,38 @@ def filled_spec(**fields) -> dict:
     if spec["name"] is None:
         spec["name"] = spec["entrypoint"].rpartition(":")[2]
     return spec
+
+
+def write_run_dir(run_dir: Path, run_id: str, pid: int | None, pid_create_time: float | None, **extra) -> None:
+    """A run directory as a server leaves it (``spec.json``, ``job.json``): by default running
+    as ``pid``; ``extra`` overrides record fields (``entrypoint`` goes to the spec)."""
+    run_dir.mkdir(parents=True)
+    spec = {
+        "entrypoint": extra.pop("entrypoint", "x:y"),
+        "episodes": extra.get("progress", {}).get("total", 1),
+        "cwd": "/",
+        "scheduling": {},
+    }
+    if extra.get("detach"):
+        spec["detach"] = True
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    record = {
+        "id": run_id,
+        "name": "x",
+        "state": "running",
+        "reason": None,
+        "priority": "normal",
+        "submitted_at": "2026-01-01T00:00:00.000000+00:00",
+        "started_at": "2026-01-01T00:00:01.000000+00:00",
+        "finished_at": None,
+        "pid": pid,
+        "pid_create_time": pid_create_time,
+        "devices": [],
+        "exit_code": None,
+        "progress": {"done": 0, "total": 1},
+        "marginal_vram_mb": 0,
+        "depends_on": [],
+        "seq": 1,
+    }
+    record.update(extra)
+    (run_dir / "job.json").write_text(json.dumps(record))

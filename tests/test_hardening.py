@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from proc_status import alive, ignores_signal
 from rest import CRASH, NOOP, SLEEPY, spec, submit
+from run_dirs import write_run_dir
 from waiting import async_wait_until
 
 # Evals that damage their own run directory or run out of (capped) memory. Written to a file in
@@ -803,29 +804,7 @@ async def test_requests_during_recovery_never_claim_runs_are_gone(jp_serverapp, 
 
     run_id = "20260101T000000.000000-abcdef"
     run = runs_dir / run_id
-    run.mkdir(parents=True)
-    (run / "spec.json").write_text(json.dumps({"entrypoint": NOOP, "episodes": 1, "cwd": "/", "scheduling": {}}))
-    (run / "job.json").write_text(
-        json.dumps(
-            {
-                "id": run_id,
-                "name": "x",
-                "state": "queued",
-                "reason": None,
-                "priority": "normal",
-                "submitted_at": "2026-01-01T00:00:00.000000+00:00",
-                "started_at": None,
-                "finished_at": None,
-                "pid": None,
-                "devices": [],
-                "exit_code": None,
-                "progress": {"done": 0, "total": 1},
-                "marginal_vram_mb": 0,
-                "depends_on": [],
-                "seq": 1,
-            }
-        )
-    )
+    write_run_dir(run, run_id, None, None, entrypoint=NOOP, state="queued", started_at=None)
     original = Scheduler._read_runs_dir
     reading, release = threading.Event(), threading.Event()
 

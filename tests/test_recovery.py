@@ -14,6 +14,7 @@ import psutil
 import pytest
 from live_server import wait_until
 from proc_status import alive
+from run_dirs import write_run_dir
 
 from jupyter_evalsched.client import LocalServer
 
@@ -123,30 +124,7 @@ def stranger():
 async def test_a_recycled_pid_is_not_mistaken_for_the_run(jp_serverapp, runs_dir, stranger, jp_asyncio_loop):
     run_id = "20260101T000000.000000-abcdef"
     run = runs_dir / run_id
-    run.mkdir(parents=True)
-    (run / "spec.json").write_text(json.dumps({"entrypoint": "x:y", "episodes": 1, "cwd": "/", "scheduling": {}}))
-    (run / "job.json").write_text(
-        json.dumps(
-            {
-                "id": run_id,
-                "name": "x",
-                "state": "running",
-                "reason": None,
-                "priority": "normal",
-                "submitted_at": "2026-01-01T00:00:00.000000+00:00",
-                "started_at": "2026-01-01T00:00:01.000000+00:00",
-                "finished_at": None,
-                "pid": stranger.pid,
-                "pid_create_time": psutil.Process(stranger.pid).create_time() - 3600,
-                "devices": [],
-                "exit_code": None,
-                "progress": {"done": 0, "total": 1},
-                "marginal_vram_mb": 0,
-                "depends_on": [],
-                "seq": 1,
-            }
-        )
-    )
+    write_run_dir(run, run_id, stranger.pid, psutil.Process(stranger.pid).create_time() - 3600)
     await jp_serverapp.extension_manager.start_all_extensions()
     scheduler = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
     rec = scheduler.get(run_id).record
@@ -162,35 +140,9 @@ async def test_a_detached_run_that_ends_while_the_server_starts_keeps_its_verdic
 
     run_id = "20260101T000000.000000-dddddd"
     run = runs_dir / run_id
-    run.mkdir(parents=True)
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    (run / "spec.json").write_text(
-        json.dumps({"entrypoint": "x:y", "episodes": 2, "cwd": "/", "detach": True, "scheduling": {}})
-    )
-    (run / "job.json").write_text(
-        json.dumps(
-            {
-                "id": run_id,
-                "name": "x",
-                "state": "running",
-                "reason": None,
-                "priority": "normal",
-                "submitted_at": "2026-01-01T00:00:00.000000+00:00",
-                "started_at": "2026-01-01T00:00:01.000000+00:00",
-                "finished_at": None,
-                "pid": ended.pid,
-                "pid_create_time": 1.0,
-                "devices": [],
-                "exit_code": None,
-                "progress": {"done": 1, "total": 2},
-                "marginal_vram_mb": 0,
-                "depends_on": [],
-                "seq": 1,
-                "detach": True,
-            }
-        )
-    )
+    write_run_dir(run, run_id, ended.pid, 1.0, detach=True, progress={"done": 1, "total": 2})
     scan = RunStore.scan
 
     def scan_then_the_run_ends(self):
