@@ -71,3 +71,19 @@ def numpy_state(ctx, index):
 
     a = numpy.arange(40000, dtype=float).reshape(200, 200)
     return {"random": float(numpy.random.random()), "trace": float(numpy.trace(a @ a))}
+
+
+_OWN = []  # the run's own temporary directory: finalized at the run's exit
+
+
+def finalizers(ctx, index):
+    """The preloaded ``warm_tempdir``'s directory (the zygote's), and one of the run's own, to
+    ``params["out"]``: after the run, the first must still exist and the second must not."""
+    import tempfile
+
+    import warm_tempdir
+
+    _OWN.append(tempfile.TemporaryDirectory(prefix="evalsched-run-own-"))
+    with open(ctx.params["out"], "w") as f:
+        json.dump({"zygotes": warm_tempdir.HELD.name, "own": _OWN[-1].name}, f)
+    return {"ok": 1}

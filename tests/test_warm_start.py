@@ -25,6 +25,7 @@ FINGERPRINT = f"{HERE / 'evals_warm.py'}:fingerprint"
 READ_VALUE = f"{HERE / 'evals_warm.py'}:read_value"
 ESCAPE = f"{HERE / 'evals_warm.py'}:escape_fork_only"
 NUMPY_STATE = f"{HERE / 'evals_warm.py'}:numpy_state"
+FINALIZERS = f"{HERE / 'evals_warm.py'}:finalizers"
 
 # The per-run variables: set after the fork, different for every run by design.
 PER_RUN = {"EVALSCHED_RUN_ID", "EVALSCHED_CGROUP_PROCS"}
@@ -44,6 +45,9 @@ def preload_dir(tmp_path):
 
     shutil.copy(native.__file__, path / "libcuda.so.1")
     (path / "warm_cuda.py").write_text(f"import ctypes\nctypes.CDLL({str(path / 'libcuda.so.1')!r})\n")
+    (path / "warm_tempdir.py").write_text(
+        "import tempfile\nHELD = tempfile.TemporaryDirectory(prefix='evalsched-zygote-held-')\n"
+    )
     return path
 
 
@@ -204,6 +208,38 @@ async def test_a_zygote_that_dies_takes_its_runs_and_is_replaced(api, wait_for, 
     await async_wait_until(replaced, timeout=20, message="the dead zygote was not replaced")
     after, _ = await run_fingerprint(api, wait_for, tmp_path / "after.json")
     assert after["start"] == "warm"
+
+
+@pytest.mark.parametrize("preload", [["warm_tempdir"]])
+async def test_a_run_does_not_finalize_what_the_zygote_made_but_finalizes_its_own(api, wait_for, tmp_path):
+    """A preload's temporary directory is the zygote's: a run's exit must not remove it (as a
+    fresh interpreter's exit would remove its own). The run's own finalizers still run."""
+    await ready_zygote(api)
+    out = tmp_path / "dirs.json"
+    for _ in range(2):
+        rec = await submit(api, spec(entry=FINALIZERS, params={"out": str(out)}))
+        final = await wait_for(rec["id"])
+        assert final["state"] == "succeeded" and final["start"] == "warm", final
+        dirs = json.loads(out.read_text())
+        assert os.path.isdir(dirs["zygotes"]), "a run's exit removed the zygote's temporary directory"
+        await async_wait_until(lambda: not os.path.exists(dirs["own"]), timeout=5, message="the run's own was kept")
+
+
+async def test_the_process_forked_ahead_is_replaced_when_it_dies_waiting(api, wait_for, tmp_path):
+    """The zygote forks each run's process before its request (its spare). A spare killed while
+    it waits is reaped, and the next run gets a new one: it still starts warm."""
+    warm = await ready_zygote(api)
+    zygote = psutil.Process(next(z["pid"] for z in warm["zygotes"] if z["state"] == "ready"))
+    await async_wait_until(lambda: len(zygote.children()) == 1, timeout=10, message="no process forked ahead")
+    spare = zygote.children()[0]
+    assert "EVALSCHED_RUN_ID" not in spare.environ()  # nobody's run yet
+    spare.kill()
+    await async_wait_until(lambda: not zygote.children(), timeout=10, message="the dead spare was not reaped")
+    final, fp = await run_fingerprint(api, wait_for, tmp_path / "fp.json")
+    assert final["start"] == "warm" and final["start_detail"] == f"forked by zygote {zygote.pid}", final
+    assert final["pid"] != spare.pid and fp["tasks"] == 1
+    # And the next run's process is forked ahead again.
+    await async_wait_until(lambda: len(zygote.children()) == 1, timeout=10, message="no new process forked ahead")
 
 
 @pytest.mark.parametrize("preload", [[]])

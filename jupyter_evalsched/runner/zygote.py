@@ -6,7 +6,7 @@ the same parent check as a run). It imports the runner and ``EVALSCHED_PRELOAD``
 module names), then answers requests, one JSON message each:
 
 * server -> zygote ``{"op": "fork", "run_id", "run_dir", "cwd", "env"}`` with the run's stdout and
-  stderr as two descriptors (``SCM_RIGHTS``); the reply is ``{"op": "forked", "run_id", "pid"}``,
+  stderr as two descriptors (``SCM_RIGHTS``); the reply is ``{"op": "forked", "run_id", "pid", "at"}``,
   ``{"op": "cold", "run_id", "why"}`` (in doubt: the server starts the run in a fresh interpreter)
   or ``{"op": "error", "run_id", "why"}`` (it cannot start at all: its cwd is gone).
 * zygote -> server ``{"op": "ready", ...}`` once preloaded (or ``{"op": "refused", "why"}``: a
@@ -19,9 +19,13 @@ death signal tied to the zygote (which dies with the server: rule 2), its enviro
 ``sys.argv``, ``sys.path`` (``sys.path[0]`` is the run's cwd, as with ``python -m``; the rest is
 the zygote's, which started with the same ``PYTHON*`` variables), stdout and stderr, reseeded
 random generators, no inherited descriptors or threads, and user code imported after the fork.
-Before each fork the zygote checks that nothing changed underneath it: a thread or CUDA state
-since its start (it then refuses for good), a preloaded module's file edited (it answers cold and
-retires: the server starts a fresh zygote), or the run's cwd shadowing a preloaded module (cold).
+The zygote forks each run's process ahead of its request (the *spare*): it readies everything
+that does not depend on the run (session, death signal, descriptors, seeds) and waits on a socket
+of its own; a request hands it the run's request and log descriptors, so a start costs a message,
+not a fork. Before each fork the zygote checks that it has no thread or CUDA state (else it refuses
+for good); before each hand-over, that no preloaded module's file was edited (it answers cold and
+retires: the server starts a fresh zygote) and that the run's cwd does not shadow a preloaded
+module (cold).
 
 One thing cannot be made fresh: ``str`` hashes are salted once per interpreter, so the runs of one
 zygote share the zygote's salt (a random one, unless ``PYTHONHASHSEED`` is set).
@@ -317,6 +321,7 @@ class Zygote:
         self.stamps: dict[str, tuple[int, int, int]] = {}
         self.loaded: dict[str, str] = {}
         self.base_path: list[str] = []
+        self.spare: Spare | None = None  # the next run's process, forked ahead of its request
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     def send(self, message: dict[str, object]) -> None:
@@ -341,6 +346,8 @@ class Zygote:
         # touching them would copy their pages).
         gc.collect()
         gc.freeze()
+        if self.make_spare() is None:
+            return  # refused: unsafe_to_fork said why
         self.send(
             {
                 "op": "ready",
@@ -360,6 +367,7 @@ class Zygote:
         self.reap()
         while True:
             if self.retiring and not self.children:
+                self.drop_spare()
                 return 0
             try:
                 ready, _, _ = select.select([self.sock.fileno(), self.wake_r], [], [])
@@ -376,6 +384,7 @@ class Zygote:
                 # The server is gone (it died, or closed us): our runs must not outlive it.
                 for pid in list(self.children):
                     _killpg(pid)
+                self.drop_spare()
                 return 0
 
     def receive(self) -> bool:
@@ -396,7 +405,7 @@ class Zygote:
         op = message.get("op")
         if op == "fork":
             try:
-                self.fork(message, fds)
+                self.fork(message, data, fds)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -405,7 +414,9 @@ class Zygote:
                 os.close(fd)
         return True
 
-    def fork(self, request: dict[str, Any], fds: list[int]) -> None:
+    def fork(self, request: dict[str, Any], data: bytes, fds: list[int]) -> None:
+        """Give the request (``data``, as it came) and the run's log descriptors to the spare,
+        which becomes the run; then fork the next spare, after the answer."""
         run_id = request.get("run_id", "")
         if self.retiring or self.refused is not None:
             self.send({"op": "cold", "run_id": run_id, "why": self.refused or "the zygote is retiring"})
@@ -417,16 +428,10 @@ class Zygote:
         if not os.path.isdir(cwd):
             self.send({"op": "error", "run_id": run_id, "why": f"FileNotFoundError: no such directory (cwd {cwd!r})"})
             return
-        why = unsafe_to_fork()
-        if why is not None:
-            self.refused = why
-            self.send({"op": "refused", "pid": os.getpid(), "why": why, "failed": []})
-            self.send({"op": "cold", "run_id": run_id, "why": why})
-            self.retiring = True
-            return
+        # The spare was forked earlier: what changed since matters now.
         changed = changed_file(self.stamps)
         if changed is not None:
-            self.retiring = True  # the server starts a fresh zygote; this one ends with its runs
+            self.retire()  # the server starts a fresh zygote; this one ends with its runs
             self.send({"op": "stale", "pid": os.getpid(), "why": f"{changed} changed since the zygote imported it"})
             self.send({"op": "cold", "run_id": run_id, "why": f"{changed} changed since the zygote imported it"})
             return
@@ -440,21 +445,66 @@ class Zygote:
                 }
             )
             return
+        spare = self.spare or self.make_spare(run_id)
+        if spare is None:
+            return  # the answer is sent
+        self.spare = None
+        self.children[spare.pid] = run_id
+        # The answer first: once the spare has its request it may take this CPU for a while.
+        # ``at`` (wall clock): the run's start, as a cold run's is when its process is spawned.
+        self.send({"op": "forked", "run_id": run_id, "pid": spare.pid, "at": time.time()})
+        try:
+            socket.send_fds(spare.sock, [data], fds)
+        except OSError as exc:  # it died waiting (killed from outside): its exit is the run's
+            _say(f"the process forked for run {run_id} is gone: {exc}")
+            _killpg(spare.pid)
+        spare.sock.close()
+        self.make_spare()
+
+    def make_spare(self, run_id: str | None = None) -> Spare | None:
+        """Fork the process the next run becomes, after checking that forking is safe (a thread
+        or CUDA state since the start: refused for good, and the run asking, if any, goes cold).
+        It readies itself, then waits for its request."""
+        if self.spare is not None:
+            return self.spare
+        why = unsafe_to_fork()
+        if why is not None:
+            self.refused = why
+            self.retiring = True
+            self.send({"op": "refused", "pid": os.getpid(), "why": why, "failed": []})
+            if run_id is not None:
+                self.send({"op": "cold", "run_id": run_id, "why": why})
+            return None
         for stream in (sys.stdout, sys.stderr):  # nothing of ours may end up in a run's log
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         me = os.getpid()
         try:
             pid = os.fork()
         except OSError as exc:  # out of processes or memory: a fresh interpreter may still start
-            self.send({"op": "cold", "run_id": run_id, "why": f"the zygote could not fork: {exc}"})
-            return
+            ours.close()
+            theirs.close()
+            if run_id is not None:
+                self.send({"op": "cold", "run_id": run_id, "why": f"the zygote could not fork: {exc}"})
+            return None
         if pid == 0:
-            os._exit(become_run(self, me, request, fds))
-        self.children[pid] = run_id
-        self.send({"op": "forked", "run_id": run_id, "pid": pid})
+            os._exit(spare_main(self, me, theirs))
+        theirs.close()
+        self.spare = Spare(pid, ours)
+        return self.spare
+
+    def drop_spare(self) -> None:
+        """The spare is not needed (the zygote retires or ends): it leaves once its socket closes."""
+        if self.spare is not None:
+            self.spare.sock.close()
+            self.spare = None
+
+    def retire(self) -> None:
+        self.retiring = True
+        self.drop_spare()
 
     def reap(self) -> None:
         while True:
@@ -465,6 +515,8 @@ class Zygote:
             if info is None:
                 break
             pid = info.si_pid
+            if self.spare is not None and self.spare.pid == pid:  # it died waiting: killed from outside
+                self.drop_spare()
             run_id = self.children.get(pid)
             if run_id is not None:
                 # The run's leader has exited but is not reaped yet, so its group id cannot be
@@ -489,25 +541,54 @@ def _killpg(pgid: int) -> None:
 # ---------------------------------------------------------------------------- the child
 
 
-def become_run(zygote: Zygote, zygote_pid: int, request: dict[str, Any], fds: list[int]) -> int:
-    """In the forked child: turn into the run's process, then run it. Returns the exit code."""
+class Spare:
+    """A process forked ahead of its run, waiting on ``sock`` for the request."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self.sock = sock
+
+
+def spare_main(zygote: Zygote, zygote_pid: int, sock: socket.socket) -> int:
+    """In the forked child, before any request: everything a run's process needs that does not
+    depend on the run, then the wait for the request. Returns the exit code."""
     try:
         os.setsid()
-        detached = request["env"].get("EVALSCHED_DETACH") == "1"
-        if not detached:
-            set_parent_death_signal()
-            if os.getppid() != zygote_pid:  # the zygote died before the signal was armed
-                return EXIT_PARENT_GONE
+        set_parent_death_signal()
+        if os.getppid() != zygote_pid:  # the zygote died before the signal was armed
+            return EXIT_PARENT_GONE
         _signal.set_wakeup_fd(-1)
         for sig in (_signal.SIGCHLD, _signal.SIGINT, _signal.SIGTERM):
             _signal.signal(sig, _signal.SIG_DFL)
         _signal.signal(_signal.SIGINT, _signal.default_int_handler)  # as a fresh interpreter has it
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
+        zygote.sock.detach()
+        keep = sock.fileno()
+        os.closerange(3, keep)  # the zygote's socket and wake-up pipe, whatever preloads opened
+        os.closerange(keep + 1, _max_fd())
+        _reseed()  # (the preloaded objects stay frozen: collecting them would copy their pages)
+        _disown_finalizers()
+    except BaseException as exc:
+        _say(f"cannot become a run: {type(exc).__name__}: {exc}")
+        return EXIT_CHILD_SETUP
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 2)
+    except OSError:
+        return 0
+    if not data:
+        return 0  # not needed any more: the zygote retires or ends
+    sock.close()
+    return become_run(zygote, json.loads(data), fds)
+
+
+def become_run(zygote: Zygote, request: dict[str, Any], fds: list[int]) -> int:
+    """In the spare, once asked: turn into the run's process, then run it. Returns the exit code."""
+    try:
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
-        zygote.sock.detach()
-        os.closerange(3, _max_fd())  # the socket, the wake-up pipe, the log fds, whatever preloads opened
+        for fd in fds:
+            os.close(fd)
         os.chdir(request["cwd"])
         set_environment(request["env"])
         show_environment(request["env"])
@@ -520,18 +601,38 @@ def become_run(zygote: Zygote, zygote_pid: int, request: dict[str, Any], fds: li
         import importlib
 
         importlib.invalidate_caches()  # directory listings the zygote cached may be stale: user code is fresh
-        _reseed()  # (the preloaded objects stay frozen: collecting them would copy their pages)
     except BaseException as exc:
-        try:
-            os.write(2, f"evalsched zygote: cannot become the run: {type(exc).__name__}: {exc}\n".encode())
-        except OSError:
-            pass
+        _say(f"cannot become the run: {type(exc).__name__}: {exc}")
         return EXIT_CHILD_SETUP
     from .run import main_checked
 
     code = main_checked()
     entry._exit(code)
     return code  # not reached: _exit leaves
+
+
+def _say(text: str) -> None:
+    try:
+        os.write(2, f"evalsched zygote: {text}\n".encode())
+    except OSError:
+        pass
+
+
+def _disown_finalizers() -> None:
+    """What the zygote's objects hold is the zygote's: a run does not finalize it at its exit (a
+    preload's temporary directory would be removed under the zygote, and torch's 134 operator
+    libraries would be torn down for nothing), as a multiprocessing child does not run its
+    parent's finalizers. The run's own finalizers and ``atexit`` handlers run as usual."""
+    weakref = sys.modules.get("weakref")  # (not loaded: the zygote made no finalizer)
+    if weakref is not None:
+        weakref.finalize._registry = {}
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        try:
+            util._finalizer_registry.clear()
+            util._run_after_forkers()
+        except Exception:
+            pass
 
 
 def set_environment(env: dict[str, str]) -> None:
@@ -586,10 +687,11 @@ def _max_fd() -> int:
 
 
 def _reseed() -> None:
-    """A fresh interpreter seeds its generators from the OS: so does every forked run."""
-    import random
-
-    random.seed()
+    """A fresh interpreter seeds its generators from the OS: so does every forked run. (A module
+    the zygote did not load seeds itself when the run imports it.)"""
+    random = sys.modules.get("random")
+    if random is not None:
+        random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         try:

@@ -157,13 +157,13 @@ class Launcher:
         proc = RunProcess(run_id, None, cgroup, zygote=zygote, pending=True)
         self._procs[run_id] = proc
 
-        def forked(pid: int) -> None:
+        def forked(pid: int, at: float) -> None:
             if self._procs.get(run_id) is not proc:  # given up meanwhile (shutdown)
                 _killpg(pid, signal.SIGKILL)
                 return
             proc.adopted_pid = pid
             proc.pending = False
-            proc.spawned_at = time.time()
+            proc.spawned_at = at
             if cgroup is not None:
                 self.loop.run_in_executor(None, _join_cgroup, cgroup, pid)
             asked, proc.pending_signal = proc.pending_signal, None
