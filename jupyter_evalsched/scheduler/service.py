@@ -80,6 +80,7 @@ class Scheduler:
         # are kept out of admission's decisions and looked at again when a dependency changes.
         self._blocked: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._waiting_on: dict[str, set[str]] = {}  # dependency id -> blocked runs waiting on it
+        self._eligible: dict[str, Run] = {}  # the queued runs not blocked: what a decision looks at
         self._running: dict[str, Run] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.context: ExecutorContext | None = None  # what executors get; set by start()
@@ -447,6 +448,8 @@ class Scheduler:
             sweep_point=sweep[1] if sweep else None,
         )
         files = {contract.SPEC_FILE: _dumps(spec_dict), contract.JOB_FILE: _dumps(record)}
+        if not spec_dict.get("models"):  # known now: written here, off the loop, not at the start
+            files[contract.SHARED_URLS_FILE] = _dumps({"models": {}})
         if spec.source is not None:
             files[contract.EVAL_SOURCE_FILE] = spec.source.encode()
         # Creating files costs about a millisecond each on these disks, mostly waiting: done in
@@ -739,10 +742,12 @@ class Scheduler:
 
     def _enqueue(self, run: Run) -> None:
         self._queued[run.id] = run
+        self._eligible[run.id] = run
         self._check_dependencies(run)
 
     def _dequeue(self, run_id: str) -> None:
         self._queued.pop(run_id, None)
+        self._eligible.pop(run_id, None)
         self._unblock(run_id)
 
     def _check_dependencies(self, run: Run) -> bool:
@@ -757,6 +762,7 @@ class Scheduler:
             return False
         deps = tuple(run.depends_on)
         self._blocked[run.id] = (verdict[1], deps)
+        self._eligible.pop(run.id, None)
         for dep in deps:
             self._waiting_on.setdefault(dep, set()).add(run.id)
         self.table.set_reason(run, _waiting_reason(run, verdict[1]))
@@ -766,6 +772,9 @@ class Scheduler:
         held = self._blocked.pop(run_id, None)
         if held is None:
             return
+        queued = self._queued.get(run_id)
+        if queued is not None:
+            self._eligible[run_id] = queued
         for dep in held[1]:
             waiting = self._waiting_on.get(dep)
             if waiting is not None:
@@ -807,7 +816,7 @@ class Scheduler:
         now = time.time()
         # Runs held by a dependency cannot start and take nothing from the others: a decision
         # costs O(the runs that could start), not O(the queue), however many wait on others.
-        eligible = [run for run in self._queued.values() if run.id not in self._blocked]
+        eligible = list(self._eligible.values())
         queued = [self._as_queued(run, now) for run in eligible]
         queued += [self._lease_as_queued(lease, now) for lease in self.leases.queued()]
         self._head_lane = min((policy.effective_lane(q, self.config.policy) for q in queued), default=len(policy.LANES))

@@ -112,37 +112,63 @@ class LocalExecutor(Executor):
                 contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
             )
             return
-        if run.record["models"]:
-            # The model host may need starting: the run waits for it (resources held), visibly.
-            self.ctx.table.update(run)
-            task = asyncio.ensure_future(self._launch_with_models(run))
+        with_cgroup = self.cgroups is not None and self.cgroups.enabled
+        if run.record["models"] or with_cgroup:
+            if run.record["models"]:
+                # The model host may need starting: the run waits for it (resources held), visibly.
+                self.ctx.table.update(run)
+            task = asyncio.ensure_future(self._launch_later(run, with_cgroup))
             self._starting[run.id] = task
             task.add_done_callback(lambda _: self._starting.pop(run.id, None))
         else:
-            self._spawn(run, {})
+            self._spawn(run, {}, None)
 
-    async def _launch_with_models(self, run: Run) -> None:
+    async def _launch_later(self, run: Run, with_cgroup: bool) -> None:
+        """The start, once the model host answers and the run's cgroup is made: a cgroup is a few
+        mkdirs on cgroupfs (milliseconds), made in a thread so that the loop goes on meanwhile."""
         table = self.ctx.table
-        try:
-            urls = await self.models.urls_for(list(run.record["models"]))
-        except ModelUnavailable as exc:
-            table.finish(run, FAILED, contract.reason(contract.MODEL_UNAVAILABLE, str(exc), limit=2000))
+        urls: dict[str, str] = {}
+        if run.record["models"]:
+            try:
+                urls = await self.models.urls_for(list(run.record["models"]))
+            except ModelUnavailable as exc:
+                table.finish(run, FAILED, contract.reason(contract.MODEL_UNAVAILABLE, str(exc), limit=2000))
+                return
+            except Exception as exc:
+                table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"shared model host unavailable: {exc}"))
+                return
+        made: tuple[RunCgroup | None, str] | None = None
+        if with_cgroup and not run.terminal:
+            pending = self.ctx.loop.run_in_executor(self.ctx.io, self._create_cgroup, run)
+            try:
+                made = await asyncio.shield(pending)
+            except asyncio.CancelledError:  # shutdown or requeue meanwhile: the cgroup is nobody's
+                pending.add_done_callback(self._drop_made_cgroup)
+                raise
+        if run.terminal or run.cancel_requested:
+            self._drop_cgroup(made[0] if made else None)
+            if not run.terminal:
+                table.finish(
+                    run,
+                    CANCELLED,
+                    contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                )
             return
-        except Exception as exc:
-            table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"shared model host unavailable: {exc}"))
-            return
-        if run.terminal:
-            return
-        if run.cancel_requested:
-            table.finish(
-                run,
-                CANCELLED,
-                contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
-            )
-            return
-        self._spawn(run, urls)
+        self._spawn(run, urls, made)
 
-    def _spawn(self, run: Run, urls: dict[str, str]) -> None:
+    def _drop_made_cgroup(self, made: asyncio.Future[tuple[RunCgroup | None, str]]) -> None:
+        if not made.cancelled():
+            self._drop_cgroup(made.result()[0])
+
+    def _create_cgroup(self, run: Run) -> tuple[RunCgroup | None, str]:
+        """In a thread: (the run's cgroup, or None and why not)."""
+        assert self.cgroups is not None
+        try:
+            return self.cgroups.create(run.id, run.scheduling.get("memory_mb")), ""
+        except Exception as exc:  # (CgroupError says what; anything else must not lose the run)
+            return None, str(exc) if isinstance(exc, CgroupError) else f"{type(exc).__name__}: {exc}"
+
+    def _spawn(self, run: Run, urls: dict[str, str], made: tuple[RunCgroup | None, str] | None) -> None:
         ctx = self.ctx
         config = ctx.config
         try:
@@ -160,12 +186,15 @@ class LocalExecutor(Executor):
             attempt=run.record["attempt"],
             detach=run.record["detach"],
         )
-        cgroup = self._make_cgroup(run)
+        cgroup = self._make_cgroup(run, made)
         if cgroup is not None:
             env["EVALSCHED_CGROUP_PROCS"] = ":".join(cgroup.procs_files())
         cwd = spec.get("cwd") or ctx.config.default_cwd
         try:
-            ctx.store.write_shared_urls(run.id, urls)
+            # A run without models got ``{"models": {}}`` with its spec at submission; a later
+            # attempt gets it again (the eval may have touched its run directory).
+            if run.record["models"] or run.record["attempt"] > 1:
+                ctx.store.write_shared_urls(run.id, urls)
         except OSError as exc:
             self._start_failed(run, cgroup, str(exc))
             return
@@ -256,19 +285,17 @@ class LocalExecutor(Executor):
             start_detail=detail,
         )
 
-    def _make_cgroup(self, run: Run) -> RunCgroup | None:
-        """The run's own cgroup (with its memory limit), or None where the host has none: then
-        the run's process group is what clean-up kills, and a ``memory_mb`` is not enforced,
-        which the run's warnings say."""
+    def _make_cgroup(self, run: Run, made: tuple[RunCgroup | None, str] | None) -> RunCgroup | None:
+        """The run's own cgroup (with its memory limit; ``made`` already, in a thread), or None
+        where the host has none: then the run's process group is what clean-up kills, and a
+        ``memory_mb`` is not enforced, which the run's warnings say."""
         memory_mb = run.scheduling.get("memory_mb")
         cgroup = None
         why = ""
         if self.cgroups is not None and self.cgroups.enabled:
-            try:
-                cgroup = self.cgroups.create(run.id, memory_mb)
-            except CgroupError as exc:
-                why = str(exc)
-                log.warning("evalsched: run %s runs without a cgroup: %s", run.id, exc)
+            cgroup, why = made if made is not None else self._create_cgroup(run)
+            if cgroup is None:
+                log.warning("evalsched: run %s runs without a cgroup: %s", run.id, why)
         else:
             why = self.cgroups.support.detail if self.cgroups is not None else "cgroups are off"
         if memory_mb and (cgroup is None or cgroup.memory_limit_mb is None):
@@ -423,7 +450,7 @@ class LocalExecutor(Executor):
 
     async def cancel(self, run: Run) -> None:
         run.cancel_requested = True
-        # False while the run waits for its model host: _launch_with_models then cancels it.
+        # False while the run waits for its model host or cgroup: _launch_later then cancels it.
         self.launcher.terminate(run.id, self.ctx.config.cancel_grace_s)
 
     def kill_run(self, run: Run, reason: str) -> bool:
