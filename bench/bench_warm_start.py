@@ -78,9 +78,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jupyter_evalsched.client import LocalServer
 from jupyter_evalsched.models import EvalSpec
 from jupyter_evalsched.scheduler.config import SchedulerConfig
-from jupyter_evalsched.scheduler.executors.local import LocalExecutor
 from jupyter_evalsched.scheduler.gpus import VirtualProbe
-from jupyter_evalsched.scheduler.service import Scheduler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scheduler import TimedScheduler as SchedulerTimingEnds
+from bench_scheduler import mono_of_wall
 
 NOOP = "jupyter_evalsched.examples.basic:noop"
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
@@ -106,31 +108,23 @@ class BenchFailure(Exception):
 # ---------------------------------------------------------------------------- in-process schedulers
 
 
-class TimedScheduler(Scheduler):
-    """Records when each run's end is noticed and when each run starts (its process exists:
-    spawned, or forked by the zygote), on the monotonic clock."""
+class TimedScheduler(SchedulerTimingEnds):
+    """bench_scheduler's (the end of each run, when its pid is known: ``spawned``), and for where
+    the time goes: when each fork or spawn is asked (``asked``) and when the run's process got its
+    request (``started_at``: the time the zygote's reply carries, or when Popen returned), on the
+    monotonic clock."""
 
     def __init__(self, config: SchedulerConfig, probe: VirtualProbe):
-        self.local = LocalExecutor(notify_exits=True)
-        super().__init__(config, probe, executors=[self.local])
-        self.noticed: dict[str, float] = {}
+        super().__init__(config, probe)
         self.started_at: dict[str, float] = {}
-        self.pid_known: dict[str, float] = {}
-        self.finished: dict[str, asyncio.Future] = {}
+        self.asked: dict[str, float] = {}
         started = self.local._started
 
         def timed_started(run, proc, *args, **kwargs):
-            # The run's start: when its process got its request from the zygote (the zygote's
-            # clock), or when Popen returned; and when this scheduler learnt its pid.
-            self.pid_known[run.id] = now = time.monotonic()
-            self.started_at[run.id] = now - (time.time() - proc.spawned_at)
+            self.started_at[run.id] = time.monotonic() - (time.time() - proc.spawned_at)
             return started(run, proc, *args, **kwargs)
 
         self.local._started = timed_started
-        # Where the time goes: when the fork request is sent to the zygote, when a cold spawn is
-        # asked for and when it returns.
-        self.asked: dict[str, float] = {}
-        self.spawned: dict[str, float] = {}
         launcher = self.local.launcher
         fork, spawn = launcher.fork, launcher.spawn
 
@@ -140,29 +134,12 @@ class TimedScheduler(Scheduler):
 
         def timed_spawn(run_id, *args, **kwargs):
             self.asked[run_id] = time.monotonic()
-            proc = spawn(run_id, *args, **kwargs)
-            self.spawned[run_id] = time.monotonic()
-            return proc
+            return spawn(run_id, *args, **kwargs)
 
         launcher.fork, launcher.spawn = timed_fork, timed_spawn
-        self.table.subscribe(self._changed)
-
-    def _changed(self, event: dict) -> None:
-        run = event["run"]
-        if run["state"] not in TERMINAL:
-            return
-        now = time.monotonic()
-        self.noticed[run["id"]] = now
-        fut = self.finished.get(run["id"])
-        if fut is not None and not fut.done():
-            fut.set_result(now)
 
     def expect(self, run_id: str) -> asyncio.Future:
         return self.finished.setdefault(run_id, asyncio.get_running_loop().create_future())
-
-    async def submit_record(self, spec: EvalSpec) -> dict:
-        record, _ = await self.submit(spec)
-        return record
 
     def start_of(self, run_id: str) -> tuple[str | None, str | None]:
         rec = self.get(run_id).record
@@ -233,10 +210,6 @@ def bare_popen() -> float:
     return time.monotonic() - t0
 
 
-def mono_of_wall(wall: float) -> float:
-    return time.monotonic() - (time.time() - wall)
-
-
 def ts(text: str) -> float:
     return datetime.fromisoformat(text).timestamp()
 
@@ -293,7 +266,7 @@ async def admission_round(sched: TimedScheduler, cwd: Path) -> dict:
         "to_start": sched.started_at[b] - done,
         "to_summary": first_summary - done,
         "fine_to_start": sched.started_at[b] - final,
-        "to_pid_known": sched.pid_known[b] - done,
+        "to_pid_known": sched.spawned[b] - done,
         "fine_to_summary": first_summary - final,
         "start": sched.start_of(b)[0] or "?",
         # where it goes: a's final summary -> a's end noticed -> b's fork or spawn asked -> b's pid
