@@ -538,7 +538,9 @@ def test_preemption_and_retry_churn_loses_and_doubles_no_episode(tmp_path):
                     "params": {"how": "sigkill", "at": 7, "until_attempt": 1, "sleep_s": 0.03},
                     "retries": 1,
                     "cwd": "/",
-                    "scheduling": {"marginal_vram_mb": 8000, "priority": "low"},
+                    # Not preemptible: a preemption before episode 7 would make attempt 2 the one
+                    # that reaches it, which does not crash (and no retry would be used).
+                    "scheduling": {"marginal_vram_mb": 8000, "priority": "low", "preemptible": False},
                 }
             )
             for _ in range(2)
