@@ -204,10 +204,17 @@ def test_repeated_kill_9_of_the_server_loses_nothing(tmp_path):
             new += [c.submit(long_spec(24000)) for _ in range(4)]
             acked.extend(r["id"] for r in new)
             wait_until(lambda: all(c.get(r["id"])["state"] == "running" for r in new[:2]), timeout=20)
-            view = wait_until(lambda: (lambda v: v if len(v["running"]) == 3 else None)(c.queue()), timeout=20)
+            # Running with their processes there (a run is "running" a moment before its pid is
+            # known: its cgroup is made, or the zygote answers, meanwhile).
+            view = wait_until(
+                lambda: (lambda v: v if len(v["running"]) == 3 and all(r["pid"] for r in v["running"]) else None)(
+                    c.queue()
+                ),
+                timeout=20,
+            )
             pre_running = [r["id"] for r in view["running"]]
             pre_queue = [r["id"] for r in view["queued"]]
-            assert len(pre_queue) >= 3 and all(r["state"] == "running" and r["pid"] for r in view["running"])
+            assert len(pre_queue) >= 3 and all(r["state"] == "running" for r in view["running"])
             # Let the run processes get going (workers forked, episodes written).
             wait_until(lambda: all(c.get(r)["progress"]["done"] >= 1 for r in pre_running), timeout=20)
             pids = set()
