@@ -1,5 +1,5 @@
 """Evals for the warm-start tests (#17), run as file entrypoints (``<this file>:fingerprint``).
-Standard library only."""
+The standard library, and psutil (as the server sees a process)."""
 
 import json
 import os
@@ -7,6 +7,8 @@ import random
 import signal
 import sys
 import threading
+
+import psutil
 
 
 def fingerprint(ctx, index):
@@ -34,6 +36,8 @@ def fingerprint(ctx, index):
         "stdin": os.readlink("/proc/self/fd/0"),
         "sid_is_pid": os.getsid(0) == os.getpid(),
         "main_module": getattr(sys.modules["__main__"], "__spec__", None) is not None,
+        "pid": os.getpid(),
+        "create_time": psutil.Process().create_time(),  # what the record's pid_create_time must be
     }
     with open(ctx.params["out"], "w") as f:
         json.dump(out, f)

@@ -91,7 +91,7 @@ def comparable(fp: dict, run_id: str) -> dict:
     fp["environ"] = {k: v for k, v in fp["environ"].items() if k not in PER_RUN}
     fp["proc_environ"] = {k: v for k, v in fp["proc_environ"].items() if k not in PER_RUN}
     fp["argv"] = [a.replace(run_id, "<run>") for a in fp["argv"]]
-    del fp["random"]
+    del fp["random"], fp["pid"], fp["create_time"]
     return fp
 
 
@@ -114,6 +114,9 @@ async def test_warm_and_cold_runs_look_alike_to_the_eval(api, wait_for, tmp_path
     assert fp1["tasks"] == 1 and fp1["threads"] == 1
     assert fp1["sid_is_pid"] and fp1["stdin"] == "/dev/null"
     assert fp1["cwd"] in fp1["path"][:2]  # after the eval file's own directory
+    # The record names the process, as psutil knows it (the zygote reports a forked one's start).
+    for rec, fp in ((warm1, fp1), (warm2, fp2), (cold, fpc)):
+        assert rec["pid"] == fp["pid"] and rec["pid_create_time"] == pytest.approx(fp["create_time"], abs=0.01)
     # Reseeded: no two runs share a random state, warm or cold.
     assert len({fp1["random"], fp2["random"], fpc["random"]}) == 3
 

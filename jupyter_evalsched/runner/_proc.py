@@ -67,6 +67,34 @@ def set_parent_death_signal(sig: int = _signal.SIGKILL) -> bool:
         return False
 
 
+def process_start_time(pid: int) -> float | None:
+    """When ``pid`` started, in seconds since the epoch, computed as psutil's ``create_time`` is
+    (its start in clock ticks since boot, plus the boot time: both from ``/proc``), so that the
+    two compare; None when it cannot be read (gone, or no ``/proc``). Without psutil: the zygote,
+    which must stay small, tells the server this about each process it forks."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        try:
+            stat = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        ticks = int(stat[stat.rfind(b")") + 2 :].split()[19])  # starttime (field 22)
+        fd = os.open("/proc/stat", os.O_RDONLY)
+        try:  # btime comes after a line per CPU and the interrupt counts: read until it is in
+            info = b""
+            while (at := info.find(b"\nbtime ")) < 0 or info.find(b"\n", at + 1) < 0:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    return None
+                info += chunk
+        finally:
+            os.close(fd)
+        boot = float(info[at + 7 : info.index(b"\n", at + 1)])
+        return ticks / os.sysconf("SC_CLK_TCK") + boot
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def flush_stdio() -> None:
     """Flush stdout and stderr: the run's logs are files, read while the run goes on."""
     for stream in (sys.stdout, sys.stderr):

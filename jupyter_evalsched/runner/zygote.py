@@ -42,7 +42,13 @@ import socket
 import sys
 import time
 
-from ._proc import EXIT_PARENT_GONE, expected_parent_pid, parent_is_gone, set_parent_death_signal
+from ._proc import (
+    EXIT_PARENT_GONE,
+    expected_parent_pid,
+    parent_is_gone,
+    process_start_time,
+    set_parent_death_signal,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -452,7 +458,10 @@ class Zygote:
         self.children[spare.pid] = run_id
         # The answer first: once the spare has its request it may take this CPU for a while.
         # ``at`` (wall clock): the run's start, as a cold run's is when its process is spawned.
-        self.send({"op": "forked", "run_id": run_id, "pid": spare.pid, "at": time.time()})
+        # ``create_time``: read when the spare was made, so the server need not read /proc now.
+        self.send(
+            {"op": "forked", "run_id": run_id, "pid": spare.pid, "at": time.time(), "create_time": spare.create_time}
+        )
         try:
             socket.send_fds(spare.sock, [data], fds)
         except OSError as exc:  # it died waiting (killed from outside): its exit is the run's
@@ -493,7 +502,7 @@ class Zygote:
         if pid == 0:
             os._exit(spare_main(self, me, theirs))
         theirs.close()
-        self.spare = Spare(pid, ours)
+        self.spare = Spare(pid, ours, process_start_time(pid))
         return self.spare
 
     def drop_spare(self) -> None:
@@ -544,9 +553,10 @@ def _killpg(pgid: int) -> None:
 class Spare:
     """A process forked ahead of its run, waiting on ``sock`` for the request."""
 
-    def __init__(self, pid: int, sock: socket.socket) -> None:
+    def __init__(self, pid: int, sock: socket.socket, create_time: float | None = None) -> None:
         self.pid = pid
         self.sock = sock
+        self.create_time = create_time  # as psutil computes it (see process_start_time)
 
 
 def spare_main(zygote: Zygote, zygote_pid: int, sock: socket.socket) -> int:

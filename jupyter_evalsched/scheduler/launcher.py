@@ -33,6 +33,7 @@ from pathlib import Path
 
 import psutil
 
+from ..runner._proc import process_start_time
 from .cgroups import CgroupError, RunCgroup
 from .zygotes import ForkRequest, ZygoteClient
 
@@ -76,6 +77,11 @@ class RunProcess:
 
 
 def process_create_time(pid: int) -> float | None:
+    """psutil's ``create_time`` of ``pid`` (None when it is gone), read without psutil's
+    objects where ``/proc`` allows: this is read on the loop at every run's start."""
+    created = process_start_time(pid)
+    if created is not None:
+        return created
     try:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -157,15 +163,17 @@ class Launcher:
         proc = RunProcess(run_id, None, cgroup, zygote=zygote, pending=True)
         self._procs[run_id] = proc
 
-        def forked(pid: int, at: float) -> None:
+        def forked(pid: int, at: float, create_time: float | None) -> None:
             if self._procs.get(run_id) is not proc:  # given up meanwhile (shutdown)
                 _killpg(pid, signal.SIGKILL)
                 return
             proc.adopted_pid = pid
             proc.pending = False
             proc.spawned_at = at
-            if cgroup is not None:
-                self.loop.run_in_executor(None, _join_cgroup, cgroup, pid)
+            proc.create_time = create_time
+            # (No move into its cgroup from here: a forked run is running already, and its runner
+            # joins the cgroup itself before any user code: ``runner._proc.ensure_in_cgroup``. A
+            # thread per run for it would only cost the loop a hand-over.)
             asked, proc.pending_signal = proc.pending_signal, None
             on_started(proc)
             if asked is not None and self._procs.get(run_id) is proc:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -59,6 +60,9 @@ RequeuePolicy = Callable[["Run", str, "str | None"], "Requeue | None"]
 # What of a spec stays in memory: the rest (params, source, env: up to megabytes each) is read
 # from spec.json when a run starts. Thousands of finished runs then cost their records alone.
 HEAVY_SPEC_FIELDS = ("params", "source", "env")
+
+FRESH_SPECS = 256  # whole specs kept from submission to start (RunTable.remember_spec) ...
+FRESH_SPEC_MAX_BYTES = 16 * 1024  # ... of at most this size: 4 MB at most in all
 
 
 def slim_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -209,6 +213,10 @@ class RunTable:
         self.requeue_policy: RequeuePolicy | None = None  # a failure retried instead of ended
         self._unwritten: set[str] = set()  # runs whose job.json or _DONE a write refused
         self._deferred: list[Run] | None = None
+        # The whole specs of the latest submissions (small ones), as written to spec.json: most
+        # runs start soon after they are submitted, and reading the file back is then the one
+        # read on the way from admission to the start. Used once, at the first start.
+        self._fresh_specs: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.version = 0  # bumped at every change: caches of views compare it
 
     # ------------------------------------------------------------------ registry
@@ -241,10 +249,24 @@ class RunTable:
         self._runs.pop(run_id, None)
         self._active.pop(run_id, None)
         self._unwritten.discard(run_id)
+        self._fresh_specs.pop(run_id, None)
         self.version += 1
 
+    def remember_spec(self, run_id: str, spec: dict[str, Any], size: int) -> None:
+        """``spec`` was just written to the run's spec.json (``size`` bytes): its first start
+        need not read it back. Kept for the latest ``FRESH_SPECS`` small ones only."""
+        if size > FRESH_SPEC_MAX_BYTES:
+            return
+        self._fresh_specs[run_id] = spec
+        while len(self._fresh_specs) > FRESH_SPECS:
+            self._fresh_specs.popitem(last=False)
+
     def full_spec(self, run: Run) -> dict[str, Any]:
-        """The run's whole spec, from ``spec.json`` (RunFileError when it cannot be read)."""
+        """The run's whole spec, from ``spec.json`` (RunFileError when it cannot be read), or
+        as it was written there, for a run submitted lately (see ``remember_spec``)."""
+        fresh = self._fresh_specs.pop(run.id, None)
+        if fresh is not None:
+            return fresh
         spec = self.store.spec(run.id)
         if not isinstance(spec, dict):
             raise RunFileError(f"{contract.SPEC_FILE} is missing or not a JSON object")

@@ -463,6 +463,7 @@ class Scheduler:
             self._creating.discard(run_id)
         run = Run(record=record, spec=spec_dict, submitted_ts=time.time())
         self.table.add(run)
+        self.table.remember_spec(run_id, spec_dict, len(files[contract.SPEC_FILE]))
         if idempotency_key is not None:
             self._by_key[idempotency_key] = run_id
         self.table.changed(run)

@@ -107,7 +107,8 @@ class ForkRequest:
     cwd: str
     env: dict[str, str]
     fds: tuple[int, int]  # the run's stdout and stderr, closed once sent (or given up)
-    on_forked: Callable[[int, float], None]  # (pid, when the run's process got its request: wall clock)
+    # (pid, when the run's process got its request: wall clock, its create time or None)
+    on_forked: Callable[[int, float, float | None], None]
     on_cold: Callable[[str], None]  # the reason: start it in a fresh interpreter
     on_error: Callable[[str], None]  # it cannot start at all
 
@@ -317,8 +318,12 @@ class ZygoteClient:
             self.children[run_id] = pid
             self.forks += 1
             if request is not None:
-                at = message.get("at")
-                request.on_forked(pid, float(at) if isinstance(at, (int, float)) else time.time())
+                at, created = message.get("at"), message.get("create_time")
+                request.on_forked(
+                    pid,
+                    float(at) if isinstance(at, (int, float)) else time.time(),
+                    float(created) if isinstance(created, (int, float)) else None,
+                )
         elif op == "cold":
             request = self._waiting.pop(run_id, None)
             if request is not None:

@@ -280,7 +280,7 @@ class LocalExecutor(Executor):
         ctx.table.update(
             run,
             pid=proc.pid,
-            pid_create_time=process_create_time(proc.pid),
+            pid_create_time=proc.create_time if proc.create_time is not None else process_create_time(proc.pid),
             start=start,
             start_detail=detail,
         )
