@@ -67,18 +67,32 @@ def set_parent_death_signal(sig: int = _signal.SIGKILL) -> bool:
         return False
 
 
-def process_start_time(pid: int) -> float | None:
-    """When ``pid`` started, in seconds since the epoch, computed as psutil's ``create_time`` is
-    (its start in clock ticks since boot, plus the boot time: both from ``/proc``), so that the
-    two compare; None when it cannot be read (gone, or no ``/proc``). Without psutil: the zygote,
-    which must stay small, tells the server this about each process it forks."""
+def stat_fields(pid: int | str = "self") -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` from the third (the state) on: field N is at index
+    N - 3. Split after the command name's last ')', as the name may hold spaces and parentheses.
+    None when it cannot be read (gone, or no ``/proc``)."""
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
         try:
             stat = os.read(fd, 4096)
         finally:
             os.close(fd)
-        ticks = int(stat[stat.rfind(b")") + 2 :].split()[19])  # starttime (field 22)
+    except OSError:
+        return None
+    name_end = stat.rfind(b")")
+    return stat[name_end + 2 :].split() if name_end >= 0 else None
+
+
+def process_start_time(pid: int) -> float | None:
+    """When ``pid`` started, in seconds since the epoch, computed as psutil's ``create_time`` is
+    (its start in clock ticks since boot, plus the boot time: both from ``/proc``), so that the
+    two compare; None when it cannot be read (gone, or no ``/proc``). Without psutil: the zygote,
+    which must stay small, tells the server this about each process it forks."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
+    try:
+        ticks = int(fields[19])  # starttime (field 22)
         fd = os.open("/proc/stat", os.O_RDONLY)
         try:  # btime comes after a line per CPU and the interrupt counts: read until it is in
             info = b""

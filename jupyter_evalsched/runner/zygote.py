@@ -48,6 +48,7 @@ from ._proc import (
     parent_is_gone,
     process_start_time,
     set_parent_death_signal,
+    stat_fields,
 )
 
 TYPE_CHECKING = False
@@ -668,12 +669,12 @@ def show_environment(env: dict[str, str]) -> bool:
     ``/proc/self/mem`` (the zygote starts with ``EVALSCHED_ENV_RESERVE`` padding it, room for
     the run's own variables); the rest of the block is NULs. False when it could not be done
     (the environment does not fit, or ``/proc`` refuses)."""
+    fields = stat_fields()
+    if fields is None:
+        return False
     try:
-        with open("/proc/self/stat", "rb") as f:
-            stat = f.read()
-        fields = stat[stat.rfind(b")") + 2 :].split()
         start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50 and 51)
-    except (OSError, IndexError, ValueError):
+    except (IndexError, ValueError):
         return False
     block = b"".join(f"{k}={v}".encode("utf-8", "surrogateescape") + b"\0" for k, v in env.items())
     if not start or len(block) > end - start:

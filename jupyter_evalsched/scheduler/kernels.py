@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from ..runner._proc import stat_fields
+
 _CONNECTION_FILE_RE = re.compile(rb"kernel-([0-9a-fA-F-]{8,64})\.json")
 MAX_ANCESTORS = 8  # a GPU process deeper than this below a kernel is not named after it
 
@@ -45,13 +47,9 @@ def _read(path: str, limit: int = 1 << 20) -> bytes | None:
 
 
 def _parent(pid: int) -> int | None:
-    data = _read(f"/proc/{pid}/stat", 4096)
-    if not data:
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last ')'.
+    fields = stat_fields(pid)
     try:
-        fields = data[data.rindex(b")") + 2 :].split()
-        ppid = int(fields[1])
+        ppid = int(fields[1]) if fields is not None else 0  # ppid (field 4)
     except (ValueError, IndexError):
         return None
     return ppid or None

@@ -56,7 +56,7 @@ class RunProcess:
     spawned_at: float = field(default_factory=time.time)
     detached: bool = False  # left running at shutdown
     adopted_pid: int = 0  # adopted, or forked by a zygote
-    create_time: float | None = None
+    create_time: float | None = None  # psutil's, where known: adopted, or reported by the zygote
     zygote: ZygoteClient | None = field(default=None, repr=False)  # its parent, which reports its exit
     pending: bool = False  # asked of the zygote, no pid yet
     pending_signal: tuple[str, float] | None = None  # ("term", grace) or ("kill", 0): sent once it has a pid
