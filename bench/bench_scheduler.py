@@ -48,6 +48,9 @@ class TimedScheduler(Scheduler):
         self.local = LocalExecutor(notify_exits=event_driven, cgroups=cgroups)
         super().__init__(config, probe, executors=[self.local])
         self.noticed: dict[str, float] = {}
+        # The run's exit noticed: its resources released, before its verdict is read and its end
+        # recorded (RunTable.exited).
+        self.exited: dict[str, float] = {}
         self.spawned: dict[str, float] = {}
         self.finished: dict[str, asyncio.Future] = {}
         started = self.local._started  # called once the run's process exists, warm or cold
@@ -57,6 +60,13 @@ class TimedScheduler(Scheduler):
             return started(run, *args, **kwargs)
 
         self.local._started = timed_started
+        exited = self.table.exited
+
+        def timed_exited(run):
+            self.exited[run.id] = time.monotonic()
+            return exited(run)
+
+        self.table.exited = timed_exited
         self.table.subscribe(self._changed)  # told of an end before the admission it triggers
 
     def _changed(self, event: dict) -> None:
@@ -110,7 +120,7 @@ async def admission_latency(rounds: int, event_driven: bool, root: Path) -> tupl
             await asyncio.wait_for(sched.finished[b["id"]], 30)
             done_mtime = (runs / a["id"] / "_DONE").stat().st_mtime
             from_done.append(sched.spawned[b["id"]] - mono_of_wall(done_mtime))
-            from_notice.append(sched.spawned[b["id"]] - sched.noticed[a["id"]])
+            from_notice.append(sched.spawned[b["id"]] - sched.exited[a["id"]])
     finally:
         await sched.stop()
     return from_done, from_notice

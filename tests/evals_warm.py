@@ -91,3 +91,12 @@ def finalizers(ctx, index):
     with open(ctx.params["out"], "w") as f:
         json.dump({"zygotes": warm_tempdir.HELD.name, "own": _OWN[-1].name}, f)
     return {"ok": 1}
+
+
+def exit_without_finishing(ctx, index):
+    """Sleep ``params["sleep_s"]``, then leave with exit code ``params["code"]`` before the runner
+    can finalize (or wait there to be killed)."""
+    import time
+
+    time.sleep(ctx.params["sleep_s"])
+    os._exit(ctx.params["code"])

@@ -4,6 +4,7 @@ start or another zygote. A real server, real zygotes, real runs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -14,10 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 from proc_status import alive
-from rest import SLEEPY, spec, submit
+from rest import NOOP, SLEEPY, spec, submit
 from waiting import async_wait_until
 
 from jupyter_evalsched.doctor import server_checks
+from jupyter_evalsched.scheduler import launcher as launcher_module
 from jupyter_evalsched.scheduler.zygotes import cold_reason, incompatible, zygote_environment
 
 HERE = Path(__file__).resolve().parent
@@ -26,6 +28,7 @@ READ_VALUE = f"{HERE / 'evals_warm.py'}:read_value"
 ESCAPE = f"{HERE / 'evals_warm.py'}:escape_fork_only"
 NUMPY_STATE = f"{HERE / 'evals_warm.py'}:numpy_state"
 FINALIZERS = f"{HERE / 'evals_warm.py'}:finalizers"
+EXIT_EARLY = f"{HERE / 'evals_warm.py'}:exit_without_finishing"
 
 # The per-run variables: set after the fork, different for every run by design.
 PER_RUN = {"EVALSCHED_RUN_ID", "EVALSCHED_CGROUP_PROCS"}
@@ -228,21 +231,112 @@ async def test_a_run_does_not_finalize_what_the_zygote_made_but_finalizes_its_ow
         await async_wait_until(lambda: not os.path.exists(dirs["own"]), timeout=5, message="the run's own was kept")
 
 
-async def test_the_process_forked_ahead_is_replaced_when_it_dies_waiting(api, wait_for, tmp_path):
-    """The zygote forks each run's process before its request (its spare). A spare killed while
-    it waits is reaped, and the next run gets a new one: it still starts warm."""
+async def test_the_processes_forked_ahead_are_replaced_when_they_die_waiting(api, wait_for, tmp_path):
+    """The zygote forks runs' processes before their requests (its spares, two at a time) and
+    hands them to the server. A spare killed while it waits is reaped and replaced at once, and
+    the next run still starts warm, in one of the spares."""
     warm = await ready_zygote(api)
     zygote = psutil.Process(next(z["pid"] for z in warm["zygotes"] if z["state"] == "ready"))
-    await async_wait_until(lambda: len(zygote.children()) == 1, timeout=10, message="no process forked ahead")
-    spare = zygote.children()[0]
-    assert "EVALSCHED_RUN_ID" not in spare.environ()  # nobody's run yet
-    spare.kill()
-    await async_wait_until(lambda: not zygote.children(), timeout=10, message="the dead spare was not reaped")
+
+    async def spares_of_server() -> list[int] | None:
+        """The spares the server holds, once they are all the zygote's children."""
+        zygotes = (await status(api))["warm_start"]["zygotes"]
+        held = next(z["spares"] for z in zygotes if z["pid"] == zygote.pid)
+        children = sorted(c.pid for c in zygote.children())
+        return held if len(held) == 2 and sorted(held) == children else None
+
+    spares = await async_wait_until(spares_of_server, timeout=10, message="no processes forked ahead")
+    victim = psutil.Process(spares[0])
+    assert "EVALSCHED_RUN_ID" not in victim.environ()  # nobody's run yet
+    victim.kill()
+    await async_wait_until(
+        lambda: victim.pid not in [c.pid for c in zygote.children()],
+        timeout=10,
+        message="the dead spare was not reaped",
+    )
+
+    async def replaced() -> list[int] | None:
+        held = await spares_of_server()
+        return held if held is not None and victim.pid not in held else None
+
+    spares = await async_wait_until(replaced, timeout=10, message="the dead spare was not replaced")
     final, fp = await run_fingerprint(api, wait_for, tmp_path / "fp.json")
     assert final["start"] == "warm" and final["start_detail"] == f"forked by zygote {zygote.pid}", final
-    assert final["pid"] != spare.pid and fp["tasks"] == 1
-    # And the next run's process is forked ahead again.
-    await async_wait_until(lambda: len(zygote.children()) == 1, timeout=10, message="no new process forked ahead")
+    assert final["pid"] in spares and fp["tasks"] == 1
+    # And the spare it used is replaced too.
+    after = await async_wait_until(spares_of_server, timeout=10, message="no new process forked ahead")
+    assert final["pid"] not in after
+
+
+async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for, evalsched, monkeypatch):
+    """The server sees a forked run's exit through the pidfd the zygote handed over, reads its
+    exit code from the process the zygote has not reaped yet, and asks for the reap only then:
+    every exit code is right, and no zombie is left behind."""
+    calls: list[tuple[int, int | None]] = []
+    read = launcher_module.zombie_exit_code
+
+    def recording(pid: int, pidfd: int) -> int | None:
+        calls.append((pid, read(pid, pidfd)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(launcher_module, "zombie_exit_code", recording)
+    warm = await ready_zygote(api)
+    zygote = psutil.Process(next(z["pid"] for z in warm["zygotes"] if z["state"] == "ready"))
+    # Each runs long enough (a second) for the zygote to have heard that its process is a run.
+    ok = await submit(api, spec(entry=SLEEPY, episodes=1, sleep_s=1.0))
+    early = await submit(api, spec(entry=EXIT_EARLY, params={"sleep_s": 1.0, "code": 3}))
+    killed = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.1))
+    running = await wait_for(killed["id"], states=("running",))
+    await async_wait_until(lambda: (evalsched.get(killed["id"]).record["pid"] or 0) > 0, timeout=10)
+    await asyncio.sleep(1.0)
+    os.kill(evalsched.get(killed["id"]).record["pid"], signal.SIGKILL)
+    finals = {name: await wait_for(rec["id"]) for name, rec in (("ok", ok), ("early", early), ("killed", killed))}
+    assert finals["ok"]["state"] == "succeeded" and finals["ok"]["exit_code"] == 0, finals["ok"]
+    assert finals["early"]["state"] == "failed" and finals["early"]["exit_code"] == 3, finals["early"]
+    assert finals["early"]["reason"].startswith("exit_code:3"), finals["early"]
+    assert finals["killed"]["state"] == "failed" and finals["killed"]["exit_code"] == -9, finals["killed"]
+    assert finals["killed"]["reason"].startswith("signal:SIGKILL"), finals["killed"]
+    assert all(f["start"] == "warm" for f in finals.values()), finals
+    read_codes = dict(calls)
+    assert [read_codes.get(f["pid"]) for f in finals.values()] == [0, 3, -9], (calls, running)
+
+    async def no_zombies() -> bool:
+        zygotes = (await status(api))["warm_start"]["zygotes"]
+        spares = next(z["spares"] for z in zygotes if z["pid"] == zygote.pid)
+        return sorted(c.pid for c in zygote.children()) == sorted(spares)
+
+    await async_wait_until(no_zombies, timeout=10, message="the zygote did not reap the runs the server read")
+
+
+async def test_what_a_run_frees_goes_to_the_next_before_its_verdict_is_read(api, wait_for, evalsched):
+    """A run's exit hands what it held to the run waiting for it at once: that run is running
+    when the first one's end is recorded (its verdict comes from its files, read after). A run
+    that depends on the first still waits for the verdict."""
+    await ready_zygote(api)
+    both_gpus = {"marginal_vram_mb": 16000, "gpus": 2}
+    ids: dict[str, str] = {}
+    seen: dict[str, str] = {}
+
+    def listener(event: dict) -> None:
+        run = event.get("run") or {}
+        if event.get("type") == "run" and run.get("id") == ids.get("a") and run.get("state") == "succeeded":
+            seen["b"] = evalsched.get(ids["b"]).state
+            seen["c"] = evalsched.get(ids["c"]).state
+
+    evalsched.subscribe(listener)
+    try:
+        ids["a"] = (await submit(api, spec(entry=NOOP, scheduling=both_gpus)))["id"]
+        ids["b"] = (await submit(api, spec(entry=NOOP, scheduling=both_gpus)))["id"]
+        ids["c"] = (await submit(api, spec(entry=NOOP, depends_on=[ids["a"]])))["id"]
+        finals = {k: await wait_for(v) for k, v in ids.items()}
+    finally:
+        evalsched.unsubscribe(listener)
+    assert all(f["state"] == "succeeded" for f in finals.values()), finals
+    assert seen == {"b": "running", "c": "queued"}, seen
+    # Its finished_at is when its process was seen gone: before b's start, which came before the
+    # verdict was recorded.
+    assert finals["a"]["finished_at"] <= finals["b"]["started_at"], finals
+    assert finals["a"]["finished_at"] <= finals["c"]["started_at"], finals
 
 
 @pytest.mark.parametrize("preload", [[]])

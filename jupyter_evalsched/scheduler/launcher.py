@@ -9,9 +9,13 @@ long as the server.
 Exit is noticed through a pidfd registered with the event loop: the next admission happens in
 the same loop iteration as the exit, not at the next tick of a sweep.
 
-A warm start (``fork``) asks a zygote (``zygotes.py``) to fork the run instead: the zygote is its
-parent, ties the run's death signal to itself (it dies with the server), reaps it and reports its
-exit code over its socket, read on the loop. Nothing of it blocks the loop.
+A warm start (``fork``) gives the run to a process a zygote (``zygotes.py``) forked ahead: the
+zygote is its parent and ties the run's death signal to itself (it dies with the server). The
+zygote hands over a pidfd of each process it forks, readable once the run has exited: the exit
+code of the process, which the zygote does not reap until asked, is read from ``/proc`` (see
+``zombie_exit_code``), the exit is handled (the next run started), and only then is the zygote
+asked to reap it. Where that read fails, the zygote reaps at once and reports the exit code over
+its socket, read on the loop. Nothing of it blocks the loop.
 
 A detached run (spec ``detach``) arms no death signal and is left running at shutdown; the next
 server adopts it (``adopt``: by pid and start time, watched through a pidfd). An adopted process
@@ -24,6 +28,7 @@ import asyncio
 import functools
 import logging
 import os
+import select
 import signal
 import subprocess
 import time
@@ -33,7 +38,7 @@ from pathlib import Path
 
 import psutil
 
-from ..runner._proc import process_start_time
+from ..runner._proc import process_start_time, stat_fields
 from .cgroups import CgroupError, RunCgroup
 from .zygotes import ForkRequest, ZygoteClient
 
@@ -60,7 +65,8 @@ class RunProcess:
     zygote: ZygoteClient | None = field(default=None, repr=False)  # its parent, which reports its exit
     pending: bool = False  # asked of the zygote, no pid yet
     pending_signal: tuple[str, float] | None = None  # ("term", grace) or ("kill", 0): sent once it has a pid
-    exit_code: int | None = None  # a forked run's, as its zygote reported it
+    exit_code: int | None = None  # a forked run's, as its zygote reported it or read from /proc
+    zombie: bool = False  # a forked run whose exit code was read before its zygote reaped it
 
     @property
     def pid(self) -> int:
@@ -71,7 +77,7 @@ class RunProcess:
         if self.popen is not None:
             code = self.popen.poll()
             return code is not None, code
-        if self.zygote is not None:  # its zygote reaps it and says so
+        if self.zygote is not None:  # its pidfd shows it (``Launcher._forked_exited``), or its zygote says so
             return self.exit_code is not None, self.exit_code
         return not is_same_process(self.adopted_pid, self.create_time, alive_only=True), None
 
@@ -86,6 +92,23 @@ def process_create_time(pid: int) -> float | None:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
+
+
+def zombie_exit_code(pid: int, pidfd: int) -> int | None:
+    """The exit code (as ``Popen.returncode``) of ``pid``, another process's child that has exited
+    and is not reaped yet, or None (alive, or reaped already: then its parent reports it).
+    ``pidfd`` names that very process: a signal 0 through it succeeds until it is reaped, so a
+    success after the read proves that the read was of this process and not of a new one that
+    got its pid."""
+    fields = stat_fields(pid)
+    if fields is None or fields[0] not in (b"Z", b"X") or len(fields) < 50:
+        return None
+    try:
+        status = int(fields[49])  # field 52, exit_code: the wait status (Linux 3.5+)
+        signal.pidfd_send_signal(pidfd, 0)
+    except (ValueError, OSError):
+        return None
+    return os.waitstatus_to_exitcode(status)
 
 
 def is_same_process(pid: int | None, create_time: float | None, alive_only: bool = False) -> bool:
@@ -163,14 +186,22 @@ class Launcher:
         proc = RunProcess(run_id, None, cgroup, zygote=zygote, pending=True)
         self._procs[run_id] = proc
 
-        def forked(pid: int, at: float, create_time: float | None) -> None:
+        def forked(pid: int, at: float, create_time: float | None, pidfd: int | None) -> bool:
             if self._procs.get(run_id) is not proc:  # given up meanwhile (shutdown)
                 _killpg(pid, signal.SIGKILL)
-                return
+                if pidfd is not None:
+                    os.close(pidfd)
+                return False
             proc.adopted_pid = pid
             proc.pending = False
             proc.spawned_at = at
             proc.create_time = create_time
+            watched = False
+            if pidfd is not None and self.notify_exits:
+                proc.pidfd, watched = pidfd, True
+                self.loop.add_reader(pidfd, self._exited, run_id)
+            elif pidfd is not None:
+                os.close(pidfd)
             # (No move into its cgroup from here: a forked run is running already, and its runner
             # joins the cgroup itself before any user code: ``runner._proc.ensure_in_cgroup``. A
             # thread per run for it would only cost the loop a hand-over.)
@@ -181,6 +212,7 @@ class Launcher:
                     self._kill_hard(proc)
                 else:
                     self.terminate(run_id, asked[1])
+            return watched
 
         def answered(then: Callable[[str], None], why: str) -> None:
             if self._procs.get(run_id) is proc:
@@ -276,24 +308,48 @@ class Launcher:
         proc = self._procs.get(run_id)
         if proc is None:
             return
+        if proc.zygote is not None:
+            self._forked_exited(proc)
+            return
         ended, code = proc.ended()
         if ended:
             self._finish(proc, code)
+
+    def _forked_exited(self, proc: RunProcess) -> None:
+        """A forked run's pidfd is readable: it has exited, and its zygote reaps it only once
+        asked. Its exit code is read here, the zygote is asked after the run's end is handled
+        (and the next run started): its work at a run's exit is off that path."""
+        assert proc.zygote is not None
+        code = zombie_exit_code(proc.pid, proc.pidfd) if proc.pidfd is not None else None
+        if code is not None:
+            proc.exit_code, proc.zombie = code, True
+            self._finish(proc, code)
+            return
+        # Not readable here (or reaped already): the zygote reaps it and reports the exit code.
+        self._unwatch(proc)
+        proc.zygote.release_child(proc.pid)
 
     def poll(self) -> None:
         """Backstop for hosts without pidfd (and for missed wake-ups)."""
         for proc in list(self._procs.values()):
             if proc.pending:
                 continue
+            if proc.zygote is not None:
+                if proc.pidfd is not None and _readable(proc.pidfd):
+                    self._forked_exited(proc)
+                continue
             ended, code = proc.ended()
             if ended:
                 self._finish(proc, code)
 
-    def _stop_watching(self, proc: RunProcess) -> None:
+    def _unwatch(self, proc: RunProcess) -> None:
         if proc.pidfd is not None:
             self.loop.remove_reader(proc.pidfd)
             os.close(proc.pidfd)
             proc.pidfd = None
+
+    def _stop_watching(self, proc: RunProcess) -> None:
+        self._unwatch(proc)
         if proc.kill_timer is not None:
             proc.kill_timer.cancel()
 
@@ -304,8 +360,9 @@ class Launcher:
         # goes too. The group id cannot be reused yet: it is the leader's pid, just reaped. (An
         # adopted leader was reaped by another process, so its pid may be reused already: its
         # cgroup, where it has one, is what clean-up empties.)
-        # (A forked run's zygote did this before it reaped the leader.)
-        if proc.zygote is None and (proc.popen is not None or proc.cgroup is None):
+        # (A forked run's leader is reaped by its zygote, which does this first; one whose exit
+        # code was read here is not reaped before this server asks, after its end is handled.)
+        if proc.zombie or (proc.zygote is None and (proc.popen is not None or proc.cgroup is None)):
             _killpg(proc.pid, signal.SIGKILL)
         # Registered before the exit handler runs: it may start the run's next attempt at once,
         # which must wait for this clean-up (it would remove the new attempt's cgroup).
@@ -315,6 +372,8 @@ class Launcher:
             self._on_exit(proc.run_id, code)
         except Exception:
             log.exception("exit handler failed for run %s", proc.run_id)
+        if proc.zombie and proc.zygote is not None:
+            proc.zygote.release_child(proc.pid)
         # A descendant that left the group (setsid) escaped that killpg: its cgroup holds it, or
         # its environment names the run. Done off the event loop, after the exit is recorded: the
         # next admission does not wait for it.
@@ -382,6 +441,13 @@ class Launcher:
             killed.append(proc.run_id)
         self._procs.clear()
         return killed
+
+
+def _readable(fd: int) -> bool:
+    try:
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
 
 
 def _join_cgroup(cgroup: RunCgroup, pid: int) -> None:

@@ -86,6 +86,7 @@ class Run:
     warned: set[str] = field(default_factory=set)  # keys of the warnings already recorded
     preempted_by: str | None = None  # the job it is being stopped for (its _STOP is written)
     started_ts: float | None = None  # time.time() of the current attempt's start
+    exited_at: str | None = None  # when its process was seen gone (RunTable.exited): its finished_at
     requeued_reason: str | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
     done_on_disk: bool = False
     summary_stamp: FileStamp | None = None  # of the summary last applied
@@ -210,6 +211,7 @@ class RunTable:
         self._listeners: list[Listener] = []
         self._end_listeners: list[EndListener] = []
         self._requeue_listeners: list[RequeueListener] = []
+        self._exit_listeners: list[EndListener] = []
         self.requeue_policy: RequeuePolicy | None = None  # a failure retried instead of ended
         self._unwritten: set[str] = set()  # runs whose job.json or _DONE a write refused
         self._deferred: list[Run] | None = None
@@ -301,6 +303,21 @@ class RunTable:
 
     def on_requeue(self, listener: RequeueListener) -> None:
         self._requeue_listeners.append(listener)
+
+    def on_exit(self, listener: EndListener) -> None:
+        self._exit_listeners.append(listener)
+
+    def exited(self, run: Run) -> None:
+        """The running ``run``'s process is gone, before its verdict is known (an executor calls
+        this, then ``finish`` or ``requeue`` in the same loop iteration): what it held on this
+        host is free now, so admission need not wait for its files to be read. Its
+        ``finished_at`` is this moment: before the start of a run admitted in its place."""
+        run.exited_at = utcnow_iso()
+        for listener in list(self._exit_listeners):
+            try:
+                listener(run)
+            except Exception:
+                log.exception("evalsched: exit listener failed for run %s", run.id)
 
     def changed(self, run: Run) -> None:
         """Tell listeners that the run's record changed."""
@@ -414,7 +431,8 @@ class RunTable:
             plan = self.requeue_policy(run, state, reason)
             if plan is not None and self.requeue(run, plan, quiet=True):
                 return
-        run.record.update(state=state, reason=reason, finished_at=utcnow_iso())
+        run.record.update(state=state, reason=reason, finished_at=run.exited_at or utcnow_iso())
+        run.exited_at = None
         run.done_on_disk = done_on_disk
         self._active.pop(run.id, None)
         if self._deferred is not None:
@@ -456,7 +474,7 @@ class RunTable:
         )
         run.done_on_disk = False
         run.cancel_requested = run.timed_out = False
-        run.kill_reason = run.preempted_by = run.started_ts = None
+        run.kill_reason = run.preempted_by = run.started_ts = run.exited_at = None
         run.summary_stamp = None
         self._active[run.id] = run
         self._unwritten.discard(run.id)

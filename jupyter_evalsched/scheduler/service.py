@@ -82,6 +82,7 @@ class Scheduler:
         self._waiting_on: dict[str, set[str]] = {}  # dependency id -> blocked runs waiting on it
         self._eligible: dict[str, Run] = {}  # the queued runs not blocked: what a decision looks at
         self._running: dict[str, Run] = {}
+        self._released: set[str] = set()  # runs whose process exited, their end not recorded yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self.context: ExecutorContext | None = None  # what executors get; set by start()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
@@ -110,6 +111,7 @@ class Scheduler:
         # Retries waiting out their back-off: queued, not yet admissible (run id -> its timer).
         self._backoff: dict[str, asyncio.TimerHandle] = {}
         self.table.requeue_policy = self._retry_policy
+        self.table.on_exit(self._on_run_exited)
         self.table.on_end(self._on_run_ended)
         self.table.on_requeue(self._on_run_requeued)
         self.table.subscribe(self._run_changed)
@@ -452,6 +454,9 @@ class Scheduler:
             files[contract.SHARED_URLS_FILE] = _dumps({"models": {}})
         if spec.source is not None:
             files[contract.EVAL_SOURCE_FILE] = spec.source.encode()
+        # The logs exist (empty) from the submission on: the start only opens them, and a new
+        # file's inode is not allocated between a run's admission and its start.
+        files[contract.STDOUT_FILE] = files[contract.STDERR_FILE] = b""
         # Creating files costs about a millisecond each on these disks, mostly waiting: done in
         # a thread pool, several submissions overlap and the event loop stays free.
         self._creating.add(run_id)
@@ -489,9 +494,25 @@ class Scheduler:
         self._admit_scheduled = True
         self._loop.call_soon(self._admit)
 
+    def _on_run_exited(self, run: Run) -> None:
+        """The run's process is gone: its resources go to the next in line right now, before its
+        verdict is read and its files are written (its end follows in this loop iteration)."""
+        if self._running.pop(run.id, None) is None:
+            return
+        self._released.add(run.id)
+        if not self._started or self._stopping:
+            return
+        if self._admitting:
+            self._decide_again = True
+        else:
+            self._settled = False
+            self._admit()
+
     def _on_run_ended(self, run: Run) -> None:
         self._dequeue(run.id)
         held = self._running.pop(run.id, None) is not None
+        released = run.id in self._released  # at its exit: admission has seen it gone already
+        self._released.discard(run.id)
         if not self._started or self._stopping:
             return
         if self._admitting:
@@ -500,7 +521,7 @@ class Scheduler:
             # Right here, in the same loop iteration as the end, before its files are written.
             self._settled = False
             self._admit()
-        else:
+        elif not released:
             self.request_admission()
 
     def _retry_policy(self, run: Run, state: str, reason: str | None) -> Requeue | None:
@@ -523,6 +544,7 @@ class Scheduler:
         back-off; what it held is free at once."""
         self._dequeue(run.id)
         self._running.pop(run.id, None)
+        self._released.discard(run.id)
         timer = self._backoff.pop(run.id, None)
         if timer is not None:
             timer.cancel()

@@ -1,15 +1,17 @@
 """Warm starts, the server's side: the zygotes runs are forked from (DESIGN.md, "Warm starts").
 
 A ``ZygoteClient`` is one zygote process (``runner/zygote.py``) and the socket to it, read on the
-event loop: a fork request is one non-blocking send, the fork itself happens in the zygote, and
-the pid and later the exit code come back as messages; nothing blocks the loop. A
+event loop. The zygote forks each run's process ahead of its request and hands it over (a
+*spare*: a socket to it and a pidfd of it); a start is one non-blocking send to the spare, which
+answers on that socket and becomes the run, and the exit code comes back from the zygote (or, as
+soon as the run has exited, from the pidfd: see ``launcher``); nothing blocks the loop. A
 ``ZygotePool`` keeps one zygote per environment: a zygote may fork a run only when the run's
 environment has the same values for what the zygote's imports depended on (``incompatible``);
 another environment gets its own zygote, up to ``max_zygotes``, reaped when idle.
 
 Whether a run may be forked at all (``cold_reason``) is decided here and in the zygote, which
 refuses (threads, CUDA) or answers cold (a preloaded module's file changed: it is then replaced;
-the run's cwd shadows a preloaded module) when in doubt. A cold start is always correct, so every
+the run's cwd shadows a preloaded module: both checked by the spare) when in doubt. A cold start is always correct, so every
 doubt ends in one.
 """
 
@@ -107,13 +109,33 @@ class ForkRequest:
     cwd: str
     env: dict[str, str]
     fds: tuple[int, int]  # the run's stdout and stderr, closed once sent (or given up)
-    # (pid, when the run's process got its request: wall clock, its create time or None)
-    on_forked: Callable[[int, float, float | None], None]
+    # (pid, when the run's process got its request: wall clock, its create time or None, a pidfd
+    # of it or None: the callee owns it) -> whether the callee watches that pidfd for the run's
+    # exit (then it reads the exit code itself, and asks the zygote to reap: ``release_child``)
+    on_forked: Callable[[int, float, float | None, int | None], bool]
     on_cold: Callable[[str], None]  # the reason: start it in a fresh interpreter
     on_error: Callable[[str], None]  # it cannot start at all
 
 
 ExitHandler = Callable[[str, int, int], None]  # run id, pid, exit code
+
+
+@dataclass
+class Spare:
+    """A process the zygote forked ahead of its run: the server's end of the socket it waits on,
+    and a pidfd of it (None where the host has none)."""
+
+    pid: int
+    sock: socket.socket
+    pidfd: int | None
+    create_time: float | None
+    request: ForkRequest | None = None  # once given a run, until it answers
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 @dataclass
@@ -135,7 +157,9 @@ class ZygoteClient:
     _sock: socket.socket | None = None
     _popen: subprocess.Popen | None = None
     _queue: collections.deque[ForkRequest] = field(default_factory=collections.deque)
-    _waiting: dict[str, ForkRequest] = field(default_factory=dict)  # sent, no answer yet
+    _spares: collections.deque[Spare] = field(default_factory=collections.deque)  # not given a run yet
+    _asked: dict[int, Spare] = field(default_factory=dict)  # pid -> a spare given a run, no answer yet
+    _outbox: collections.deque[bytes] = field(default_factory=collections.deque)  # to the zygote
     _cwd: str | None = None
     _writer: bool = False
 
@@ -216,29 +240,119 @@ class ZygoteClient:
         request.on_cold(self.why or f"the zygote is {self.state}")
 
     def _flush(self) -> None:
-        sock = self._sock
-        while self._queue and sock is not None and self.state == READY:
-            request = self._queue[0]
-            message = {
-                "op": "fork",
-                "run_id": request.run_id,
-                "run_dir": request.run_dir,
-                "cwd": request.cwd,
-                "env": request.env,
-            }
+        """Give the waiting runs to the spares, one each (the zygote forks more on ``taken``)."""
+        while self._queue and self._spares and self.state == READY:
+            spare = self._spares.popleft()  # the oldest: surely ready
+            request = self._queue.popleft()
+            message = {"run_id": request.run_id, "run_dir": request.run_dir, "cwd": request.cwd, "env": request.env}
             try:
-                socket.send_fds(sock, [json.dumps(message).encode()], list(request.fds))
+                socket.send_fds(spare.sock, [json.dumps(message).encode()], list(request.fds))
+            except OSError as exc:  # it died waiting (killed from outside): the next one takes it
+                log.debug("zygote %d: the spare %d is gone: %s", self.pid, spare.pid, exc)
+                spare.close()
+                self._queue.appendleft(request)
+                continue
+            _close_fds(request)
+            spare.request = request
+            self._asked[spare.pid] = spare
+            # The zygote hears of it once the spare has answered: the next spare is forked after
+            # this run's start, not during it.
+            self.loop.add_reader(spare.sock.fileno(), self._answered, spare.pid)
+
+    def _answered(self, pid: int) -> None:
+        """The spare ``pid`` answered its run (or closed its socket without answering: it died)."""
+        spare = self._asked.pop(pid, None)
+        if spare is None:
+            return
+        self.loop.remove_reader(spare.sock.fileno())
+        try:
+            data = spare.sock.recv(MAX_MESSAGE)
+        except (BlockingIOError, InterruptedError):
+            self._asked[pid] = spare  # not yet (a wake-up with nothing to read)
+            self.loop.add_reader(spare.sock.fileno(), self._answered, pid)
+            return
+        except OSError:
+            data = b""
+        try:
+            answer = json.loads(data) if data else {}
+        except ValueError:
+            answer = {}
+        request = spare.request
+        assert request is not None
+        op = answer.get("op") if isinstance(answer, dict) else None
+        pidfd, spare.pidfd = spare.pidfd, None
+        if op == "started":
+            spare.close()
+            self.children[request.run_id] = pid
+            self.forks += 1
+            at = answer.get("at")
+            reaps = False
+            try:
+                reaps = request.on_forked(
+                    pid, float(at) if isinstance(at, (int, float)) else time.time(), spare.create_time, pidfd
+                )
+            finally:  # (the zygote forks the next spare on it, whatever happened here)
+                self._send({"op": "taken", "pid": pid, "run_id": request.run_id, "reaps": reaps})
+            return
+        if pidfd is not None:
+            os.close(pidfd)
+        spare.close()
+        self._send({"op": "taken", "pid": pid, "run_id": None, "reaps": False})
+        why = str(answer.get("why")) if isinstance(answer, dict) else ""
+        if op == "error":
+            request.on_error(why)
+        elif op == "stale":
+            self._retire(f"replaced: {why}")
+            request.on_cold(why)
+        elif op == "cold":
+            request.on_cold(why)
+        else:
+            request.on_cold(f"the process forked for the run died before it started ({data[:200]!r})")
+
+    def release_child(self, pid: int) -> None:
+        """The run ``pid``, whose exit the server watches, has exited: the zygote may reap it (it
+        then reports its exit as usual; the server needs that only when it could not read the
+        exit code itself)."""
+        self._send({"op": "reap", "pid": pid})
+
+    def settle(self, pid: int) -> None:
+        """Read the answer of the spare ``pid`` now if it is still awaited (its exit was seen
+        first: the answer, written before it became the run, is in its socket already)."""
+        if pid in self._asked:
+            self._answered(pid)
+
+    def _retire(self, why: str) -> None:
+        """A spare found a preloaded module's file edited: this zygote forks nothing more (the
+        pool starts a fresh one); it ends once its runs have."""
+        if self.state not in (READY, STARTING):
+            return
+        self.state = RETIRING
+        self.why = why
+        log.info("evalsched: zygote %d %s", self.pid, why)
+        self._send({"op": "retire", "why": why})
+        self._drop_spares()
+        self._cold_all(why, asked=False)
+        self._notify()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self._outbox.append(json.dumps(message).encode())
+        self._drain_outbox()
+
+    def _drain_outbox(self) -> None:
+        sock = self._sock
+        while self._outbox and sock is not None:
+            try:
+                sock.send(self._outbox[0])
             except BlockingIOError:
                 if not self._writer:
-                    self.loop.add_writer(sock.fileno(), self._flush)
+                    self.loop.add_writer(sock.fileno(), self._drain_outbox)
                     self._writer = True
                 return
             except OSError as exc:
-                self._gone(f"the zygote's socket failed: {exc}")
+                self._outbox.clear()
+                log.debug("zygote %d: %s", self.pid, exc)  # its end is read as it happens
                 return
-            self._queue.popleft()
-            _close_fds(request)
-            self._waiting[request.run_id] = request
+            self._outbox.popleft()
         if self._writer and sock is not None:
             self.loop.remove_writer(sock.fileno())
             self._writer = False
@@ -247,6 +361,7 @@ class ZygoteClient:
         """Closing the socket ends the zygote, and with it any run it still has. ``wait``: for
         its exit (at shutdown); else the pool's sweep reaps it."""
         self._cold_all("the zygote was closed")
+        self._drop_spares()
         self._shut_socket()
         if self._popen is not None and wait:
             try:
@@ -266,24 +381,35 @@ class ZygoteClient:
         sock = self._sock
         while sock is not None:
             try:
-                data = sock.recv(MAX_MESSAGE)
+                data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 2)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                data = b""
+                data, fds = b"", []
                 log.debug("zygote %d: %s", self.pid, exc)
             if not data:
+                for fd in fds:
+                    os.close(fd)
                 self._gone(self.why or "the zygote exited")
                 return
             try:
-                self._handle(json.loads(data))
+                self._handle(json.loads(data), fds)
             except Exception:
                 log.exception("evalsched: bad message from zygote %d", self.pid)
+                for fd in fds:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
             sock = self._sock
 
-    def _handle(self, message: dict[str, Any]) -> None:
+    def _handle(self, message: dict[str, Any], fds: list[int]) -> None:
         op = message.get("op")
-        run_id = message.get("run_id", "")
+        if op == "spare":
+            self._take_spare(message, fds)
+            return
+        for fd in fds:  # only a spare comes with descriptors
+            os.close(fd)
         if op == "ready":
             self.state = READY
             self.info = message
@@ -304,52 +430,69 @@ class ZygoteClient:
             self.state = REFUSED
             self.why = f"warm starts are off: {message.get('why')}"
             log.warning("evalsched: %s; runs start cold", self.why)
-            self._cold_all(self.why)
+            self._drop_spares()
+            self._cold_all(self.why, asked=False)
             self._notify()
-        elif op == "stale":
-            self.state = RETIRING
-            self.why = f"replaced: {message.get('why')}"
-            log.info("evalsched: zygote %d %s", self.pid, self.why)
-            self._cold_all(self.why)
-            self._notify()
-        elif op == "forked":
-            request = self._waiting.pop(run_id, None)
-            pid = int(message["pid"])
-            self.children[run_id] = pid
-            self.forks += 1
-            if request is not None:
-                at, created = message.get("at"), message.get("create_time")
-                request.on_forked(
-                    pid,
-                    float(at) if isinstance(at, (int, float)) else time.time(),
-                    float(created) if isinstance(created, (int, float)) else None,
-                )
-        elif op == "cold":
-            request = self._waiting.pop(run_id, None)
-            if request is not None:
-                request.on_cold(str(message.get("why")))
-        elif op == "error":
-            request = self._waiting.pop(run_id, None)
-            if request is not None:
-                request.on_error(str(message.get("why")))
         elif op == "exit":
             pid = int(message["pid"])
-            if self.children.get(run_id) == pid:
-                del self.children[run_id]
+            self.settle(pid)  # a run's answer first, then its exit
+            dead = next((spare for spare in self._spares if spare.pid == pid), None)
+            if dead is not None:  # it died waiting
+                self._spares.remove(dead)
+                dead.close()
+                return
+            run_id = next((r for r, p in self.children.items() if p == pid), None)
+            if run_id is None:
+                return  # a spare that answered cold or error, or one the server never took
+            del self.children[run_id]
             self.last_used = time.monotonic()
             self.on_exit(run_id, pid, int(message["code"]))
+
+    def _take_spare(self, message: dict[str, Any], fds: list[int]) -> None:
+        pid, created = message.get("pid"), message.get("create_time")
+        if not fds or not isinstance(pid, int) or self.state != READY:
+            for fd in fds:
+                os.close(fd)
+            return
+        sock = socket.socket(fileno=fds[0])
+        sock.setblocking(False)
+        self._spares.append(
+            Spare(
+                pid,
+                sock,
+                fds[1] if len(fds) > 1 else None,
+                float(created) if isinstance(created, (int, float)) else None,
+            )
+        )
+        self._flush()
+
+    def _drop_spares(self) -> None:
+        """The spares are not needed (the zygote retires or ends): each leaves once its socket
+        closes."""
+        while self._spares:
+            self._spares.popleft().close()
 
     def _notify(self) -> None:
         if self.on_change is not None:
             self.on_change(self)
 
-    def _cold_all(self, why: str) -> None:
-        waiting = list(self._queue) + list(self._waiting.values())
+    def _cold_all(self, why: str, asked: bool = True) -> None:
+        """The runs not given to a spare yet go cold, and (``asked``: the zygote is ending, and
+        its children with it) those a spare has not answered. A zygote that only stops forking
+        keeps them: each spare's answer says whether it became its run."""
+        waiting = list(self._queue)
         self._queue.clear()
-        self._waiting.clear()
         for request in waiting:
             _close_fds(request)
             request.on_cold(why)
+        if not asked:
+            return
+        spares, self._asked = list(self._asked.values()), {}
+        for spare in spares:
+            self.loop.remove_reader(spare.sock.fileno())
+            spare.close()
+            if spare.request is not None:
+                spare.request.on_cold(why)
 
     def _gone(self, why: str) -> None:
         """The zygote exited (or never started): its runs died with it (their death signal)."""
@@ -373,6 +516,7 @@ class ZygoteClient:
         if self.state != REFUSED:
             self.state = DEAD
             self.why = self.why or why
+        self._drop_spares()
         self._cold_all(why)
         children, self.children = self.children, {}
         for run_id, pid in children.items():
@@ -391,6 +535,7 @@ class ZygoteClient:
 
     def _shut_socket(self) -> None:
         sock, self._sock = self._sock, None
+        self._outbox.clear()
         if sock is not None:
             try:
                 self.loop.remove_reader(sock.fileno())
@@ -424,6 +569,7 @@ class ZygoteClient:
             "modules": self.info.get("modules"),
             "runs": len(self.children),
             "forks": self.forks,
+            "spares": [spare.pid for spare in self._spares],
         }
 
 

@@ -9,8 +9,10 @@ Two kinds, told apart by ``uses_ledger``:
   other system places it; this host's ledger does not apply.
 
 An executor changes records only through the run table's public methods (``update``,
-``set_reason``, ``finish``, ``conclude``) and learns of ended runs from ``RunTable.on_end``: it
-never reaches into admission, and admission never into it.
+``set_reason``, ``exited``, ``finish``, ``conclude``) and learns of ended runs from
+``RunTable.on_end``: it never reaches into admission, and admission never into it. (A ledger
+executor calls ``exited`` as soon as a run's process is gone, before it reads the run's files
+for the verdict: admission hands what the run held to the next run at once.)
 """
 
 from __future__ import annotations

@@ -316,6 +316,7 @@ class LocalExecutor(Executor):
         cgroup = self._cgroups.pop(run_id, None)
         if run is None or run.terminal:
             return
+        table.exited(run)  # its resources go to the next run first: the verdict reads files
         oom_kills = 0
         if cgroup is not None:
             # Read before clean-up removes the cgroup: the last figures, and whether the kernel
