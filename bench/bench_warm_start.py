@@ -49,7 +49,7 @@ runs it times really started warm (the records' ``start``).
    second's fork (or spawn) asked -> its start -> its summary.json. Baseline, for reference, alternating round
    by round: the same on a scheduler with ``warm_start=False``. Target: warm <= 2 ms median
    (``_DONE`` -> start). When ``_DONE`` was created is read on the runner's own clock: the runs'
-   eval (``DONE_PROBE``) wraps the runner's ``RunFiles.finalize`` in its own process and writes
+   eval (``DONE_PROBE``) wraps the runner's ``RunFiles.mark_done`` in its own process and writes
    the wall clock to its stderr as soon as the runner has created ``_DONE`` (microseconds after
    it; the write itself then delays the run's exit a little: if anything, against the target).
    ``_DONE``'s mtime cannot tell: a new file gets the kernel's coarse clock, up to a tick behind;
@@ -108,15 +108,15 @@ import time
 
 from jupyter_evalsched.runner import results
 
-_finalize = results.RunFiles.finalize
+_mark_done = results.RunFiles.mark_done
 
 
-def finalize(self, status, error):
-    _finalize(self, status, error)
+def mark_done(self):
+    _mark_done(self)
     os.write(2, b"evalsched-bench: _DONE created at %d\\n" % time.time_ns())
 
 
-results.RunFiles.finalize = finalize
+results.RunFiles.mark_done = mark_done
 
 
 def episode(ctx, index):

@@ -100,3 +100,18 @@ def exit_without_finishing(ctx, index):
 
     time.sleep(ctx.params["sleep_s"])
     os._exit(ctx.params["code"])
+
+
+def at_exit_sees(ctx, index):
+    """Registers an ``atexit`` handler that writes to ``params["out"]`` whether the run's ``_DONE``
+    exists when it runs, and what the final summary says then."""
+    import atexit
+
+    def look() -> None:
+        with open(os.path.join(ctx.run_dir, "summary.json")) as f:
+            status = json.load(f)["status"]
+        with open(ctx.params["out"], "w") as f:
+            json.dump({"done": os.path.exists(os.path.join(ctx.run_dir, "_DONE")), "status": status}, f)
+
+    atexit.register(look)
+    return {"ok": 1}

@@ -29,6 +29,7 @@ ESCAPE = f"{HERE / 'evals_warm.py'}:escape_fork_only"
 NUMPY_STATE = f"{HERE / 'evals_warm.py'}:numpy_state"
 FINALIZERS = f"{HERE / 'evals_warm.py'}:finalizers"
 EXIT_EARLY = f"{HERE / 'evals_warm.py'}:exit_without_finishing"
+AT_EXIT = f"{HERE / 'evals_warm.py'}:at_exit_sees"
 
 # The per-run variables: set after the fork, different for every run by design.
 PER_RUN = {"EVALSCHED_RUN_ID", "EVALSCHED_CGROUP_PROCS"}
@@ -337,6 +338,19 @@ async def test_what_a_run_frees_goes_to_the_next_before_its_verdict_is_read(api,
     # verdict was recorded.
     assert finals["a"]["finished_at"] <= finals["b"]["started_at"], finals
     assert finals["a"]["finished_at"] <= finals["c"]["started_at"], finals
+
+
+async def test_done_is_the_runs_last_act_after_its_atexit_handlers(api, wait_for, tmp_path, runs_dir):
+    """The runner creates ``_DONE`` as its process leaves: after the eval's ``atexit`` handlers
+    (which see the final summary, and no ``_DONE``), warm or cold alike."""
+    await ready_zygote(api)
+    for fresh in (False, True):
+        out = tmp_path / f"at_exit_{fresh}.json"
+        rec = await submit(api, spec(entry=AT_EXIT, params={"out": str(out)}, fresh_interpreter=fresh))
+        final = await wait_for(rec["id"])
+        assert final["state"] == "succeeded" and final["start"] == ("cold" if fresh else "warm"), final
+        assert json.loads(out.read_text()) == {"done": False, "status": "succeeded"}
+        assert (runs_dir / rec["id"] / "_DONE").exists()
 
 
 @pytest.mark.parametrize("preload", [[]])

@@ -8,13 +8,16 @@ from .run import main
 
 
 def _exit(code: int) -> None:
-    """Run the atexit handlers, flush and leave at once.
+    """Run the atexit handlers, flush, create the run's ``_DONE`` (if it finalized) and leave at
+    once.
 
     Skips the interpreter's final wait for non-daemon threads: a thread an eval left running
     must not keep a finished run's process (and its CPU slot) alive after ``_DONE``.
     """
     import atexit
     import os
+
+    from .run import finish
 
     try:
         atexit._run_exitfuncs()
@@ -24,7 +27,7 @@ def _exit(code: int) -> None:
                 stream.flush()
             except Exception:
                 pass
-        os._exit(code)
+        os._exit(finish(code))
 
 
 if __name__ == "__main__":

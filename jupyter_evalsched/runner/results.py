@@ -309,18 +309,18 @@ class RunFiles:
         # "running, all done" state in between would cost a rewrite and tell nobody anything).
 
     def finalize(self, status: str, error: ErrorInfo | None) -> None:
-        """Make the terminal state durable, then create ``_DONE`` last.
-
-        Three fsyncs, each needed: the episode log's data, the final summary's data (before its
-        rename), and the directory, which makes the rename and ``_DONE`` durable together.
-        ``_DONE`` itself holds no data, so its own descriptor needs no fsync; the directory's
-        is what makes an empty file's existence survive a crash.
-        """
+        """Make the terminal state durable: the episode log's data and the final summary's (before
+        its rename). ``_DONE`` comes last, from ``mark_done``, as the process leaves."""
         if self.episodes_done and DURABLE:
             os.fsync(self._episodes_fd)
         os.close(self._episodes_fd)
         self._episodes_fd = -1
         self._write_summary(status, error, final=True)
+
+    def mark_done(self) -> None:
+        """Create ``_DONE``, after ``finalize``. It holds no data, so its own descriptor needs no
+        fsync; the directory's fsync makes the summary's rename and ``_DONE`` durable together
+        (an empty file's existence survives a crash through its directory)."""
         os.close(os.open(os.path.join(self.run_dir, DONE_FILE), _WRITE_FLAGS, _FILE_MODE))
         if DURABLE:
             fsync_directory(self.run_dir)

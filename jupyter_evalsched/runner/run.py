@@ -3,7 +3,10 @@
 Failure semantics (see also the package docstring for exit codes):
 
 * Anything the eval raises fails the run, which the runner finalizes (``summary.json`` with
-  ``status: failed`` and ``error``, then ``_DONE``; exit 0). That includes every
+  ``status: failed`` and ``error``, then ``_DONE``; exit 0). ``_DONE`` is the process's last act
+  (``finish``, from the entry point's exit): after the ``atexit`` handlers and the flush of its
+  output, right before it leaves, so that nothing of the run happens after it and what the run
+  holds is released moments after it appears. That includes every
   ``BaseException``: ``SystemExit`` (``sys.exit(n)`` in an episode, whatever ``n``: an eval that
   exits early did not complete its episodes, so it cannot have succeeded) and
   ``KeyboardInterrupt`` raised by the eval's code.
@@ -185,7 +188,27 @@ def main_checked(argv: list[str] | None = None) -> int:
     return _run(run_dir, spec_bytes)
 
 
+_finalized: RunFiles | None = None  # a run whose summary is final: _DONE is due at the exit
+
+
+def finish(code: int) -> int:
+    """The exit code to leave with, once the run's ``_DONE`` is created (if the run finalized):
+    called by the entry point after the ``atexit`` handlers and the flush, right before the
+    process exits."""
+    global _finalized
+    files, _finalized = _finalized, None
+    if files is None or code != EXIT_FINALIZED:
+        return code
+    try:
+        files.mark_done()
+    except OSError as exc:
+        _say(f"cannot write the run files in {files.run_dir}: {exc}; the run is not finalized")
+        return EXIT_IO_ERROR
+    return code
+
+
 def _run(run_dir: str, spec_bytes: bytes) -> int:
+    global _finalized
     from .errors import describe_exception
     from .results import RunFiles
 
@@ -224,6 +247,7 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
             where = f"episode {error['episode']}" if error.get("episode") is not None else "before its episodes"
             _say(f"run failed ({where}):\n{error['traceback']}".rstrip("\n"))
         files.finalize("failed" if error is not None else "succeeded", error)
+        _finalized = files
     except OSError as exc:
         _say(f"cannot write the run files in {run_dir}: {exc}; the run is not finalized")
         return EXIT_IO_ERROR
