@@ -326,6 +326,27 @@ async def part4(warm: TimedScheduler, cold: TimedScheduler, rounds: int, cwd: Pa
     return out
 
 
+def cpu_times() -> tuple[int, int]:
+    """(the machine's CPU time in ticks, of which stolen by the hypervisor), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(fields[:8]), (fields[7] if len(fields) > 7 else 0)
+
+
+def steal_line(since: tuple[int, int]) -> str:
+    """How much CPU time the hypervisor took from this machine since ``since`` (``cpu_times()``):
+    on a virtual machine whose host is busy, every figure moves with it; a part measured under
+    much steal is not comparable with one measured under little."""
+    total, stolen = cpu_times()
+    if total <= since[0]:
+        return "   (CPU steal: not known here)"
+    share = (stolen - since[1]) / (total - since[0])
+    return f"   the hypervisor took {share:.1%} of this machine's CPU time during this part (steal)"
+
+
 def create_cost(folder: Path, n: int = 200) -> float:
     """The median cost of creating a file in ``folder`` (a run creates several)."""
     probe = Path(tempfile.mkdtemp(prefix="create-probe-", dir=folder))
@@ -669,6 +690,7 @@ async def torch_part(args, root: Path, cwd: Path, results: dict) -> None:
                 f"   {label}: zygote with preload_modules=['torch'] ready {waited:.1f} s after its scheduler started"
                 f" (its imports {z['import_s']} s, {z['modules']} modules)"
             )
+            mark = cpu_times()
             r = await part2(sched, args.torch_warm, args.torch_cold, path, cwd)
         finally:
             await sched.stop()
@@ -684,6 +706,7 @@ async def torch_part(args, root: Path, cwd: Path, results: dict) -> None:
             f"      ratio cold/warm (median) {ratio:.1f}x; the torch zygote's no-op against the plain zygote's"
             f" (part 1): {statistics.median(noop_t) / results['1_warm']:.2f}x"
         )
+        print(steal_line(mark))
         print(f"   target: cold/warm >= 20x -> {verdict(ratio >= 20)} ({label})\n")
         return
 
@@ -703,6 +726,7 @@ async def in_process(args, root: Path, results: dict) -> None:
         zygote_ready_s = time.monotonic() - t0
 
         if "1" in args.parts:
+            mark = cpu_times()
             r1 = await part1(warm, cold, args.rounds, cwd)
             base = statistics.median(r1["popen"])
             warm_t, cold_t = col(r1["warm"], "t"), col(r1["cold"], "t")
@@ -719,6 +743,7 @@ async def in_process(args, root: Path, results: dict) -> None:
                 f" cold/warm {statistics.median(cold_t) / statistics.median(warm_t):.2f}x"
                 f"   (the zygote was ready {zygote_ready_s * 1000:.0f} ms after its scheduler started)"
             )
+            print(steal_line(mark))
             print(f"   target: warm <= 0.5x Popen -> {verdict(ratio1 <= 0.5)}\n")
 
         if "2" in args.parts:
@@ -728,7 +753,9 @@ async def in_process(args, root: Path, results: dict) -> None:
             probe = root / "evals" / "done_probe.py"
             probe.parent.mkdir(exist_ok=True)
             probe.write_text(DONE_PROBE)
+            mark = cpu_times()
             r4 = await part4(warm, cold, args.rounds, cwd, probe)
+            steal4 = steal_line(mark)
             w, k = r4["warm"], r4["cold"]
             med4 = statistics.median(col(w, "to_start"))
             fine4 = statistics.median(col(w, "fine_to_start"))
@@ -764,6 +791,7 @@ async def in_process(args, root: Path, results: dict) -> None:
                 f"   ratio cold/warm (median, from _DONE): to the start {statistics.median(col(k, 'to_start')) / med4:.2f}x, "
                 f"to summary.json {statistics.median(col(k, 'to_summary')) / statistics.median(col(w, 'to_summary')):.2f}x"
             )
+            print(steal4)
             print(f"   target: warm _DONE -> start <= 2 ms median -> {verdict(med4 <= 0.002)}\n")
     finally:
         for sched in started:
@@ -858,9 +886,11 @@ def main() -> int:
                 f" ({args.phase_s:g} s no churn, {args.phase_s:g} s with {CHURN_PER_S:g} no-op runs/s submitted,"
                 " started and ended); a real server each, 16 CPU slots"
             )
+            mark = cpu_times()
             results["3"] = report3(
                 "warm starts (the default)", part3(True, args.phase_s, args.pairs, root / "runs-3-warm")
             )
+            print(steal_line(mark))
             results["3_cold"] = report3(
                 "--EvalSchedApp.warm_start=False", part3(False, args.phase_s, args.pairs, root / "runs-3-cold")
             )

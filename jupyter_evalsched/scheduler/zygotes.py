@@ -160,6 +160,7 @@ class ZygoteClient:
     _spares: collections.deque[Spare] = field(default_factory=collections.deque)  # not given a run yet
     _asked: dict[int, Spare] = field(default_factory=dict)  # pid -> a spare given a run, no answer yet
     _outbox: collections.deque[bytes] = field(default_factory=collections.deque)  # to the zygote
+    _reaps: list[int] = field(default_factory=list)  # exited runs to reap once no start is in flight
     _cwd: str | None = None
     _writer: bool = False
 
@@ -293,11 +294,15 @@ class ZygoteClient:
                 )
             finally:  # (the zygote forks the next spare on it, whatever happened here)
                 self._send({"op": "taken", "pid": pid, "run_id": request.run_id, "reaps": reaps})
+                if not self._asked:
+                    self._flush_reaps()
             return
         if pidfd is not None:
             os.close(pidfd)
         spare.close()
         self._send({"op": "taken", "pid": pid, "run_id": None, "reaps": False})
+        if not self._asked:
+            self._flush_reaps()
         why = str(answer.get("why")) if isinstance(answer, dict) else ""
         if op == "error":
             request.on_error(why)
@@ -312,8 +317,17 @@ class ZygoteClient:
     def release_child(self, pid: int) -> None:
         """The run ``pid``, whose exit the server watches, has exited: the zygote may reap it (it
         then reports its exit as usual; the server needs that only when it could not read the
-        exit code itself)."""
-        self._send({"op": "reap", "pid": pid})
+        exit code itself). Asked once no spare's answer is awaited: a run started in the exited
+        run's place (in the same loop iteration, usually) does not share the CPU with the zygote
+        while it starts."""
+        self._reaps.append(pid)
+        if not self._asked:
+            self._flush_reaps()
+
+    def _flush_reaps(self) -> None:
+        reaps, self._reaps = self._reaps, []
+        for pid in reaps:
+            self._send({"op": "reap", "pid": pid})
 
     def settle(self, pid: int) -> None:
         """Read the answer of the spare ``pid`` now if it is still awaited (its exit was seen
