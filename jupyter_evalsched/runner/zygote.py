@@ -186,12 +186,21 @@ def quiesce_fork_safe_pools() -> None:
             pass
 
 
+# How long the threads of a pool that was just shut down may take to leave /proc/self/task: its
+# shutdown returns once they have ended, a moment before the kernel has released them.
+THREADS_LEAVING_S = 0.5
+
+
 def unsafe_to_fork() -> str | None:
     """Why forking now would give a child a broken process, or None."""
     threads = thread_count()
     if threads > 1:
         quiesce_fork_safe_pools()
         threads = thread_count()
+        deadline = time.monotonic() + THREADS_LEAVING_S
+        while threads > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+            threads = thread_count()
     if threads > 1:
         import threading
 
