@@ -702,10 +702,13 @@ async def torch_part(args, root: Path, cwd: Path, results: dict) -> None:
         print(f"      no-op, the same zygote       {ms(noop_t)}   started: {starts_line(col(r['noop'], 'start'))}")
         print(f"      where the warm run's time goes (medians, ms): {breakdown(r['warm'], TURN_KEYS)}")
         print(f"      where the cold run's time goes (medians, ms): {breakdown(r['cold'], TURN_KEYS)}")
-        print(
-            f"      ratio cold/warm (median) {ratio:.1f}x; the torch zygote's no-op against the plain zygote's"
-            f" (part 1): {statistics.median(noop_t) / results['1_warm']:.2f}x"
+        against_plain = (
+            f"; the torch zygote's no-op against the plain zygote's (part 1):"
+            f" {statistics.median(noop_t) / results['1_warm']:.2f}x"
+            if "1_warm" in results
+            else ""
         )
+        print(f"      ratio cold/warm (median) {ratio:.1f}x{against_plain}")
         print(steal_line(mark))
         print(f"   target: cold/warm >= 20x -> {verdict(ratio >= 20)} ({label})\n")
         return
