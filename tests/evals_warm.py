@@ -115,3 +115,15 @@ def at_exit_sees(ctx, index):
 
     atexit.register(look)
     return {"ok": 1}
+
+
+def wait_for_path(ctx, index):
+    """Wait until ``params["path"]`` exists (the test creates it when it is ready), at most 60 s."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ctx.params["path"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{ctx.params['path']} never appeared")
+        time.sleep(0.01)
+    return {"ok": 1}

@@ -30,6 +30,7 @@ NUMPY_STATE = f"{HERE / 'evals_warm.py'}:numpy_state"
 FINALIZERS = f"{HERE / 'evals_warm.py'}:finalizers"
 EXIT_EARLY = f"{HERE / 'evals_warm.py'}:exit_without_finishing"
 AT_EXIT = f"{HERE / 'evals_warm.py'}:at_exit_sees"
+WAIT_FOR_PATH = f"{HERE / 'evals_warm.py'}:wait_for_path"
 
 # The per-run variables: set after the fork, different for every run by design.
 PER_RUN = {"EVALSCHED_RUN_ID", "EVALSCHED_CGROUP_PROCS"}
@@ -309,7 +310,7 @@ async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for
     await async_wait_until(no_zombies, timeout=10, message="the zygote did not reap the runs the server read")
 
 
-async def test_what_a_run_frees_goes_to_the_next_before_its_verdict_is_read(api, wait_for, evalsched):
+async def test_what_a_run_frees_goes_to_the_next_before_its_verdict_is_read(api, wait_for, evalsched, tmp_path):
     """A run's exit hands what it held to the run waiting for it at once: that run is running
     when the first one's end is recorded (its verdict comes from its files, read after). A run
     that depends on the first still waits for the verdict."""
@@ -326,9 +327,13 @@ async def test_what_a_run_frees_goes_to_the_next_before_its_verdict_is_read(api,
 
     evalsched.subscribe(listener)
     try:
-        ids["a"] = (await submit(api, spec(entry=NOOP, scheduling=both_gpus)))["id"]
+        go = tmp_path / "go"  # a runs until the other two are queued
+        first = await submit(api, spec(entry=WAIT_FOR_PATH, params={"path": str(go)}, scheduling=both_gpus))
+        ids["a"] = first["id"]
+        await wait_for(ids["a"], states=("running",))
         ids["b"] = (await submit(api, spec(entry=NOOP, scheduling=both_gpus)))["id"]
         ids["c"] = (await submit(api, spec(entry=NOOP, depends_on=[ids["a"]])))["id"]
+        go.touch()
         finals = {k: await wait_for(v) for k, v in ids.items()}
     finally:
         evalsched.unsubscribe(listener)
