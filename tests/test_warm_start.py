@@ -50,6 +50,18 @@ def preload_dir(tmp_path):
 
     shutil.copy(native.__file__, path / "libcuda.so.1")
     (path / "warm_cuda.py").write_text(f"import ctypes\nctypes.CDLL({str(path / 'libcuda.so.1')!r})\n")
+    # A preload that makes the zygote's forks fail (as out of memory or processes) while a flag
+    # file exists beside it.
+    (path / "warm_forkfail.py").write_text(
+        "import errno, os\n"
+        "_fork = os.fork\n"
+        "FLAG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'forkfail.flag')\n"
+        "def fork():\n"
+        "    if os.path.exists(FLAG):\n"
+        "        raise OSError(errno.EAGAIN, 'Resource temporarily unavailable (test)')\n"
+        "    return _fork()\n"
+        "os.fork = fork\n"
+    )
     (path / "warm_tempdir.py").write_text(
         "import tempfile\nHELD = tempfile.TemporaryDirectory(prefix='evalsched-zygote-held-')\n"
     )
@@ -356,6 +368,38 @@ async def test_done_is_the_runs_last_act_after_its_atexit_handlers(api, wait_for
         assert final["state"] == "succeeded" and final["start"] == ("cold" if fresh else "warm"), final
         assert json.loads(out.read_text()) == {"done": False, "status": "succeeded"}
         assert (runs_dir / rec["id"] / "_DONE").exists()
+
+
+@pytest.mark.parametrize("preload", [["warm_forkfail"]])
+async def test_runs_that_find_no_spare_because_the_zygote_cannot_fork_start_cold(api, wait_for, preload_dir, tmp_path):
+    """A zygote that cannot fork (out of memory or processes) says so: a run that finds no spare
+    starts cold at once instead of waiting, and the zygote tries again; once forks work, runs
+    start warm again."""
+    warm = await ready_zygote(api)
+    zygote_pid = next(z["pid"] for z in warm["zygotes"] if z["state"] == "ready")
+
+    async def spares() -> list[int]:
+        zygotes = (await status(api))["warm_start"]["zygotes"]
+        return next(z["spares"] for z in zygotes if z["pid"] == zygote_pid)
+
+    await async_wait_until(lambda: spares_ready(spares), timeout=10, message="no spares")
+    flag = preload_dir / "forkfail.flag"
+    flag.touch()
+    starts = []
+    for i in range(3):  # the two spares, then none: no fork works any more
+        final, _ = await run_fingerprint(api, wait_for, tmp_path / f"fp{i}.json")
+        starts.append((final["start"], final["start_detail"]))
+    assert [s[0] for s in starts] == ["warm", "warm", "cold"], starts
+    assert "cannot fork" in starts[2][1] and "Resource temporarily unavailable" in starts[2][1], starts
+    flag.unlink()
+    final, _ = await run_fingerprint(api, wait_for, tmp_path / "fp3.json")  # asks the zygote to try again
+    await async_wait_until(lambda: spares_ready(spares), timeout=10, message="the zygote did not fork again")
+    final, fp = await run_fingerprint(api, wait_for, tmp_path / "fp4.json")
+    assert final["start"] == "warm" and fp["tasks"] == 1, final
+
+
+async def spares_ready(spares) -> bool:
+    return len(await spares()) == 2
 
 
 @pytest.mark.parametrize("preload", [[]])

@@ -14,13 +14,15 @@ the process that becomes the run, with no hop through the zygote. One JSON messa
   parent before it could be reaped, so it names that process and no other); ``{"op": "exit",
   "pid", "run_id", "code"}`` for every child it reaps (``code`` as ``Popen.returncode``: negative
   for a signal; ``run_id`` null while the zygote does not know it).
+  ``{"op": "nospare", "why"}``: a fork failed (out of memory or processes).
 * server -> zygote: ``{"op": "taken", "pid", "run_id", "reaps"}`` once a spare answered its run
   (``run_id`` null: it did not become the run, and leaves); the zygote forks the next spare then,
   not while the run starts. ``reaps`` true: the server watches the run's pidfd, reads its exit code
   from the not yet reaped process (``/proc/<pid>/stat``), and asks for the reap afterwards with
   ``{"op": "reap", "pid"}``: the zygote's own work at a run's exit waits until the next run has
   started. ``{"op": "retire", "why"}``: a spare found a preloaded module's file edited; no spare
-  more, and the zygote ends once its runs have.
+  more, and the zygote ends once its runs have. ``{"op": "more"}``: after ``nospare``, a run went
+  cold for want of a spare; the zygote tries to fork again.
 * server -> spare: ``{"run_id", "run_dir", "cwd", "env"}`` with the run's stdout and stderr as two
   descriptors. The spare checks what may have changed since the zygote imported its modules, then
   answers ``{"op": "started", "at"}`` (``at``: wall clock, the run's start) and becomes the run, or
@@ -453,6 +455,8 @@ class Zygote:
                 # once it ends, like any child the server does not reap).
                 self.children[pid] = (self.children[pid][0], False)
                 self.reap_child(pid)
+        elif op == "more":  # a run went cold for want of a spare: try to fork again
+            self.make_spares()
         elif op == "retire":
             self.retiring = True  # no spare more: the server closes the one it has
         return True
@@ -498,7 +502,8 @@ class Zygote:
         except OSError as exc:  # out of processes or memory: runs start cold until a fork works
             ours.close()
             theirs.close()
-            _say(f"cannot fork the next run's process: {exc}")
+            # The server starts the runs that wait for a spare cold, and asks again (``more``).
+            self.send({"op": "nospare", "why": f"the zygote cannot fork: {exc}"})
             return False
         if pid == 0:
             os._exit(spare_main(self, me, theirs))

@@ -161,6 +161,7 @@ class ZygoteClient:
     _asked: dict[int, Spare] = field(default_factory=dict)  # pid -> a spare given a run, no answer yet
     _outbox: collections.deque[bytes] = field(default_factory=collections.deque)  # to the zygote
     _reaps: list[int] = field(default_factory=list)  # exited runs to reap once no start is in flight
+    _no_spare: str | None = None  # why the zygote could not fork a spare (until one comes)
     _cwd: str | None = None
     _writer: bool = False
 
@@ -259,6 +260,15 @@ class ZygoteClient:
             # The zygote hears of it once the spare has answered: the next spare is forked after
             # this run's start, not during it.
             self.loop.add_reader(spare.sock.fileno(), self._answered, spare.pid)
+        if self._queue and not self._spares and self._no_spare is not None and self.state == READY:
+            # The zygote could not fork: these runs start cold now rather than wait, and it tries
+            # again for the next ones.
+            waiting = list(self._queue)
+            self._queue.clear()
+            for request in waiting:
+                _close_fds(request)
+                request.on_cold(self._no_spare)
+            self._send({"op": "more"})
 
     def _answered(self, pid: int) -> None:
         """The spare ``pid`` answered its run (or closed its socket without answering: it died)."""
@@ -440,6 +450,10 @@ class ZygoteClient:
             )
             self._notify()
             self._flush()
+        elif op == "nospare":
+            self._no_spare = str(message.get("why"))
+            log.warning("evalsched: zygote %d: %s; runs that find no spare start cold", self.pid, self._no_spare)
+            self._flush()
         elif op == "refused":
             self.state = REFUSED
             self.why = f"warm starts are off: {message.get('why')}"
@@ -468,6 +482,7 @@ class ZygoteClient:
             for fd in fds:
                 os.close(fd)
             return
+        self._no_spare = None
         sock = socket.socket(fileno=fds[0])
         sock.setblocking(False)
         self._spares.append(
