@@ -94,11 +94,9 @@ def finalizers(ctx, index):
 
 
 def exit_without_finishing(ctx, index):
-    """Sleep ``params["sleep_s"]``, then leave with exit code ``params["code"]`` before the runner
-    can finalize (or wait there to be killed)."""
-    import time
-
-    time.sleep(ctx.params["sleep_s"])
+    """Wait for ``params["path"]`` (``wait_for_path``), then leave with exit code
+    ``params["code"]`` before the runner can finalize (or wait there to be killed)."""
+    wait_for_path(ctx, index)
     os._exit(ctx.params["code"])
 
 

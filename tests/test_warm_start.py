@@ -4,7 +4,6 @@ start or another zygote. A real server, real zygotes, real runs."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -282,7 +281,7 @@ async def test_the_processes_forked_ahead_are_replaced_when_they_die_waiting(api
     assert final["pid"] not in after
 
 
-async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for, evalsched, monkeypatch):
+async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for, evalsched, monkeypatch, tmp_path):
     """The server sees a forked run's exit through the pidfd the zygote handed over, reads its
     exit code from the process the zygote has not reaped yet, and asks for the reap only then:
     every exit code is right, and no zombie is left behind."""
@@ -296,15 +295,27 @@ async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for
     monkeypatch.setattr(launcher_module, "zombie_exit_code", recording)
     warm = await ready_zygote(api)
     zygote = psutil.Process(next(z["pid"] for z in warm["zygotes"] if z["state"] == "ready"))
-    # Each runs long enough (a second) for the zygote to have heard that its process is a run.
-    ok = await submit(api, spec(entry=SLEEPY, episodes=1, sleep_s=1.0))
-    early = await submit(api, spec(entry=EXIT_EARLY, params={"sleep_s": 1.0, "code": 3}))
-    killed = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.1))
-    running = await wait_for(killed["id"], states=("running",))
-    await async_wait_until(lambda: (evalsched.get(killed["id"]).record["pid"] or 0) > 0, timeout=10)
-    await asyncio.sleep(1.0)
+    go = tmp_path / "go"  # the runs end once the zygote knows each of them as a run
+    ok = await submit(api, spec(entry=WAIT_FOR_PATH, params={"path": str(go)}))
+    early = await submit(api, spec(entry=EXIT_EARLY, params={"path": str(go), "code": 3}))
+    killed = await submit(api, spec(entry=WAIT_FOR_PATH, params={"path": str(tmp_path / "never")}))
+    runs = (ok, early, killed)
+
+    async def spares() -> list[int]:
+        zygotes = (await status(api))["warm_start"]["zygotes"]
+        return next(z["spares"] for z in zygotes if z["pid"] == zygote.pid)
+
+    async def all_taken() -> bool:
+        """Every run has its process, and the zygote has forked two spares after the last of them
+        (it forks on ``taken``, after recording the run): it reaps none of them by itself."""
+        pids = [evalsched.get(rec["id"]).record["pid"] for rec in runs]
+        held = await spares()
+        return all(pids) and len(held) == 2 and not set(held) & set(pids)
+
+    await async_wait_until(all_taken, timeout=20, message="the runs did not all start, or no spares followed")
     os.kill(evalsched.get(killed["id"]).record["pid"], signal.SIGKILL)
-    finals = {name: await wait_for(rec["id"]) for name, rec in (("ok", ok), ("early", early), ("killed", killed))}
+    go.touch()
+    finals = {name: await wait_for(rec["id"]) for name, rec in zip(("ok", "early", "killed"), runs, strict=True)}
     assert finals["ok"]["state"] == "succeeded" and finals["ok"]["exit_code"] == 0, finals["ok"]
     assert finals["early"]["state"] == "failed" and finals["early"]["exit_code"] == 3, finals["early"]
     assert finals["early"]["reason"].startswith("exit_code:3"), finals["early"]
@@ -312,12 +323,10 @@ async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for
     assert finals["killed"]["reason"].startswith("signal:SIGKILL"), finals["killed"]
     assert all(f["start"] == "warm" for f in finals.values()), finals
     read_codes = dict(calls)
-    assert [read_codes.get(f["pid"]) for f in finals.values()] == [0, 3, -9], (calls, running)
+    assert [read_codes.get(f["pid"]) for f in finals.values()] == [0, 3, -9], calls
 
     async def no_zombies() -> bool:
-        zygotes = (await status(api))["warm_start"]["zygotes"]
-        spares = next(z["spares"] for z in zygotes if z["pid"] == zygote.pid)
-        return sorted(c.pid for c in zygote.children()) == sorted(spares)
+        return sorted(c.pid for c in zygote.children()) == sorted(await spares())
 
     await async_wait_until(no_zombies, timeout=10, message="the zygote did not reap the runs the server read")
 

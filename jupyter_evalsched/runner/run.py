@@ -3,13 +3,13 @@
 Failure semantics (see also the package docstring for exit codes):
 
 * Anything the eval raises fails the run, which the runner finalizes (``summary.json`` with
-  ``status: failed`` and ``error``, then ``_DONE``; exit 0). ``_DONE`` is the process's last act
-  (``finish``, from the entry point's exit): after the ``atexit`` handlers and the flush of its
-  output, right before it leaves, so that nothing of the run happens after it and what the run
-  holds is released moments after it appears. That includes every
+  ``status: failed`` and ``error``, then ``_DONE``; exit 0). That includes every
   ``BaseException``: ``SystemExit`` (``sys.exit(n)`` in an episode, whatever ``n``: an eval that
   exits early did not complete its episodes, so it cannot have succeeded) and
   ``KeyboardInterrupt`` raised by the eval's code.
+* ``_DONE`` is the process's last act (``finish``, from the entry point's exit): after the
+  ``atexit`` handlers and the flush of its output, right before it leaves, so that nothing of the
+  run happens after it and what the run holds is released moments after it appears.
 * Signals are not exceptions here. SIGINT is reset to its default action, like SIGTERM, so an
   interrupt from outside ends the process like a cancel, and the server records it. No handler
   finalizes on a signal: on cancel the server signals the process group and finalizes itself.

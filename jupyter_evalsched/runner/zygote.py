@@ -4,8 +4,9 @@
 ``SOCK_SEQPACKET`` socket pair (``EVALSCHED_ZYGOTE_FD``) and dies with it (the death signal, then
 the same parent check as a run). It imports the runner and ``EVALSCHED_PRELOAD`` (comma-separated
 module names), then forks each run's process ahead of its request (a *spare*; ``SPARES`` wait at
-any time) and hands each spare to the server, which gives it its run directly: a start is one message from the server to
-the process that becomes the run, with no hop through the zygote. One JSON message each:
+any time) and hands each spare to the server, which gives it its run directly: a start is one
+message from the server to the process that becomes the run, with no hop through the zygote. One
+JSON message each:
 
 * zygote -> server: ``{"op": "ready", ...}`` once preloaded (or ``{"op": "refused", "why"}``: a
   preload started a thread or touched CUDA, and nothing may be forked from such a process);
@@ -360,7 +361,7 @@ class Zygote:
         self.spares: list[int] = []
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
-    def send(self, message: dict[str, object], fds: list[int] | None = None) -> bool:
+    def send(self, message: dict[str, object], fds: list[int] | None = None) -> None:
         data = json.dumps(message, separators=(",", ":")).encode()
         try:
             if fds:
@@ -368,8 +369,7 @@ class Zygote:
             else:
                 self.sock.send(data)
         except OSError:
-            return False  # the server is gone: the next receive sees it
-        return True
+            pass  # the server is gone: the next receive sees it
 
     def start(self) -> None:
         started = time.monotonic()

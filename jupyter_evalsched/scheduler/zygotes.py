@@ -11,8 +11,8 @@ another environment gets its own zygote, up to ``max_zygotes``, reaped when idle
 
 Whether a run may be forked at all (``cold_reason``) is decided here and in the zygote, which
 refuses (threads, CUDA) or answers cold (a preloaded module's file changed: it is then replaced;
-the run's cwd shadows a preloaded module: both checked by the spare) when in doubt. A cold start is always correct, so every
-doubt ends in one.
+the run's cwd shadows a preloaded module: both checked by the spare) when in doubt. A cold start
+is always correct, so every doubt ends in one.
 """
 
 from __future__ import annotations
@@ -263,11 +263,7 @@ class ZygoteClient:
         if self._queue and not self._spares and self._no_spare is not None and self.state == READY:
             # The zygote could not fork: these runs start cold now rather than wait, and it tries
             # again for the next ones.
-            waiting = list(self._queue)
-            self._queue.clear()
-            for request in waiting:
-                _close_fds(request)
-                request.on_cold(self._no_spare)
+            self._cold_queue(self._no_spare)
             self._send({"op": "more"})
 
     def _answered(self, pid: int) -> None:
@@ -303,16 +299,12 @@ class ZygoteClient:
                     pid, float(at) if isinstance(at, (int, float)) else time.time(), spare.create_time, pidfd
                 )
             finally:  # (the zygote forks the next spare on it, whatever happened here)
-                self._send({"op": "taken", "pid": pid, "run_id": request.run_id, "reaps": reaps})
-                if not self._asked:
-                    self._flush_reaps()
+                self._taken(pid, request.run_id, reaps)
             return
         if pidfd is not None:
             os.close(pidfd)
         spare.close()
-        self._send({"op": "taken", "pid": pid, "run_id": None, "reaps": False})
-        if not self._asked:
-            self._flush_reaps()
+        self._taken(pid, None, False)
         why = str(answer.get("why")) if isinstance(answer, dict) else ""
         if op == "error":
             request.on_error(why)
@@ -323,6 +315,13 @@ class ZygoteClient:
             request.on_cold(why)
         else:
             request.on_cold(f"the process forked for the run died before it started ({data[:200]!r})")
+
+    def _taken(self, pid: int, run_id: str | None, reaps: bool) -> None:
+        """Tell the zygote that its spare ``pid`` answered (``run_id`` None: it did not become the
+        run); the reaps held back while the answer was awaited go now if none is awaited any more."""
+        self._send({"op": "taken", "pid": pid, "run_id": run_id, "reaps": reaps})
+        if not self._asked:
+            self._flush_reaps()
 
     def release_child(self, pid: int) -> None:
         """The run ``pid``, whose exit the server watches, has exited: the zygote may reap it (it
@@ -509,11 +508,7 @@ class ZygoteClient:
         """The runs not given to a spare yet go cold, and (``asked``: the zygote is ending, and
         its children with it) those a spare has not answered. A zygote that only stops forking
         keeps them: each spare's answer says whether it became its run."""
-        waiting = list(self._queue)
-        self._queue.clear()
-        for request in waiting:
-            _close_fds(request)
-            request.on_cold(why)
+        self._cold_queue(why)
         if not asked:
             return
         spares, self._asked = list(self._asked.values()), {}
@@ -522,6 +517,14 @@ class ZygoteClient:
             spare.close()
             if spare.request is not None:
                 spare.request.on_cold(why)
+
+    def _cold_queue(self, why: str) -> None:
+        """The runs waiting for a spare start cold."""
+        waiting = list(self._queue)
+        self._queue.clear()
+        for request in waiting:
+            _close_fds(request)
+            request.on_cold(why)
 
     def _gone(self, why: str) -> None:
         """The zygote exited (or never started): its runs died with it (their death signal)."""
