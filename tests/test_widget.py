@@ -64,8 +64,8 @@ def test_queue_widget_follows_queue_and_ledger_then_stops_when_closed(client, cl
         assert wait_state(client, ids[2], timeout=5)["state"] == "cancelled"
         wait_until(lambda: not widget.queue_view["queued"], timeout=5)
 
+        widget.close()  # (joins the feed's thread: a render under way ends before it returns)
         count = widget.update_count
-        widget.close()
         assert widget.mode == "stopped" and not widget._feed.alive
         # Closed: further changes do not reach it, while they reach a widget that is open.
         control = QueueWidget(client, use_events=use_events, poll_s=0.3)
