@@ -1,7 +1,7 @@
 """Warm starts (runs forked from a pre-started zygote), each figure against a baseline measured in
 the same run (these machines are noisy: never compare with a number from another run).
 
-    .venv/bin/python bench/bench_warm_start.py [--rounds 30] [--quick] [--parts 1234] [--dir DIR]
+    .venv/bin/python bench/bench_warm_start.py [--rounds 30] [--quick] [--parts 12345] [--dir DIR]
 
 The run directories go where runs live by default (a temporary folder in ``<jupyter data
 dir>/evalsched``, removed at the end), or in ``--dir``. A run creates several files: what a new
@@ -57,6 +57,12 @@ runs it times really started warm (the records' ``start``).
    ``_DONE``'s mtime cannot tell: a new file gets the kernel's coarse clock, up to a tick behind;
    the figures from the mtime and from the final summary's ``finished_at`` (taken before that
    summary and ``_DONE`` are written: an upper bound) are printed too, for reference.
+5. Reaping in bulk: 2,000 runs queued behind a running one, which is cancelled, so that all of
+   them fail in one decision. The event loop's longest gap (a coroutine sleeping 1 ms at a time
+   measures it) from the cancel until every record is on disk, with the terminal records written
+   a slice per loop iteration (``runs.TERMINAL_WRITES_AT_ONCE``, ``TERMINAL_WRITE_SLICE_S``)
+   against all of them written in the decision (as before), alternated round by round on one
+   in-process scheduler. No target: the issue asks that reaping not stall request handling.
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jupyter_evalsched.client import LocalServer
 from jupyter_evalsched.models import EvalSpec
+from jupyter_evalsched.scheduler import runs as runs_module
 from jupyter_evalsched.scheduler.config import SchedulerConfig
 from jupyter_evalsched.scheduler.gpus import VirtualProbe
 
@@ -93,6 +100,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scheduler import TimedScheduler as SchedulerTimingEnds
 from bench_scheduler import mono_of_wall
 
+CASCADE_N = 2000  # part 5: the dependents that fail at once
+CASCADE_ROUNDS = 4
 NOOP = "jupyter_evalsched.examples.basic:noop"
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 TERMINAL = ("succeeded", "failed", "cancelled", "aborted")
@@ -635,6 +644,61 @@ def part3(warm: bool, duration: float, pairs: int, runs_dir: Path) -> dict:
                 pass
 
 
+# ---------------------------------------------------------------------------- part 5
+
+
+async def cascade_round(sched: TimedScheduler, cwd: Path, n: int, at_once: bool) -> dict:
+    """n runs queued behind a running one, which is cancelled: all n fail in one decision. The
+    loop's longest gap from the cancel until every record is on disk, and how long that took."""
+    blocker, _ = await sched.submit(EvalSpec(entrypoint=SLEEPY, episodes=1, params={"sleep_s": 600}, cwd=str(cwd)))
+    dependents = [
+        (await sched.submit(EvalSpec(entrypoint=NOOP, episodes=1, depends_on=[blocker["id"]], cwd=str(cwd))))[0]["id"]
+        for _ in range(n)
+    ]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while sched.get(blocker["id"]).state != "running":
+        if time.monotonic() > deadline:
+            raise BenchFailure("the blocker did not start")
+        await asyncio.sleep(0.01)
+    settle()
+    saved = runs_module.TERMINAL_WRITES_AT_ONCE
+    if at_once:
+        runs_module.TERMINAL_WRITES_AT_ONCE = n + 1  # every record written in the decision (before)
+    try:
+        gaps: list[float] = []
+        t0 = last = time.perf_counter()
+        await sched.cancel(blocker["id"])
+        while sched.table.writes_waiting or any(sched.get(r).state != "failed" for r in dependents[-1:]):
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+            if time.monotonic() > deadline:
+                raise BenchFailure("the dependents did not fail")
+        written = time.perf_counter() - t0
+    finally:
+        runs_module.TERMINAL_WRITES_AT_ONCE = saved
+    on_disk = sum(1 for r in dependents if sched.store.done_exists(r))
+    if on_disk != n:
+        raise BenchFailure(f"{n - on_disk} of {n} failed dependents have no _DONE")
+    return {"gap": max(gaps), "written": written}
+
+
+async def part5(root: Path, n: int, rounds: int) -> dict:
+    cwd = root / "cwd-5"
+    cwd.mkdir()
+    sched = make_scheduler(root, "runs-5", [24000], warm_start=False)
+    await sched.start()
+    out: dict[str, list[dict]] = {"sliced": [], "at_once": []}
+    try:
+        for i in range(rounds):
+            for what in ("sliced", "at_once") if i % 2 == 0 else ("at_once", "sliced"):
+                out[what].append(await cascade_round(sched, cwd, n, what == "at_once"))
+    finally:
+        await sched.stop()
+    return out
+
+
 # ---------------------------------------------------------------------------- reporting
 
 
@@ -888,7 +952,7 @@ def main() -> int:
     ap.add_argument("--phase-s", type=float, default=5.0, help="length of each phase of part 3")
     ap.add_argument("--pairs", type=int, default=2, help="no-churn/churn phase pairs of part 3")
     ap.add_argument("--quick", action="store_true", help="fewer rounds, shorter phases (a smoke check)")
-    ap.add_argument("--parts", default="1234", help="which parts to run (digits; default: all)")
+    ap.add_argument("--parts", default="12345", help="which parts to run (digits; default: all)")
     ap.add_argument(
         "--dir",
         help="where the run directories go (default: a temporary folder in <jupyter data dir>/evalsched, "
@@ -924,6 +988,21 @@ def main() -> int:
                 "--EvalSchedApp.warm_start=False", part3(False, args.phase_s, args.pairs, root / "runs-3-cold")
             )
             print(f"   target (warm starts): churn/no churn >= 0.6 -> {verdict(results['3'] >= 0.6)}\n")
+        if "5" in args.parts:
+            settle()
+            results["fs_5"] = create_cost(root)
+            r5 = asyncio.run(part5(root, CASCADE_N, CASCADE_ROUNDS))
+            sliced, at_once = r5["sliced"], r5["at_once"]
+            gap_s, gap_a = statistics.median(col(sliced, "gap")), statistics.median(col(at_once, "gap"))
+            results["5"] = gap_s / gap_a
+            print(f"5. {CASCADE_N} queued runs whose dependency is cancelled: all fail in one decision (alternated)")
+            print(f"   the loop's longest gap, records in slices  {ms(col(sliced, 'gap'))}")
+            print(f"   the same, every record written at once     {ms(col(at_once, 'gap'))}")
+            print(
+                f"   all on disk after: sliced {statistics.median(col(sliced, 'written')) * 1000:.0f} ms,"
+                f" at once {statistics.median(col(at_once, 'written')) * 1000:.0f} ms (medians)"
+            )
+            print(f"   ratio sliced/at once (longest gap, median) {results['5']:.2f}x\n")
     except BenchFailure as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
@@ -935,7 +1014,7 @@ def main() -> int:
     label2 = "2. torch eval, cold / warm turnaround (median)"
     if results.get("2_refused"):
         label2 = "2. torch eval, cold / warm, OPENBLAS_NUM_THREADS=1"
-    rows = []
+    rows: list[tuple[str, str, str, bool | None]] = []
     if "1" in results:
         rows.append(
             ("1. warm no-op turnaround / Popen (median)", f"{results['1']:.2f}x", "<= 0.5x", results["1"] <= 0.5)
@@ -957,8 +1036,10 @@ def main() -> int:
                 results["4"] <= 0.002,
             )
         )
+    if "5" in results:
+        rows.append(("5. 2,000 failing at once: longest loop gap, sliced/before", f"{results['5']:.2f}x", "-", None))
     for name, measured, target, ok in rows:
-        print(f"{name:<54} {measured:<11} {target:<10} {verdict(ok)}")
+        print(f"{name:<54} {measured:<11} {target:<10} {verdict(ok) if ok is not None else '(no target)'}")
     if "4" in results:
         print(
             f"(4, for reference: from _DONE's mtime {results['4_mtime'] * 1000:.2f} ms, from the final summary's"

@@ -233,6 +233,37 @@ async def test_runs_held_by_a_dependency_stay_out_of_decisions_and_are_freed_by_
     assert not evalsched._blocked and not evalsched._waiting_on
 
 
+async def test_dependents_failed_in_one_decision_all_reach_the_disk_a_slice_at_a_time(
+    api, wait_for, evalsched, runs_dir, tmp_path, monkeypatch
+):
+    """Twelve runs wait on one that is cancelled: they fail in one decision. With two records
+    written at once and no time slice, the other ten go a slice per loop iteration; each still
+    ends on disk with its terminal job.json and _DONE, and the server goes on answering."""
+    from jupyter_evalsched.scheduler import runs as runs_module
+
+    monkeypatch.setattr(runs_module, "TERMINAL_WRITES_AT_ONCE", 2)
+    monkeypatch.setattr(runs_module, "TERMINAL_WRITE_SLICE_S", 0.0)
+    gate_entry = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:gate"
+    gate = await submit(api, spec(entry=gate_entry, params={"gate": str(tmp_path / "never")}))
+    waiting = [await submit(api, spec(entry=NOOP, depends_on=[gate["id"]])) for _ in range(12)]
+    await async_wait_until(lambda: evalsched.get(gate["id"]).state == "running", message="the gate never ran")
+    code, _ = await api("POST", f"runs/{gate['id']}/cancel")
+    assert code == 200
+    for rec in waiting:
+        final = await wait_for(rec["id"])
+        assert final["state"] == "failed" and final["reason"].startswith(f"dependency_failed:{gate['id']}")
+
+    def on_disk():
+        return all(
+            json.loads((runs_dir / r["id"] / "job.json").read_text())["state"] == "failed"
+            and (runs_dir / r["id"] / "_DONE").exists()
+            for r in waiting
+        )
+
+    await async_wait_until(on_disk, message="not every failed dependent's record reached the disk")
+    assert evalsched.table.writes_waiting == 0
+
+
 async def test_priorities_and_exclusive(api, wait_for, evalsched):
     blocker = await submit(api, spec(vram=24000, episodes=3, sleep_s=0.1))
     low = await submit(api, spec(vram=1000, scheduling={"priority": "low"}))

@@ -161,6 +161,7 @@ class Scheduler:
         if self._loop is not None:
             for executor in self.executors.values():
                 await executor.stop()
+        self.table.flush_writes()  # the terminal records still waiting (a large cascade's)
         self._started = False
         self._io.shutdown(wait=True)
 
@@ -685,13 +686,14 @@ class Scheduler:
             self._admitting = False
 
     def _carry_out(self, decision: policy.Decision) -> None:
-        for run_id, dep in decision.dependency_failed.items():
-            run = self._queued[run_id]
-            dep_run = self.table.get(dep)
-            dep_state = dep_run.state if dep_run is not None else "deleted"
-            self.table.finish(
-                run, FAILED, contract.reason(contract.DEPENDENCY_FAILED, f"{dep} ended {dep_state}", arg=dep)
-            )
+        with self.table.deferring_writes():  # thousands of dependents can fail at once
+            for run_id, dep in decision.dependency_failed.items():
+                run = self._queued[run_id]
+                dep_run = self.table.get(dep)
+                dep_state = dep_run.state if dep_run is not None else "deleted"
+                self.table.finish(
+                    run, FAILED, contract.reason(contract.DEPENDENCY_FAILED, f"{dep} ended {dep_state}", arg=dep)
+                )
         granted = False
         for start in decision.starts:
             if start.id in self._queued:
