@@ -6,7 +6,7 @@ the same run (these machines are noisy: never compare with a number from another
 The run directories go where runs live by default (a temporary folder in ``<jupyter data
 dir>/evalsched``, removed at the end), or in ``--dir``. A run creates several files: what a new
 file costs there is printed first and as each part begins, as it varies on these hosts from run to
-run (0.02 to 0.7 ms, with no CPU steal to show for it), and figures 1 and 3 move with it. Before
+run (0.02 to 1 ms, with no CPU steal to show for it), and figures 1 and 3 move with it. Before
 each part and each phase of part 3, ``os.sync()`` writes back what the previous one left dirty,
 outside the measured windows.
 
@@ -381,6 +381,12 @@ def settle() -> float:
     return time.perf_counter() - t0
 
 
+def part_begins(root: Path, results: dict, part: str) -> None:
+    """Before a part: what earlier ones left dirty written back, then what a new file costs."""
+    settle()
+    results[f"fs_{part}"] = create_cost(root)
+
+
 def mtime_lag(root: Path, n: int = 200) -> list[float]:
     """How far a new file's mtime is behind the clock read just before creating it (new files get
     the kernel's coarse time, a tick at most behind)."""
@@ -668,7 +674,8 @@ async def cascade_round(sched: TimedScheduler, cwd: Path, n: int, at_once: bool)
         gaps: list[float] = []
         t0 = last = time.perf_counter()
         await sched.cancel(blocker["id"])
-        while sched.table.writes_waiting or any(sched.get(r).state != "failed" for r in dependents[-1:]):
+        # All fail in one decision: the last one failed, they all have.
+        while sched.table.writes_waiting or sched.get(dependents[-1]).state != "failed":
             await asyncio.sleep(0.001)
             now = time.perf_counter()
             gaps.append(now - last)
@@ -806,8 +813,7 @@ async def in_process(args, root: Path, results: dict) -> None:
         zygote_ready_s = time.monotonic() - t0
 
         if "1" in args.parts:
-            settle()
-            results["fs_1"] = create_cost(root)
+            part_begins(root, results, "1")
             mark = cpu_times()
             r1 = await part1(warm, cold, args.rounds, cwd)
             base = statistics.median(r1["popen"])
@@ -829,16 +835,14 @@ async def in_process(args, root: Path, results: dict) -> None:
             print(f"   target: warm <= 0.5x Popen -> {verdict(ratio1 <= 0.5)}\n")
 
         if "2" in args.parts:
-            settle()
-            results["fs_2"] = create_cost(root)
+            part_begins(root, results, "2")
             await torch_part(args, root, cwd, results)
 
         if "4" in args.parts:
             probe = root / "evals" / "done_probe.py"
             probe.parent.mkdir(exist_ok=True)
             probe.write_text(DONE_PROBE)
-            settle()
-            results["fs_4"] = create_cost(root)
+            part_begins(root, results, "4")
             mark = cpu_times()
             r4 = await part4(warm, cold, args.rounds, cwd, probe)
             steal4 = steal_line(mark)
@@ -977,8 +981,7 @@ def main() -> int:
                 f" ({args.phase_s:g} s no churn, {args.phase_s:g} s with {CHURN_PER_S:g} no-op runs/s submitted,"
                 " started and ended); a real server each, 16 CPU slots"
             )
-            settle()
-            results["fs_3"] = create_cost(root)
+            part_begins(root, results, "3")
             mark = cpu_times()
             results["3"] = report3(
                 "warm starts (the default)", part3(True, args.phase_s, args.pairs, root / "runs-3-warm")
@@ -989,8 +992,7 @@ def main() -> int:
             )
             print(f"   target (warm starts): churn/no churn >= 0.6 -> {verdict(results['3'] >= 0.6)}\n")
         if "5" in args.parts:
-            settle()
-            results["fs_5"] = create_cost(root)
+            part_begins(root, results, "5")
             r5 = asyncio.run(part5(root, CASCADE_N, CASCADE_ROUNDS))
             sliced, at_once = r5["sliced"], r5["at_once"]
             gap_s, gap_a = statistics.median(col(sliced, "gap")), statistics.median(col(at_once, "gap"))
@@ -1037,7 +1039,9 @@ def main() -> int:
             )
         )
     if "5" in results:
-        rows.append(("5. 2,000 failing at once: longest loop gap, sliced/before", f"{results['5']:.2f}x", "-", None))
+        rows.append(
+            (f"5. {CASCADE_N} failing at once: longest loop gap, sliced/before", f"{results['5']:.2f}x", "-", None)
+        )
     for name, measured, target, ok in rows:
         print(f"{name:<54} {measured:<11} {target:<10} {verdict(ok) if ok is not None else '(no target)'}")
     if "4" in results:

@@ -94,6 +94,12 @@ async def ready_zygote(api) -> dict:
     return answer["warm"]
 
 
+async def held_spares(api, zygote_pid: int) -> list[int]:
+    """The pids of the processes the server holds, forked ahead by that zygote."""
+    zygotes = (await status(api))["warm_start"]["zygotes"]
+    return next(z["spares"] for z in zygotes if z["pid"] == zygote_pid)
+
+
 async def run_fingerprint(api, wait_for, out: Path, **kw) -> tuple[dict, dict]:
     rec = await submit(api, spec(entry=FINGERPRINT, params={"out": str(out)}, **kw))
     final = await wait_for(rec["id"])
@@ -253,8 +259,7 @@ async def test_the_processes_forked_ahead_are_replaced_when_they_die_waiting(api
 
     async def spares_of_server() -> list[int] | None:
         """The spares the server holds, once they are all the zygote's children."""
-        zygotes = (await status(api))["warm_start"]["zygotes"]
-        held = next(z["spares"] for z in zygotes if z["pid"] == zygote.pid)
+        held = await held_spares(api, zygote.pid)
         children = sorted(c.pid for c in zygote.children())
         return held if len(held) == 2 and sorted(held) == children else None
 
@@ -301,15 +306,11 @@ async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for
     killed = await submit(api, spec(entry=WAIT_FOR_PATH, params={"path": str(tmp_path / "never")}))
     runs = (ok, early, killed)
 
-    async def spares() -> list[int]:
-        zygotes = (await status(api))["warm_start"]["zygotes"]
-        return next(z["spares"] for z in zygotes if z["pid"] == zygote.pid)
-
     async def all_taken() -> bool:
         """Every run has its process, and the zygote has forked two spares after the last of them
         (it forks on ``taken``, after recording the run): it reaps none of them by itself."""
         pids = [evalsched.get(rec["id"]).record["pid"] for rec in runs]
-        held = await spares()
+        held = await held_spares(api, zygote.pid)
         return all(pids) and len(held) == 2 and not set(held) & set(pids)
 
     await async_wait_until(all_taken, timeout=20, message="the runs did not all start, or no spares followed")
@@ -326,7 +327,7 @@ async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for
     assert [read_codes.get(f["pid"]) for f in finals.values()] == [0, 3, -9], calls
 
     async def no_zombies() -> bool:
-        return sorted(c.pid for c in zygote.children()) == sorted(await spares())
+        return sorted(c.pid for c in zygote.children()) == sorted(await held_spares(api, zygote.pid))
 
     await async_wait_until(no_zombies, timeout=10, message="the zygote did not reap the runs the server read")
 
@@ -387,11 +388,10 @@ async def test_runs_that_find_no_spare_because_the_zygote_cannot_fork_start_cold
     warm = await ready_zygote(api)
     zygote_pid = next(z["pid"] for z in warm["zygotes"] if z["state"] == "ready")
 
-    async def spares() -> list[int]:
-        zygotes = (await status(api))["warm_start"]["zygotes"]
-        return next(z["spares"] for z in zygotes if z["pid"] == zygote_pid)
+    async def two_spares() -> bool:
+        return len(await held_spares(api, zygote_pid)) == 2
 
-    await async_wait_until(lambda: spares_ready(spares), timeout=10, message="no spares")
+    await async_wait_until(two_spares, timeout=10, message="no spares")
     flag = preload_dir / "forkfail.flag"
     flag.touch()
     starts = []
@@ -401,14 +401,10 @@ async def test_runs_that_find_no_spare_because_the_zygote_cannot_fork_start_cold
     assert [s[0] for s in starts] == ["warm", "warm", "cold"], starts
     assert "cannot fork" in starts[2][1] and "Resource temporarily unavailable" in starts[2][1], starts
     flag.unlink()
-    final, _ = await run_fingerprint(api, wait_for, tmp_path / "fp3.json")  # asks the zygote to try again
-    await async_wait_until(lambda: spares_ready(spares), timeout=10, message="the zygote did not fork again")
+    await run_fingerprint(api, wait_for, tmp_path / "fp3.json")  # asks the zygote to try again
+    await async_wait_until(two_spares, timeout=10, message="the zygote did not fork again")
     final, fp = await run_fingerprint(api, wait_for, tmp_path / "fp4.json")
     assert final["start"] == "warm" and fp["tasks"] == 1, final
-
-
-async def spares_ready(spares) -> bool:
-    return len(await spares()) == 2
 
 
 @pytest.mark.parametrize("preload", [[]])

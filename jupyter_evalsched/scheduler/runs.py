@@ -64,9 +64,9 @@ HEAVY_SPEC_FIELDS = ("params", "source", "env")
 
 FRESH_SPECS = 256  # whole specs kept from submission to start (RunTable.remember_spec) ...
 FRESH_SPEC_MAX_BYTES = 16 * 1024  # ... of at most this size: 4 MB at most in all
-# Terminal records written when a deferred block ends: this many at once whatever the time
-# (a small batch is on disk before the loop runs anything else), then more while the slice lasts, then a
-# slice per loop iteration (RunTable._write_terminals).
+# Terminal records written when a deferred block ends: this many at once whatever the time (a
+# small batch is on disk before the loop runs anything else), then more while the slice lasts,
+# then a slice per loop iteration (RunTable._write_terminals).
 TERMINAL_WRITES_AT_ONCE = 64
 TERMINAL_WRITE_SLICE_S = 0.005
 
@@ -539,8 +539,8 @@ class RunTable:
     def _write_terminals(self, runs: list[Run]) -> None:
         """The first ``TERMINAL_WRITES_AT_ONCE`` now, and more while ``TERMINAL_WRITE_SLICE_S``
         lasts; the rest a slice per loop iteration. A decision that fails thousands of dependents
-        would otherwise hold the event loop for all their writes (a third of a second for 2,000
-        here on a quick disk, seconds on a slow one)."""
+        would otherwise hold the event loop for all their writes (0.6 s for 2,000 here on a quick
+        disk: bench_warm_start.py, part 5)."""
         deadline = time.monotonic() + TERMINAL_WRITE_SLICE_S
         for i, run in enumerate(runs):
             if i >= TERMINAL_WRITES_AT_ONCE and time.monotonic() >= deadline and self._schedule_drain():
@@ -561,8 +561,7 @@ class RunTable:
         self._drain = None
         deadline = time.monotonic() + TERMINAL_WRITE_SLICE_S
         while self._backlog:
-            run = self._backlog.pop(next(iter(self._backlog)))
-            self._write_terminal(run)
+            self._write_terminal(next(iter(self._backlog.values())))
             if time.monotonic() >= deadline:
                 break
         if self._backlog:
@@ -571,7 +570,7 @@ class RunTable:
     def _settle(self, run_id: str) -> None:
         """The run's terminal record, if it waits in the backlog, written now: before any other
         write for that run."""
-        run = self._backlog.pop(run_id, None)
+        run = self._backlog.get(run_id)
         if run is not None:
             self._write_terminal(run)
 
@@ -581,7 +580,7 @@ class RunTable:
             self._drain.cancel()
             self._drain = None
         while self._backlog:
-            self._write_terminal(self._backlog.pop(next(iter(self._backlog))))
+            self._write_terminal(next(iter(self._backlog.values())))
 
     @property
     def writes_waiting(self) -> int:
@@ -608,10 +607,10 @@ class RunTable:
 
     def ensure_done(self, run: Run) -> None:
         """A terminal run found without ``_DONE`` (the server died between the two writes)."""
-        self._backlog.pop(run.id, None)
         self._write_terminal(run, quiet=True)
 
     def _write_terminal(self, run: Run, quiet: bool = False) -> None:
+        self._backlog.pop(run.id, None)  # written here, whoever asks: no longer waiting
         # _DONE only once job.json holds the terminal state: a _DONE beside a job.json that still
         # says "running" would make the next start conclude the run from stale files.
         if not self._save(run, quiet=quiet):
@@ -637,7 +636,6 @@ class RunTable:
             if run is None or not self.store.run_dir(run_id).is_dir():
                 self._unwritten.discard(run_id)  # deleted, or its directory is gone
             elif run.terminal:
-                self._backlog.pop(run_id, None)
                 self._write_terminal(run, quiet=True)
             else:
                 self.save(run, quiet=True)
