@@ -1,4 +1,4 @@
-"""The public contract's vocabulary (DESIGN.md): states, reason codes, run-directory file names,
+"""The public contract's vocabulary (docs/reference.md): states, reason codes, run-directory file names,
 scheduling defaults. One place, imported by the server, the runner, the client and the policy.
 
 Standard library only, and nothing but builtins at import time: the run subprocess imports

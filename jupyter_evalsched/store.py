@@ -1,9 +1,9 @@
 """The runs directory: layout, atomic writes, and every read of a run's files.
 
-``<runs_dir>/<run_id>/`` is a run's whole contract (DESIGN.md). The server owns ``spec.json``,
-``shared_urls.json``, ``job.json`` and (for runs it finalizes) ``_DONE``; the run owns
-``summary.json``, ``episodes.jsonl`` and its logs. Nothing outside this module joins a run
-directory with a file name.
+``<runs_dir>/<run_id>/`` is a run's whole contract (docs/reference.md, "Run directory"). The
+server owns ``spec.json``, ``shared_urls.json``, ``job.json`` and (for runs it finalizes)
+``_DONE``; the run owns ``summary.json``, ``episodes.jsonl`` and its logs. Nothing outside this
+module joins a run directory with a file name.
 
 A run directory appears atomically: it is assembled under a hidden temporary name and renamed
 into place, so a crash mid-submission never leaves a half-written run behind.

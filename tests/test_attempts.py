@@ -1,5 +1,5 @@
-"""Attempts inside a real Jupyter server: resume, retries, preemption (DESIGN.md, "Attempts,
-resume, retries, preemption, detached runs"). The restart cases (auto_resume, detached runs) are
+"""Attempts inside a real Jupyter server: resume, retries, preemption (docs/reference.md,
+"Attempts, retries and preemption"). The restart cases (auto_resume, detached runs) are
 in test_attempts_restart.py, with real server processes killed with SIGKILL.
 
 Tests are plain ``async def``: pytest-jupyter runs them on the server's loop.

@@ -1,4 +1,4 @@
-"""Runs side by side (DESIGN.md, "Sweeps and comparison"). Pure functions of run records and
+"""Runs side by side (docs/reference.md, "Sweeps and comparison"). Pure functions of run records and
 their episodes (from ``episodes.jsonl``).
 
 For each run and metric: the mean over the episodes where the metric is a finite number, its

@@ -1,5 +1,6 @@
 """The environment a run process starts with: the server's, the host's ``run_env``, the spec's
-``env``, then the variables that tie the run to this scheduler (DESIGN.md, "Eval spec")."""
+``env``, then the variables that tie the run to this scheduler (docs/reference.md,
+"Environment variables")."""
 
 from __future__ import annotations
 

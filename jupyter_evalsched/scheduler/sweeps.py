@@ -1,4 +1,4 @@
-"""Sweeps: one submission, many runs (DESIGN.md, "Sweeps and comparison"). Pure functions.
+"""Sweeps: one submission, many runs (docs/reference.md, "Sweeps and comparison"). Pure functions.
 
 A sweep is a spec plus ``"sweep"``: a grid ``{"<param>": [values, ...], ...}`` (every
 combination, the first parameter varying slowest) or a list of points ``[{"<param>": value,

@@ -1,4 +1,5 @@
-"""Warm starts, the server's side: the zygotes runs are forked from (DESIGN.md, "Warm starts").
+"""Warm starts, the server's side: the zygotes runs are forked from (docs/configuration.md,
+"Warm starts").
 
 A ``ZygoteClient`` is one zygote process (``runner/zygote.py``) and the socket to it, read on the
 event loop. The zygote forks each run's process ahead of its request and hands it over (a
