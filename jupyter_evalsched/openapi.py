@@ -96,6 +96,14 @@ SWEEP_ID_PARAM = {
     "required": True,
     "schema": {"type": "string", "pattern": "^sweep-[A-Za-z0-9._-]{1,58}$"},
 }
+IDEMPOTENCY_KEY_PARAM = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "description": "the same key again answers 200 with what the first submission made (also after a restart); "
+    "the same key with another body is a 409",
+    "schema": {"type": "string", "pattern": "^[!-~]{1,200}$"},
+}
 LEASE_ID_PARAM = {
     "name": "lease_id",
     "in": "path",
@@ -132,8 +140,13 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "post": {
                 "summary": "Submit a run",
                 "operationId": "submitRun",
+                "parameters": [IDEMPOTENCY_KEY_PARAM],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("EvalSpec")}}},
-                "responses": {"201": _json("RunRecord", "the queued run"), **_errors(400, 413, 422, 503)},
+                "responses": {
+                    "201": _json("RunRecord", "the queued run"),
+                    "200": _json("RunRecord", "the run an earlier submission with the same Idempotency-Key made"),
+                    **_errors(400, 409, 413, 422, 503),
+                },
             },
         },
         "/runs/{run_id}": {
@@ -183,8 +196,13 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "post": {
                 "summary": "Submit a sweep: one run per point of a grid or a list",
                 "operationId": "submitSweep",
+                "parameters": [IDEMPOTENCY_KEY_PARAM],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("SweepRequest")}}},
-                "responses": {"201": _json("SweepCreated", "the queued runs"), **_errors(400, 413, 422, 503)},
+                "responses": {
+                    "201": _json("SweepCreated", "the queued runs"),
+                    "200": _json("SweepCreated", "the runs an earlier submission with the same Idempotency-Key made"),
+                    **_errors(400, 409, 413, 422, 503),
+                },
             },
         },
         "/sweeps/{sweep_id}": {
