@@ -544,7 +544,17 @@ class ModelInfo(BaseModel):
     mean_batch_size: float = 0.0
     load_count: int = 0
     error: dict[str, Any] | None = Field(None, description="{type, message}: why the host or the model failed")
-    log: str | None = Field(None, description="the host's stderr, kept after it dies")
+    log: str | None = Field(None, description="the path of the host's stderr log, kept after it dies")
+    inputs: int = Field(0, description="inputs served (a request may carry several)")
+    failed_requests: int = 0
+    batch_sizes: dict[str, int] = Field(default_factory=dict, description="batches per batch size")
+    mean_batch_ms: float = Field(0.0, description="mean time of a batch's forward pass")
+    max_batch_size: int = Field(8, description="the model's configured batch limit")
+    max_wait_ms: float = Field(5.0, description="how long a batch waits to fill")
+    load_seconds: float | None = Field(None, description="how long the last load took")
+    pid: int | None = Field(None, description="the model host's process")
+    restarts: int = Field(0, description="times its host was started again")
+    held_s: float = Field(0.0, description="how long before a dead host may be started again (back-off)")
 
 
 class ModelList(BaseModel):
