@@ -561,6 +561,54 @@ class ModelList(BaseModel):
     models: list[ModelInfo]
 
 
+class ModelConnection(BaseModel):
+    """``POST /evalsched/models/{name}/connect``: where a kernel reaches a shared model."""
+
+    name: str
+    url: str = Field(description="the model's URL, as runs get it in shared_urls.json")
+
+
+class DoctorCheck(BaseModel):
+    name: str
+    status: Literal["ok", "degraded", "error"]
+    detail: str
+    fix: str | None = Field(None, description="what to do about it, when it is not ok")
+
+
+class DoctorReport(BaseModel):
+    """``GET /evalsched/doctor``: what this host offers and what is in force."""
+
+    checks: list[DoctorCheck]
+
+
+class BrokenRun(BaseModel):
+    id: str
+    problem: str = Field(description="why its directory cannot be used")
+
+
+class ServerStatus(BaseModel):
+    """``GET /evalsched/status``: this server's own view. The fields from ``runs_dir`` on are
+    sent by the server that schedules the runs directory (the primary) only."""
+
+    version: str
+    role: Literal["primary", "secondary", "unavailable"]
+    pid: int
+    primary: PrimaryServer | None = Field(description="the server that schedules for this runs directory")
+    error: str | None = Field(description="why no primary can answer, when none can")
+    runs_dir: str | None = None
+    counts: dict[str, int] | None = Field(
+        None, description="queued, running and total runs, and the active runs of each executor outside the ledger"
+    )
+    started: bool | None = Field(
+        None, description="recovery has read the runs directory (until then run endpoints answer 503)"
+    )
+    cgroups: dict[str, Any] | None = Field(None, description="the cgroup mode in force")
+    warm_start: dict[str, Any] | None = Field(None, description="the zygotes, or why warm starts are refused")
+    enforce_vram: Literal["off", "warn", "kill"] | None = None
+    gpu_source: str | None = Field(None, description="nvml, virtual, or the configured probe's")
+    broken_runs: list[BrokenRun] = Field(default_factory=list, description="run directories that cannot be used")
+
+
 class ErrorBody(BaseModel):
     message: str
     reason: str | None = None

@@ -11,6 +11,7 @@ from ._version import __version__
 from .models import (
     STATES,
     Comparison,
+    DoctorReport,
     EpisodeList,
     ErrorBody,
     EvalSpec,
@@ -18,11 +19,13 @@ from .models import (
     LeaseRecord,
     LeaseRequest,
     Ledger,
+    ModelConnection,
     ModelList,
     QueueView,
     RunDetail,
     RunList,
     RunRecord,
+    ServerStatus,
     SweepCreated,
     SweepList,
     SweepRequest,
@@ -47,6 +50,9 @@ _MODELS = (
     SweepView,
     SweepList,
     Comparison,
+    ModelConnection,
+    DoctorReport,
+    ServerStatus,
 )
 _REQUESTS = (EvalSpec, LeaseRequest, SweepRequest)  # schemas of what clients send, the rest of what they get
 
@@ -339,18 +345,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "summary": "Where a kernel reaches a shared model (its host started if needed)",
                 "operationId": "connectModel",
                 "responses": {
-                    "200": {
-                        "description": "the model's URL, as runs get it in shared_urls.json",
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "type": "object",
-                                    "properties": {"name": {"type": "string"}, "url": {"type": "string"}},
-                                    "required": ["name", "url"],
-                                }
-                            }
-                        },
-                    },
+                    "200": _json("ModelConnection", "the model's URL, as runs get it in shared_urls.json"),
                     **_errors(404, 503),
                 },
             },
@@ -359,23 +354,14 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "get": {
                 "summary": "What this host offers and what is in force, each check ok, degraded or error",
                 "operationId": "doctor",
-                "responses": {
-                    "200": {
-                        "description": "the checks",
-                        "content": {"application/json": {"schema": {"type": "object"}}},
-                    },
-                    **_errors(),
-                },
+                "responses": {"200": _json("DoctorReport", "the checks"), **_errors()},
             }
         },
         "/status": {
             "get": {
                 "summary": "Version, runs directory and counts",
                 "operationId": "getStatus",
-                "responses": {
-                    "200": {"description": "status", "content": {"application/json": {"schema": {"type": "object"}}}},
-                    **_errors(),
-                },
+                "responses": {"200": _json("ServerStatus", "this server's role and state"), **_errors()},
             }
         },
         "/openapi.json": {
