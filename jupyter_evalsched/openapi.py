@@ -379,8 +379,13 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
         },
         "/events": {
             "get": {
-                "summary": "WebSocket: a snapshot, then one message per run or lease change ({type: run|lease|warning})",
+                "summary": "WebSocket: a snapshot, then one message per change ({type: run|lease|warning|ledger})",
                 "operationId": "events",
+                "description": 'JSON text messages, server to client: first `{"type": "snapshot", "queue": '
+                'QueueView}`, then `{"type": "run", "run": RunRecord}` at every change of a run (and at '
+                'progress), `{"type": "lease", "lease": LeaseRecord}` at every change of a lease, '
+                '`{"type": "warning", "run_id", "code", "message"}` for a new warning on a run, and '
+                '`{"type": "ledger", "ledger": Ledger}` when VRAM outside the scheduler changed.',
                 "responses": {"101": {"description": "switching to the WebSocket protocol"}, **_errors(400)},
             }
         },
