@@ -95,6 +95,44 @@ def test_every_field_of_the_records_and_the_spec_is_in_the_reference(model, titl
     assert not missing, f"fields of {model.__name__} missing from docs/reference.md, '{title}': {missing}"
 
 
+# Fields the reference documents ahead of their merge (the third wave's `why` on run and lease
+# records and `sweep_name` on sweep runs are built on another branch): allowed in the tables
+# before the models have them. Once the models do, the forward checks above cover them.
+AHEAD_OF_THE_MODELS = {"why", "sweep_name"}
+
+
+def table_names(text: str) -> set[str]:
+    """The inline-code names in the first column of the markdown tables of ``text``."""
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            names |= set(re.findall(r"`([^`]+)`", line.split("|")[1]))
+    return names
+
+
+@pytest.mark.parametrize(
+    ("models", "title"),
+    [((RunRecord,), "Run record"), ((LeaseRecord,), "Lease record"), ((EvalSpec, Scheduling), "Eval spec")],
+)
+def test_the_reference_documents_no_field_the_models_lack(models, title):
+    documented = table_names(section(title))
+    assert len(documented) >= 10
+    known = set().union(*(m.model_fields for m in models))
+    extra = sorted(documented - known - AHEAD_OF_THE_MODELS)
+    assert not extra, f"docs/reference.md, '{title}', documents fields the models do not have: {extra}"
+
+
+def test_the_reference_documents_no_setting_the_server_lacks():
+    documented = table_names(section("Configuration"))
+    traits = set(EvalSchedApp.class_own_traits(config=True))
+    variables = {n for n in documented if n.startswith("EVALSCHED_")}
+    source = "".join(path.read_text(encoding="utf-8") for path in PACKAGE.rglob("*.py"))
+    extra = sorted(n for n in documented - traits - variables)
+    assert not extra, f"docs/reference.md documents settings EvalSchedApp does not have: {extra}"
+    unknown = sorted(n for n in variables if n not in source)
+    assert not unknown, f"docs/reference.md documents variables the package never names: {unknown}"
+
+
 def test_every_setting_is_in_the_reference():
     traits = sorted(EvalSchedApp.class_own_traits(config=True))
     assert {"runs_dir", "virtual_gpus", "enforce_vram", "warm_start", "models"} <= set(traits)
