@@ -298,6 +298,8 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
     await call("DELETE", "leases/lease-nope", expect=404)
     await call("POST", "models/nope/connect", expect=404)
     await call("GET", "events", expect=400)  # not a WebSocket upgrade
+    for method, path in (("GET", "queue"), ("POST", "runs"), ("DELETE", f"runs/{first['id']}")):
+        await call(method, path, headers={"Authorization": "token not-the-token"}, expect=403)
 
     # --- the event socket said what happened, in the same types
     kinds = {"run": "RunRecord", "lease": "LeaseRecord", "ledger": "Ledger"}
