@@ -74,18 +74,23 @@ def _json(name: str, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
 
 
-def _errors(*codes: int) -> dict:
+def _errors(*codes: int, delegated: bool = True) -> dict:
+    """The error answers of a route: 401, 403 and ``codes``, and 503 for every route a server
+    forwards to the host's primary (``delegated``: all but /status and the event socket), which
+    answers 503 while the scheduler starts or when the primary cannot be reached."""
     text = {
         400: "the request is malformed (not JSON, a bad query parameter)",
         401: "not authenticated",
         403: "not authorized",
         404: "unknown run, lease or model",
-        409: "the operation does not fit the run's state",
+        409: "the operation does not fit the run's state, or the run's files cannot be served",
         413: "the body is too large",
         422: "the spec or request is invalid, can never fit, names an unknown model, dependency or process",
-        503: "the runs directory cannot be written, the scheduler is not running, or a model host cannot start",
+        503: "the scheduler is starting, the host's primary server cannot be reached, the runs directory cannot "
+        "be written, or a model host cannot start",
     }
-    return {str(c): _json("ErrorBody", text[c]) for c in (401, 403, *codes)}
+    wanted = {401, 403, *codes} | ({503} if delegated else set())
+    return {str(c): _json("ErrorBody", text[c]) for c in sorted(wanted)}
 
 
 RUN_ID_PARAM = {
@@ -272,7 +277,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 ],
                 "responses": {
                     "200": {"description": "the log text", "content": {"text/plain": {"schema": {"type": "string"}}}},
-                    **_errors(400, 404),
+                    **_errors(400, 404, 409),
                 },
             },
         },
@@ -281,7 +286,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "get": {
                 "summary": "The run's finished episodes",
                 "operationId": "getEpisodes",
-                "responses": {"200": _json("EpisodeList", "the episodes"), **_errors(404)},
+                "responses": {"200": _json("EpisodeList", "the episodes"), **_errors(404, 409)},
             },
         },
         "/leases": {
@@ -361,7 +366,10 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "get": {
                 "summary": "Version, runs directory and counts",
                 "operationId": "getStatus",
-                "responses": {"200": _json("ServerStatus", "this server's role and state"), **_errors()},
+                "responses": {
+                    "200": _json("ServerStatus", "this server's role and state"),
+                    **_errors(delegated=False),
+                },
             }
         },
         "/openapi.json": {
@@ -386,7 +394,10 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 'progress), `{"type": "lease", "lease": LeaseRecord}` at every change of a lease, '
                 '`{"type": "warning", "run_id", "code", "message"}` for a new warning on a run, and '
                 '`{"type": "ledger", "ledger": Ledger}` when VRAM outside the scheduler changed.',
-                "responses": {"101": {"description": "switching to the WebSocket protocol"}, **_errors(400)},
+                "responses": {
+                    "101": {"description": "switching to the WebSocket protocol"},
+                    **_errors(400, delegated=False),
+                },
             }
         },
     }
