@@ -159,7 +159,7 @@ async def settle(call, run_id: str, states: tuple[str, ...], reason: str = "", t
         await asyncio.sleep(0.1)
 
 
-async def test_every_route_answers_as_its_openapi_document_says(call, contract_checker, jp_ws_fetch):
+async def test_every_route_answers_as_its_openapi_document_says(call, contract_checker, jp_ws_fetch, runs_dir):
     checker = contract_checker
     socket = await jp_ws_fetch("evalsched", "events")
     snapshot = json.loads(await socket.read_message())
@@ -300,6 +300,15 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
     await call("GET", "events", expect=400)  # not a WebSocket upgrade
     for method, path in (("GET", "queue"), ("POST", "runs"), ("DELETE", f"runs/{first['id']}")):
         await call(method, path, headers={"Authorization": "token not-the-token"}, expect=403)
+
+    # --- run files that cannot be served (user code wrote them): 409, never a 500
+    (runs_dir / first["id"] / "episodes.jsonl").unlink()
+    (runs_dir / first["id"] / "episodes.jsonl").symlink_to("/etc/hostname")
+    (runs_dir / first["id"] / "stdout.log").unlink()
+    (runs_dir / first["id"] / "stdout.log").symlink_to("/etc/hostname")
+    await call("GET", f"runs/{first['id']}/episodes", expect=409)
+    await call("GET", f"runs/{first['id']}/logs", expect=409)
+    assert (await call("GET", "compare", params={"runs": first["id"]}, expect=200))["rows"][0]["error"]
 
     # --- the event socket said what happened, in the same types
     kinds = {"run": "RunRecord", "lease": "LeaseRecord", "ledger": "Ledger"}
