@@ -103,7 +103,7 @@ async def admission_latency(rounds: int, event_driven: bool, root: Path) -> tupl
     sched = TimedScheduler(
         # The baseline is the sweep alone: no pidfd, and no zygote either (it reports exits too).
         SchedulerConfig(
-            runs_dir=runs, cpu_slots=4, sweep_interval_s=1.0, progress_interval_s=10, warm_start=event_driven
+            runs_dir=runs, cpu_slots=4, reconcile_interval_s=1.0, progress_interval_s=10, warm_start=event_driven
         ),
         VirtualProbe([24000]),
         event_driven=event_driven,

@@ -36,23 +36,13 @@ from .. import contract
 from ..contract import ACTIVE_STATES, FAILED, SUCCEEDED, TERMINAL_STATES
 from ..models import RECORD_FIELDS, RunRecord, utcnow_iso
 from ..store import FileStamp, RunFileError, RunStore, StoreError
+from .attempts import Requeue
 
 log = logging.getLogger("jupyter_evalsched")
 
 Listener = Callable[[dict], None]
 EndListener = Callable[["Run"], None]
 RequeueListener = Callable[["Run", "Requeue"], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Requeue:
-    """A run's next attempt: the reason it waits with, the record fields that change (``attempt``,
-    ``history``, ``retries_used``, ``preemptions``, ``retry_at``), and how long it waits before
-    admission may start it (a retry's back-off)."""
-
-    reason: str | None
-    fields: dict[str, Any]
-    delay_s: float = 0.0
 
 
 RequeuePolicy = Callable[["Run", str, "str | None"], "Requeue | None"]
@@ -358,10 +348,29 @@ class RunTable:
             self.changed(run)
 
     def set_reason(self, run: Run, reason: str | None) -> None:
-        """Why a run waits: news to the widget and the panel, not worth a write."""
+        """Why a run waits: news to the widget and the panel, not worth a write. The one way a
+        waiting reason reaches a record (admission, dependencies, SLURM's pending reason)."""
         if run.record["reason"] != reason:
             run.record["reason"] = reason
             self.changed(run)
+
+    def set_exit_code(self, run: Run, code: int | None) -> None:
+        """The exit status of the run's process, as the executor saw it; written with the verdict."""
+        run.record["exit_code"] = code
+
+    def set_slurm_state(self, run: Run, state: str) -> bool:
+        """The job's state as ``squeue`` says it; True when it moved. Written at the next transition."""
+        moved = run.record["slurm_state"] != state
+        run.record["slurm_state"] = state
+        return moved
+
+    def note_warning(self, run: Run, warning: str) -> None:
+        """A warning known before the run starts (``memory_limit_not_enforced``): into the record
+        without an event, and once per run whatever its attempts (its code is the key)."""
+        code = contract.reason_code(warning)
+        if any(contract.reason_code(w) == code for w in run.record["warnings"]):
+            return
+        run.record["warnings"] = [*run.record["warnings"], warning]
 
     def refresh_progress(self, run: Run) -> bool:
         """Apply the run's ``summary.json`` to its record if the file changed; True when the
@@ -589,7 +598,7 @@ class RunTable:
     # ------------------------------------------------------------------ persistence
 
     def save(self, run: Run, quiet: bool = False) -> bool:
-        """Write ``job.json``. A refused write keeps the state right in memory; the sweep retries
+        """Write ``job.json``. A refused write keeps the state right in memory; the reconciliation retries
         it (``retry_unwritten``)."""
         self._settle(run.id)
         return self._save(run, quiet)

@@ -2,7 +2,7 @@
 
 It decides; it does not own the record's life (the run table does) nor how runs execute (the
 executors do). Admission runs on every event that can change the answer (a submission, a run's
-end, a cancel) with a periodic sweep as a backstop, and is carried out in the same loop
+end, a cancel) with a periodic reconciliation as a backstop, and is carried out in the same loop
 iteration as a run's exit, before that run's files are written.
 
 All state lives on the event-loop thread; handlers call the methods directly.
@@ -30,6 +30,7 @@ from ..models import EvalSpec, LeaseRequest, utcnow_iso
 from ..runner.entrypoint import resolve_entrypoint_file
 from ..store import FoundRun, RunFileError, RunStore, StoreError, new_run_id
 from . import attempts, compare, policy, sweeps
+from .attempts import Requeue
 from .config import SchedulerConfig
 from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
 from .executors import Executor, ExecutorContext, ObservedTarget
@@ -40,7 +41,6 @@ from .leases import Lease, LeaseTable
 from .ledger import DeviceBudget, Observation, Unmanaged, account, capacity, device_budgets, ledger_view
 from .runs import (
     Listener,
-    Requeue,
     Run,
     RunTable,
     new_record,
@@ -137,7 +137,7 @@ class Scheduler:
         self.table.note_seq(max((lease.record["seq"] for lease in self.leases), default=0))
         self._started = True
         self._tasks = [
-            asyncio.ensure_future(self._sweep_forever()),
+            asyncio.ensure_future(self._reconcile_forever()),
             asyncio.ensure_future(self._watch_progress_forever()),
         ]
         self._admit()
@@ -168,9 +168,9 @@ class Scheduler:
     def _compute_budgets(self) -> list[DeviceBudget]:
         return device_budgets(
             self.probe.devices(),
-            reserve_mb=self.config.reserve_mb,
-            usable_override=self.config.usable_override,
-            env_usable_mb=self.config.env_usable_mb,
+            reserve_mb=self.config.reserve_vram_mb,
+            usable_override={int(k): int(v) for k, v in self.config.usable_vram_mb.items()},
+            env_usable_mb=self.config.default_usable_vram_mb,
             baseline_mb=self.models.baseline_mb_by_device(),
         )
 
@@ -242,7 +242,7 @@ class Scheduler:
             if code == contract.PREEMPTED_BY:
                 run.requeued_reason = run.record["reason"].split("; now ", 1)[0]
             elif code != contract.SERVER_RESTART:
-                run.record["reason"] = None
+                self.table.update(run, save=False, notify=False, reason=None)
             self._enqueue(run)
         else:
             if executor.uses_ledger:
@@ -829,7 +829,7 @@ class Scheduler:
                 self.request_admission()
 
     def _recheck_blocked(self) -> None:
-        """Backstop (the periodic sweep): every held run looked at again."""
+        """Backstop (the periodic reconciliation): every held run looked at again."""
         for run_id in list(self._blocked):
             run = self._queued.get(run_id)
             if run is None:
@@ -936,7 +936,7 @@ class Scheduler:
             raise SpecRejected(f"pid: {exc}", [{"loc": ["pid"], "msg": str(exc), "type": "no_such_process"}]) from None
         except StoreError as exc:
             raise Unavailable(str(exc)) from exc
-        # What its process holds already (as the last sweep saw it) is absorbed by its grant.
+        # What its process holds already (as the last observation saw it) is absorbed by its grant.
         lease.holder_pids = frozenset(tree)
         lease.observed = self._unmanaged_of(tree)
         if not self._stopping:
@@ -1263,12 +1263,12 @@ class Scheduler:
             raise Unavailable("the scheduler is not running")
         return self._loop
 
-    async def _sweep_forever(self) -> None:
+    async def _reconcile_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
+            await asyncio.sleep(self.config.reconcile_interval_s)
             try:
                 for executor in self.executors.values():
-                    await executor.sweep()
+                    await executor.reconcile()
                 if self.table.has_unwritten:
                     self.table.retry_unwritten()
                 self.leases.check_processes()
@@ -1276,7 +1276,7 @@ class Scheduler:
                 self._recheck_blocked()
                 self._admit()
             except Exception:
-                log.exception("evalsched: sweep failed")
+                log.exception("evalsched: reconciliation failed")
 
     async def _observe(self) -> None:
         """Read what the probe and the host say each process uses, and sort it out: runs' observed
@@ -1345,7 +1345,7 @@ class Scheduler:
                 return
 
     def _account(self) -> None:
-        """Sort the last sample out against the leases as they are now: after every sweep, and
+        """Sort the last sample out against the leases as they are now: after every observation, and
         when a lease is granted or ends (what its process holds changes hands at once)."""
         if self._last_sample is None:
             return

@@ -101,7 +101,7 @@ class Executor:
     def recovered(self) -> None:
         """Called once recovery has seen every run: clean up what no run owns any more."""
 
-    async def sweep(self) -> None:
+    async def reconcile(self) -> None:
         """The periodic backstop (missed exits, another system's state)."""
 
     async def stop(self) -> None:
