@@ -265,7 +265,7 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         self.start_error = None
         self.log.info(
             "evalsched: this server schedules into %s with %d GPU(s) and %d CPU slots; API at %s",
-            self.scheduler.store.root,
+            self.scheduler.status_view().runs_dir,
             len(self.scheduler.ledger()["devices"]),
             self.cpu_slots,
             url_path_join(self._server.base_url, "evalsched/"),
