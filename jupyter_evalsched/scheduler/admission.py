@@ -290,7 +290,7 @@ class Admission:
                 for dep in map(self.table.get, run.depends_on)
                 if dep is not None
             )
-        return policy.LANE_INDEX[run.record["priority"]] >= self._head_lane
+        return policy.LANE_INDEX[run.scheduling.priority] >= self._head_lane
 
     def _admit_new(self, run: Run) -> None:
         """Admission for one newly submitted job: O(running), not O(queue). With 10,000 jobs
@@ -402,11 +402,11 @@ class Admission:
         return policy.QueuedJob(
             id=run.id,
             seq=run.record["seq"],
-            priority=run.record["priority"],
-            marginal_vram_mb=run.record["marginal_vram_mb"],
-            gpus=sched["gpus"],
-            exclusive=sched["exclusive_gpu"],
-            cpus=sched["cpus"],
+            priority=sched.priority,
+            marginal_vram_mb=sched.marginal_vram_mb,
+            gpus=sched.gpus,
+            exclusive=sched.exclusive_gpu,
+            cpus=sched.cpus,
             depends_on=tuple(run.depends_on),
             waited_s=now - run.submitted_ts,
             passed_over=run.passed_over,
@@ -435,11 +435,11 @@ class Admission:
             policy.RunningJob(
                 id=run.id,
                 devices=tuple(run.record["devices"]),
-                marginal_vram_mb=run.record["marginal_vram_mb"],
-                exclusive=run.scheduling["exclusive_gpu"],
-                cpus=run.scheduling["cpus"],
-                priority=run.record["priority"],
-                preemptible=run.record["preemptible"],
+                marginal_vram_mb=run.scheduling.marginal_vram_mb,
+                exclusive=run.scheduling.exclusive_gpu,
+                cpus=run.scheduling.cpus,
+                priority=run.scheduling.priority,
+                preemptible=run.scheduling.preemptible,
                 runtime_s=now - (run.started_ts or now),
                 preemptions=run.record["preemptions"],
                 stopping=run.preempted_by is not None,

@@ -122,15 +122,15 @@ class Observer:
                 self._enforce_vram(run, used)
 
     def _enforce_vram(self, run: Run, used: dict[int, int]) -> None:
-        rec = run.record
+        sched = run.scheduling
         usable = {b.index: b.usable_mb for b in self.budgets()}
         for device, mb in sorted(used.items()):
-            if device not in rec["devices"]:
+            if device not in run.record["devices"]:
                 declared = 0  # a GPU it was not given (CUDA_VISIBLE_DEVICES ignored)
-            elif rec["exclusive_gpu"]:
+            elif sched.exclusive_gpu:
                 declared = usable.get(device, 0)
             else:
-                declared = rec["marginal_vram_mb"]
+                declared = sched.marginal_vram_mb
             if mb <= declared * (1 + self.config.vram_tolerance):
                 continue
             text = contract.reason(contract.OVER_VRAM, f"used {mb} MB on GPU {device}, declared {declared} MB")

@@ -26,9 +26,9 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -65,6 +65,38 @@ def slim_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in spec.items() if k not in HEAVY_SPEC_FIELDS}
 
 
+@dataclass(frozen=True, slots=True)
+class RunScheduling:
+    """What a run asks of the host, typed, built once from its validated spec (defaults:
+    ``contract.SCHEDULING_DEFAULTS``). Admission, the ledger and enforcement read this; the
+    record carries the same figures for readers of ``job.json`` and the API."""
+
+    marginal_vram_mb: int
+    gpus: int
+    exclusive_gpu: bool
+    priority: str
+    cpus: int
+    memory_mb: int | None
+    preemptible: bool
+
+    @classmethod
+    def of(cls, spec: Mapping[str, Any]) -> RunScheduling:
+        sched = contract.scheduling_of(spec)
+        return cls(
+            marginal_vram_mb=sched["marginal_vram_mb"],
+            gpus=sched["gpus"],
+            exclusive_gpu=sched["exclusive_gpu"],
+            priority=sched["priority"],
+            cpus=sched["cpus"],
+            memory_mb=sched["memory_mb"],
+            preemptible=sched["preemptible"],
+        )
+
+    @property
+    def uses_gpu(self) -> bool:
+        return contract.uses_gpu(self.marginal_vram_mb, self.exclusive_gpu)
+
+
 @dataclass(eq=False, slots=True)
 class Run:
     """One run: its record (the contract's run record, as sent and as written to ``job.json``),
@@ -74,7 +106,7 @@ class Run:
     record: dict[str, Any]
     spec: dict[str, Any]
     submitted_ts: float
-    scheduling: dict[str, Any] = field(init=False)
+    scheduling: RunScheduling = field(init=False)  # from ``given_scheduling``, else from the spec
     passed_over: int = 0  # times a later job was admitted ahead of it (anti-starvation)
     cancel_requested: bool = False
     kill_reason: str | None = None  # set when the server stopped the run (over_vram: ...)
@@ -86,10 +118,11 @@ class Run:
     requeued_reason: str | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
     done_on_disk: bool = False
     summary_stamp: FileStamp | None = None  # of the summary last applied
+    given_scheduling: InitVar[RunScheduling | None] = None  # made at submission, for its record
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, given_scheduling: RunScheduling | None) -> None:
         self.spec = slim_spec(self.spec)
-        self.scheduling = contract.scheduling_of(self.spec)
+        self.scheduling = given_scheduling or RunScheduling.of(self.spec)
 
     @property
     def id(self) -> str:
@@ -123,22 +156,24 @@ def new_record(
     marginal_vram_source: str = "declared",
     sweep_id: str | None = None,
     sweep_point: dict[str, Any] | None = None,
+    scheduling: RunScheduling | None = None,
 ) -> dict[str, Any]:
-    """The record of a run just submitted (``spec`` validated, defaults filled in)."""
-    sched = contract.scheduling_of(spec)
+    """The record of a run just submitted (``spec`` validated, defaults filled in; its
+    ``scheduling`` when made already)."""
+    sched = scheduling or RunScheduling.of(spec)
     return RunRecord.model_validate(
         dict(
             id=run_id,
             name=spec["name"],
             state=contract.QUEUED,
-            priority=sched["priority"],
+            priority=sched.priority,
             submitted_at=utcnow_iso(),
             progress={"done": 0, "total": spec["episodes"]},
-            marginal_vram_mb=sched["marginal_vram_mb"],
+            marginal_vram_mb=sched.marginal_vram_mb,
             depends_on=list(spec.get("depends_on") or ()),
-            gpus=sched["gpus"],
-            cpus=sched["cpus"],
-            exclusive_gpu=sched["exclusive_gpu"],
+            gpus=sched.gpus,
+            cpus=sched.cpus,
+            exclusive_gpu=sched.exclusive_gpu,
             models=list(spec.get("models") or ()),
             timeout_s=spec.get("timeout_s"),
             executor=executor,
@@ -148,8 +183,8 @@ def new_record(
             entrypoint=spec.get("entrypoint"),
             source_digest=source_digest(spec.get("source")),
             marginal_vram_source=marginal_vram_source,
-            memory_mb=sched["memory_mb"],
-            preemptible=sched["preemptible"],
+            memory_mb=sched.memory_mb,
+            preemptible=sched.preemptible,
             retries=spec.get("retries") or 0,
             detach=bool(spec.get("detach")),
             sweep_id=sweep_id,

@@ -38,7 +38,7 @@ from .kernels import KernelInfo, OwnKernel
 from .leases import Lease, LeaseTable
 from .ledger import Capacity, DeviceBudget, capacity, device_budgets, ledger_view
 from .observation import Observer, describe_holder
-from .runs import Listener, Run, RunTable, parse_timestamp, record_from_disk, slim_spec
+from .runs import Listener, Run, RunScheduling, RunTable, parse_timestamp, record_from_disk, slim_spec
 from .shared import NoSharedModels, SharedModels
 from .submission import Submissions, dumps
 
@@ -310,7 +310,7 @@ class Scheduler:
             raise StateConflict(f"run {run_id} cannot be resumed: its spec cannot be read ({exc})") from None
         # A run found finished at start kept its record alone: its spec is needed again.
         run.spec = slim_spec(spec)
-        run.scheduling = contract.scheduling_of(run.spec)
+        run.scheduling = RunScheduling.of(run.spec)
         try:
             self.table.requeue(run, attempts.resume_plan(run.record))
         except StoreError as exc:

@@ -31,7 +31,7 @@ from .config import SchedulerConfig
 from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
 from .executors import Executor
 from .ledger import Capacity
-from .runs import Run, RunTable, new_record, source_digest
+from .runs import Run, RunScheduling, RunTable, new_record, source_digest
 from .shared import SharedModels
 
 
@@ -251,6 +251,7 @@ class Submissions:
             run_id = new_run_id()
         executor = self.executors[spec.executor or self.config.default_executor]
         spec_dict = self._normalized(spec)
+        scheduling = RunScheduling.of(spec_dict)  # the run's, once: its record and admission read it
         record = new_record(
             run_id,
             spec_dict,
@@ -261,6 +262,7 @@ class Submissions:
             marginal_vram_source=vram_source,
             sweep_id=sweep[0] if sweep else None,
             sweep_point=sweep[1] if sweep else None,
+            scheduling=scheduling,
         )
         files = {contract.SPEC_FILE: dumps(spec_dict), contract.JOB_FILE: dumps(record)}
         if not spec_dict.get("models"):  # known now: written here, off the loop, not at the start
@@ -279,7 +281,7 @@ class Submissions:
             raise Unavailable(str(exc)) from exc
         finally:
             self._creating.discard(run_id)
-        run = Run(record=record, spec=spec_dict, submitted_ts=time.time())
+        run = Run(record=record, spec=spec_dict, submitted_ts=time.time(), given_scheduling=scheduling)
         self.table.add(run)
         self.table.remember_spec(run_id, spec_dict, len(files[contract.SPEC_FILE]))
         if idempotency_key is not None:

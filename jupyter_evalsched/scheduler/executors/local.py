@@ -164,7 +164,7 @@ class LocalExecutor(Executor):
         """In a thread: (the run's cgroup, or None and why not)."""
         assert self.cgroups is not None
         try:
-            return self.cgroups.create(run.id, run.scheduling.get("memory_mb")), ""
+            return self.cgroups.create(run.id, run.scheduling.memory_mb), ""
         except Exception as exc:  # (CgroupError says what; anything else must not lose the run)
             return None, str(exc) if isinstance(exc, CgroupError) else f"{type(exc).__name__}: {exc}"
 
@@ -289,7 +289,7 @@ class LocalExecutor(Executor):
         """The run's own cgroup (with its memory limit; ``made`` already, in a thread), or None
         where the host has none: then the run's process group is what clean-up kills, and a
         ``memory_mb`` is not enforced, which the run's warnings say."""
-        memory_mb = run.scheduling.get("memory_mb")
+        memory_mb = run.scheduling.memory_mb
         cgroup = None
         why = ""
         if self.cgroups is not None and self.cgroups.enabled:
@@ -349,7 +349,7 @@ class LocalExecutor(Executor):
         what = "the run process" if code == -9 else f"{kills} process{'es' if kills != 1 else ''} of the run"
         return contract.reason(
             contract.OOM,
-            f"the run reached its memory limit (memory_mb={limit or run.scheduling.get('memory_mb')}"
+            f"the run reached its memory limit (memory_mb={limit or run.scheduling.memory_mb}"
             f"{f', peak {peak} MB' if peak is not None else ''}) and the kernel killed {what}",
         )
 

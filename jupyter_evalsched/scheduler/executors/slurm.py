@@ -182,8 +182,7 @@ class SlurmExecutor(Executor):
             elif st.state in ("RUNNING", "COMPLETING") and run.state == QUEUED:
                 table.update(run, state=RUNNING, reason=None, started_at=utcnow_iso())
             elif run.state == QUEUED:
-                uses_gpu = contract.uses_gpu(run.scheduling["marginal_vram_mb"], run.scheduling["exclusive_gpu"])
-                reason = pending_reason(st, uses_gpu=uses_gpu)
+                reason = pending_reason(st, uses_gpu=run.scheduling.uses_gpu)
                 if reason != run.record["reason"]:
                     table.set_reason(run, reason)
                 elif moved:
