@@ -90,7 +90,9 @@ def main() -> None:
     ap.add_argument("--queued", type=int, default=10000)
     args = ap.parse_args()
     per_client = args.submissions // args.clients
-    with LocalServer(virtual_gpus="24000", cpu_slots=4, extra_args=["--EvalSchedApp.sweep_interval_s=1.0"]) as server:
+    with LocalServer(
+        virtual_gpus="24000", cpu_slots=4, extra_args=["--EvalSchedApp.reconcile_interval_s=1.0"]
+    ) as server:
         c = server.client()
         blocker = c.submit(
             {"entrypoint": SLEEPY, "episodes": 100000, "params": {"sleep_s": 1}, "scheduling": {"exclusive_gpu": True}}

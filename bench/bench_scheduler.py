@@ -7,7 +7,7 @@ the same run (these machines are noisy: never compare with a number from another
    GPU). Measured from the first run's exit (its ``_DONE``, written just before it exits, and the
    moment the scheduler records the first run's end) to the second run's start (the process
    exists: spawned, or forked by the zygote). Baseline: the same scheduler with exit notification
-   disabled, so that only its 1 s backstop sweep notices exits — the once-a-second tick that
+   disabled, so that only its 1 s backstop reconciliation notices exits — the once-a-second tick that
    event-driven admission replaces.
 2. No-op turnaround: ``submit`` of a run whose episode does nothing → its terminal state, against
    ``Popen`` + ``wait`` of ``python -c pass`` with the same interpreter.
@@ -44,7 +44,7 @@ class TimedScheduler(Scheduler):
     def __init__(
         self, config: SchedulerConfig, probe: VirtualProbe, event_driven: bool = True, cgroups: Cgroups | None = None
     ):
-        # not event-driven: the 1 s sweep alone
+        # not event-driven: the 1 s reconciliation alone
         self.local = LocalExecutor(notify_exits=event_driven, cgroups=cgroups)
         super().__init__(config, probe, executors=[self.local])
         self.noticed: dict[str, float] = {}
@@ -101,9 +101,9 @@ def mono_of_wall(wall: float) -> float:
 async def admission_latency(rounds: int, event_driven: bool, root: Path) -> tuple[list[float], list[float]]:
     runs = root / ("event" if event_driven else "tick")
     sched = TimedScheduler(
-        # The baseline is the sweep alone: no pidfd, and no zygote either (it reports exits too).
+        # The baseline is the reconciliation alone: no pidfd, and no zygote either (it reports exits too).
         SchedulerConfig(
-            runs_dir=runs, cpu_slots=4, sweep_interval_s=1.0, progress_interval_s=10, warm_start=event_driven
+            runs_dir=runs, cpu_slots=4, reconcile_interval_s=1.0, progress_interval_s=10, warm_start=event_driven
         ),
         VirtualProbe([24000]),
         event_driven=event_driven,
@@ -221,7 +221,7 @@ async def main() -> None:
         print("1. admission latency: a run's exit -> the next admitted run's start (spawned or forked)")
         print(f"   event-driven, from _DONE        {ms(ev_done)}")
         print(f"   event-driven, from exit noticed {ms(ev_notice)}")
-        print(f"   baseline 1 s sweep, from _DONE  {ms(tick_done)}")
+        print(f"   baseline 1 s reconcile, _DONE   {ms(tick_done)}")
         print(
             f"   ratio baseline/event-driven (median, from _DONE): {statistics.median(tick_done) / statistics.median(ev_done):.1f}x"
         )

@@ -625,7 +625,7 @@ def phase(server, c, churn: bool, duration: float) -> dict:
 
 
 def part3(warm: bool, duration: float, pairs: int, runs_dir: Path) -> dict:
-    args = ["--EvalSchedApp.cancel_grace_s=2.0", "--EvalSchedApp.sweep_interval_s=1.0"]
+    args = ["--EvalSchedApp.cancel_grace_s=2.0", "--EvalSchedApp.reconcile_interval_s=1.0"]
     if not warm:
         args.append("--EvalSchedApp.warm_start=False")
     with LocalServer(virtual_gpus="24000", cpu_slots=16, extra_args=args, runs_dir=str(runs_dir)) as server:

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import ast
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from jupyter_core.paths import jupyter_data_dir, jupyter_runtime_dir
+from jupyter_core.paths import jupyter_runtime_dir
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.utils import url_path_join
 from tornado.ioloop import PeriodicCallback
-from traitlets import Bool, Dict, Enum, Float, Int, List, Type, Unicode, default, validate
+from traitlets import Bool, Dict, Float, Int, Type, Unicode, default, observe
 
 from .internal import InternalListener
 from .metrics import collector
@@ -23,9 +21,8 @@ from .store import MODEL_LOGS_DIR
 
 if TYPE_CHECKING:
     from jupyter_server.serverapp import ServerApp
-from .scheduler import policy
 from .scheduler.cgroups import Cgroups
-from .scheduler.config import SchedulerConfig
+from .scheduler.config import CliDict, CliList, SchedulerConfig
 from .scheduler.executors import Executor
 from .scheduler.executors.local import LocalExecutor
 from .scheduler.gpus import GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
@@ -33,59 +30,14 @@ from .scheduler.kernels import OwnKernel
 from .scheduler.service import Scheduler
 
 
-def _env_int(name: str) -> int | None:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        return int(float(text))
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number") from None
+class EvalSchedApp(ExtensionApp, SchedulerConfig):
+    """One evaluation scheduler per host: queue, VRAM ledger, run subprocesses, shared models.
 
-
-class CliList(List):
-    """A List setting that also takes ``--EvalSchedApp.x=[1, 2]`` or ``=a,b`` on the server's
-    command line. (traitlets hands an extension's command-line value over as a string, and its
-    own ``List.from_string`` fails for typed elements there; the value is validated when set.)"""
-
-    def from_string(self, s: str) -> Any:
-        text = s.strip()
-        if text.startswith("["):
-            return _literal(text)
-        return [self._trait.from_string(part.strip()) if self._trait else part.strip() for part in text.split(",")]
-
-
-class CliDict(Dict):
-    """A Dict setting that also takes ``--EvalSchedApp.x={"k": "v"}`` on the command line."""
-
-    def from_string(self, s: str) -> Any:
-        value = _literal(s.strip())
-        key_trait = self._key_trait
-        if isinstance(value, dict) and key_trait is not None:  # JSON keys are strings: {"0": ...}
-            value = {key_trait.from_string(k) if isinstance(k, str) else k: v for k, v in value.items()}
-        return value
-
-
-def _literal(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return ast.literal_eval(text)
-
-
-class EvalSchedApp(ExtensionApp):
-    """One evaluation scheduler per host: queue, VRAM ledger, run subprocesses, shared models."""
+    The scheduler's settings are inherited from ``SchedulerConfig`` (declared there, once); those
+    declared here are the server's own: the probe, cgroups, SLURM, shared models, tenure."""
 
     name = "jupyter_evalsched"
     load_other_extensions = True
-
-    runs_dir = Unicode(
-        help="Where run directories live. Default: $EVALSCHED_RUNS_DIR, else <jupyter data dir>/evalsched/runs."
-    ).tag(config=True)
-
-    @default("runs_dir")
-    def _default_runs_dir(self) -> str:
-        return os.environ.get("EVALSCHED_RUNS_DIR") or os.path.join(jupyter_data_dir(), "evalsched", "runs")
 
     virtual_gpus = CliList(
         Int(),
@@ -113,57 +65,6 @@ class EvalSchedApp(ExtensionApp):
         help="The GPU probe used when no virtual GPUs are declared (must provide devices() and processes()).",
     ).tag(config=True)
 
-    reserve_vram_mb = Int(
-        512, help="VRAM kept free on each real GPU (CUDA context of the model host, fragmentation)."
-    ).tag(config=True)
-
-    usable_vram_mb = CliDict(
-        key_trait=Int(),
-        value_trait=Int(),
-        help="Per-device usable VRAM in MB, {gpu_index: mb}; wins over everything else.",
-    ).tag(config=True)
-
-    default_usable_vram_mb = Int(
-        None, allow_none=True, help="Usable VRAM for every device. Default: $EVALSCHED_USABLE_VRAM_MB."
-    ).tag(config=True)
-
-    @default("default_usable_vram_mb")
-    def _default_usable(self) -> int | None:
-        return _env_int("EVALSCHED_USABLE_VRAM_MB")
-
-    cpu_slots = Int(help="CPU slots runs may take. Default: $EVALSCHED_CPU_SLOTS, else the host's cores.").tag(
-        config=True
-    )
-
-    @default("cpu_slots")
-    def _default_cpu_slots(self) -> int:
-        return _env_int("EVALSCHED_CPU_SLOTS") or os.cpu_count() or 1
-
-    @validate("cpu_slots")
-    def _check_cpu_slots(self, proposal):
-        if proposal["value"] < 1:
-            raise ValueError("cpu_slots must be at least 1")
-        return proposal["value"]
-
-    cancel_grace_s = Float(10.0, help="Seconds between SIGTERM and SIGKILL when a run is cancelled or times out.").tag(
-        config=True
-    )
-    sweep_interval_s = Float(1.0, help="Backstop sweep period; admission itself happens on events.").tag(config=True)
-    progress_interval_s = Float(0.2, help="How often running runs' summary.json files are checked for progress.").tag(
-        config=True
-    )
-    starvation_s = Float(600.0, help="A head-of-queue job waiting this long gets its resources reserved.").tag(
-        config=True
-    )
-    starvation_passes = Int(50, help="... or after being passed over this many times.").tag(config=True)
-    aging_s = Float(3600.0, help="A queued job is promoted one priority lane per this many seconds of waiting.").tag(
-        config=True
-    )
-    fsync = Bool(False, help="fsync run files on every write (survives power loss, costs throughput).").tag(config=True)
-    run_env = CliDict(value_trait=Unicode(), help="Environment added to every run (under the spec's own env).").tag(
-        config=True
-    )
-
     cgroups = Bool(
         True,
         help="Give each run a cgroup of its own where the host allows it: cancel, timeouts and clean-up then kill "
@@ -174,63 +75,20 @@ class EvalSchedApp(ExtensionApp):
         help="A delegated cgroup v2 directory to put run cgroups under (e.g. made with systemd-run --user --scope "
         "-p Delegate=yes). Default: found from this server's own cgroups.",
     ).tag(config=True)
-    enforce_vram = Enum(
-        ["off", "warn", "kill"],
-        "warn",
-        help="A run observed using more VRAM than it declared (beyond vram_tolerance): 'warn' (a warning on the "
-        "run, an event), 'kill' (it is stopped, failed with over_vram), or 'off'.",
-    ).tag(config=True)
-    vram_tolerance = Float(0.1, help="How far above its declaration a run may go before enforce_vram acts.").tag(
-        config=True
-    )
-    auto_margin = Float(
-        0.1, help="marginal_vram_mb 'auto' declares the highest observed peak of earlier runs plus this fraction."
+    sweep_interval_s = Float(
+        None,
+        allow_none=True,
+        help="Deprecated: the name reconcile_interval_s had before (a sweep is a parameter grid).",
     ).tag(config=True)
 
-    auto_resume = Bool(
-        False,
-        help="Runs interrupted by the server's death or shutdown are queued again at start (in their queue order) "
-        "and resume from their episodes.jsonl, instead of ending aborted.",
-    ).tag(config=True)
-    retry_backoff_s = Float(
-        10.0, help="A run's first automatic retry (spec 'retries') waits this long; each next one twice as long."
-    ).tag(config=True)
-    retry_backoff_max_s = Float(600.0, help="The longest back-off before an automatic retry.").tag(config=True)
-    preemption = Bool(
-        True,
-        help="A waiting job of a higher lane that cannot fit otherwise may stop preemptible runs of lower lanes "
-        "(scheduling.preemptible) at an episode boundary; they resume later.",
-    ).tag(config=True)
-    preempt_grace_s = Float(
-        30.0, help="How long a preempted run has to reach its next episode boundary before it is signalled."
-    ).tag(config=True)
-    preempt_min_runtime_s = Float(
-        60.0, help="A run is preempted only after it has run this long (in its current attempt)."
-    ).tag(config=True)
-    max_preemptions = Int(3, help="A run preempted this many times is not preempted again.").tag(config=True)
-
-    warm_start = Bool(
-        True,
-        help="Fork runs from a pre-started interpreter (a zygote) that has imported the runner and "
-        "preload_modules, so that a run does not pay for those imports. Runs whose spec sets "
-        "fresh_interpreter, detached runs, and any run the zygote is in doubt about start cold.",
-    ).tag(config=True)
-    preload_modules = CliList(
-        Unicode(),
-        help="Modules the zygote imports before it forks runs (e.g. torch, transformers, numpy); they must not "
-        "start threads or initialise CUDA at import. Default: $EVALSCHED_PRELOAD, comma-separated.",
-    ).tag(config=True)
-
-    @default("preload_modules")
-    def _default_preload(self) -> list[str]:
-        return [m.strip() for m in os.environ.get("EVALSCHED_PRELOAD", "").split(",") if m.strip()]
-
-    max_zygotes = Int(
-        4, help="Zygotes kept at once, one per run environment (runs whose environment differs where it matters)."
-    ).tag(config=True)
-    zygote_idle_s = Float(
-        600.0, help="A zygote for another environment than the server's own is closed after this long unused."
-    ).tag(config=True)
+    @observe("sweep_interval_s")
+    def _sweep_interval_renamed(self, change: Any) -> None:
+        if change["new"] is None:
+            return
+        self.log.warning(
+            "EvalSchedApp.sweep_interval_s is deprecated: set EvalSchedApp.reconcile_interval_s (now %s)", change["new"]
+        )
+        self.reconcile_interval_s = change["new"]
 
     promotion_interval_s = Float(
         1.0,
@@ -245,10 +103,6 @@ class EvalSchedApp(ExtensionApp):
     @default("slurm_enabled")
     def _default_slurm_enabled(self) -> bool:
         return os.environ.get("EVALSCHED_SLURM", "") in ("1", "true", "yes")
-
-    default_executor = Enum(
-        ["local", "slurm"], "local", help="Where runs execute when their spec does not say: 'local' or 'slurm'."
-    ).tag(config=True)
 
     slurm = CliDict(
         help="SLURM settings: partition, account, extra_sbatch_args (list), python (the interpreter "
@@ -300,38 +154,8 @@ class EvalSchedApp(ExtensionApp):
                 log_dir=str(self.runs_path / MODEL_LOGS_DIR),
                 log=self.log,
             )
-        config = SchedulerConfig(
-            runs_dir=self.runs_path,
-            cpu_slots=self.cpu_slots,
-            reserve_mb=self.reserve_vram_mb,
-            usable_override={int(k): int(v) for k, v in self.usable_vram_mb.items()},
-            env_usable_mb=self.default_usable_vram_mb,
-            policy=policy.PolicyConfig(
-                starvation_s=self.starvation_s,
-                starvation_passes=self.starvation_passes,
-                aging_s=self.aging_s,
-                preemption=self.preemption,
-                preempt_min_runtime_s=self.preempt_min_runtime_s,
-                max_preemptions=self.max_preemptions,
-            ),
-            cancel_grace_s=self.cancel_grace_s,
-            sweep_interval_s=self.sweep_interval_s,
-            progress_interval_s=self.progress_interval_s,
-            default_cwd=str(Path(self._server.root_dir).expanduser()),
-            fsync=self.fsync,
-            run_env=dict(self.run_env),
-            default_executor=self.default_executor,
-            enforce_vram=self.enforce_vram,
-            vram_tolerance=self.vram_tolerance,
-            auto_margin=self.auto_margin,
-            auto_resume=self.auto_resume,
-            retry_backoff_s=self.retry_backoff_s,
-            retry_backoff_max_s=self.retry_backoff_max_s,
-            preempt_grace_s=self.preempt_grace_s,
-            warm_start=self.warm_start,
-            preload_modules=list(self.preload_modules),
-            max_zygotes=self.max_zygotes,
-            zygote_idle_s=self.zygote_idle_s,
+        config = SchedulerConfig.from_settings(
+            self, runs_dir=self.runs_path, default_cwd=str(Path(self._server.root_dir).expanduser())
         )
         executors: list[Executor] = [LocalExecutor(model_host, cgroups=self._host_cgroups())]
         if self.slurm_enabled:
@@ -441,7 +265,7 @@ class EvalSchedApp(ExtensionApp):
         self.start_error = None
         self.log.info(
             "evalsched: this server schedules into %s with %d GPU(s) and %d CPU slots; API at %s",
-            self.scheduler.store.root,
+            self.scheduler.status_view().runs_dir,
             len(self.scheduler.ledger()["devices"]),
             self.cpu_slots,
             url_path_join(self._server.base_url, "evalsched/"),

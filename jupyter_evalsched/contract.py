@@ -126,6 +126,8 @@ def is_valid_run_id(run_id: object) -> bool:
 
 # --------------------------------------------------------------------------- scheduling
 
+# The one place of the defaults: the spec's model (models.Scheduling) and a run's scheduling
+# (scheduler/runs.RunScheduling) take them from here.
 SCHEDULING_DEFAULTS: Mapping[str, Any] = {
     "marginal_vram_mb": 0,
     "gpus": 1,
@@ -133,8 +135,13 @@ SCHEDULING_DEFAULTS: Mapping[str, Any] = {
     "priority": "normal",
     "cpus": 1,
     "memory_mb": None,
-    "preemptible": None,  # None: True for the low lane, False otherwise
+    "preemptible": None,  # None: default_preemptible(priority)
 }
+
+
+def default_preemptible(priority: str) -> bool:
+    """A run that does not say is preemptible in the low lane only."""
+    return priority == "low"
 
 
 def scheduling_of(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -145,7 +152,7 @@ def scheduling_of(spec: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(given, dict):
         out.update({k: v for k, v in given.items() if v is not None})
     if out["preemptible"] is None:
-        out["preemptible"] = out["priority"] == "low"
+        out["preemptible"] = default_preemptible(out["priority"])
     return out
 
 

@@ -157,28 +157,25 @@ def host_checks(probe: GpuProbe, cgroups: Cgroups | None) -> list[dict[str, Any]
 def server_checks(app: EvalSchedApp, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The host checks as the scheduler sees them, and what the scheduler has in force."""
     scheduler = app.scheduler
-    local = scheduler.executors.get("local")
-    out = host_checks(scheduler.probe, getattr(local, "cgroups", None))
+    view = scheduler.status_view()
+    out = host_checks(view.probe, view.local_cgroups)
     ledger = scheduler.ledger()
     if ledger["devices"]:
         usable = ", ".join(f"GPU {d['index']}: {d['usable_mb']} of {d['total_mb']} MB" for d in ledger["devices"])
         out.append(check("ledger", OK, f"usable {usable}; {ledger['cpu_slots']['total']} CPU slots"))
     else:
         out.append(check("ledger", OK, f"no GPU: CPU-only runs on {ledger['cpu_slots']['total']} CPU slots"))
-    config = scheduler.config
-    if config.enforce_vram == "off":
+    if view.enforce_vram == "off":
         out.append(
             check("enforcement", DEGRADED, "enforce_vram = off: runs over their declared VRAM go unnoticed", "warn")
         )
     else:
-        out.append(
-            check("enforcement", OK, f"enforce_vram = {config.enforce_vram}, tolerance {config.vram_tolerance:.0%}")
-        )
-    if local is not None:
-        warm = local.mode.get("warm_start")
+        out.append(check("enforcement", OK, f"enforce_vram = {view.enforce_vram}, tolerance {view.vram_tolerance:.0%}"))
+    if view.local_mode is not None:
+        warm = view.local_mode.get("warm_start")
         out.append(warm_start_check(warm if isinstance(warm, dict) else {}))
-    runs_dir = scheduler.store.root
-    broken = len(scheduler.broken)
+    runs_dir = view.runs_dir
+    broken = len(view.broken)
     primary = app.role.primary()
     where = f"this server (pid {os.getpid()}) schedules {runs_dir}"
     if primary is not None:
@@ -193,15 +190,15 @@ def server_checks(app: EvalSchedApp, models: list[dict[str, Any]]) -> list[dict[
             )
         )
     else:
-        out.append(check("scheduler", OK, f"{where}; {len(scheduler.table)} runs, {scheduler.counts['queued']} queued"))
-    if "slurm" in scheduler.executors:
+        out.append(check("scheduler", OK, f"{where}; {view.runs} runs, {view.counts['queued']} queued"))
+    if "slurm" in view.executors:
         missing = [cmd for cmd in ("sbatch", "squeue", "scancel") if shutil.which(cmd) is None]
         if missing:
             out.append(
                 check("slurm", ERROR, f"enabled, but {', '.join(missing)} not on PATH", "install SLURM's client")
             )
         else:
-            out.append(check("slurm", OK, f"enabled (default executor: {config.default_executor})"))
+            out.append(check("slurm", OK, f"enabled (default executor: {view.default_executor})"))
     else:
         out.append(check("slurm", OK, "off (EvalSchedApp.slurm_enabled)"))
     for model in models:

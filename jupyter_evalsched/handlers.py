@@ -502,17 +502,15 @@ class StatusHandler(EvalSchedHandler):
             "error": None if primary or app.role.is_primary else no_primary_message(app),
         }
         if not is_delegating(self):
-            scheduler = self.scheduler
+            view = self.scheduler.status_view()
             # started: recovery has read the runs directory (until then run endpoints answer 503).
-            body.update(runs_dir=str(scheduler.store.root), counts=scheduler.counts, started=scheduler.started)
-            local = scheduler.executors.get("local")
-            if local is not None:
-                mode = local.mode
-                body["cgroups"] = mode.get("cgroups")
-                body["warm_start"] = mode.get("warm_start")
-            body["enforce_vram"] = scheduler.config.enforce_vram
-            body["gpu_source"] = getattr(scheduler.probe, "source", "nvml")
-            body["broken_runs"] = [{"id": k, "problem": v} for k, v in sorted(scheduler.broken.items())]
+            body.update(runs_dir=view.runs_dir, counts=view.counts, started=view.started)
+            if view.local_mode is not None:
+                body["cgroups"] = view.local_mode.get("cgroups")
+                body["warm_start"] = view.local_mode.get("warm_start")
+            body["enforce_vram"] = view.enforce_vram
+            body["gpu_source"] = view.gpu_source
+            body["broken_runs"] = [{"id": k, "problem": v} for k, v in sorted(view.broken.items())]
         self.send_json(body)
 
 

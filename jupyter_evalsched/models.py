@@ -60,19 +60,29 @@ class Scheduling(_Strict):
     """What a run asks of the host. ``marginal_vram_mb`` is per GPU, on top of the shared models."""
 
     marginal_vram_mb: int | Literal["auto"] = Field(
-        0,
+        contract.SCHEDULING_DEFAULTS["marginal_vram_mb"],
         description="VRAM added per GPU, in MB; 'auto': the highest observed peak of earlier succeeded runs "
         "of the same eval, plus a margin",
     )
-    gpus: int = Field(1, ge=1, le=MAX_GPUS, description="GPUs needed when the run uses VRAM or is exclusive")
-    exclusive_gpu: bool = Field(False, description="nothing else may run on the run's GPUs")
-    priority: Priority = "normal"
-    cpus: int = Field(1, ge=0, le=MAX_CPUS, description="CPU slots the run takes")
+    gpus: int = Field(
+        contract.SCHEDULING_DEFAULTS["gpus"],
+        ge=1,
+        le=MAX_GPUS,
+        description="GPUs needed when the run uses VRAM or is exclusive",
+    )
+    exclusive_gpu: bool = Field(
+        contract.SCHEDULING_DEFAULTS["exclusive_gpu"], description="nothing else may run on the run's GPUs"
+    )
+    priority: Priority = contract.SCHEDULING_DEFAULTS["priority"]
+    cpus: int = Field(contract.SCHEDULING_DEFAULTS["cpus"], ge=0, le=MAX_CPUS, description="CPU slots the run takes")
     memory_mb: int | None = Field(
-        None, ge=1, le=MAX_MEMORY_MB, description="host memory limit of the run (its cgroup), in MB"
+        contract.SCHEDULING_DEFAULTS["memory_mb"],
+        ge=1,
+        le=MAX_MEMORY_MB,
+        description="host memory limit of the run (its cgroup), in MB",
     )
     preemptible: bool | None = Field(
-        None,
+        contract.SCHEDULING_DEFAULTS["preemptible"],
         description="a waiting job of a higher lane may stop it at an episode boundary (it resumes later); "
         "default: true in the low lane, false otherwise",
     )
@@ -199,7 +209,7 @@ class EvalSpec(_Strict):
         if self.name is None:
             self.name = default_name(self.entrypoint)
         if self.scheduling.preemptible is None:
-            self.scheduling.preemptible = self.scheduling.priority == "low"
+            self.scheduling.preemptible = contract.default_preemptible(self.scheduling.priority)
         return self
 
 
@@ -230,8 +240,11 @@ class LeaseRequest(_Strict):
     """``POST /evalsched/leases``: VRAM for interactive work, admitted like a run."""
 
     vram_mb: int = Field(0, ge=0, le=MAX_VRAM_MB, description="VRAM per GPU, in MB")
-    gpus: int = Field(1, ge=1, le=MAX_GPUS)
-    exclusive_gpu: bool = Field(False, description="nothing else on the leased GPUs (the interactive lock)")
+    gpus: int = Field(contract.SCHEDULING_DEFAULTS["gpus"], ge=1, le=MAX_GPUS)
+    exclusive_gpu: bool = Field(
+        contract.SCHEDULING_DEFAULTS["exclusive_gpu"],
+        description="nothing else on the leased GPUs (the interactive lock)",
+    )
     priority: Priority = Field("high", description="lane: a person is waiting")
     pid: int | None = Field(None, ge=1, le=2**31 - 1, description="the lease ends when this process exits")
     ttl_s: float | None = Field(None, gt=0, le=365 * 24 * 3600, description="the lease ends this long after its grant")

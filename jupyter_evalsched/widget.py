@@ -606,7 +606,7 @@ class RunProgress(widgets.VBox):
             self.handle = RunHandle(client if client is not None else EvalSchedClient(), run)
         self.client = self.handle.client
         self.run_id = self.handle.id
-        self.record: dict = dict(self.handle._record or {"id": self.run_id, "state": QUEUED})
+        self.record: dict = dict(self.handle.last_record or {"id": self.run_id, "state": QUEUED})
         self.update_count = 0
         self._closed = False
         self._action_error: str | None = None

@@ -53,7 +53,7 @@ def pytest_sessionstart(session):
         cpu_slots=8,
         models=SHARED_MODELS,
         env={"EVALSCHED_VIRTUAL_GPU_PROCESSES": table},
-        extra_args=["--EvalSchedApp.progress_interval_s=0.05", "--EvalSchedApp.sweep_interval_s=0.3"],
+        extra_args=["--EvalSchedApp.progress_interval_s=0.05", "--EvalSchedApp.reconcile_interval_s=0.3"],
     )
     kernel_env = {**_server.env, "EVALSCHED_VIRTUAL_GPU_PROCESSES": table}
     for key, value in kernel_env.items():

@@ -51,7 +51,7 @@ def jp_server_config(runs_dir, evalsched_config, gpu_processes_file):
         "virtual_gpu_processes": str(gpu_processes_file),
         "cpu_slots": 8,
         "cancel_grace_s": 2.0,
-        "sweep_interval_s": 0.5,
+        "reconcile_interval_s": 0.5,
         "progress_interval_s": 0.05,
     }
     cfg.update(evalsched_config)

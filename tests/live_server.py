@@ -26,7 +26,7 @@ CRASH = "jupyter_evalsched.examples.basic:crash"
 # Fast timings for tests; the defaults suit production.
 FAST_SERVER_ARGS = [
     "--EvalSchedApp.cancel_grace_s=2.0",
-    "--EvalSchedApp.sweep_interval_s=0.5",
+    "--EvalSchedApp.reconcile_interval_s=0.5",
     "--EvalSchedApp.progress_interval_s=0.05",
 ]
 

@@ -19,7 +19,7 @@ from jupyter_evalsched.examples.basic import _unit_float
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 FAST = [
     "--EvalSchedApp.cancel_grace_s=2.0",
-    "--EvalSchedApp.sweep_interval_s=0.5",
+    "--EvalSchedApp.reconcile_interval_s=0.5",
     "--EvalSchedApp.progress_interval_s=0.05",
 ]
 

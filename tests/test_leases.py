@@ -377,7 +377,7 @@ async def test_a_kernel_of_another_server_is_named_from_its_process(api, holder,
 def test_leases_survive_a_restart_while_their_process_lives(tmp_path, holder):
     runs = str(tmp_path / "runs")
     living, dying = holder(), holder()
-    fast = ["--EvalSchedApp.sweep_interval_s=0.3"]
+    fast = ["--EvalSchedApp.reconcile_interval_s=0.3"]
     with LocalServer(virtual_gpus="24000,24000", runs_dir=runs, extra_args=fast) as first:
         c = first.client()
         kept = c.request("POST", "leases", body={"vram_mb": 14000, "pid": living.pid, "label": "kept"})

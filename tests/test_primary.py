@@ -20,7 +20,7 @@ from jupyter_evalsched.client import EvalSchedClient, EvalSchedError, LocalServe
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 FAST = [
     "--EvalSchedApp.cancel_grace_s=2.0",
-    "--EvalSchedApp.sweep_interval_s=0.3",
+    "--EvalSchedApp.reconcile_interval_s=0.3",
     "--EvalSchedApp.progress_interval_s=0.05",
 ]
 

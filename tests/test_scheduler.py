@@ -223,14 +223,14 @@ async def test_runs_held_by_a_dependency_stay_out_of_decisions_and_are_freed_by_
         return all(r["reason"] == f"waiting_dependency: {gate['id']} is running" for r in recs)
 
     await async_wait_until(all_held, message="the held runs did not say that their dependency is running")
-    assert all(r["id"] in evalsched._blocked for r in waiting)
-    assert evalsched._waiting_on[gate["id"]] == {r["id"] for r in waiting}
+    assert all(r["id"] in evalsched.admission._blocked for r in waiting)
+    assert evalsched.admission._waiting_on[gate["id"]] == {r["id"] for r in waiting}
     opened.touch()
     for rec in waiting:
         assert (await wait_for(rec["id"]))["state"] == "succeeded"
     final = await wait_for(after_doomed["id"])
     assert final["state"] == "failed" and final["reason"].startswith(f"dependency_failed:{doomed['id']}")
-    assert not evalsched._blocked and not evalsched._waiting_on
+    assert not evalsched.admission._blocked and not evalsched.admission._waiting_on
 
 
 async def test_dependents_failed_in_one_decision_all_reach_the_disk_a_slice_at_a_time(

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 CRASH = "jupyter_evalsched.examples.basic:crash"
-FAST = ["--EvalSchedApp.sweep_interval_s=0.5", "--EvalSchedApp.progress_interval_s=0.1"]
+FAST = ["--EvalSchedApp.reconcile_interval_s=0.5", "--EvalSchedApp.progress_interval_s=0.1"]
 TERMINAL = ("succeeded", "failed", "cancelled", "aborted")
 
 
@@ -138,7 +138,7 @@ async def test_one_squeue_per_poll_with_many_jobs_and_back_off_while_nothing_cha
     for tick in range(60):
         now[0] = tick * 0.5
         before = cli.calls["squeue"]
-        await executor.sweep()
+        await executor.reconcile()
         assert cli.calls["squeue"] - before <= 1  # one squeue for 300 jobs
         if cli.calls["squeue"] > before:
             polled_at.append(now[0])
@@ -151,10 +151,10 @@ async def test_one_squeue_per_poll_with_many_jobs_and_back_off_while_nothing_cha
         "".join(f"{1000 + i}|{'COMPLETED' if i == 0 else 'RUNNING'}|None|0|node1|(null)|\n" for i in range(300))
     )
     now[0] += 8.0
-    await executor.sweep()
+    await executor.reconcile()
     now[0] += 1.0
     before = cli.calls["squeue"]
-    await executor.sweep()
+    await executor.reconcile()
     assert cli.calls["squeue"] == before + 1
 
 

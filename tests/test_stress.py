@@ -31,7 +31,7 @@ NOOP = "jupyter_evalsched.examples.basic:noop"
 TERMINAL = {"succeeded", "failed", "cancelled", "aborted"}
 FAST = [
     "--EvalSchedApp.cancel_grace_s=2.0",
-    "--EvalSchedApp.sweep_interval_s=0.5",
+    "--EvalSchedApp.reconcile_interval_s=0.5",
     "--EvalSchedApp.progress_interval_s=0.05",
 ]
 

@@ -434,7 +434,7 @@ async def test_without_cgroups_a_forked_runs_setsid_leftover_is_found_by_its_env
     )
 
 
-@pytest.mark.parametrize("evalsched_config", [{"max_zygotes": 2, "zygote_idle_s": 0.3, "sweep_interval_s": 0.1}])
+@pytest.mark.parametrize("evalsched_config", [{"max_zygotes": 2, "zygote_idle_s": 0.3, "reconcile_interval_s": 0.1}])
 async def test_zygotes_of_other_environments_are_capped_and_closed_when_idle(api, wait_for, tmp_path):
     await ready_zygote(api)
     first, _ = await run_fingerprint(api, wait_for, tmp_path / "a.json", env={"PYTHONWARNINGS": "ignore"})

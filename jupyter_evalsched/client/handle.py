@@ -43,6 +43,11 @@ class RunHandle:
         return rec.get("run_dir")
 
     @property
+    def last_record(self) -> dict | None:
+        """The record as last read or given (no request); None before the first read."""
+        return self._record
+
+    @property
     def name(self) -> str | None:
         return (self._record or self.record()).get("name")
 

@@ -7,11 +7,23 @@ finished (``episodes.jsonl`` is the checkpoint).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from .. import contract
-from .runs import Requeue
+
+
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    """A run's next attempt: the reason it waits with, the record fields that change (``attempt``,
+    ``history``, ``retries_used``, ``preemptions``, ``retry_at``), and how long it waits before
+    admission may start it (a retry's back-off)."""
+
+    reason: str | None
+    fields: dict[str, Any]
+    delay_s: float = 0.0
+
 
 # History entries kept in a record: a run preempted or retried thousands of times keeps its last.
 MAX_HISTORY = 100

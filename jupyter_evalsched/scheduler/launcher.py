@@ -7,7 +7,7 @@ the *thread* that forked the run, so spawns must happen on the event-loop thread
 long as the server.
 
 Exit is noticed through a pidfd registered with the event loop: the next admission happens in
-the same loop iteration as the exit, not at the next tick of a sweep.
+the same loop iteration as the exit, not at the next tick of the reconciliation.
 
 A warm start (``fork``) gives the run to a process a zygote (``zygotes.py``) forked ahead: the
 zygote is its parent and ties the run's death signal to itself (it dies with the server). The
@@ -130,7 +130,7 @@ def is_same_process(pid: int | None, create_time: float | None, alive_only: bool
 class Launcher:
     def __init__(self, on_exit: ExitCallback, notify_exits: bool = True) -> None:
         self._on_exit = on_exit
-        # False: exits are noticed by poll() alone (the sweep), as on a host without pidfd.
+        # False: exits are noticed by poll() alone (the reconciliation), as on a host without pidfd.
         self.notify_exits = notify_exits
         self._procs: dict[str, RunProcess] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -300,7 +300,7 @@ class Launcher:
         try:
             proc.pidfd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
-            proc.pidfd = None  # no pidfd: the service's periodic sweep calls poll()
+            proc.pidfd = None  # no pidfd: the scheduler's periodic reconciliation calls poll()
             return
         self.loop.add_reader(proc.pidfd, self._exited, proc.run_id)
 

@@ -4,7 +4,7 @@ ledger and queue as runs.
 A lease is requested (``queued``), granted by admission (``granted``, with its devices) and ends
 (``ended``) when it is released, when the process that holds it exits (its pid together with its
 start time, so a recycled pid never keeps a lease alive; noticed through a pidfd at once, by the
-sweep otherwise) or ``ttl_s`` after its grant. Leases persist in ``<runs_dir>/.leases/`` so that a
+reconciliation otherwise) or ``ttl_s`` after its grant. Leases persist in ``<runs_dir>/.leases/`` so that a
 server restart keeps those whose process still lives.
 
 This module owns a lease's record and life; admission (the scheduler) decides when it is granted.
@@ -49,7 +49,7 @@ class Lease:
     passed_over: int = 0
     pidfd: int | None = None
     ttl_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
-    # The lease's process and its descendants (refreshed by the sweep): their VRAM is the lease's.
+    # The lease's process and its descendants (refreshed by the reconciliation): their VRAM is the lease's.
     holder_pids: frozenset[int] = frozenset()
     # VRAM its process tree holds now, per device: absorbed by the lease when it is granted.
     observed: dict[int, int] = field(default_factory=dict)
@@ -195,7 +195,7 @@ class LeaseTable:
             self.changed(lease)
 
     def set_observed(self, lease: Lease, observed: dict[int, int], over_mb: int) -> None:
-        """What its process uses now (the sweep's figures): news, not worth a write."""
+        """What its process uses now (the last observation's figures): news, not worth a write."""
         lease.observed = dict(observed)
         figures = {str(k): v for k, v in sorted(observed.items()) if v}
         if figures != lease.record["observed_mb"] or over_mb != lease.record["over_lease_mb"]:
@@ -238,7 +238,7 @@ class LeaseTable:
             self._loop.call_soon(self.check_process, lease)
             return
         except (AttributeError, OSError):
-            return  # no pidfd here: the sweep checks the process (check_processes)
+            return  # no pidfd here: the reconciliation checks the process (check_processes)
         if not is_same_process(pid, lease.record.get("pid_create_time")):
             os.close(fd)  # the pid was recycled between our look and the pidfd
             self._loop.call_soon(self.check_process, lease)
@@ -265,7 +265,7 @@ class LeaseTable:
             self.end(lease, contract.PROCESS_EXITED, f"its process (pid {pid}) exited")
 
     def check_processes(self) -> None:
-        """The sweep's backstop, for hosts without pidfd and for missed wake-ups."""
+        """The reconciliation's backstop, for hosts without pidfd and for missed wake-ups."""
         for lease in self.live():
             if lease.pidfd is None:
                 self.check_process(lease)

@@ -26,9 +26,9 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -36,23 +36,13 @@ from .. import contract
 from ..contract import ACTIVE_STATES, FAILED, SUCCEEDED, TERMINAL_STATES
 from ..models import RECORD_FIELDS, RunRecord, utcnow_iso
 from ..store import FileStamp, RunFileError, RunStore, StoreError
+from .attempts import Requeue
 
 log = logging.getLogger("jupyter_evalsched")
 
 Listener = Callable[[dict], None]
 EndListener = Callable[["Run"], None]
 RequeueListener = Callable[["Run", "Requeue"], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Requeue:
-    """A run's next attempt: the reason it waits with, the record fields that change (``attempt``,
-    ``history``, ``retries_used``, ``preemptions``, ``retry_at``), and how long it waits before
-    admission may start it (a retry's back-off)."""
-
-    reason: str | None
-    fields: dict[str, Any]
-    delay_s: float = 0.0
 
 
 RequeuePolicy = Callable[["Run", str, "str | None"], "Requeue | None"]
@@ -75,6 +65,38 @@ def slim_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in spec.items() if k not in HEAVY_SPEC_FIELDS}
 
 
+@dataclass(frozen=True, slots=True)
+class RunScheduling:
+    """What a run asks of the host, typed, built once from its validated spec (defaults:
+    ``contract.SCHEDULING_DEFAULTS``). Admission, the ledger and enforcement read this; the
+    record carries the same figures for readers of ``job.json`` and the API."""
+
+    marginal_vram_mb: int
+    gpus: int
+    exclusive_gpu: bool
+    priority: str
+    cpus: int
+    memory_mb: int | None
+    preemptible: bool
+
+    @classmethod
+    def of(cls, spec: Mapping[str, Any]) -> RunScheduling:
+        sched = contract.scheduling_of(spec)
+        return cls(
+            marginal_vram_mb=sched["marginal_vram_mb"],
+            gpus=sched["gpus"],
+            exclusive_gpu=sched["exclusive_gpu"],
+            priority=sched["priority"],
+            cpus=sched["cpus"],
+            memory_mb=sched["memory_mb"],
+            preemptible=sched["preemptible"],
+        )
+
+    @property
+    def uses_gpu(self) -> bool:
+        return contract.uses_gpu(self.marginal_vram_mb, self.exclusive_gpu)
+
+
 @dataclass(eq=False, slots=True)
 class Run:
     """One run: its record (the contract's run record, as sent and as written to ``job.json``),
@@ -84,7 +106,7 @@ class Run:
     record: dict[str, Any]
     spec: dict[str, Any]
     submitted_ts: float
-    scheduling: dict[str, Any] = field(init=False)
+    scheduling: RunScheduling = field(init=False)  # from ``given_scheduling``, else from the spec
     passed_over: int = 0  # times a later job was admitted ahead of it (anti-starvation)
     cancel_requested: bool = False
     kill_reason: str | None = None  # set when the server stopped the run (over_vram: ...)
@@ -96,10 +118,11 @@ class Run:
     requeued_reason: str | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
     done_on_disk: bool = False
     summary_stamp: FileStamp | None = None  # of the summary last applied
+    given_scheduling: InitVar[RunScheduling | None] = None  # made at submission, for its record
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, given_scheduling: RunScheduling | None) -> None:
         self.spec = slim_spec(self.spec)
-        self.scheduling = contract.scheduling_of(self.spec)
+        self.scheduling = given_scheduling or RunScheduling.of(self.spec)
 
     @property
     def id(self) -> str:
@@ -133,22 +156,24 @@ def new_record(
     marginal_vram_source: str = "declared",
     sweep_id: str | None = None,
     sweep_point: dict[str, Any] | None = None,
+    scheduling: RunScheduling | None = None,
 ) -> dict[str, Any]:
-    """The record of a run just submitted (``spec`` validated, defaults filled in)."""
-    sched = contract.scheduling_of(spec)
+    """The record of a run just submitted (``spec`` validated, defaults filled in; its
+    ``scheduling`` when made already)."""
+    sched = scheduling or RunScheduling.of(spec)
     return RunRecord.model_validate(
         dict(
             id=run_id,
             name=spec["name"],
             state=contract.QUEUED,
-            priority=sched["priority"],
+            priority=sched.priority,
             submitted_at=utcnow_iso(),
             progress={"done": 0, "total": spec["episodes"]},
-            marginal_vram_mb=sched["marginal_vram_mb"],
+            marginal_vram_mb=sched.marginal_vram_mb,
             depends_on=list(spec.get("depends_on") or ()),
-            gpus=sched["gpus"],
-            cpus=sched["cpus"],
-            exclusive_gpu=sched["exclusive_gpu"],
+            gpus=sched.gpus,
+            cpus=sched.cpus,
+            exclusive_gpu=sched.exclusive_gpu,
             models=list(spec.get("models") or ()),
             timeout_s=spec.get("timeout_s"),
             executor=executor,
@@ -158,8 +183,8 @@ def new_record(
             entrypoint=spec.get("entrypoint"),
             source_digest=source_digest(spec.get("source")),
             marginal_vram_source=marginal_vram_source,
-            memory_mb=sched["memory_mb"],
-            preemptible=sched["preemptible"],
+            memory_mb=sched.memory_mb,
+            preemptible=sched.preemptible,
             retries=spec.get("retries") or 0,
             detach=bool(spec.get("detach")),
             sweep_id=sweep_id,
@@ -358,10 +383,29 @@ class RunTable:
             self.changed(run)
 
     def set_reason(self, run: Run, reason: str | None) -> None:
-        """Why a run waits: news to the widget and the panel, not worth a write."""
+        """Why a run waits: news to the widget and the panel, not worth a write. The one way a
+        waiting reason reaches a record (admission, dependencies, SLURM's pending reason)."""
         if run.record["reason"] != reason:
             run.record["reason"] = reason
             self.changed(run)
+
+    def set_exit_code(self, run: Run, code: int | None) -> None:
+        """The exit status of the run's process, as the executor saw it; written with the verdict."""
+        run.record["exit_code"] = code
+
+    def set_slurm_state(self, run: Run, state: str) -> bool:
+        """The job's state as ``squeue`` says it; True when it moved. Written at the next transition."""
+        moved = run.record["slurm_state"] != state
+        run.record["slurm_state"] = state
+        return moved
+
+    def note_warning(self, run: Run, warning: str) -> None:
+        """A warning known before the run starts (``memory_limit_not_enforced``): into the record
+        without an event, and once per run whatever its attempts (its code is the key)."""
+        code = contract.reason_code(warning)
+        if any(contract.reason_code(w) == code for w in run.record["warnings"]):
+            return
+        run.record["warnings"] = [*run.record["warnings"], warning]
 
     def refresh_progress(self, run: Run) -> bool:
         """Apply the run's ``summary.json`` to its record if the file changed; True when the
@@ -589,7 +633,7 @@ class RunTable:
     # ------------------------------------------------------------------ persistence
 
     def save(self, run: Run, quiet: bool = False) -> bool:
-        """Write ``job.json``. A refused write keeps the state right in memory; the sweep retries
+        """Write ``job.json``. A refused write keeps the state right in memory; the reconciliation retries
         it (``retry_unwritten``)."""
         self._settle(run.id)
         return self._save(run, quiet)

@@ -383,7 +383,7 @@ class ZygoteClient:
 
     def close(self, wait: bool = True) -> None:
         """Closing the socket ends the zygote, and with it any run it still has. ``wait``: for
-        its exit (at shutdown); else the pool's sweep reaps it."""
+        its exit (at shutdown); else the pool's reconciliation reaps it."""
         self._cold_all("the zygote was closed")
         self._drop_spares()
         self._shut_socket()
@@ -585,7 +585,7 @@ class ZygoteClient:
             self._cwd = None
 
     def reap(self) -> bool:
-        """True once the zygote process has ended (polled by the pool's sweep)."""
+        """True once the zygote process has ended (polled by the pool's reconciliation)."""
         ended = self._popen is None or self._popen.poll() is not None
         if ended:
             self._close_output()
@@ -703,7 +703,7 @@ class ZygotePool:
             min(idle, key=lambda z: z.last_used).close(wait=False)
         return self._new(wanted)
 
-    def sweep(self) -> None:
+    def reconcile(self) -> None:
         """Close zygotes idle for ``idle_s`` (but the server's own), drop the ended ones."""
         now = time.monotonic()
         for zygote in list(self.zygotes):

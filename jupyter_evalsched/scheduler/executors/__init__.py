@@ -9,7 +9,8 @@ Two kinds, told apart by ``uses_ledger``:
   other system places it; this host's ledger does not apply.
 
 An executor changes records only through the run table's public methods (``update``,
-``set_reason``, ``exited``, ``finish``, ``conclude``) and learns of ended runs from
+``set_reason``, ``set_exit_code``, ``set_slurm_state``, ``note_warning``, ``exited``, ``finish``,
+``conclude``; ``tests/test_record_writes.py`` checks it) and learns of ended runs from
 ``RunTable.on_end``: it never reaches into admission, and admission never into it. (A ledger
 executor calls ``exited`` as soon as a run's process is gone, before it reads the run's files
 for the verdict: admission hands what the run held to the next run at once.)
@@ -101,7 +102,7 @@ class Executor:
     def recovered(self) -> None:
         """Called once recovery has seen every run: clean up what no run owns any more."""
 
-    async def sweep(self) -> None:
+    async def reconcile(self) -> None:
         """The periodic backstop (missed exits, another system's state)."""
 
     async def stop(self) -> None:

@@ -25,7 +25,7 @@ import time
 from ... import contract
 from ...contract import ABORTED, CANCELLED, FAILED, QUEUED, SUCCEEDED
 from ...store import RunFileError
-from ..attempts import preempted_plan, restart_plan
+from ..attempts import Requeue, preempted_plan, restart_plan
 from ..cgroups import CgroupError, Cgroups, RunCgroup
 from ..environment import run_environment
 from ..launcher import (
@@ -38,7 +38,7 @@ from ..launcher import (
     process_create_time,
     signal_name,
 )
-from ..runs import Requeue, Run, parse_timestamp
+from ..runs import Run, parse_timestamp
 from ..shared import ModelUnavailable, NoSharedModels, SharedModels
 from ..zygotes import WarmStartConfig, ZygotePool, cold_reason
 from . import Executor, ExecutorContext, ObservedTarget
@@ -164,7 +164,7 @@ class LocalExecutor(Executor):
         """In a thread: (the run's cgroup, or None and why not)."""
         assert self.cgroups is not None
         try:
-            return self.cgroups.create(run.id, run.scheduling.get("memory_mb")), ""
+            return self.cgroups.create(run.id, run.scheduling.memory_mb), ""
         except Exception as exc:  # (CgroupError says what; anything else must not lose the run)
             return None, str(exc) if isinstance(exc, CgroupError) else f"{type(exc).__name__}: {exc}"
 
@@ -289,7 +289,7 @@ class LocalExecutor(Executor):
         """The run's own cgroup (with its memory limit; ``made`` already, in a thread), or None
         where the host has none: then the run's process group is what clean-up kills, and a
         ``memory_mb`` is not enforced, which the run's warnings say."""
-        memory_mb = run.scheduling.get("memory_mb")
+        memory_mb = run.scheduling.memory_mb
         cgroup = None
         why = ""
         if self.cgroups is not None and self.cgroups.enabled:
@@ -300,12 +300,9 @@ class LocalExecutor(Executor):
             why = self.cgroups.support.detail if self.cgroups is not None else "cgroups are off"
         if memory_mb and (cgroup is None or cgroup.memory_limit_mb is None):
             why = why or "this host gives runs no memory cgroup"
-            if any(w.startswith("memory_limit_not_enforced") for w in run.record["warnings"]):
-                return cgroup  # said at an earlier attempt
-            run.record["warnings"] = [
-                *run.record["warnings"],
-                contract.reason("memory_limit_not_enforced", f"memory_mb={memory_mb} is not enforced: {why}"),
-            ]
+            self.ctx.table.note_warning(
+                run, contract.reason("memory_limit_not_enforced", f"memory_mb={memory_mb} is not enforced: {why}")
+            )
         return cgroup
 
     # ------------------------------------------------------------------ end
@@ -326,7 +323,7 @@ class LocalExecutor(Executor):
             if peak is not None:
                 table.observe(run, {}, peak, notify=False)
         with table.deferring_writes():
-            run.record["exit_code"] = code
+            table.set_exit_code(run, code)
             verdict = table.conclude(run, code)
             done = verdict is not None
             if run.preempted_by is not None:
@@ -352,7 +349,7 @@ class LocalExecutor(Executor):
         what = "the run process" if code == -9 else f"{kills} process{'es' if kills != 1 else ''} of the run"
         return contract.reason(
             contract.OOM,
-            f"the run reached its memory limit (memory_mb={limit or run.scheduling.get('memory_mb')}"
+            f"the run reached its memory limit (memory_mb={limit or run.scheduling.memory_mb}"
             f"{f', peak {peak} MB' if peak is not None else ''}) and the kernel killed {what}",
         )
 
@@ -512,10 +509,10 @@ class LocalExecutor(Executor):
         # A detached run whose process ended between the look above and the pidfd is noticed now.
         self.launcher.poll()
 
-    async def sweep(self) -> None:
+    async def reconcile(self) -> None:
         self.launcher.poll()
         if self.zygotes is not None:
-            self.zygotes.sweep()
+            self.zygotes.reconcile()
 
     async def stop(self) -> None:
         """Shutdown: running runs are killed and end ``aborted`` (rule 4). Runs admitted but not

@@ -141,7 +141,7 @@ class SlurmExecutor(Executor):
         self._interval = self.poll_interval_s
         self._next_poll = 0.0
 
-    async def sweep(self) -> None:
+    async def reconcile(self) -> None:
         """At most one ``squeue`` per interval for all tracked jobs; ``scontrol`` only for jobs
         gone without ``_DONE``. The interval grows while nothing changes."""
         tracked = {r.record["slurm_job_id"]: r for r in self._tracked.values() if r.record["slurm_job_id"]}
@@ -174,8 +174,7 @@ class SlurmExecutor(Executor):
                 continue
             if st is None:
                 continue
-            moved = run.record["slurm_state"] != st.state
-            run.record["slurm_state"] = st.state
+            moved = table.set_slurm_state(run, st.state)
             changed = changed or moved
             if st.finished:
                 self._conclude(run, st)
@@ -183,17 +182,17 @@ class SlurmExecutor(Executor):
             elif st.state in ("RUNNING", "COMPLETING") and run.state == QUEUED:
                 table.update(run, state=RUNNING, reason=None, started_at=utcnow_iso())
             elif run.state == QUEUED:
-                uses_gpu = contract.uses_gpu(run.scheduling["marginal_vram_mb"], run.scheduling["exclusive_gpu"])
-                reason = pending_reason(st, uses_gpu=uses_gpu)
-                if reason != run.record["reason"] or moved:
-                    run.record["reason"] = reason
-                    table.changed(run)
+                reason = pending_reason(st, uses_gpu=run.scheduling.uses_gpu)
+                if reason != run.record["reason"]:
+                    table.set_reason(run, reason)
+                elif moved:
+                    table.changed(run)  # the reason stands, the state it names moved
         return changed
 
     def _conclude(self, run: Run, st: SlurmJobState | None) -> None:
         table = self.ctx.table
         if st is not None:
-            run.record["exit_code"] = st.exit_code
+            table.set_exit_code(run, st.exit_code)
         judged = table.conclude(run, st.exit_code if st is not None else None)
         if judged is not None:
             table.finish(run, *judged, done_on_disk=True)

@@ -1,0 +1,554 @@
+"""Admission: the queue of ledger runs (and leases), and when a decision is made.
+
+The decision itself is ``policy.decide`` (pure); this module keeps the queue state it is made
+on (queued, eligible, blocked by a dependency, running), decides when to ask for one (``decide``:
+the one place that coalesces requests), and carries decisions out through a ``Carrier`` (launch,
+grant, preempt, waiting). Dependency failures are finished here, through the run table.
+
+Admission runs on every event that can change the answer (a submission, a run's exit or end, a
+requeue, a lease's end, a dependency's change) and on the periodic reconciliation, and is carried
+out in the same loop iteration as a run's exit, before that run's files are written.
+
+All of it runs on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from .. import contract
+from ..contract import FAILED, QUEUED, RUNNING
+from . import attempts, policy
+from .attempts import Requeue
+from .config import SchedulerConfig
+from .executors import Executor
+from .leases import Lease, LeaseTable
+from .ledger import Capacity
+from .runs import Run, RunTable, parse_timestamp
+
+
+class Carrier(Protocol):
+    """What carrying out a decision does outside admission's own state."""
+
+    def launch(self, run: Run, devices: tuple[int, ...]) -> None:
+        """The run is running on ``devices`` (admission took them already): record it, start it."""
+
+    def grant(self, grants: list[tuple[Lease, tuple[int, ...]]]) -> None:
+        """The leases are granted these devices (one call per decision)."""
+
+    def preempt(self, run: Run, by: str) -> None:
+        """Stop the running ``run`` at its next episode boundary so that ``by`` can start."""
+
+    def waiting(self, job: Run | Lease, reason: str) -> None:
+        """Why a queued run or lease waits (news, not a transition)."""
+
+
+class Admission:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        table: RunTable,
+        leases: LeaseTable,
+        executors: Mapping[str, Executor],
+        carrier: Carrier,
+        capacity: Callable[[], Capacity],
+    ) -> None:
+        self.config = config
+        self.table = table
+        self.leases = leases
+        self.executors = executors
+        self.carrier = carrier
+        self.capacity = capacity  # what the ledger offers now (budgets less unmanaged VRAM)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.started = False  # recovery is over: events lead to decisions
+        self.stopping = False
+        # The ledger runs waiting for resources, and those holding them.
+        self._queued: dict[str, Run] = {}
+        # Queued runs held by a dependency still queued or running: (reason, dependencies). They
+        # are kept out of decisions and looked at again when a dependency changes.
+        self._blocked: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._waiting_on: dict[str, set[str]] = {}  # dependency id -> blocked runs waiting on it
+        self._eligible: dict[str, Run] = {}  # the queued runs not blocked: what a decision looks at
+        self._running: dict[str, Run] = {}
+        self._released: set[str] = set()  # runs whose process exited, their end not recorded yet
+        self._admit_scheduled = False
+        self._admitting = False
+        self._decide_again = False
+        # Set after a full decision that changed nothing: a new job may then be decided alone.
+        self._settled = False
+        self._reservation: policy.Reservation | None = None
+        self._head_lane = len(policy.LANES)
+        # Retries waiting out their back-off: queued, not yet admissible (run id -> its timer).
+        self._backoff: dict[str, asyncio.TimerHandle] = {}
+        table.requeue_policy = self._retry_policy
+        table.on_exit(self._on_run_exited)
+        table.on_end(self._on_run_ended)
+        table.on_requeue(self._on_run_requeued)
+        table.subscribe(self._run_changed)
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def stop(self) -> None:
+        """No decision from now on; retries waiting out a back-off stay queued on disk (the next
+        start admits them)."""
+        self.stopping = True
+        for timer in self._backoff.values():
+            timer.cancel()
+        self._backoff.clear()
+
+    # ----------------------------------------------------------------- when to decide
+
+    def decide(self, now: bool = False) -> None:
+        """Something changed that may let a job start. Inside a decision: decide once more when
+        it is carried out. Otherwise ``now`` (in this very loop iteration: what an ended run or
+        lease held goes to the next in line at once) or soon (``request_admission``)."""
+        if not self.started or self.stopping:
+            return
+        if self._admitting:
+            self._decide_again = True
+        elif now:
+            self._settled = False
+            self._admit()
+        else:
+            self.request_admission()
+
+    def request_admission(self) -> None:
+        """Coalesce admission requests made in one loop iteration into one decision."""
+        self._settled = False
+        if self._loop is None or self._admit_scheduled:
+            return
+        self._admit_scheduled = True
+        self._loop.call_soon(self._admit)
+
+    def submitted(self, run: Run) -> None:
+        """A new ledger run: queued, and decided alone at once when nothing else can have changed."""
+        self.enqueue(run)
+        if self._settled and not self._admit_scheduled and self._can_decide_alone(run):
+            self._admit_new(run)
+        else:
+            self.request_admission()
+
+    def reconcile(self) -> None:
+        """The periodic backstop: every held run looked at again, then a decision."""
+        for run_id in list(self._blocked):
+            run = self._queued.get(run_id)
+            if run is None:
+                self._unblock(run_id)
+            elif not self._check_dependencies(run):
+                self.request_admission()
+        self._admit()
+
+    # ----------------------------------------------------------------- the run table's events
+
+    def _on_run_exited(self, run: Run) -> None:
+        """The run's process is gone: its resources go to the next in line right now, before its
+        verdict is read and its files are written (its end follows in this loop iteration)."""
+        if self._running.pop(run.id, None) is None:
+            return
+        self._released.add(run.id)
+        self.decide(now=True)
+
+    def _on_run_ended(self, run: Run) -> None:
+        self.dequeue(run.id)
+        held = self._running.pop(run.id, None) is not None
+        released = run.id in self._released  # at its exit: admission has seen it gone already
+        self._released.discard(run.id)
+        # Inside a decision (a dependency failure), decide once more; a run that held resources
+        # hands them over right here, before its files are written.
+        if held or not released or self._admitting:
+            self.decide(now=held)
+
+    def _retry_policy(self, run: Run, state: str, reason: str | None) -> Requeue | None:
+        """A failure retried instead of ended (``retries``, ``retry_on``): a plain decision on the
+        record; the run table carries it out."""
+        if self.stopping:
+            return None
+        return attempts.retry_plan(
+            run.record,
+            run.spec.get("retry_on") or contract.DEFAULT_RETRY_ON,
+            state,
+            reason,
+            backoff_s=self.config.retry_backoff_s,
+            backoff_max_s=self.config.retry_backoff_max_s,
+            now=time.time(),
+        )
+
+    def _on_run_requeued(self, run: Run, plan: Requeue) -> None:
+        """A run queued again (resume, retry, preemption, restart): back to admission, after its
+        back-off; what it held is free at once."""
+        self.dequeue(run.id)
+        self._running.pop(run.id, None)
+        self._released.discard(run.id)
+        timer = self._backoff.pop(run.id, None)
+        if timer is not None:
+            timer.cancel()
+        executor = self.executors.get(run.executor)
+        if executor is None:
+            return
+        if not executor.uses_ledger:
+            if self.started and not self.stopping and self._loop is not None:
+                # Handed over again (SLURM), after the retry's back-off.
+                self._loop.call_later(plan.delay_s, self._hand_over_again, run.id)
+            return
+        # Why it is back in the queue stays its reason while it waits (admission's reason follows).
+        run.requeued_reason = plan.reason if contract.reason_code(plan.reason) == contract.PREEMPTED_BY else None
+        if plan.delay_s > 0 and self._loop is not None and not self.stopping:
+            self._backoff[run.id] = self._loop.call_later(plan.delay_s, self._retry_due, run.id)
+        else:
+            self.enqueue(run)
+        # Soon, not now: every requeue listener (the executor's clean-up of the attempt that
+        # ended) runs first, and the caller finishes with the run before its next attempt.
+        self.decide()
+
+    def _hand_over_again(self, run_id: str) -> None:
+        run = self.table.get(run_id)
+        executor = self.executors.get(run.executor) if run is not None else None
+        if run is None or executor is None or run.state != QUEUED or self.stopping:
+            return  # cancelled meanwhile
+        if run.record.get("retry_at"):
+            self.table.update(run, save=False, retry_at=None)
+        executor.submit(run)
+
+    def _retry_due(self, run_id: str) -> None:
+        self._backoff.pop(run_id, None)
+        run = self.table.get(run_id)
+        if run is None or run.state != QUEUED or self.stopping:
+            return
+        self.table.update(run, save=False, retry_at=None)
+        self.enqueue(run)
+        self.request_admission()
+
+    def lease_ended(self, lease: Lease) -> None:
+        """What the lease held goes to the next in line at once."""
+        self.decide(now=bool(lease.record["devices"]))
+
+    def _run_changed(self, event: dict[str, Any]) -> None:
+        """A run's record changed: the runs waiting on it are looked at again (its start changes
+        their reason; its end may free them, or fail them)."""
+        if event.get("type") != "run":
+            return
+        waiting = self._waiting_on.get(event["run"]["id"])
+        if not waiting:
+            return
+        freed = False
+        for run_id in list(waiting):
+            run = self._queued.get(run_id)
+            if run is None:
+                self._unblock(run_id)
+            elif not self._check_dependencies(run):
+                freed = True
+        if freed:
+            self.decide()
+
+    # ----------------------------------------------------------------- recovery and cancel
+
+    def recover_queued(self, run: Run) -> None:
+        """A queued ledger run found at start: queued again, or left to its retry's back-off."""
+        retry_at = run.record.get("retry_at")
+        left = parse_timestamp(retry_at) - time.time() if retry_at else 0.0
+        if left > 0 and self._loop is not None:
+            self._backoff[run.id] = self._loop.call_later(left, self._retry_due, run.id)
+            return
+        code = contract.reason_code(run.record["reason"])
+        if code == contract.PREEMPTED_BY:
+            run.requeued_reason = run.record["reason"].split("; now ", 1)[0]
+        elif code != contract.SERVER_RESTART:
+            self.table.update(run, save=False, notify=False, reason=None)
+        self.enqueue(run)
+
+    def recover_running(self, run: Run) -> None:
+        """A running ledger run found at start holds its resources until its end is recorded."""
+        self._running[run.id] = run
+        run.started_ts = parse_timestamp(run.record.get("started_at"))
+
+    def recovered(self) -> None:
+        """Every run is known: the dependencies of the queued ones can be looked at."""
+        for queued in list(self._queued.values()):
+            self._check_dependencies(queued)
+
+    def withdraw(self, run: Run) -> bool:
+        """Cancel's part: True when the run is admission's to end (queued, or waiting out a
+        back-off), False when it is its executor's."""
+        timer = self._backoff.pop(run.id, None)
+        if timer is not None:
+            timer.cancel()
+        return run.id in self._queued or timer is not None
+
+    # ----------------------------------------------------------------- decisions
+
+    def _can_decide_alone(self, run: Run) -> bool:
+        """A new job can be decided on its own when nothing else changed since the last full
+        decision (the waiting jobs still cannot start) and it does not outrank the head of the
+        queue (which would move the anti-starvation reservation)."""
+        if run.depends_on:
+            return all(
+                dep.state in (QUEUED, RUNNING, contract.SUCCEEDED)
+                for dep in map(self.table.get, run.depends_on)
+                if dep is not None
+            )
+        return policy.LANE_INDEX[run.scheduling.priority] >= self._head_lane
+
+    def _admit_new(self, run: Run) -> None:
+        """Admission for one newly submitted job: O(running), not O(queue). With 10,000 jobs
+        queued, a full decision per submission would make a burst of submissions quadratic."""
+        decision = policy.decide(
+            [self._as_queued(run, time.time())],
+            self.running_jobs(),
+            self.capacity(),
+            self._dependency_states([run]),
+            self.config.policy,
+            reservation=self._reservation,
+        )
+        if decision.dependency_failed or decision.starts:
+            if decision.starts:
+                # Everything already waiting was overtaken by this newcomer.
+                for waiting in self._queued.values():
+                    if waiting is not run:
+                        waiting.passed_over += 1
+            self._carry_out(decision)
+            return
+        for reason in decision.waiting.values():
+            self.carrier.waiting(run, _waiting_reason(run, reason))
+
+    def _admit(self) -> None:
+        self._admit_scheduled = False
+        if self._loop is None or self._admitting or self.stopping:
+            return
+        self._admitting = True
+        try:
+            for _ in range(100):  # dependency failures can cascade down a chain
+                self._decide_again = False
+                if not self._queued and not self.leases.queued():
+                    self._settled, self._reservation, self._head_lane = True, None, len(policy.LANES)
+                    return
+                decision = self._decide()
+                self._reservation = (
+                    policy.Reservation(decision.reserved_for, decision.reserved_devices, decision.reserved_cpus)
+                    if decision.reserved_for
+                    else None
+                )
+                # Settled from here on, unless carrying the decision out asks for another one.
+                self._settled = True
+                self._carry_out(decision)
+                if not self._decide_again:
+                    return
+        finally:
+            self._admitting = False
+
+    def _decide(self) -> policy.Decision:
+        now = time.time()
+        # Runs held by a dependency cannot start and take nothing from the others: a decision
+        # costs O(the runs that could start), not O(the queue), however many wait on others.
+        eligible = list(self._eligible.values())
+        queued = [self._as_queued(run, now) for run in eligible]
+        queued += [self._lease_as_queued(lease, now) for lease in self.leases.queued()]
+        policy_config = self.config.policy
+        self._head_lane = min((policy.effective_lane(q, policy_config) for q in queued), default=len(policy.LANES))
+        deps = self._dependency_states(eligible)
+        return policy.decide(queued, self.running_jobs(), self.capacity(), deps, policy_config)
+
+    def _carry_out(self, decision: policy.Decision) -> None:
+        with self.table.deferring_writes():  # thousands of dependents can fail at once
+            for run_id, dep in decision.dependency_failed.items():
+                run = self._queued[run_id]
+                dep_run = self.table.get(dep)
+                dep_state = dep_run.state if dep_run is not None else "deleted"
+                self.table.finish(
+                    run, FAILED, contract.reason(contract.DEPENDENCY_FAILED, f"{dep} ended {dep_state}", arg=dep)
+                )
+        grants: list[tuple[Lease, tuple[int, ...]]] = []
+        for start in decision.starts:
+            if start.id in self._queued:
+                self._launch(self._queued[start.id], start.devices)
+            else:
+                lease = self.leases.get(start.id)
+                if lease is not None and lease.live:
+                    grants.append((lease, start.devices))
+        if grants:
+            self.carrier.grant(grants)
+        for victim_id, job_id in decision.preempt.items():
+            victim = self._running.get(victim_id)
+            if victim is not None:
+                self.carrier.preempt(victim, job_id)
+        for job_id in decision.passed_over:
+            waiting: Run | Lease | None = self._queued.get(job_id) or self.leases.get(job_id)
+            if waiting is not None:
+                waiting.passed_over += 1
+        for job_id, reason in decision.waiting.items():
+            queued_run = self._queued.get(job_id)
+            if queued_run is not None:
+                self.carrier.waiting(queued_run, _waiting_reason(queued_run, reason))
+                continue
+            lease = self.leases.get(job_id)
+            if lease is not None and lease.live:
+                self.carrier.waiting(lease, reason)
+
+    def _launch(self, run: Run, devices: tuple[int, ...]) -> None:
+        """Take the resources now (the ledger changes in this very decision), then start the run."""
+        self.dequeue(run.id)
+        self._running[run.id] = run
+        run.started_ts = time.time()
+        run.requeued_reason = None
+        self.carrier.launch(run, devices)
+
+    # ----------------------------------------------------------------- jobs as the policy sees them
+
+    def _as_queued(self, run: Run, now: float) -> policy.QueuedJob:
+        sched = run.scheduling
+        return policy.QueuedJob(
+            id=run.id,
+            seq=run.record["seq"],
+            priority=sched.priority,
+            marginal_vram_mb=sched.marginal_vram_mb,
+            gpus=sched.gpus,
+            exclusive=sched.exclusive_gpu,
+            cpus=sched.cpus,
+            depends_on=tuple(run.depends_on),
+            waited_s=now - run.submitted_ts,
+            passed_over=run.passed_over,
+        )
+
+    def _lease_as_queued(self, lease: Lease, now: float) -> policy.QueuedJob:
+        rec = lease.record
+        return policy.QueuedJob(
+            id=lease.id,
+            seq=rec["seq"],
+            priority=rec["priority"],
+            marginal_vram_mb=rec["vram_mb"],
+            gpus=rec["gpus"],
+            exclusive=rec["exclusive_gpu"],
+            cpus=0,  # interactive work runs in its kernel, on no CPU slot of ours
+            waited_s=now - lease.requested_ts,
+            passed_over=lease.passed_over,
+            kind="lease",
+            held=tuple(sorted(lease.observed.items())),
+        )
+
+    def running_jobs(self) -> list[policy.RunningJob]:
+        """What holds resources: running runs, then granted leases."""
+        now = time.time()
+        jobs = [
+            policy.RunningJob(
+                id=run.id,
+                devices=tuple(run.record["devices"]),
+                marginal_vram_mb=run.scheduling.marginal_vram_mb,
+                exclusive=run.scheduling.exclusive_gpu,
+                cpus=run.scheduling.cpus,
+                priority=run.scheduling.priority,
+                preemptible=run.scheduling.preemptible,
+                runtime_s=now - (run.started_ts or now),
+                preemptions=run.record["preemptions"],
+                stopping=run.preempted_by is not None,
+            )
+            for run in self._running.values()
+        ]
+        jobs += [
+            policy.RunningJob(
+                id=lease.id,
+                devices=tuple(lease.record["devices"]),
+                marginal_vram_mb=lease.record["vram_mb"],
+                exclusive=lease.record["exclusive_gpu"],
+                cpus=0,
+                kind="lease",
+                label=lease.holder,
+            )
+            for lease in self.leases.granted()
+        ]
+        return jobs
+
+    def _dependency_states(self, runs: list[Run]) -> dict[str, str]:
+        states = {}
+        for run in runs:
+            for dep_id in run.depends_on:
+                dep = self.table.get(dep_id)
+                if dep is not None:
+                    states[dep_id] = dep.state
+        return states
+
+    # ----------------------------------------------------------------- the queue and dependencies
+
+    def is_queued(self, run_id: str) -> bool:
+        return run_id in self._queued
+
+    def queued_count(self) -> int:
+        return len(self._queued)
+
+    def queued_in_order(self) -> list[Run]:
+        now = time.time()
+        jobs = policy.admission_order((self._as_queued(run, now) for run in self._queued.values()), self.config.policy)
+        return [self._queued[j.id] for j in jobs]
+
+    def leases_in_order(self) -> list[Lease]:
+        """Live leases: granted ones by grant, then queued ones in admission order."""
+        now = time.time()
+        granted = sorted(self.leases.granted(), key=lambda lease: lease.record["granted_at"] or "")
+        waiting = {lease.id: lease for lease in self.leases.queued()}
+        order = policy.admission_order((self._lease_as_queued(w, now) for w in waiting.values()), self.config.policy)
+        return granted + [waiting[job.id] for job in order]
+
+    def enqueue(self, run: Run) -> None:
+        self._queued[run.id] = run
+        self._eligible[run.id] = run
+        self._check_dependencies(run)
+
+    def dequeue(self, run_id: str) -> None:
+        self._queued.pop(run_id, None)
+        self._eligible.pop(run_id, None)
+        self._unblock(run_id)
+
+    def _check_dependencies(self, run: Run) -> bool:
+        """Whether the queued ``run`` is held by a dependency still queued or running (then it
+        says so, and stays out of decisions until a dependency changes). A run whose
+        dependencies all succeeded, or one of which failed, is the policy's to decide."""
+        self._unblock(run.id)
+        if run.id not in self._queued or not run.depends_on:
+            return False
+        verdict = policy.dependency_verdict(run.depends_on, _DependencyStates(self.table))
+        if verdict is None or verdict[0] != "waiting":
+            return False
+        deps = tuple(run.depends_on)
+        self._blocked[run.id] = (verdict[1], deps)
+        self._eligible.pop(run.id, None)
+        for dep in deps:
+            self._waiting_on.setdefault(dep, set()).add(run.id)
+        self.carrier.waiting(run, _waiting_reason(run, verdict[1]))
+        return True
+
+    def _unblock(self, run_id: str) -> None:
+        held = self._blocked.pop(run_id, None)
+        if held is None:
+            return
+        queued = self._queued.get(run_id)
+        if queued is not None:
+            self._eligible[run_id] = queued
+        for dep in held[1]:
+            waiting = self._waiting_on.get(dep)
+            if waiting is not None:
+                waiting.discard(run_id)
+                if not waiting:
+                    del self._waiting_on[dep]
+
+
+class _DependencyStates:
+    """The states of runs, looked up as dependencies are (a Mapping's ``get``)."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: RunTable) -> None:
+        self._table = table
+
+    def get(self, run_id: str, /) -> str | None:
+        run = self._table.get(run_id)
+        return run.state if run is not None else None
+
+
+def _waiting_reason(run: Run, reason: str) -> str:
+    """Admission's reason for a waiting run; for a preempted one, after ``preempted_by:<id>: ...``
+    (the code stays the preemption's until it starts again)."""
+    if run.requeued_reason is None:
+        return reason
+    return contract.one_line(f"{run.requeued_reason}; now {reason}", 1000)

@@ -1,0 +1,411 @@
+"""Submission: a validated spec becomes a queued run (or a sweep's runs).
+
+The checks that need the host (``validate_for_host``), ``auto`` VRAM resolved from observed runs,
+idempotent submissions (``Idempotency-Key``: a retry answers with the first run), the run's
+directory written off the loop, and the hand-over to admission (a ledger run) or to its executor
+(a placing one). Sweeps: every point checked, then one submission per point.
+
+All of it runs on the event-loop thread (the directory is written in the I/O pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Executor as ThreadPool
+from typing import Any
+
+from pydantic import ValidationError
+
+from .. import contract
+from ..models import EvalSpec
+from ..runner.entrypoint import resolve_entrypoint_file
+from ..store import RunFileError, RunStore, StoreError, new_run_id
+from . import policy, sweeps
+from .admission import Admission
+from .config import SchedulerConfig
+from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
+from .executors import Executor
+from .ledger import Capacity
+from .runs import Run, RunScheduling, RunTable, new_record, source_digest
+from .shared import SharedModels
+
+
+class Submissions:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        store: RunStore,
+        table: RunTable,
+        executors: Mapping[str, Executor],
+        models: SharedModels,
+        admission: Admission,
+        empty_capacity: Callable[[], Capacity],
+        require_loop: Callable[[], asyncio.AbstractEventLoop],
+        io: ThreadPool,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.table = table
+        self.executors = executors
+        self.models = models
+        self.admission = admission
+        self.empty_capacity = empty_capacity  # the host with nothing running: what never fits
+        self.require_loop = require_loop
+        self.io = io
+        self.by_key: dict[str, str] = {}  # Idempotency-Key -> the run it created
+        self._keys_in_flight: dict[str, asyncio.Future[None]] = {}
+        self._creating: set[str] = set()
+
+    # ----------------------------------------------------------------- checks
+
+    def validate_for_host(self, spec: EvalSpec) -> None:
+        """Checks that need the host: never-fits, unknown models and dependencies, the cwd and
+        the entrypoint's file."""
+        errors: list[dict[str, Any]] = []
+        sched = spec.scheduling
+        name = spec.executor or self.config.default_executor
+        executor = self.executors.get(name)
+        if executor is None:
+            errors.append(
+                {
+                    "loc": ["executor"],
+                    "msg": "SLURM is not enabled on this server (EvalSchedApp.slurm_enabled)"
+                    if name == "slurm"
+                    else f"the {name} executor is not enabled on this server",
+                    "type": "unsupported",
+                }
+            )
+        elif not executor.uses_ledger and spec.models:
+            errors.append(
+                {
+                    "loc": ["models"],
+                    "msg": "shared models serve local runs only: a SLURM run on another node "
+                    "cannot reach this host's model host; load the model in the eval instead",
+                    "type": "unsupported",
+                }
+            )
+        if spec.detach and spec.models:
+            errors.append(
+                {
+                    "loc": ["detach"],
+                    "msg": "a detached run cannot use shared models: their host dies with the server, the run would not",
+                    "type": "unsupported",
+                }
+            )
+        if executor is not None and executor.uses_ledger:
+            probe_job = policy.QueuedJob(
+                id="-",
+                seq=0,
+                priority=sched.priority,
+                # "auto" is resolved before (resolve_auto_vram); never-fits is checked on the figure.
+                marginal_vram_mb=sched.marginal_vram_mb if isinstance(sched.marginal_vram_mb, int) else 0,
+                gpus=sched.gpus,
+                exclusive=sched.exclusive_gpu,
+                cpus=sched.cpus,
+            )
+            why = policy.never_fits(probe_job, self.empty_capacity())
+            if why:
+                errors.append(
+                    {
+                        "loc": ["scheduling", why[0]],
+                        "msg": f"can never fit on this host: {why[1]}",
+                        "type": "never_fits",
+                    }
+                )
+        known_models = set(self.models.names())
+        for model in spec.models:
+            if model not in known_models:
+                known = ", ".join(sorted(known_models)) or "none are configured"
+                errors.append(
+                    {
+                        "loc": ["models"],
+                        "msg": f"unknown shared model {model!r} (known: {known})",
+                        "type": "unknown_model",
+                    }
+                )
+        for dep in spec.depends_on:
+            if dep not in self.table:
+                errors.append({"loc": ["depends_on"], "msg": f"unknown run id {dep!r}", "type": "unknown_dependency"})
+        cwd = self.resolve_cwd(spec.cwd)
+        if not os.path.isdir(cwd):
+            errors.append({"loc": ["cwd"], "msg": f"{cwd!r} is not a directory", "type": "bad_cwd"})
+        elif spec.entrypoint:
+            problem = _entrypoint_problem(spec, cwd)
+            if problem:
+                errors.append({"loc": ["entrypoint"], "msg": problem[1], "type": problem[0]})
+        if errors:
+            raise SpecRejected("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors), errors)
+
+    def resolve_cwd(self, cwd: str | None) -> str:
+        if not cwd:
+            return self.config.default_cwd
+        return os.path.normpath(os.path.join(self.config.default_cwd, os.path.expanduser(cwd)))
+
+    def resolve_auto_vram(self, spec: EvalSpec) -> tuple[EvalSpec, str]:
+        """``marginal_vram_mb: "auto"`` -> the highest observed peak of the earlier succeeded runs of
+        the same eval that ran on a GPU, plus ``auto_margin``; SpecRejected without such a run.
+        Returns the spec with the figure, and where it came from (the record's
+        ``marginal_vram_source``)."""
+        if spec.scheduling.marginal_vram_mb != "auto":
+            return spec, "declared"
+        name = spec.executor or self.config.default_executor
+        executor = self.executors.get(name)
+        loc = ["scheduling", "marginal_vram_mb"]
+        if executor is not None and not executor.uses_ledger:
+            msg = f"'auto' needs observed usage, which {name} runs do not have: declare a number"
+            raise SpecRejected(f"scheduling.marginal_vram_mb: {msg}", [{"loc": loc, "msg": msg, "type": "auto"}])
+        key = (spec.entrypoint, source_digest(spec.source))
+        best: tuple[int, Run] | None = None
+        for run in self.table:
+            rec = run.record
+            observed = rec.get("observed")
+            if rec["state"] != contract.SUCCEEDED or not rec["devices"] or not isinstance(observed, dict):
+                continue
+            if (rec.get("entrypoint"), rec.get("source_digest")) != key:
+                continue
+            peak = max((int(v) for v in (observed.get("peak_vram_mb") or {}).values()), default=0)
+            # A run seen using no VRAM at all says nothing of what the eval needs on a GPU (and a
+            # figure of 0 would make the next run a CPU-only one).
+            if peak > 0 and (best is None or peak > best[0]):
+                best = (peak, run)
+        if best is None:
+            what = "this cell's eval" if spec.source is not None else repr(spec.entrypoint)
+            msg = (
+                f"'auto' needs an earlier succeeded run of {what} on a GPU whose VRAM was observed, and there is "
+                'none: declare a number (e.g. "marginal_vram_mb": 8000, or --vram 8000)'
+            )
+            raise SpecRejected(f"scheduling.marginal_vram_mb: {msg}", [{"loc": loc, "msg": msg, "type": "auto"}])
+        peak, run = best
+        figure = math.ceil(peak * (1 + self.config.auto_margin))
+        source = f"auto: {figure} MB = the {peak} MB peak of run {run.id} + {self.config.auto_margin:.0%}"
+        scheduling = spec.scheduling.model_copy(update={"marginal_vram_mb": figure})
+        return spec.model_copy(update={"scheduling": scheduling}), source
+
+    # ----------------------------------------------------------------- submission
+
+    async def submit(self, spec: EvalSpec, idempotency_key: str | None = None) -> tuple[dict[str, Any], bool]:
+        """Validate, write the run directory, queue. Returns once ``job.json`` is on disk, with
+        the record and whether it is new: a key seen before answers with the first run (the
+        client retried a submission whose answer it lost), a key reused for another spec is a
+        StateConflict."""
+        if idempotency_key is None:
+            return await self._submit(spec, None), True
+        pending = self._keys_in_flight.get(idempotency_key)
+        if pending is not None:  # the same submission, retried while the first is being written
+            await asyncio.shield(pending)
+        known = self.by_key.get(idempotency_key)
+        if known is not None:
+            return self._replay(known, spec), False
+        future = self.require_loop().create_future()
+        self._keys_in_flight[idempotency_key] = future
+        try:
+            return await self._submit(spec, idempotency_key), True
+        finally:
+            del self._keys_in_flight[idempotency_key]
+            future.set_result(None)
+
+    def _replay(self, run_id: str, spec: EvalSpec) -> dict[str, Any]:
+        run = self.table.get(run_id)
+        if run is None:
+            raise StateConflict(f"the Idempotency-Key was used for run {run_id}, which has been deleted")
+        try:
+            first = self.table.full_spec(run)
+        except RunFileError as exc:
+            raise StateConflict(
+                f"the Idempotency-Key was used for run {run_id}, whose spec cannot be read: {exc}"
+            ) from None
+        again = self._normalized(spec)
+        if spec.scheduling.marginal_vram_mb == "auto":  # the figure it was resolved to stands
+            again["scheduling"]["marginal_vram_mb"] = first.get("scheduling", {}).get("marginal_vram_mb")
+        if spec.cwd is None:  # "the server's root": a retry may reach another server after a failover
+            first.pop("cwd", None)
+            again.pop("cwd", None)
+        if first != again:
+            raise StateConflict(f"the Idempotency-Key was already used for run {run_id}, with another spec")
+        return run.record
+
+    def _normalized(self, spec: EvalSpec) -> dict[str, Any]:
+        spec_dict = spec.model_dump(mode="json")
+        spec_dict["cwd"] = self.resolve_cwd(spec.cwd)
+        spec_dict["executor"] = spec.executor or self.config.default_executor
+        return spec_dict
+
+    async def _submit(
+        self,
+        spec: EvalSpec,
+        idempotency_key: str | None,
+        sweep: tuple[str, dict[str, Any]] | None = None,
+        vram_source: str | None = None,
+    ) -> dict[str, Any]:
+        """``vram_source`` given: the spec was checked already (a sweep's runs share one check)."""
+        if vram_source is None:
+            spec, vram_source = self.resolve_auto_vram(spec)
+            self.validate_for_host(spec)
+        run_id = new_run_id()
+        while run_id in self.table or run_id in self._creating:
+            run_id = new_run_id()
+        executor = self.executors[spec.executor or self.config.default_executor]
+        spec_dict = self._normalized(spec)
+        scheduling = RunScheduling.of(spec_dict)  # the run's, once: its record and admission read it
+        record = new_record(
+            run_id,
+            spec_dict,
+            seq=self.table.next_seq(),
+            executor=executor.name,
+            run_dir=str(self.store.run_dir(run_id)),
+            idempotency_key=idempotency_key,
+            marginal_vram_source=vram_source,
+            sweep_id=sweep[0] if sweep else None,
+            sweep_point=sweep[1] if sweep else None,
+            scheduling=scheduling,
+        )
+        files = {contract.SPEC_FILE: dumps(spec_dict), contract.JOB_FILE: dumps(record)}
+        if not spec_dict.get("models"):  # known now: written here, off the loop, not at the start
+            files[contract.SHARED_URLS_FILE] = dumps({"models": {}})
+        if spec.source is not None:
+            files[contract.EVAL_SOURCE_FILE] = spec.source.encode()
+        # The logs exist (empty) from the submission on: the start only opens them, and a new
+        # file's inode is not allocated between a run's admission and its start.
+        files[contract.STDOUT_FILE] = files[contract.STDERR_FILE] = b""
+        # Creating files costs about a millisecond each on these disks, mostly waiting: done in
+        # a thread pool, several submissions overlap and the event loop stays free.
+        self._creating.add(run_id)
+        try:
+            await self.require_loop().run_in_executor(self.io, self.store.create, run_id, files)
+        except StoreError as exc:
+            raise Unavailable(str(exc)) from exc
+        finally:
+            self._creating.discard(run_id)
+        run = Run(record=record, spec=spec_dict, submitted_ts=time.time(), given_scheduling=scheduling)
+        self.table.add(run)
+        self.table.remember_spec(run_id, spec_dict, len(files[contract.SPEC_FILE]))
+        if idempotency_key is not None:
+            self.by_key[idempotency_key] = run_id
+        self.table.changed(run)
+        if self.admission.stopping:
+            return record  # on disk, queued: the next start runs it
+        if not executor.uses_ledger:
+            executor.submit(run)
+            return record
+        self.admission.submitted(run)
+        return record
+
+    # ----------------------------------------------------------------- sweeps
+
+    async def submit_sweep(
+        self,
+        spec: EvalSpec,
+        sweep: Any,
+        idempotency_key: str | None,
+        cancel: Callable[[str], Awaitable[object]],
+    ) -> tuple[dict[str, Any], bool]:
+        """One run per point of ``sweep`` (docs/reference.md, "Sweeps"), every one an ordinary
+        run with ``sweep_id``. All points are checked before the first run is written. With
+        ``idempotency_key``, run i has the key ``<key>#<i>``: a retried submission answers with
+        the runs already made, and makes the ones an interrupted first try did not."""
+        try:
+            points = sweeps.expand(sweep)
+        except sweeps.SweepError as exc:
+            raise SpecRejected(
+                f"{'.'.join(map(str, exc.loc))}: {exc.msg}", [{"loc": exc.loc, "msg": exc.msg, "type": "sweep"}]
+            ) from None
+        spec, vram_source = self.resolve_auto_vram(spec)
+        self.validate_for_host(spec)
+        specs = [_sweep_spec(spec, point, i) for i, point in enumerate(points)]
+        keys = [None if idempotency_key is None else f"{idempotency_key}#{i}" for i in range(len(points))]
+        sweep_id = None
+        known = [self.by_key.get(k) for k in keys if k is not None]
+        if any(known):
+            first = next(run_id for run_id in known if run_id)
+            first_run = self.table.get(first)
+            if first_run is None:
+                raise UnknownRun(f"no run with id {first!r}")
+            sweep_id = first_run.record.get("sweep_id")
+        sweep_id = sweep_id or sweeps.new_sweep_id()
+        records: list[dict[str, Any]] = []
+        made: list[str] = []
+        try:
+            for i, (one, point) in enumerate(zip(specs, points, strict=True)):
+                key = keys[i]
+                if key is not None and key in self.by_key:
+                    records.append(self._replay(self.by_key[key], one))
+                    continue
+                records.append(await self._submit(one, key, (sweep_id, point), vram_source))
+                made.append(records[-1]["id"])
+        except Exception:
+            # No half-made sweep is left to run: the runs this call made are cancelled (their
+            # directories stay, and say so).
+            for run_id in made:
+                run = self.table.get(run_id)
+                if run is not None and not run.terminal:
+                    await cancel(run_id)
+            raise
+        return {"id": sweep_id, "runs": records}, bool(made)
+
+    def sweep_runs(self, sweep_id: str) -> list[Run]:
+        runs = sorted((r for r in self.table if r.record.get("sweep_id") == sweep_id), key=lambda r: r.record["seq"])
+        if not runs:
+            raise UnknownRun(f"no sweep with id {sweep_id!r}")
+        return runs
+
+    def sweep_view(self, sweep_id: str) -> dict[str, Any]:
+        runs = self.sweep_runs(sweep_id)
+        return {"id": sweep_id, "runs": [r.record for r in runs], "counts": sweeps.counts([r.state for r in runs])}
+
+    def list_sweeps(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The sweeps, newest first: id, the name of their eval, counts, submitted_at."""
+        groups: dict[str, list[Run]] = {}
+        for run in self.table:
+            sweep_id = run.record.get("sweep_id")
+            if sweep_id:
+                groups.setdefault(sweep_id, []).append(run)
+        out = []
+        for sweep_id, runs in groups.items():
+            runs.sort(key=lambda r: r.record["seq"])
+            out.append(
+                {
+                    "id": sweep_id,
+                    "name": runs[0].record.get("name"),
+                    "runs": len(runs),
+                    "counts": sweeps.counts([r.state for r in runs]),
+                    "submitted_at": runs[0].record.get("submitted_at"),
+                    "seq": runs[0].record["seq"],
+                }
+            )
+        out.sort(key=lambda s: s["seq"], reverse=True)
+        return out[:limit]
+
+
+def _sweep_spec(spec: EvalSpec, point: dict[str, Any], index: int) -> EvalSpec:
+    raw = spec.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    raw["params"] = {**spec.params, **point}
+    raw["name"] = sweeps.run_name(spec.name, point)
+    try:
+        return EvalSpec.model_validate_json(json.dumps(raw))
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
+        loc = ["sweep", index, *first["loc"]]
+        msg = f"point {index} ({sweeps.point_label(point)}) makes an invalid spec: {first['msg']}"
+        raise SpecRejected(msg, [{"loc": loc, "msg": msg, "type": first["type"]}]) from None
+
+
+def _entrypoint_problem(spec: EvalSpec, cwd: str) -> tuple[str, str] | None:
+    """(error type, message) when the runner could not find the entrypoint's file."""
+    entrypoint = spec.entrypoint or ""
+    if spec.source is not None:
+        if not entrypoint.startswith(contract.EVAL_SOURCE_FILE + ":"):
+            return "value_error", f"with 'source', the entrypoint must be '{contract.EVAL_SOURCE_FILE}:<function>'"
+        return None
+    path = resolve_entrypoint_file(entrypoint, run_dir=None, cwd=cwd)
+    if path is not None and not os.path.isfile(path):
+        return "missing_file", f"file {path!r} not found (the entrypoint's file, resolved against cwd {cwd})"
+    return None
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
