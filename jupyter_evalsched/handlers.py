@@ -331,8 +331,8 @@ class LogsHandler(EvalSchedHandler):
             raise ApiError(400, f"stream must be 'stdout' or 'stderr', got {stream!r}")
         tail = self.int_arg("tail", None, 0, 1_000_000)
         text = await self.in_thread(self.scheduler.logs, run.id, stream, tail)
-        self.set_header("Content-Type", "text/plain; charset=utf-8")
-        self.finish(text)
+        # APIHandler.finish sets application/json unless told otherwise.
+        self.finish(text, set_content_type="text/plain; charset=utf-8")
 
 
 class EpisodesHandler(EvalSchedHandler):
@@ -546,6 +546,14 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
     @ws_authenticated
     async def get(self, *args: Any, **kwargs: Any) -> None:
         await self.pre_get()
+        if self.request.headers.get("Upgrade", "").lower() != "websocket":
+            # tornado answers a plain GET with an HTML sentence; every route here answers JSON.
+            self.set_status(400)
+            self.set_header("Content-Type", "application/json")
+            self.finish(
+                json.dumps({"message": "GET /evalsched/events is a WebSocket: upgrade the connection", "reason": None})
+            )
+            return
         res = super().get(*args, **kwargs)
         if res is not None:
             await res

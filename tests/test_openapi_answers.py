@@ -27,18 +27,6 @@ from jupyter_evalsched.openapi import openapi_document
 METHODS = ("get", "post", "put", "patch", "delete")
 TESTING = "jupyter_evalsched.shared_models.testing:"
 
-# Answers that disagree with the document where the fix is in handlers.py, tolerated here (and
-# only in this way) until it is made; test_known_mismatches fails as soon as one is fixed, so
-# that its entry is removed with the fix.
-KNOWN_CONTENT_TYPE_MISMATCHES = {
-    # LogsHandler sets "text/plain; charset=utf-8", then APIHandler.finish() sets its default
-    # application/json over it: the fix is finish(text, set_content_type="text/plain; charset=utf-8").
-    ("get", "/runs/{run_id}/logs"): "application/json",
-    # A plain GET of the event socket (no WebSocket upgrade) is answered by tornado's
-    # WebSocketHandler.get: 400 with a text/html sentence, not the JSON error every route promises.
-    ("get", "/events"): "text/html",
-}
-
 
 @pytest.fixture
 def evalsched_config():
@@ -105,11 +93,6 @@ class Contract:
             assert text == "", f"{where}: no body is declared, got {text[:200]!r}"
             return None
         media = content_type.split(";")[0].strip()
-        if KNOWN_CONTENT_TYPE_MISMATCHES.get((method.lower(), template)) == media and media not in content:
-            media = next(iter(content))
-            if media == "application/json":
-                assert text, f"{where}: an empty body"
-                return None  # a known mismatch: not JSON, nothing more to check
         assert media in content, f"{where}: Content-Type {content_type!r}, the document declares {sorted(content)}"
         body: Any = text
         if media == "application/json":
@@ -356,12 +339,11 @@ def test_the_checker_refuses_an_answer_its_model_does_not_describe(contract_chec
         checker.validator(schema).validate({**record, "priority": "urgent"})
 
 
-@pytest.mark.xfail(strict=True, reason="needs a change in handlers.py (see KNOWN_CONTENT_TYPE_MISMATCHES)")
-@pytest.mark.parametrize("route", sorted(KNOWN_CONTENT_TYPE_MISMATCHES))
-async def test_known_mismatches(route, jp_fetch, evalsched):
-    """Each known mismatch still happens; when a fix lands this fails (XPASS), and the entry of
-    KNOWN_CONTENT_TYPE_MISMATCHES goes with the fix."""
-    _, template = route
+@pytest.mark.parametrize("template", ["/runs/{run_id}/logs", "/events"])
+async def test_content_types_that_apihandler_would_override(template, jp_fetch, evalsched):
+    """Two answers that jupyter_server or tornado would give another content type: logs are
+    text/plain (APIHandler.finish defaults to JSON) and a plain GET of the event socket is a JSON
+    400 (tornado answers HTML)."""
     if template == "/runs/{run_id}/logs":
         resp = await jp_fetch("evalsched", "runs", method="POST", body=json.dumps(spec(NOOP)))
         resp = await jp_fetch("evalsched", "runs", json.loads(resp.body)["id"], "logs")

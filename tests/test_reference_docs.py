@@ -15,11 +15,19 @@ from jupyter_evalsched import contract
 from jupyter_evalsched.app import EvalSchedApp
 from jupyter_evalsched.models import EvalSpec, LeaseRecord, RunRecord, Scheduling
 from jupyter_evalsched.openapi import openapi_document
+from jupyter_evalsched.scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference.md"
 PACKAGE = ROOT / "jupyter_evalsched"
 METHODS = ("get", "post", "put", "patch", "delete")
+
+
+def server_settings() -> set[str]:
+    """Every ``c.EvalSchedApp.*`` setting: the app's own and the scheduler's, which it inherits
+    (declared once, on ``SchedulerConfig``)."""
+    own = set(EvalSchedApp.class_own_traits(config=True))
+    return own | set(SchedulerConfig.class_own_traits(config=True))
 
 
 def reference() -> str:
@@ -124,7 +132,7 @@ def test_the_reference_documents_no_field_the_models_lack(models, title):
 
 def test_the_reference_documents_no_setting_the_server_lacks():
     documented = table_names(section("Configuration"))
-    traits = set(EvalSchedApp.class_own_traits(config=True))
+    traits = set(server_settings())
     variables = {n for n in documented if n.startswith("EVALSCHED_")}
     source = "".join(path.read_text(encoding="utf-8") for path in PACKAGE.rglob("*.py"))
     extra = sorted(n for n in documented - traits - variables)
@@ -134,7 +142,7 @@ def test_the_reference_documents_no_setting_the_server_lacks():
 
 
 def test_every_setting_is_in_the_reference():
-    traits = sorted(EvalSchedApp.class_own_traits(config=True))
+    traits = sorted(server_settings())
     assert {"runs_dir", "virtual_gpus", "enforce_vram", "warm_start", "models"} <= set(traits)
     missing = missing_names(traits, section("Configuration"))
     assert not missing, f"c.EvalSchedApp settings missing from docs/reference.md, 'Configuration': {missing}"
