@@ -23,7 +23,8 @@ import pytest
 from waiting import wait_until
 
 from jupyter_evalsched.scheduler import cgroups as cgmod
-from jupyter_evalsched.scheduler.cgroups import CgroupError, Cgroups, CgroupSupport, plan, plan_mode
+from jupyter_evalsched.scheduler.cgroup_detect import CgroupSupport, parse_self_cgroup, plan, plan_mode
+from jupyter_evalsched.scheduler.cgroups import CgroupError, Cgroups
 
 # --------------------------------------------------------------------------- sample hosts
 
@@ -125,7 +126,7 @@ def test_plan_details() -> None:
     # Octal escapes in mount points; a hierarchy without a line in /proc/self/cgroup is skipped.
     mounts = "cgroup2 /mnt/my\\040cgroups cgroup2 rw 0 0\ncgroup /c/memory cgroup rw,memory 0 0\n"
     assert plan(mounts, "0::/x/y\n") == {"unified": "/mnt/my cgroups/x/y"}
-    assert cgmod.parse_self_cgroup("3:cpu,cpuacct:/a\n0::/b\n") == {"cpu": "/a", "cpuacct": "/a", "": "/b"}
+    assert parse_self_cgroup("3:cpu,cpuacct:/a\n0::/b\n") == {"cpu": "/a", "cpuacct": "/a", "": "/b"}
 
 
 # --------------------------------------------------------------------------- detection without cgroups
@@ -206,7 +207,7 @@ def test_detect_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(cgmod, "_detect", boom)
+    monkeypatch.setattr(cgmod, "detect", boom)
     cg = Cgroups.detect()
     assert cg.support.mode == "none" and "boom" in cg.support.detail
 
