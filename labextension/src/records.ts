@@ -1,0 +1,202 @@
+/**
+ * The records of the REST API and the events, and the pure helpers that read them. The shapes come
+ * from the server's OpenAPI document (./generated/api-types.ts, `scripts/gen_api_types.py`); this
+ * module adds what the panel needs beside them. No `@jupyterlab/*` import: it runs in node (tests).
+ */
+import type * as api from './generated/api-types';
+
+export type {
+  IAttemptEnd as IAttemptHistoryEntry,
+  ICompareRow,
+  IComparison,
+  ICpuSlots,
+  ILedger,
+  ILedgerDevice,
+  ILedgerLease,
+  ILedgerRun,
+  IMetricDelta as ICompareDelta,
+  IMetricStat as ICompareStat,
+  IObserved,
+  IProgress,
+  IUnmanagedProcess
+} from './generated/api-types';
+
+/** Run states of the public contract. */
+export type RunState = api.IRunRecord['state'];
+
+export const TERMINAL_STATES: ReadonlyArray<RunState> = [
+  'succeeded',
+  'failed',
+  'cancelled',
+  'aborted'
+];
+
+export function isTerminal(state: string): boolean {
+  return (TERMINAL_STATES as ReadonlyArray<string>).includes(state);
+}
+
+// ---------------------------------------------------------------- written by hand (issue #28)
+// `why` and `sweep_name` are not in this branch's server models yet: declared here until the
+// coordinator regenerates ./generated/api-types.ts after the merge (then import them from there).
+
+/** Who holds back a pending run or lease (an entry of `why.holders`). */
+export interface IWhyHolder {
+  kind: 'run' | 'lease' | 'kernel' | 'process' | 'model' | 'user';
+  id: string | null;
+  name: string | null;
+  gpu: number | null;
+  mb: number | null;
+}
+
+/** Why a run or lease is pending, as data: null when nothing is pending. */
+export interface IWhy {
+  code: string;
+  arg: string | null;
+  detail: string | null;
+  holders: IWhyHolder[];
+}
+
+/** The fields the server adds beside the generated ones (absent on older servers). */
+interface IPendingFields {
+  why?: IWhy | null;
+}
+
+// ---------------------------------------------------------------- end of the hand-written part
+
+/** The run record (REST, events and `job.json`); more fields may be present. */
+export interface IRunRecord extends api.IRunRecord, IPendingFields {
+  /** The name of the run's sweep (null: not a sweep's run). */
+  sweep_name?: string | null;
+  [key: string]: unknown;
+}
+
+/** The lease record (REST, events and the queue view's `leases`). */
+export interface ILeaseRecord extends api.ILeaseRecord, IPendingFields {
+  [key: string]: unknown;
+}
+
+export type LeaseState = ILeaseRecord['state'];
+
+/** The sweep of a run record, or null (not a sweep's run, or an older server). */
+export function sweepIdOf(record: { sweep_id?: unknown }): string | null {
+  return typeof record.sweep_id === 'string' && record.sweep_id
+    ? record.sweep_id
+    : null;
+}
+
+/** Runs per state (`{"succeeded": 4, "running": 2}`). */
+export type StateCounts = { [state: string]: number };
+
+/** `GET /evalsched/sweeps/{id}` (and the answer of its cancel). */
+export interface ISweepView extends api.ISweepView {
+  runs: IRunRecord[];
+}
+
+/** An entry of `GET /evalsched/sweeps`. */
+export type ISweepSummary = api.ISweepSummary;
+
+/** What to compare: a sweep's runs, or runs by id (exactly one of them). */
+export interface ICompareTarget {
+  sweep?: string;
+  runs?: string[];
+  baseline?: string;
+}
+
+/** A stable key of a comparison target (its baseline aside): `sweep:<id>` or `runs:<a>,<b>`. */
+export function compareKey(target: ICompareTarget): string {
+  return target.sweep
+    ? `sweep:${target.sweep}`
+    : `runs:${(target.runs ?? []).join(',')}`;
+}
+
+// The content of a run's `summary.json` is the runner's file, not a model of the REST API.
+
+export interface IMetricStats {
+  mean?: number | null;
+  std?: number | null;
+  min?: number | null;
+  max?: number | null;
+  count?: number;
+  skipped?: number;
+}
+
+export interface IRunError {
+  type: string;
+  message: string;
+  traceback?: string;
+}
+
+/** The content of a run's `summary.json`. */
+export interface ISummary {
+  run_id?: string;
+  status?: string;
+  episodes_done?: number;
+  episodes_total?: number;
+  metrics?: { [name: string]: IMetricStats };
+  started_at?: string | null;
+  updated_at?: string | null;
+  finished_at?: string | null;
+  error?: IRunError | null;
+}
+
+/** The warnings of a run record: [] when the server does not send any (or an older one). */
+export function runWarnings(record: { [key: string]: unknown }): string[] {
+  const warnings = record.warnings;
+  return Array.isArray(warnings)
+    ? warnings.filter((w): w is string => typeof w === 'string')
+    : [];
+}
+
+/** `GET /evalsched/runs/{id}`: the record and its summary. */
+export interface IRunDetail extends IRunRecord {
+  summary: ISummary | null;
+}
+
+export interface ILeaseList extends api.ILeaseList {
+  leases: ILeaseRecord[];
+}
+
+/** Who holds a lease: its label, else the basename of its notebook, else its pid. */
+export function leaseHolder(lease: {
+  id?: string;
+  label?: string;
+  session_path?: string | null;
+  pid?: number | null;
+}): string {
+  if (lease.label) {
+    return lease.label;
+  }
+  if (lease.session_path) {
+    return basename(lease.session_path);
+  }
+  if (lease.pid !== null && lease.pid !== undefined) {
+    return `pid ${lease.pid}`;
+  }
+  return lease.id ?? '';
+}
+
+/** The last part of a path (`work/analysis.ipynb` → `analysis.ipynb`). */
+export function basename(path: string): string {
+  const parts = path.split('/').filter(Boolean);
+  return parts.length ? parts[parts.length - 1] : path;
+}
+
+export interface IQueueView extends api.IQueueView {
+  queued: IRunRecord[];
+  running: IRunRecord[];
+  leases?: ILeaseRecord[];
+}
+
+export interface IRunList extends api.IRunList {
+  runs: IRunRecord[];
+}
+
+/** Messages of `WS /evalsched/events`. */
+export type EventMessage =
+  | { type: 'snapshot'; queue: IQueueView }
+  | { type: 'run'; run: IRunRecord }
+  | { type: 'lease'; lease: ILeaseRecord }
+  | { type: 'warning'; run_id: string; code: string; message: string }
+  | { type: string; [key: string]: unknown };
+
+export type LogStream = 'stdout' | 'stderr';
