@@ -26,9 +26,9 @@ import {
   formatNumber,
   h,
   paramText,
-  sweepBaseName,
   sweepPointLabel
 } from './format';
+import { sweepNameOf } from './sweeps';
 import { evalschedIcon } from './icon';
 import { EvalSchedModel } from './model';
 
@@ -436,8 +436,8 @@ export class CompareView extends Widget {
     const trans = this._trans;
     let text: string;
     if (this.target.sweep) {
-      const first = this._model.sweepRuns(this.target.sweep)[0];
-      const name = first ? sweepBaseName(first) : '';
+      // '' when its runs carry no sweep_name (an older server): the id alone then.
+      const name = sweepNameOf('', this._model.sweepRuns(this.target.sweep));
       text = name
         ? trans.__('Sweep %1 (%2)', name, this.target.sweep)
         : trans.__('Sweep %1', this.target.sweep);
@@ -1060,10 +1060,9 @@ export function createCompareTab(
   widget.id = compareTabId(target);
   let label: string;
   if (target.sweep) {
-    const first = options.model.sweepRuns(target.sweep)[0];
     label = trans.__(
       'Compare · %1',
-      first ? sweepBaseName(first) || target.sweep : target.sweep
+      sweepNameOf(target.sweep, options.model.sweepRuns(target.sweep))
     );
   } else {
     label = trans._n(

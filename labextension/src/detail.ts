@@ -27,7 +27,6 @@ import {
   IBadgeLabels,
   isResumable,
   isSlurm,
-  parseReason,
   parseTime,
   preemptionsOf,
   retriesOf,
@@ -36,6 +35,8 @@ import {
 } from './format';
 import { evalschedIcon } from './icon';
 import { EvalSchedModel, latestMetrics } from './model';
+import { reasonView } from './reason';
+import { readableReason } from './reasonLine';
 
 /** Refresh the logs of a running run at most this often while they are shown (ms). */
 const LOG_REFRESH_MS = 2000;
@@ -56,42 +57,6 @@ export async function resumeRun(
       trans.__('Cannot resume %1', id),
       reason instanceof Error ? reason.message : String(reason)
     );
-  }
-}
-
-/**
- * Readable text of the reason codes of preemption and retries (`preempted_by:<id>`,
- * `preempting:<id>`, `retrying`), with the server's sentence when it sent one; '' for other codes
- * (their sentence alone says it).
- */
-export function readableReason(
-  code: string,
-  arg: string,
-  text: string,
-  trans: TranslationBundle
-): string {
-  const by = arg || trans.__('a higher lane');
-  switch (code) {
-    case 'preempted_by':
-      return text
-        ? trans.__('preempted by %1 — %2', by, text)
-        : trans.__(
-            'preempted by %1: queued again, it resumes where it stopped when there is room',
-            by
-          );
-    case 'preempting':
-      return text
-        ? trans.__('being preempted for %1 — %2', by, text)
-        : trans.__(
-            'being preempted for %1: it stops at its next episode boundary',
-            by
-          );
-    case 'retrying':
-      return text
-        ? trans.__('automatic retry — %1', text)
-        : trans.__('waiting out the back-off before an automatic retry');
-    default:
-      return '';
   }
 }
 
@@ -319,8 +284,12 @@ export class RunDetailView implements IDisposable {
     }
     const started = parseTime(record.started_at);
     const finished = parseTime(record.finished_at);
-    const reason = parseReason(record.reason);
-    const readable = readableReason(reason.code, reason.arg, '', trans);
+    // Readable words for a reason given as data (`why`); a bare reason string is shown as it is.
+    const reason = reasonView(record);
+    const readable =
+      reason?.structured && !reason.text
+        ? readableReason(reason.code, reason.arg, '', trans)
+        : '';
     const attempt = attemptOf(record);
     const history = historyOf(record);
     const preemptions = preemptionsOf(record);
@@ -333,11 +302,18 @@ export class RunDetailView implements IDisposable {
       [
         trans.__('Reason'),
         record.reason
-          ? readable && !reason.text
+          ? readable
             ? `${record.reason} (${readable})`
             : record.reason
           : null,
         'reason'
+      ],
+      [
+        trans.__('Held back by'),
+        reason?.holders.length
+          ? reason.holders.map(holder => holder.label).join(', ')
+          : null,
+        'holders'
       ],
       [
         trans.__('Attempt'),
@@ -526,7 +502,6 @@ export class RunDetailView implements IDisposable {
         })
       );
       for (const entry of history) {
-        const end = parseReason(entry.reason);
         const from = parseTime(entry.started_at);
         const to = parseTime(entry.finished_at);
         const ran =
@@ -541,7 +516,6 @@ export class RunDetailView implements IDisposable {
                 'data-testid': 'evalsched-history-entry',
                 'data-attempt': String(entry.attempt),
                 'data-state': entry.state,
-                'data-reason-code': end.code,
                 'data-episodes-done':
                   entry.episodes_done === null
                     ? ''
@@ -558,16 +532,12 @@ export class RunDetailView implements IDisposable {
                 text: entry.state,
                 attrs: { 'data-state': entry.state }
               }),
+              // How it ended, as the server wrote it (history carries no `why`).
               entry.reason
                 ? h('span', {
-                    className: 'jp-EvalSched-reasonCode',
-                    text: end.head
-                  })
-                : null,
-              entry.reason && end.text
-                ? h('span', {
                     className: 'jp-EvalSched-reasonText',
-                    text: end.text
+                    text: entry.reason,
+                    attrs: { 'data-raw': 'true' }
                   })
                 : null,
               entry.episodes_done !== null

@@ -30,7 +30,6 @@ import {
   isTerminal,
   RunState,
   runWarnings,
-  StateCounts,
   sweepIdOf,
   TERMINAL_STATES
 } from './api';
@@ -149,14 +148,8 @@ function bySubmission(a: IRunRecord, b: IRunRecord): number {
   return a.id < b.id ? -1 : a.id > b.id ? 1 : 0;
 }
 
-/** Runs per state. */
-export function countStates(records: ReadonlyArray<IRunRecord>): StateCounts {
-  const counts: StateCounts = {};
-  for (const r of records) {
-    counts[r.state] = (counts[r.state] ?? 0) + 1;
-  }
-  return counts;
-}
+// Runs per state: in ./sweeps (pure); re-exported for the modules that read it from here.
+export { countStates } from './sweeps';
 
 export class EvalSchedModel implements IDisposable {
   constructor(api: EvalSchedAPI, options: Partial<IModelOptions> = {}) {
