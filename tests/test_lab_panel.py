@@ -1538,6 +1538,16 @@ def _all_ended(view: dict) -> bool:
     return all(r["state"] in ("succeeded", "failed", "cancelled", "aborted") for r in view["runs"])
 
 
+def _sweep_label(view: dict, name: str) -> str:
+    """What the panel names a sweep: its runs' ``sweep_name`` (``name``, as submitted); a server
+    that does not send ``sweep_name`` yet leaves the panel only the sweep's id."""
+    names = {r.get("sweep_name") for r in view["runs"]}
+    if names == {None}:
+        return view["id"]
+    assert names == {name}, names
+    return name
+
+
 def _sweep_row(page: Any, sweep_id: str, attrs: str = "") -> Any:
     return page.locator(f'{SWEEP}[data-sweep-id="{sweep_id}"]{attrs}')
 
@@ -1582,7 +1592,7 @@ def test_panel_sweep_rows(lab: LabServer, browser: Any) -> None:
             assert row.get_attribute("data-runs") == "6"
             assert json.loads(row.get_attribute("data-counts")) == {"succeeded": 6}
             assert (row.get_attribute("data-progress-done"), row.get_attribute("data-progress-total")) == ("24", "24")
-            assert row.locator('[data-testid="evalsched-sweep-name"]').inner_text() == "toy-grid"
+            assert row.locator('[data-testid="evalsched-sweep-name"]').inner_text() == _sweep_label(view, "toy-grid")
             assert "6 succeeded" in row.locator('[data-testid="evalsched-sweep-counts"]').inner_text()
             assert row.locator('[data-testid="evalsched-sweep-cancel"]').is_hidden()  # nothing unfinished
             assert row.locator('[data-testid="evalsched-sweep-compare"]').is_visible()
@@ -1901,10 +1911,11 @@ def test_panel_sweep_notification(lab: LabServer, browser: Any) -> None:
             _notified(page, f"{sweep_id}:success")
             for run in view["runs"]:
                 _notified(page, f"{run['id']}:sweep")
-            toast = _toast(page, name)
+            label = _sweep_label(view, name)
+            toast = _toast(page, label)
             toast.wait_for(state="visible")
             assert "2 succeeded" in toast.inner_text()
-            assert page.locator(".jp-Notification-Toast-success", has_text=name).count() == 1
+            assert page.locator(".jp-Notification-Toast-success", has_text=label).count() == 1
             notified = (page.locator(PANEL).get_attribute("data-notified") or "").split()
             assert notified.count(f"{sweep_id}:success") == 1
             assert not any(e.startswith(r["id"]) and not e.endswith(":sweep") for e in notified for r in view["runs"])
