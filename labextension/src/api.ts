@@ -9,6 +9,7 @@ import { ServerConnection } from '@jupyterlab/services';
 
 import {
   ICompareTarget,
+  IErrorBody,
   ILeaseList,
   ILeaseRecord,
   ILedger,
@@ -32,7 +33,7 @@ export class EvalSchedError extends Error {
   constructor(
     message: string,
     readonly status: number,
-    readonly body: any = null
+    readonly body: Partial<IErrorBody> | null = null
   ) {
     super(message);
     this.name = 'EvalSchedError';
@@ -40,14 +41,14 @@ export class EvalSchedError extends Error {
 
   /** Field errors of a 422 answer, as "loc: msg" lines. */
   get details(): string[] {
-    const detail = this.body && this.body.detail;
+    const detail = this.body?.detail;
     if (!Array.isArray(detail)) {
       return [];
     }
-    return detail.map((d: any) => {
+    return detail.map(d => {
       const loc = Array.isArray(d?.loc) ? d.loc.join('.') : '';
-      const msg = d?.msg ?? JSON.stringify(d);
-      return loc ? `${loc}: ${msg}` : String(msg);
+      const msg = String(d?.msg ?? JSON.stringify(d));
+      return loc ? `${loc}: ${msg}` : msg;
     });
   }
 }
@@ -237,21 +238,22 @@ export class EvalSchedAPI {
       this.serverSettings
     );
     if (!response.ok) {
-      let body: any = null;
+      // What the server answers is an ErrorBody when it is our handler's; anything else is not.
+      let body: Partial<IErrorBody> | null = null;
       const text = await response.text().catch(() => '');
       try {
         body = JSON.parse(text);
       } catch {
         body = null;
       }
-      const jsonError = body && typeof body.message === 'string';
+      const jsonError = !!body && typeof body.message === 'string';
       if (response.status === 404 && collection) {
         // The collection routes exist whenever the extension is loaded: a 404 there is
         // Jupyter's own "page not found", so no handler is mounted under /evalsched/.
         throw new ExtensionMissingError();
       }
       const message =
-        (jsonError && body.message) ||
+        (jsonError && body?.message) ||
         response.statusText ||
         `HTTP ${response.status}`;
       throw new EvalSchedError(message, response.status, body);

@@ -10,6 +10,7 @@ export type {
   ICompareRow,
   IComparison,
   ICpuSlots,
+  IErrorBody,
   ILedger,
   ILedgerDevice,
   ILedgerLease,
