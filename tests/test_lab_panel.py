@@ -1333,6 +1333,92 @@ def test_panel_older_server(lab: LabServer, browser: Any) -> None:
         _write_user_settings(lab, {})
 
 
+def _with_why(why: dict) -> Callable[[Any], None]:
+    """Answer the queue view as a server that sends ``why`` does: every queued run with ``why``."""
+
+    def handle(route: Any) -> None:
+        response = route.fetch()
+        if response.status != 200 or "json" not in response.headers.get("content-type", ""):
+            route.fulfill(response=response)
+            return
+        body = response.json()
+        if "queued" in body:
+            for record in body["queued"]:
+                record["why"] = why
+        route.fulfill(response=response, json=body)
+
+    return handle
+
+
+def test_panel_reasons_from_why(lab: LabServer, browser: Any) -> None:
+    """A queued run's reason comes from its ``why`` (here added to the server's answers, polling):
+    the code as the head, the holders by name (a lease by its label, a kernel by its notebook),
+    not from the reason string."""
+    _wait_idle(lab)
+    _write_user_settings(lab, {"useWebSocket": False, "refreshInterval": 0.5})
+    holder = _sleeper()
+    lease_id: str | None = None
+    run_id: str | None = None
+    context = page = None
+    try:
+        with failure_report(lab, "lab-panel-why-failure.png", lambda: page):
+            lease_id = _create_lease(lab, vram_mb=14000, pid=holder.pid, label="why-holder")["id"]
+            why = {
+                "code": "waiting_vram",
+                "arg": None,
+                "detail": "needs 16,000 MB on one GPU",
+                "holders": [
+                    {"kind": "lease", "id": lease_id, "name": "why-holder", "gpu": 0, "mb": 14000},
+                    {"kind": "kernel", "id": "k-1", "name": "work/analysis.ipynb", "gpu": 0, "mb": None},
+                ],
+            }
+            context, page, errors = _open_lab(
+                browser, lab, lambda ctx: ctx.route(re.compile(r"/evalsched/queue(\?.*)?$"), _with_why(why))
+            )
+            page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="polling"]')
+            run_id = lab.submit(
+                {
+                    "name": "held-back",
+                    "entrypoint": SLEEPY,
+                    "episodes": 1,
+                    "params": {"sleep_s": 0.1},
+                    "scheduling": {"marginal_vram_mb": 16000},
+                }
+            )["id"]
+            row = _wait_run(page, run_id, "queued", "queued")
+            page.wait_for_selector(f'{_row_selector(run_id)}[data-reason-code="waiting_vram"]')
+            reason = row.locator('[data-testid="evalsched-reason"]')
+            assert reason.get_attribute("data-structured") == "true"
+            assert reason.locator(".jp-EvalSched-reasonCode").inner_text() == "waiting_vram"
+            assert "needs 16,000 MB on one GPU" in reason.inner_text()
+            holders = reason.locator(".jp-EvalSched-reasonHolder")
+            assert holders.count() == 2
+            assert holders.nth(0).inner_text() == "why-holder"
+            assert holders.nth(0).get_attribute("data-kind") == "lease"
+            assert holders.nth(0).get_attribute("data-holder-id") == lease_id
+            assert "14,000 MB" in (holders.nth(0).get_attribute("title") or "")
+            assert holders.nth(1).inner_text() == "analysis.ipynb"
+            assert holders.nth(1).get_attribute("data-kind") == "kernel"
+            assert row.get_attribute("data-reason-arg") == ""
+            page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-why.png"))
+
+            # The lease released, the run starts and ends: its finished row has no why.
+            assert lab.request("DELETE", f"evalsched/leases/{lease_id}")[0] == 204
+            lease_id = None
+            done = _wait_run(page, run_id, "succeeded", "finished")
+            assert done.get_attribute("data-reason-code") == ""
+            assert errors.errors == []
+    finally:
+        if context is not None:
+            context.close()
+        if run_id is not None and lab.run(run_id)["state"] in ("queued", "running"):
+            lab.request("POST", f"evalsched/runs/{run_id}/cancel")
+        if lease_id is not None:
+            lab.request("DELETE", f"evalsched/leases/{lease_id}")
+        _kill(holder)
+        _write_user_settings(lab, {})
+
+
 def test_panel_without_server_extension(tmp_path: Path, browser: Any) -> None:
     """The server extension disabled: /evalsched/ answers 404 and the panel says so."""
     server = _start(tmp_path, evalsched=False)

@@ -887,6 +887,11 @@ export class EvalSchedModel implements IDisposable {
       return { merged: before, before };
     }
     const merged = before ? { ...before, ...record } : record;
+    if (before && !('why' in record) && record.reason !== before.reason) {
+      // `why` explains the reason it came with: a record without one (an older server, a
+      // partial answer) must not keep the earlier why under a new reason.
+      merged.why = null;
+    }
     this._records.set(record.id, merged);
     const sweepId = sweepIdOf(merged);
     if (sweepId) {
