@@ -34,7 +34,8 @@ import {
   splitReason
 } from './format';
 import { evalschedIcon } from './icon';
-import { EvalSchedModel, latestMetrics } from './model';
+import { EvalSchedModel } from './model';
+import { latestMetrics } from './records';
 import { reasonView } from './reason';
 import { readableReason } from './reasonLine';
 

@@ -201,3 +201,48 @@ export type EventMessage =
   | { type: string; [key: string]: unknown };
 
 export type LogStream = 'stdout' | 'stderr';
+
+/** True when the server puts the latest metrics into the run record (no summary read needed). */
+export function hasMetrics(record: IRunRecord): boolean {
+  const metrics = record.metrics;
+  return !!metrics && typeof metrics === 'object' && !Array.isArray(metrics);
+}
+
+/** The latest metrics of a run: from its record when present, else from its summary. */
+export function latestMetrics(
+  record: IRunRecord | undefined,
+  summary: ISummary | null | undefined
+): { [name: string]: IMetricStats } {
+  const fromRecord =
+    record && hasMetrics(record)
+      ? (record.metrics as { [name: string]: IMetricStats })
+      : null;
+  const fromSummary = summary?.metrics ?? null;
+  if (fromRecord && fromSummary) {
+    // Whichever saw more episodes.
+    const done = summary?.episodes_done ?? -1;
+    return done >= (record?.progress?.done ?? 0) ? fromSummary : fromRecord;
+  }
+  return fromRecord ?? fromSummary ?? {};
+}
+
+/** Whether two records of a run show the same observed usage and warnings. */
+export function sameUsage(a: IRunRecord, b: IRunRecord): boolean {
+  return (
+    JSON.stringify(runWarnings(a)) === JSON.stringify(runWarnings(b)) &&
+    JSON.stringify(a.observed ?? null) === JSON.stringify(b.observed ?? null) &&
+    a.marginal_vram_source === b.marginal_vram_source &&
+    a.memory_mb === b.memory_mb
+  );
+}
+
+/** True when two records of a run agree on its attempt, retries, preemptions and history. */
+export function sameAttempt(a: IRunRecord, b: IRunRecord): boolean {
+  return (
+    a.attempt === b.attempt &&
+    a.preemptions === b.preemptions &&
+    a.retries_used === b.retries_used &&
+    a.retry_at === b.retry_at &&
+    (a.history?.length ?? 0) === (b.history?.length ?? 0)
+  );
+}

@@ -38,7 +38,7 @@ import {
   sweepPointLabel
 } from './format';
 import { COLOR_SLOTS } from './ledgerGeometry';
-import { latestMetrics } from './model';
+import { latestMetrics } from './records';
 import { reasonView } from './reason';
 import { renderReason } from './reasonLine';
 import { IRowHost } from './rowHost';

@@ -1,11 +1,13 @@
 import {
   basename,
+  latestMetrics,
   compareKey,
   isTerminal,
   leaseHolder,
   runWarnings,
   sweepIdOf
 } from '../records';
+import { run } from './fixtures';
 
 describe('records', () => {
   it('names a lease holder by label, notebook, pid, else id', () => {
@@ -27,5 +29,22 @@ describe('records', () => {
     expect(runWarnings({})).toEqual([]);
     expect(compareKey({ sweep: 's' })).toBe('sweep:s');
     expect(compareKey({ runs: ['a', 'b'] })).toBe('runs:a,b');
+  });
+});
+
+describe('latestMetrics', () => {
+  const metrics = { acc: { mean: 0.5 } };
+  it('takes the record’s metrics, else the summary’s, else whichever saw more episodes', () => {
+    expect(latestMetrics(run({ id: 'a', metrics }), null)).toEqual(metrics);
+    expect(latestMetrics(run({ id: 'a' }), { metrics })).toEqual(metrics);
+    expect(latestMetrics(undefined, undefined)).toEqual({});
+    const newer = { acc: { mean: 0.7 } };
+    const record = run({ id: 'a', metrics, progress: { done: 3, total: 4 } });
+    expect(latestMetrics(record, { metrics: newer, episodes_done: 4 })).toBe(
+      newer
+    );
+    expect(latestMetrics(record, { metrics: newer, episodes_done: 2 })).toBe(
+      metrics
+    );
   });
 });
