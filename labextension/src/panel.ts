@@ -26,11 +26,6 @@ import { SubmitForm } from './submitForm';
 import { groupRuns, Section, SECTIONS, sectionOf } from './sweeps';
 import { SweepRow } from './sweepRow';
 
-// Re-exported: their tests and callers knew them from here.
-export { leaseSize } from './leaseRow';
-export { unmanagedGroups } from './ledgerGeometry';
-export { sweepState } from './sweeps';
-
 /** The DOM id of the panel (public contract). */
 export const PANEL_ID = 'jupyter-evalsched-panel';
 
