@@ -33,6 +33,7 @@ import {
   retryAtOf,
   splitReason
 } from './format';
+import { attemptHistoryNodes } from './attemptHistory';
 import { evalschedIcon } from './icon';
 import { EvalSchedModel } from './model';
 import { latestMetrics } from './records';
@@ -495,73 +496,7 @@ export class RunDetailView implements IDisposable {
     }
 
     // How each earlier attempt ended: one line each, oldest first.
-    if (history.length) {
-      this._history.append(
-        h('span', {
-          className: 'jp-EvalSched-subhead',
-          text: trans.__('Earlier attempts')
-        })
-      );
-      for (const entry of history) {
-        const from = parseTime(entry.started_at);
-        const to = parseTime(entry.finished_at);
-        const ran =
-          from !== null && to !== null ? formatDuration(to - from) : null;
-        this._history.append(
-          h(
-            'div',
-            {
-              className: 'jp-EvalSched-attemptEnd',
-              title: entry.reason ?? undefined,
-              attrs: {
-                'data-testid': 'evalsched-history-entry',
-                'data-attempt': String(entry.attempt),
-                'data-state': entry.state,
-                'data-episodes-done':
-                  entry.episodes_done === null
-                    ? ''
-                    : String(entry.episodes_done)
-              }
-            },
-            [
-              h('span', {
-                className: 'jp-EvalSched-attemptNumber',
-                text: trans.__('attempt %1', entry.attempt)
-              }),
-              h('span', {
-                className: 'jp-EvalSched-state',
-                text: entry.state,
-                attrs: { 'data-state': entry.state }
-              }),
-              // How it ended, as the server wrote it (history carries no `why`).
-              entry.reason
-                ? h('span', {
-                    className: 'jp-EvalSched-reasonText',
-                    text: entry.reason,
-                    attrs: { 'data-raw': 'true' }
-                  })
-                : null,
-              entry.episodes_done !== null
-                ? h('span', {
-                    className: 'jp-EvalSched-attemptEpisodes',
-                    text: trans._n(
-                      '%1 episode done',
-                      '%1 episodes done',
-                      entry.episodes_done
-                    )
-                  })
-                : null,
-              ran
-                ? h('span', {
-                    className: 'jp-EvalSched-muted',
-                    text: trans.__('ran %1', ran)
-                  })
-                : null
-            ]
-          )
-        );
-      }
-    }
+    this._history.append(...attemptHistoryNodes(history, trans));
 
     this._metrics.replaceChildren();
     const metrics = latestMetrics(record, summary);
