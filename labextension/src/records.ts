@@ -38,7 +38,8 @@ export function isTerminal(state: string): boolean {
 
 // ---------------------------------------------------------------- written by hand (issue #28)
 // `why` and `sweep_name` are not in this branch's server models yet: declared here until the
-// coordinator regenerates ./generated/api-types.ts after the merge (then import them from there).
+// coordinator regenerates ./generated/api-types.ts after the merge (then take them from there).
+// The records below Omit them from the generated types, so this compiles before and after.
 
 /** Who holds back a pending run or lease (an entry of `why.holders`). */
 export interface IWhyHolder {
@@ -57,22 +58,24 @@ export interface IWhy {
   holders: IWhyHolder[];
 }
 
-/** The fields the server adds beside the generated ones (absent on older servers). */
-interface IPendingFields {
-  why?: IWhy | null;
-}
+/** Fields declared here rather than taken from the generated types (see above). */
+type HandWritten = 'why' | 'sweep_name';
 
 // ---------------------------------------------------------------- end of the hand-written part
 
 /** The run record (REST, events and `job.json`); more fields may be present. */
-export interface IRunRecord extends api.IRunRecord, IPendingFields {
+export interface IRunRecord extends Omit<api.IRunRecord, HandWritten> {
+  /** Why it is pending, as data (null: nothing pending; absent: an older server). */
+  why?: IWhy | null;
   /** The name of the run's sweep (null: not a sweep's run). */
   sweep_name?: string | null;
   [key: string]: unknown;
 }
 
 /** The lease record (REST, events and the queue view's `leases`). */
-export interface ILeaseRecord extends api.ILeaseRecord, IPendingFields {
+export interface ILeaseRecord extends Omit<api.ILeaseRecord, HandWritten> {
+  /** Why it is pending, as data (null: nothing pending; absent: an older server). */
+  why?: IWhy | null;
   [key: string]: unknown;
 }
 
@@ -89,7 +92,7 @@ export function sweepIdOf(record: { sweep_id?: unknown }): string | null {
 export type StateCounts = { [state: string]: number };
 
 /** `GET /evalsched/sweeps/{id}` (and the answer of its cancel). */
-export interface ISweepView extends api.ISweepView {
+export interface ISweepView extends Omit<api.ISweepView, 'runs'> {
   runs: IRunRecord[];
 }
 
@@ -153,7 +156,7 @@ export interface IRunDetail extends IRunRecord {
   summary: ISummary | null;
 }
 
-export interface ILeaseList extends api.ILeaseList {
+export interface ILeaseList extends Omit<api.ILeaseList, 'leases'> {
   leases: ILeaseRecord[];
 }
 
@@ -182,13 +185,16 @@ export function basename(path: string): string {
   return parts.length ? parts[parts.length - 1] : path;
 }
 
-export interface IQueueView extends api.IQueueView {
+export interface IQueueView extends Omit<
+  api.IQueueView,
+  'queued' | 'running' | 'leases'
+> {
   queued: IRunRecord[];
   running: IRunRecord[];
   leases?: ILeaseRecord[];
 }
 
-export interface IRunList extends api.IRunList {
+export interface IRunList extends Omit<api.IRunList, 'runs'> {
   runs: IRunRecord[];
 }
 
