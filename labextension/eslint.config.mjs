@@ -6,7 +6,7 @@ import globals from 'globals';
 import jupyterPlugin from '@jupyter/eslint-plugin';
 
 // The JupyterLab extension template's ESLint settings (jupyterlab/extension-template,
-// template/eslint.config.mjs.jinja), for a frontend-and-server extension without jest tests.
+// template/eslint.config.mjs.jinja), for a frontend-and-server extension with jest tests.
 export default defineConfig([
   {
     ignores: [
@@ -70,6 +70,15 @@ export default defineConfig([
       eqeqeq: 'error',
       'prefer-arrow-callback': 'error'
     }
+  },
+  {
+    // The unit tests are outside the build's tsconfig (they are not shipped).
+    files: ['src/__tests__/**/*.ts'],
+    languageOptions: {
+      parserOptions: { project: 'tsconfig.test.json' }
+    },
+    // Fixtures, not user-facing text.
+    rules: { 'jupyter/no-untranslated-string': 'off' }
   },
   prettierRecommended
 ]);

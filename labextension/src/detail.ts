@@ -27,15 +27,18 @@ import {
   IBadgeLabels,
   isResumable,
   isSlurm,
-  parseReason,
   parseTime,
   preemptionsOf,
   retriesOf,
   retryAtOf,
   splitReason
 } from './format';
+import { attemptHistoryNodes } from './attemptHistory';
 import { evalschedIcon } from './icon';
-import { EvalSchedModel, latestMetrics } from './model';
+import { EvalSchedModel } from './model';
+import { latestMetrics } from './records';
+import { reasonView } from './reason';
+import { readableReason } from './reasonLine';
 
 /** Refresh the logs of a running run at most this often while they are shown (ms). */
 const LOG_REFRESH_MS = 2000;
@@ -56,42 +59,6 @@ export async function resumeRun(
       trans.__('Cannot resume %1', id),
       reason instanceof Error ? reason.message : String(reason)
     );
-  }
-}
-
-/**
- * Readable text of the reason codes of preemption and retries (`preempted_by:<id>`,
- * `preempting:<id>`, `retrying`), with the server's sentence when it sent one; '' for other codes
- * (their sentence alone says it).
- */
-export function readableReason(
-  code: string,
-  arg: string,
-  text: string,
-  trans: TranslationBundle
-): string {
-  const by = arg || trans.__('a higher lane');
-  switch (code) {
-    case 'preempted_by':
-      return text
-        ? trans.__('preempted by %1 — %2', by, text)
-        : trans.__(
-            'preempted by %1: queued again, it resumes where it stopped when there is room',
-            by
-          );
-    case 'preempting':
-      return text
-        ? trans.__('being preempted for %1 — %2', by, text)
-        : trans.__(
-            'being preempted for %1: it stops at its next episode boundary',
-            by
-          );
-    case 'retrying':
-      return text
-        ? trans.__('automatic retry — %1', text)
-        : trans.__('waiting out the back-off before an automatic retry');
-    default:
-      return '';
   }
 }
 
@@ -319,8 +286,12 @@ export class RunDetailView implements IDisposable {
     }
     const started = parseTime(record.started_at);
     const finished = parseTime(record.finished_at);
-    const reason = parseReason(record.reason);
-    const readable = readableReason(reason.code, reason.arg, '', trans);
+    // Readable words for a reason given as data (`why`); a bare reason string is shown as it is.
+    const reason = reasonView(record);
+    const readable =
+      reason?.structured && !reason.text
+        ? readableReason(reason.code, reason.arg, '', trans)
+        : '';
     const attempt = attemptOf(record);
     const history = historyOf(record);
     const preemptions = preemptionsOf(record);
@@ -333,11 +304,18 @@ export class RunDetailView implements IDisposable {
       [
         trans.__('Reason'),
         record.reason
-          ? readable && !reason.text
+          ? readable
             ? `${record.reason} (${readable})`
             : record.reason
           : null,
         'reason'
+      ],
+      [
+        trans.__('Held back by'),
+        reason?.holders.length
+          ? reason.holders.map(holder => holder.label).join(', ')
+          : null,
+        'holders'
       ],
       [
         trans.__('Attempt'),
@@ -518,79 +496,7 @@ export class RunDetailView implements IDisposable {
     }
 
     // How each earlier attempt ended: one line each, oldest first.
-    if (history.length) {
-      this._history.append(
-        h('span', {
-          className: 'jp-EvalSched-subhead',
-          text: trans.__('Earlier attempts')
-        })
-      );
-      for (const entry of history) {
-        const end = parseReason(entry.reason);
-        const from = parseTime(entry.started_at);
-        const to = parseTime(entry.finished_at);
-        const ran =
-          from !== null && to !== null ? formatDuration(to - from) : null;
-        this._history.append(
-          h(
-            'div',
-            {
-              className: 'jp-EvalSched-attemptEnd',
-              title: entry.reason ?? undefined,
-              attrs: {
-                'data-testid': 'evalsched-history-entry',
-                'data-attempt': String(entry.attempt),
-                'data-state': entry.state,
-                'data-reason-code': end.code,
-                'data-episodes-done':
-                  entry.episodes_done === null
-                    ? ''
-                    : String(entry.episodes_done)
-              }
-            },
-            [
-              h('span', {
-                className: 'jp-EvalSched-attemptNumber',
-                text: trans.__('attempt %1', entry.attempt)
-              }),
-              h('span', {
-                className: 'jp-EvalSched-state',
-                text: entry.state,
-                attrs: { 'data-state': entry.state }
-              }),
-              entry.reason
-                ? h('span', {
-                    className: 'jp-EvalSched-reasonCode',
-                    text: end.head
-                  })
-                : null,
-              entry.reason && end.text
-                ? h('span', {
-                    className: 'jp-EvalSched-reasonText',
-                    text: end.text
-                  })
-                : null,
-              entry.episodes_done !== null
-                ? h('span', {
-                    className: 'jp-EvalSched-attemptEpisodes',
-                    text: trans._n(
-                      '%1 episode done',
-                      '%1 episodes done',
-                      entry.episodes_done
-                    )
-                  })
-                : null,
-              ran
-                ? h('span', {
-                    className: 'jp-EvalSched-muted',
-                    text: trans.__('ran %1', ran)
-                  })
-                : null
-            ]
-          )
-        );
-      }
-    }
+    this._history.append(...attemptHistoryNodes(history, trans));
 
     this._metrics.replaceChildren();
     const metrics = latestMetrics(record, summary);

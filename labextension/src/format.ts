@@ -185,24 +185,6 @@ export function slurmLabel(record: ISlurmFields): string {
   return [job ? `SLURM ${job}` : 'SLURM', state].filter(Boolean).join(' · ');
 }
 
-/**
- * A reason in the contract's shape: `code`, `code:arg`, `code: sentence` or `code:arg: sentence`.
- * `code` is the bare code (what the server's `reason_code` gives), `head` is code and argument as
- * written (`exit_code:3`), `text` the human sentence (may be empty).
- */
-export function parseReason(reason: string | null | undefined): {
-  code: string;
-  arg: string;
-  head: string;
-  text: string;
-} {
-  const { code: head, text } = splitReason(reason);
-  const at = head.indexOf(':');
-  return at < 0
-    ? { code: head, arg: '', head, text }
-    : { code: head.slice(0, at), arg: head.slice(at + 1), head, text };
-}
-
 /** The retry and preemption fields of a run record (all absent on older servers). */
 export interface IAttemptFields {
   attempt?: unknown;
@@ -409,15 +391,4 @@ export function sweepPointLabel(record: {
   return Object.entries(point)
     .map(([k, v]) => `${k}=${paramText(v)}`)
     .join(', ');
-}
-
-/** The name of a sweep: its run's name up to the point (`<base> [<point>]` → `<base>`). */
-export function sweepBaseName(record: {
-  name?: string;
-  sweep_point?: unknown;
-}): string {
-  const name = record.name ?? '';
-  const point = sweepPointOf(record) ?? {};
-  const at = pointStart(name, point);
-  return at > 0 ? name.slice(0, at) : name;
 }

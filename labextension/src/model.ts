@@ -22,19 +22,18 @@ import {
   ExtensionMissingError,
   ILeaseRecord,
   ILedger,
-  IMetricStats,
   IQueueView,
   IRunRecord,
   ISummary,
   ISweepView,
   isTerminal,
   RunState,
-  runWarnings,
-  StateCounts,
   sweepIdOf,
   TERMINAL_STATES
 } from './api';
 import { attemptOf } from './format';
+import { hasMetrics, runWarnings, sameAttempt, sameUsage } from './records';
+import { SweepBook } from './sweepBook';
 
 /** How the model currently gets its data. */
 export type ConnectionMode = 'connecting' | 'live' | 'polling' | 'offline';
@@ -77,51 +76,6 @@ const LONG_QUEUE = 1000;
 const RECONNECT_MIN_MS = 1000;
 const RECONNECT_MAX_MS = 30000;
 
-/** True when the server puts the latest metrics into the run record (no summary read needed). */
-export function hasMetrics(record: IRunRecord): boolean {
-  const metrics = record.metrics;
-  return !!metrics && typeof metrics === 'object' && !Array.isArray(metrics);
-}
-
-/** The latest metrics of a run: from its record when present, else from its summary. */
-export function latestMetrics(
-  record: IRunRecord | undefined,
-  summary: ISummary | null | undefined
-): { [name: string]: IMetricStats } {
-  const fromRecord =
-    record && hasMetrics(record)
-      ? (record.metrics as { [name: string]: IMetricStats })
-      : null;
-  const fromSummary = summary?.metrics ?? null;
-  if (fromRecord && fromSummary) {
-    // Whichever saw more episodes.
-    const done = summary?.episodes_done ?? -1;
-    return done >= (record?.progress?.done ?? 0) ? fromSummary : fromRecord;
-  }
-  return fromRecord ?? fromSummary ?? {};
-}
-
-/** Whether two records of a run show the same observed usage and warnings. */
-function sameUsage(a: IRunRecord, b: IRunRecord): boolean {
-  return (
-    JSON.stringify(runWarnings(a)) === JSON.stringify(runWarnings(b)) &&
-    JSON.stringify(a.observed ?? null) === JSON.stringify(b.observed ?? null) &&
-    a.marginal_vram_source === b.marginal_vram_source &&
-    a.memory_mb === b.memory_mb
-  );
-}
-
-/** True when two records of a run agree on its attempt, retries, preemptions and history. */
-function sameAttempt(a: IRunRecord, b: IRunRecord): boolean {
-  return (
-    a.attempt === b.attempt &&
-    a.preemptions === b.preemptions &&
-    a.retries_used === b.retries_used &&
-    a.retry_at === b.retry_at &&
-    (a.history?.length ?? 0) === (b.history?.length ?? 0)
-  );
-}
-
 const PRIORITY_RANK: { [p: string]: number } = { high: 0, normal: 1, low: 2 };
 
 /** Coalesce reads of a sweep (GET /evalsched/sweeps/{id}) after its runs appear (ms). */
@@ -134,29 +88,9 @@ export interface IRunEnd {
   previous: RunState;
 }
 
-/** The runs of a sweep in submission order (seq, then submission time, then id). */
-function bySubmission(a: IRunRecord, b: IRunRecord): number {
-  const sa = typeof a.seq === 'number' ? a.seq : Number.MAX_SAFE_INTEGER;
-  const sb = typeof b.seq === 'number' ? b.seq : Number.MAX_SAFE_INTEGER;
-  if (sa !== sb) {
-    return sa - sb;
-  }
-  const ta = a.submitted_at ?? '';
-  const tb = b.submitted_at ?? '';
-  if (ta !== tb) {
-    return ta < tb ? -1 : 1;
-  }
-  return a.id < b.id ? -1 : a.id > b.id ? 1 : 0;
-}
-
-/** Runs per state. */
-export function countStates(records: ReadonlyArray<IRunRecord>): StateCounts {
-  const counts: StateCounts = {};
-  for (const r of records) {
-    counts[r.state] = (counts[r.state] ?? 0) + 1;
-  }
-  return counts;
-}
+// Runs per state: in ./sweeps (pure); re-exported for the modules that read it from here.
+export { countStates } from './sweeps';
+export { hasMetrics, latestMetrics } from './records';
 
 export class EvalSchedModel implements IDisposable {
   constructor(api: EvalSchedAPI, options: Partial<IModelOptions> = {}) {
@@ -266,20 +200,7 @@ export class EvalSchedModel implements IDisposable {
    * (GET /evalsched/sweeps/{id}). Empty for an unknown sweep.
    */
   sweepRuns(id: string): IRunRecord[] {
-    const members = this._sweepMembers.get(id);
-    if (!members) {
-      return [];
-    }
-    const view = this._sweepViews.get(id);
-    const fromView = new Map((view?.runs ?? []).map(r => [r.id, r]));
-    const out: IRunRecord[] = [];
-    for (const runId of members) {
-      const record = this._records.get(runId) ?? fromView.get(runId);
-      if (record) {
-        out.push(record);
-      }
-    }
-    return out.sort(bySubmission);
+    return this._sweeps.runs(id, runId => this._records.get(runId));
   }
 
   /**
@@ -289,15 +210,14 @@ export class EvalSchedModel implements IDisposable {
   async fetchSweep(id: string): Promise<ISweepView | null> {
     try {
       const view = await this.api.getSweep(id);
-      this._applySweep(view);
+      this._sweeps.apply(view);
       this._changed.emit();
       return view;
     } catch (reason) {
       if (reason instanceof EvalSchedError && reason.status === 404) {
         // Unknown (deleted, or a server without sweeps): not asked again before the next
         // resynchronisation.
-        this._sweepViews.delete(id);
-        this._sweepFetchedAt.set(id, Date.now());
+        this._sweeps.unknown(id);
         this._changed.emit();
         return null;
       }
@@ -317,7 +237,7 @@ export class EvalSchedModel implements IDisposable {
         changed = true;
       }
     }
-    this._applySweep(view);
+    this._sweeps.apply(view);
     if (changed) {
       this._onStateChange();
     }
@@ -894,6 +814,11 @@ export class EvalSchedModel implements IDisposable {
       return { merged: before, before };
     }
     const merged = before ? { ...before, ...record } : record;
+    if (before && !('why' in record) && record.reason !== before.reason) {
+      // `why` explains the reason it came with: a record without one (an older server, a
+      // partial answer) must not keep the earlier why under a new reason.
+      merged.why = null;
+    }
     this._records.set(record.id, merged);
     const sweepId = sweepIdOf(merged);
     if (sweepId) {
@@ -1033,34 +958,8 @@ export class EvalSchedModel implements IDisposable {
 
   /** A run of a sweep: remember it, and read the sweep when this run is news to it. */
   private _noteSweepMember(sweepId: string, runId: string): void {
-    let members = this._sweepMembers.get(sweepId);
-    if (!members) {
-      members = new Set();
-      this._sweepMembers.set(sweepId, members);
-    }
-    if (members.has(runId)) {
-      return;
-    }
-    members.add(runId);
-    const view = this._sweepViews.get(sweepId);
-    if (!view || !view.runs.some(r => r.id === runId)) {
+    if (this._sweeps.note(sweepId, runId)) {
       this._scheduleSweepFetch(sweepId);
-    }
-  }
-
-  private _applySweep(view: ISweepView): void {
-    if (!view || typeof view.id !== 'string' || !Array.isArray(view.runs)) {
-      return;
-    }
-    this._sweepViews.set(view.id, view);
-    this._sweepFetchedAt.set(view.id, Date.now());
-    let members = this._sweepMembers.get(view.id);
-    if (!members) {
-      members = new Set();
-      this._sweepMembers.set(view.id, members);
-    }
-    for (const record of view.runs) {
-      members.add(record.id);
     }
   }
 
@@ -1091,18 +990,8 @@ export class EvalSchedModel implements IDisposable {
         }
       }
     }
-    const now = Date.now();
-    for (const id of [...this._sweepMembers.keys()]) {
-      if (!listed.has(id)) {
-        this._sweepMembers.delete(id);
-        this._sweepViews.delete(id);
-        this._sweepFetchedAt.delete(id);
-        continue;
-      }
-      const at = this._sweepFetchedAt.get(id) ?? 0;
-      if (now - at >= LIVE_RESYNC_MS) {
-        this._scheduleSweepFetch(id, 0);
-      }
+    for (const id of this._sweeps.resync(listed, LIVE_RESYNC_MS)) {
+      this._scheduleSweepFetch(id, 0);
     }
   }
 
@@ -1162,9 +1051,7 @@ export class EvalSchedModel implements IDisposable {
   private _lastSummaryFetch = new Map<string, number>();
   private _records = new Map<string, IRunRecord>();
   private _summaries = new Map<string, ISummary | null>();
-  private _sweepMembers = new Map<string, Set<string>>();
-  private _sweepViews = new Map<string, ISweepView>();
-  private _sweepFetchedAt = new Map<string, number>();
+  private _sweeps = new SweepBook();
   private _sweepTimers = new Map<string, ReturnType<typeof setTimeout>>();
   private _queued: IRunRecord[] = [];
   private _running: IRunRecord[] = [];

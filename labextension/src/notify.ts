@@ -19,7 +19,8 @@ import {
   StateCounts,
   sweepIdOf
 } from './api';
-import { attemptOf, sweepBaseName } from './format';
+import { attemptOf } from './format';
+import { sweepNameOf } from './sweeps';
 import { countStates, EvalSchedModel, IRunEnd } from './model';
 
 export type NotificationMode = 'off' | 'failures' | 'all';
@@ -168,7 +169,7 @@ export class RunNotifier implements IDisposable {
       this._note(`${sweepId}:suppressed`);
       return;
     }
-    const name = (runs[0] && sweepBaseName(runs[0])) || sweepId;
+    const name = sweepNameOf(sweepId, runs);
     const summary = COUNT_ORDER.filter(s => counts[s])
       .map(s => `${counts[s]} ${s}`)
       .join(', ');

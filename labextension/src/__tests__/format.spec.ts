@@ -1,0 +1,141 @@
+import {
+  attemptOf,
+  formatAgo,
+  formatDuration,
+  formatMB,
+  formatNumber,
+  historyOf,
+  isResumable,
+  parseTime,
+  retryInSeconds,
+  runBadges,
+  slurmLabel,
+  splitReason,
+  sweepPointLabel
+} from '../format';
+
+describe('formatting', () => {
+  it('formats durations', () => {
+    expect(formatDuration(75_000)).toBe('1:15');
+    expect(formatDuration(3_725_000)).toBe('1:02:05');
+    expect(formatDuration(-5)).toBe('0:00');
+    expect(formatDuration(null)).toBe('–');
+  });
+
+  it('says how long ago', () => {
+    const now = 1_000_000_000;
+    expect(formatAgo(now - 5_000, now)).toBe('just now');
+    expect(formatAgo(now - 30_000, now)).toBe('30 s ago');
+    expect(formatAgo(now - 120_000, now)).toBe('2 min ago');
+    expect(formatAgo(now - 3 * 3600_000, now)).toBe('3 h ago');
+    expect(formatAgo(null, now)).toBe('');
+  });
+
+  it('counts in MB, never in rounded GB', () => {
+    expect(formatMB(16000)).toBe('16,000 MB');
+    expect(formatMB(16000, false)).toBe('16,000');
+    expect(formatMB(undefined)).toBe('–');
+  });
+
+  it('gives numbers about four significant digits', () => {
+    expect(formatNumber(3)).toBe('3');
+    expect(formatNumber(0.123456)).toBe('0.1235');
+    expect(formatNumber(0.0001234)).toBe('1.23e-4');
+    expect(formatNumber(NaN)).toBe('–');
+  });
+
+  it('parses the contract’s timestamps (microseconds)', () => {
+    expect(parseTime('2030-01-01T00:00:01.123456+00:00')).toBe(
+      Date.parse('2030-01-01T00:00:01.123Z')
+    );
+    expect(parseTime('nope')).toBeNull();
+    expect(parseTime(null)).toBeNull();
+  });
+
+  it('splits a warning into its code and sentence', () => {
+    expect(splitReason('over_vram: used 9,000 MB')).toEqual({
+      code: 'over_vram',
+      text: 'used 9,000 MB'
+    });
+    expect(splitReason('over_vram')).toEqual({ code: 'over_vram', text: '' });
+    expect(splitReason(null)).toEqual({ code: '', text: '' });
+  });
+});
+
+describe('run badges and attempts', () => {
+  it('badges only what sets a run apart', () => {
+    expect(runBadges({})).toEqual([]);
+    expect(
+      runBadges({
+        attempt: 3,
+        preemptions: 2,
+        retries: 3,
+        retries_used: 1,
+        detach: true
+      }).map(b => [b.kind, b.text])
+    ).toEqual([
+      ['attempt', 'attempt 3'],
+      ['preemptions', 'preempted ×2'],
+      ['retries', 'retry 1/3'],
+      ['detached', 'detached']
+    ]);
+    expect(runBadges({ attempt: 'x', preemptions: -1, detach: 'yes' })).toEqual(
+      []
+    );
+    expect(attemptOf({})).toBe(1);
+  });
+
+  it('reads the history oldest first, dropping junk', () => {
+    expect(
+      historyOf({
+        history: [
+          { attempt: 2, state: 'preempted', reason: 'preempted_by:r-9' },
+          {
+            attempt: 1,
+            state: 'failed',
+            reason: 'exit_code:3',
+            episodes_done: 2
+          },
+          'junk'
+        ]
+      }).map(e => [e.attempt, e.state, e.reason, e.episodes_done])
+    ).toEqual([
+      [1, 'failed', 'exit_code:3', 2],
+      [2, 'preempted', 'preempted_by:r-9', null]
+    ]);
+    expect(historyOf({ history: 'nope' })).toEqual([]);
+  });
+
+  it('resumes what ended without succeeding; counts down to a retry', () => {
+    expect(
+      ['failed', 'aborted', 'cancelled', 'succeeded', 'queued'].map(isResumable)
+    ).toEqual([true, true, true, false, false]);
+    const now = Date.parse('2030-01-01T00:00:00Z');
+    expect(retryInSeconds('2030-01-01T00:00:10.000000+00:00', now)).toBe(10);
+    expect(retryInSeconds('2029-12-31T23:59:00+00:00', now)).toBe(0);
+    expect(retryInSeconds(null, now)).toBeNull();
+  });
+});
+
+describe('SLURM and sweep points', () => {
+  it('labels a SLURM run', () => {
+    expect(slurmLabel({ slurm_job_id: 123, slurm_state: 'RUNNING' })).toBe(
+      'SLURM 123 · RUNNING'
+    );
+    expect(slurmLabel({ slurm_state: 'PENDING' })).toBe('SLURM · PENDING');
+    expect(slurmLabel({})).toBe('SLURM');
+  });
+
+  it("tells a sweep's run apart by its point", () => {
+    expect(
+      sweepPointLabel({
+        name: 'toy [skill=0.3, label=a]',
+        sweep_point: { skill: 0.3, label: 'a' }
+      })
+    ).toBe('skill=0.3, label=a');
+    expect(
+      sweepPointLabel({ name: 'renamed', sweep_point: { skill: 0.3 } })
+    ).toBe('skill=0.3');
+    expect(sweepPointLabel({ name: 'plain' })).toBe('plain');
+  });
+});

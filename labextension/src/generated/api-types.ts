@@ -1,0 +1,495 @@
+/**
+ * The types of the jupyter_evalsched REST API, generated from the server's OpenAPI document
+ * (jupyter_evalsched/openapi.py, built from its pydantic models).
+ *
+ * DO NOT EDIT: run `PYTHONPATH=. python scripts/gen_api_types.py` from the repository root.
+ * tests/test_api_types.py fails when this file is stale.
+ */
+
+/** How an earlier attempt of a run ended (the record's ``history``). */
+export interface IAttemptEnd {
+  attempt: number;
+  state: 'failed' | 'cancelled' | 'aborted' | 'preempted';
+  reason: string | null;
+  started_at: string | null;
+  finished_at: string | null;
+  episodes_done: number;
+}
+
+export interface ICompareRow {
+  id: string;
+  name: string | null;
+  state: string | null;
+  /** the values of the parameters that differ between the runs */
+  params: { [key: string]: unknown };
+  metrics: { [key: string]: IMetricStat };
+  delta: { [key: string]: IMetricDelta };
+  /** finished_at - started_at */
+  wall_s: number | null;
+  /** the observed VRAM peak, summed over its GPUs */
+  peak_vram_mb: number | null;
+  /** why its spec or episodes could not be read */
+  error: string | null;
+}
+
+export interface IComparison {
+  /** the names of the parameters whose values differ */
+  params: string[];
+  metrics: string[];
+  /** the run the deltas are against */
+  baseline: string | null;
+  rows: ICompareRow[];
+}
+
+export interface ICpuSlots {
+  total: number;
+  allocated: number;
+}
+
+export interface IEpisodeList {
+  episodes: { [key: string]: unknown }[];
+}
+
+export interface IErrorBody {
+  message: string;
+  reason: string | null;
+  detail: { [key: string]: unknown }[] | null;
+}
+
+/** A submitted evaluation. Defaults are filled in before it is written as ``spec.json``. */
+export interface IEvalSpec {
+  name?: string | null;
+  /** pkg.module:function or path/file.py:function */
+  entrypoint?: string | null;
+  /** source of eval.py */
+  source?: string | null;
+  episodes?: number;
+  params?: { [key: string]: unknown };
+  workers?: number;
+  seed?: number;
+  models?: string[];
+  env?: { [key: string]: string };
+  cwd?: string | null;
+  timeout_s?: number | null;
+  depends_on?: string[];
+  scheduling?: IScheduling;
+  /** where the run executes: this host's ledger ('local') or SLURM; default: the server's */
+  executor?: 'local' | 'slurm' | null;
+  /** automatic resumes after a failure named in retry_on */
+  retries?: number;
+  /** the reason codes of failures that are retried: exception, exit_code, signal, oom, timeout, over_vram, model_unavailable */
+  retry_on?: string[];
+  /** the run does not die with the server; a restarted server re-attaches it */
+  detach?: boolean;
+  /** start the run in a fresh interpreter, never forked from a warm zygote */
+  fresh_interpreter?: boolean;
+}
+
+export interface ILeaseList {
+  leases: ILeaseRecord[];
+}
+
+/** A lease, as REST answers it, events carry it and ``<runs_dir>/.leases/<id>.json`` holds it. */
+export interface ILeaseRecord {
+  id: string;
+  state: 'queued' | 'granted' | 'ended';
+  /** why it waits, or how it ended (released, process_exited, ttl_expired) */
+  reason: string | null;
+  vram_mb: number;
+  gpus: number;
+  exclusive_gpu: boolean;
+  priority: 'high' | 'normal' | 'low';
+  /** the leased GPU indices (NVML order) once granted */
+  devices?: number[];
+  /** the CUDA_VISIBLE_DEVICES value that shows the leased GPUs */
+  cuda_visible_devices: string | null;
+  pid: number | null;
+  pid_create_time: number | null;
+  label: string;
+  /** the notebook kernel that holds the lease, when its pid is one */
+  kernel_id: string | null;
+  /** that kernel's notebook */
+  session_path: string | null;
+  ttl_s: number | null;
+  requested_at: string;
+  granted_at: string | null;
+  ended_at: string | null;
+  seq: number;
+  /** VRAM its process (and children) use now, per GPU index (NVML) */
+  observed_mb?: { [key: string]: number };
+  /** how much more than leased its process uses, summed over GPUs */
+  over_lease_mb: number;
+}
+
+/** ``POST /evalsched/leases``: VRAM for interactive work, admitted like a run. */
+export interface ILeaseRequest {
+  /** VRAM per GPU, in MB */
+  vram_mb?: number;
+  gpus?: number;
+  /** nothing else on the leased GPUs (the interactive lock) */
+  exclusive_gpu?: boolean;
+  /** lane: a person is waiting */
+  priority?: 'high' | 'normal' | 'low';
+  /** the lease ends when this process exits */
+  pid?: number | null;
+  /** the lease ends this long after its grant */
+  ttl_s?: number | null;
+  /** shown in the ledger and in the reasons of what waits */
+  label?: string;
+}
+
+export interface ILedger {
+  devices: ILedgerDevice[];
+  cpu_slots: ICpuSlots;
+}
+
+export interface ILedgerDevice {
+  index: number;
+  name: string;
+  total_mb: number;
+  baseline_mb: number;
+  usable_mb: number;
+  allocated_mb: number;
+  free_mb: number;
+  /** VRAM of processes the scheduler does not manage (beyond their leases) */
+  unmanaged_mb: number;
+  unmanaged_processes?: IUnmanagedProcess[];
+  /** id of the exclusive run or lease holding the device */
+  exclusive: string | null;
+  runs?: ILedgerRun[];
+  leases?: ILedgerLease[];
+}
+
+export interface ILedgerLease {
+  id: string;
+  /** what the lease holds on this GPU (all usable VRAM when exclusive) */
+  vram_mb: number;
+  pid: number | null;
+  label: string;
+  kernel_id: string | null;
+  session_path: string | null;
+  /** what its process uses on this GPU now */
+  observed_mb: number;
+  /** observed beyond the lease: charged as unmanaged */
+  over_lease_mb: number;
+}
+
+export interface ILedgerRun {
+  id: string;
+  marginal_vram_mb: number;
+}
+
+export interface IMetricDelta {
+  /** mean paired difference against the baseline; null without pairs */
+  mean: number | null;
+  /** 95 % Student t interval of that mean; null below 2 pairs */
+  ci95: number[] | null;
+  /** episode indices both runs have */
+  paired: number;
+}
+
+export interface IMetricStat {
+  /** over the episodes where the metric is a finite number */
+  mean: number | null;
+  /** sample standard deviation / sqrt(count); null below 2 episodes */
+  stderr: number | null;
+  count: number;
+}
+
+export interface IModelInfo {
+  name: string;
+  /** not_loaded, loading, loaded or failed */
+  state: string;
+  device: string | null;
+  vram_mb: number;
+  requests: number;
+  batches: number;
+  mean_batch_size: number;
+  load_count: number;
+  /** {type, message}: why the host or the model failed */
+  error: { [key: string]: unknown } | null;
+  /** the host's stderr, kept after it dies */
+  log: string | null;
+}
+
+export interface IModelList {
+  models: IModelInfo[];
+}
+
+/** What a run used, as observed while it ran: peaks only (they never go down). */
+export interface IObserved {
+  /** per GPU index (NVML order) */
+  peak_vram_mb?: { [key: string]: number };
+  /** host memory at its peak: the run's memory cgroup peak where there is one (page cache it caused included, as the limit counts it), else the highest sampled RSS of its processes */
+  peak_rss_mb: number | null;
+  /** where the VRAM figures come from */
+  source: 'nvml' | 'virtual';
+}
+
+export interface IPrimaryServer {
+  url: string;
+  pid: number;
+  hostname: string;
+  runs_dir: string;
+  since: number;
+}
+
+export interface IProgress {
+  done: number;
+  total: number;
+}
+
+export interface IQueueView {
+  /** the server that schedules for this host */
+  primary: IPrimaryServer | null;
+  queued: IRunRecord[];
+  running: IRunRecord[];
+  ledger: ILedger;
+  /** live leases: granted, then queued in order */
+  leases?: ILeaseRecord[];
+}
+
+export interface IRunDetail {
+  id: string;
+  name: string;
+  state: 'queued' | 'running' | 'succeeded' | 'failed' | 'cancelled' | 'aborted';
+  /** a reason code, then an optional sentence after ': ' */
+  reason: string | null;
+  priority: 'high' | 'normal' | 'low';
+  submitted_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+  pid: number | null;
+  /** GPU indices (NVML order) */
+  devices?: number[];
+  /** as Popen's returncode: negative for a signal */
+  exit_code: number | null;
+  progress?: IProgress;
+  marginal_vram_mb: number;
+  depends_on?: string[];
+  gpus: number;
+  cpus: number;
+  exclusive_gpu: boolean;
+  models?: string[];
+  timeout_s: number | null;
+  executor: 'local' | 'slurm';
+  /** submission counter: the queue's order, also after a restart */
+  seq: number;
+  /** the run process's start time (psutil create_time) */
+  pid_create_time: number | null;
+  run_dir: string;
+  /** the latest aggregates of summary.json */
+  metrics?: { [key: string]: unknown };
+  slurm_job_id: string | null;
+  slurm_state: string | null;
+  /** the Idempotency-Key header of the submission */
+  idempotency_key: string | null;
+  /** the eval's entrypoint (eval.py:... for a cell's source) */
+  entrypoint: string | null;
+  /** sha256 of the spec's source, when it carries one */
+  source_digest: string | null;
+  /** where marginal_vram_mb came from: 'declared', or 'auto: ...' with the figures */
+  marginal_vram_source: string;
+  /** the host memory limit asked for (scheduling.memory_mb) */
+  memory_mb: number | null;
+  /** what the run was seen to use (null before anything was) */
+  observed: IObserved | null;
+  /** problems seen while it ran, each starting with a code (over_vram: ...) */
+  warnings?: string[];
+  /** 1 for the first attempt; resumes, retries and preemptions add one */
+  attempt: number;
+  /** times the run was preempted (stopped for a higher lane, resumed later) */
+  preemptions: number;
+  /** scheduling.preemptible, defaults filled in */
+  preemptible: boolean;
+  /** automatic retries allowed (the spec's retries) */
+  retries: number;
+  /** automatic retries made (a resume through the API starts again at 0) */
+  retries_used: number;
+  /** when a retry waiting out its back-off is admitted again */
+  retry_at: string | null;
+  /** the run does not die with the server */
+  detach: boolean;
+  /** how its current attempt started: forked from a zygote ('warm') or a fresh interpreter */
+  start: 'warm' | 'cold' | null;
+  /** which zygote forked it, or why it started cold */
+  start_detail: string | null;
+  /** the sweep the run belongs to (POST /evalsched/sweeps) */
+  sweep_id: string | null;
+  /** the parameters its sweep set for it (its params are the spec's updated with them) */
+  sweep_point: { [key: string]: unknown } | null;
+  /** how each earlier attempt ended */
+  history?: IAttemptEnd[];
+  summary: { [key: string]: unknown } | null;
+  /** why summary.json could not be read, when it exists but cannot */
+  summary_error: string | null;
+}
+
+export interface IRunList {
+  runs: IRunRecord[];
+  total: number;
+}
+
+/**
+ * The run record: REST answers, events and ``job.json`` share it. Every field the server
+ * sends is declared here (a test checks); unknown fields in an old ``job.json`` are dropped.
+ */
+export interface IRunRecord {
+  id: string;
+  name: string;
+  state: 'queued' | 'running' | 'succeeded' | 'failed' | 'cancelled' | 'aborted';
+  /** a reason code, then an optional sentence after ': ' */
+  reason: string | null;
+  priority: 'high' | 'normal' | 'low';
+  submitted_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+  pid: number | null;
+  /** GPU indices (NVML order) */
+  devices?: number[];
+  /** as Popen's returncode: negative for a signal */
+  exit_code: number | null;
+  progress?: IProgress;
+  marginal_vram_mb: number;
+  depends_on?: string[];
+  gpus: number;
+  cpus: number;
+  exclusive_gpu: boolean;
+  models?: string[];
+  timeout_s: number | null;
+  executor: 'local' | 'slurm';
+  /** submission counter: the queue's order, also after a restart */
+  seq: number;
+  /** the run process's start time (psutil create_time) */
+  pid_create_time: number | null;
+  run_dir: string;
+  /** the latest aggregates of summary.json */
+  metrics?: { [key: string]: unknown };
+  slurm_job_id: string | null;
+  slurm_state: string | null;
+  /** the Idempotency-Key header of the submission */
+  idempotency_key: string | null;
+  /** the eval's entrypoint (eval.py:... for a cell's source) */
+  entrypoint: string | null;
+  /** sha256 of the spec's source, when it carries one */
+  source_digest: string | null;
+  /** where marginal_vram_mb came from: 'declared', or 'auto: ...' with the figures */
+  marginal_vram_source: string;
+  /** the host memory limit asked for (scheduling.memory_mb) */
+  memory_mb: number | null;
+  /** what the run was seen to use (null before anything was) */
+  observed: IObserved | null;
+  /** problems seen while it ran, each starting with a code (over_vram: ...) */
+  warnings?: string[];
+  /** 1 for the first attempt; resumes, retries and preemptions add one */
+  attempt: number;
+  /** times the run was preempted (stopped for a higher lane, resumed later) */
+  preemptions: number;
+  /** scheduling.preemptible, defaults filled in */
+  preemptible: boolean;
+  /** automatic retries allowed (the spec's retries) */
+  retries: number;
+  /** automatic retries made (a resume through the API starts again at 0) */
+  retries_used: number;
+  /** when a retry waiting out its back-off is admitted again */
+  retry_at: string | null;
+  /** the run does not die with the server */
+  detach: boolean;
+  /** how its current attempt started: forked from a zygote ('warm') or a fresh interpreter */
+  start: 'warm' | 'cold' | null;
+  /** which zygote forked it, or why it started cold */
+  start_detail: string | null;
+  /** the sweep the run belongs to (POST /evalsched/sweeps) */
+  sweep_id: string | null;
+  /** the parameters its sweep set for it (its params are the spec's updated with them) */
+  sweep_point: { [key: string]: unknown } | null;
+  /** how each earlier attempt ended */
+  history?: IAttemptEnd[];
+}
+
+/** What a run asks of the host. ``marginal_vram_mb`` is per GPU, on top of the shared models. */
+export interface IScheduling {
+  /** VRAM added per GPU, in MB; 'auto': the highest observed peak of earlier succeeded runs of the same eval, plus a margin */
+  marginal_vram_mb?: number | 'auto';
+  /** GPUs needed when the run uses VRAM or is exclusive */
+  gpus?: number;
+  /** nothing else may run on the run's GPUs */
+  exclusive_gpu?: boolean;
+  priority?: 'high' | 'normal' | 'low';
+  /** CPU slots the run takes */
+  cpus?: number;
+  /** host memory limit of the run (its cgroup), in MB */
+  memory_mb?: number | null;
+  /** a waiting job of a higher lane may stop it at an episode boundary (it resumes later); default: true in the low lane, false otherwise */
+  preemptible?: boolean | null;
+}
+
+export interface ISweepCreated {
+  id: string;
+  runs: IRunRecord[];
+}
+
+export interface ISweepList {
+  sweeps: ISweepSummary[];
+}
+
+/** ``POST /evalsched/sweeps``: a spec plus the points to run it at. */
+export interface ISweepRequest {
+  name?: string | null;
+  /** pkg.module:function or path/file.py:function */
+  entrypoint?: string | null;
+  /** source of eval.py */
+  source?: string | null;
+  episodes?: number;
+  params?: { [key: string]: unknown };
+  workers?: number;
+  seed?: number;
+  models?: string[];
+  env?: { [key: string]: string };
+  cwd?: string | null;
+  timeout_s?: number | null;
+  depends_on?: string[];
+  scheduling?: IScheduling;
+  /** where the run executes: this host's ledger ('local') or SLURM; default: the server's */
+  executor?: 'local' | 'slurm' | null;
+  /** automatic resumes after a failure named in retry_on */
+  retries?: number;
+  /** the reason codes of failures that are retried: exception, exit_code, signal, oom, timeout, over_vram, model_unavailable */
+  retry_on?: string[];
+  /** the run does not die with the server; a restarted server re-attaches it */
+  detach?: boolean;
+  /** start the run in a fresh interpreter, never forked from a warm zygote */
+  fresh_interpreter?: boolean;
+  /** a grid {"<param>": [values, ...]} (every combination) or a list of points [{"<param>": value, ...}]; each point updates the spec's params for one run */
+  sweep: unknown;
+}
+
+export interface ISweepSummary {
+  id: string;
+  /** the name of its first run */
+  name: string | null;
+  runs: number;
+  counts: { [key: string]: number };
+  submitted_at: string | null;
+  seq: number;
+}
+
+export interface ISweepView {
+  id: string;
+  runs: IRunRecord[];
+  /** runs per state */
+  counts?: { [key: string]: number };
+}
+
+export interface IUnmanagedProcess {
+  pid: number;
+  gpu: number;
+  used_mb: number;
+  name: string;
+  /** the notebook kernel this process is (or runs under) */
+  kernel_id: string | null;
+  /** that kernel's notebook */
+  session_path: string | null;
+  /** the lease that covers it: charged max(lease, observed) */
+  lease_id: string | null;
+}

@@ -1,0 +1,216 @@
+/**
+ * The geometry of a GPU's ledger bar: how much of it each holder takes (shared models, runs,
+ * leases and what their processes use beyond them, the VRAM of other processes per holder, free,
+ * reserved), and the runs' colour slots. Pure: runs in node.
+ */
+import {
+  basename,
+  ILedger,
+  ILedgerDevice,
+  ILedgerLease,
+  ILedgerRun,
+  IUnmanagedProcess
+} from './records';
+import { colorSlot } from './format';
+
+/** Colour slots of runs (CSS classes jp-EvalSched-c0 … c7). */
+export const COLOR_SLOTS = 8;
+
+/** VRAM of processes without a lease, by holder: one notebook (kernel) or one process. */
+export interface IUnmanagedGroup {
+  kind: 'kernel' | 'process';
+  holder: string;
+  mb: number;
+  pids: number[];
+  names: string[];
+  sessionPath: string | null;
+  kernelIds: string[];
+  /** Leases (on other GPUs) of its processes. */
+  leaseIds: string[];
+}
+
+/**
+ * Group a device's unmanaged processes by who holds them: a notebook kernel's processes by its
+ * notebook (the basename of session_path; by kernel id when there is no path), every other
+ * process by its pid. Notebooks first, then the largest holders.
+ */
+export function unmanagedGroups(
+  processes: ReadonlyArray<IUnmanagedProcess>
+): IUnmanagedGroup[] {
+  const groups = new Map<string, IUnmanagedGroup>();
+  for (const p of processes) {
+    const used = Math.max(0, Number(p.used_mb) || 0);
+    const kernel = !!(p.session_path || p.kernel_id);
+    const key = p.session_path
+      ? `notebook:${p.session_path}`
+      : p.kernel_id
+        ? `kernel:${p.kernel_id}`
+        : `pid:${p.pid}`;
+    let group = groups.get(key);
+    if (!group) {
+      group = {
+        kind: kernel ? 'kernel' : 'process',
+        holder: p.session_path
+          ? basename(p.session_path)
+          : p.kernel_id
+            ? `kernel ${p.kernel_id.slice(0, 8)}`
+            : `pid ${p.pid}`,
+        mb: 0,
+        pids: [],
+        names: [],
+        sessionPath: p.session_path || null,
+        kernelIds: [],
+        leaseIds: []
+      };
+      groups.set(key, group);
+    }
+    group.mb += used;
+    if (!group.pids.includes(p.pid)) {
+      group.pids.push(p.pid);
+    }
+    if (p.name && !group.names.includes(p.name)) {
+      group.names.push(p.name);
+    }
+    if (p.kernel_id && !group.kernelIds.includes(p.kernel_id)) {
+      group.kernelIds.push(p.kernel_id);
+    }
+    if (p.lease_id && !group.leaseIds.includes(p.lease_id)) {
+      group.leaseIds.push(p.lease_id);
+    }
+  }
+  return [...groups.values()]
+    .filter(g => g.mb > 0)
+    .sort(
+      (a, b) =>
+        (a.kind === 'kernel' ? 0 : 1) - (b.kind === 'kernel' ? 0 : 1) ||
+        b.mb - a.mb ||
+        (a.holder < b.holder ? -1 : a.holder > b.holder ? 1 : 0)
+    );
+}
+
+/** How a GPU's bar is divided, in MB (every figure ≥ 0). */
+export interface IDeviceGeometry {
+  baseline: number;
+  usable: number;
+  free: number;
+  runs: ILedgerRun[];
+  leases: ILedgerLease[];
+  /** Runs and leases, or the server's allocated_mb when larger (an exclusive holder). */
+  allocated: number;
+  /** What an exclusive holder takes beyond what it declared. */
+  exclusiveExtra: number;
+  /** What lease holders use beyond their leases. */
+  overSum: number;
+  /** Processes outside the scheduler, per holder. */
+  groups: IUnmanagedGroup[];
+  /** The server's unmanaged_mb. */
+  reported: number;
+  /** Unmanaged VRAM the server does not itemise (an older server). */
+  unmanagedRest: number;
+  unmanaged: number;
+  /** Unmanaged VRAM of notebook kernels, and of every other process. */
+  kernelMb: number;
+  otherMb: number;
+  /** The bar's full width. */
+  scale: number;
+  /** Reserved or otherwise unusable. */
+  reserved: number;
+}
+
+export function deviceGeometry(device: ILedgerDevice): IDeviceGeometry {
+  const baseline = Math.max(0, device.baseline_mb);
+  const usable = Math.max(0, device.usable_mb);
+  const free = Math.max(0, device.free_mb);
+  const runs = device.runs ?? [];
+  const leases = Array.isArray(device.leases) ? device.leases : [];
+  const runsSum = runs.reduce((a, r) => a + Math.max(0, r.marginal_vram_mb), 0);
+  const leaseSum = leases.reduce((a, l) => a + Math.max(0, l.vram_mb), 0);
+  // An exclusive holder allocates the whole usable memory, more than it declared.
+  const allocated = Math.max(0, device.allocated_mb, runsSum + leaseSum);
+  const exclusiveExtra = Math.max(0, allocated - runsSum - leaseSum);
+  // Unmanaged VRAM, per holder: what leases' processes use beyond their lease (drawn beside
+  // each lease), processes without a lease grouped by notebook (kernels) or by pid, and any
+  // rest the server does not itemise (an older server).
+  const overSum = leases.reduce(
+    (a, l) => a + Math.max(0, l.over_lease_mb ?? 0),
+    0
+  );
+  // A process within a lease on this GPU is the lease's (its excess is drawn beside it); one
+  // whose lease is on other GPUs holds what it uses here outside of any lease.
+  const leased = new Set(leases.map(l => l.id));
+  const groups = unmanagedGroups(
+    (Array.isArray(device.unmanaged_processes)
+      ? device.unmanaged_processes
+      : []
+    ).filter(p => !p.lease_id || !leased.has(p.lease_id))
+  );
+  const groupSum = groups.reduce((a, g) => a + g.mb, 0);
+  const reported = Math.max(0, device.unmanaged_mb ?? 0);
+  const unmanagedRest = Math.max(0, reported - overSum - groupSum);
+  const unmanaged = Math.max(reported, overSum + groupSum);
+  const scale = Math.max(
+    device.total_mb,
+    baseline + usable,
+    baseline + allocated + unmanaged + free,
+    1
+  );
+  const kernelMb = groups
+    .filter(g => g.kind === 'kernel')
+    .reduce((a, g) => a + g.mb, 0);
+  return {
+    baseline,
+    usable,
+    free,
+    runs,
+    leases,
+    allocated,
+    exclusiveExtra,
+    overSum,
+    groups,
+    reported,
+    unmanagedRest,
+    unmanaged,
+    kernelMb,
+    otherMb: unmanaged - overSum - kernelMb,
+    scale,
+    reserved: scale - baseline - allocated - unmanaged - free
+  };
+}
+
+/**
+ * Give every run on a GPU a colour slot that no other run on the ledger holds (while there are
+ * at most `slots` of them), and keep it for as long as the run holds memory. Updates `colors`.
+ */
+export function assignColors(
+  colors: Map<string, number>,
+  ledger: ILedger | null,
+  slots = COLOR_SLOTS
+): void {
+  const live = new Set<string>();
+  for (const device of ledger?.devices ?? []) {
+    for (const run of device.runs ?? []) {
+      live.add(run.id);
+    }
+  }
+  for (const id of [...colors.keys()]) {
+    if (!live.has(id)) {
+      colors.delete(id);
+    }
+  }
+  const used = new Set(colors.values());
+  for (const id of live) {
+    if (colors.has(id)) {
+      continue;
+    }
+    let slot = colorSlot(id, slots);
+    for (let i = 0; i < slots; i++) {
+      const candidate = (slot + i) % slots;
+      if (!used.has(candidate)) {
+        slot = candidate;
+        break;
+      }
+    }
+    colors.set(id, slot);
+    used.add(slot);
+  }
+}
