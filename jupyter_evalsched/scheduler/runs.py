@@ -46,13 +46,17 @@ RequeueListener = Callable[["Run", "Requeue"], None]
 
 @dataclass(frozen=True, slots=True)
 class Requeue:
-    """A run's next attempt: the reason it waits with, the record fields that change (``attempt``,
-    ``history``, ``retries_used``, ``preemptions``, ``retry_at``), and how long it waits before
-    admission may start it (a retry's back-off)."""
+    """A run's next attempt: why it waits (its reason, as data), the record fields that change
+    (``attempt``, ``history``, ``retries_used``, ``preemptions``, ``retry_at``), and how long it
+    waits before admission may start it (a retry's back-off)."""
 
-    reason: str | None
+    why: contract.Why | None
     fields: dict[str, Any]
     delay_s: float = 0.0
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.why is None else self.why.reason
 
 
 RequeuePolicy = Callable[["Run", str, "str | None"], "Requeue | None"]
@@ -93,7 +97,7 @@ class Run:
     preempted_by: str | None = None  # the job it is being stopped for (its _STOP is written)
     started_ts: float | None = None  # time.time() of the current attempt's start
     exited_at: str | None = None  # when its process was seen gone (RunTable.exited): its finished_at
-    requeued_reason: str | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
+    requeued_why: contract.Why | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
     done_on_disk: bool = False
     summary_stamp: FileStamp | None = None  # of the summary last applied
 
@@ -133,6 +137,7 @@ def new_record(
     marginal_vram_source: str = "declared",
     sweep_id: str | None = None,
     sweep_point: dict[str, Any] | None = None,
+    sweep_name: str | None = None,
 ) -> dict[str, Any]:
     """The record of a run just submitted (``spec`` validated, defaults filled in)."""
     sched = contract.scheduling_of(spec)
@@ -164,6 +169,7 @@ def new_record(
             detach=bool(spec.get("detach")),
             sweep_id=sweep_id,
             sweep_point=sweep_point,
+            sweep_name=sweep_name,
         )
     ).model_dump(mode="json")
 
@@ -345,7 +351,14 @@ class RunTable:
     # ------------------------------------------------------------------ transitions
 
     def update(self, run: Run, *, save: bool = True, notify: bool = True, **fields: Any) -> None:
-        """Change record fields; write ``job.json`` (``save``) and tell listeners (``notify``)."""
+        """Change record fields; write ``job.json`` (``save``) and tell listeners (``notify``).
+        ``why`` (a ``contract.Why`` or None) sets the ``reason`` with it; a ``reason`` given alone
+        clears ``why`` (a pending reason is set with its why, never as a string alone)."""
+        if "why" in fields:
+            why = fields["why"]
+            fields["reason"], fields["why"] = (None, None) if why is None else (why.reason, why.as_dict())
+        elif "reason" in fields:
+            fields["why"] = None
         unknown = fields.keys() - RECORD_FIELDS
         if unknown:
             raise KeyError(f"not run record fields: {sorted(unknown)}")
@@ -357,11 +370,16 @@ class RunTable:
         if notify:
             self.changed(run)
 
-    def set_reason(self, run: Run, reason: str | None) -> None:
-        """Why a run waits: news to the widget and the panel, not worth a write."""
-        if run.record["reason"] != reason:
-            run.record["reason"] = reason
-            self.changed(run)
+    def set_reason(self, run: Run, why: contract.Why | None) -> bool:
+        """Why a run waits (its ``reason`` and ``why``, from one fact): news to the widget and
+        the panel, not worth a write. True when it changed (listeners were told)."""
+        data = contract.why_dict(why)
+        if run.record["why"] == data and run.record["reason"] == (why.reason if why else None):
+            return False
+        run.record["reason"] = why.reason if why else None
+        run.record["why"] = data
+        self.changed(run)
+        return True
 
     def refresh_progress(self, run: Run) -> bool:
         """Apply the run's ``summary.json`` to its record if the file changed; True when the
@@ -442,7 +460,7 @@ class RunTable:
             plan = self.requeue_policy(run, state, reason)
             if plan is not None and self.requeue(run, plan, quiet=True):
                 return
-        run.record.update(state=state, reason=reason, finished_at=run.exited_at or utcnow_iso())
+        run.record.update(state=state, reason=reason, why=None, finished_at=run.exited_at or utcnow_iso())
         run.exited_at = None
         run.done_on_disk = done_on_disk
         self._active.pop(run.id, None)
@@ -475,6 +493,7 @@ class RunTable:
         run.record.update(
             state=contract.QUEUED,
             reason=plan.reason,
+            why=contract.why_dict(plan.why),
             pid=None,
             pid_create_time=None,
             exit_code=None,
@@ -639,6 +658,20 @@ class RunTable:
                 self._write_terminal(run, quiet=True)
             else:
                 self.save(run, quiet=True)
+
+
+class RunNames:
+    """The names of runs, looked up as dependencies are (a Mapping's ``get``): the policy names
+    the dependencies a run waits on."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: RunTable) -> None:
+        self._table = table
+
+    def get(self, run_id: str, /) -> str | None:
+        run = self._table.get(run_id)
+        return run.record["name"] if run is not None else None
 
 
 def parse_timestamp(text: Any) -> float:

@@ -42,6 +42,7 @@ from .runs import (
     Listener,
     Requeue,
     Run,
+    RunNames,
     RunTable,
     new_record,
     parse_timestamp,
@@ -76,9 +77,9 @@ class Scheduler:
         self.executors: dict[str, Executor] = {e.name: e for e in (executors or [LocalExecutor(self.models)])}
         # Admission's own view: the ledger runs waiting for resources, and those holding them.
         self._queued: dict[str, Run] = {}
-        # Queued runs held by a dependency still queued or running: (reason, dependencies). They
+        # Queued runs held by a dependency still queued or running: (why, dependencies). They
         # are kept out of admission's decisions and looked at again when a dependency changes.
-        self._blocked: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._blocked: dict[str, tuple[contract.Why, tuple[str, ...]]] = {}
         self._waiting_on: dict[str, set[str]] = {}  # dependency id -> blocked runs waiting on it
         self._eligible: dict[str, Run] = {}  # the queued runs not blocked: what a decision looks at
         self._running: dict[str, Run] = {}
@@ -238,11 +239,12 @@ class Scheduler:
             if left > 0 and self._loop is not None:
                 self._backoff[run.id] = self._loop.call_later(left, self._retry_due, run.id)
                 return
-            code = contract.reason_code(run.record["reason"])
-            if code == contract.PREEMPTED_BY:
-                run.requeued_reason = run.record["reason"].split("; now ", 1)[0]
-            elif code != contract.SERVER_RESTART:
-                run.record["reason"] = None
+            # What it waited for, from the record's data: a preemption stays ahead of admission's
+            # reasons, a restart's reason stays until admission's; anything else is decided again.
+            run.requeued_why = attempts.preemption_of(run.record)
+            code = (run.record["why"] or {}).get("code")
+            if run.requeued_why is None and code != contract.SERVER_RESTART:
+                run.record["reason"] = run.record["why"] = None
             self._enqueue(run)
         else:
             if executor.uses_ledger:
@@ -427,7 +429,7 @@ class Scheduler:
         self,
         spec: EvalSpec,
         idempotency_key: str | None,
-        sweep: tuple[str, dict[str, Any]] | None = None,
+        sweep: tuple[str, dict[str, Any], str | None] | None = None,
         vram_source: str | None = None,
     ) -> dict[str, Any]:
         """``vram_source`` given: the spec was checked already (a sweep's runs share one check)."""
@@ -449,6 +451,7 @@ class Scheduler:
             marginal_vram_source=vram_source,
             sweep_id=sweep[0] if sweep else None,
             sweep_point=sweep[1] if sweep else None,
+            sweep_name=sweep[2] if sweep else None,
         )
         files = {contract.SPEC_FILE: _dumps(spec_dict), contract.JOB_FILE: _dumps(record)}
         if not spec_dict.get("models"):  # known now: written here, off the loop, not at the start
@@ -558,7 +561,7 @@ class Scheduler:
                 self._loop.call_later(plan.delay_s, self._hand_over_again, run.id)
             return
         # Why it is back in the queue stays its reason while it waits (admission's reason follows).
-        run.requeued_reason = plan.reason if contract.reason_code(plan.reason) == contract.PREEMPTED_BY else None
+        run.requeued_why = plan.why if plan.why is not None and plan.why.code == contract.PREEMPTED_BY else None
         if plan.delay_s > 0 and self._loop is not None and not self._stopping:
             self._backoff[run.id] = self._loop.call_later(plan.delay_s, self._retry_due, run.id)
         else:
@@ -648,6 +651,7 @@ class Scheduler:
             self._dependency_states([run]),
             self.config.policy,
             reservation=self._reservation,
+            dependency_names=RunNames(self.table),
         )
         if decision.dependency_failed or decision.starts:
             if decision.starts:
@@ -657,8 +661,8 @@ class Scheduler:
                         waiting.passed_over += 1
             self._carry_out(decision)
             return
-        for reason in decision.waiting.values():
-            self.table.set_reason(run, _waiting_reason(run, reason))
+        for why in decision.why.values():
+            self.table.set_reason(run, _waiting_why(run, why))
 
     def _admit(self) -> None:
         self._admit_scheduled = False
@@ -714,14 +718,14 @@ class Scheduler:
             waiting: Run | Lease | None = self._queued.get(job_id) or self.leases.get(job_id)
             if waiting is not None:
                 waiting.passed_over += 1
-        for job_id, reason in decision.waiting.items():
+        for job_id, why in decision.why.items():
             queued_run = self._queued.get(job_id)
             if queued_run is not None:
-                self.table.set_reason(queued_run, _waiting_reason(queued_run, reason))
+                self.table.set_reason(queued_run, _waiting_why(queued_run, why))
                 continue
             lease = self.leases.get(job_id)
             if lease is not None and lease.live:
-                self.leases.set_reason(lease, reason)
+                self.leases.set_reason(lease, why)
 
     def _as_queued(self, run: Run, now: float) -> policy.QueuedJob:
         sched = run.scheduling
@@ -736,6 +740,7 @@ class Scheduler:
             depends_on=tuple(run.depends_on),
             waited_s=now - run.submitted_ts,
             passed_over=run.passed_over,
+            name=run.record["name"],
         )
 
     def _lease_as_queued(self, lease: Lease, now: float) -> policy.QueuedJob:
@@ -752,6 +757,7 @@ class Scheduler:
             passed_over=lease.passed_over,
             kind="lease",
             held=tuple(sorted(lease.observed.items())),
+            name=lease.holder,
         )
 
     def _dependency_states(self, runs: list[Run]) -> dict[str, str]:
@@ -782,15 +788,15 @@ class Scheduler:
         self._unblock(run.id)
         if run.id not in self._queued or not run.depends_on:
             return False
-        verdict = policy.dependency_verdict(run.depends_on, _DependencyStates(self.table))
-        if verdict is None or verdict[0] != "waiting":
+        verdict = policy.dependency_verdict(run.depends_on, _DependencyStates(self.table), RunNames(self.table))
+        if verdict is None or not isinstance(verdict[1], contract.Why):
             return False
         deps = tuple(run.depends_on)
         self._blocked[run.id] = (verdict[1], deps)
         self._eligible.pop(run.id, None)
         for dep in deps:
             self._waiting_on.setdefault(dep, set()).add(run.id)
-        self.table.set_reason(run, _waiting_reason(run, verdict[1]))
+        self.table.set_reason(run, _waiting_why(run, verdict[1]))
         return True
 
     def _unblock(self, run_id: str) -> None:
@@ -847,7 +853,9 @@ class Scheduler:
         self._head_lane = min((policy.effective_lane(q, self.config.policy) for q in queued), default=len(policy.LANES))
         cap = capacity(self._budgets, self.config.cpu_slots, self._unmanaged)
         deps = self._dependency_states(eligible)
-        return policy.decide(queued, self._running_jobs(), cap, deps, self.config.policy)
+        return policy.decide(
+            queued, self._running_jobs(), cap, deps, self.config.policy, dependency_names=RunNames(self.table)
+        )
 
     def _running_jobs(self) -> list[policy.RunningJob]:
         """What holds resources: running runs, then granted leases."""
@@ -864,6 +872,7 @@ class Scheduler:
                 runtime_s=now - (run.started_ts or now),
                 preemptions=run.record["preemptions"],
                 stopping=run.preempted_by is not None,
+                name=run.record["name"],
             )
             for run in self._running.values()
         ]
@@ -886,7 +895,7 @@ class Scheduler:
         self._dequeue(run.id)
         self._running[run.id] = run
         run.started_ts = time.time()
-        run.requeued_reason = None
+        run.requeued_why = None
         self.table.update(
             run,
             save=False,
@@ -1026,7 +1035,7 @@ class Scheduler:
                 if key is not None and key in self._by_key:
                     records.append(self._replay(self._by_key[key], one))
                     continue
-                records.append(await self._submit(one, key, (sweep_id, point), vram_source))
+                records.append(await self._submit(one, key, (sweep_id, point, spec.name), vram_source))
                 made.append(records[-1]["id"])
         except Exception:
             # No half-made sweep is left to run: the runs this call made are cancelled (their
@@ -1397,12 +1406,10 @@ class _DependencyStates:
         return run.state if run is not None else None
 
 
-def _waiting_reason(run: Run, reason: str) -> str:
-    """Admission's reason for a waiting run; for a preempted one, after ``preempted_by:<id>: ...``
+def _waiting_why(run: Run, why: contract.Why) -> contract.Why:
+    """Admission's why for a waiting run; for a preempted one, after ``preempted_by:<id>: ...``
     (the code stays the preemption's until it starts again)."""
-    if run.requeued_reason is None:
-        return reason
-    return contract.one_line(f"{run.requeued_reason}; now {reason}", 1000)
+    return attempts.waiting_after_preemption(run.requeued_why, why)
 
 
 def _entrypoint_problem(spec: EvalSpec, cwd: str) -> tuple[str, str] | None:
