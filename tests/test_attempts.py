@@ -227,6 +227,11 @@ async def test_a_preempted_run_says_so_while_it_stops_and_waits(api, wait_for, e
 
     await async_wait_until(requeued)
     assert any(x.startswith(f"preempting:{high['id']}: stops at its next episode boundary") for x in reasons), reasons
+    code, stopped = await api("GET", f"runs/{low['id']}")
+    # Its why while it waits: the preemption's, the run it stopped for its first holder, by name.
+    assert (stopped["why"]["code"], stopped["why"]["arg"]) == ("preempted_by", high["id"]), stopped["why"]
+    first = stopped["why"]["holders"][0]
+    assert (first["kind"], first["id"], first["name"]) == ("run", high["id"], high["name"]), stopped["why"]
 
     async def decided():  # admission has looked at it again: its reason still says why it is back
         code, r = await api("GET", f"runs/{low['id']}")
@@ -235,6 +240,7 @@ async def test_a_preempted_run_says_so_while_it_stops_and_waits(api, wait_for, e
     waiting = await async_wait_until(decided)
     assert waiting["reason"].startswith(f"preempted_by:{high['id']}: stopped after "), waiting["reason"]
     assert waiting["preemptions"] == 1 and waiting["state"] == "queued"
+    assert waiting["why"]["code"] == "preempted_by" and waiting["why"]["holders"][0]["id"] == high["id"]
     code, queue = await api("GET", "queue")
     assert [r["id"] for r in queue["running"]] == [high["id"]]
     await api("POST", f"runs/{high['id']}/cancel")

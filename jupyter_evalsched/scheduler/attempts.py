@@ -93,16 +93,13 @@ def preempted_why(by: str, done: int, total: int, holder: contract.Holder | None
 def waiting_after_preemption(preempted: contract.Why | None, now: contract.Why) -> contract.Why:
     """Admission's ``now`` for a run waiting since a preemption: after ``preempted_by:<id>: ...``
     (the code stays the preemption's until it starts again); the job it was stopped for stays
-    its first holder, then admission's."""
+    its first holder (with what admission says it holds, when it does), then admission's."""
     if preempted is None:
         return now
-    holders = [h for h in now.holders if h.id != preempted.arg]
+    first = [h for h in now.holders if h.id == preempted.arg][:1] or list(preempted.holders[:1])
+    rest = [h for h in now.holders if h.id != preempted.arg]
     return contract.Why(
-        preempted.code,
-        f"{preempted.detail}; now {now.reason}",
-        arg=preempted.arg,
-        holders=[*preempted.holders[:1], *holders],
-        limit=1000,
+        preempted.code, f"{preempted.detail}; now {now.reason}", arg=preempted.arg, holders=first + rest, limit=1000
     )
 
 
