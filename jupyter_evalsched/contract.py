@@ -85,7 +85,11 @@ def reason_code(text: str | None) -> str | None:
 
 def one_line(text: str, limit: int = 500) -> str:
     """Whitespace collapsed, at most ``limit`` characters: what a reason may carry of a message."""
-    text = " ".join(str(text).split())
+    text = str(text)
+    # Printable text has no whitespace but ASCII spaces: the split is needed only around doubled
+    # or outer spaces (admission makes a reason per waiting job; this keeps that cheap).
+    if not text.isprintable() or "  " in text or text[:1] == " " or text[-1:] == " ":
+        text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -597,6 +597,10 @@ def test_every_waiting_jobs_reason_is_its_why_and_its_holders_hold_what_it_needs
                 continue
             if holder.kind in ("kernel", "process"):
                 continue
+            if why.code == "waiting_cpu":  # a job that holds CPU slots
+                cpus = holding[holder.id][1].cpus if holder.id in holding else by_id[holder.id].cpus
+                assert cpus > 0 and holder.gpu is None, (holder, why)
+                continue
             if holder.id in holding:
                 devs, job = holding[holder.id]
                 charge = usable[holder.gpu] if job.exclusive else job.marginal_vram_mb
@@ -606,3 +610,29 @@ def test_every_waiting_jobs_reason_is_its_why_and_its_holders_hold_what_it_needs
                 charge = usable[holder.gpu] if started.exclusive else started.marginal_vram_mb
                 assert holder.name == started.name
             assert holder.gpu in devs and holder.mb == charge, (holder, why)
+
+
+def test_waiting_cpu_names_the_jobs_holding_the_slots():
+    running = [RunningJob("r", (), 0, cpus=6, name="tokenize"), RunningJob("lease", (0,), 1000, kind="lease", cpus=0)]
+    d = decide([q("a", 1, cpus=4)], running, ONE_GPU, {})
+    assert d.waiting["a"] == "waiting_cpu: needs 4 CPU slots; 2 of 8 free"
+    assert d.why["a"].holders == (Holder("run", "r", "tokenize"),)
+
+
+def test_a_reservation_carried_to_a_decision_about_a_new_job_names_its_job():
+    config = PolicyConfig(starvation_s=100)
+    running = [RunningJob("r", (0,), 20000)]
+    first = decide([q("big", 1, marginal_vram_mb=16000, waited_s=500, name="Big job")], running, ONE_GPU, {}, config)
+    carried = first.reservation()
+    assert carried is not None and (carried.job_id, carried.name) == ("big", "Big job")
+    later = decide([q("small", 2, marginal_vram_mb=1000)], running, ONE_GPU, {}, config, reservation=carried)
+    assert later.why["small"].holders == (Holder("run", "big", "Big job"),)
+    assert decide([], [], ONE_GPU, {}).reservation() is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(["a", "é", " ", "\n", "\t", "\u00a0", "\u2028", "\x1f"]), max_size=30))
+def test_one_line_collapses_every_kind_of_whitespace(text):
+    # Its fast path (printable text without doubled or outer spaces) must give what a split gives.
+    collapsed = " ".join(text.split())
+    assert contract.one_line(text, 20) == (collapsed if len(collapsed) <= 20 else collapsed[:19] + "…")

@@ -129,8 +129,22 @@ class Decision:
     reserved_for: str | None = None
     reserved_devices: tuple[int, ...] = ()
     reserved_cpus: int = 0
+    reserved_holder: Holder | None = None  # the job reserved for, as the reasons of the others name it
     # running run id -> the waiting job it is stopped for (it resumes later)
     preempt: dict[str, str] = field(default_factory=dict)
+
+    def reservation(self) -> Reservation | None:
+        """What a starving job holds, carried over to a decision about new jobs alone."""
+        if self.reserved_for is None:
+            return None
+        holder = self.reserved_holder
+        return Reservation(
+            self.reserved_for,
+            self.reserved_devices,
+            self.reserved_cpus,
+            holder.kind if holder else "run",
+            (holder.name or "") if holder else "",
+        )
 
     @property
     def waiting(self) -> dict[str, str]:
@@ -183,8 +197,11 @@ class _Book:
         "cpu_total",
         "leases",
         "users",
+        "cpu_users",
         "foreign",
+        "nearest",
     )
+    cpu_users: list[Holder]  # the jobs holding CPU slots
 
     def copy(self) -> _Book:
         twin = object.__new__(_Book)
@@ -193,6 +210,8 @@ class _Book:
         twin.exclusive = dict(self.exclusive)
         twin.leases = {k: list(v) for k, v in self.leases.items()}
         twin.users = {k: list(v) for k, v in self.users.items()}
+        twin.cpu_users = list(self.cpu_users)
+        twin.nearest = {}
         twin.foreign = self.foreign  # never changed after __init__
         return twin
 
@@ -206,6 +225,9 @@ class _Book:
             if self.exclusive.get(index) == run.id:
                 del self.exclusive[index]
             self.users[index] = [u for u in self.users[index] if u.id != run.id]
+        self.nearest.clear()
+        if run.cpus:
+            self.cpu_users = [u for u in self.cpu_users if u.id != run.id]
         self.cpu_free += run.cpus
 
     def __init__(self, capacity: Capacity, running: Sequence[RunningJob]):
@@ -216,6 +238,10 @@ class _Book:
         self.leases: dict[int, list[RunningJob]] = {d.index: [] for d in capacity.devices}
         # The runs and leases on each device, as holders (named in the reasons of what waits).
         self.users: dict[int, list[Holder]] = {d.index: [] for d in capacity.devices}
+        self.cpu_users = []
+        # gpus -> the holders of the devices a job needing that many is nearest to fitting on,
+        # until the next take or release: most waiting jobs of a decision share them.
+        self.nearest: dict[int, list[Holder]] = {}
         self.foreign: dict[int, tuple[Holder, ...]] = {d.index: d.holders for d in capacity.devices}
         self.exclusive: dict[int, str] = {}
         self.cpu_total = capacity.cpu_slots
@@ -253,6 +279,9 @@ class _Book:
             self.users[index].append(Holder(kind, run_id, name, index, charge))
             if exclusive:
                 self.exclusive[index] = run_id
+        self.nearest.clear()
+        if cpus:
+            self.cpu_users.append(Holder(kind, run_id, name))
         self.cpu_free -= cpus
 
     def candidates(self, job: QueuedJob, blocked: frozenset[int]) -> list[int]:
@@ -317,9 +346,8 @@ def decide(
     ordered = admission_order(eligible, config)
     reserved_devices: frozenset[int] = frozenset()
     reserved_cpus = 0
-    reserved_holder: Holder | None = None
     if reservation is not None:
-        reserved_holder = Holder(reservation.kind, reservation.job_id, reservation.name)
+        decision.reserved_holder = Holder(reservation.kind, reservation.job_id, reservation.name)
         decision.reserved_for = reservation.job_id
         reserved_devices = frozenset(reservation.devices)
         reserved_cpus = reservation.cpus
@@ -354,13 +382,13 @@ def decide(
                     contract.RESERVED_FOR,
                     f"{_describe_reservation(reserved_devices, reserved_cpus)} held for an older job",
                     arg=decision.reserved_for,
-                    holders=(reserved_holder,) if reserved_holder else (),
+                    holders=(decision.reserved_holder,) if decision.reserved_holder else (),
                 )
                 continue
         decision.why[job.id] = _why_waiting(job, book, placement is not None, blocked)
 
         if position == 0 and reservation is None and _starving(job, config):
-            reserved_holder = Holder(job.kind, job.id, job.name)
+            decision.reserved_holder = Holder(job.kind, job.id, job.name)
             decision.reserved_for = job.id
             reserved_devices = frozenset(_reservation_devices(job, book))
             reserved_cpus = job.cpus
@@ -558,19 +586,23 @@ def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[i
             rest = unmanaged - sum(mb for _, mb in kernels)
             if rest > 0:
                 text += f"; {rest} MB held by processes outside the scheduler"
-        return _why(contract.WAITING_VRAM, text, _holders(book, _nearest_devices(job, book)))
+        holders = book.nearest.get(job.gpus)
+        if holders is None:
+            holders = book.nearest[job.gpus] = _holders(book, _nearest_devices(job.gpus, book))
+        return _why(contract.WAITING_VRAM, text, holders)
     return _why(
         contract.WAITING_CPU,
         f"needs {job.cpus} CPU slot{'s' if job.cpus != 1 else ''}; {max(book.cpu_free, 0)} of {book.cpu_total} free",
+        book.cpu_users[:MAX_HOLDERS],
     )
 
 
-def _nearest_devices(job: QueuedJob, book: _Book) -> list[int]:
+def _nearest_devices(gpus: int, book: _Book) -> list[int]:
     """The devices a job waiting for VRAM is nearest to fitting on (most free first): what holds
     them is what stands in its way."""
     open_devices = [i for i in book.free if i not in book.exclusive] or list(book.free)
     open_devices.sort(key=lambda i: (-book.free[i], i))
-    return open_devices[: max(job.gpus, 1)]
+    return open_devices[: max(gpus, 1)]
 
 
 def _foreign(book: _Book, index: int) -> list[Holder]:

@@ -676,11 +676,7 @@ class Scheduler:
                     self._settled, self._reservation, self._head_lane = True, None, len(policy.LANES)
                     return
                 decision = self._decide()
-                self._reservation = (
-                    policy.Reservation(decision.reserved_for, decision.reserved_devices, decision.reserved_cpus)
-                    if decision.reserved_for
-                    else None
-                )
+                self._reservation = decision.reservation()
                 # Settled from here on, unless carrying the decision out asks for another one.
                 self._settled = True
                 self._carry_out(decision)
