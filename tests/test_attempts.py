@@ -7,6 +7,7 @@ Tests are plain ``async def``: pytest-jupyter runs them on the server's loop.
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -170,6 +171,9 @@ async def test_a_retry_waits_out_its_backoff_and_can_be_cancelled(api, wait_for,
     waiting = await async_wait_until(backing_off)
     assert waiting["reason"].startswith("retrying: attempt 2 (retry 1 of 1) in 300 s"), waiting["reason"]
     assert "after exit_code:4" in waiting["reason"] and waiting["retry_at"]
+    # Its why, the same fact as data, and written with the requeue.
+    assert (waiting["why"]["code"], waiting["why"]["holders"]) == ("retrying", []), waiting["why"]
+    assert json.loads((runs_dir / rec["id"] / "job.json").read_text())["why"] == waiting["why"]
     assert not (runs_dir / rec["id"] / "_DONE").exists()
     code, queue = await api("GET", "queue")
     assert rec["id"] in [r["id"] for r in queue["queued"]]
