@@ -157,3 +157,41 @@ async def test_a_preempted_runs_why_is_rebuilt_from_its_record_at_a_restart(jp_s
     assert (why["code"], why["arg"]) == ("preempted_by", "hi")
     assert why["holders"][0] == {"kind": "run", "id": "hi", "name": "the high one", "gpu": None, "mb": None}
     assert rec["reason"] == Why.from_dict(why).reason
+
+
+def test_a_queued_runs_why_is_there_again_after_a_restart(tmp_path):
+    """Across a restart of the server the run still waits, and its record says why as data: the
+    lease of a notebook whose process lives holds the GPUs."""
+    import subprocess
+
+    from waiting import wait_until
+
+    from jupyter_evalsched.client import LocalServer
+
+    runs = str(tmp_path / "runs")
+    notebook = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    fast = ["--EvalSchedApp.sweep_interval_s=0.3"]
+    body = {"entrypoint": NOOP, "episodes": 1, "cwd": "/", "scheduling": {"marginal_vram_mb": 16000}}
+    try:
+        with LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=fast) as first:
+            c = first.client()
+            held = c.request("POST", "leases", body={"vram_mb": 20000, "pid": notebook.pid, "label": "notes"})
+            assert held["state"] == "granted"
+            run = c.submit(body)
+            before = wait_until(lambda: c.get(run["id"])["why"], timeout=10)
+        with LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=fast) as second:
+            c = second.client()
+            after = wait_until(lambda: (rec := c.get(run["id"]))["why"] and rec, timeout=10)
+            assert after["state"] == "queued"
+            assert after["why"] == before, (after["why"], before)
+            assert after["why"]["holders"][0] == {
+                "kind": "lease",
+                "id": held["id"],
+                "name": "notes",
+                "gpu": 0,
+                "mb": 20000,
+            }
+            c.request("POST", f"runs/{run['id']}/cancel")
+    finally:
+        notebook.kill()
+        notebook.wait()
