@@ -310,7 +310,7 @@ class Reservation:
     job_id: str
     devices: tuple[int, ...]
     cpus: int
-    kind: str = "run"
+    kind: str = "run"  # the job's kind and name: the reasons of the jobs it holds back name it
     name: str = ""
 
 
