@@ -38,7 +38,7 @@ from .client import (
     load_spec_file,
     sweep_from_options,
 )
-from .client.formatting import compare_table
+from .client.formatting import compare_table, holder_text, pending_text
 from .client.sweep import sweep_record
 from .contract import SUCCEEDED, TERMINAL_STATES
 
@@ -165,7 +165,7 @@ def format_leases(leases: Sequence[dict]) -> str:
                 f"{item.get('vram_mb')}{' excl' if item.get('exclusive_gpu') else ''}",
                 ",".join(str(d) for d in item.get("devices") or []) or "-",
                 item.get("pid") or "-",
-                item.get("reason") or "",
+                pending_text(item),
             )
             for item in leases
         ],
@@ -208,7 +208,7 @@ def format_queue(view: dict) -> str:
                 [
                     (i + 1, q.get("id"), q.get("name"), q.get("priority"), q.get("marginal_vram_mb"))
                     + ((format_slurm(q) or "-",) if slurm else ())
-                    + (q.get("reason") or "",)
+                    + (pending_text(q),)
                     for i, q in enumerate(queued)
                 ],
                 ["#", "ID", "NAME", "PRIORITY", "VRAM_MB"] + (["SLURM"] if slurm else []) + ["REASON"],
@@ -453,6 +453,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     for key in keys:
         if key in rec and rec[key] not in (None, [], ""):
             print(f"{key:<17}{rec[key]}")
+    for holder in (rec.get("why") or {}).get("holders") or []:
+        print(f"{'held by':<17}{holder_text(holder)}")
     if rec.get("marginal_vram_source", "declared") != "declared":
         print(f"{'vram from':<17}{rec['marginal_vram_source']}")
     observed = rec.get("observed")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing is not imported at run time (see above); mypy knows this name
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterable, Mapping
     from typing import Any
 
 # --------------------------------------------------------------------------- states
@@ -85,8 +85,123 @@ def reason_code(text: str | None) -> str | None:
 
 def one_line(text: str, limit: int = 500) -> str:
     """Whitespace collapsed, at most ``limit`` characters: what a reason may carry of a message."""
-    text = " ".join(str(text).split())
+    text = str(text)
+    # Printable text has no whitespace but ASCII spaces: the split is needed only around doubled
+    # or outer spaces (admission makes a reason per waiting job; this keeps that cheap).
+    if not text.isprintable() or "  " in text or text[:1] == " " or text[-1:] == " ":
+        text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# --------------------------------------------------------------------------- why: a pending reason as data
+
+# What can stand in a pending job's way (``why.holders[].kind``).
+HOLDER_KINDS = ("run", "lease", "kernel", "process", "model", "user")
+
+
+class _Value:
+    """Compared and hashed by ``_key()``: a holder or a why is a value."""
+
+    __slots__ = ()
+
+    def _key(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+class Holder(_Value):
+    """What stands in a pending job's way: a run or lease (id and name), a notebook kernel (its
+    kernel id, its notebook path as name), another process (its pid as id), with the GPU and the
+    MB it holds there when that is what blocks. Plain slots, not a dataclass: see the module's
+    import rule."""
+
+    __slots__ = ("kind", "id", "name", "gpu", "mb")
+
+    def __init__(
+        self, kind: str, id: str | None = None, name: str | None = None, gpu: int | None = None, mb: int | None = None
+    ) -> None:
+        self.kind = kind
+        self.id = id
+        self.name = name or None
+        self.gpu = gpu
+        self.mb = mb
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "id": self.id, "name": self.name, "gpu": self.gpu, "mb": self.mb}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Holder:
+        return cls(data["kind"], data.get("id"), data.get("name"), data.get("gpu"), data.get("mb"))
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.kind, self.id, self.name, self.gpu, self.mb)
+
+    def __repr__(self) -> str:
+        return f"Holder{self._key()!r}"
+
+
+class Why(_Value):
+    """A pending reason as data (a record's ``why``): its code, argument, sentence and holders.
+    The record's ``reason`` string is derived from it (``reason``), never the other way round, so
+    the two cannot disagree and no reader parses the string."""
+
+    __slots__ = ("code", "arg", "detail", "holders")
+
+    def __init__(
+        self,
+        code: str,
+        detail: str | None = None,
+        *,
+        arg: object = None,
+        holders: Iterable[Holder] = (),
+        limit: int = 500,
+    ) -> None:
+        self.code = code
+        self.arg = None if arg is None else str(arg)
+        # Normalised as ``reason`` would cut it: the sentence in the data is the one in the string.
+        self.detail = one_line(detail, limit) if detail else None
+        self.holders = tuple(holders)
+
+    @property
+    def reason(self) -> str:
+        detail = self.detail
+        return reason(self.code, detail, arg=self.arg, limit=len(detail) if detail else 500)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "arg": self.arg,
+            "detail": self.detail,
+            "holders": [holder.as_dict() for holder in self.holders],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Why:
+        """A record's ``why`` read back (a recovered record): the same fact, as it was."""
+        detail = data.get("detail")
+        return cls(
+            data["code"],
+            detail,
+            arg=data.get("arg"),
+            holders=[Holder.from_dict(h) for h in data.get("holders") or ()],
+            limit=len(detail) if detail else 500,
+        )
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.code, self.arg, self.detail, self.holders)
+
+    def __repr__(self) -> str:
+        return f"Why({self.reason!r}, holders={list(self.holders)!r})"
+
+
+def why_dict(why: Why | None) -> dict[str, Any] | None:
+    """A record's ``why`` field: the data, or None when nothing is pending."""
+    return None if why is None else why.as_dict()
 
 
 # --------------------------------------------------------------------------- run directory

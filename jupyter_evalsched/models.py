@@ -264,6 +264,30 @@ class LeaseRequest(_Strict):
         return self
 
 
+HolderKind = Literal["run", "lease", "kernel", "process", "model", "user"]
+assert HolderKind.__args__ == contract.HOLDER_KINDS  # type: ignore[attr-defined]
+
+
+class Holder(BaseModel):
+    """What stands in a pending job's way (contract.Holder)."""
+
+    kind: HolderKind
+    id: str | None = Field(None, description="a run's or lease's id, a kernel's id, a process's pid")
+    name: str | None = Field(None, description="a run's name, a lease's label, a kernel's notebook path")
+    gpu: int | None = Field(None, description="the GPU it holds (NVML order), when that is what blocks")
+    mb: int | None = Field(None, description="the VRAM it holds on that GPU")
+
+
+class Why(BaseModel):
+    """A pending reason as data (contract.Why): the record's ``reason`` is derived from it."""
+
+    code: str = Field(description="the reason code (waiting_vram, reserved_for, preempted_by, ...)")
+    arg: str | None = Field(None, description="the code's argument: reserved_for:<arg>")
+    detail: str | None = Field(None, description="the human sentence after ': '")
+    # A default (not a factory) so that the document says it: always sent (pydantic copies it).
+    holders: list[Holder] = Field(default=[], description="what stands in the way, largest first")
+
+
 LeaseState = Literal["queued", "granted", "ended"]
 assert LeaseState.__args__ == contract.LEASE_STATES  # type: ignore[attr-defined]
 
@@ -277,6 +301,9 @@ class LeaseRecord(BaseModel):
     state: LeaseState
     reason: str | None = Field(
         None, description="why it waits, or how it ended (released, process_exited, ttl_expired)"
+    )
+    why: Why | None = Field(
+        None, description="why it waits, as data (its reason is derived from it); null once granted"
     )
     vram_mb: int
     gpus: int = 1
@@ -356,6 +383,9 @@ class RunRecord(BaseModel):
     name: str
     state: State
     reason: str | None = Field(None, description="a reason code, then an optional sentence after ': '")
+    why: Why | None = Field(
+        None, description="what it waits for, as data (its reason is derived from it); null when nothing is pending"
+    )
     priority: Priority = "normal"
     submitted_at: str
     started_at: str | None = None
@@ -402,6 +432,9 @@ class RunRecord(BaseModel):
     )
     start_detail: str | None = Field(None, description="which zygote forked it, or why it started cold")
     sweep_id: str | None = Field(None, description="the sweep the run belongs to (POST /evalsched/sweeps)")
+    sweep_name: str | None = Field(
+        None, description="its sweep's name: the base of its runs' names '<base> [<point>]' (null outside a sweep)"
+    )
     sweep_point: dict[str, Any] | None = Field(
         None, description="the parameters its sweep set for it (its params are the spec's updated with them)"
     )

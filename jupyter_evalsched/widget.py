@@ -40,7 +40,7 @@ from .client import (
     parse_time,
     register_notebook_progress,
 )
-from .client.formatting import ending_line
+from .client.formatting import ending_line, pending_text
 from .contract import (
     ABORTED,
     CANCELLED,
@@ -271,7 +271,7 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
     elif state == QUEUED:
         details.append(f"waiting {_age(rec.get('submitted_at'))}")
         if rec.get("reason"):
-            details.append(rec["reason"])
+            details.append(pending_text(rec))
     else:
         details.append(format_duration(elapsed_s(rec)))
         if rec.get("reason") and state != SUCCEEDED:
@@ -675,7 +675,7 @@ class RunProgress(widgets.VBox):
             else f"waiting {_age(record.get('submitted_at'))}",
         ]
         if record.get("reason") and state != SUCCEEDED:
-            parts.append(record["reason"])
+            parts.append(pending_text(record))
         parts.append(attempt_text(record))
         metrics = format_metrics(record)
         if metrics:

@@ -42,7 +42,8 @@ def write_run_dir(run_dir: Path, run_id: str, pid: int | None, pid_create_time: 
         "entrypoint": extra.pop("entrypoint", "x:y"),
         "episodes": extra.get("progress", {}).get("total", 1),
         "cwd": "/",
-        "scheduling": {},
+        # The spec is where a run's scheduling is read from (the record repeats it for readers).
+        "scheduling": {k: extra[k] for k in ("marginal_vram_mb", "priority") if k in extra},
     }
     if extra.get("detach"):
         spec["detach"] = True

@@ -7,6 +7,7 @@ Tests are plain ``async def``: pytest-jupyter runs them on the server's loop.
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -170,6 +171,9 @@ async def test_a_retry_waits_out_its_backoff_and_can_be_cancelled(api, wait_for,
     waiting = await async_wait_until(backing_off)
     assert waiting["reason"].startswith("retrying: attempt 2 (retry 1 of 1) in 300 s"), waiting["reason"]
     assert "after exit_code:4" in waiting["reason"] and waiting["retry_at"]
+    # Its why, the same fact as data, and written with the requeue.
+    assert (waiting["why"]["code"], waiting["why"]["holders"]) == ("retrying", []), waiting["why"]
+    assert json.loads((runs_dir / rec["id"] / "job.json").read_text())["why"] == waiting["why"]
     assert not (runs_dir / rec["id"] / "_DONE").exists()
     code, queue = await api("GET", "queue")
     assert rec["id"] in [r["id"] for r in queue["queued"]]
@@ -227,6 +231,11 @@ async def test_a_preempted_run_says_so_while_it_stops_and_waits(api, wait_for, e
 
     await async_wait_until(requeued)
     assert any(x.startswith(f"preempting:{high['id']}: stops at its next episode boundary") for x in reasons), reasons
+    code, stopped = await api("GET", f"runs/{low['id']}")
+    # Its why while it waits: the preemption's, the run it stopped for its first holder, by name.
+    assert (stopped["why"]["code"], stopped["why"]["arg"]) == ("preempted_by", high["id"]), stopped["why"]
+    first = stopped["why"]["holders"][0]
+    assert (first["kind"], first["id"], first["name"]) == ("run", high["id"], high["name"]), stopped["why"]
 
     async def decided():  # admission has looked at it again: its reason still says why it is back
         code, r = await api("GET", f"runs/{low['id']}")
@@ -235,6 +244,7 @@ async def test_a_preempted_run_says_so_while_it_stops_and_waits(api, wait_for, e
     waiting = await async_wait_until(decided)
     assert waiting["reason"].startswith(f"preempted_by:{high['id']}: stopped after "), waiting["reason"]
     assert waiting["preemptions"] == 1 and waiting["state"] == "queued"
+    assert waiting["why"]["code"] == "preempted_by" and waiting["why"]["holders"][0]["id"] == high["id"]
     code, queue = await api("GET", "queue")
     assert [r["id"] for r in queue["running"]] == [high["id"]]
     await api("POST", f"runs/{high['id']}/cancel")

@@ -96,6 +96,53 @@ def test_cli_tables_show_slurm_job_and_state():
     )
 
 
+def test_pending_reasons_are_told_from_why_naming_the_holders():
+    import io
+
+    from jupyter_evalsched.cli import format_leases, format_queue
+    from jupyter_evalsched.client.formatting import pending_head, pending_text
+    from jupyter_evalsched.client.progress import TextProgress
+    from jupyter_evalsched.contract import Holder, Why
+
+    why = Why(
+        "waiting_vram",
+        "needs 16000 MB on 1 GPU; most free is 4000 MB (GPU 0); 20000 MB held by kernel of work/a.ipynb",
+        holders=[
+            Holder("run", "r1", "train llama", 0, 20000),
+            Holder("kernel", "k1", "work/a.ipynb", 1, 20000),
+            Holder("process", "4242", "python", 1, 100),
+            Holder("lease", "lease-1", None, 1, 50),
+        ],
+    )
+    queued = {"id": "q1", "name": "waits", "state": "queued", "priority": "normal", "reason": why.reason}
+    queued["why"] = why.as_dict()
+    assert pending_text(queued) == (
+        "waiting_vram: behind run train llama (GPU 0, 20000 MB), kernel of work/a.ipynb (GPU 1, 20000 MB), "
+        "pid 4242 (python) (GPU 1, 100 MB), 1 more; " + why.detail
+    )
+    assert pending_head(queued) == "waiting_vram, behind run train llama"
+    assert "queued (waiting_vram, behind run train llama)" in TextProgress(stream=io.StringIO()).line(queued)
+    row = next(line for line in format_queue({"queued": [queued]}).splitlines() if " q1 " in line)
+    assert "behind run train llama (GPU 0, 20000 MB)" in row, row
+    preempting = Why("preempting", "stops at its next episode boundary", arg="h", holders=[Holder("run", "h", "high")])
+    assert pending_text({"reason": preempting.reason, "why": preempting.as_dict()}).startswith(
+        "preempting:h: for run high; stops"
+    )
+    lease_why = Why("reserved_for", "GPU 0 held for an older job", arg="big", holders=[Holder("run", "big", "Big")])
+    lease = {
+        "id": "lease-2",
+        "state": "queued",
+        "vram_mb": 1000,
+        "reason": lease_why.reason,
+        "why": lease_why.as_dict(),
+    }
+    assert "reserved_for:big: behind run Big; GPU 0 held" in format_leases([lease])
+    # Without a why (an end, or a record of an older server): the reason as it is.
+    ended = {"state": "failed", "reason": "exit_code:3: the run process exited", "why": None}
+    assert pending_text(ended) == ended["reason"] and pending_text({"reason": None}) == ""
+    assert pending_head({"state": "queued", "reason": "waiting_cpu: needs 3 CPU slots"}) == "waiting_cpu"
+
+
 # --------------------------------------------------------------------------- discovery
 
 

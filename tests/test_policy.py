@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jupyter_evalsched import contract, models
+from jupyter_evalsched.contract import Holder, Why
 from jupyter_evalsched.scheduler.policy import (
     Capacity,
     Device,
@@ -448,3 +451,188 @@ def test_preemption_properties(raw, cap, run_raw):
     # (Earlier waiting jobs may have claimed the stopping runs' room: only then may it not fit.)
     mine = [v for v in base if d.preempt.get(v.id) != first.id]
     assert first.id in {s.id for s in decide([first], mine, cap, {}, off).starts}
+
+
+# --------------------------------------------------------------------------- why: reasons as data
+
+
+def test_a_job_blocked_by_a_run_names_it_with_its_gpu_and_mb():
+    running = [RunningJob("big", (0,), 16000, name="train llama")]
+    d = decide([q("b", 2, marginal_vram_mb=16000)], running, ONE_GPU, {})
+    why = d.why["b"]
+    assert (why.code, why.arg) == ("waiting_vram", None)
+    assert why.holders == (Holder("run", "big", "train llama", 0, 16000),)
+    # The string of today, derived from the data.
+    assert d.waiting["b"] == why.reason == "waiting_vram: needs 16000 MB on 1 GPU; most free is 8000 MB (GPU 0)"
+
+
+def test_a_job_started_in_the_same_decision_is_a_holder_too():
+    d = decide([q("a", 1, marginal_vram_mb=16000, name="first"), q("b", 2, marginal_vram_mb=16000)], [], ONE_GPU, {})
+    assert d.why["b"].holders == (Holder("run", "a", "first", 0, 16000),)
+
+
+def test_the_holders_are_those_of_the_gpu_the_job_is_nearest_to_fit_on():
+    running = [RunningJob("r0", (0,), 20000, name="on zero"), RunningJob("r1", (1,), 12000, name="on one")]
+    d = decide([q("b", 2, marginal_vram_mb=16000)], running, TWO_GPUS, {})
+    assert d.why["b"].holders == (Holder("run", "r1", "on one", 1, 12000),)
+
+
+def test_a_job_blocked_by_a_lease_names_it_by_its_label():
+    lease = RunningJob("lease-1", (0,), 20000, kind="lease", label="analysis.ipynb", cpus=0)
+    d = decide([q("b", 2, marginal_vram_mb=16000)], [lease], ONE_GPU, {})
+    assert d.why["b"].holders == (Holder("lease", "lease-1", "analysis.ipynb", 0, 20000),)
+    assert "lease lease-1 (analysis.ipynb) holds 20000 MB on GPU 0" in d.waiting["b"]
+
+
+def test_a_job_blocked_by_a_kernels_memory_names_the_notebook():
+    kernel = Holder("kernel", "k-1", "work/analysis.ipynb", 0, 15000)
+    other = Holder("process", "4242", "python", 0, 5000)
+    cap = Capacity(devices=(Device(0, 24000, unmanaged_mb=20000, holders=(kernel, other)),), cpu_slots=4)
+    d = decide([q("a", 1, marginal_vram_mb=8000)], [], cap, {})
+    assert d.why["a"].code == "waiting_vram"
+    assert d.why["a"].holders == (kernel, other)
+    assert d.waiting["a"] == (
+        "waiting_vram: needs 8000 MB on 1 GPU; most free is 4000 MB (GPU 0); "
+        "15000 MB held by kernel of work/analysis.ipynb; 5000 MB held by processes outside the scheduler"
+    )
+
+
+def test_a_kernels_memory_absorbed_by_its_own_lease_is_not_named():
+    # The lease of the kernel that holds 15000 MB is granted in this decision: that memory is the
+    # lease's from then on, and what waits behind it is told of the lease, not of the kernel.
+    kernel = Holder("kernel", "k-1", "analysis.ipynb", 0, 15000)
+    cap = Capacity(devices=(Device(0, 24000, unmanaged_mb=15000, holders=(kernel,)),), cpu_slots=4)
+    own = q("lease-k", 1, marginal_vram_mb=16000, cpus=0, kind="lease", held=((0, 15000),), name="analysis.ipynb")
+    d = decide([own, q("b", 2, marginal_vram_mb=16000)], [], cap, {})
+    assert [s.id for s in d.starts] == ["lease-k"]
+    assert d.why["b"].holders == (Holder("lease", "lease-k", "analysis.ipynb", 0, 16000),)
+    assert "kernel" not in d.waiting["b"]
+
+
+def test_an_exclusive_job_names_everything_on_the_busy_gpus():
+    running = [RunningJob("r", (0,), 1000, name="small")]
+    foreign = Holder("process", "7", "x", 1, 2000)
+    cap = Capacity(devices=(Device(0, 24000), Device(1, 24000, 2000, (foreign,))), cpu_slots=8)
+    d = decide([q("x", 1, exclusive=True)], running, cap, {})
+    assert d.why["x"].code == "waiting_gpu_exclusive"
+    assert d.why["x"].holders == (foreign, Holder("run", "r", "small", 0, 1000))
+
+
+def test_reserved_for_names_the_job_it_is_held_for():
+    config = PolicyConfig(starvation_s=100)
+    running = [RunningJob("r", (0,), 20000)]
+    d = decide(
+        [q("big", 1, marginal_vram_mb=16000, waited_s=500, name="Big job"), q("small", 2, marginal_vram_mb=1000)],
+        running,
+        ONE_GPU,
+        {},
+        config,
+    )
+    why = d.why["small"]
+    assert (why.code, why.arg) == ("reserved_for", "big")
+    assert why.holders == (Holder("run", "big", "Big job"),)
+    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job"
+
+
+def test_waiting_dependency_names_the_dependencies():
+    d = decide(
+        [q("a", 1, depends_on=("d1", "d2", "d3"))],
+        [],
+        ONE_GPU,
+        {"d1": "running", "d2": "succeeded", "d3": "queued"},
+        dependency_names={"d1": "prepare", "d3": "tokenize"},
+    )
+    assert d.why["a"].holders == (Holder("run", "d1", "prepare"), Holder("run", "d3", "tokenize"))
+    assert d.waiting["a"] == "waiting_dependency: d1 is running; d3 is queued"
+
+
+named_running_st = st.lists(
+    st.tuples(
+        st.sampled_from(["run", "lease"]),
+        st.booleans(),
+        st.sampled_from([0, 4000, 12000, 20000]),
+        st.integers(0, 3),
+        st.integers(0, 2),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=jobs_st, cap=capacity_st, run_raw=named_running_st)
+def test_every_waiting_jobs_reason_is_its_why_and_its_holders_hold_what_it_needs(raw, cap, run_raw):
+    """For every waiting job: the reason is the contract's string of its why, the why survives
+    JSON and the record's model unchanged, and each run or lease it names holds what it names
+    (the GPU is one of that job's, the MB its charge there)."""
+    devices = [d.index for d in cap.devices]
+    usable = {d.index: d.usable_mb for d in cap.devices}
+    running = [
+        RunningJob(
+            f"{kind}{i}",
+            (devices[dev % len(devices)],) if devices and (vram or excl) else (),
+            vram,
+            excl,
+            0 if kind == "lease" else cpus,
+            kind=kind,
+            label=f"label {i}" if kind == "lease" else "",
+            name=f"name {i}" if kind == "run" else "",
+        )
+        for i, (kind, excl, vram, dev, cpus) in enumerate(run_raw)
+    ]
+    queued = [replace(j, name=f"queued {j.id}") for j in _queued(raw) if never_fits(j, cap) is None]
+    d = decide(queued, running, cap, {})
+    holding = {r.id: (r.devices, r) for r in running}
+    placed = {s.id: s.devices for s in d.starts}
+    by_id = {j.id: j for j in queued}
+    assert set(d.waiting) == set(d.why)
+    for job_id, why in d.why.items():
+        assert d.waiting[job_id] == contract.reason(why.code, why.detail, arg=why.arg, limit=10_000)
+        data = json.loads(json.dumps(why.as_dict()))
+        assert Why.from_dict(data) == why
+        assert models.Why.model_validate(data).model_dump() == data
+        for holder in why.holders:
+            assert holder.kind in contract.HOLDER_KINDS
+            if why.code == "reserved_for":
+                assert holder.id == why.arg
+                continue
+            if holder.kind in ("kernel", "process"):
+                continue
+            if why.code == "waiting_cpu":  # a job that holds CPU slots
+                cpus = holding[holder.id][1].cpus if holder.id in holding else by_id[holder.id].cpus
+                assert cpus > 0 and holder.gpu is None, (holder, why)
+                continue
+            if holder.id in holding:
+                devs, job = holding[holder.id]
+                charge = usable[holder.gpu] if job.exclusive else job.marginal_vram_mb
+                assert (holder.name, holder.kind) == (job.label or job.name, job.kind)
+            else:
+                devs, started = placed[holder.id], by_id[holder.id]
+                charge = usable[holder.gpu] if started.exclusive else started.marginal_vram_mb
+                assert holder.name == started.name
+            assert holder.gpu in devs and holder.mb == charge, (holder, why)
+
+
+def test_waiting_cpu_names_the_jobs_holding_the_slots():
+    running = [RunningJob("r", (), 0, cpus=6, name="tokenize"), RunningJob("lease", (0,), 1000, kind="lease", cpus=0)]
+    d = decide([q("a", 1, cpus=4)], running, ONE_GPU, {})
+    assert d.waiting["a"] == "waiting_cpu: needs 4 CPU slots; 2 of 8 free"
+    assert d.why["a"].holders == (Holder("run", "r", "tokenize"),)
+
+
+def test_a_reservation_carried_to_a_decision_about_a_new_job_names_its_job():
+    config = PolicyConfig(starvation_s=100)
+    running = [RunningJob("r", (0,), 20000)]
+    first = decide([q("big", 1, marginal_vram_mb=16000, waited_s=500, name="Big job")], running, ONE_GPU, {}, config)
+    carried = first.reservation()
+    assert carried is not None and (carried.job_id, carried.name) == ("big", "Big job")
+    later = decide([q("small", 2, marginal_vram_mb=1000)], running, ONE_GPU, {}, config, reservation=carried)
+    assert later.why["small"].holders == (Holder("run", "big", "Big job"),)
+    assert decide([], [], ONE_GPU, {}).reservation() is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(["a", "é", " ", "\n", "\t", "\u00a0", "\u2028", "\x1f"]), max_size=30))
+def test_one_line_collapses_every_kind_of_whitespace(text):
+    # Its fast path (printable text without doubled or outer spaces) must give what a split gives.
+    collapsed = " ".join(text.split())
+    assert contract.one_line(text, 20) == (collapsed if len(collapsed) <= 20 else collapsed[:19] + "…")

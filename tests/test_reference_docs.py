@@ -103,12 +103,6 @@ def test_every_field_of_the_records_and_the_spec_is_in_the_reference(model, titl
     assert not missing, f"fields of {model.__name__} missing from docs/reference.md, '{title}': {missing}"
 
 
-# Fields the reference documents ahead of their merge (the third wave's `why` on run and lease
-# records and `sweep_name` on sweep runs are built on another branch): allowed in the tables
-# before the models have them. Once the models do, the forward checks above cover them.
-AHEAD_OF_THE_MODELS = {"why", "sweep_name"}
-
-
 def table_names(text: str) -> set[str]:
     """The inline-code names in the first column of the markdown tables of ``text``."""
     names: set[str] = set()
@@ -126,7 +120,7 @@ def test_the_reference_documents_no_field_the_models_lack(models, title):
     documented = table_names(section(title))
     assert len(documented) >= 10
     known = set().union(*(m.model_fields for m in models))
-    extra = sorted(documented - known - AHEAD_OF_THE_MODELS)
+    extra = sorted(documented - known)
     assert not extra, f"docs/reference.md, '{title}', documents fields the models do not have: {extra}"
 
 

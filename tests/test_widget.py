@@ -346,3 +346,15 @@ def test_run_progress_resumes_a_failed_run_and_follows_it(client, clean_queue):
         assert "cannot be resumed" in progress._status.value
     finally:
         progress.close()
+
+
+def test_a_queued_row_names_what_holds_it_from_its_why():
+    from jupyter_evalsched.contract import Holder, Why
+
+    why = Why("waiting_vram", "needs 16000 MB on 1 GPU", holders=[Holder("lease", "lease-1", "notes.ipynb", 0, 20000)])
+    rec = {"id": "q", "name": "waits", "state": "queued", "progress": {}, "reason": why.reason, "why": why.as_dict()}
+    assert "waiting_vram: behind lease notes.ipynb (GPU 0, 20000 MB); needs 16000 MB on 1 GPU" in run_row_html(rec)
+    # A record without a why shows its reason as it is.
+    assert "waiting_cpu: needs 3 CPU slots" in run_row_html(
+        {**rec, "why": None, "reason": "waiting_cpu: needs 3 CPU slots"}
+    )

@@ -1,5 +1,5 @@
 """Plain-text pieces of a run record shared by the text progress bar, the CLI and the widget:
-times, durations and metric means."""
+times, durations, metric means and what a pending run or lease waits for."""
 
 from __future__ import annotations
 
@@ -126,3 +126,58 @@ def ending_line(record: dict) -> str:
                 text += f" ± {std / (count - 1) ** 0.5:.2g}"  # the summary's std is the population's
             break
     return text
+
+
+def holder_name(holder: dict) -> str:
+    """Who a holder of a record's ``why`` is: ``run train``, ``kernel of analysis.ipynb``,
+    ``pid 4242 (python)``."""
+    kind, ident, name = holder.get("kind"), holder.get("id"), holder.get("name")
+    if kind == "kernel":
+        return f"kernel of {name}" if name else f"kernel {ident}"
+    if kind == "process":
+        return f"pid {ident}" + (f" ({name})" if name else "")
+    return f"{kind} {name or ident}"  # a run or lease (by name, else id), a model, a user
+
+
+def holder_text(holder: dict) -> str:
+    """A holder and what it holds: ``run train (GPU 0, 16000 MB)``."""
+    where = []
+    if holder.get("gpu") is not None:
+        where.append(f"GPU {holder['gpu']}")
+    if holder.get("mb"):
+        where.append(f"{holder['mb']} MB")
+    return holder_name(holder) + (f" ({', '.join(where)})" if where else "")
+
+
+def _why_head(why: dict) -> str:
+    return why["code"] if why.get("arg") is None else f"{why['code']}:{why['arg']}"
+
+
+def _preposition(why: dict) -> str:
+    return "for" if why["code"] == "preempting" else "behind"
+
+
+def pending_text(record: dict, holders: int = 3) -> str:
+    """What a queued run or lease waits for, from its ``why``: its code, who holds it back (the
+    first ``holders`` of them), then the sentence: ``waiting_vram: behind run train (GPU 0, 16000
+    MB); needs 16000 MB on 1 GPU; ...``. Its ``reason`` as it is when it has no why or no holders
+    (a record of an older server, an end)."""
+    why = record.get("why")
+    if not isinstance(why, dict) or not why.get("holders"):
+        return record.get("reason") or ""
+    named = [holder_text(h) for h in why["holders"][:holders]]
+    more = len(why["holders"]) - len(named)
+    if more > 0:
+        named.append(f"{more} more")
+    text = f"{_why_head(why)}: {_preposition(why)} {', '.join(named)}"
+    return text + (f"; {why['detail']}" if why.get("detail") else "")
+
+
+def pending_head(record: dict) -> str:
+    """The short form, for a progress line: ``waiting_vram, behind run train``; the code alone
+    without a why (a record of an older server)."""
+    why = record.get("why")
+    if not isinstance(why, dict):
+        return (record.get("reason") or "").split(": ")[0]
+    first = (why.get("holders") or [None])[0]
+    return _why_head(why) + (f", {_preposition(why)} {holder_name(first)}" if first else "")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..contract import QUEUED, RUNNING, SUCCEEDED
-from .formatting import elapsed_s, format_duration, format_metrics
+from .formatting import elapsed_s, format_duration, format_metrics, pending_head
 
 if TYPE_CHECKING:
     from .handle import RunHandle
@@ -53,7 +53,7 @@ class TextProgress:
         bar = "#" * filled + "-" * (self.width - filled)
         state = rec.get("state", "?")
         if state == QUEUED and rec.get("reason"):
-            state = f"queued ({rec['reason'].split(': ')[0]})"  # the code, without the sentence
+            state = f"queued ({pending_head(rec)})"  # the code and who holds it, without the sentence
         elif state not in (RUNNING, SUCCEEDED) and rec.get("reason"):
             state = f"{state} ({rec['reason']})"
         metrics = format_metrics(rec, limit=3)

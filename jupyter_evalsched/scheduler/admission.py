@@ -27,7 +27,7 @@ from .config import SchedulerConfig
 from .executors import Executor
 from .leases import Lease, LeaseTable
 from .ledger import Capacity
-from .runs import Run, RunTable, parse_timestamp
+from .runs import Run, RunNames, RunTable, parse_timestamp
 
 
 class Carrier(Protocol):
@@ -42,7 +42,7 @@ class Carrier(Protocol):
     def preempt(self, run: Run, by: str) -> None:
         """Stop the running ``run`` at its next episode boundary so that ``by`` can start."""
 
-    def waiting(self, job: Run | Lease, reason: str) -> None:
+    def waiting(self, job: Run | Lease, why: contract.Why) -> None:
         """Why a queued run or lease waits (news, not a transition)."""
 
 
@@ -69,7 +69,7 @@ class Admission:
         self._queued: dict[str, Run] = {}
         # Queued runs held by a dependency still queued or running: (reason, dependencies). They
         # are kept out of decisions and looked at again when a dependency changes.
-        self._blocked: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._blocked: dict[str, tuple[contract.Why, tuple[str, ...]]] = {}
         self._waiting_on: dict[str, set[str]] = {}  # dependency id -> blocked runs waiting on it
         self._eligible: dict[str, Run] = {}  # the queued runs not blocked: what a decision looks at
         self._running: dict[str, Run] = {}
@@ -195,7 +195,7 @@ class Admission:
                 self._loop.call_later(plan.delay_s, self._hand_over_again, run.id)
             return
         # Why it is back in the queue stays its reason while it waits (admission's reason follows).
-        run.requeued_reason = plan.reason if contract.reason_code(plan.reason) == contract.PREEMPTED_BY else None
+        run.requeued_why = plan.why if plan.why is not None and plan.why.code == contract.PREEMPTED_BY else None
         if plan.delay_s > 0 and self._loop is not None and not self.stopping:
             self._backoff[run.id] = self._loop.call_later(plan.delay_s, self._retry_due, run.id)
         else:
@@ -253,10 +253,11 @@ class Admission:
         if left > 0 and self._loop is not None:
             self._backoff[run.id] = self._loop.call_later(left, self._retry_due, run.id)
             return
-        code = contract.reason_code(run.record["reason"])
-        if code == contract.PREEMPTED_BY:
-            run.requeued_reason = run.record["reason"].split("; now ", 1)[0]
-        elif code != contract.SERVER_RESTART:
+        # What it waited for, from the record's data: a preemption stays ahead of admission's
+        # reasons, a restart's reason stays until admission's; anything else is decided again.
+        run.requeued_why = attempts.preemption_of(run.record)
+        code = (run.record["why"] or {}).get("code")
+        if run.requeued_why is None and code != contract.SERVER_RESTART:
             self.table.update(run, save=False, notify=False, reason=None)
         self.enqueue(run)
 
@@ -302,6 +303,7 @@ class Admission:
             self._dependency_states([run]),
             self.config.policy,
             reservation=self._reservation,
+            dependency_names=RunNames(self.table),
         )
         if decision.dependency_failed or decision.starts:
             if decision.starts:
@@ -311,8 +313,8 @@ class Admission:
                         waiting.passed_over += 1
             self._carry_out(decision)
             return
-        for reason in decision.waiting.values():
-            self.carrier.waiting(run, _waiting_reason(run, reason))
+        for why in decision.why.values():
+            self.carrier.waiting(run, _waiting_why(run, why))
 
     def _admit(self) -> None:
         self._admit_scheduled = False
@@ -326,11 +328,7 @@ class Admission:
                     self._settled, self._reservation, self._head_lane = True, None, len(policy.LANES)
                     return
                 decision = self._decide()
-                self._reservation = (
-                    policy.Reservation(decision.reserved_for, decision.reserved_devices, decision.reserved_cpus)
-                    if decision.reserved_for
-                    else None
-                )
+                self._reservation = decision.reservation()
                 # Settled from here on, unless carrying the decision out asks for another one.
                 self._settled = True
                 self._carry_out(decision)
@@ -349,7 +347,9 @@ class Admission:
         policy_config = self.config.policy
         self._head_lane = min((policy.effective_lane(q, policy_config) for q in queued), default=len(policy.LANES))
         deps = self._dependency_states(eligible)
-        return policy.decide(queued, self.running_jobs(), self.capacity(), deps, policy_config)
+        return policy.decide(
+            queued, self.running_jobs(), self.capacity(), deps, policy_config, dependency_names=RunNames(self.table)
+        )
 
     def _carry_out(self, decision: policy.Decision) -> None:
         with self.table.deferring_writes():  # thousands of dependents can fail at once
@@ -378,21 +378,21 @@ class Admission:
             waiting: Run | Lease | None = self._queued.get(job_id) or self.leases.get(job_id)
             if waiting is not None:
                 waiting.passed_over += 1
-        for job_id, reason in decision.waiting.items():
+        for job_id, why in decision.why.items():
             queued_run = self._queued.get(job_id)
             if queued_run is not None:
-                self.carrier.waiting(queued_run, _waiting_reason(queued_run, reason))
+                self.carrier.waiting(queued_run, _waiting_why(queued_run, why))
                 continue
             lease = self.leases.get(job_id)
             if lease is not None and lease.live:
-                self.carrier.waiting(lease, reason)
+                self.carrier.waiting(lease, why)
 
     def _launch(self, run: Run, devices: tuple[int, ...]) -> None:
         """Take the resources now (the ledger changes in this very decision), then start the run."""
         self.dequeue(run.id)
         self._running[run.id] = run
         run.started_ts = time.time()
-        run.requeued_reason = None
+        run.requeued_why = None
         self.carrier.launch(run, devices)
 
     # ----------------------------------------------------------------- jobs as the policy sees them
@@ -402,6 +402,7 @@ class Admission:
         return policy.QueuedJob(
             id=run.id,
             seq=run.record["seq"],
+            name=run.record["name"],
             priority=sched.priority,
             marginal_vram_mb=sched.marginal_vram_mb,
             gpus=sched.gpus,
@@ -417,6 +418,7 @@ class Admission:
         return policy.QueuedJob(
             id=lease.id,
             seq=rec["seq"],
+            name=lease.holder,
             priority=rec["priority"],
             marginal_vram_mb=rec["vram_mb"],
             gpus=rec["gpus"],
@@ -434,6 +436,7 @@ class Admission:
         jobs = [
             policy.RunningJob(
                 id=run.id,
+                name=run.record["name"],
                 devices=tuple(run.record["devices"]),
                 marginal_vram_mb=run.scheduling.marginal_vram_mb,
                 exclusive=run.scheduling.exclusive_gpu,
@@ -507,15 +510,15 @@ class Admission:
         self._unblock(run.id)
         if run.id not in self._queued or not run.depends_on:
             return False
-        verdict = policy.dependency_verdict(run.depends_on, _DependencyStates(self.table))
-        if verdict is None or verdict[0] != "waiting":
+        verdict = policy.dependency_verdict(run.depends_on, _DependencyStates(self.table), RunNames(self.table))
+        if verdict is None or not isinstance(verdict[1], contract.Why):
             return False
         deps = tuple(run.depends_on)
         self._blocked[run.id] = (verdict[1], deps)
         self._eligible.pop(run.id, None)
         for dep in deps:
             self._waiting_on.setdefault(dep, set()).add(run.id)
-        self.carrier.waiting(run, _waiting_reason(run, verdict[1]))
+        self.carrier.waiting(run, _waiting_why(run, verdict[1]))
         return True
 
     def _unblock(self, run_id: str) -> None:
@@ -546,9 +549,7 @@ class _DependencyStates:
         return run.state if run is not None else None
 
 
-def _waiting_reason(run: Run, reason: str) -> str:
-    """Admission's reason for a waiting run; for a preempted one, after ``preempted_by:<id>: ...``
+def _waiting_why(run: Run, why: contract.Why) -> contract.Why:
+    """Admission's why for a waiting run; for a preempted one, after ``preempted_by:<id>: ...``
     (the code stays the preemption's until it starts again)."""
-    if run.requeued_reason is None:
-        return reason
-    return contract.one_line(f"{run.requeued_reason}; now {reason}", 1000)
+    return attempts.waiting_after_preemption(run.requeued_why, why)

@@ -181,6 +181,7 @@ class LeaseTable:
         rec.update(
             state=LEASE_GRANTED,
             reason=None,
+            why=None,
             devices=list(devices),
             cuda_visible_devices=",".join(str(d) for d in devices),
             granted_at=utcnow_iso(),
@@ -189,9 +190,12 @@ class LeaseTable:
         self._save(lease)
         self.changed(lease)
 
-    def set_reason(self, lease: Lease, reason: str | None) -> None:
-        if lease.record["reason"] != reason:
-            lease.record["reason"] = reason
+    def set_reason(self, lease: Lease, why: contract.Why | None) -> None:
+        """Why a queued lease waits (its ``reason`` and ``why``, from one fact)."""
+        data = contract.why_dict(why)
+        if lease.record["why"] != data or lease.record["reason"] != (why.reason if why else None):
+            lease.record["reason"] = why.reason if why else None
+            lease.record["why"] = data
             self.changed(lease)
 
     def set_observed(self, lease: Lease, observed: dict[int, int], over_mb: int) -> None:
@@ -214,7 +218,7 @@ class LeaseTable:
         """End a lease (idempotent: False when it had ended already)."""
         if not lease.live:
             return False
-        lease.record.update(state=LEASE_ENDED, reason=contract.reason(code, detail), ended_at=utcnow_iso())
+        lease.record.update(state=LEASE_ENDED, reason=contract.reason(code, detail), why=None, ended_at=utcnow_iso())
         self._unwatch(lease)
         self._save(lease)
         self._prune()

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..contract import Holder
 from .gpus import GpuInfo, GpuProcess
 from .kernels import KernelInfo
 from .policy import Capacity, Device, RunningJob
@@ -131,10 +132,31 @@ def account(
 
 
 def capacity(budgets: list[DeviceBudget], cpu_slots: int, unmanaged: Mapping[int, Unmanaged]) -> Capacity:
-    return Capacity(
-        devices=tuple(Device(b.index, b.usable_mb, unmanaged.get(b.index, Unmanaged()).mb) for b in budgets),
-        cpu_slots=cpu_slots,
-    )
+    devices = []
+    for b in budgets:
+        foreign = unmanaged.get(b.index, Unmanaged())
+        devices.append(Device(b.index, b.usable_mb, foreign.mb, unmanaged_holders(b.index, foreign)))
+    return Capacity(devices=tuple(devices), cpu_slots=cpu_slots)
+
+
+def unmanaged_holders(index: int, unmanaged: Unmanaged) -> tuple[Holder, ...]:
+    """Who holds a device's unmanaged VRAM, largest first: a kernel (its processes together) by
+    its notebook, any other process by its pid. What a lease's process holds is the lease's."""
+    kernels: dict[str, Holder] = {}
+    out: list[Holder] = []
+    for proc in unmanaged.processes:
+        if proc.get("lease_id") is not None or not proc.get("used_mb"):
+            continue
+        kernel_id = proc.get("kernel_id")
+        if kernel_id is None:
+            out.append(Holder("process", str(proc["pid"]), proc.get("name") or None, index, int(proc["used_mb"])))
+            continue
+        seen = kernels.get(kernel_id)
+        mb = int(proc["used_mb"]) + (seen.mb or 0 if seen is not None else 0)
+        kernels[kernel_id] = Holder("kernel", kernel_id, proc.get("session_path"), index, mb)
+    out += kernels.values()
+    out.sort(key=lambda h: (-(h.mb or 0), h.kind, h.id or ""))
+    return tuple(out)
 
 
 def ledger_view(

@@ -25,6 +25,11 @@ the same rules. A process that already holds VRAM outside the scheduler (a kerne
 model before asking for its lease) is charged ``max(lease, observed)``, never both: the job's
 ``held`` figures are the VRAM of its own process already counted as unmanaged on each device,
 which its placement absorbs.
+
+Every waiting job gets a ``contract.Why``: its reason as data, with the holders that stand in its
+way (the runs and leases on the GPUs it needs, the kernels and other processes holding VRAM there,
+the job a reservation is for, the dependencies it waits on). Its ``reason`` string is derived
+from it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from itertools import combinations
 from typing import Protocol
 
 from .. import contract
+from ..contract import Holder, Why
 
 LANES = contract.LANES
 LANE_INDEX = {name: i for i, name in enumerate(LANES)}
@@ -55,6 +61,7 @@ class QueuedJob:
     kind: str = "run"  # "run" or "lease"
     # (device, MB): VRAM this job's own process already holds there, counted as unmanaged.
     held: tuple[tuple[int, int], ...] = ()
+    name: str = ""  # named as a holder in the reasons of the jobs it holds back
 
     @property
     def uses_gpu(self) -> bool:
@@ -75,6 +82,7 @@ class RunningJob:
     runtime_s: float = 0.0  # how long its current attempt has run
     preemptions: int = 0
     stopping: bool = False  # told to stop (preempted): its resources are about to be freed
+    name: str = ""  # a run's name, named as a holder in the reasons of jobs it holds back (a lease's is its label)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +91,8 @@ class Device:
     usable_mb: int
     # VRAM held by processes the scheduler does not manage (observed through NVML).
     unmanaged_mb: int = 0
+    # Who holds that VRAM: kernels (named by their notebook) and other processes, largest first.
+    holders: tuple[Holder, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +120,8 @@ class Start:
 @dataclass(slots=True)
 class Decision:
     starts: list[Start] = field(default_factory=list)
-    # id -> pending reason ("code" or "code: sentence"), for every queued job that does not start
-    waiting: dict[str, str] = field(default_factory=dict)
+    # id -> why it waits (its reason as data), for every queued job that does not start
+    why: dict[str, Why] = field(default_factory=dict)
     # id -> the dependency that did not succeed; these jobs end ``failed`` without running
     dependency_failed: dict[str, str] = field(default_factory=dict)
     # ids of waiting jobs that a later job overtook in this decision (feeds ``passed_over``)
@@ -119,8 +129,27 @@ class Decision:
     reserved_for: str | None = None
     reserved_devices: tuple[int, ...] = ()
     reserved_cpus: int = 0
+    reserved_holder: Holder | None = None  # the job reserved for, as the reasons of the others name it
     # running run id -> the waiting job it is stopped for (it resumes later)
     preempt: dict[str, str] = field(default_factory=dict)
+
+    def reservation(self) -> Reservation | None:
+        """What a starving job holds, carried over to a decision about new jobs alone."""
+        if self.reserved_for is None:
+            return None
+        holder = self.reserved_holder
+        return Reservation(
+            self.reserved_for,
+            self.reserved_devices,
+            self.reserved_cpus,
+            holder.kind if holder else "run",
+            (holder.name or "") if holder else "",
+        )
+
+    @property
+    def waiting(self) -> dict[str, str]:
+        """id -> pending reason ("code" or "code: sentence"), derived from ``why``."""
+        return {job_id: why.reason for job_id, why in self.why.items()}
 
 
 def effective_lane(job: QueuedJob, config: PolicyConfig) -> int:
@@ -158,7 +187,21 @@ def never_fits(job: QueuedJob, capacity: Capacity) -> tuple[str, str] | None:
 class _Book:
     """Mutable accounting for one decision: free VRAM, run counts and exclusivity per device."""
 
-    __slots__ = ("free", "usable", "unmanaged", "runs", "exclusive", "cpu_free", "cpu_total", "leases")
+    __slots__ = (
+        "free",
+        "usable",
+        "unmanaged",
+        "runs",
+        "exclusive",
+        "cpu_free",
+        "cpu_total",
+        "leases",
+        "users",
+        "cpu_users",
+        "foreign",
+        "nearest",
+    )
+    cpu_users: list[Holder]  # the jobs holding CPU slots
 
     def copy(self) -> _Book:
         twin = object.__new__(_Book)
@@ -166,6 +209,10 @@ class _Book:
         twin.unmanaged, twin.free, twin.runs = dict(self.unmanaged), dict(self.free), dict(self.runs)
         twin.exclusive = dict(self.exclusive)
         twin.leases = {k: list(v) for k, v in self.leases.items()}
+        twin.users = {k: list(v) for k, v in self.users.items()}
+        twin.cpu_users = list(self.cpu_users)
+        twin.nearest = {}
+        twin.foreign = self.foreign  # never changed after __init__
         return twin
 
     def release(self, run: RunningJob) -> None:
@@ -177,6 +224,10 @@ class _Book:
             self.runs[index] -= 1
             if self.exclusive.get(index) == run.id:
                 del self.exclusive[index]
+            self.users[index] = [u for u in self.users[index] if u.id != run.id]
+        self.nearest.clear()
+        if run.cpus:
+            self.cpu_users = [u for u in self.cpu_users if u.id != run.id]
         self.cpu_free += run.cpus
 
     def __init__(self, capacity: Capacity, running: Sequence[RunningJob]):
@@ -185,11 +236,19 @@ class _Book:
         self.free = {d.index: d.usable_mb - d.unmanaged_mb for d in capacity.devices}
         self.runs = {d.index: 0 for d in capacity.devices}  # runs and leases on each device
         self.leases: dict[int, list[RunningJob]] = {d.index: [] for d in capacity.devices}
+        # The runs and leases on each device, as holders (named in the reasons of what waits).
+        self.users: dict[int, list[Holder]] = {d.index: [] for d in capacity.devices}
+        self.cpu_users = []
+        # gpus -> the holders of the devices a job needing that many is nearest to fitting on,
+        # until the next take or release: most waiting jobs of a decision share them.
+        self.nearest: dict[int, list[Holder]] = {}
+        self.foreign: dict[int, tuple[Holder, ...]] = {d.index: d.holders for d in capacity.devices}
         self.exclusive: dict[int, str] = {}
         self.cpu_total = capacity.cpu_slots
         self.cpu_free = capacity.cpu_slots
         for run in running:
-            self.take(run.id, run.devices, run.marginal_vram_mb, run.exclusive, run.cpus)
+            name = run.label if run.kind == "lease" else run.name
+            self.take(run.id, run.devices, run.marginal_vram_mb, run.exclusive, run.cpus, kind=run.kind, name=name)
             if run.kind == "lease":
                 for index in run.devices:
                     if index in self.leases:
@@ -203,6 +262,9 @@ class _Book:
         exclusive: bool,
         cpus: int,
         held: Mapping[int, int] | None = None,
+        *,
+        kind: str = "run",
+        name: str = "",
     ) -> None:
         for index in devices:
             if index not in self.free:
@@ -214,8 +276,12 @@ class _Book:
             self.free[index] -= charge - absorbed
             self.unmanaged[index] -= absorbed
             self.runs[index] += 1
+            self.users[index].append(Holder(kind, run_id, name, index, charge))
             if exclusive:
                 self.exclusive[index] = run_id
+        self.nearest.clear()
+        if cpus:
+            self.cpu_users.append(Holder(kind, run_id, name))
         self.cpu_free -= cpus
 
     def candidates(self, job: QueuedJob, blocked: frozenset[int]) -> list[int]:
@@ -244,6 +310,8 @@ class Reservation:
     job_id: str
     devices: tuple[int, ...]
     cpus: int
+    kind: str = "run"  # the job's kind and name: the reasons of the jobs it holds back name it
+    name: str = ""
 
 
 def decide(
@@ -253,30 +321,33 @@ def decide(
     dependency_states: Mapping[str, str],
     config: PolicyConfig = PolicyConfig(),
     reservation: Reservation | None = None,
+    dependency_names: Mapping[str, str] | StateLookup | None = None,
 ) -> Decision:
     """Decide which of ``queued`` start now.
 
     ``dependency_states`` maps run ids to their state; a dependency absent from it counts as
     failed (it cannot succeed any more). ``reservation`` is one still held from an earlier
     decision, for a decision about newly submitted jobs alone (nothing else changed since).
+    ``dependency_names``: the names of the dependencies, for the holders of ``waiting_dependency``.
     """
     decision = Decision()
     book = _Book(capacity, running)
 
     eligible: list[QueuedJob] = []
     for job in queued:
-        verdict = _dependency_verdict(job, dependency_states)
+        verdict = dependency_verdict(job.depends_on, dependency_states, dependency_names)
         if verdict is None:
             eligible.append(job)
-        elif verdict[0] == "failed":
+        elif isinstance(verdict[1], str):
             decision.dependency_failed[job.id] = verdict[1]
         else:
-            decision.waiting[job.id] = verdict[1]
+            decision.why[job.id] = verdict[1]
 
     ordered = admission_order(eligible, config)
     reserved_devices: frozenset[int] = frozenset()
     reserved_cpus = 0
     if reservation is not None:
+        decision.reserved_holder = Holder(reservation.kind, reservation.job_id, reservation.name)
         decision.reserved_for = reservation.job_id
         reserved_devices = frozenset(reservation.devices)
         reserved_cpus = reservation.cpus
@@ -290,7 +361,16 @@ def decide(
 
         if placement is not None and cpu_ok:
             decision.starts.append(Start(job.id, placement))
-            book.take(job.id, placement, job.marginal_vram_mb, job.exclusive, job.cpus, dict(job.held))
+            book.take(
+                job.id,
+                placement,
+                job.marginal_vram_mb,
+                job.exclusive,
+                job.cpus,
+                dict(job.held),
+                kind=job.kind,
+                name=job.name,
+            )
             decision.passed_over.extend(waiting_ahead)
             continue
 
@@ -298,14 +378,17 @@ def decide(
         if decision.reserved_for is not None:
             # Would it have fitted without the reservation? Then the reservation is the reason.
             if _place(job, book, frozenset()) is not None and job.cpus <= book.cpu_free:
-                decision.waiting[job.id] = (
-                    f"reserved_for:{decision.reserved_for}: "
-                    f"{_describe_reservation(reserved_devices, reserved_cpus)} held for an older job"
+                decision.why[job.id] = Why(
+                    contract.RESERVED_FOR,
+                    f"{_describe_reservation(reserved_devices, reserved_cpus)} held for an older job",
+                    arg=decision.reserved_for,
+                    holders=(decision.reserved_holder,) if decision.reserved_holder else (),
                 )
                 continue
-        decision.waiting[job.id] = _why_waiting(job, book, placement is not None, blocked)
+        decision.why[job.id] = _why_waiting(job, book, placement is not None, blocked)
 
         if position == 0 and reservation is None and _starving(job, config):
+            decision.reserved_holder = Holder(job.kind, job.id, job.name)
             decision.reserved_for = job.id
             reserved_devices = frozenset(_reservation_devices(job, book))
             reserved_cpus = job.cpus
@@ -349,7 +432,8 @@ def _plan_preemptions(
     for job in ordered:
         if planned >= PREEMPTION_PLANS_PER_DECISION:
             break
-        if contract.reason_code(decision.waiting.get(job.id)) not in _ROOM_CODES:
+        why = decision.why.get(job.id)
+        if why is None or why.code not in _ROOM_CODES:
             continue
         lane = LANE_INDEX.get(job.priority, 1)
         if _fits(job, future):
@@ -403,28 +487,31 @@ def _starving(job: QueuedJob, config: PolicyConfig) -> bool:
     return job.waited_s >= config.starvation_s or job.passed_over >= config.starvation_passes
 
 
-def _dependency_verdict(job: QueuedJob, states: Mapping[str, str]) -> tuple[str, str] | None:
-    return dependency_verdict(job.depends_on, states)
-
-
 class StateLookup(Protocol):
     def get(self, key: str, /) -> str | None: ...
 
 
-def dependency_verdict(depends_on: Iterable[str], states: Mapping[str, str] | StateLookup) -> tuple[str, str] | None:
+def dependency_verdict(
+    depends_on: Iterable[str],
+    states: Mapping[str, str] | StateLookup,
+    names: Mapping[str, str] | StateLookup | None = None,
+) -> tuple[str, str] | tuple[str, Why] | None:
     """None when every dependency succeeded; ``("failed", dep)`` when one cannot succeed any
-    more (absent from ``states`` counts as failed); else ``("waiting", reason)``."""
+    more (absent from ``states`` counts as failed); else ``("waiting", why)``, the dependencies
+    still queued or running its holders (named from ``names`` when given)."""
     pending = []
+    holders = []
     for dep in depends_on:
         state = states.get(dep)
         if state == "succeeded":
             continue
         if state in ("queued", "running"):
             pending.append(f"{dep} is {state}")
+            holders.append(Holder("run", dep, names.get(dep) if names is not None else None))
             continue
         return ("failed", dep)
     if pending:
-        return ("waiting", "waiting_dependency: " + "; ".join(pending))
+        return ("waiting", _why(contract.WAITING_DEPENDENCY, "; ".join(pending), holders))
     return None
 
 
@@ -457,13 +544,24 @@ def _describe_reservation(devices: frozenset[int], cpus: int) -> str:
     return " and ".join(parts) if parts else "resources"
 
 
-def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[int]) -> str:
+# Holders named in one why, the largest first: a record stays small however busy the host is.
+MAX_HOLDERS = 16
+
+
+def _why(code: str, detail: str, holders: Iterable[Holder] = ()) -> Why:
+    # Admission's sentences are never cut (they were not before they became data).
+    return Why(code, detail, holders=holders, limit=max(500, len(detail)))
+
+
+def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[int]) -> Why:
     if not placed:
         if job.exclusive:
             busy = ", ".join(_device_users(book, i) for i in sorted(book.runs) if book.runs[i])
-            return (
-                f"waiting_gpu_exclusive: needs {_gpus(job.gpus)} with nothing else on "
-                f"{'it' if job.gpus == 1 else 'them'}; {busy or 'none idle'}"
+            taken = [i for i in sorted(book.usable) if book.runs[i] or book.unmanaged[i] > 0]
+            return _why(
+                contract.WAITING_GPU_EXCLUSIVE,
+                f"needs {_gpus(job.gpus)} with nothing else on {'it' if job.gpus == 1 else 'them'}; {busy or 'none idle'}",
+                _holders(book, taken),
             )
         usable_now = {i: f for i, f in book.free.items() if i not in book.exclusive}
         if usable_now:
@@ -473,7 +571,7 @@ def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[i
         else:
             most = "every GPU is held by an exclusive run"
         roomy = sum(1 for f in usable_now.values() if f >= job.marginal_vram_mb)
-        text = f"waiting_vram: needs {job.marginal_vram_mb} MB on {_gpus(job.gpus)}; "
+        text = f"needs {job.marginal_vram_mb} MB on {_gpus(job.gpus)}; "
         if job.gpus > 1:
             text += f"{roomy} of {job.gpus} have room; "
         text += most
@@ -482,9 +580,60 @@ def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[i
             text += "; " + leases
         unmanaged = sum(book.unmanaged.values())
         if unmanaged:
-            text += f"; {unmanaged} MB held by processes outside the scheduler"
-        return text
-    return f"waiting_cpu: needs {job.cpus} CPU slot{'s' if job.cpus != 1 else ''}; {max(book.cpu_free, 0)} of {book.cpu_total} free"
+            kernels = _kernel_charges(book)[:3]
+            for name, mb in kernels:
+                text += f"; {mb} MB held by kernel of {name}"
+            rest = unmanaged - sum(mb for _, mb in kernels)
+            if rest > 0:
+                text += f"; {rest} MB held by processes outside the scheduler"
+        holders = book.nearest.get(job.gpus)
+        if holders is None:
+            holders = book.nearest[job.gpus] = _holders(book, _nearest_devices(job.gpus, book))
+        return _why(contract.WAITING_VRAM, text, holders)
+    return _why(
+        contract.WAITING_CPU,
+        f"needs {job.cpus} CPU slot{'s' if job.cpus != 1 else ''}; {max(book.cpu_free, 0)} of {book.cpu_total} free",
+        book.cpu_users[:MAX_HOLDERS],
+    )
+
+
+def _nearest_devices(gpus: int, book: _Book) -> list[int]:
+    """The devices a job waiting for VRAM is nearest to fitting on (most free first): what holds
+    them is what stands in its way."""
+    open_devices = [i for i in book.free if i not in book.exclusive] or list(book.free)
+    open_devices.sort(key=lambda i: (-book.free[i], i))
+    return open_devices[: max(gpus, 1)]
+
+
+def _foreign(book: _Book, index: int) -> list[Holder]:
+    """The processes outside the scheduler that hold VRAM on a device, as much as is still
+    unmanaged there (a job admitted in this decision may have absorbed its own process's)."""
+    left = max(book.unmanaged.get(index, 0), 0)
+    out = []
+    for holder in book.foreign.get(index, ()):
+        mb = min(holder.mb or 0, left)
+        if mb <= 0:
+            break
+        left -= mb
+        out.append(holder if mb == holder.mb else Holder(holder.kind, holder.id, holder.name, holder.gpu, mb))
+    return out
+
+
+def _holders(book: _Book, devices: Iterable[int]) -> list[Holder]:
+    """Everything on ``devices``: runs, leases, kernels and other processes, largest first."""
+    found = [h for i in devices for h in (*book.users.get(i, ()), *_foreign(book, i))]
+    found.sort(key=lambda h: (-(h.mb or 0), h.gpu if h.gpu is not None else -1, h.kind, h.id or ""))
+    return found[:MAX_HOLDERS]
+
+
+def _kernel_charges(book: _Book) -> list[tuple[str, int]]:
+    """(notebook, MB) of the kernels holding unmanaged VRAM, over every device, largest first."""
+    charges: dict[str, int] = {}
+    for index in book.foreign:
+        for holder in _foreign(book, index):
+            if holder.kind == "kernel" and holder.name:
+                charges[holder.name] = charges.get(holder.name, 0) + (holder.mb or 0)
+    return sorted(charges.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 def _device_users(book: _Book, index: int) -> str:

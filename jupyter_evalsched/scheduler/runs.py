@@ -115,7 +115,7 @@ class Run:
     preempted_by: str | None = None  # the job it is being stopped for (its _STOP is written)
     started_ts: float | None = None  # time.time() of the current attempt's start
     exited_at: str | None = None  # when its process was seen gone (RunTable.exited): its finished_at
-    requeued_reason: str | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
+    requeued_why: contract.Why | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
     done_on_disk: bool = False
     summary_stamp: FileStamp | None = None  # of the summary last applied
     given_scheduling: InitVar[RunScheduling | None] = None  # made at submission, for its record
@@ -156,6 +156,7 @@ def new_record(
     marginal_vram_source: str = "declared",
     sweep_id: str | None = None,
     sweep_point: dict[str, Any] | None = None,
+    sweep_name: str | None = None,
     scheduling: RunScheduling | None = None,
 ) -> dict[str, Any]:
     """The record of a run just submitted (``spec`` validated, defaults filled in; its
@@ -189,6 +190,7 @@ def new_record(
             detach=bool(spec.get("detach")),
             sweep_id=sweep_id,
             sweep_point=sweep_point,
+            sweep_name=sweep_name,
         )
     ).model_dump(mode="json")
 
@@ -370,7 +372,14 @@ class RunTable:
     # ------------------------------------------------------------------ transitions
 
     def update(self, run: Run, *, save: bool = True, notify: bool = True, **fields: Any) -> None:
-        """Change record fields; write ``job.json`` (``save``) and tell listeners (``notify``)."""
+        """Change record fields; write ``job.json`` (``save``) and tell listeners (``notify``).
+        ``why`` (a ``contract.Why`` or None) sets the ``reason`` with it; a ``reason`` given alone
+        clears ``why`` (a pending reason is set with its why, never as a string alone)."""
+        if "why" in fields:
+            why = fields["why"]
+            fields["reason"], fields["why"] = (None, None) if why is None else (why.reason, why.as_dict())
+        elif "reason" in fields:
+            fields["why"] = None
         unknown = fields.keys() - RECORD_FIELDS
         if unknown:
             raise KeyError(f"not run record fields: {sorted(unknown)}")
@@ -382,12 +391,16 @@ class RunTable:
         if notify:
             self.changed(run)
 
-    def set_reason(self, run: Run, reason: str | None) -> None:
-        """Why a run waits: news to the widget and the panel, not worth a write. The one way a
-        waiting reason reaches a record (admission, dependencies, SLURM's pending reason)."""
-        if run.record["reason"] != reason:
-            run.record["reason"] = reason
-            self.changed(run)
+    def set_reason(self, run: Run, why: contract.Why | None) -> bool:
+        """Why a run waits (its ``reason`` and ``why``, from one fact): news to the widget and
+        the panel, not worth a write. True when it changed (listeners were told)."""
+        data = contract.why_dict(why)
+        if run.record["why"] == data and run.record["reason"] == (why.reason if why else None):
+            return False
+        run.record["reason"] = why.reason if why else None
+        run.record["why"] = data
+        self.changed(run)
+        return True
 
     def set_exit_code(self, run: Run, code: int | None) -> None:
         """The exit status of the run's process, as the executor saw it; written with the verdict."""
@@ -486,7 +499,7 @@ class RunTable:
             plan = self.requeue_policy(run, state, reason)
             if plan is not None and self.requeue(run, plan, quiet=True):
                 return
-        run.record.update(state=state, reason=reason, finished_at=run.exited_at or utcnow_iso())
+        run.record.update(state=state, reason=reason, why=None, finished_at=run.exited_at or utcnow_iso())
         run.exited_at = None
         run.done_on_disk = done_on_disk
         self._active.pop(run.id, None)
@@ -519,6 +532,7 @@ class RunTable:
         run.record.update(
             state=contract.QUEUED,
             reason=plan.reason,
+            why=contract.why_dict(plan.why),
             pid=None,
             pid_create_time=None,
             exit_code=None,
@@ -683,6 +697,20 @@ class RunTable:
                 self._write_terminal(run, quiet=True)
             else:
                 self.save(run, quiet=True)
+
+
+class RunNames:
+    """The names of runs, looked up as dependencies are (a Mapping's ``get``): the policy names
+    the dependencies a run waits on."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: RunTable) -> None:
+        self._table = table
+
+    def get(self, run_id: str, /) -> str | None:
+        run = self._table.get(run_id)
+        return run.record["name"] if run is not None else None
 
 
 def parse_timestamp(text: Any) -> float:

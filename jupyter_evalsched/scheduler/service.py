@@ -655,9 +655,9 @@ class _Carrier:
         if executor is not None and executor.preempt(run, by):
             log.info("evalsched: preempting run %s for %s", run.id, by)
 
-    def waiting(self, job: Run | Lease, reason: str) -> None:
+    def waiting(self, job: Run | Lease, why: contract.Why) -> None:
         s = self._scheduler
         if isinstance(job, Run):
-            s.table.set_reason(job, reason)
+            s.table.set_reason(job, why)
         else:
-            s.leases.set_reason(job, reason)
+            s.leases.set_reason(job, why)

@@ -70,6 +70,7 @@ __all__ = [
     "parse_scontrol_job",
     "parse_squeue",
     "pending_reason",
+    "pending_why",
     "render_sbatch_script",
     "sbatch_options",
     "verdict",
@@ -522,17 +523,23 @@ def verdict(state: SlurmJobState, run_ids: Mapping[str, str] | None = None) -> t
     return "failed", f"{code}: {detail} without finalizing ({job} {s})"
 
 
-def pending_reason(state: SlurmJobState, uses_gpu: bool = False) -> str:
-    """A queued run's ``reason`` while SLURM holds its job pending, in the contract's codes.
+def pending_why(state: SlurmJobState, uses_gpu: bool = False) -> contract.Why:
+    """Why a queued run waits while SLURM holds its job pending, in the contract's codes.
 
     SLURM does not say which resource is short ("Resources", "Priority"); a GPU run waits for
-    whole GPUs (a gres is never shared), hence ``waiting_gpu_exclusive``.
+    whole GPUs (a gres is never shared), hence ``waiting_gpu_exclusive``. Nor who holds it: no
+    holders.
     """
     job = f"SLURM job {state.job_id}"
     if state.reason == "Dependency":
-        return f"waiting_dependency: {job} waits for {state.dependency or 'its dependencies'}"
-    code = "waiting_gpu_exclusive" if uses_gpu else "waiting_cpu"
-    return f"{code}: {job} is pending in SLURM (reason {state.reason})"
+        return contract.Why(contract.WAITING_DEPENDENCY, f"{job} waits for {state.dependency or 'its dependencies'}")
+    code = contract.WAITING_GPU_EXCLUSIVE if uses_gpu else contract.WAITING_CPU
+    return contract.Why(code, f"{job} is pending in SLURM (reason {state.reason})")
+
+
+def pending_reason(state: SlurmJobState, uses_gpu: bool = False) -> str:
+    """A queued run's ``reason`` while SLURM holds its job pending (``pending_why``'s)."""
+    return pending_why(state, uses_gpu).reason
 
 
 # --------------------------------------------------------------------------- the executor

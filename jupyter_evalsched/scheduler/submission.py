@@ -239,7 +239,7 @@ class Submissions:
         self,
         spec: EvalSpec,
         idempotency_key: str | None,
-        sweep: tuple[str, dict[str, Any]] | None = None,
+        sweep: tuple[str, dict[str, Any], str | None] | None = None,
         vram_source: str | None = None,
     ) -> dict[str, Any]:
         """``vram_source`` given: the spec was checked already (a sweep's runs share one check)."""
@@ -262,6 +262,7 @@ class Submissions:
             marginal_vram_source=vram_source,
             sweep_id=sweep[0] if sweep else None,
             sweep_point=sweep[1] if sweep else None,
+            sweep_name=sweep[2] if sweep else None,
             scheduling=scheduling,
         )
         files = {contract.SPEC_FILE: dumps(spec_dict), contract.JOB_FILE: dumps(record)}
@@ -335,7 +336,7 @@ class Submissions:
                 if key is not None and key in self.by_key:
                     records.append(self._replay(self.by_key[key], one))
                     continue
-                records.append(await self._submit(one, key, (sweep_id, point), vram_source))
+                records.append(await self._submit(one, key, (sweep_id, point, spec.name), vram_source))
                 made.append(records[-1]["id"])
         except Exception:
             # No half-made sweep is left to run: the runs this call made are cancelled (their

@@ -3,7 +3,8 @@
 A sweep is a spec plus ``"sweep"``: a grid ``{"<param>": [values, ...], ...}`` (every
 combination, the first parameter varying slowest) or a list of points ``[{"<param>": value,
 ...}, ...]``. Each point becomes one ordinary run whose ``params`` are the spec's updated with
-the point; its record carries ``sweep_id`` and ``sweep_point``. A sweep has no state of its own:
+the point; its record carries ``sweep_id``, ``sweep_point`` and ``sweep_name`` (the spec's name,
+the base of its runs' names). A sweep has no state of its own:
 it is the set of runs that name it.
 """
 

@@ -36,45 +36,22 @@ export function isTerminal(state: string): boolean {
   return (TERMINAL_STATES as ReadonlyArray<string>).includes(state);
 }
 
-// ---------------------------------------------------------------- written by hand (issue #28)
-// `why` and `sweep_name` are not in this branch's server models yet: declared here until the
-// coordinator regenerates ./generated/api-types.ts after the merge (then take them from there).
-// The records below Omit them from the generated types, so this compiles before and after.
-
 /** Who holds back a pending run or lease (an entry of `why.holders`). */
-export interface IWhyHolder {
-  kind: 'run' | 'lease' | 'kernel' | 'process' | 'model' | 'user';
-  id: string | null;
-  name: string | null;
-  gpu: number | null;
-  mb: number | null;
-}
+export type IWhyHolder = api.IHolder;
 
 /** Why a run or lease is pending, as data: null when nothing is pending. */
-export interface IWhy {
-  code: string;
-  arg: string | null;
-  detail: string | null;
-  holders: IWhyHolder[];
-}
+export type IWhy = api.IWhy;
 
-/** Fields declared here rather than taken from the generated types (see above). */
-type HandWritten = 'why' | 'sweep_name';
-
-// ---------------------------------------------------------------- end of the hand-written part
-
-/** The run record (REST, events and `job.json`); more fields may be present. */
-export interface IRunRecord extends Omit<api.IRunRecord, HandWritten> {
-  /** Why it is pending, as data (null: nothing pending; absent: an older server). */
+/** The run record (REST, events and `job.json`); more fields may be present. `why` and
+ * `sweep_name` may be absent on a record from an older server. */
+export interface IRunRecord extends Omit<api.IRunRecord, 'why' | 'sweep_name'> {
   why?: IWhy | null;
-  /** The name of the run's sweep (null: not a sweep's run). */
   sweep_name?: string | null;
   [key: string]: unknown;
 }
 
 /** The lease record (REST, events and the queue view's `leases`). */
-export interface ILeaseRecord extends Omit<api.ILeaseRecord, HandWritten> {
-  /** Why it is pending, as data (null: nothing pending; absent: an older server). */
+export interface ILeaseRecord extends Omit<api.ILeaseRecord, 'why'> {
   why?: IWhy | null;
   [key: string]: unknown;
 }

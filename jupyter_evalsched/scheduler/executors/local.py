@@ -330,7 +330,11 @@ class LocalExecutor(Executor):
                 if verdict is None and not (run.kill_reason or run.cancel_requested or run.timed_out):
                     # Stopped at an episode boundary (or signalled after its grace): next attempt.
                     # (The next attempt may be admitted, even started, before requeue returns.)
-                    if table.requeue(run, preempted_plan(run.record, run.preempted_by), quiet=True):
+                    if table.requeue(
+                        run,
+                        preempted_plan(run.record, run.preempted_by, self._job_holder(run.preempted_by)),
+                        quiet=True,
+                    ):
                         return
                 else:
                     self._clear_stop(run)  # it ended on its own first: the _STOP is moot
@@ -427,10 +431,11 @@ class LocalExecutor(Executor):
         grace = ctx.config.preempt_grace_s
         ctx.table.set_reason(
             run,
-            contract.reason(
+            contract.Why(
                 contract.PREEMPTING,
                 f"stops at its next episode boundary to make room for {by} (signalled after {grace:g} s)",
                 arg=by,
+                holders=[self._job_holder(by)],
             ),
         )
         self._preempt_timers[run.id] = ctx.loop.call_later(grace, self._preempt_overdue, run.id)
@@ -450,6 +455,13 @@ class LocalExecutor(Executor):
         run.cancel_requested = True
         # False while the run waits for its model host or cgroup: _launch_later then cancels it.
         self.launcher.terminate(run.id, self.ctx.config.cancel_grace_s)
+
+    def _job_holder(self, job_id: str) -> contract.Holder:
+        """The waiting job a run is preempted for, as a holder: a run (named), else a lease."""
+        waiting = self.ctx.table.get(job_id)
+        if waiting is not None:
+            return contract.Holder("run", job_id, waiting.record["name"])
+        return contract.Holder("lease", job_id)
 
     def kill_run(self, run: Run, reason: str) -> bool:
         if run.terminal or run.kill_reason is not None:

@@ -23,7 +23,7 @@ from ...contract import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from ...models import utcnow_iso
 from ..environment import run_environment
 from ..runs import Run
-from ..slurm import SlurmCli, SlurmJobState, pending_reason, server_environment, verdict
+from ..slurm import SlurmCli, SlurmJobState, pending_why, server_environment, verdict
 from . import Executor, ExecutorContext
 
 log = logging.getLogger("jupyter_evalsched")
@@ -77,6 +77,7 @@ class SlurmExecutor(Executor):
             if run.record["slurm_job_id"] or run.id in self._submitting or run.cancel_requested:
                 continue
             slurm_deps, pending, failed = [], [], None
+            pending_runs: list[tuple[str, str]] = []  # (id, name) of the dependencies it waits on
             for dep_id in run.depends_on:
                 dep = table.get(dep_id)
                 state = dep.state if dep is not None else "deleted"
@@ -86,6 +87,8 @@ class SlurmExecutor(Executor):
                     slurm_deps.append(dep.record["slurm_job_id"])
                 elif state in (QUEUED, RUNNING):
                     pending.append(f"{dep_id} is {state}")
+                    if dep is not None:
+                        pending_runs.append((dep_id, dep.record["name"]))
                 else:
                     failed = (dep_id, state)
                     break
@@ -97,10 +100,17 @@ class SlurmExecutor(Executor):
                 )
                 continue
             if pending:
-                table.set_reason(run, contract.reason(contract.WAITING_DEPENDENCY, "; ".join(pending)))
+                table.set_reason(
+                    run,
+                    contract.Why(
+                        contract.WAITING_DEPENDENCY,
+                        "; ".join(pending),
+                        holders=[contract.Holder("run", d, n) for d, n in pending_runs],
+                    ),
+                )
                 continue
             self._submitting.add(run.id)
-            table.set_reason(run, contract.reason(contract.WAITING_CPU, "being handed to SLURM (sbatch)"))
+            table.set_reason(run, contract.Why(contract.WAITING_CPU, "being handed to SLURM (sbatch)"))
             asyncio.ensure_future(self._sbatch(run, slurm_deps))
 
     async def _sbatch(self, run: Run, dep_ids: list[str]) -> None:
@@ -129,7 +139,7 @@ class SlurmExecutor(Executor):
             run,
             slurm_job_id=str(job_id),
             slurm_state="PENDING",
-            reason=contract.reason(contract.WAITING_CPU, f"SLURM job {job_id} submitted, not yet scheduled"),
+            why=contract.Why(contract.WAITING_CPU, f"SLURM job {job_id} submitted, not yet scheduled"),
         )
         self._poll_soon()
         if run.cancel_requested:
@@ -182,10 +192,7 @@ class SlurmExecutor(Executor):
             elif st.state in ("RUNNING", "COMPLETING") and run.state == QUEUED:
                 table.update(run, state=RUNNING, reason=None, started_at=utcnow_iso())
             elif run.state == QUEUED:
-                reason = pending_reason(st, uses_gpu=run.scheduling.uses_gpu)
-                if reason != run.record["reason"]:
-                    table.set_reason(run, reason)
-                elif moved:
+                if not table.set_reason(run, pending_why(st, uses_gpu=run.scheduling.uses_gpu)) and moved:
                     table.changed(run)  # the reason stands, the state it names moved
         return changed
 

@@ -16,6 +16,12 @@ export interface IAttemptEnd {
   episodes_done: number;
 }
 
+export interface IBrokenRun {
+  id: string;
+  /** why its directory cannot be used */
+  problem: string;
+}
+
 export interface ICompareRow {
   id: string;
   name: string | null;
@@ -44,6 +50,19 @@ export interface IComparison {
 export interface ICpuSlots {
   total: number;
   allocated: number;
+}
+
+export interface IDoctorCheck {
+  name: string;
+  status: 'ok' | 'degraded' | 'error';
+  detail: string;
+  /** what to do about it, when it is not ok */
+  fix: string | null;
+}
+
+/** ``GET /evalsched/doctor``: what this host offers and what is in force. */
+export interface IDoctorReport {
+  checks: IDoctorCheck[];
 }
 
 export interface IEpisodeList {
@@ -85,6 +104,19 @@ export interface IEvalSpec {
   fresh_interpreter?: boolean;
 }
 
+/** What stands in a pending job's way (contract.Holder). */
+export interface IHolder {
+  kind: 'run' | 'lease' | 'kernel' | 'process' | 'model' | 'user';
+  /** a run's or lease's id, a kernel's id, a process's pid */
+  id: string | null;
+  /** a run's name, a lease's label, a kernel's notebook path */
+  name: string | null;
+  /** the GPU it holds (NVML order), when that is what blocks */
+  gpu: number | null;
+  /** the VRAM it holds on that GPU */
+  mb: number | null;
+}
+
 export interface ILeaseList {
   leases: ILeaseRecord[];
 }
@@ -95,6 +127,8 @@ export interface ILeaseRecord {
   state: 'queued' | 'granted' | 'ended';
   /** why it waits, or how it ended (released, process_exited, ttl_expired) */
   reason: string | null;
+  /** why it waits, as data (its reason is derived from it); null once granted */
+  why: IWhy | null;
   vram_mb: number;
   gpus: number;
   exclusive_gpu: boolean;
@@ -196,6 +230,13 @@ export interface IMetricStat {
   count: number;
 }
 
+/** ``POST /evalsched/models/{name}/connect``: where a kernel reaches a shared model. */
+export interface IModelConnection {
+  name: string;
+  /** the model's URL, as runs get it in shared_urls.json */
+  url: string;
+}
+
 export interface IModelInfo {
   name: string;
   /** not_loaded, loading, loaded or failed */
@@ -208,8 +249,27 @@ export interface IModelInfo {
   load_count: number;
   /** {type, message}: why the host or the model failed */
   error: { [key: string]: unknown } | null;
-  /** the host's stderr, kept after it dies */
+  /** the path of the host's stderr log, kept after it dies */
   log: string | null;
+  /** inputs served (a request may carry several) */
+  inputs: number;
+  failed_requests: number;
+  /** batches per batch size */
+  batch_sizes?: { [key: string]: number };
+  /** mean time of a batch's forward pass */
+  mean_batch_ms: number;
+  /** the model's configured batch limit */
+  max_batch_size: number;
+  /** how long a batch waits to fill */
+  max_wait_ms: number;
+  /** how long the last load took */
+  load_seconds: number | null;
+  /** the model host's process */
+  pid: number | null;
+  /** times its host was started again */
+  restarts: number;
+  /** how long before a dead host may be started again (back-off) */
+  held_s: number;
 }
 
 export interface IModelList {
@@ -255,6 +315,8 @@ export interface IRunDetail {
   state: 'queued' | 'running' | 'succeeded' | 'failed' | 'cancelled' | 'aborted';
   /** a reason code, then an optional sentence after ': ' */
   reason: string | null;
+  /** what it waits for, as data (its reason is derived from it); null when nothing is pending */
+  why: IWhy | null;
   priority: 'high' | 'normal' | 'low';
   submitted_at: string;
   started_at: string | null;
@@ -316,6 +378,8 @@ export interface IRunDetail {
   start_detail: string | null;
   /** the sweep the run belongs to (POST /evalsched/sweeps) */
   sweep_id: string | null;
+  /** its sweep's name: the base of its runs' names '<base> [<point>]' (null outside a sweep) */
+  sweep_name: string | null;
   /** the parameters its sweep set for it (its params are the spec's updated with them) */
   sweep_point: { [key: string]: unknown } | null;
   /** how each earlier attempt ended */
@@ -340,6 +404,8 @@ export interface IRunRecord {
   state: 'queued' | 'running' | 'succeeded' | 'failed' | 'cancelled' | 'aborted';
   /** a reason code, then an optional sentence after ': ' */
   reason: string | null;
+  /** what it waits for, as data (its reason is derived from it); null when nothing is pending */
+  why: IWhy | null;
   priority: 'high' | 'normal' | 'low';
   submitted_at: string;
   started_at: string | null;
@@ -401,6 +467,8 @@ export interface IRunRecord {
   start_detail: string | null;
   /** the sweep the run belongs to (POST /evalsched/sweeps) */
   sweep_id: string | null;
+  /** its sweep's name: the base of its runs' names '<base> [<point>]' (null outside a sweep) */
+  sweep_name: string | null;
   /** the parameters its sweep set for it (its params are the spec's updated with them) */
   sweep_point: { [key: string]: unknown } | null;
   /** how each earlier attempt ended */
@@ -422,6 +490,34 @@ export interface IScheduling {
   memory_mb?: number | null;
   /** a waiting job of a higher lane may stop it at an episode boundary (it resumes later); default: true in the low lane, false otherwise */
   preemptible?: boolean | null;
+}
+
+/**
+ * ``GET /evalsched/status``: this server's own view. The fields from ``runs_dir`` on are
+ * sent by the server that schedules the runs directory (the primary) only.
+ */
+export interface IServerStatus {
+  version: string;
+  role: 'primary' | 'secondary' | 'unavailable';
+  pid: number;
+  /** the server that schedules for this runs directory */
+  primary: IPrimaryServer | null;
+  /** why no primary can answer, when none can */
+  error: string | null;
+  runs_dir: string | null;
+  /** queued, running and total runs, and the active runs of each executor outside the ledger */
+  counts: { [key: string]: number } | null;
+  /** recovery has read the runs directory (until then run endpoints answer 503) */
+  started: boolean | null;
+  /** the cgroup mode in force */
+  cgroups: { [key: string]: unknown } | null;
+  /** the zygotes, or why warm starts are refused */
+  warm_start: { [key: string]: unknown } | null;
+  enforce_vram: 'off' | 'warn' | 'kill' | null;
+  /** nvml, virtual, or the configured probe's */
+  gpu_source: string | null;
+  /** run directories that cannot be used */
+  broken_runs?: IBrokenRun[];
 }
 
 export interface ISweepCreated {
@@ -492,4 +588,16 @@ export interface IUnmanagedProcess {
   session_path: string | null;
   /** the lease that covers it: charged max(lease, observed) */
   lease_id: string | null;
+}
+
+/** A pending reason as data (contract.Why): the record's ``reason`` is derived from it. */
+export interface IWhy {
+  /** the reason code (waiting_vram, reserved_for, preempted_by, ...) */
+  code: string;
+  /** the code's argument: reserved_for:<arg> */
+  arg: string | null;
+  /** the human sentence after ': ' */
+  detail: string | null;
+  /** what stands in the way, largest first */
+  holders: IHolder[];
 }
