@@ -30,8 +30,8 @@ def nvml(tmp_path, monkeypatch):
     return set_state
 
 
-def proc(pid: int, used_mb: int | None) -> dict:
-    return {"pid": pid, "used_mb": used_mb}
+def proc(pid: int, used_mb: int | None, name: str | None = None) -> dict:
+    return {"pid": pid, "used_mb": used_mb, **({"name": name} if name else {})}
 
 
 def test_devices_by_nvml_index_with_their_total_in_mib(nvml):
@@ -58,14 +58,18 @@ def test_a_process_in_both_lists_is_counted_once_at_its_larger_figure(nvml):
     # would count VRAM that does not exist as unmanaged.
     nvml(
         [
-            {**A100, "compute": [proc(10, 4000), proc(12, 1000)], "graphics": [proc(10, 5000), proc(11, 300)]},
+            {
+                **A100,
+                "compute": [proc(10, 4000), proc(12, 1000)],
+                "graphics": [proc(10, 5000), proc(11, 300, "/usr/lib/xorg/Xorg")],
+            },
             {**L4, "compute": [proc(10, 700)]},  # the same process on another GPU is another figure
         ]
     )
     processes = NvmlProbe(nvml=fake).processes()
     assert sorted(processes, key=lambda p: (p.device, p.pid)) == [
         GpuProcess(pid=10, device=0, used_mb=5000),
-        GpuProcess(pid=11, device=0, used_mb=300),
+        GpuProcess(pid=11, device=0, used_mb=300, name="/usr/lib/xorg/Xorg"),  # as NVML names it
         GpuProcess(pid=12, device=0, used_mb=1000),
         GpuProcess(pid=10, device=1, used_mb=700),
     ]

@@ -58,7 +58,8 @@ class NvmlProbe:
       has one figure for its memory on the GPU, so the larger is taken, never the sum; on a MIG GPU
       the instances' lists are read (the parent's need privileges a container lacks) and a process
       in several instances holds memory in each (summed). ``usedGpuMemory`` None (NVML cannot say:
-      Windows WDDM, some containers) counts as 0 MB: the process is still listed.
+      Windows WDDM, some containers) counts as 0 MB: the process is still listed. Processes are
+      named as NVML names them (its executable), "" when it cannot.
     - No error escapes to the scheduler's sweep. A GPU whose query fails (lost, process lists "Not
       Supported" in a container) keeps its last known processes (a failure must not show VRAM as
       free), the others are read as usual, and the failure is in :attr:`problem` (doctor) and
@@ -157,7 +158,16 @@ class NvmlProbe:
                 here[int(p.pid)] = max(here.get(int(p.pid), 0), int(p.usedGpuMemory or 0))
             for pid, size in here.items():
                 used[pid] = used.get(pid, 0) + size
-        return [GpuProcess(pid=pid, device=index, used_mb=size // MIB) for pid, size in used.items()]
+        return [
+            GpuProcess(pid=pid, device=index, used_mb=size // MIB, name=self._name(pid)) for pid, size in used.items()
+        ]
+
+    def _name(self, pid: int) -> str:
+        try:
+            name = self._nvml.nvmlSystemGetProcessName(pid)
+        except Exception:  # gone meanwhile, or a process of another PID namespace (a container)
+            return ""
+        return name.decode() if isinstance(name, bytes) else str(name)
 
     def _instances(self, handle: Any) -> list[Any]:
         """The handles whose process lists tell a GPU's processes: its MIG devices in MIG mode."""

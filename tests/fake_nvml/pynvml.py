@@ -18,7 +18,7 @@ it mid-run; :func:`write_state` replaces it atomically). Without the variable th
        {"name": "NVIDIA A100-SXM4-80GB", "memory_mb": 81920,
         "lost": false,                   # fallen off the bus: every call on it raises NVMLError_GpuIsLost
         "processes_error": null,         # e.g. "NOT_SUPPORTED" for both process lists (containers)
-        "compute": [{"pid": 123, "used_mb": 5000}],      # used_mb null: NVML_VALUE_NOT_AVAILABLE
+        "compute": [{"pid": 123, "used_mb": 5000, "name": "python"}],  # used_mb null: NOT_AVAILABLE
         "graphics": [],
         "mig": {"enabled": true, "max": 7,               # absent: not MIG-capable (NotSupported)
                 "instances": [{"memory_mb": 9856, "compute": [...], "graphics": [...]}, null]}}]}
@@ -94,7 +94,7 @@ def state_from_table(sizes_mb: list[int], table: list[dict[str, Any]], **extra: 
     entries (``[{"pid", "gpu", "used_mb"}]``): what the virtual probe's tests plant, for NVML."""
     devices = [{"name": "NVIDIA Fake GPU", "memory_mb": size, "compute": [], "graphics": []} for size in sizes_mb]
     for entry in table:
-        devices[entry["gpu"]]["compute"].append({"pid": entry["pid"], "used_mb": entry["used_mb"]})
+        devices[entry["gpu"]]["compute"].append({k: entry[k] for k in ("pid", "used_mb", "name") if k in entry})
     return {"driver": "550.54.15", "devices": devices, **extra}
 
 
@@ -170,6 +170,17 @@ def nvmlShutdown() -> None:
 
 def nvmlSystemGetDriverVersion() -> str:
     return str(_initialized().get("driver", "550.54.15"))
+
+
+def nvmlSystemGetProcessName(pid: int) -> str:
+    """The ``name`` of a process entry of the state; NOT_FOUND for others (as for a process NVML
+    cannot see: gone, or of another PID namespace)."""
+    for device in _initialized().get("devices", []):
+        wheres = [device, *((device.get("mig") or {}).get("instances") or [])]
+        for entry in (e for where in wheres if where for e in where.get("compute", []) + where.get("graphics", [])):
+            if entry.get("pid") == pid and entry.get("name"):
+                return str(entry["name"])
+    raise _error("NOT_FOUND")
 
 
 # --------------------------------------------------------------------------- devices
