@@ -6,6 +6,7 @@ table becomes the fake's GPUs and their compute processes."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -13,6 +14,7 @@ import test_leases
 import test_observed
 import test_primary
 from fake_nvml import pynvml as fake
+from live_server import cli
 from rest import submit
 from waiting import async_wait_until
 
@@ -139,3 +141,24 @@ async def test_process_lists_not_supported_are_in_the_doctor_and_the_gpus_stay(a
     assert gpus["status"] == "degraded" and "GPU 0 processes: NVMLError_NotSupported" in gpus["detail"]
     code, ledger = await api("GET", "ledger")
     assert [(d["usable_mb"], d["unmanaged_mb"]) for d in ledger["devices"]] == [(24000, 0), (24000, 0)]
+
+
+def test_a_process_with_the_fake_first_on_its_path_reads_gpus_through_it(tmp_path):
+    # The other way in: a fresh process whose ``import pynvml`` finds the fake (the doctor, no server).
+    path = str(tmp_path / "nvml.json")
+    state = fake.state_from_table([24000, 81920], [])
+    state["devices"][1]["processes_error"] = "NOT_SUPPORTED"
+    fake.write_state(path, state)
+    env = {
+        "PYTHONPATH": os.path.dirname(fake.__file__),
+        fake.STATE_ENV: path,
+        "EVALSCHED_VIRTUAL_GPUS": "",
+        "JUPYTER_RUNTIME_DIR": str(tmp_path),
+    }
+    proc = cli(None, "doctor", "--json", with_server=False, env=env)
+    gpus = next(c for c in json.loads(proc.stdout) if c["name"] == "gpus")
+    assert gpus["status"] == "degraded", gpus
+    assert gpus["detail"].startswith(
+        "NVML, driver 550.54.15: 2 GPU(s): 0: NVIDIA Fake GPU 24000 MB; 1: NVIDIA Fake GPU 81920 MB; "
+        "NVML fails on GPU 1 processes: NVMLError_NotSupported: Not Supported"
+    )
