@@ -4,6 +4,7 @@ lost, a driver missing or older than the bindings)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 
@@ -32,6 +33,17 @@ def nvml(tmp_path, monkeypatch):
 
 def proc(pid: int, used_mb: int | None, name: str | None = None) -> dict:
     return {"pid": pid, "used_mb": used_mb, **({"name": name} if name else {})}
+
+
+def test_the_fake_has_the_real_bindings_names_and_parameters():
+    # What makes it faithful: the probe can only call what the fake has, and the fake has only
+    # what the installed nvidia-ml-py has, with the same parameters.
+    functions = [name for name in dir(fake) if name.startswith("nvml") and callable(getattr(fake, name))]
+    assert len(functions) >= 20
+    for name in functions:
+        assert hasattr(fake.real, name), f"the real bindings have no {name}"
+        ours, theirs = inspect.signature(getattr(fake, name)), inspect.signature(getattr(fake.real, name))
+        assert list(ours.parameters) == list(theirs.parameters), name
 
 
 def test_devices_by_nvml_index_with_their_total_in_mib(nvml):
