@@ -132,6 +132,21 @@ async def test_a_gpu_lost_mid_run_leaves_the_server_scheduling_on_the_others(api
     assert gpus["status"] == "degraded" and "GPU 0 processes: NVMLError_GpuIsLost: GPU is lost" in gpus["detail"]
 
 
+async def test_a_run_listed_as_compute_and_graphics_is_observed_once(api, tmp_path, nvml_state, plant_gpu_processes):
+    # Counted twice, it would be over its declaration: warned about, or killed with enforce_vram=kill.
+    body, pid_file, gate = test_observed.gated(tmp_path, "both", 8000)
+    rec = await submit(api, body)
+    pid = await test_observed.running_pid(api, rec["id"], pid_file)
+    gpu = (await test_observed.record(api, rec["id"]))["devices"][0]
+    state = fake_state(nvml_state, [{"pid": pid, "gpu": gpu, "used_mb": 6000}])
+    state["devices"][gpu]["graphics"] = [{"pid": pid, "used_mb": 6000}]
+    fake.write_state(nvml_state, state)
+    await test_observed.until(api, rec["id"], lambda r: r["observed"] and r["observed"]["peak_vram_mb"])
+    gate.touch()
+    final = await test_observed.until(api, rec["id"], lambda r: r["state"] == "succeeded")
+    assert final["observed"]["peak_vram_mb"] == {str(gpu): 6000} and final["warnings"] == []
+
+
 async def test_process_lists_not_supported_are_in_the_doctor_and_the_gpus_stay(api, nvml_state, plant_gpu_processes):
     state = fake_state(nvml_state, [{"pid": 999999, "gpu": 0, "used_mb": 3000}])
     state["devices"][0]["processes_error"] = "NOT_SUPPORTED"
