@@ -141,10 +141,26 @@ async def test_a_run_listed_as_compute_and_graphics_is_observed_once(api, tmp_pa
     state = fake_state(nvml_state, [{"pid": pid, "gpu": gpu, "used_mb": 6000}])
     state["devices"][gpu]["graphics"] = [{"pid": pid, "used_mb": 6000}]
     fake.write_state(nvml_state, state)
-    await test_observed.until(api, rec["id"], lambda r: r["observed"] and r["observed"]["peak_vram_mb"])
+    await observed_until_it_ends(api, rec["id"], gate, {str(gpu): 6000})
+
+
+async def test_a_run_in_a_mig_instance_is_observed_on_its_gpu(api, tmp_path, nvml_state, plant_gpu_processes):
+    body, pid_file, gate = test_observed.gated(tmp_path, "mig", 8000)
+    rec = await submit(api, body)
+    pid = await test_observed.running_pid(api, rec["id"], pid_file)
+    gpu = (await test_observed.record(api, rec["id"]))["devices"][0]
+    state = fake_state(nvml_state, [])
+    instances = [None, {"memory_mb": 11968, "compute": [{"pid": pid, "used_mb": 5000}]}]
+    state["devices"][gpu]["mig"] = {"enabled": True, "max": 7, "instances": instances}
+    fake.write_state(nvml_state, state)
+    await observed_until_it_ends(api, rec["id"], gate, {str(gpu): 5000})
+
+
+async def observed_until_it_ends(api, run_id: str, gate, peaks: dict) -> None:
+    await test_observed.until(api, run_id, lambda r: r["observed"] and r["observed"]["peak_vram_mb"])
     gate.touch()
-    final = await test_observed.until(api, rec["id"], lambda r: r["state"] == "succeeded")
-    assert final["observed"]["peak_vram_mb"] == {str(gpu): 6000} and final["warnings"] == []
+    final = await test_observed.until(api, run_id, lambda r: r["state"] == "succeeded")
+    assert final["observed"]["peak_vram_mb"] == peaks and final["warnings"] == []
 
 
 async def test_process_lists_not_supported_are_in_the_doctor_and_the_gpus_stay(api, nvml_state, plant_gpu_processes):
