@@ -71,7 +71,18 @@ def gpu_check(probe: GpuProbe) -> dict[str, Any]:
         return check("gpus", DEGRADED, "NVML works but finds no GPU", "check nvidia-smi on this host")
     driver = getattr(probe, "driver_version", lambda: None)()
     names = "; ".join(f"{d.index}: {d.name} {d.total_mb} MB" for d in devices)
-    return check("gpus", OK, f"NVML, driver {driver or '?'}: {len(devices)} GPU(s): {names}")
+    detail = f"NVML, driver {driver or '?'}: {len(devices)} GPU(s): {names}"
+    probe.processes()  # what NVML fails to tell shows up when it is asked
+    problem = getattr(probe, "problem", None)
+    if problem:
+        return check(
+            "gpus",
+            DEGRADED,
+            f"{detail}; NVML fails on {problem}: VRAM used outside the scheduler there is not seen",
+            "a GPU lost needs a reset or a reboot; process lists 'Not Supported' is a container without "
+            "the host's PID namespace (run it with --pid=host) or set usable_vram_mb for that GPU",
+        )
+    return check("gpus", OK, detail)
 
 
 def cgroup_check(cgroups: Cgroups | None) -> dict[str, Any]:

@@ -44,6 +44,12 @@ def plant_gpu_processes(gpu_processes_file):
 
 
 @pytest.fixture
+def gpu_source():
+    """What runs' records say observed their VRAM: the probe's ``source`` (test_nvml_server: "nvml")."""
+    return "virtual"
+
+
+@pytest.fixture
 def jp_server_config(runs_dir, evalsched_config, gpu_processes_file):
     cfg = {
         "runs_dir": str(runs_dir),

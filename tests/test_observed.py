@@ -60,7 +60,9 @@ async def running_pid(api, run_id: str, pid_file: Path) -> int:
 # --------------------------------------------------------------------------- observed VRAM and enforcement
 
 
-async def test_a_run_over_its_declaration_is_observed_and_warned_about(api, tmp_path, plant_gpu_processes, jp_ws_fetch):
+async def test_a_run_over_its_declaration_is_observed_and_warned_about(
+    api, tmp_path, plant_gpu_processes, jp_ws_fetch, gpu_source
+):
     ws = await jp_ws_fetch("evalsched", "events")
     body, pid_file, gate = gated(tmp_path, "over", 8000)
     rec = await submit(api, body)
@@ -68,7 +70,7 @@ async def test_a_run_over_its_declaration_is_observed_and_warned_about(api, tmp_
     gpu = (await record(api, rec["id"]))["devices"][0]
     plant_gpu_processes([{"pid": pid, "gpu": gpu, "used_mb": 10000}])
     rec = await until(api, rec["id"], lambda r: r["warnings"])
-    assert rec["observed"]["peak_vram_mb"] == {str(gpu): 10000} and rec["observed"]["source"] == "virtual"
+    assert rec["observed"]["peak_vram_mb"] == {str(gpu): 10000} and rec["observed"]["source"] == gpu_source
     assert rec["warnings"] == [f"over_vram: used 10000 MB on GPU {gpu}, declared 8000 MB"]
     assert rec["state"] == "running"  # warn is the default: it goes on
     # Its own VRAM is observed, never charged twice: the ledger holds its declaration alone.

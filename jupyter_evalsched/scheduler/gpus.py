@@ -8,14 +8,18 @@ declared.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,22 +46,50 @@ class GpuProbe(Protocol):
 
 
 class NvmlProbe:
-    """The real probe, through nvidia-ml-py. A host without NVML has no GPUs."""
+    """The real probe, through nvidia-ml-py (``nvml``: the bindings module, ``pynvml`` by default).
+    A host without NVML has no GPUs.
+
+    What it reports:
+
+    - Devices by NVML index (the index of ``CUDA_VISIBLE_DEVICES``), total memory in MiB. A GPU in
+      MIG mode is one device of its whole memory: runs are placed on GPU indexes, not on MIG
+      instances; the processes of all its instances count on it.
+    - Each process once per GPU. One listed both as compute and as graphics ("C+G" in nvidia-smi)
+      has one figure for its memory on the GPU, so the larger is taken, never the sum; on a MIG GPU
+      the instances' lists are read (the parent's need privileges a container lacks) and a process
+      in several instances holds memory in each (summed). ``usedGpuMemory`` None (NVML cannot say:
+      Windows WDDM, some containers) counts as 0 MB: the process is still listed. Processes are
+      named as NVML names them (its executable), "" when it cannot.
+    - No error escapes to the scheduler's sweep. A GPU whose query fails (lost, process lists "Not
+      Supported" in a container) keeps its last known processes (a failure must not show VRAM as
+      free), the others are read as usual, and the failure is in :attr:`problem` (doctor) and
+      logged once.
+    """
 
     source = "nvml"
 
-    def __init__(self) -> None:
+    def __init__(self, nvml: ModuleType | None = None) -> None:
         self._ok = False
         self.error: str | None = None  # why NVML is unavailable (for doctor), None when it works
+        self._lock = threading.Lock()
+        self._last: dict[int, list[GpuProcess]] = {}  # per GPU, its last processes read
+        self._problems: dict[str, dict[str, str]] = {"devices": {}, "processes": {}}
+        self._v2_lists = False  # the driver predates the bindings' _v3 process lists
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
+            module = nvml if nvml is not None else importlib.import_module("pynvml")
+            module.nvmlInit()
+            self._nvml: Any = module
             self._ok = True
         except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError...
             self.error = f"{type(exc).__name__}: {exc}"
             log.info("NVML unavailable (%s): treating the host as having no GPUs", exc)
+
+    @property
+    def problem(self) -> str | None:
+        """What NVML fails to tell (a lost GPU, process lists not supported), or None."""
+        with self._lock:
+            found = {**self._problems["devices"], **self._problems["processes"]}
+        return "; ".join(f"{scope}: {why}" for scope, why in sorted(found.items())) or None
 
     def driver_version(self) -> str | None:
         if not self._ok:
@@ -72,35 +104,126 @@ class NvmlProbe:
         if not self._ok:
             return []
         nv = self._nvml
-        out = []
+        out: list[GpuInfo] = []
+        problems: dict[str, str] = {}
         try:
-            for i in range(nv.nvmlDeviceGetCount()):
+            count = nv.nvmlDeviceGetCount()
+        except Exception as exc:
+            count = 0
+            problems["NVML"] = _why(exc)
+        for i in range(count):
+            try:
                 handle = nv.nvmlDeviceGetHandleByIndex(i)
                 name = nv.nvmlDeviceGetName(handle)
-                if isinstance(name, bytes):
-                    name = name.decode()
-                total = nv.nvmlDeviceGetMemoryInfo(handle).total // (1024 * 1024)
-                out.append(GpuInfo(index=i, name=str(name), total_mb=int(total)))
-        except nv.NVMLError as exc:
-            log.warning("NVML device query failed: %s", exc)
+                total = nv.nvmlDeviceGetMemoryInfo(handle).total // MIB
+            except Exception as exc:  # one GPU lost: the others are still GPUs
+                problems[f"GPU {i}"] = _why(exc)
+                continue
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            out.append(GpuInfo(index=i, name=name, total_mb=int(total)))
+        self._note("devices", problems)
         return out
 
     def processes(self) -> list[GpuProcess]:
         if not self._ok:
             return []
         nv = self._nvml
-        out = []
+        problems: dict[str, str] = {}
+        with self._lock:
+            last = dict(self._last)
         try:
-            for i in range(nv.nvmlDeviceGetCount()):
-                handle = nv.nvmlDeviceGetHandleByIndex(i)
-                procs = list(nv.nvmlDeviceGetComputeRunningProcesses(handle))
-                procs += list(nv.nvmlDeviceGetGraphicsRunningProcesses(handle))
-                for p in procs:
-                    used = p.usedGpuMemory or 0  # None when the driver hides it
-                    out.append(GpuProcess(pid=int(p.pid), device=i, used_mb=int(used) // (1024 * 1024)))
-        except nv.NVMLError as exc:
-            log.warning("NVML process query failed: %s", exc)
+            count = nv.nvmlDeviceGetCount()
+        except Exception as exc:
+            problems["NVML processes"] = _why(exc)
+            count = 0
+        read: dict[int, list[GpuProcess]] = {}
+        for i in range(count):
+            try:
+                read[i] = self._processes_of(i)
+            except Exception as exc:
+                problems[f"GPU {i} processes"] = _why(exc)
+        with self._lock:
+            self._last = {**last, **read}
+            out = [p for i in sorted(self._last) for p in self._last[i]]
+        self._note("processes", problems)
         return out
+
+    def _processes_of(self, index: int) -> list[GpuProcess]:
+        nv = self._nvml
+        handle = nv.nvmlDeviceGetHandleByIndex(index)
+        used: dict[int, int] = {}
+        for instance in self._instances(handle):
+            here: dict[int, int] = {}
+            for p in self._lists(instance):
+                here[int(p.pid)] = max(here.get(int(p.pid), 0), int(p.usedGpuMemory or 0))
+            for pid, size in here.items():
+                used[pid] = used.get(pid, 0) + size
+        return [
+            GpuProcess(pid=pid, device=index, used_mb=size // MIB, name=self._name(pid)) for pid, size in used.items()
+        ]
+
+    def _name(self, pid: int) -> str:
+        try:
+            name = self._nvml.nvmlSystemGetProcessName(pid)
+        except Exception:  # gone meanwhile, or a process of another PID namespace (a container)
+            return ""
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def _instances(self, handle: Any) -> list[Any]:
+        """The handles whose process lists tell a GPU's processes: its MIG devices in MIG mode."""
+        nv = self._nvml
+        try:
+            mode = nv.nvmlDeviceGetMigMode(handle)[0]
+        except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound):
+            return [handle]  # not MIG-capable, or a driver without MIG
+        if mode != nv.NVML_DEVICE_MIG_ENABLE:
+            return [handle]
+        out = []
+        for k in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                out.append(nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, k))
+            except nv.NVMLError_NotFound:
+                continue  # a slot without a MIG device
+        return out
+
+    def _lists(self, handle: Any) -> list[Any]:
+        """The compute and graphics processes of a handle. One list "Not Supported" is an empty
+        list; both, and any other error, raise."""
+        nv = self._nvml
+        if not self._v2_lists:
+            try:
+                return self._both(
+                    handle, nv.nvmlDeviceGetComputeRunningProcesses, nv.nvmlDeviceGetGraphicsRunningProcesses
+                )
+            except (nv.NVMLLibraryMismatchError, nv.NVMLError_FunctionNotFound):
+                self._v2_lists = True
+                log.info("NVML: the driver predates the bindings' _v3 process lists: using _v2")
+        return self._both(
+            handle, nv.nvmlDeviceGetComputeRunningProcesses_v2, nv.nvmlDeviceGetGraphicsRunningProcesses_v2
+        )
+
+    def _both(self, handle: Any, *fetches: Any) -> list[Any]:
+        out: list[Any] = []
+        unsupported: list[Exception] = []
+        for fetch in fetches:
+            try:
+                out += fetch(handle)
+            except self._nvml.NVMLError_NotSupported as exc:
+                unsupported.append(exc)
+        if len(unsupported) == len(fetches):
+            raise unsupported[0]
+        return out
+
+    def _note(self, kind: str, problems: dict[str, str]) -> None:
+        with self._lock:
+            before, self._problems[kind] = self._problems[kind], problems
+        for scope, why in sorted(problems.items()):
+            if before.get(scope) != why:
+                log.warning("NVML: %s: %s", scope, why)
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class VirtualProbe:
