@@ -167,7 +167,7 @@ async def test_a_large_batch_of_terminal_records_is_written_a_slice_per_loop_ite
     assert table.writes_waiting == 8
 
     requeued, removed = runs[5], runs[6]
-    assert table.requeue(requeued, runs_module.Requeue(reason=None, fields={}))
+    assert table.requeue(requeued, runs_module.Requeue(why=None, fields={}))
     assert _on_disk(store, requeued.id) == ("queued", False)  # its terminal record came first, then this
     store.delete(removed.id)
     table.remove(removed.id)
