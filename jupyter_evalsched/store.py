@@ -74,7 +74,7 @@ def new_run_id() -> str:
 # --------------------------------------------------------------------------- writing
 
 
-def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
+def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False, mode: int = 0o600) -> None:
     """Write ``path`` by a rename over it: the old entry, whatever it is (a FIFO or a link a run
     planted), is replaced, never opened. Relative to its directory, opened without following a
     link, so a directory swapped for a link cannot redirect the write."""
@@ -83,7 +83,7 @@ def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
     tmp = f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_tmp_counter)}.tmp"
     dfd = open_dir(path.parent)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS, 0o600, dir_fd=dfd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS, mode, dir_fd=dfd)
         try:
             try:  # (no file object: this runs on the loop at every run's start and end)
                 view = memoryview(data)
@@ -524,7 +524,7 @@ class RunStore:
 
     def delete_lease(self, lease_id: str) -> None:
         try:
-            os.unlink(self._lease_path(lease_id))
+            remove_run_entry(self._lease_path(lease_id))  # (not through a link at .leases)
         except (OSError, KeyError):
             pass
 
@@ -630,7 +630,12 @@ class RunStore:
         if job is None or job.get("state") not in contract.TERMINAL_STATES:
             # A finished run needs its record only: its spec (params can be megabytes) stays on disk.
             spec, spec_problem = _read_object(path / contract.SPEC_FILE)
-        done = os.path.lexists(path / contract.DONE_FILE)
+        # Only a regular _DONE counts: a terminal run gets the server's own in place of anything
+        # else; a running one is judged (conclude) and fails run_file.
+        try:
+            done = stat.S_ISREG(os.lstat(path / contract.DONE_FILE).st_mode)
+        except OSError:
+            done = False
         return FoundRun(run_id, path, job, spec, done, job_problem, spec_problem)
 
 

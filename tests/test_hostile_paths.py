@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from run_dirs import write_run_dir
-from waiting import wait_until
+from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched.client import LocalServer
 
@@ -266,3 +266,126 @@ def test_a_restart_meets_hostile_run_files(tmp_path, outside_fifo):
     assert not wrong, wrong
     problems = {b["id"]: b["problem"] for b in status["broken_runs"]}
     assert "1e999 is not a finite number" in problems[broken], problems
+
+
+# --------------------------------------------------------------------------- the helpers, one by one
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_open_run_file_never_opens_anything_but_a_regular_file(tmp_path, outside_fifo, kind):
+    from evals_hostile import place
+
+    from jupyter_evalsched.store import UnsafeRunFile, open_log, open_run_file, read_json_file
+
+    path = tmp_path / "f"
+    place(str(path), kind, outside_fifo)
+    for flags in (os.O_RDONLY, os.O_WRONLY | os.O_CREAT, os.O_WRONLY | os.O_CREAT | os.O_APPEND):
+        with pytest.raises(UnsafeRunFile, match="not a regular file"):
+            open_run_file(path, flags)
+    with pytest.raises(UnsafeRunFile):
+        open_log(path)
+    with pytest.raises(UnsafeRunFile):
+        read_json_file(path)
+    # A directory swapped for a link is not gone through either.
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "x.json").write_text("{}")
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(UnsafeRunFile, match="not a plain directory"):
+        open_run_file(tmp_path / "link" / "x.json")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_servers_done_replaces_whatever_the_run_left(tmp_path, outside_fifo, kind):
+    from evals_hostile import place
+
+    from jupyter_evalsched.store import RunStore, UnsafeRunFile
+
+    store = RunStore(tmp_path / "runs")
+    store.ensure()
+    run_id = "20260101T000000.000001-aaaaaa"
+    store.create(run_id, {"spec.json": b"{}"})
+    done = store.file(run_id, "_DONE")
+    place(str(done), kind, outside_fifo)
+    assert store.done_exists(run_id)
+    with pytest.raises(UnsafeRunFile, match="_DONE is a"):
+        store.done_marked(run_id)
+    store.mark_done(run_id)
+    assert done.is_file() and not done.is_symlink() and store.done_marked(run_id)
+    place(str(done), kind, outside_fifo)
+    store.unmark_done(run_id)  # a resume removes it, a directory too
+    assert not os.path.lexists(done)
+    stop = store.file(run_id, "_STOP")
+    place(str(stop), kind, outside_fifo)
+    with pytest.raises(UnsafeRunFile):
+        store.write_stop(run_id)
+    store.clear_stop(run_id)
+    assert not os.path.lexists(stop)
+    assert os.path.exists(outside_fifo)  # a link is removed, never what it points at
+
+
+def test_non_finite_numbers_are_refused_where_run_files_are_read(tmp_path):
+    from jupyter_evalsched.store import RunFileError, episode_lines, parse_json
+
+    for text in ("1e999", "-1e999", "NaN", "Infinity", '{"a": [1, 2e400]}'):
+        with pytest.raises(RunFileError, match="not a finite number|not a JSON number"):
+            parse_json(text, "summary.json")
+    assert parse_json('{"a": 1.5e300, "b": -0.0}', "summary.json") == {"a": 1.5e300, "b": -0.0}
+    lines = episode_lines(b'{"index": 0, "metrics": {"m": 1e999}}\n{"index": 1, "metrics": {"m": null}}\n')
+    assert [e["index"] for e in lines] == [1]
+
+
+def test_a_record_that_cannot_be_written_is_that_runs_problem(tmp_path):
+    from jupyter_evalsched.scheduler.runs import Run, RunTable, new_record
+    from jupyter_evalsched.store import RunStore
+
+    store = RunStore(tmp_path / "runs")
+    store.ensure()
+    table = RunTable(store)
+    run_id = "20260101T000000.000001-aaaaaa"
+    spec = {"name": "y", "entrypoint": "x:y", "episodes": 1, "scheduling": {}}
+    store.create(run_id, {"spec.json": json.dumps(spec).encode()})
+    record = new_record(run_id, spec, seq=1, executor="local", run_dir=str(store.run_dir(run_id)))
+    run = Run(record=record, spec=spec, submitted_ts=time.time())
+    table.add(run)
+    run.record["metrics"] = {"m": float("inf")}  # however it got there
+    assert table.save(run) is False and table.has_unwritten  # no exception: retried later
+    run.record["metrics"] = {}
+    table.retry_unwritten()
+    assert not table.has_unwritten and json.loads(store.file(run_id, "job.json").read_text())["id"] == run_id
+
+
+async def test_a_run_that_cannot_be_recovered_fails_and_the_server_starts(
+    jp_serverapp, jp_fetch, runs_dir, monkeypatch
+):
+    from jupyter_evalsched.scheduler.executors.local import LocalExecutor
+
+    bad, good = "20260101T000000.000001-aaaaaa", "20260101T000000.000002-bbbbbb"
+    write_run_dir(runs_dir / bad, bad, None, None, seq=1)
+    write_run_dir(
+        runs_dir / good, good, None, None, state="queued", seq=2, entrypoint="jupyter_evalsched.examples.basic:noop"
+    )
+    recover = LocalExecutor.recover
+
+    def recover_or_raise(self, run, done):
+        if run.id == bad:
+            raise RuntimeError("boom")
+        return recover(self, run, done)
+
+    monkeypatch.setattr(LocalExecutor, "recover", recover_or_raise)
+    await jp_serverapp.extension_manager.start_all_extensions()
+
+    async def get(path):
+        resp = await jp_fetch("evalsched", *path.split("/"), raise_error=False)
+        return resp.code, json.loads(resp.body)
+
+    code, rec = await get(f"runs/{bad}")
+    assert code == 200 and rec["state"] == "failed", rec
+    assert rec["reason"] == "exception: the server could not recover the run: RuntimeError: boom"
+    code, _ = await get("status")
+    assert code == 200
+
+    async def good_succeeded():
+        return (await get(f"runs/{good}"))[1]["state"] == "succeeded"
+
+    await async_wait_until(good_succeeded, timeout=30)

@@ -17,6 +17,7 @@ still match; with ``auto_resume``, a run the server's death interrupted is queue
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import sys
@@ -196,7 +197,9 @@ class LocalExecutor(Executor):
             if run.record["models"] or run.record["attempt"] > 1:
                 ctx.store.write_shared_urls(run.id, urls)
         except OSError as exc:
-            self._start_failed(run, cgroup, str(exc))
+            # Renamed over whatever is there; only a directory the run made there stops it.
+            code = contract.RUN_FILE if exc.errno in (errno.EISDIR, errno.ENOTEMPTY) else contract.EXCEPTION
+            self._start_failed(run, cgroup, str(exc), code)
             return
         why = cold_reason(spec, env, self.zygotes is not None)
         zygote = None
