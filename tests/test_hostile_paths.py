@@ -23,6 +23,7 @@ from run_dirs import write_run_dir
 from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched.client import LocalServer
+from jupyter_evalsched.client.errors import EvalSchedError
 
 EVALS = str(Path(__file__).with_name("evals_hostile.py"))
 KINDS = ("fifo", "symlink", "dir")
@@ -135,9 +136,22 @@ def settled(client, run_id: str, timeout: float = 45) -> dict:
 
 
 def test_no_run_file_blocks_the_server_during_a_runs_life(server, outside_fifo):
+    from evals_hostile import place
+
     client = server.client(timeout=10)
     expected: dict[str, str] = {}  # run id -> the start of its reason
     with Liveness(server) as live:
+        # submission: a lease is written under .leases, which a user can replace
+        leases = Path(server.runs_dir) / ".leases"
+        for kind in KINDS:
+            place(str(leases), kind, outside_fifo)
+            try:
+                granted = client.request("POST", "leases", body={"vram_mb": 100, "label": kind})
+            except EvalSchedError as exc:  # refused, it cannot be written there: an answer all the same
+                assert exc.status >= 500 and "runs directory" in str(exc), exc
+            else:
+                client.request("DELETE", f"leases/{granted['id']}")
+            place(str(leases), "dir", outside_fifo)
         for kind in KINDS:
             cases = {
                 # progress and end: read at every look, and when the process is gone
@@ -245,6 +259,11 @@ def test_a_restart_meets_hostile_run_files(tmp_path, outside_fifo):
     (runs / broken / "job.json").write_text(
         (runs / broken / "job.json").read_text().replace('"seq": 21', '"seq": 1e999')
     )
+    # entries no server made: named like a run, a lease file; never opened as files
+    for i, kind in enumerate(KINDS):
+        place(str(runs / f"20260101T000000.00003{i}-eeeee{i}"), kind, outside_fifo)
+        (runs / ".leases").mkdir(exist_ok=True)
+        place(str(runs / ".leases" / f"20260101T000000.00004{i}-fffff{i}.json"), kind, outside_fifo)
 
     srv = LocalServer(
         virtual_gpus="10000", cpu_slots=16, runs_dir=str(runs), extra_args=SERVER_ARGS, startup_timeout=30
