@@ -71,60 +71,7 @@ def new_run_id() -> str:
     return now.strftime("%Y%m%dT%H%M%S.%f") + "-" + secrets.token_hex(3)
 
 
-# --------------------------------------------------------------------------- writing
-
-
-def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False, mode: int = 0o600) -> None:
-    """Write ``path`` by a rename over it: the old entry, whatever it is (a FIFO or a link a run
-    planted), is replaced, never opened. Relative to its directory, opened without following a
-    link, so a directory swapped for a link cannot redirect the write."""
-    path = Path(path)
-    # The temp name is unique per process and thread so concurrent writers never share one.
-    tmp = f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_tmp_counter)}.tmp"
-    dfd = open_dir(path.parent)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS, mode, dir_fd=dfd)
-        try:
-            try:  # (no file object: this runs on the loop at every run's start and end)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-            raise
-        if fsync:
-            os.fsync(dfd)  # the rename, durable
-    finally:
-        os.close(dfd)
-
-
-def dumps(obj: Any) -> bytes:
-    """Compact, strict JSON (no NaN): what every server-written run file holds."""
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-
-
-def atomic_write_json(path: Path, obj: Any, fsync: bool = False) -> None:
-    atomic_write_bytes(path, dumps(obj), fsync=fsync)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a rename, a new file) durable."""
-    fd = open_dir(path)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# --------------------------------------------------------------------------- reading
+# --------------------------------------------------------------------------- opening
 
 
 # Every open of a path a run (or a user) can write: never follow a link, never wait for the other
@@ -217,6 +164,62 @@ def remove_run_entry(path: Path) -> None:
             os.unlink(path.name, dir_fd=dfd)
     finally:
         os.close(dfd)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False, mode: int = 0o600) -> None:
+    """Write ``path`` by a rename over it: the old entry, whatever it is (a FIFO or a link a run
+    planted), is replaced, never opened. Relative to its directory, opened without following a
+    link, so a directory swapped for a link cannot redirect the write."""
+    path = Path(path)
+    # The temp name is unique per process and thread so concurrent writers never share one.
+    tmp = f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_tmp_counter)}.tmp"
+    dfd = open_dir(path.parent)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS, mode, dir_fd=dfd)
+        try:
+            try:  # (no file object: this runs on the loop at every run's start and end)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+        if fsync:
+            os.fsync(dfd)  # the rename, durable
+    finally:
+        os.close(dfd)
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact, strict JSON (no NaN): what every server-written run file holds."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def atomic_write_json(path: Path, obj: Any, fsync: bool = False) -> None:
+    atomic_write_bytes(path, dumps(obj), fsync=fsync)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = open_dir(path)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- reading
 
 
 def read_bytes_nofollow(path: Path, max_bytes: int) -> bytes:

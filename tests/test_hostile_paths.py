@@ -408,3 +408,17 @@ async def test_a_run_that_cannot_be_recovered_fails_and_the_server_starts(
         return (await get(f"runs/{good}"))[1]["state"] == "succeeded"
 
     await async_wait_until(good_succeeded, timeout=30)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_model_hosts_log_that_is_not_a_file_is_never_opened(tmp_path, outside_fifo, kind):
+    from types import SimpleNamespace
+
+    from evals_hostile import place
+
+    from jupyter_evalsched.shared_models.manager import ModelHostManager
+
+    manager = ModelHostManager([], log_dir=str(tmp_path / ".models"))
+    (tmp_path / ".models").mkdir()
+    place(manager.log_path("m"), kind, outside_fifo)
+    assert manager._tail(SimpleNamespace(config=SimpleNamespace(name="m"))) == ""
