@@ -166,6 +166,14 @@ def remove_run_entry(path: Path) -> None:
         os.close(dfd)
 
 
+def discard_run_entry(path: Path) -> None:
+    """:func:`remove_run_entry`, as far as it goes (clean-up: a link is removed, not skipped)."""
+    try:
+        remove_run_entry(path)
+    except OSError:
+        pass
+
+
 # --------------------------------------------------------------------------- writing
 
 
@@ -508,7 +516,7 @@ class RunStore:
         # Rename first so the directory vanishes from listings atomically, then remove it.
         trash = self.root / f"{STAGING_PREFIX}deleted-{run_id}-{time.monotonic_ns()}"
         os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        discard_run_entry(trash)
 
     # ---- leases (``<runs_dir>/.leases/<id>.json``)
 
@@ -615,7 +623,7 @@ class RunStore:
             return out
         for entry in entries:
             if entry.name.startswith(STAGING_PREFIX):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                discard_run_entry(Path(entry.path))
                 continue
             if entry.name.startswith("."):
                 continue  # ours (model logs, the primary's files), never a run: run ids start with a digit

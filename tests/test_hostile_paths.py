@@ -422,3 +422,21 @@ def test_a_model_hosts_log_that_is_not_a_file_is_never_opened(tmp_path, outside_
     (tmp_path / ".models").mkdir()
     place(manager.log_path("m"), kind, outside_fifo)
     assert manager._tail(SimpleNamespace(config=SimpleNamespace(name="m"))) == ""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_models_folder_that_is_not_a_folder_does_not_stop_the_start(tmp_path, outside_fifo, kind):
+    import asyncio
+
+    from evals_hostile import place
+
+    from jupyter_evalsched.shared_models.manager import ModelHostManager
+
+    place(str(tmp_path / ".models"), kind, outside_fifo)
+    manager = ModelHostManager([], log_dir=str(tmp_path / ".models"), socket_parent=str(tmp_path))
+
+    async def start_stop():
+        await manager.start()
+        await manager.stop()
+
+    asyncio.run(start_stop())

@@ -169,7 +169,10 @@ class ModelHostManager:
         self._stopping = False
         self.socket_dir = self._make_socket_dir()
         if self.log_dir:
-            os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+            try:
+                os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+            except OSError as exc:  # under the runs directory, anything may be there: the hosts log nothing
+                self.log.warning("shared models: cannot keep the hosts' logs in %s: %s", self.log_dir, exc)
         for index, config in enumerate(self.configs):
             self._hosts[config.name] = _Host(config, os.path.join(self.socket_dir, f"m{index}.sock"))
         await asyncio.gather(*(self._ensure_running(h) for h in self._hosts.values() if h.config.preload))
