@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .store import atomic_write_bytes
+
 INFO_NAME = ".evalsched-primary.json"
 
 
@@ -143,11 +145,8 @@ class HostRole:
             "runs_dir": str(self.runs_dir),
             "since": time.time(),
         }
-        tmp = self.runs_dir / f".{INFO_NAME}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f)
-        os.replace(tmp, self.info_path)
+        # A unique temp name, created exclusively: a FIFO planted at a predictable one would block.
+        atomic_write_bytes(self.info_path, json.dumps(info).encode())
 
     def advertises_us(self) -> bool:
         info = self.primary()

@@ -8,10 +8,13 @@ module joins a run directory with a file name.
 A run directory appears atomically: it is assembled under a hidden temporary name and renamed
 into place, so a crash mid-submission never leaves a half-written run behind.
 
-Reads never follow a symbolic link, neither at the file nor at the run directory, and are
-bounded: a run's own files are written by user code and may be huge, deeply nested or not JSON
-at all. A bad file is a :class:`RunFileError` whose message says what is wrong (the server then
-ends the run ``failed`` with that message), never an exception that escapes the lifecycle.
+Everything under the runs directory is writable by the runs (same uid), so every open of a
+path there goes through :func:`open_run_file`: no link followed (at the file or at its
+directory), no wait on a FIFO, nothing but a regular file accepted (:class:`UnsafeRunFile`).
+Reads are bounded: a run's own files are written by user code and may be huge, deeply nested,
+not JSON, or hold non-finite numbers (``1e999``). A bad file is a :class:`RunFileError` whose
+message says what is wrong (the server then ends the run ``failed`` with that message), never an
+exception that escapes the lifecycle.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import errno
 import itertools
 import json
+import math
 import os
 import secrets
 import shutil
@@ -56,37 +60,153 @@ class RunFileError(ValueError):
     """A run file exists but cannot be used; the message says which file and why."""
 
 
+class UnsafeRunFile(RunFileError):
+    """A path under the runs directory is a link, a FIFO, a directory or anything else but a
+    regular file, where the server opens one: never opened (a FIFO would block the event loop)."""
+
+
 def new_run_id() -> str:
     """Unique, sortable by submission time: ``YYYYmmddTHHMMSS.ffffff-<random>``."""
     now = datetime.now(UTC)
     return now.strftime("%Y%m%dT%H%M%S.%f") + "-" + secrets.token_hex(3)
 
 
+# --------------------------------------------------------------------------- opening
+
+
+# Every open of a path a run (or a user) can write: never follow a link, never wait for the other
+# end of a FIFO (a plain open of one blocks until someone opens it: on the loop, the whole server).
+_SAFE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+# What a failed open says about the entry it met (with the flags above).
+_ENTRY_ERRNOS = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a FIFO or socket", errno.EISDIR: "a directory"}
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device or special file"
+
+
+def open_dir(path: Path) -> int:
+    """A directory under the runs directory, opened without following a link (ELOOP if it is one,
+    ENOTDIR if it is not a directory): later opens relative to it cannot be redirected."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def open_run_file(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """The one way the server opens a path a run or a user can write: relative to its directory
+    (opened without following a link), without following a link at the file, without blocking,
+    and only if it is a regular file. ``flags``: O_RDONLY, or O_WRONLY with O_CREAT/O_APPEND/...
+    UnsafeRunFile when the path (or its directory) is a link, a FIFO, a directory, ...; OSError
+    (FileNotFoundError, ...) otherwise."""
+    path = Path(path)
+    try:
+        dfd = open_dir(path.parent)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeRunFile(f"{path.parent.name} (the directory of {path.name}) is not a plain directory") from None
+        raise
+    try:
+        fd = os.open(path.name, flags | _SAFE_FLAGS, mode, dir_fd=dfd)
+    except OSError as exc:
+        kind = _ENTRY_ERRNOS.get(exc.errno or 0)
+        if kind is None:
+            raise
+        raise UnsafeRunFile(f"{path.name} is {kind}, not a regular file") from None
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO opened for reading, a directory, a device
+            raise UnsafeRunFile(f"{path.name} is {_kind(st.st_mode)}, not a regular file")
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            os.set_blocking(fd, True)  # a regular file: writes must not return EAGAIN half-way
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_run_file(path: Path) -> None:
+    """Make sure ``path`` is an (empty when new) regular file: ``_DONE``, ``_STOP``."""
+    os.close(open_run_file(path, os.O_WRONLY | os.O_CREAT))
+
+
+def open_log(path: Path) -> int:
+    """A run's log (``stdout.log``, a model host's ``<name>.log``) opened for appending, blocking
+    writes; UnsafeRunFile when it is not a regular file."""
+    return open_run_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+
+def remove_run_entry(path: Path) -> None:
+    """Remove whatever a run left at ``path`` (a file, a FIFO, a link, a directory tree), relative
+    to its directory opened without following a link; nothing when it is absent."""
+    path = Path(path)
+    try:
+        dfd = open_dir(path.parent)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path.name, dir_fd=dfd)  # (never follows the links inside)
+        else:
+            os.unlink(path.name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def discard_run_entry(path: Path) -> None:
+    """:func:`remove_run_entry`, as far as it goes (clean-up: a link is removed, not skipped)."""
+    try:
+        remove_run_entry(path)
+    except OSError:
+        pass
+
+
 # --------------------------------------------------------------------------- writing
 
 
-def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
+def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False, mode: int = 0o600) -> None:
+    """Write ``path`` by a rename over it: the old entry, whatever it is (a FIFO or a link a run
+    planted), is replaced, never opened. Relative to its directory, opened without following a
+    link, so a directory swapped for a link cannot redirect the write."""
+    path = Path(path)
     # The temp name is unique per process and thread so concurrent writers never share one.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_tmp_counter)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    tmp = f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_tmp_counter)}.tmp"
+    dfd = open_dir(path.parent)
     try:
-        try:  # (no file object: this runs on the loop at every run's start and end)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS, mode, dir_fd=dfd)
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(path.parent)
+            try:  # (no file object: this runs on the loop at every run's start and end)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+        if fsync:
+            os.fsync(dfd)  # the rename, durable
+    finally:
+        os.close(dfd)
 
 
 def dumps(obj: Any) -> bytes:
@@ -100,7 +220,7 @@ def atomic_write_json(path: Path, obj: Any, fsync: bool = False) -> None:
 
 def fsync_dir(path: Path) -> None:
     """Make a directory's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = open_dir(path)
     try:
         os.fsync(fd)
     finally:
@@ -110,25 +230,12 @@ def fsync_dir(path: Path) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def open_nofollow(path: Path) -> int:
-    """Open a run file for reading, following a symbolic link neither at the file nor at its
-    directory (the run directory): a link planted there cannot make us read outside."""
-    path = Path(path)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        return os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-
-
 def read_bytes_nofollow(path: Path, max_bytes: int) -> bytes:
-    """A regular file's content, without following links; RunFileError when it is larger than
-    ``max_bytes`` or not a regular file (a FIFO would block the reader forever)."""
-    fd = open_nofollow(path)
+    """A regular file's content (see :func:`open_run_file`); RunFileError when it is larger than
+    ``max_bytes``, UnsafeRunFile when it is not a regular file."""
+    fd = open_run_file(path)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RunFileError(f"{Path(path).name} is not a regular file")
         if st.st_size > max_bytes:
             raise RunFileError(f"{Path(path).name} is {st.st_size} bytes; at most {max_bytes} are read")
         data = f.read(max_bytes + 1)
@@ -141,10 +248,12 @@ def parse_json(data: bytes | str, what: str, max_depth: int = MAX_JSON_DEPTH) ->
     """Strict JSON, at most ``max_depth`` levels deep; RunFileError naming ``what`` otherwise.
 
     A deeper value would make every later ``json.dumps`` of it (an API answer) hit the recursion
-    limit; a far deeper text makes the parser itself raise RecursionError, caught here.
+    limit; a far deeper text makes the parser itself raise RecursionError, caught here. Non-finite
+    numbers (``NaN``, ``Infinity``, ``1e999``) are refused: a record holding one could never be
+    written again (``allow_nan=False``) nor sent as JSON.
     """
     try:
-        value = json.loads(data, parse_constant=_no_constant)
+        value = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:
         raise RunFileError(f"{what} is nested more than {max_depth} levels deep") from None
     except UnicodeDecodeError:
@@ -158,6 +267,13 @@ def parse_json(data: bytes | str, what: str, max_depth: int = MAX_JSON_DEPTH) ->
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{contract.one_line(text, 40)} is not a finite number")
+    return value
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
@@ -187,8 +303,6 @@ def read_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise RunFileError(f"{name} is a symbolic link; links are never followed") from None
         raise RunFileError(f"{name} cannot be read: {exc.strerror or exc}") from None
     return parse_json(data, name)
 
@@ -196,14 +310,11 @@ def read_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
 def tail_lines(path: Path, n: int | None, max_bytes: int = 8 * 1024 * 1024) -> str:
     """The last ``n`` lines of a log (all when None), reading at most ``max_bytes`` from the end."""
     try:
-        fd = open_nofollow(path)
+        fd = open_run_file(path)
     except FileNotFoundError:
         return ""
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RunFileError(f"{Path(path).name} is not a regular file")
-        size = st.st_size
+        size = os.fstat(fd).st_size
         if n is None:
             f.seek(max(0, size - max_bytes))
             return f.read(max_bytes).decode("utf-8", "replace")
@@ -334,16 +445,20 @@ class RunStore:
         staging = self.root / f"{STAGING_PREFIX}{run_id}"
         try:
             os.mkdir(staging, 0o700)
-            for name, data in files.items():
-                # No temp file needed: nobody sees the staging directory until its rename.
-                fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    if self.fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
-            if self.fsync:
-                fsync_dir(staging)
+            dfd = open_dir(staging)  # the files go into the directory made here, whatever is renamed
+            try:
+                for name, data in files.items():
+                    # No temp file needed: nobody sees the staging directory until its rename.
+                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS, 0o600, dir_fd=dfd)
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                        if self.fsync:
+                            f.flush()
+                            os.fsync(f.fileno())
+                if self.fsync:
+                    os.fsync(dfd)
+            finally:
+                os.close(dfd)
             os.rename(staging, final)
             if self.fsync:
                 fsync_dir(self.root)  # the rename is what acknowledges the run: make it durable
@@ -362,34 +477,38 @@ class RunStore:
         atomic_write_json(self.file(run_id, contract.SHARED_URLS_FILE), {"models": urls}, fsync=self.fsync)
 
     def mark_done(self, run_id: str) -> None:
-        fd = os.open(self.file(run_id, contract.DONE_FILE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
+        """``_DONE`` as the server writes it for a run it finalizes; OSError when it cannot."""
+        path = self.file(run_id, contract.DONE_FILE)
+        try:
+            create_run_file(path)
+        except UnsafeRunFile:
+            # The run left something else there (a FIFO, a link, a directory): the server's
+            # verdict stands and needs a real _DONE, so that entry goes.
+            remove_run_entry(path)
+            try:
+                create_run_file(path)
+            except UnsafeRunFile as exc:  # planted again meanwhile
+                raise OSError(errno.EEXIST, str(exc)) from None
         if self.fsync:
             fsync_dir(self.run_dir(run_id))
 
     def unmark_done(self, run_id: str) -> None:
         """Remove ``_DONE`` (a run queued again: resumed or retried), durably before the record
         says queued; OSError when it cannot be removed."""
-        try:
-            os.unlink(self.file(run_id, contract.DONE_FILE))
-        except FileNotFoundError:
-            return
+        remove_run_entry(self.file(run_id, contract.DONE_FILE))  # (a directory planted there too)
         if self.fsync:
             fsync_dir(self.run_dir(run_id))
 
     def write_stop(self, run_id: str) -> None:
-        """``_STOP``: the run stops at its next episode boundary (preemption)."""
-        fd = os.open(self.file(run_id, contract.STOP_FILE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
+        """``_STOP``: the run stops at its next episode boundary (preemption). UnsafeRunFile when
+        the run put something else than a regular file there."""
+        create_run_file(self.file(run_id, contract.STOP_FILE))
 
     def clear_stop(self, run_id: str) -> None:
-        try:
-            os.unlink(self.file(run_id, contract.STOP_FILE))
-        except FileNotFoundError:
-            pass
+        remove_run_entry(self.file(run_id, contract.STOP_FILE))
 
     def log_path(self, run_id: str, stream: str) -> Path:
-        """Where a run's ``stdout``/``stderr`` goes (the launcher opens it for appending)."""
+        """Where a run's ``stdout``/``stderr`` goes (the launcher opens it with :func:`open_log`)."""
         return self.file(run_id, contract.STDOUT_FILE if stream == "stdout" else contract.STDERR_FILE)
 
     def delete(self, run_id: str) -> None:
@@ -397,7 +516,7 @@ class RunStore:
         # Rename first so the directory vanishes from listings atomically, then remove it.
         trash = self.root / f"{STAGING_PREFIX}deleted-{run_id}-{time.monotonic_ns()}"
         os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        discard_run_entry(trash)
 
     # ---- leases (``<runs_dir>/.leases/<id>.json``)
 
@@ -416,7 +535,7 @@ class RunStore:
 
     def delete_lease(self, lease_id: str) -> None:
         try:
-            os.unlink(self._lease_path(lease_id))
+            remove_run_entry(self._lease_path(lease_id))  # (not through a link at .leases)
         except (OSError, KeyError):
             pass
 
@@ -443,7 +562,20 @@ class RunStore:
     # ---- reads
 
     def done_exists(self, run_id: str) -> bool:
+        """Something is at ``_DONE`` (the run says it finalized); :meth:`done_marked` tells
+        whether it is usable."""
         return os.path.lexists(self.file(run_id, contract.DONE_FILE))
+
+    def done_marked(self, run_id: str) -> bool:
+        """``_DONE`` is there, a regular file; UnsafeRunFile when something else is (a FIFO, a
+        link, a directory: a verdict must not rest on it)."""
+        try:
+            st = os.lstat(self.file(run_id, contract.DONE_FILE))  # (an lstat never blocks)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeRunFile(f"{contract.DONE_FILE} is {_kind(st.st_mode)}, not a regular file")
+        return True
 
     def summary(self, run_id: str, fresh: bool = False) -> Any:
         """The run's ``summary.json`` (cached by its stamp unless ``fresh``), None when absent;
@@ -469,8 +601,6 @@ class RunStore:
         except FileNotFoundError:
             return []
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise RunFileError(f"{contract.EPISODES_FILE} is a symbolic link; links are never followed") from None
             raise RunFileError(f"{contract.EPISODES_FILE} cannot be read: {exc.strerror or exc}") from None
         return episode_lines(data)
 
@@ -481,8 +611,7 @@ class RunStore:
         try:
             return tail_lines(path, lines)
         except OSError as exc:
-            reason = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be read: {exc.strerror or exc}"
-            raise RunFileError(f"{path.name} {reason}") from None
+            raise RunFileError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
 
     def scan(self) -> list[FoundRun]:
         """Every run directory on disk with its server-owned files (staging leftovers are removed:
@@ -494,7 +623,7 @@ class RunStore:
             return out
         for entry in entries:
             if entry.name.startswith(STAGING_PREFIX):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                discard_run_entry(Path(entry.path))
                 continue
             if entry.name.startswith("."):
                 continue  # ours (model logs, the primary's files), never a run: run ids start with a digit
@@ -512,7 +641,12 @@ class RunStore:
         if job is None or job.get("state") not in contract.TERMINAL_STATES:
             # A finished run needs its record only: its spec (params can be megabytes) stays on disk.
             spec, spec_problem = _read_object(path / contract.SPEC_FILE)
-        done = os.path.lexists(path / contract.DONE_FILE)
+        # Only a regular _DONE counts: a terminal run gets the server's own in place of anything
+        # else; a running one is judged (conclude) and fails run_file.
+        try:
+            done = stat.S_ISREG(os.lstat(path / contract.DONE_FILE).st_mode)
+        except OSError:
+            done = False
         return FoundRun(run_id, path, job, spec, done, job_problem, spec_problem)
 
 

@@ -167,8 +167,12 @@ async def test_a_mixed_batch_of_dying_runs_leaves_server_and_siblings_untouched(
         "delete_summary": (vandal("delete_summary", episodes=4), "succeeded", None),
         "garble_summary": (vandal("garble_summary", episodes=4), "succeeded", None),
         "garble_then_exit": (vandal("garble_then_exit"), "failed", "exit_code:0"),
-        "summary_dir": (vandal("summary_becomes_directory"), "failed", "exit_code:74"),
-        "summary_symlink": (vandal("summary_symlink_then_exit", target=str(secret)), "failed", "exit_code:0"),
+        "summary_dir": (vandal("summary_becomes_directory"), "failed", "run_file: summary.json is a directory"),
+        "summary_symlink": (
+            vandal("summary_symlink_then_exit", target=str(secret)),
+            "failed",
+            "run_file: summary.json is a symbolic link",
+        ),
     }
     siblings_spec = [spec(episodes=6, sleep_s=0.1, scheduling={"marginal_vram_mb": v}) for v in (0, 4000, 8000, 0)]
 

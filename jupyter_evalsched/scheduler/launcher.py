@@ -38,7 +38,9 @@ from pathlib import Path
 
 import psutil
 
+from .. import contract
 from ..runner._proc import process_start_time, stat_fields
+from ..store import UnsafeRunFile, open_log
 from .cgroups import CgroupError, RunCgroup
 from .zygotes import ForkRequest, ZygoteClient
 
@@ -48,7 +50,11 @@ ExitCallback = Callable[[str, "int | None"], None]  # run id, exit code (None: n
 
 
 class SpawnError(Exception):
-    pass
+    """The run could not start; ``code`` is the reason code its failure gets."""
+
+    def __init__(self, message: str, code: str = contract.EXCEPTION) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(slots=True)
@@ -153,13 +159,16 @@ class Launcher:
         return {run_id: p.pid for run_id, p in self._procs.items() if not p.pending}
 
     def _open_logs(self, stdout: Path, stderr: Path) -> tuple[int, int]:
+        # The run may have left a FIFO or a link in their place (a retry reopens them).
         try:
-            out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            out = open_log(stdout)
             try:
-                err = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-            except OSError:
+                err = open_log(stderr)
+            except BaseException:
                 os.close(out)
                 raise
+        except UnsafeRunFile as exc:
+            raise SpawnError(f"cannot open the run's log files: {exc}", code=contract.RUN_FILE) from None
         except OSError as exc:
             raise SpawnError(f"cannot open the run's log files: {exc.strerror or exc}") from exc
         return out, err

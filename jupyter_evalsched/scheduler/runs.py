@@ -35,7 +35,7 @@ from typing import Any
 from .. import contract
 from ..contract import ACTIVE_STATES, FAILED, SUCCEEDED, TERMINAL_STATES
 from ..models import RECORD_FIELDS, RunRecord, utcnow_iso
-from ..store import FileStamp, RunFileError, RunStore, StoreError
+from ..store import FileStamp, RunFileError, RunStore, StoreError, UnsafeRunFile
 from .attempts import Requeue
 
 log = logging.getLogger("jupyter_evalsched")
@@ -501,7 +501,8 @@ class RunTable:
                 return
         run.record.update(state=state, reason=reason, why=None, finished_at=run.exited_at or utcnow_iso())
         run.exited_at = None
-        run.done_on_disk = done_on_disk
+        # A run whose files were refused has no usable _DONE of its own: the server writes one.
+        run.done_on_disk = done_on_disk and contract.reason_code(reason) != contract.RUN_FILE
         self._active.pop(run.id, None)
         if self._deferred is not None:
             self._deferred.append(run)
@@ -560,12 +561,28 @@ class RunTable:
     def conclude(self, run: Run, exit_code: int | None = None) -> tuple[str, str | None] | None:
         """The verdict of a run that finalized itself (its ``_DONE`` exists and its summary says
         how it ended), else None: the caller judges by how the process ended. A summary that
-        cannot be read is a failure whose reason says what is wrong with it."""
+        cannot be read is a failure whose reason says what is wrong with it; a ``_DONE`` or
+        summary that is not a regular file fails the run ``run_file``. Never raises: whatever
+        goes wrong judging one run fails that run."""
+        try:
+            return self._conclude(run, exit_code)
+        except UnsafeRunFile as exc:
+            return FAILED, contract.reason(contract.RUN_FILE, f"{exc}; the server does not open it")
+        except Exception as exc:
+            log.exception("evalsched: cannot judge run %s", run.id)
+            return FAILED, contract.reason(
+                contract.EXCEPTION, f"the server could not judge the run: {type(exc).__name__}: {exc}"
+            )
+
+    def _conclude(self, run: Run, exit_code: int | None) -> tuple[str, str | None] | None:
         rid = run.id
+        done = self.store.done_marked(rid)
         try:
             summary = self.store.summary(rid, fresh=True)  # the last version, whatever its stamp
+        except UnsafeRunFile:
+            raise
         except RunFileError as exc:
-            if not self.store.done_exists(rid):
+            if not done:
                 return None
             code = "unknown" if exit_code is None else exit_code
             return FAILED, contract.reason(
@@ -575,7 +592,7 @@ class RunTable:
         if run.record.get("started_at") is None and isinstance(summary, dict):
             # A short run can start and end between two looks: its own summary knows when.
             run.record["started_at"] = summary.get("started_at")
-        if not self.store.done_exists(rid):
+        if not done:
             return None
         return runner_verdict(summary)
 
@@ -660,6 +677,11 @@ class RunTable:
             if not quiet:
                 log.error("evalsched: cannot write job.json of %s: %s", run.id, exc)
             return False
+        except Exception:  # a record that cannot be serialized: that run's problem, not the caller's
+            self._unwritten.add(run.id)
+            if not quiet:
+                log.exception("evalsched: cannot write job.json of %s", run.id)
+            return False
         self._unwritten.discard(run.id)
         return True
 
@@ -678,7 +700,7 @@ class RunTable:
         try:
             self.store.mark_done(run.id)
             run.done_on_disk = True
-        except OSError as exc:
+        except (OSError, RunFileError) as exc:
             self._unwritten.add(run.id)
             if not quiet:
                 log.error("evalsched: cannot write _DONE for %s: %s", run.id, exc)

@@ -203,8 +203,8 @@ class Scheduler:
                 continue
             try:
                 usable.append((f, record_from_disk(f.job, f.run_id, str(f.path))))
-            except ValueError as exc:
-                self.broken[f.run_id] = str(exc)
+            except Exception as exc:  # (ValueError: not a record) whatever it is, that directory alone
+                self.broken[f.run_id] = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         if self.broken:
             log.warning(
                 "evalsched: %d run directories are broken and were left as they are (DELETE them through the "
@@ -214,16 +214,12 @@ class Scheduler:
             )
         usable.sort(key=lambda item: (item[1]["seq"], item[0].run_id))
         for f, record in usable:
-            run = Run(record=record, spec=f.spec or {}, submitted_ts=parse_timestamp(record["submitted_at"]))
-            run.done_on_disk = f.done
-            self.table.add(run)
-            if record["idempotency_key"]:
-                self.submissions.by_key[record["idempotency_key"]] = run.id
-            if f.spec is None and not run.terminal:
-                why = f"{f.spec_problem}: the run cannot start or be judged"
-                self.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"RunFileError: {why}"))
-                continue
-            self._recover_run(run, f.done)
+            try:
+                self._recover_found(f, record)
+            except Exception as exc:
+                # One run's files must never stop the server from starting: that run fails.
+                log.exception("evalsched: cannot recover run %s", f.run_id)
+                self._recovery_failed(f.run_id, exc)
         self.admission.recovered()  # now that every run is known
         if len(self.table):
             log.info(
@@ -232,6 +228,30 @@ class Scheduler:
                 self.admission.queued_count(),
                 self.store.root,
             )
+
+    def _recover_found(self, f: FoundRun, record: dict[str, Any]) -> None:
+        run = Run(record=record, spec=f.spec or {}, submitted_ts=parse_timestamp(record["submitted_at"]))
+        run.done_on_disk = f.done
+        self.table.add(run)
+        if record["idempotency_key"]:
+            self.submissions.by_key[record["idempotency_key"]] = run.id
+        if f.spec is None and not run.terminal:
+            why = f"{f.spec_problem}: the run cannot start or be judged"
+            self.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"RunFileError: {why}"))
+            return
+        self._recover_run(run, f.done)
+
+    def _recovery_failed(self, run_id: str, exc: Exception) -> None:
+        why = f"the server could not recover the run: {type(exc).__name__}: {exc}"
+        run = self.table.get(run_id)
+        if run is None:
+            self.broken[run_id] = why
+            return
+        try:
+            if not run.terminal:
+                self.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, why))
+        except Exception:
+            log.exception("evalsched: cannot fail run %s either", run_id)
 
     def _recover_run(self, run: Run, done: bool) -> None:
         state = run.state

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 import re
 import shlex
 import shutil
@@ -59,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import contract
+from ..store import atomic_write_bytes
 
 __all__ = [
     "FINISHED_STATES",
@@ -602,18 +602,10 @@ class SlurmCli:
         deps = [str(j) for j in dependency_job_ids or ()]
         script = render_sbatch_script(run_id, run_dir, spec, env, deps, self.config)
         path = run_dir / SCRIPT_NAME
-        tmp = run_dir / f".{SCRIPT_NAME}.{os.getpid()}.{threading.get_ident()}"
         try:
             # Owner-only from its creation: it holds the run's environment.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o700)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(script)
-            os.replace(tmp, path)
+            atomic_write_bytes(path, script.encode(), mode=0o700)
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             raise SlurmError(f"cannot write {path}: {exc}") from exc
         # sbatch exports its own environment to the job (--export=ALL): give it the run's, without
         # the variables the job must not inherit. SLURM_CONF stays: it tells sbatch where to look.

@@ -32,9 +32,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from ..scheduler.shared import ModelUnavailable
+from ..store import RunFileError, open_log, tail_lines
 from .client import make_url
 from .config import ModelConfig, parse_models
 from .protocol import HEADER, PlainUnpickler, encode
@@ -167,7 +169,10 @@ class ModelHostManager:
         self._stopping = False
         self.socket_dir = self._make_socket_dir()
         if self.log_dir:
-            os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+            try:
+                os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+            except OSError as exc:  # under the runs directory, anything may be there: the hosts log nothing
+                self.log.warning("shared models: cannot keep the hosts' logs in %s: %s", self.log_dir, exc)
         for index, config in enumerate(self.configs):
             self._hosts[config.name] = _Host(config, os.path.join(self.socket_dir, f"m{index}.sock"))
         await asyncio.gather(*(self._ensure_running(h) for h in self._hosts.values() if h.config.preload))
@@ -279,13 +284,11 @@ class ModelHostManager:
 
     def _tail(self, host: _Host) -> str:
         """``": <the last lines of the host's stderr>"``, or nothing when it wrote none."""
-        try:
-            with open(self.log_path(host.config.name), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 4096))
-                lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
-        except OSError:
+        try:  # (under the runs directory: a run may have put a FIFO or a link there)
+            text = tail_lines(Path(self.log_path(host.config.name)), None, max_bytes=4096)
+        except (OSError, RunFileError):
             return ""
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         return (": " + " | ".join(lines[-STDERR_TAIL_LINES:])) if lines else ""
 
     async def _spawn(self, host: _Host) -> None:
@@ -298,7 +301,11 @@ class ModelHostManager:
         if host.inherited_failure is not None:
             args += ["--failed-load", json.dumps(host.inherited_failure)]
             host.inherited_failure = None
-        fd = os.open(self.log_path(host.config.name), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = open_log(Path(self.log_path(host.config.name)))
+        except RunFileError as exc:  # not a regular file: the host's stderr goes nowhere rather than block
+            self.log.warning("shared models: %s; the host of %s logs nothing", exc, host.config.name)
+            fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         with os.fdopen(fd, "ab") as log_file:
             # Spawned from the event-loop thread, which lives as long as the server: the host's
             # PR_SET_PDEATHSIG fires when the forking thread exits.

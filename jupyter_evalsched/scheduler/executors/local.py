@@ -17,6 +17,7 @@ still match; with ``auto_resume``, a run the server's death interrupted is queue
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import sys
@@ -24,7 +25,7 @@ import time
 
 from ... import contract
 from ...contract import ABORTED, CANCELLED, FAILED, QUEUED, SUCCEEDED
-from ...store import RunFileError
+from ...store import RunFileError, UnsafeRunFile
 from ..attempts import Requeue, preempted_plan, restart_plan
 from ..cgroups import CgroupError, Cgroups, RunCgroup
 from ..environment import run_environment
@@ -196,7 +197,9 @@ class LocalExecutor(Executor):
             if run.record["models"] or run.record["attempt"] > 1:
                 ctx.store.write_shared_urls(run.id, urls)
         except OSError as exc:
-            self._start_failed(run, cgroup, str(exc))
+            # Renamed over whatever is there; only a directory the run made there stops it.
+            code = contract.RUN_FILE if exc.errno in (errno.EISDIR, errno.ENOTEMPTY) else contract.EXCEPTION
+            self._start_failed(run, cgroup, str(exc), code)
             return
         why = cold_reason(spec, env, self.zygotes is not None)
         zygote = None
@@ -224,7 +227,7 @@ class LocalExecutor(Executor):
                 on_error=lambda why: self._start_failed(run, cgroup, why),
             )
         except SpawnError as exc:
-            self._start_failed(run, cgroup, str(exc))
+            self._start_failed(run, cgroup, str(exc), exc.code)
 
     def _spawn_cold(self, run: Run, cwd: str, env: dict[str, str], cgroup: RunCgroup | None, why: str) -> None:
         """Start the run in a fresh interpreter; ``why`` says why it is not forked."""
@@ -255,16 +258,16 @@ class LocalExecutor(Executor):
                 detached=run.record["detach"],
             )
         except (SpawnError, OSError) as exc:
-            self._start_failed(run, cgroup, str(exc))
+            self._start_failed(run, cgroup, str(exc), exc.code if isinstance(exc, SpawnError) else contract.EXCEPTION)
             return
         self._started(run, proc, cgroup, "cold", why)
 
-    def _start_failed(self, run: Run, cgroup: RunCgroup | None, why: str) -> None:
+    def _start_failed(self, run: Run, cgroup: RunCgroup | None, why: str, code: str = contract.EXCEPTION) -> None:
         self._drop_cgroup(cgroup)
         if run.terminal:
             return
         # A run admitted but not started must not hold its resources.
-        self.ctx.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"could not start the run: {why}"))
+        self.ctx.table.finish(run, FAILED, contract.reason(code, f"could not start the run: {why}"))
 
     def _drop_cgroup(self, cgroup: RunCgroup | None) -> None:
         if cgroup is not None:
@@ -408,7 +411,7 @@ class LocalExecutor(Executor):
     def _clear_stop(self, run: Run) -> None:
         try:
             self.ctx.store.clear_stop(run.id)
-        except OSError:
+        except (OSError, RunFileError):
             pass
 
     # ------------------------------------------------------------------ preemption
@@ -424,6 +427,10 @@ class LocalExecutor(Executor):
         ctx = self.ctx
         try:
             ctx.store.write_stop(run.id)
+        except UnsafeRunFile as exc:
+            # Never opened, so it cannot be asked to stop: it stops now (its room is wanted).
+            self.kill_run(run, contract.reason(contract.RUN_FILE, f"{exc}; the server does not open it"))
+            return False
         except OSError as exc:
             log.warning("evalsched: cannot preempt run %s: %s", run.id, exc)
             return False
