@@ -448,6 +448,15 @@ class LocalExecutor(Executor):
 
     async def cancel(self, run: Run) -> None:
         run.cancel_requested = True
+        pending = self.launcher.withdraw(run.id)
+        if pending is not None:  # asked of a zygote, not started: it ends now, not once forked
+            self._drop_cgroup(pending.cgroup)
+            self.ctx.table.finish(
+                run,
+                CANCELLED,
+                contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+            )
+            return
         # False while the run waits for its model host or cgroup: _launch_later then cancels it.
         self.launcher.terminate(run.id, self.ctx.config.cancel_grace_s)
 
