@@ -29,6 +29,8 @@ from jupyter_evalsched.models import (
 )
 from jupyter_evalsched.scheduler.sweeps import MAX_SWEEP_JSON_CHARS, MAX_SWEEP_SUBMISSIONS
 
+FINGERPRINT = f"{Path(__file__).resolve().parent / 'evals_warm.py'}:fingerprint"
+
 
 @pytest.fixture
 def evalsched_config():
@@ -134,12 +136,16 @@ async def test_a_start_that_cannot_be_handed_over_starts_cold_once_and_keeps_the
 
 
 @pytest.mark.parametrize("evalsched_config", [WARM])
-async def test_a_spec_env_at_its_limit_still_starts_warm(api, wait_for):
+async def test_a_spec_env_at_its_limit_still_starts_warm_and_shows_in_proc(api, wait_for, tmp_path):
+    """Also in ``/proc/<pid>/environ``, where clean-up without cgroups finds a run's leftovers."""
     await ready_zygote(api)
     env = _env_filling(MAX_ENV_BYTES)
-    rec = await submit(api, spec(entry=NOOP, env=env))
+    out = tmp_path / "fp.json"
+    rec = await submit(api, spec(entry=FINGERPRINT, env=env, params={"out": str(out)}))
     final = await wait_for(rec["id"], timeout=20)
     assert final["state"] == "succeeded" and final["start"] == "warm", final
+    shown = json.loads(out.read_text())["proc_environ"]
+    assert shown.get("EVALSCHED_RUN_ID") == rec["id"] and all(shown.get(k) == v for k, v in env.items())
 
 
 class TestPendingStart:

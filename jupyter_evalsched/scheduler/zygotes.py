@@ -35,11 +35,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..models import MAX_ENV_BYTES
 from ..runner.zygote import ENV_RESERVE, PRELOAD, ZYGOTE_FD
 
 log = logging.getLogger("jupyter_evalsched")
 
-ENV_RESERVE_BYTES = 16384  # room for a run's environment in /proc (runner.zygote.show_environment)
+# Room for a run's environment in /proc (runner.zygote.show_environment): a spec's env at its
+# limit and 32 KiB for the server's own and run_env (one string: execve takes 128 KiB at most).
+ENV_RESERVE_BYTES = MAX_ENV_BYTES + 32 * 1024
 
 # Set per run after the fork; never part of what makes two environments alike.
 PER_RUN_VARIABLES = frozenset(
