@@ -28,6 +28,7 @@ from jupyter_evalsched.models import (
     MAX_SPEC_JSON_CHARS,
 )
 from jupyter_evalsched.scheduler.sweeps import MAX_SWEEP_JSON_CHARS, MAX_SWEEP_SUBMISSIONS
+from jupyter_evalsched.store import StoreError
 
 FINGERPRINT = f"{Path(__file__).resolve().parent / 'evals_warm.py'}:fingerprint"
 
@@ -333,3 +334,48 @@ async def test_deeply_nested_sweep_values_are_a_4xx_never_a_500(api):
             failures.append((depth, code, text[:200]))
     assert not failures, failures
     assert (await api("GET", "runs"))[1]["total"] == 0
+
+
+async def test_submissions_waiting_on_one_key_whose_first_failed_make_one_run(api, jp_fetch, evalsched, monkeypatch):
+    """The same class for single runs: two submissions wait for a first with their key; that
+    one fails (503), and of the two waiting, one makes the run and the other answers with it."""
+    store = evalsched.submissions.store
+    create = store.create
+    release = threading.Event()
+    calls: list[str] = []
+
+    def first_fails(run_id, files):
+        calls.append(run_id)
+        if len(calls) == 1:
+            release.wait(30)
+            raise StoreError("the runs directory is full (test)")
+        return create(run_id, files)
+
+    monkeypatch.setattr(store, "create", first_fails)
+    entered: list[int] = []
+    submit_one = evalsched.submissions.submit
+
+    async def counted(*args, **kwargs):
+        entered.append(1)
+        return await submit_one(*args, **kwargs)
+
+    monkeypatch.setattr(evalsched.submissions, "submit", counted)
+    body = json.dumps(spec(entry=NOOP))
+
+    def post():
+        return jp_fetch(
+            "evalsched", "runs", method="POST", body=body, headers={"Idempotency-Key": "one-1"}, raise_error=False
+        )
+
+    try:
+        first = asyncio.ensure_future(post())
+        await async_wait_until(lambda: len(calls) == 1, timeout=10, message="the first submission is not writing")
+        waiting = [asyncio.ensure_future(post()) for _ in range(2)]
+        await async_wait_until(lambda: len(entered) == 3, timeout=10, message="the others did not arrive")
+    finally:
+        release.set()
+    assert (await first).code == 503
+    answers = sorted((r.code, json.loads(r.body)) for r in await asyncio.gather(*waiting))
+    assert [code for code, _ in answers] == [200, 201], answers
+    assert answers[0][1]["id"] == answers[1][1]["id"], answers
+    assert (await api("GET", "runs"))[1]["total"] == 1

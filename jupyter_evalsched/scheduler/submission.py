@@ -195,8 +195,9 @@ class Submissions:
         StateConflict."""
         if idempotency_key is None:
             return await self._submit(spec, None), True
-        pending = self._keys_in_flight.get(idempotency_key)
-        if pending is not None:  # the same submission, retried while the first is being written
+        # The same submission, retried while the first is being written: it waits. Again after
+        # each wait: another that waited too may have taken the key meanwhile (the first failed).
+        while (pending := self._keys_in_flight.get(idempotency_key)) is not None:
             await asyncio.shield(pending)
         known = self.by_key.get(idempotency_key)
         if known is not None:
