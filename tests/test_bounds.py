@@ -286,29 +286,38 @@ async def test_concurrent_sweep_submissions_beyond_the_limit_are_a_429(api, jp_f
     assert (await api("GET", "runs"))[1]["total"] == 2 * MAX_SWEEP_SUBMISSIONS
 
 
+def entries(monkeypatch, obj, name: str) -> list[int]:
+    """Counts the calls of the coroutine method ``obj.name`` (one entry per call, as it starts:
+    it runs up to its first wait in the step that enters it)."""
+    entered: list[int] = []
+    method = getattr(obj, name)
+
+    async def counted(*args, **kwargs):
+        entered.append(1)
+        return await method(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return entered
+
+
+def keyed_post(jp_fetch, path: str, body: dict, key: str):
+    """A function that POSTs ``body`` with the Idempotency-Key ``key``."""
+    text = json.dumps(body)
+    return lambda: jp_fetch(
+        "evalsched", path, method="POST", body=text, headers={"Idempotency-Key": key}, raise_error=False
+    )
+
+
 async def test_two_overlapping_sweep_submissions_with_one_key_make_one_sweep(
     api, jp_fetch, evalsched, held_creates, monkeypatch
 ):
     release, calls = held_creates
-    entered: list[int] = []
-    submit_sweep = evalsched.submissions.submit_sweep
-
-    async def counted(*args, **kwargs):
-        entered.append(1)
-        return await submit_sweep(*args, **kwargs)
-
-    monkeypatch.setattr(evalsched.submissions, "submit_sweep", counted)
-    body = json.dumps({**spec(entry=NOOP), "sweep": {"k": [1, 2, 3]}})
-
-    def post():
-        return jp_fetch(
-            "evalsched", "sweeps", method="POST", body=body, headers={"Idempotency-Key": "same-1"}, raise_error=False
-        )
+    entered = entries(monkeypatch, evalsched.submissions, "submit_sweep")
+    post = keyed_post(jp_fetch, "sweeps", {**spec(entry=NOOP), "sweep": {"k": [1, 2, 3]}}, "same-1")
 
     a = asyncio.ensure_future(post())
     await async_wait_until(lambda: len(calls) == 1, timeout=10, message="the first submission is not writing")
     b = asyncio.ensure_future(post())
-    # Each submission runs up to its first wait in the step that enters it.
     await async_wait_until(lambda: len(entered) == 2, timeout=10, message="the second submission did not arrive")
     release.set()
     first, second = await asyncio.gather(a, b)
@@ -352,20 +361,8 @@ async def test_submissions_waiting_on_one_key_whose_first_failed_make_one_run(ap
         return create(run_id, files)
 
     monkeypatch.setattr(store, "create", first_fails)
-    entered: list[int] = []
-    submit_one = evalsched.submissions.submit
-
-    async def counted(*args, **kwargs):
-        entered.append(1)
-        return await submit_one(*args, **kwargs)
-
-    monkeypatch.setattr(evalsched.submissions, "submit", counted)
-    body = json.dumps(spec(entry=NOOP))
-
-    def post():
-        return jp_fetch(
-            "evalsched", "runs", method="POST", body=body, headers={"Idempotency-Key": "one-1"}, raise_error=False
-        )
+    entered = entries(monkeypatch, evalsched.submissions, "submit")
+    post = keyed_post(jp_fetch, "runs", spec(entry=NOOP), "one-1")
 
     try:
         first = asyncio.ensure_future(post())
