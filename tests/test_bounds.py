@@ -376,3 +376,29 @@ async def test_submissions_waiting_on_one_key_whose_first_failed_make_one_run(ap
     assert [code for code, _ in answers] == [200, 201], answers
     assert answers[0][1]["id"] == answers[1][1]["id"], answers
     assert (await api("GET", "runs"))[1]["total"] == 1
+
+
+@pytest.mark.parametrize(
+    "evalsched_config", [{"models": [{"name": "upper", "loader": "jupyter_evalsched.shared_models.testing:upper"}]}]
+)
+async def test_a_cancel_while_the_model_host_is_awaited_ends_the_run_at_once(api, evalsched, runs_dir, monkeypatch):
+    """The same class before a cold start: a run admitted and waiting for its model host."""
+    local = evalsched.executors["local"]
+    host_answers = asyncio.Event()
+    urls_for = local.models.urls_for
+    asked: list[list[str]] = []
+
+    async def held(names):
+        asked.append(list(names))
+        await host_answers.wait()
+        return await urls_for(names)
+
+    monkeypatch.setattr(local.models, "urls_for", held)
+    rec = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.2, models=["upper"]))
+    await async_wait_until(lambda: asked, timeout=10, message="the run did not wait for its model host")
+    code, answer = await api("POST", f"runs/{rec['id']}/cancel")
+    assert code == 200 and answer["state"] == "cancelled" and answer["pid"] is None, answer
+    assert (runs_dir / rec["id"] / "_DONE").exists()
+    host_answers.set()
+    await async_wait_until(lambda: rec["id"] not in local._starting, timeout=10, message="its start is still awaited")
+    assert (await api("GET", f"runs/{rec['id']}"))[1]["state"] == "cancelled" and run_processes(rec["id"]) == []

@@ -448,16 +448,21 @@ class LocalExecutor(Executor):
 
     async def cancel(self, run: Run) -> None:
         run.cancel_requested = True
-        pending = self.launcher.withdraw(run.id)
-        if pending is not None:  # asked of a zygote, not started: it ends now, not once forked
-            self._drop_cgroup(pending.cgroup)
+        # Not started yet, it ends now, not once it starts: waiting for its model host or cgroup
+        # (that start, when it comes, sees the run ended and drops what it made), or asked of a
+        # zygote (withdrawn: its request dropped, or the spare given it killed).
+        starting = self._starting.get(run.id)
+        waiting = starting is not None and not starting.done()  # (a done one may have started it)
+        pending = None if waiting else self.launcher.withdraw(run.id)
+        if waiting or pending is not None:
+            if pending is not None:
+                self._drop_cgroup(pending.cgroup)
             self.ctx.table.finish(
                 run,
                 CANCELLED,
                 contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
             )
             return
-        # False while the run waits for its model host or cgroup: _launch_later then cancels it.
         self.launcher.terminate(run.id, self.ctx.config.cancel_grace_s)
 
     def kill_run(self, run: Run, reason: str) -> bool:
