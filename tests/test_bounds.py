@@ -402,3 +402,41 @@ async def test_a_cancel_while_the_model_host_is_awaited_ends_the_run_at_once(api
     host_answers.set()
     await async_wait_until(lambda: rec["id"] not in local._starting, timeout=10, message="its start is still awaited")
     assert (await api("GET", f"runs/{rec['id']}"))[1]["state"] == "cancelled" and run_processes(rec["id"]) == []
+
+
+@pytest.mark.parametrize("evalsched_config", [WARM])
+async def test_a_cancel_while_a_spare_holds_the_start_kills_that_spare_and_ends_the_run(api, wait_for, runs_dir):
+    """The start was handed to a spare that has not answered (stopped here, as a busy host could
+    keep it): the cancel ends the run at once, and the spare, which may have become the run
+    already, is killed; the zygote replaces it."""
+    zygote = await ready_zygote(api)
+    spares = [psutil.Process(pid) for pid in zygote["spares"]]
+    for spare in spares:
+        spare.suspend()
+    try:
+        rec = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.2))
+
+        async def handed() -> bool:  # a spare was given it (it is not held as a spare any more)
+            warm = (await status(api))["warm_start"]["zygotes"]
+            return len(next(z for z in warm if z["pid"] == zygote["pid"])["spares"]) < 2
+
+        await async_wait_until(handed, timeout=10, message="the start was not handed to a spare")
+        code, answer = await api("POST", f"runs/{rec['id']}/cancel")
+        assert code == 200 and answer["state"] == "cancelled" and answer["pid"] is None, answer
+        assert (runs_dir / rec["id"] / "_DONE").exists()
+        await async_wait_until(
+            lambda: sum(not psutil.pid_exists(s.pid) or s.status() == psutil.STATUS_ZOMBIE for s in spares) == 1,
+            timeout=10,
+            message="the spare given the run was not killed",
+        )
+    finally:
+        for spare in spares:
+            try:
+                spare.resume()
+            except psutil.NoSuchProcess:
+                pass
+    await ready_zygote(api)
+    assert run_processes(rec["id"]) == [] and (await api("GET", f"runs/{rec['id']}"))[1]["state"] == "cancelled"
+    again = await submit(api, spec(entry=NOOP))
+    final = await wait_for(again["id"], timeout=20)
+    assert final["state"] == "succeeded" and final["start"] == "warm", final
