@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 AUTH_RESOURCE = "evalsched"
 EXTENSION = "jupyter_evalsched"
-MAX_BODY_BYTES = MAX_SPEC_JSON_CHARS  # the largest spec a body may carry (a sweep's points beside it)
+MAX_BODY_BYTES = MAX_SPEC_JSON_CHARS  # one number for both: a body carries one spec (and a sweep's points)
 RETRY_AFTER_S = 1  # a 429's Retry-After
 MAX_LIST_LIMIT = 100_000
 RUN_ID = r"(?P<run_id>[^/]+)"

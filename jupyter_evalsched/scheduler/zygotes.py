@@ -297,7 +297,9 @@ class ZygoteClient:
             if spare.request is not None and spare.request.run_id == run_id:
                 del self._asked[pid]
                 self.loop.remove_reader(spare.sock.fileno())
-                if spare.pidfd is not None:  # (without one, its closed socket makes it leave)
+                # (Without a pidfd it is not signalled, as its pid could be another's by now; one
+                # that has not read its request yet leaves once its socket closes.)
+                if spare.pidfd is not None:
                     try:
                         signal.pidfd_send_signal(spare.pidfd, signal.SIGKILL)
                     except OSError:
