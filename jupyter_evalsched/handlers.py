@@ -28,7 +28,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from . import contract
 from ._version import __version__
 from .contract import STATES
-from .models import EvalSpec, LeaseRequest, SweepRequest
+from .models import MAX_SPEC_JSON_CHARS, EvalSpec, LeaseRequest, SweepRequest
 from .scheduler.errors import SchedulerError
 from .scheduler.service import Scheduler
 from .scheduler.shared import ModelUnavailable
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 AUTH_RESOURCE = "evalsched"
 EXTENSION = "jupyter_evalsched"
-MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_BODY_BYTES = MAX_SPEC_JSON_CHARS  # one number for both: a body carries one spec (and a sweep's points)
+RETRY_AFTER_S = 1  # a 429's Retry-After
 MAX_LIST_LIMIT = 100_000
 RUN_ID = r"(?P<run_id>[^/]+)"
 IDEMPOTENCY_KEY_RE = re.compile(r"[!-~]{1,200}")
@@ -133,6 +134,8 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         """JSON errors; a bug of ours is a 500 with a message, never a traceback sent out."""
         self.set_header("Content-Type", "application/json")
+        if status_code == 429:
+            self.set_header("Retry-After", str(RETRY_AFTER_S))
         exc = kwargs.get("exc_info", (None, None, None))[1]
         body: dict[str, Any] = {"message": self._reason, "reason": None}
         if isinstance(exc, ApiError):
@@ -186,7 +189,7 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
                 f"({resp.error}); a server takes over within seconds: retry",
             )
         self.set_status(resp.code)
-        for name in ("Content-Type", "Location"):
+        for name in ("Content-Type", "Location", "Retry-After"):
             if name in resp.headers:
                 self.set_header(name, resp.headers[name])
         self.set_header("X-Evalsched-Primary", str(primary.pid))

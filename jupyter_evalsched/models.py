@@ -42,7 +42,22 @@ MAX_CPUS = 4096
 MAX_WORKERS = 256
 MAX_SOURCE_CHARS = 1_000_000
 MAX_PARAMS_JSON_CHARS = 1_000_000
+MAX_PARAMS_DEPTH = 64
 MAX_RETRIES = 100
+MAX_NAME_CHARS = 200
+MAX_PATH_CHARS = 4096  # entrypoint, cwd
+MAX_MODELS = 64
+MAX_DEPENDS_ON = 1000
+# A run's environment travels in one datagram to a warm spare (the zygote's SOCK_SEQPACKET socket:
+# about 208 KB by default, with the server's own environment and run_env beside it) and through
+# execve for a cold start (at most 128 KiB per NAME=value string): the spec's share stays well
+# below both. Counted as the NAME=value pairs with their NUL, in UTF-8.
+MAX_ENV_NAME_CHARS = 1024
+MAX_ENV_VALUE_BYTES = 32 * 1024
+MAX_ENV_BYTES = 64 * 1024
+# The whole spec as compact JSON, non-ASCII escaped (as spec.json holds it), defaults filled in.
+# The same number is the request body limit (handlers.MAX_BODY_BYTES).
+MAX_SPEC_JSON_CHARS = 4 * 1024 * 1024
 
 
 def utcnow_iso() -> str:
@@ -103,18 +118,20 @@ class Scheduling(_Strict):
 class EvalSpec(_Strict):
     """A submitted evaluation. Defaults are filled in before it is written as ``spec.json``."""
 
-    name: str | None = Field(None, max_length=200)
-    entrypoint: str | None = Field(None, max_length=4096, description="pkg.module:function or path/file.py:function")
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    entrypoint: str | None = Field(
+        None, max_length=MAX_PATH_CHARS, description="pkg.module:function or path/file.py:function"
+    )
     source: str | None = Field(None, max_length=MAX_SOURCE_CHARS, description="source of eval.py")
     episodes: int = Field(1, ge=0, le=MAX_EPISODES)
     params: dict[str, Any] = Field(default_factory=dict)
     workers: int = Field(1, ge=1, le=MAX_WORKERS)
     seed: int = Field(0, ge=-(2**63), le=2**63 - 1)
-    models: list[str] = Field(default_factory=list, max_length=64)
+    models: list[str] = Field(default_factory=list, max_length=MAX_MODELS)
     env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = Field(None, max_length=4096)
+    cwd: str | None = Field(None, max_length=MAX_PATH_CHARS)
     timeout_s: float | None = Field(None, gt=0, le=365 * 24 * 3600)
-    depends_on: list[str] = Field(default_factory=list, max_length=1000)
+    depends_on: list[str] = Field(default_factory=list, max_length=MAX_DEPENDS_ON)
     scheduling: Scheduling = Field(default_factory=Scheduling)
     executor: Executor | None = Field(
         None, description="where the run executes: this host's ledger ('local') or SLURM; default: the server's"
@@ -174,14 +191,26 @@ class EvalSpec(_Strict):
     @field_validator("env")
     @classmethod
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        total = 0
         for key, value in v.items():
             if not key or "=" in key or "\x00" in key or "\x00" in value:
-                raise ValueError(f"invalid environment variable {key!r}")
+                raise ValueError(f"invalid environment variable {key[:100]!r}")
+            if len(key) > MAX_ENV_NAME_CHARS:
+                raise ValueError(
+                    f"a variable's name is {len(key)} characters; at most {MAX_ENV_NAME_CHARS} are accepted"
+                )
             try:  # the environment is bytes: a lone surrogate (valid in JSON) cannot be passed on
-                key.encode("utf-8")
-                value.encode("utf-8")
+                size = len(value.encode("utf-8"))
+                total += len(key.encode("utf-8")) + size + 2  # NAME=value and its NUL
             except UnicodeEncodeError:
                 raise ValueError(f"environment variable {key!r} is not valid UTF-8") from None
+            if size > MAX_ENV_VALUE_BYTES:
+                raise ValueError(f"the value of {key!r} is {size} bytes; at most {MAX_ENV_VALUE_BYTES} are accepted")
+        if total > MAX_ENV_BYTES:
+            raise ValueError(
+                f"the variables take {total} bytes (NAME=value, each with its NUL); at most {MAX_ENV_BYTES} "
+                "are accepted"
+            )
         return v
 
     @field_validator("cwd")
@@ -194,10 +223,8 @@ class EvalSpec(_Strict):
     @field_validator("params")
     @classmethod
     def _params_finite(cls, v: dict[str, Any]) -> dict[str, Any]:
-        _check_json_finite(v, "params")
-        size = len(json.dumps(v, separators=(",", ":"), allow_nan=False))
-        if size > MAX_PARAMS_JSON_CHARS:
-            raise ValueError(f"params are {size} characters as JSON; at most {MAX_PARAMS_JSON_CHARS} are accepted")
+        check_json_finite(v, "params")
+        check_params_size(json_chars(v))
         return v
 
     @model_validator(mode="after")
@@ -212,18 +239,46 @@ class EvalSpec(_Strict):
             self.scheduling.preemptible = contract.default_preemptible(self.scheduling.priority)
         return self
 
+    @model_validator(mode="after")
+    def _bounded(self) -> EvalSpec:
+        # After _fill_defaults: what is measured is what spec.json holds. The params are measured
+        # apart, as they are (a dump of them would copy them).
+        rest = self.model_dump(mode="json", exclude={"params", "sweep"})
+        check_spec_size(json_chars(rest) + len(',"params":') + json_chars(self.params))
+        return self
 
-def _check_json_finite(value: Any, where: str, depth: int = 0) -> None:
-    if depth > 64:
+
+def json_chars(value: Any) -> int:
+    """Characters of ``value`` as compact JSON, non-ASCII escaped: its size in ``spec.json``."""
+    return len(json.dumps(value, separators=(",", ":"), allow_nan=False))
+
+
+def check_params_size(size: int) -> None:
+    if size > MAX_PARAMS_JSON_CHARS:
+        raise ValueError(f"params are {size} characters as JSON; at most {MAX_PARAMS_JSON_CHARS} are accepted")
+
+
+def check_spec_size(size: int) -> None:
+    if size > MAX_SPEC_JSON_CHARS:
+        raise ValueError(
+            f"the spec is {size} characters as JSON (non-ASCII escaped, as spec.json holds it); at most "
+            f"{MAX_SPEC_JSON_CHARS} are accepted"
+        )
+
+
+def check_json_finite(value: Any, where: str, depth: int = 0) -> None:
+    """ValueError when ``value`` holds a non-finite number or is nested deeper than
+    ``MAX_PARAMS_DEPTH`` (``depth``: where it sits in the params)."""
+    if depth > MAX_PARAMS_DEPTH:
         raise ValueError(f"{where} is nested too deeply")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{where} contains a non-finite number")
     if isinstance(value, dict):
         for k, item in value.items():
-            _check_json_finite(item, f"{where}.{k}", depth + 1)
+            check_json_finite(item, f"{where}.{k}", depth + 1)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            _check_json_finite(item, f"{where}[{i}]", depth + 1)
+            check_json_finite(item, f"{where}[{i}]", depth + 1)
 
 
 def default_name(entrypoint: str) -> str:
@@ -370,7 +425,10 @@ class SweepRequest(EvalSpec):
     )
 
     def base_spec(self) -> EvalSpec:
-        return EvalSpec.model_validate(self.model_dump(exclude={"sweep"}, by_alias=True, exclude_unset=True))
+        """The spec without the sweep. Validated already, as this request: not again (a large
+        spec's validation is costly, and it is the same)."""
+        fields = {name: getattr(self, name) for name in EvalSpec.model_fields}
+        return EvalSpec.model_construct(self.model_fields_set - {"sweep"}, **fields)
 
 
 class RunRecord(BaseModel):

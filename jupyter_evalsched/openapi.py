@@ -86,6 +86,7 @@ def _errors(*codes: int, delegated: bool = True) -> dict:
         409: "the operation does not fit the run's state, or the run's files cannot be served",
         413: "the body is too large",
         422: "the spec or request is invalid, can never fit, names an unknown model, dependency or process",
+        429: "too many sweep submissions are under way at once: retry after Retry-After seconds",
         503: "the scheduler is starting, the host's primary server cannot be reached, the runs directory cannot "
         "be written, or a model host cannot start",
     }
@@ -212,7 +213,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "responses": {
                     "201": _json("SweepCreated", "the queued runs"),
                     "200": _json("SweepCreated", "the runs an earlier submission with the same Idempotency-Key made"),
-                    **_errors(400, 409, 413, 422, 503),
+                    **_errors(400, 409, 413, 422, 429, 503),
                 },
             },
         },

@@ -138,7 +138,8 @@ class EvalSchedClient:
     def submit_sweep(self, spec: dict, sweep: dict | list, *, idempotency_key: str | None = None) -> dict:
         """``POST /evalsched/sweeps``: ``{"id", "runs": [records]}``, one run per point of
         ``sweep`` (a grid ``{"param": [values]}`` or a list of points ``[{"param": value}]``).
-        Retried like :meth:`submit`: a retry never makes a second sweep."""
+        Retried like :meth:`submit`, and while the server answers 429 (as many sweep
+        submissions as it takes at once are under way): a retry never makes a second sweep."""
         body = json.loads(json.dumps({**spec, "sweep": sweep}, default=run_id_of))
         return self._post_idempotent("sweeps", body, idempotency_key)
 
@@ -173,7 +174,7 @@ class EvalSchedClient:
                 if isinstance(exc, ServerNotFound):
                     retryable = exc.maybe_received
                 else:
-                    retryable = exc.status == 503
+                    retryable = exc.status in (429, 503)  # 429: the server's limit on sweep submissions at once
                 if not retryable or time.monotonic() + pause > deadline:
                     raise
             time.sleep(pause)

@@ -32,3 +32,9 @@ class Unavailable(SchedulerError):
     """The scheduler cannot serve now (starting, runs directory unwritable): retry later."""
 
     status = 503
+
+
+class Busy(SchedulerError):
+    """Too much of one kind of work is under way (sweep submissions): retry in a moment."""
+
+    status = 429

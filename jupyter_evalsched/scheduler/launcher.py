@@ -242,6 +242,16 @@ class Launcher:
         )
         return proc
 
+    def withdraw(self, run_id: str) -> RunProcess | None:
+        """A warm start asked of a zygote and not started yet is given up (a cancel): no process
+        of the run is left, and none comes. Returns its ``RunProcess`` (its cgroup is the
+        caller's to drop), or None when the run has no such start pending."""
+        proc = self._procs.get(run_id)
+        if proc is None or not proc.pending or proc.zygote is None or not proc.zygote.withdraw(run_id):
+            return None
+        del self._procs[run_id]
+        return proc
+
     def zygote_exited(self, run_id: str, pid: int, code: int) -> None:
         """A zygote reaped a run it forked (or died, taking its runs with it: code -9)."""
         proc = self._procs.get(run_id)

@@ -19,16 +19,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor as ThreadPool
 from typing import Any
 
-from pydantic import ValidationError
-
 from .. import contract
-from ..models import EvalSpec
+from ..models import EvalSpec, check_json_finite, check_params_size, check_spec_size, json_chars
 from ..runner.entrypoint import resolve_entrypoint_file
 from ..store import RunFileError, RunStore, StoreError, new_run_id
 from . import policy, sweeps
 from .admission import Admission
 from .config import SchedulerConfig
-from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
+from .errors import Busy, SpecRejected, StateConflict, Unavailable, UnknownRun
 from .executors import Executor
 from .ledger import Capacity
 from .runs import Run, RunScheduling, RunTable, new_record, source_digest
@@ -59,6 +57,8 @@ class Submissions:
         self.io = io
         self.by_key: dict[str, str] = {}  # Idempotency-Key -> the run it created
         self._keys_in_flight: dict[str, asyncio.Future[None]] = {}
+        self._sweep_keys_in_flight: dict[str, asyncio.Future[None]] = {}
+        self._sweeps_in_progress = 0
         self._creating: set[str] = set()
 
     # ----------------------------------------------------------------- checks
@@ -195,8 +195,9 @@ class Submissions:
         StateConflict."""
         if idempotency_key is None:
             return await self._submit(spec, None), True
-        pending = self._keys_in_flight.get(idempotency_key)
-        if pending is not None:  # the same submission, retried while the first is being written
+        # The same submission, retried while the first is being written: it waits. Again after
+        # each wait: another that waited too may have taken the key meanwhile (the first failed).
+        while (pending := self._keys_in_flight.get(idempotency_key)) is not None:
             await asyncio.shield(pending)
         known = self.by_key.get(idempotency_key)
         if known is not None:
@@ -209,7 +210,8 @@ class Submissions:
             del self._keys_in_flight[idempotency_key]
             future.set_result(None)
 
-    def _replay(self, run_id: str, spec: EvalSpec) -> dict[str, Any]:
+    def _replay(self, run_id: str, spec: EvalSpec, normalized: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``normalized``: the spec as ``_normalized`` makes it, made already (a sweep's point)."""
         run = self.table.get(run_id)
         if run is None:
             raise StateConflict(f"the Idempotency-Key was used for run {run_id}, which has been deleted")
@@ -219,7 +221,8 @@ class Submissions:
             raise StateConflict(
                 f"the Idempotency-Key was used for run {run_id}, whose spec cannot be read: {exc}"
             ) from None
-        again = self._normalized(spec)
+        again = dict(normalized) if normalized is not None else self._normalized(spec)
+        again["scheduling"] = dict(again["scheduling"])  # (a sweep's points share the base's)
         if spec.scheduling.marginal_vram_mb == "auto":  # the figure it was resolved to stands
             again["scheduling"]["marginal_vram_mb"] = first.get("scheduling", {}).get("marginal_vram_mb")
         if spec.cwd is None:  # "the server's root": a retry may reach another server after a failover
@@ -241,8 +244,10 @@ class Submissions:
         idempotency_key: str | None,
         sweep: tuple[str, dict[str, Any], str | None] | None = None,
         vram_source: str | None = None,
+        spec_dict: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """``vram_source`` given: the spec was checked already (a sweep's runs share one check)."""
+        """``vram_source`` given: the spec was checked already (a sweep's runs share one check);
+        ``spec_dict``: a sweep's point, ``spec`` being its base."""
         if vram_source is None:
             spec, vram_source = self.resolve_auto_vram(spec)
             self.validate_for_host(spec)
@@ -250,7 +255,8 @@ class Submissions:
         while run_id in self.table or run_id in self._creating:
             run_id = new_run_id()
         executor = self.executors[spec.executor or self.config.default_executor]
-        spec_dict = self._normalized(spec)
+        if spec_dict is None:
+            spec_dict = self._normalized(spec)
         scheduling = RunScheduling.of(spec_dict)  # the run's, once: its record and admission read it
         record = new_record(
             run_id,
@@ -308,7 +314,38 @@ class Submissions:
         """One run per point of ``sweep`` (docs/reference.md, "Sweeps"), every one an ordinary
         run with ``sweep_id``. All points are checked before the first run is written. With
         ``idempotency_key``, run i has the key ``<key>#<i>``: a retried submission answers with
-        the runs already made, and makes the ones an interrupted first try did not."""
+        the runs already made, and makes the ones an interrupted first try did not; one that
+        comes while the first is under way waits for it, then answers with its runs.
+        ``MAX_SWEEP_SUBMISSIONS`` are under way at once; one more is Busy (429)."""
+        # The key is reserved before the first wait: a second submission with it never starts a
+        # sweep of its own while the first is under way.
+        key = idempotency_key
+        while key is not None and (pending := self._sweep_keys_in_flight.get(key)) is not None:
+            await asyncio.shield(pending)
+        if self._sweeps_in_progress >= sweeps.MAX_SWEEP_SUBMISSIONS:
+            raise Busy(
+                f"{self._sweeps_in_progress} sweep submissions are under way, at most "
+                f"{sweeps.MAX_SWEEP_SUBMISSIONS} at once: retry in a moment"
+            )
+        reserved = None
+        if key is not None:
+            reserved = self._sweep_keys_in_flight[key] = self.require_loop().create_future()
+        self._sweeps_in_progress += 1
+        try:
+            return await self._submit_sweep(spec, sweep, key, cancel)
+        finally:
+            self._sweeps_in_progress -= 1
+            if key is not None and reserved is not None:
+                del self._sweep_keys_in_flight[key]
+                reserved.set_result(None)
+
+    async def _submit_sweep(
+        self,
+        spec: EvalSpec,
+        sweep: Any,
+        idempotency_key: str | None,
+        cancel: Callable[[str], Awaitable[object]],
+    ) -> tuple[dict[str, Any], bool]:
         try:
             points = sweeps.expand(sweep)
         except sweeps.SweepError as exc:
@@ -317,7 +354,18 @@ class Submissions:
             ) from None
         spec, vram_source = self.resolve_auto_vram(spec)
         self.validate_for_host(spec)
-        specs = [_sweep_spec(spec, point, i) for i, point in enumerate(points)]
+        # The base is validated once; each point checks only what it changes (its params and
+        # name), and shares the rest of the base's spec (its params' values included).
+        base = _SweepBase(spec, self._normalized(spec))
+        checked = [base.check(point, i) for i, point in enumerate(points)]
+        points = [point for point, _ in checked]
+        total = sum(size for _, size in checked)
+        if total > sweeps.MAX_SWEEP_JSON_CHARS:
+            msg = (
+                f"the sweep's {len(points)} runs take {total} characters of spec as JSON; at most "
+                f"{sweeps.MAX_SWEEP_JSON_CHARS} per sweep (fewer points, or smaller params or source)"
+            )
+            raise SpecRejected(f"sweep: {msg}", [{"loc": ["sweep"], "msg": msg, "type": "sweep_too_large"}])
         keys = [None if idempotency_key is None else f"{idempotency_key}#{i}" for i in range(len(points))]
         sweep_id = None
         known = [self.by_key.get(k) for k in keys if k is not None]
@@ -331,12 +379,16 @@ class Submissions:
         records: list[dict[str, Any]] = []
         made: list[str] = []
         try:
-            for i, (one, point) in enumerate(zip(specs, points, strict=True)):
+            # A point at a time: each writes its directory in the I/O pool, or reads one back
+            # (a replay), and the loop serves others between them.
+            for i, point in enumerate(points):
                 key = keys[i]
+                one = base.spec_of(point)
                 if key is not None and key in self.by_key:
-                    records.append(self._replay(self.by_key[key], one))
+                    records.append(self._replay(self.by_key[key], spec, one))
+                    await asyncio.sleep(0)
                     continue
-                records.append(await self._submit(one, key, (sweep_id, point, spec.name), vram_source))
+                records.append(await self._submit(spec, key, (sweep_id, point, spec.name), vram_source, one))
                 made.append(records[-1]["id"])
         except Exception:
             # No half-made sweep is left to run: the runs this call made are cancelled (their
@@ -382,17 +434,64 @@ class Submissions:
         return out[:limit]
 
 
-def _sweep_spec(spec: EvalSpec, point: dict[str, Any], index: int) -> EvalSpec:
-    raw = spec.model_dump(mode="json", by_alias=True, exclude_unset=True)
-    raw["params"] = {**spec.params, **point}
-    raw["name"] = sweeps.run_name(spec.name, point)
-    try:
-        return EvalSpec.model_validate_json(json.dumps(raw))
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
-        loc = ["sweep", index, *first["loc"]]
-        msg = f"point {index} ({sweeps.point_label(point)}) makes an invalid spec: {first['msg']}"
-        raise SpecRejected(msg, [{"loc": loc, "msg": msg, "type": first["type"]}]) from None
+class _SweepBase:
+    """A sweep's base spec, validated, and each point's spec made from it: ``EvalSpec``'s checks
+    of what a point changes (its params and its name), by the same rules, without validating
+    (or copying) the rest again."""
+
+    def __init__(self, spec: EvalSpec, normalized: dict[str, Any]) -> None:
+        self.spec = spec
+        self.normalized = normalized
+        self.params: dict[str, Any] = normalized["params"]
+        measured = spec.model_dump(mode="json", exclude={"params"})  # as EvalSpec._bounded measures
+        self.name_chars = json_chars(measured.get("name"))
+        self.rest_chars = json_chars(measured) + len(',"params":')  # name included
+        self.params_chars = json_chars(self.params)
+        self._item_chars: dict[str, int] = {}  # a base parameter's '"name":value', once needed
+
+    def _item(self, name: str) -> int:
+        chars = self._item_chars.get(name)
+        if chars is None:
+            chars = self._item_chars[name] = json_chars(name) + 1 + json_chars(self.params[name])
+        return chars
+
+    def check(self, point: dict[str, Any], index: int) -> tuple[dict[str, Any], int]:
+        """The point (as plain JSON values) and the size of its spec as JSON; SpecRejected names
+        the point. Costs what the point holds, not what the base does."""
+        name = sweeps.run_name(self.spec.name, point)
+        try:
+            point = json.loads(json.dumps(point))  # plain JSON values, as a submitted spec's
+            for key, value in point.items():
+                check_json_finite(value, f"params.{key}", 1)
+            # The merged params' size from the base's, without making or dumping them: '{',
+            # the items joined by ',', '}'.
+            items = self.params_chars - 2 - max(len(self.params) - 1, 0)
+            count = len(self.params)
+            for key, value in point.items():
+                if key in self.params:
+                    items -= self._item(key)
+                else:
+                    count += 1
+                items += json_chars(key) + 1 + json_chars(value)
+            params_chars = 2 + items + max(count - 1, 0)
+            check_params_size(params_chars)
+            if name is not None and any(ord(c) < 32 for c in name):
+                raise ValueError("name: must not contain control characters")
+            size = self.rest_chars - self.name_chars + json_chars(name) + params_chars
+            check_spec_size(size)
+        except ValueError as exc:
+            loc: list[str | int] = ["sweep", index]
+            msg = f"point {index} ({sweeps.point_label(point)}) makes an invalid spec: {exc}"
+            raise SpecRejected(msg, [{"loc": loc, "msg": msg, "type": "value_error"}]) from None
+        return point, size
+
+    def spec_of(self, point: dict[str, Any]) -> dict[str, Any]:
+        """The point's spec, as ``Submissions._normalized`` makes a spec (the point ``check``ed)."""
+        return {
+            **self.normalized,
+            "params": {**self.params, **point},
+            "name": sweeps.run_name(self.spec.name, point),
+        }
 
 
 def _entrypoint_problem(spec: EvalSpec, cwd: str) -> tuple[str, str] | None:

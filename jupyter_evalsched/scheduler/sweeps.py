@@ -16,7 +16,14 @@ import secrets
 import time
 from typing import Any
 
+from ..models import MAX_PARAMS_DEPTH
+
 MAX_SWEEP_RUNS = 1000
+# The sum of a sweep's runs' specs as JSON (each measured as models.MAX_SPEC_JSON_CHARS measures
+# one): what its submission writes to disk and works through.
+MAX_SWEEP_JSON_CHARS = 64 * 1024 * 1024
+# Sweep submissions under way at once; one more is answered 429 (its client retries).
+MAX_SWEEP_SUBMISSIONS = 2
 SWEEP_ID_PREFIX = "sweep-"
 
 
@@ -43,6 +50,8 @@ def expand(sweep: Any) -> list[dict[str, Any]]:
             _check_name(name, ["sweep", name])
             if not isinstance(values, list) or not values:
                 raise SweepError(["sweep", name], "a grid parameter takes a non-empty list of values")
+            for i, value in enumerate(values):
+                _check_depth(value, ["sweep", name, i])
             if len({_canonical(v) for v in values}) != len(values):
                 raise SweepError(["sweep", name], "the same value is listed twice")
             axes.append([(name, v) for v in values])
@@ -62,8 +71,9 @@ def expand(sweep: Any) -> list[dict[str, Any]]:
         for i, point in enumerate(sweep):
             if not isinstance(point, dict) or not point:
                 raise SweepError(["sweep", i], "a point is a non-empty object of parameter values")
-            for name in point:
+            for name, value in point.items():
                 _check_name(name, ["sweep", i, name])
+                _check_depth(value, ["sweep", i, name])
             key = _canonical(point)
             if key in seen:
                 raise SweepError(["sweep", i], "the same point is listed twice")
@@ -96,6 +106,20 @@ def counts(states: list[str]) -> dict[str, int]:
 def _check_name(name: Any, loc: list[str | int]) -> None:
     if not isinstance(name, str) or not name or len(name) > 200 or any(ord(c) < 32 for c in name):
         raise SweepError(loc, "a parameter name is a non-empty string of at most 200 printable characters")
+
+
+def _check_depth(value: Any, loc: list[str | int]) -> None:
+    """A value nested deeper than params may be is refused here, by a walk without recursion:
+    json.dumps (duplicates are found through it) would overflow the stack on it."""
+    stack = [(value, 1)]  # a value sits one level down in the params
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_PARAMS_DEPTH:
+            raise SweepError(loc, f"the value is nested more than {MAX_PARAMS_DEPTH} levels deep in the params")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
 
 
 def _canonical(value: Any) -> str:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -33,11 +35,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..models import MAX_ENV_BYTES
 from ..runner.zygote import ENV_RESERVE, PRELOAD, ZYGOTE_FD
 
 log = logging.getLogger("jupyter_evalsched")
 
-ENV_RESERVE_BYTES = 16384  # room for a run's environment in /proc (runner.zygote.show_environment)
+# Room for a run's environment in /proc (runner.zygote.show_environment): a spec's env at its
+# limit and 32 KiB for the server's own and run_env (one string: execve takes 128 KiB at most).
+ENV_RESERVE_BYTES = MAX_ENV_BYTES + 32 * 1024
 
 # Set per run after the fork; never part of what makes two environments alike.
 PER_RUN_VARIABLES = frozenset(
@@ -60,6 +65,8 @@ PER_RUN_VARIABLES = frozenset(
 STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "MALLOC_", "GLIBC_")
 
 MAX_MESSAGE = 1 << 16  # the zygote's messages are small
+# A send to a spare failed because the spare is gone (not because of the message).
+SPARE_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNREFUSED, errno.EBADF})
 
 
 def zygote_environment(env: Mapping[str, str]) -> dict[str, str]:
@@ -250,10 +257,19 @@ class ZygoteClient:
             message = {"run_id": request.run_id, "run_dir": request.run_dir, "cwd": request.cwd, "env": request.env}
             try:
                 socket.send_fds(spare.sock, [json.dumps(message).encode()], list(request.fds))
-            except OSError as exc:  # it died waiting (killed from outside): the next one takes it
-                log.debug("zygote %d: the spare %d is gone: %s", self.pid, spare.pid, exc)
-                spare.close()
-                self._queue.appendleft(request)
+            except OSError as exc:
+                # Whatever the failure (a message larger than the socket carries, a spare killed
+                # from outside), the run starts cold, once: handed to the next spare it could fail
+                # the same way, forever. The spare is dropped only when it is gone; the zygote
+                # then reaps and replaces it.
+                if exc.errno in SPARE_GONE:
+                    spare.close()
+                else:
+                    self._spares.appendleft(spare)
+                why = f"the warm hand-over to spare {spare.pid} failed ({exc.strerror or exc}): started cold"
+                log.warning("evalsched: run %s: %s", request.run_id, why)
+                _close_fds(request)
+                request.on_cold(why)
                 continue
             _close_fds(request)
             spare.request = request
@@ -266,6 +282,32 @@ class ZygoteClient:
             # again for the next ones.
             self._cold_queue(self._no_spare)
             self._send({"op": "more"})
+
+    def withdraw(self, run_id: str) -> bool:
+        """The run ``run_id``, asked for and not started, is not wanted any more (cancelled): its
+        request is dropped, or the spare given it is killed (it may have become the run
+        already; the zygote kills its group as it reaps it, and forks the next spare). False
+        when no request of that run waits here."""
+        for request in self._queue:
+            if request.run_id == run_id:
+                self._queue.remove(request)
+                _close_fds(request)
+                return True
+        for pid, spare in self._asked.items():
+            if spare.request is not None and spare.request.run_id == run_id:
+                del self._asked[pid]
+                self.loop.remove_reader(spare.sock.fileno())
+                # (Without a pidfd it is not signalled, as its pid could be another's by now; one
+                # that has not read its request yet leaves once its socket closes.)
+                if spare.pidfd is not None:
+                    try:
+                        signal.pidfd_send_signal(spare.pidfd, signal.SIGKILL)
+                    except OSError:
+                        pass
+                spare.close()
+                self._taken(pid, None, False)
+                return True
+        return False
 
     def _answered(self, pid: int) -> None:
         """The spare ``pid`` answered its run (or closed its socket without answering: it died)."""

@@ -460,7 +460,21 @@ class LocalExecutor(Executor):
 
     async def cancel(self, run: Run) -> None:
         run.cancel_requested = True
-        # False while the run waits for its model host or cgroup: _launch_later then cancels it.
+        # Not started yet, it ends now, not once it starts: waiting for its model host or cgroup
+        # (that start, when it comes, sees the run ended and drops what it made), or asked of a
+        # zygote (withdrawn: its request dropped, or the spare given it killed).
+        starting = self._starting.get(run.id)
+        waiting = starting is not None and not starting.done()  # (a done one may have started it)
+        pending = None if waiting else self.launcher.withdraw(run.id)
+        if waiting or pending is not None:
+            if pending is not None:
+                self._drop_cgroup(pending.cgroup)
+            self.ctx.table.finish(
+                run,
+                CANCELLED,
+                contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+            )
+            return
         self.launcher.terminate(run.id, self.ctx.config.cancel_grace_s)
 
     def _job_holder(self, job_id: str) -> contract.Holder:
