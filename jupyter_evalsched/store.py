@@ -44,7 +44,9 @@ _tmp_counter = itertools.count()
 # job.json a record; episodes.jsonl grows with the run, one line per episode.
 MAX_JSON_BYTES = 16 * 1024 * 1024
 MAX_EPISODES_BYTES = 256 * 1024 * 1024
-MAX_JSON_DEPTH = 64
+# A spec's params may be nested models.MAX_PARAMS_DEPTH (64) levels deep, and they sit a few levels
+# down in spec.json and in job.json (a sweep run's sweep_point): what validation accepts, reads back.
+MAX_JSON_DEPTH = 64 + 8
 
 STAGING_PREFIX = ".staging-"  # a run directory being assembled, or being deleted
 MODEL_LOGS_DIR = ".models"  # the shared-model hosts' stderr (run ids never start with a dot)

@@ -440,3 +440,18 @@ async def test_a_cancel_while_a_spare_holds_the_start_kills_that_spare_and_ends_
     again = await submit(api, spec(entry=NOOP))
     final = await wait_for(again["id"], timeout=20)
     assert final["state"] == "succeeded" and final["start"] == "warm", final
+
+
+def test_params_at_the_depth_limit_are_read_back_from_spec_json_and_job_json(tmp_path):
+    """What validation accepts, the store reads back: params nested MAX_PARAMS_DEPTH levels deep
+    (under ``params`` in spec.json, under ``sweep_point`` in job.json) parse again."""
+    from jupyter_evalsched.models import MAX_PARAMS_DEPTH, EvalSpec
+    from jupyter_evalsched.store import parse_json
+
+    value: object = 1
+    for _ in range(MAX_PARAMS_DEPTH - 1):
+        value = [value]
+    spec = EvalSpec.model_validate({"entrypoint": "m:f", "params": {"deep": value}})
+    text = spec.model_dump_json()
+    assert parse_json(text, "spec.json")["params"]["deep"] == value
+    assert parse_json(json.dumps({"sweep_point": {"deep": value}}), "job.json")["sweep_point"]["deep"] == value
