@@ -27,12 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from jupyter_evalsched.models import EvalSpec
 from jupyter_evalsched.scheduler.cgroups import Cgroups
 from jupyter_evalsched.scheduler.config import SchedulerConfig
 from jupyter_evalsched.scheduler.executors.local import LocalExecutor
 from jupyter_evalsched.scheduler.gpus import VirtualProbe
 from jupyter_evalsched.scheduler.service import Scheduler
+from jupyter_evalsched.schemas import EvalSpec
 
 NOOP = "jupyter_evalsched.examples.basic:noop"
 

@@ -91,10 +91,10 @@ from jupyter_core.paths import jupyter_data_dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jupyter_evalsched.client import LocalServer
-from jupyter_evalsched.models import EvalSpec
 from jupyter_evalsched.scheduler import runs as runs_module
 from jupyter_evalsched.scheduler.config import SchedulerConfig
 from jupyter_evalsched.scheduler.gpus import VirtualProbe
+from jupyter_evalsched.schemas import EvalSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scheduler import TimedScheduler as SchedulerTimingEnds

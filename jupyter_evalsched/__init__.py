@@ -27,7 +27,7 @@ def sweep(spec, sweep, **kwargs):
     """Submit ``spec`` at every point of ``sweep`` (a grid ``{"param": [values]}`` or a list of
     points); returns a :class:`~jupyter_evalsched.client.SweepHandle`. ``client=`` to choose
     the server."""
-    from .client.transport import EvalSchedClient
+    from .client.rest_client import EvalSchedClient
 
     client = kwargs.pop("client", None) or EvalSchedClient()
     return client.sweep_handle(client.submit_sweep(spec, sweep, **kwargs))
@@ -37,7 +37,7 @@ def compare(runs=None, *, sweep=None, baseline=None, client=None):
     """Runs (ids, handles or records) or a sweep side by side, as a pandas DataFrame with a
     ``.plot(metric, x=param)`` (see :func:`jupyter_evalsched.client.comparison.compare`)."""
     from .client.comparison import compare as _compare
-    from .client.transport import EvalSchedClient
+    from .client.rest_client import EvalSchedClient
 
     return _compare(client or EvalSchedClient(), runs, sweep=sweep, baseline=baseline)
 

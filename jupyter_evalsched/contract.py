@@ -242,7 +242,7 @@ def is_valid_run_id(run_id: object) -> bool:
 
 # --------------------------------------------------------------------------- scheduling
 
-# The one place of the defaults: the spec's model (models.Scheduling) and a run's scheduling
+# The one place of the defaults: the spec's type (schemas.Scheduling) and a run's scheduling
 # (scheduler/runs.RunScheduling) take them from here.
 SCHEDULING_DEFAULTS: Mapping[str, Any] = {
     "marginal_vram_mb": 0,

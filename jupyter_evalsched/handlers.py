@@ -28,10 +28,10 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from . import contract
 from ._version import __version__
 from .contract import STATES
-from .models import MAX_SPEC_JSON_CHARS, EvalSpec, LeaseRequest, SweepRequest
 from .scheduler.errors import SchedulerError
 from .scheduler.service import Scheduler
 from .scheduler.shared import ModelUnavailable
+from .schemas import MAX_SPEC_JSON_CHARS, EvalSpec, LeaseRequest, SweepRequest
 from .store import RunFileError
 
 if TYPE_CHECKING:

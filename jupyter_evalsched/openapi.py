@@ -8,7 +8,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from ._version import __version__
-from .models import (
+from .schemas import (
     STATES,
     Comparison,
     DoctorReport,

@@ -21,13 +21,13 @@ import pytest
 from rest import NOOP, SLEEPY, spec, submit
 from waiting import async_wait_until
 
-from jupyter_evalsched.models import (
+from jupyter_evalsched.scheduler.sweeps import MAX_SWEEP_JSON_CHARS, MAX_SWEEP_SUBMISSIONS
+from jupyter_evalsched.schemas import (
     MAX_ENV_BYTES,
     MAX_ENV_NAME_CHARS,
     MAX_ENV_VALUE_BYTES,
     MAX_SPEC_JSON_CHARS,
 )
-from jupyter_evalsched.scheduler.sweeps import MAX_SWEEP_JSON_CHARS, MAX_SWEEP_SUBMISSIONS
 from jupyter_evalsched.store import StoreError
 
 FINGERPRINT = f"{Path(__file__).resolve().parent / 'evals_warm.py'}:fingerprint"
@@ -445,7 +445,7 @@ async def test_a_cancel_while_a_spare_holds_the_start_kills_that_spare_and_ends_
 def test_params_at_the_depth_limit_are_read_back_from_spec_json_and_job_json(tmp_path):
     """What validation accepts, the store reads back: params nested MAX_PARAMS_DEPTH levels deep
     (under ``params`` in spec.json, under ``sweep_point`` in job.json) parse again."""
-    from jupyter_evalsched.models import MAX_PARAMS_DEPTH, EvalSpec
+    from jupyter_evalsched.schemas import MAX_PARAMS_DEPTH, EvalSpec
     from jupyter_evalsched.store import parse_json
 
     value: object = 1

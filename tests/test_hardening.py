@@ -92,8 +92,8 @@ def evalsched_config():
 def only_run_dirs(runs_dir: Path) -> list[str]:
     """Names in the runs directory that are neither run directories nor the server's own files
     (its advertisement, the model hosts' logs): should be none."""
-    from jupyter_evalsched.models import is_valid_run_id
     from jupyter_evalsched.primary import INFO_NAME
+    from jupyter_evalsched.schemas import is_valid_run_id
     from jupyter_evalsched.store import MODEL_LOGS_DIR
 
     return sorted(

@@ -13,9 +13,9 @@ import pytest
 
 from jupyter_evalsched import contract
 from jupyter_evalsched.app import EvalSchedApp
-from jupyter_evalsched.models import EvalSpec, LeaseRecord, RunRecord, Scheduling
 from jupyter_evalsched.openapi import openapi_document
 from jupyter_evalsched.scheduler.config import SchedulerConfig
+from jupyter_evalsched.schemas import EvalSpec, LeaseRecord, RunRecord, Scheduling
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference.md"

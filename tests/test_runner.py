@@ -877,7 +877,7 @@ def test_runner_imports_no_server_code(tmp_path, started):
         "psutil",
         "numpy",
         "torch",
-        "jupyter_evalsched.models",
+        "jupyter_evalsched.schemas",
     }
     assert modules & heavy == set()
     # What the start-up budget leaves out: imported only when a run needs them.

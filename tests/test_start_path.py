@@ -121,8 +121,8 @@ def test_zombie_exit_code_reads_another_process_child_only_until_it_is_reaped():
 
 
 def _queued_runs(tmp_path, n: int) -> tuple[RunStore, RunTable, list]:
-    from jupyter_evalsched.models import EvalSpec
     from jupyter_evalsched.scheduler.runs import Run, new_record
+    from jupyter_evalsched.schemas import EvalSpec
 
     store = RunStore(tmp_path / "runs")
     store.ensure()

@@ -22,7 +22,7 @@ from live_server import wait_until
 from proc_status import alive
 
 from jupyter_evalsched.client import EvalSchedError, LocalServer
-from jupyter_evalsched.models import is_valid_run_id
+from jupyter_evalsched.schemas import is_valid_run_id
 
 pytestmark = pytest.mark.slow
 

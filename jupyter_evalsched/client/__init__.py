@@ -5,7 +5,7 @@ One concept per module:
 - :mod:`.errors`: what the client raises (all :class:`EvalSchedClientError`);
 - :mod:`.discovery`: finding the server (arguments, ``EVALSCHED_URL``, the runtime directory);
 - :mod:`.spec`: the submit flags shared by the CLI and the magics, spec files;
-- :mod:`.transport`: :class:`EvalSchedClient`, the REST calls over ``urllib``;
+- :mod:`.rest_client`: :class:`EvalSchedClient`, the REST calls over ``urllib``;
 - :mod:`.events`: :class:`EventStream`, the ``/evalsched/events`` WebSocket;
 - :mod:`.live_feed`: :class:`LiveFeed`, events with polling fallback, and what it tracks;
 - :mod:`.handle`: :class:`RunHandle`, one run;
@@ -34,6 +34,7 @@ from .handle import RunHandle
 from .live_feed import LiveFeed, QueueTracker, RunTracker
 from .local_server import LocalServer
 from .progress import ProgressReporter, TextProgress, register_notebook_progress
+from .rest_client import EvalSchedClient
 from .spec import (
     SPEC_FILE_SUFFIXES,
     SPEC_FLAGS,
@@ -44,7 +45,6 @@ from .spec import (
     sweep_from_options,
 )
 from .sweep import SweepHandle
-from .transport import EvalSchedClient
 
 __all__ = [
     "TERMINAL_STATES",

@@ -11,7 +11,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .transport import EvalSchedClient
+    from .rest_client import EvalSchedClient
 
 
 def compare(

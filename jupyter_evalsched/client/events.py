@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import EvalSchedClientError, EventStreamClosed
 
 if TYPE_CHECKING:
-    from .transport import EvalSchedClient
+    from .rest_client import EvalSchedClient
 
 
 class EventStream:

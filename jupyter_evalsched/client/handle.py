@@ -11,7 +11,7 @@ from .formatting import format_metrics
 from .progress import notebook_view, reporter_for
 
 if TYPE_CHECKING:
-    from .transport import EvalSchedClient
+    from .rest_client import EvalSchedClient
 
 
 def run_id_of(value: Any) -> Any:

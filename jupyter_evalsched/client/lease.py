@@ -28,7 +28,7 @@ from urllib.parse import quote
 from ..contract import LEASE_ENDED, LEASE_GRANTED, LEASE_QUEUED
 from .errors import EvalSchedClientError
 from .live_feed import LiveFeed
-from .transport import EvalSchedClient
+from .rest_client import EvalSchedClient
 
 __all__ = ["Lease", "LeaseTimeout", "lease", "model"]
 

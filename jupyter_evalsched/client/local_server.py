@@ -16,7 +16,7 @@ from typing import Any
 
 from .discovery import normalize_base_url, probe_api, read_server_file
 from .errors import ServerNotFound
-from .transport import EvalSchedClient
+from .rest_client import EvalSchedClient
 
 
 class LocalServer:

@@ -13,7 +13,7 @@ from .handle import RunHandle
 from .progress import ProgressReporter, TextProgress, _NoProgress
 
 if TYPE_CHECKING:
-    from .transport import EvalSchedClient
+    from .rest_client import EvalSchedClient
 
 
 def sweep_record(view: dict) -> dict:

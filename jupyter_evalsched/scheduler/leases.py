@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import contract
 from ..contract import LEASE_ENDED, LEASE_GRANTED, LEASE_QUEUED
-from ..models import LeaseRecord, utcnow_iso
+from ..schemas import LeaseRecord, utcnow_iso
 from ..store import RunStore, StoreError
 from .launcher import is_same_process, process_create_time
 from .runs import parse_timestamp

@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import contract
 from ..contract import ACTIVE_STATES, FAILED, SUCCEEDED, TERMINAL_STATES
-from ..models import RECORD_FIELDS, RunRecord, utcnow_iso
+from ..schemas import RECORD_FIELDS, RunRecord, utcnow_iso
 from ..store import FileStamp, RunFileError, RunStore, StoreError, UnsafeRunFile
 from .attempts import Requeue
 

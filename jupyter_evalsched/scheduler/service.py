@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import contract
 from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, TERMINAL_STATES
-from ..models import EvalSpec, LeaseRequest, utcnow_iso
+from ..schemas import EvalSpec, LeaseRequest, utcnow_iso
 from ..store import FoundRun, RunFileError, RunStore, StoreError
 from . import attempts, compare, policy
 from .admission import Admission

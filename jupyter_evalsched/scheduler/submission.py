@@ -20,8 +20,8 @@ from concurrent.futures import Executor as ThreadPool
 from typing import Any
 
 from .. import contract
-from ..models import EvalSpec, check_json_finite, check_params_size, check_spec_size, json_chars
 from ..runner.entrypoint import resolve_entrypoint_file
+from ..schemas import EvalSpec, check_json_finite, check_params_size, check_spec_size, json_chars
 from ..store import RunFileError, RunStore, StoreError, new_run_id
 from . import policy, sweeps
 from .admission import Admission

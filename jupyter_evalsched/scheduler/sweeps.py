@@ -16,7 +16,7 @@ import secrets
 import time
 from typing import Any
 
-from ..models import MAX_PARAMS_DEPTH
+from ..schemas import MAX_PARAMS_DEPTH
 
 MAX_SWEEP_RUNS = 1000
 # The sum of a sweep's runs' specs as JSON (each measured as models.MAX_SPEC_JSON_CHARS measures

@@ -35,8 +35,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..models import MAX_ENV_BYTES
 from ..runner.zygote import ENV_RESERVE, PRELOAD, ZYGOTE_FD
+from ..schemas import MAX_ENV_BYTES
 
 log = logging.getLogger("jupyter_evalsched")
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from ... import contract
 from ...contract import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
-from ...models import utcnow_iso
+from ...schemas import utcnow_iso
 from ..environment import run_environment
 from ..runs import Run
 from ..slurm import SlurmCli, SlurmJobState, pending_why, server_environment, verdict
