@@ -44,9 +44,10 @@ _tmp_counter = itertools.count()
 # job.json a record; episodes.jsonl grows with the run, one line per episode.
 MAX_JSON_BYTES = 16 * 1024 * 1024
 MAX_EPISODES_BYTES = 256 * 1024 * 1024
-# A spec's params may be nested models.MAX_PARAMS_DEPTH (64) levels deep, and they sit a few levels
+MAX_JSON_DEPTH = 64
+# A spec's params may be nested schemas.MAX_PARAMS_DEPTH (64) levels deep, and they sit a few levels
 # down in spec.json and in job.json (a sweep run's sweep_point): what validation accepts, reads back.
-MAX_JSON_DEPTH = 64 + 8
+SPEC_JSON_DEPTH = MAX_JSON_DEPTH + 8
 
 STAGING_PREFIX = ".staging-"  # a run directory being assembled, or being deleted
 MODEL_LOGS_DIR = ".models"  # the shared-model hosts' stderr (run ids never start with a dot)
@@ -296,7 +297,7 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def read_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+def read_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """A run file's parsed JSON. None when it does not exist; RunFileError when it cannot be used
     (too large, too deep, not JSON, not UTF-8, a link, not a regular file, unreadable)."""
     name = Path(path).name
@@ -306,7 +307,7 @@ def read_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
         return None
     except OSError as exc:
         raise RunFileError(f"{name} cannot be read: {exc.strerror or exc}") from None
-    return parse_json(data, name)
+    return parse_json(data, name, max_depth)
 
 
 def tail_lines(path: Path, n: int | None, max_bytes: int = 8 * 1024 * 1024) -> str:
@@ -594,7 +595,7 @@ class RunStore:
 
     def spec(self, run_id: str) -> Any:
         """The spec as written at submission (server-owned; None when it is gone)."""
-        return read_json_file(self.file(run_id, contract.SPEC_FILE))
+        return read_json_file(self.file(run_id, contract.SPEC_FILE), max_depth=SPEC_JSON_DEPTH)
 
     def episodes(self, run_id: str) -> list[dict[str, Any]]:
         """The lines of ``episodes.jsonl`` (see :func:`episode_lines`); [] when there are none."""
@@ -653,9 +654,9 @@ class RunStore:
 
 
 def _read_object(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """A server-owned JSON object of a run directory, or None and why not."""
+    """A server-owned JSON object of a run directory (spec.json, job.json), or None and why not."""
     try:
-        value = read_json_file(path)
+        value = read_json_file(path, max_depth=SPEC_JSON_DEPTH)
     except RunFileError as exc:
         return None, str(exc)
     if value is None:

@@ -446,12 +446,13 @@ def test_params_at_the_depth_limit_are_read_back_from_spec_json_and_job_json(tmp
     """What validation accepts, the store reads back: params nested MAX_PARAMS_DEPTH levels deep
     (under ``params`` in spec.json, under ``sweep_point`` in job.json) parse again."""
     from jupyter_evalsched.schemas import MAX_PARAMS_DEPTH, EvalSpec
-    from jupyter_evalsched.store import parse_json
+    from jupyter_evalsched.store import SPEC_JSON_DEPTH, parse_json
 
     value: object = 1
     for _ in range(MAX_PARAMS_DEPTH - 1):
         value = [value]
     spec = EvalSpec.model_validate({"entrypoint": "m:f", "params": {"deep": value}})
     text = spec.model_dump_json()
-    assert parse_json(text, "spec.json")["params"]["deep"] == value
-    assert parse_json(json.dumps({"sweep_point": {"deep": value}}), "job.json")["sweep_point"]["deep"] == value
+    assert parse_json(text, "spec.json", SPEC_JSON_DEPTH)["params"]["deep"] == value
+    job = json.dumps({"sweep_point": {"deep": value}})
+    assert parse_json(job, "job.json", SPEC_JSON_DEPTH)["sweep_point"]["deep"] == value

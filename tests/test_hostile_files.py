@@ -140,7 +140,7 @@ async def test_recovery_survives_hostile_files_and_reports_broken_directories(jp
     code, status = await api("GET", "status")
     broken = {b["id"]: b["problem"] for b in status["broken_runs"]}
     assert set(broken) == {nested_job, not_record}
-    assert "nested more than 64 levels deep" in broken[nested_job] and "not a run record" in broken[not_record]
+    assert "nested more than 72 levels deep" in broken[nested_job] and "not a run record" in broken[not_record]
     code, err = await api("GET", f"runs/{nested_job}")
     assert code == 409 and "DELETE" in err["message"]
     code, ledger = await api("GET", "ledger")
