@@ -216,6 +216,12 @@ EPISODES_FILE = "episodes.jsonl"
 STDOUT_FILE = "stdout.log"
 STDERR_FILE = "stderr.log"
 DONE_FILE = "_DONE"
+# Distinct metric names a run keeps (the first seen): the runner aggregates and writes no others
+# (summary.json counts them in "metrics_dropped"), and the server keeps no more of a summary's
+# metrics in the run's record, nor of a run's episodes in a comparison.
+MAX_METRIC_NAMES = 256
+# The warning on a run whose episodes returned more metric names than that.
+METRICS_CAPPED = "metrics_capped"
 # Written by the server into a running run's directory to preempt it: the runner stops at its next
 # episode boundary without finalizing (EXIT_STOPPED), and the run is resumed later.
 STOP_FILE = "_STOP"

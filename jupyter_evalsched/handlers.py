@@ -394,8 +394,7 @@ class CompareHandler(EvalSchedHandler):
         run_ids = [r.strip() for r in runs_arg.split(",") if r.strip()] if runs_arg is not None else None
         sweep_id = self.get_argument("sweep", None) or None
         baseline = self.get_argument("baseline", None) or None
-        runs = self.scheduler.compare_inputs(run_ids, sweep_id, baseline)
-        self.send_json(await self.in_thread(self.scheduler.compare_runs, runs, baseline))
+        self.send_json(await self.scheduler.compare(run_ids, sweep_id, baseline))
 
 
 class LeasesHandler(EvalSchedHandler):

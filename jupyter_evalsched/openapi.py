@@ -84,11 +84,11 @@ def _errors(*codes: int, delegated: bool = True) -> dict:
         403: "not authorized",
         404: "unknown run, lease or model",
         409: "the operation does not fit the run's state, or the run's files cannot be served",
-        413: "the body is too large",
+        413: "the body is too large, or a comparison would read more episode values than it may",
         422: "the spec or request is invalid, can never fit, names an unknown model, dependency or process",
-        429: "too many sweep submissions are under way at once: retry after Retry-After seconds",
+        429: "too many sweep submissions or comparisons are under way at once: retry after Retry-After seconds",
         503: "the scheduler is starting, the host's primary server cannot be reached, the runs directory cannot "
-        "be written, or a model host cannot start",
+        "be written, a model host cannot start, or a comparison ran past its time limit",
     }
     wanted = {401, 403, *codes} | ({503} if delegated else set())
     return {str(c): _json("ErrorBody", text[c]) for c in sorted(wanted)}
@@ -254,7 +254,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                         "schema": {"type": "string"},
                     },
                 ],
-                "responses": {"200": _json("Comparison", "the comparison"), **_errors(404, 422)},
+                "responses": {"200": _json("Comparison", "the comparison"), **_errors(404, 413, 422, 429, 503)},
             },
         },
         "/runs/{run_id}/logs": {

@@ -552,7 +552,8 @@ class CompareRow(BaseModel):
 
 class Comparison(BaseModel):
     params: list[str] = Field(description="the names of the parameters whose values differ")
-    metrics: list[str]
+    metrics: list[str] = Field(description="the metric names compared: at most MAX_METRIC_NAMES (256), the first seen")
+    metrics_dropped: int = Field(0, description="metric names left out beyond MAX_METRIC_NAMES")
     baseline: str | None = Field(description="the run the deltas are against")
     rows: list[CompareRow]
 

@@ -11,3 +11,15 @@ def scored(ctx, index):
         raise RuntimeError(f"failing at episode {index} as asked")
     noise = random.Random(ctx.seed).random()
     return {"score": float(ctx.params.get("base", 0.0)) + noise, "step": float(index)}
+
+
+def spread(ctx, index):
+    """``score`` = ``params["slope"]`` · index² + the episode seed's noise: paired differences of two
+    runs with different slopes differ from episode to episode (a confidence interval with width)."""
+    noise = random.Random(ctx.seed).random()
+    return {"score": float(ctx.params.get("slope", 0.0)) * index * index + noise}
+
+
+def many(ctx, index):
+    """``params["names"]`` metrics per episode, ``m00000``, ``m00001``, ..."""
+    return {f"m{i:05d}": float(index + i) for i in range(int(ctx.params["names"]))}

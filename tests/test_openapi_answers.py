@@ -274,6 +274,17 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
     await call("GET", "compare", expect=422)
     await call("GET", "compare", params={"runs": "20261203T000000.000000-nope"}, expect=404)
     await call("GET", "compare", params={"runs": first["id"], "baseline": crash["id"]}, expect=422)
+    # The comparison's limits (#30): too many at once, past its time, too many values.
+    from jupyter_evalsched.scheduler import compare as compare_module
+
+    for limit, value, status in (
+        ("MAX_CONCURRENT_COMPARES", 0, 429),
+        ("COMPARE_TIMEOUT_S", -1.0, 503),
+        ("MAX_COMPARE_VALUES", -1, 413),
+    ):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(compare_module, limit, value)
+            await call("GET", "compare", params={"runs": first["id"]}, expect=status)
     await call("POST", "leases", {"vram_mb": 0}, expect=422)
     await call("POST", "leases", {"vram_mb": 100000}, expect=422)
     await call("POST", "leases", "nope", expect=400)

@@ -12,7 +12,7 @@ import math
 import os
 import time
 
-from ..contract import DONE_FILE, EPISODES_FILE, SUMMARY_FILE
+from ..contract import DONE_FILE, EPISODES_FILE, MAX_METRIC_NAMES, SUMMARY_FILE
 from .fastjson import dumps
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
@@ -114,18 +114,50 @@ def json_safe_metrics(metrics: Metrics) -> Mapping[str, Number | None]:
 
 class MetricAggregator:
     """Running mean, population std, min, max and count per metric, in O(1) per value
-    (Welford's algorithm), so a run of any length never re-reads its episodes."""
+    (Welford's algorithm), so a run of any length never re-reads its episodes.
 
-    __slots__ = ("_stats",)
+    At most ``max_names`` distinct metric names (the first seen) are kept: the others are dropped
+    and counted (distinct names, up to ``MAX_DROPPED_COUNTED``), so that what an eval returns
+    never makes the summary, the run's record or a comparison grow without bound."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_dropped", "_stats", "max_names")
+
+    MAX_DROPPED_COUNTED = 65536
+
+    def __init__(self, max_names: int = MAX_METRIC_NAMES) -> None:
         # name -> [count, mean, m2, min, max, skipped] (count and skipped are ints)
         self._stats: dict[str, list[float]] = {}
+        self._dropped: set[str] = set()
+        self.max_names = max_names
+
+    @property
+    def dropped(self) -> int:
+        """Distinct metric names dropped so far (at most MAX_DROPPED_COUNTED)."""
+        return len(self._dropped)
+
+    def keep(self, metrics: Metrics) -> Metrics:
+        """``metrics`` without the names beyond the cap (the same dict when none is dropped); the
+        names kept are known from now on."""
+        stats = self._stats
+        out: Metrics = {}
+        for name, value in metrics.items():
+            if name not in stats:
+                if len(stats) >= self.max_names:
+                    if len(self._dropped) < self.MAX_DROPPED_COUNTED:
+                        self._dropped.add(name)
+                    continue
+                stats[name] = [0, 0.0, 0.0, math.inf, -math.inf, 0]
+            out[name] = value
+        return metrics if len(out) == len(metrics) else out
 
     def add(self, metrics: Mapping[str, Number | None]) -> None:
         for name, value in metrics.items():
             stats = self._stats.get(name)
             if stats is None:
+                if len(self._stats) >= self.max_names:
+                    if len(self._dropped) < self.MAX_DROPPED_COUNTED:
+                        self._dropped.add(name)
+                    continue
                 stats = self._stats[name] = [0, 0.0, 0.0, math.inf, -math.inf, 0]
             number = _as_finite_float(value)
             if number is None:
@@ -287,7 +319,9 @@ class RunFiles:
         self._write_summary("running", None, final=False)
 
     def record_episode(self, index: int, metrics: Metrics, started_at: str, finished_at: str, worker: int) -> None:
-        """Append the episode's line, fold its metrics in and rewrite the summary."""
+        """Append the episode's line, fold its metrics in and rewrite the summary. Metric names
+        beyond the cap are neither written nor aggregated (the summary counts them)."""
+        metrics = self.aggregator.keep(metrics)
         line = dumps(
             {
                 "index": index,
@@ -338,6 +372,8 @@ class RunFiles:
             "finished_at": now if final else None,
             "error": error,
         }
+        if self.aggregator.dropped:
+            summary["metrics_dropped"] = self.aggregator.dropped
         fsync = final and DURABLE
         if not final and DURABLE:
             mono = time.monotonic()

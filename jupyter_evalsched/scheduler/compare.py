@@ -15,14 +15,28 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ..contract import MAX_METRIC_NAMES
+
 MAX_COMPARE_RUNS = 200
+# The comparison pool's threads, how many comparisons are admitted at once (a 429 beyond), how long
+# one may take from its admission (a 503 after), and how many episode metric values it may read
+# in all (a 413 beyond).
+COMPARE_THREADS = 2
+MAX_CONCURRENT_COMPARES = 4
+COMPARE_TIMEOUT_S = 60.0
+MAX_COMPARE_VALUES = 4_000_000
 
 
-def episode_metrics(lines: Iterable[Mapping[str, Any]]) -> dict[int, dict[str, float]]:
+def episode_metrics(
+    lines: Iterable[Mapping[str, Any]], max_names: int = MAX_METRIC_NAMES, dropped: list[str] | None = None
+) -> dict[int, dict[str, float]]:
     """``{index: {metric: value}}`` from ``episodes.jsonl`` lines; a later line for an index (a
     later attempt ran it again) replaces an earlier one; non-finite values and non-numbers are
-    left out."""
+    left out. At most ``max_names`` distinct metric names are kept (the first seen); the names
+    beyond them are left out and, when ``dropped`` is given, appended to it (each once)."""
     out: dict[int, dict[str, float]] = {}
+    kept: dict[str, None] = {}
+    left_out: dict[str, None] = {}
     for line in lines:
         index = line.get("index")
         metrics = line.get("metrics")
@@ -33,8 +47,16 @@ def episode_metrics(lines: Iterable[Mapping[str, Any]]) -> dict[int, dict[str, f
             if isinstance(value, bool):
                 value = float(value)
             if isinstance(value, int | float) and math.isfinite(value):
-                values[str(name)] = float(value)
+                key = str(name)
+                if key not in kept:
+                    if len(kept) >= max_names:
+                        left_out[key] = None
+                        continue
+                    kept[key] = None
+                values[key] = float(value)
         out[index] = values
+    if dropped is not None:
+        dropped.extend(left_out)
     return out
 
 
@@ -69,34 +91,31 @@ def compare(
     """The ``GET /evalsched/compare`` answer for ``runs`` (record, episode metrics), in order;
     the baseline is ``baseline_id`` or the first run."""
     if not runs:
-        return {"params": [], "metrics": [], "baseline": None, "rows": []}
+        return {"params": [], "metrics": [], "metrics_dropped": 0, "baseline": None, "rows": []}
     base_index = 0
     if baseline_id is not None:
         ids = [record["id"] for record, _ in runs]
         base_index = ids.index(baseline_id)
     all_params = [dict(_params(record)) for record, _ in runs]
-    names: list[str] = []
-    for params in all_params:
-        for name in params:
-            if name not in names:
-                names.append(name)
+    # Ordered unions through dicts: a list's `in` made this quadratic in the names.
+    names = list(dict.fromkeys(name for params in all_params for name in params))
     differing = [n for n in names if len({_key(p.get(n, _MISSING)) for p in all_params}) > 1]
-    metrics: list[str] = []
-    for _, episodes in runs:
-        for values in episodes.values():
-            for name in values:
-                if name not in metrics:
-                    metrics.append(name)
-    base_episodes = runs[base_index][1]
+    # One pass over each run's episodes: {metric: {index: value}}, indices ascending.
+    per_run = [_by_metric(episodes) for _, episodes in runs]
+    union: dict[str, None] = {}
+    for by_metric in per_run:
+        union.update(dict.fromkeys(by_metric))
+    metrics = list(union)[:MAX_METRIC_NAMES]
+    dropped = len(union) - len(metrics)
+    base_by_metric = per_run[base_index]
     rows = []
-    for (record, episodes), params in zip(runs, all_params, strict=True):
+    for (record, _), params, by_metric in zip(runs, all_params, per_run, strict=True):
         row_metrics = {}
         deltas = {}
         for metric in metrics:
-            per_index = {i: v[metric] for i, v in episodes.items() if metric in v}
-            row_metrics[metric] = summarize([per_index[i] for i in sorted(per_index)])
-            base = {i: v[metric] for i, v in base_episodes.items() if metric in v}
-            deltas[metric] = paired_delta(per_index, base)
+            per_index = by_metric.get(metric, {})
+            row_metrics[metric] = summarize(list(per_index.values()))
+            deltas[metric] = paired_delta(per_index, base_by_metric.get(metric, {}))
         rows.append(
             {
                 "id": record["id"],
@@ -109,7 +128,24 @@ def compare(
                 "peak_vram_mb": peak_vram_mb(record),
             }
         )
-    return {"params": differing, "metrics": metrics, "baseline": runs[base_index][0]["id"], "rows": rows}
+    return {
+        "params": differing,
+        "metrics": metrics,
+        "metrics_dropped": dropped,
+        "baseline": runs[base_index][0]["id"],
+        "rows": rows,
+    }
+
+
+def _by_metric(episodes: Mapping[int, Mapping[str, float]]) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for index in sorted(episodes):
+        for name, value in episodes[index].items():
+            column = out.get(name)
+            if column is None:
+                column = out[name] = {}
+            column[index] = value
+    return out
 
 
 def wall_seconds(record: Mapping[str, Any]) -> float | None:

@@ -38,3 +38,9 @@ class Busy(SchedulerError):
     """Too much of one kind of work is under way (sweep submissions): retry in a moment."""
 
     status = 429
+
+
+class TooLarge(SchedulerError):
+    """The answer asked for would exceed a size limit (a comparison of too many values)."""
+
+    status = 413

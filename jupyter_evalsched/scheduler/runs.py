@@ -445,7 +445,22 @@ class RunTable:
             "done": _int(summary.get("episodes_done")),
             "total": _int(summary.get("episodes_total"), rec["progress"]["total"]),
         }
-        metrics = summary.get("metrics") if isinstance(summary.get("metrics"), dict) else {}
+        metrics = summary.get("metrics")
+        if not isinstance(metrics, dict):
+            metrics = {}
+        dropped = _int(summary.get("metrics_dropped"))
+        if len(metrics) > contract.MAX_METRIC_NAMES:  # a runner that does not cap: the record does
+            dropped += len(metrics) - contract.MAX_METRIC_NAMES
+            metrics = dict(list(metrics.items())[: contract.MAX_METRIC_NAMES])
+        if dropped > 0:
+            self.note_warning(
+                run,
+                contract.reason(
+                    contract.METRICS_CAPPED,
+                    f"the episodes returned more than {contract.MAX_METRIC_NAMES} metric names; "
+                    f"{dropped} more were dropped (not aggregated, not written)",
+                ),
+            )
         if progress == rec["progress"] and metrics == rec["metrics"]:
             return False
         rec["progress"] = progress

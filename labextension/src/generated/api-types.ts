@@ -41,7 +41,10 @@ export interface ICompareRow {
 export interface IComparison {
   /** the names of the parameters whose values differ */
   params: string[];
+  /** the metric names compared: at most MAX_METRIC_NAMES (256), the first seen */
   metrics: string[];
+  /** metric names left out beyond MAX_METRIC_NAMES */
+  metrics_dropped: number;
   /** the run the deltas are against */
   baseline: string | null;
   rows: ICompareRow[];

@@ -1,0 +1,170 @@
+"""Comparison limits and statistics (#30, "Hardening III", item 5): the metric names a run keeps
+are capped, comparisons run on their own bounded pool with a limit on how many run at once, how
+long one takes and how many values it reads, and a plain read of a run never waits on them. And
+the paired 95 % interval checked against an independent computation on data with spread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+from rest import spec, submit
+
+from jupyter_evalsched import contract
+from jupyter_evalsched.runner.results import MetricAggregator
+from jupyter_evalsched.scheduler import compare
+
+HERE = Path(__file__).resolve().parent
+SPREAD = f"{HERE / 'evals_sweep.py'}:spread"
+MANY = f"{HERE / 'evals_sweep.py'}:many"
+
+# Student t quantiles t(0.975, df) from a printed table (not from the code under test).
+T975 = {4: 2.776445, 7: 2.364624}
+
+
+@pytest.fixture
+def evalsched_config():
+    return {"cpu_slots": 16}
+
+
+def independent_interval(run: list[float], base: list[float], t: float) -> list[float]:
+    diffs = [a - b for a, b in zip(run, base, strict=True)]
+    mean = statistics.fmean(diffs)
+    half = t * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return [mean - half, mean + half]
+
+
+def test_the_paired_interval_matches_an_independent_computation_on_data_with_spread():
+    run = {0: 1.0, 1: 2.5, 2: 0.7, 3: 3.1, 4: 1.9}
+    base = {0: 0.5, 1: 1.0, 2: 1.2, 3: 2.0, 4: 0.4}
+    delta = compare.paired_delta(run, base)
+    expected = independent_interval(list(run.values()), list(base.values()), T975[4])
+    assert delta["paired"] == 5
+    assert expected[1] - expected[0] > 1.0  # the interval has width: 1.96 or n for sqrt(n) would not pass
+    assert delta["ci95"] == pytest.approx(expected, abs=1e-5)
+    assert compare.t_quantile(0.975, 4) == pytest.approx(T975[4], abs=1e-6)
+
+
+def test_compare_is_capped_in_metric_names_and_counts_the_rest():
+    names = [f"m{i}" for i in range(compare.MAX_METRIC_NAMES + 44)]
+    lines = [{"index": i, "metrics": {n: float(i) for n in names}} for i in range(3)]
+    dropped: list[str] = []
+    episodes = compare.episode_metrics(lines, dropped=dropped)
+    assert all(list(v) == names[: compare.MAX_METRIC_NAMES] for v in episodes.values())
+    assert dropped == names[compare.MAX_METRIC_NAMES :]
+    # Two runs that share no names: the union is capped too.
+    other = {i: {f"x{n}": 1.0 for n in range(200)} for i in range(3)}
+    mine = {i: {f"y{n}": 1.0 for n in range(200)} for i in range(3)}
+    result = compare.compare([({"id": "a"}, mine), ({"id": "b"}, other)])
+    assert len(result["metrics"]) == compare.MAX_METRIC_NAMES and result["metrics_dropped"] == 144
+    assert set(result["rows"][1]["metrics"]) == set(result["metrics"])
+
+
+def test_compare_of_many_metric_names_is_not_quadratic():
+    # 2 runs x 40,000 names took 48 s when every name was looked up in a list; no speed assertion,
+    # only that it is done well inside a test's patience (the cap would not apply to a direct call).
+    episodes = {0: {f"m{i}": float(i) for i in range(40_000)}, 1: {f"m{i}": 1.0 for i in range(40_000)}}
+    started = time.monotonic()
+    result = compare.compare([({"id": "a"}, episodes), ({"id": "b"}, episodes)])
+    assert len(result["metrics"]) == compare.MAX_METRIC_NAMES
+    assert time.monotonic() - started < 20
+
+
+def test_the_aggregator_keeps_the_first_names_and_counts_the_others():
+    agg = MetricAggregator(max_names=3)
+    kept = agg.keep({"a": 1, "b": 2, "c": 3, "d": 4, "e": 5})
+    assert kept == {"a": 1, "b": 2, "c": 3} and agg.dropped == 2
+    agg.add(kept)
+    agg.add({"a": 2, "f": 1.0})
+    assert set(agg.summary()) == {"a", "b", "c"} and agg.dropped == 3
+    same = {"a": 1, "b": 1}
+    assert agg.keep(same) is same
+
+
+async def test_a_run_with_too_many_metric_names_keeps_the_first_and_warns(api, wait_for, runs_dir):
+    extra = 44
+    run = await submit(api, spec(entry=MANY, episodes=3, params={"names": contract.MAX_METRIC_NAMES + extra}))
+    rec = await wait_for(run["id"])
+    assert rec["state"] == "succeeded", rec
+    summary = json.loads((runs_dir / run["id"] / "summary.json").read_text())
+    assert len(summary["metrics"]) == contract.MAX_METRIC_NAMES and summary["metrics_dropped"] == extra
+    lines = [json.loads(x) for x in (runs_dir / run["id"] / "episodes.jsonl").read_text().splitlines()]
+    assert all(len(line["metrics"]) == contract.MAX_METRIC_NAMES for line in lines)
+    code, rec = await api("GET", f"runs/{run['id']}")
+    assert code == 200 and len(rec["metrics"]) == contract.MAX_METRIC_NAMES
+    assert any(w.startswith(contract.METRICS_CAPPED + ":") and str(extra) in w for w in rec["warnings"]), rec
+    code, listed = await api("GET", "runs")
+    assert code == 200
+    assert all(len(r["metrics"]) <= contract.MAX_METRIC_NAMES for r in listed["runs"])
+    code, cmp = await api("GET", "compare", params={"runs": run["id"]})
+    assert code == 200 and len(cmp["metrics"]) == contract.MAX_METRIC_NAMES
+
+
+async def test_compare_through_the_server_has_the_t_interval_on_data_with_spread(api, wait_for, runs_dir):
+    a = await submit(api, spec(entry=SPREAD, episodes=5, params={"slope": 0.0}))
+    b = await submit(api, spec(entry=SPREAD, episodes=5, params={"slope": 0.5}))
+    for run in (a, b):
+        assert (await wait_for(run["id"]))["state"] == "succeeded"
+    code, cmp = await api("GET", "compare", params={"runs": f"{a['id']},{b['id']}"})
+    assert code == 200, cmp
+    eps = {}
+    for run in (a, b):
+        lines = (runs_dir / run["id"] / "episodes.jsonl").read_text().splitlines()
+        eps[run["id"]] = {e["index"]: e["metrics"]["score"] for e in map(json.loads, lines)}
+    ours = [eps[b["id"]][i] for i in range(5)]
+    theirs = [eps[a["id"]][i] for i in range(5)]
+    expected = independent_interval(ours, theirs, T975[4])
+    assert expected[1] - expected[0] > 1.0
+    assert cmp["rows"][1]["delta"]["score"]["ci95"] == pytest.approx(expected, abs=1e-5)
+
+
+async def test_compare_limits_answer_as_documented(api, monkeypatch):
+    run = await submit(api, spec(entry=MANY, episodes=2, params={"names": 3}))
+    monkeypatch.setattr(compare, "MAX_CONCURRENT_COMPARES", 0)
+    code, answer = await api("GET", "compare", params={"runs": run["id"]})
+    assert code == 429 and "at most 0" in answer["message"]
+    monkeypatch.setattr(compare, "MAX_CONCURRENT_COMPARES", 4)
+    monkeypatch.setattr(compare, "COMPARE_TIMEOUT_S", -1.0)
+    code, answer = await api("GET", "compare", params={"runs": run["id"]})
+    assert code == 503 and "COMPARE_TIMEOUT_S" in answer["message"]
+    monkeypatch.setattr(compare, "COMPARE_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(compare, "MAX_COMPARE_VALUES", 0)
+    for _ in range(100):  # the run writes its episodes: wait for one value at least
+        code, answer = await api("GET", "compare", params={"runs": run["id"]})
+        if code != 200:
+            break
+        await asyncio.sleep(0.1)
+    assert code == 413 and "MAX_COMPARE_VALUES" in answer["message"], answer
+
+
+@pytest.mark.slow
+async def test_a_plain_read_of_a_run_never_waits_on_compares(api, wait_for):
+    heavy = [
+        await submit(api, spec(entry=MANY, episodes=1500, params={"names": contract.MAX_METRIC_NAMES}))
+        for _ in range(2)
+    ]
+    for run in heavy:
+        assert (await wait_for(run["id"], timeout=120))["state"] == "succeeded"
+    ids = ",".join(r["id"] for r in heavy)
+
+    async def one_compare():
+        return await api("GET", "compare", params={"runs": ids})
+
+    compares = [asyncio.ensure_future(one_compare()) for _ in range(8)]
+    await asyncio.sleep(0.05)
+    waits = []
+    while not all(c.done() for c in compares):
+        started = time.monotonic()
+        code, _ = await api("GET", f"runs/{heavy[0]['id']}")
+        waits.append(time.monotonic() - started)
+        assert code == 200
+        await asyncio.sleep(0.05)
+    answers = [c.result() for c in compares]
+    codes = sorted(code for code, _ in answers)
+    assert set(codes) <= {200, 429} and 200 in codes, codes
+    assert waits and max(waits) < 1.0, waits  # a liveness bound, generous
