@@ -83,7 +83,8 @@ def _errors(*codes: int, delegated: bool = True) -> dict:
         401: "not authenticated",
         403: "not authorized",
         404: "unknown run, lease or model",
-        409: "the operation does not fit the run's state, or the run's files cannot be served",
+        409: "the operation does not fit the run's state, the run's files cannot be served, or the server holds "
+        "max_leases live leases already",
         413: "the body is too large, or a comparison would read more episode values than it may",
         422: "the spec or request is invalid, can never fit, names an unknown model, dependency or process",
         429: "too many sweep submissions or comparisons are under way at once: retry after Retry-After seconds",
@@ -305,7 +306,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 },
                 "responses": {
                     "201": _json("LeaseRecord", "the lease, granted or queued"),
-                    **_errors(400, 413, 422, 503),
+                    **_errors(400, 409, 413, 422, 503),
                 },
             },
         },

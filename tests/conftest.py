@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from waiting import async_wait_until, reached_state
@@ -120,3 +123,21 @@ def wait_for(api):
         return answer["rec"]
 
     return wait
+
+
+@pytest.fixture
+def holder():
+    """Start a process that stands for a notebook kernel; killed at the end."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*argv: str, env: dict | None = None) -> subprocess.Popen:
+        cmd = list(argv) or [sys.executable, "-c", "import time; time.sleep(300)"]
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

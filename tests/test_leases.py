@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -20,24 +19,6 @@ from jupyter_evalsched.scheduler import policy
 from jupyter_evalsched.scheduler.gpus import GpuProcess, write_process_table
 from jupyter_evalsched.scheduler.kernels import KernelInfo
 from jupyter_evalsched.scheduler.ledger import account
-
-
-@pytest.fixture
-def holder():
-    """Start a process that stands for a notebook kernel; killed at the end."""
-    procs: list[subprocess.Popen] = []
-
-    def start(*argv: str, env: dict | None = None) -> subprocess.Popen:
-        cmd = list(argv) or [sys.executable, "-c", "import time; time.sleep(300)"]
-        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 async def lease(api, **body) -> dict:

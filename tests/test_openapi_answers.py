@@ -30,7 +30,7 @@ TESTING = "jupyter_evalsched.shared_models.testing:"
 
 @pytest.fixture
 def evalsched_config():
-    return {"models": [{"name": "upper", "loader": TESTING + "upper"}], "warm_start": False}
+    return {"models": [{"name": "upper", "loader": TESTING + "upper"}], "warm_start": False, "max_leases": 2}
 
 
 def closed(schema: Any) -> Any:
@@ -195,6 +195,7 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
     assert held_back["state"] == "queued" and held_back["reason"]
     leases = await call("GET", "leases", expect=200)
     assert [lease["id"] for lease in leases["leases"]] == [granted["id"], held_back["id"]]
+    await call("POST", "leases", {"vram_mb": 100, "label": "a third"}, expect=409)  # max_leases
     await call("GET", f"leases/{granted['id']}", expect=200)
     assert (await call("GET", "ledger", expect=200))["devices"]
     await call("GET", "queue", expect=200)
@@ -287,6 +288,7 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
             await call("GET", "compare", params={"runs": first["id"]}, expect=status)
     await call("POST", "leases", {"vram_mb": 0}, expect=422)
     await call("POST", "leases", {"vram_mb": 100000}, expect=422)
+    await call("POST", "leases", {"vram_mb": 100, "pid": 1}, expect=422)
     await call("POST", "leases", "nope", expect=400)
     await call("GET", "leases/lease-nope", expect=404)
     await call("DELETE", "leases/lease-nope", expect=404)

@@ -145,6 +145,22 @@ class SchedulerConfig(Configurable):
         ["local", "slurm"], "local", help="Where runs execute when their spec does not say: 'local' or 'slurm'."
     ).tag(config=True)
 
+    # Leases (docs/reference.md, "Lease record").
+    max_lease_ttl_s = Float(
+        3600.0,
+        help="The longest a lease without a pid is held: one that gives no ttl_s gets this one, and a longer "
+        "ttl_s is refused (422). A lease with a pid ends when its process exits.",
+    ).tag(config=True)
+    max_leases = Int(
+        256, help="Live (queued and granted) leases this server keeps at once; one more is refused (409)."
+    ).tag(config=True)
+
+    @validate("max_lease_ttl_s", "max_leases")
+    def _check_lease_limits(self, proposal: dict[str, Any]) -> float:
+        if not proposal["value"] > 0:
+            raise ValueError(f"{proposal['trait'].name} must be > 0")
+        return proposal["value"]
+
     # Admission (``policy.PolicyConfig``: see ``policy``).
     starvation_s = Float(600.0, help="A head-of-queue job waiting this long gets its resources reserved.").tag(
         config=True

@@ -5,7 +5,9 @@ A lease is requested (``queued``), granted by admission (``granted``, with its d
 (``ended``) when it is released, when the process that holds it exits (its pid together with its
 start time, so a recycled pid never keeps a lease alive; noticed through a pidfd at once, by the
 reconciliation otherwise) or ``ttl_s`` after its grant. Leases persist in ``<runs_dir>/.leases/`` so that a
-server restart keeps those whose process still lives.
+server restart keeps those whose process still lives. So that every lease ends, its pid must be a process
+that ends (``refused_holder``), and one without a pid holds at most ``max_lease_ttl_s`` (the scheduler
+gives it that ttl when asked, ``recover`` when it finds an older one).
 
 This module owns a lease's record and life; admission (the scheduler) decides when it is granted.
 All of it runs on the event-loop thread.
@@ -22,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+import psutil
 
 from .. import contract
 from ..contract import LEASE_ENDED, LEASE_GRANTED, LEASE_QUEUED
@@ -40,6 +44,48 @@ KEEP_ENDED = 500  # ended leases kept (in memory and on disk) for GET /leases/{i
 
 def new_lease_id() -> str:
     return LEASE_ID_PREFIX + datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%f") + "-" + secrets.token_hex(3)
+
+
+def refused_holder(pid: int) -> tuple[str, str] | None:
+    """Why ``pid`` may not hold a lease, as ``(error type, sentence)``, or None when it may.
+
+    The server cannot see who sent the request, nor tell a kernel of another Jupyter server (or
+    of nbclient) from any other process, so the rule is what it can check: a live process of the
+    server's own user that is not pid 1, not the server itself, nor one of the server's ancestors
+    other than its parent (a shell, a terminal multiplexer, a user manager: they outlive the
+    server, so a lease they held would never end). The parent may: a program or a notebook that
+    started this server (``LocalServer``) leases for itself. Run in the I/O thread."""
+    gone = ("no_such_process", f"no live process with pid {pid}")
+    if pid == 1:
+        return ("pid_refused", "pid 1 (init) never exits: a lease's pid must be a process that ends")
+    me = os.getpid()
+    if pid == me:
+        return ("pid_refused", f"pid {pid} is this server itself: a lease's pid must be a process that ends")
+    try:
+        proc = psutil.Process(pid)
+        uid = proc.uids().real
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return gone
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return gone
+    except psutil.AccessDenied:
+        return ("pid_refused", f"process {pid} cannot be inspected: a lease's pid must be this server's user's")
+    if uid != os.getuid():
+        return (
+            "pid_refused",
+            f"process {pid} belongs to another user (uid {uid}): a lease's pid must be this server's user's "
+            f"(uid {os.getuid()})",
+        )
+    try:
+        ancestors = [p.pid for p in psutil.Process(me).parents()]
+    except psutil.Error:
+        ancestors = []
+    if pid in ancestors[1:]:
+        return (
+            "pid_refused",
+            f"process {pid} is an ancestor of this server and outlives it: a lease's pid must be a process that ends",
+        )
+    return None
 
 
 @dataclass(eq=False, slots=True)
@@ -302,10 +348,11 @@ class LeaseTable:
             del self._leases[lease.id]
             self.store.delete_lease(lease.id)
 
-    def recover(self, found_files: list[tuple[str, dict[str, Any]]]) -> None:
+    def recover(self, found_files: list[tuple[str, dict[str, Any]]], max_ttl_s: float | None = None) -> None:
         """Leases of an earlier server: live ones whose process lives go on (a queued one stays in
         its place, a granted one keeps its devices); those whose process exited while no server
-        watched end ``process_exited``."""
+        watched end ``process_exited``. A live lease without a pid holds at most ``max_ttl_s``
+        (one written before that limit, or under a larger one, gets it: counted from its grant)."""
         found: list[dict[str, Any]] = []
         for lease_id, raw in found_files:
             try:
@@ -316,6 +363,10 @@ class LeaseTable:
         for rec in found:
             lease = Lease(record=rec, requested_ts=parse_timestamp(rec["requested_at"]))
             self._leases[lease.id] = lease
+            ttl = rec.get("ttl_s")
+            if max_ttl_s and lease.live and lease.pid is None and (not ttl or ttl > max_ttl_s):
+                rec["ttl_s"] = max_ttl_s
+                self._save(lease)
         for lease in self.live():
             pid = lease.pid
             if pid is not None and not is_same_process(pid, lease.record.get("pid_create_time")):

@@ -35,7 +35,7 @@ from .executors import Executor, ExecutorContext
 from .executors.local import LocalExecutor
 from .gpus import GpuProbe
 from .kernels import KernelInfo, OwnKernel
-from .leases import Lease, LeaseTable
+from .leases import Lease, LeaseTable, refused_holder
 from .ledger import Capacity, DeviceBudget, capacity, device_budgets, ledger_view
 from .observation import Observer, describe_holder
 from .runs import Listener, Run, RunScheduling, RunTable, parse_timestamp, record_from_disk, slim_spec
@@ -147,7 +147,9 @@ class Scheduler:
         for executor in self.executors.values():
             executor.recovered()
         self.leases.bind(self._loop)
-        self.leases.recover(await self._loop.run_in_executor(None, self.store.read_leases))
+        self.leases.recover(
+            await self._loop.run_in_executor(None, self.store.read_leases), max_ttl_s=self.config.max_lease_ttl_s
+        )
         self.table.note_seq(max((lease.record["seq"] for lease in self.leases), default=0))
         self._started = self.admission.started = True
         self._tasks = [
@@ -354,8 +356,21 @@ class Scheduler:
 
     async def request_lease(self, request: LeaseRequest) -> dict[str, Any]:
         """A new lease, admitted at once when it fits (the answer says ``granted`` or ``queued``).
-        SpecRejected when it can never fit or its pid is not a live process."""
+        SpecRejected when it can never fit, its pid may not hold a lease (``leases.refused_holder``)
+        or, without a pid, its ``ttl_s`` is over ``max_lease_ttl_s`` (none: it gets that one);
+        StateConflict when ``max_leases`` leases are live already."""
         self._require_started()
+        ttl_s = request.ttl_s
+        if request.pid is None:
+            max_ttl = self.config.max_lease_ttl_s
+            if ttl_s is None:
+                ttl_s = max_ttl
+            elif ttl_s > max_ttl:
+                msg = (
+                    f"a lease without a pid is held at most max_lease_ttl_s={max_ttl:g} s: "
+                    "give a shorter ttl_s, or the pid of the process that uses the lease"
+                )
+                raise SpecRejected(f"ttl_s: {msg}", [{"loc": ["ttl_s"], "msg": msg, "type": "ttl_over_max"}])
         probe_job = policy.QueuedJob(
             id="-", seq=0, marginal_vram_mb=request.vram_mb, gpus=request.gpus, exclusive=request.exclusive_gpu, cpus=0
         )
@@ -369,8 +384,19 @@ class Scheduler:
         kernel: KernelInfo | None = None
         tree: set[int] = set()
         if request.pid is not None:
+            refused = await self._require_loop().run_in_executor(self._io, refused_holder, request.pid)
+            if refused is not None:
+                kind, msg = refused
+                raise SpecRejected(f"pid: {msg}", [{"loc": ["pid"], "msg": msg, "type": kind}])
             own = await self.own_kernels() if self.own_kernels is not None else []
             kernel, tree = await self._require_loop().run_in_executor(self._io, describe_holder, request.pid, own)
+        # Checked after the awaits above, so that requests in flight together cannot pass it.
+        max_leases = self.config.max_leases
+        if len(self.leases.live()) >= max_leases:
+            raise StateConflict(
+                f"this server holds {max_leases} live leases (max_leases): release one "
+                "(DELETE /evalsched/leases/{lease_id}) before asking for another"
+            )
         try:
             lease = self.leases.request(
                 vram_mb=request.vram_mb,
@@ -378,7 +404,7 @@ class Scheduler:
                 exclusive_gpu=request.exclusive_gpu,
                 priority=request.priority,
                 pid=request.pid,
-                ttl_s=request.ttl_s,
+                ttl_s=ttl_s,
                 label=request.label,
                 seq=self.table.next_seq(),
                 kernel_id=kernel.kernel_id if kernel else None,
