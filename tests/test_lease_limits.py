@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import pwd
 import subprocess
+import sys
 
-import psutil
 import pytest
 from waiting import async_wait_until
 
@@ -57,11 +57,21 @@ async def test_the_servers_own_pid_cannot_hold_a_lease(api):
     await refused(api, {"vram_mb": 1000, "pid": os.getpid()}, "pid", "is this server itself")
 
 
-async def test_an_ancestor_of_the_server_above_its_parent_cannot_hold_a_lease(api):
-    ancestors = [p for p in psutil.Process().parents() if p.pid != 1 and p.uids().real == os.getuid()]
-    if len(ancestors) < 2:
-        pytest.skip("this server has no grandparent of its user but init")
-    await refused(api, {"vram_mb": 1000, "pid": ancestors[1].pid}, "pid", "is an ancestor of this server")
+def test_an_ancestor_of_the_server_above_its_parent_cannot_hold_a_lease():
+    """The rule as a server two levels below this test process applies it: this process is its
+    grandparent (refused), the intermediate process its parent (allowed). Checked in a grandchild,
+    so that it holds wherever the test suite itself was started from."""
+    probe = (
+        "import os, sys, subprocess\n"
+        "inner = 'from jupyter_evalsched.scheduler.leases import refused_holder; import os; '"
+        " 'print(refused_holder(%d)); print(refused_holder(os.getppid()))' % int(sys.argv[1])\n"
+        "sys.stdout.write(subprocess.run([sys.executable, '-c', inner], capture_output=True, text=True, check=True).stdout)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(os.getpid())], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert "pid_refused" in out[0] and "is an ancestor of this server" in out[0], out
+    assert out[1] == "None", out  # the parent may hold a lease
 
 
 def other_user() -> str | None:
