@@ -137,6 +137,14 @@ def warm_start_check(warm: dict[str, Any]) -> dict[str, Any]:
             f"{warm['refused']}; every run starts cold",
             "remove that module from preload_modules (a preload must not start threads or touch CUDA at import)",
         )
+    held = warm.get("held") or []
+    if held:
+        return check(
+            "warm_start",
+            DEGRADED,
+            f"{held[0]}; its runs start cold meanwhile",
+            "find the preload module that does not return at import, or raise zygote_start_timeout_s",
+        )
     zygotes = warm.get("zygotes") or []
     ready = [z for z in zygotes if z.get("state") == "ready"]
     preload = ", ".join(warm.get("preload") or []) or "the runner only"

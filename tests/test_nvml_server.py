@@ -20,7 +20,6 @@ from waiting import async_wait_until
 
 from jupyter_evalsched.scheduler.gpus import NvmlProbe
 
-holder = test_leases.holder  # a fixture of test_leases that its tests below need
 
 # Unmanaged VRAM, observed peaks and enforcement of runs, leases charged max(lease, observed),
 # kernels named by their notebook.

@@ -650,3 +650,27 @@ async def test_a_socket_directory_at_the_length_limit_still_serves(tmp_path):
         assert await asyncio.to_thread(connect(urls["u"], connect_timeout=10), "x") == "X"
     finally:
         await manager.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_models_options_are_not_on_its_hosts_command_line_nor_in_its_environment(tmp_path):
+    """Issue #30 (10): a model's options (a hub token) reach its host through an inherited pipe,
+    so that no other user of the machine can read them in /proc/<pid>/cmdline or environ."""
+    token = "hf_FAKE_TOKEN_0123456789abcdef"
+    manager = ModelHostManager(
+        [{"name": "s", "loader": TESTING + "fail_on_input", "options": {"poison": token}}], socket_parent=tmp_path
+    )
+    await manager.start()
+    try:
+        url = (await manager.urls_for(["s"]))["s"]
+        assert await asyncio.to_thread(connect(url, connect_timeout=10), ["x"]) == ["x"]
+        with pytest.raises(SharedModelError, match="poison"):  # the option did reach the loader
+            await asyncio.to_thread(connect(url, connect_timeout=10), [token])
+        (pid,) = manager.pids()
+        for what in ("cmdline", "environ"):
+            seen = Path(f"/proc/{pid}/{what}").read_bytes()
+            assert b"jupyter_evalsched.shared_models.host" in seen or what == "environ"
+            assert token.encode() not in seen, what
+        assert not any(token in p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+    finally:
+        await manager.stop()

@@ -61,6 +61,13 @@ def preload_dir(tmp_path):
         "    return _fork()\n"
         "os.fork = fork\n"
     )
+    # A preload that never returns (until a flag file beside it exists): a zygote never ready.
+    (path / "warm_hang.py").write_text(
+        "import os, time\n"
+        "FLAG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hang.release')\n"
+        "while not os.path.exists(FLAG):\n"
+        "    time.sleep(0.05)\n"
+    )
     (path / "warm_tempdir.py").write_text(
         "import tempfile\nHELD = tempfile.TemporaryDirectory(prefix='evalsched-zygote-held-')\n"
     )
@@ -73,8 +80,14 @@ def preload():
 
 
 @pytest.fixture
-def evalsched_config(preload_dir, preload):
-    return {"run_env": {"PYTHONPATH": str(preload_dir)}, "preload_modules": preload}
+def more_config():
+    """Settings added to the module's (parametrize it: ``evalsched_config`` itself would lose them)."""
+    return {}
+
+
+@pytest.fixture
+def evalsched_config(preload_dir, preload, more_config):
+    return {"run_env": {"PYTHONPATH": str(preload_dir)}, "preload_modules": preload, **more_config}
 
 
 async def status(api) -> dict:
@@ -535,3 +548,56 @@ def test_environment_compatibility_rules():
 
 def _app(jp_serverapp):
     return jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+
+
+HANG_DEADLINE_S = 15.0  # the zygote's start deadline: long enough to submit and cancel well before
+
+
+@pytest.mark.parametrize("preload", [["warm_hang"]])
+@pytest.mark.parametrize("more_config", [{"zygote_start_timeout_s": HANG_DEADLINE_S, "reconcile_interval_s": 0.2}])
+async def test_a_preload_that_never_returns_starts_its_runs_cold_after_the_deadline(api, wait_for, jp_serverapp):
+    """Issue #30 (8): runs waiting for a zygote that never becomes ready start cold once its start
+    deadline has passed (the record says why); the zygote is killed and its environment not tried
+    again for a while (the next run starts cold at once); a cancel while waiting ends the run now."""
+    zygotes = (await status(api))["warm_start"]["zygotes"]
+    assert [z["state"] for z in zygotes] == ["starting"], zygotes
+    zygote_pid = zygotes[0]["pid"]
+    waiting = await submit(api, spec(entry=NOOP))
+    cancelled = await submit(api, spec(entry=NOOP))
+    for rec in (waiting, cancelled):
+
+        async def admitted(run_id=rec["id"]) -> bool:
+            return (await api("GET", f"runs/{run_id}"))[1]["state"] == "running"
+
+        await async_wait_until(admitted, timeout=HANG_DEADLINE_S / 3, message="not admitted")
+        code, running = await api("GET", f"runs/{rec['id']}")
+        assert running["pid"] is None and running["start"] is None, running  # waiting for the zygote
+    # A cancel (and then a delete) of a run waiting for the zygote: at once, not at the deadline.
+    code, _ = await api("POST", f"runs/{cancelled['id']}/cancel")
+    assert code == 200
+    final = await wait_for(cancelled["id"], timeout=HANG_DEADLINE_S / 2)
+    assert final["state"] == "cancelled" and final["pid"] is None and "before it started" in final["reason"], final
+    assert (await status(api))["warm_start"]["zygotes"][0]["state"] == "starting"  # the deadline is still ahead
+    code, _ = await api("DELETE", f"runs/{cancelled['id']}")
+    assert code in (200, 204)
+    # The other run starts cold once the deadline has passed, and succeeds.
+    final = await wait_for(waiting["id"], timeout=HANG_DEADLINE_S + 60)
+    assert final["state"] == "succeeded" and final["start"] == "cold", final
+    assert "not ready" in final["start_detail"] and "zygote_start_timeout_s" in final["start_detail"], final
+    # The stuck zygote is gone, and none replaces it for now.
+    await async_wait_until(lambda: not alive(zygote_pid), timeout=30, message="the stuck zygote was left running")
+    warm = (await status(api))["warm_start"]
+    assert not [z for z in warm["zygotes"] if z["state"] in ("starting", "ready")], warm
+    # The next run does not wait for a zygote again: it starts cold at once, saying why.
+    after = await submit(api, spec(entry=NOOP))
+    final = await wait_for(after["id"], timeout=60)
+    assert final["state"] == "succeeded" and final["start"] == "cold", final
+    assert "zygote_start_timeout_s" in final["start_detail"] and "again" in final["start_detail"], final
+    checks = {c["name"]: c for c in server_checks(_app(jp_serverapp), [])}
+    assert checks["warm_start"]["status"] == "degraded" and "not ready within" in checks["warm_start"]["detail"]
+    leftovers = [
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.status() != psutil.STATUS_ZOMBIE and "jupyter_evalsched.runner.zygote" in " ".join(p.cmdline())
+    ]
+    assert leftovers == [], leftovers

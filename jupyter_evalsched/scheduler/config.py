@@ -230,6 +230,12 @@ class SchedulerConfig(Configurable):
     zygote_idle_s = Float(
         600.0, help="A zygote for another environment than the server's own is closed after this long unused."
     ).tag(config=True)
+    zygote_start_timeout_s = Float(
+        60.0,
+        help="A zygote not ready this long after its start (a preload module that never returns) is killed; "
+        "the runs waiting for it start cold, and so do the next runs of its environment, for 10 minutes, "
+        "without waiting. 0: no deadline.",
+    ).tag(config=True)
 
     _policy: PolicyConfig | None = None
 

@@ -65,6 +65,9 @@ PER_RUN_VARIABLES = frozenset(
 STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "MALLOC_", "GLIBC_")
 
 MAX_MESSAGE = 1 << 16  # the zygote's messages are small
+# How long an environment whose zygote missed its start deadline gets no new zygote: its runs start
+# cold at once meanwhile instead of each waiting for the deadline again.
+STUCK_HOLD_S = 600.0
 # A send to a spare failed because the spare is gone (not because of the message).
 SPARE_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNREFUSED, errno.EBADF})
 
@@ -172,6 +175,9 @@ class ZygoteClient:
     _no_spare: str | None = None  # why the zygote could not fork a spare (until one comes)
     _cwd: str | None = None
     _writer: bool = False
+    start_timeout_s: float | None = None  # the deadline to become ready (a preload that never returns)
+    timed_out: bool = False  # it missed that deadline and was killed
+    _deadline: asyncio.TimerHandle | None = None
 
     @property
     def env_read(self) -> list[str] | None:
@@ -212,6 +218,8 @@ class ZygoteClient:
         finally:
             theirs.close()
         self.pid = self._popen.pid
+        if self.start_timeout_s is not None and self.start_timeout_s > 0:
+            self._deadline = self.loop.call_later(self.start_timeout_s, self._start_overdue)
         ours.setblocking(False)
         self._sock = ours
         self.loop.add_reader(ours.fileno(), self._readable)
@@ -219,6 +227,29 @@ class ZygoteClient:
         if output is not None:
             os.set_blocking(output.fileno(), False)
             self.loop.add_reader(output.fileno(), self._output)
+
+    def _start_overdue(self) -> None:
+        """Not ready by its start deadline (a preload that never returns): the zygote and what it
+        started are killed, and the runs waiting for it start cold."""
+        self._deadline = None
+        if self.state != STARTING:
+            return
+        self.timed_out = True
+        self.why = (
+            f"the zygote was not ready within {self.start_timeout_s:g} s (zygote_start_timeout_s; "
+            f"does a preload module never return?): started cold"
+        )
+        log.warning("evalsched: zygote %d: %s; killed", self.pid, self.why)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # its own session and group (start_new_session)
+        except OSError:
+            pass
+        self._gone(self.why)
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     def _output(self) -> None:
         output = self._popen.stdout if self._popen is not None else None
@@ -426,6 +457,7 @@ class ZygoteClient:
     def close(self, wait: bool = True) -> None:
         """Closing the socket ends the zygote, and with it any run it still has. ``wait``: for
         its exit (at shutdown); else the pool's reconciliation reaps it."""
+        self._stop_deadline()
         self._cold_all("the zygote was closed")
         self._drop_spares()
         self._shut_socket()
@@ -477,6 +509,7 @@ class ZygoteClient:
         for fd in fds:  # only a spare comes with descriptors
             os.close(fd)
         if op == "ready":
+            self._stop_deadline()
             self.state = READY
             self.info = message
             # Its cwd (sys.path[0], empty on purpose) is not needed any more: removed now, so
@@ -497,6 +530,7 @@ class ZygoteClient:
             log.warning("evalsched: zygote %d: %s; runs that find no spare start cold", self.pid, self._no_spare)
             self._flush()
         elif op == "refused":
+            self._stop_deadline()
             self.state = REFUSED
             self.why = f"warm starts are off: {message.get('why')}"
             log.warning("evalsched: %s; runs start cold", self.why)
@@ -571,6 +605,7 @@ class ZygoteClient:
 
     def _gone(self, why: str) -> None:
         """The zygote exited (or never started): its runs died with it (their death signal)."""
+        self._stop_deadline()
         self._shut_socket()
         if self._popen is not None:
             try:
@@ -667,6 +702,8 @@ class WarmStartConfig:
     max_zygotes: int = 4
     idle_s: float = 600.0
     python: str = sys.executable
+    start_timeout_s: float = 60.0  # a zygote not ready by then is killed; its runs start cold
+    stuck_hold_s: float = STUCK_HOLD_S  # and its environment gets no zygote for this long
 
 
 class ZygotePool:
@@ -679,6 +716,8 @@ class ZygotePool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._early_deaths = 0
         self._closed = False
+        # Environments whose zygote missed its start deadline: (env, until (monotonic), why).
+        self._held: list[tuple[dict[str, str], float, str]] = []
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -693,13 +732,31 @@ class ZygotePool:
     def _new(self, env: dict[str, str]) -> ZygoteClient:
         assert self._loop is not None, "ZygotePool.bind(loop) first"
         zygote = ZygoteClient(
-            self._loop, self.config.python, env, list(self.config.preload), self.on_exit, on_change=self._changed
+            self._loop,
+            self.config.python,
+            env,
+            list(self.config.preload),
+            self.on_exit,
+            on_change=self._changed,
+            start_timeout_s=self.config.start_timeout_s,
         )
         self.zygotes.append(zygote)
         zygote.start()
         return zygote
 
+    def held(self, env: Mapping[str, str]) -> str | None:
+        """Why no zygote is started for ``env`` now (its last one missed its start deadline), or None."""
+        now = time.monotonic()
+        self._held = [entry for entry in self._held if entry[1] > now]
+        for held_env, until, why in self._held:
+            if held_env == env:
+                return f"{why}; no zygote for this environment is tried again for {until - now:.0f} s"
+        return None
+
     def _changed(self, zygote: ZygoteClient) -> None:
+        if zygote.timed_out and zygote.state == DEAD and self.config.stuck_hold_s > 0:
+            self._held = [entry for entry in self._held if entry[0] != zygote.env]
+            self._held.append((zygote.env, time.monotonic() + self.config.stuck_hold_s, str(zygote.why)))
         if zygote.state == REFUSED and self.refused is None:
             self.refused = zygote.why
         elif zygote.state == READY:
@@ -719,6 +776,8 @@ class ZygotePool:
         ready before it is needed."""
         if not self.config.enabled or self.refused is not None or self.primary_env is None or self._closed:
             return
+        if self.held(self.primary_env) is not None:
+            return  # its zygote missed its start deadline: tried again after the hold (``reconcile``)
         if not any(z.env == self.primary_env and z.state in (READY, STARTING) for z in self.zygotes):
             self._new(self.primary_env)
 
@@ -727,6 +786,9 @@ class ZygotePool:
         if self.refused is not None:
             return self.refused
         wanted = zygote_environment(run_env)
+        held = self.held(wanted)
+        if held is not None:
+            return held
         for zygote in self.zygotes:
             if zygote.state not in (READY, STARTING):
                 continue
@@ -770,5 +832,6 @@ class ZygotePool:
             "enabled": self.config.enabled,
             "preload": list(self.config.preload),
             "refused": self.refused,
+            "held": [why for _env, until, why in self._held if until > time.monotonic()],
             "zygotes": [z.status() for z in self.zygotes],
         }

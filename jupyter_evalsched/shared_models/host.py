@@ -2,7 +2,12 @@
 
 Started by ``ModelHostManager`` as::
 
-    python -m jupyter_evalsched.shared_models.host --socket PATH --config JSON --parent-pid PID
+    python -m jupyter_evalsched.shared_models.host --socket PATH --parent-pid PID
+
+with its declaration on stdin, a pipe from the manager (``{"config": <the model's declaration>,
+"failed_load": <a previous host's load failure> | null}``, read to EOF; stdin is then
+``/dev/null``): the options may hold secrets (a hub token), which must not be in argv or the
+environment, both readable by every user in ``/proc``.
 
 It serves one model on a Unix socket (0600, in the manager's 0700 directory, peers checked with
 SO_PEERCRED). The model is loaded at the first request (or at start with ``preload``) and stays
@@ -502,15 +507,29 @@ def _event_writer():
     return emit
 
 
+def _read_declaration() -> dict:
+    """The declaration from stdin (the manager's pipe, read to EOF); stdin becomes /dev/null."""
+    chunks = []
+    while chunk := os.read(0, 1 << 16):
+        chunks.append(chunk)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    declaration = json.loads(b"".join(chunks))
+    if not isinstance(declaration, dict) or not isinstance(declaration.get("config"), dict):
+        raise SystemExit("the model host expects its declaration as a JSON object on stdin")
+    return declaration
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jupyter_evalsched.shared_models.host")
     parser.add_argument("--socket", required=True)
-    parser.add_argument("--config", required=True, help="the model's declaration, as JSON")
     parser.add_argument("--parent-pid", type=int, default=None)
-    parser.add_argument("--failed-load", default=None, help="a previous host's load failure, as JSON")
     args = parser.parse_args(argv)
     _die_with_parent(args.parent_pid)
-    config = parse_model(json.loads(args.config))
+    declaration = _read_declaration()
+    config = parse_model(declaration["config"])
+    failed_load = declaration.get("failed_load")
     emit = _event_writer()
     _limit_memory(config.max_memory_mb)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -524,9 +543,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         os.environ["CUDA_VISIBLE_DEVICES"] = str(config.gpu_index)
     host = ModelHost(config, args.socket, emit)
-    if args.failed_load:
+    if failed_load:
         # The previous host died while loading: answer with that error for load_retry_s.
-        host.state, host.error, host.failed_at = "failed", json.loads(args.failed_load), time.monotonic()
+        host.state, host.error, host.failed_at = "failed", failed_load, time.monotonic()
     host.serve_forever()
     return 0
 

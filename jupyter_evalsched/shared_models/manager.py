@@ -295,12 +295,12 @@ class ModelHostManager:
         args = [
             sys.executable, "-m", "jupyter_evalsched.shared_models.host",
             "--socket", host.socket_path,
-            "--config", json.dumps(host.config.as_dict()),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
-        if host.inherited_failure is not None:
-            args += ["--failed-load", json.dumps(host.inherited_failure)]
-            host.inherited_failure = None
+        # The declaration (its options may hold a hub token) goes through the host's stdin, a pipe
+        # only the host inherits: never argv or the environment, which every user can read in /proc.
+        declaration = json.dumps({"config": host.config.as_dict(), "failed_load": host.inherited_failure})
+        host.inherited_failure = None
         try:
             fd = open_log(Path(self.log_path(host.config.name)))
         except RunFileError as exc:  # not a regular file: the host's stderr goes nowhere rather than block
@@ -311,12 +311,13 @@ class ModelHostManager:
             # PR_SET_PDEATHSIG fires when the forking thread exits.
             host.proc = await asyncio.create_subprocess_exec(
                 *args,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_file,
                 env=self._host_env(),
                 start_new_session=True,
             )
+        await self._send_declaration(host.proc, declaration.encode())
         host.ready = asyncio.Event()
         host.started_at = time.monotonic()
         host.starts += 1
@@ -324,6 +325,22 @@ class ModelHostManager:
             host.state = "not_loaded"
         self.log.info("shared model %s: host started (pid %d)", host.config.name, host.proc.pid)
         host.watcher = asyncio.get_running_loop().create_task(self._watch(host, host.proc))
+
+    async def _send_declaration(self, proc: asyncio.subprocess.Process, data: bytes) -> None:
+        """Write the declaration to the host's stdin and close it (the host reads to EOF). A host
+        that died meanwhile is the watcher's to report; one that does not read in time is killed."""
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(data)
+            await asyncio.wait_for(proc.stdin.drain(), self.start_timeout_s)
+        except (OSError, TimeoutError):  # BrokenPipeError, ConnectionResetError: it exited
+            if proc.returncode is None:
+                try:
+                    proc.kill()
+                except ProcessLookupError:
+                    pass
+        finally:
+            proc.stdin.close()
 
     async def _watch(self, host: _Host, proc: asyncio.subprocess.Process) -> None:
         """Follow a host's events until it exits, then record the death and schedule a restart."""

@@ -79,6 +79,7 @@ class LocalExecutor(Executor):
                     preload=list(config.preload_modules),
                     max_zygotes=config.max_zygotes,
                     idle_s=config.zygote_idle_s,
+                    start_timeout_s=config.zygote_start_timeout_s,
                     python=self.python,
                 ),
                 self.launcher.zygote_exited,
