@@ -20,7 +20,6 @@ from waiting import async_wait_until
 
 from jupyter_evalsched.scheduler.gpus import NvmlProbe
 
-
 # Unmanaged VRAM, observed peaks and enforcement of runs, leases charged max(lease, observed),
 # kernels named by their notebook.
 test_a_run_over_its_declaration_is_observed_and_warned_about = (
