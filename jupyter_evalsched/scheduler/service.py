@@ -26,11 +26,12 @@ from .. import contract
 from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, TERMINAL_STATES
 from ..schemas import EvalSpec, LeaseRequest, utcnow_iso
 from ..store import FoundRun, RunFileError, RunStore, StoreError
-from . import attempts, compare, policy
+from . import attempts, policy
 from .admission import Admission
 from .cgroups import Cgroups
+from .comparisons import Comparisons
 from .config import SchedulerConfig
-from .errors import Busy, SpecRejected, StateConflict, TooLarge, Unavailable, UnknownRun
+from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
 from .executors import Executor, ExecutorContext
 from .executors.local import LocalExecutor
 from .gpus import GpuProbe
@@ -86,10 +87,7 @@ class Scheduler:
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
         # Comparisons read whole episode logs: on their own small pool, never the default one that
         # serves the plain reads of run files (GET /runs/{id}), and a bounded number at once.
-        self._compare_pool = ThreadPoolExecutor(
-            max_workers=compare.COMPARE_THREADS, thread_name_prefix="evalsched-compare"
-        )
-        self._compares = 0  # comparisons admitted and not answered yet (event loop only)
+        self.comparisons = Comparisons(self.table, self.store)
         self._tasks: list[asyncio.Future[None]] = []
         self._budgets: list[DeviceBudget] = []
         self._queue_cache: tuple[int, bytes, float] | None = None
@@ -177,7 +175,7 @@ class Scheduler:
         self.table.flush_writes()  # the terminal records still waiting (a large cascade's)
         self._started = False
         self._io.shutdown(wait=True)
-        self._compare_pool.shutdown(wait=False, cancel_futures=True)
+        self.comparisons.close()
 
     def _compute_budgets(self) -> list[DeviceBudget]:
         return device_budgets(
@@ -457,77 +455,10 @@ class Scheduler:
             await executor.cancel(run)
         return run.record
 
-    def compare_inputs(self, run_ids: list[str] | None, sweep_id: str | None, baseline: str | None) -> list[Run]:
-        """The runs a comparison is about, checked (unknown ids: 404; too many, or a baseline
-        that is not among them: 422)."""
-        if (run_ids is None) == (sweep_id is None):
-            raise SpecRejected("name the runs to compare: ?runs=a,b,c or ?sweep=ID (one of them)")
-        runs = (
-            self.sweep_runs(sweep_id) if sweep_id is not None else [self.get(r) for r in dict.fromkeys(run_ids or [])]
-        )
-        if not runs:
-            raise SpecRejected("no runs to compare")
-        if len(runs) > compare.MAX_COMPARE_RUNS:
-            raise SpecRejected(f"{len(runs)} runs; at most {compare.MAX_COMPARE_RUNS} are compared at once")
-        if baseline is not None and baseline not in {r.id for r in runs}:
-            raise SpecRejected(f"the baseline {baseline!r} is not one of the compared runs")
-        return runs
-
     async def compare(self, run_ids: list[str] | None, sweep_id: str | None, baseline: str | None) -> dict[str, Any]:
-        """``GET /evalsched/compare``: the inputs checked here, the work on the comparison pool.
-        More than MAX_CONCURRENT_COMPARES at once: Busy (429); a comparison past COMPARE_TIMEOUT_S
-        (its wait for a thread included): Unavailable (503); one that would hold more than
-        MAX_COMPARE_VALUES values: TooLarge (413)."""
-        runs = self.compare_inputs(run_ids, sweep_id, baseline)
-        if self._compares >= compare.MAX_CONCURRENT_COMPARES:
-            raise Busy(
-                f"{self._compares} comparisons are under way; at most {compare.MAX_CONCURRENT_COMPARES} "
-                "run at once: retry in a moment"
-            )
-        deadline = time.monotonic() + compare.COMPARE_TIMEOUT_S
-        self._compares += 1
-        try:
-            return await self._require_loop().run_in_executor(
-                self._compare_pool, self.compare_runs, runs, baseline, deadline
-            )
-        finally:
-            self._compares -= 1
-
-    def compare_runs(self, runs: list[Run], baseline: str | None, deadline: float | None = None) -> dict[str, Any]:
-        """The comparison (blocking: it reads every run's spec and episodes; a thread's work).
-        Past ``deadline`` (time.monotonic()), Unavailable; more than MAX_COMPARE_VALUES episode
-        values in all, TooLarge."""
-        data = []
-        problems: dict[str, str] = {}
-        values = 0
-        for run in runs:
-            if deadline is not None and time.monotonic() > deadline:
-                raise Unavailable(
-                    f"the comparison took more than {compare.COMPARE_TIMEOUT_S:g} s "
-                    "(COMPARE_TIMEOUT_S, waiting for a thread included); compare fewer runs, or retry"
-                )
-            record = dict(run.record)
-            try:
-                record["params"] = self.table.full_spec(run).get("params") or {}
-            except RunFileError as exc:
-                record["params"] = {}
-                problems[run.id] = str(exc)
-            try:
-                episodes = compare.episode_metrics(self.store.episodes(run.id))
-            except RunFileError as exc:
-                episodes = {}
-                problems[run.id] = str(exc)
-            values += sum(len(v) for v in episodes.values())
-            if values > compare.MAX_COMPARE_VALUES:
-                raise TooLarge(
-                    f"the runs hold more than {compare.MAX_COMPARE_VALUES} episode metric values "
-                    "(MAX_COMPARE_VALUES); compare fewer runs"
-                )
-            data.append((record, episodes))
-        result = compare.compare(data, baseline)
-        for row in result["rows"]:
-            row["error"] = problems.get(row["id"])
-        return result
+        """``GET /evalsched/compare`` (``Comparisons.compare``)."""
+        runs = self.comparisons.inputs(run_ids, sweep_id, baseline, self.sweep_runs, self.get)
+        return await self.comparisons.compare(runs, baseline, self._require_loop())
 
     def delete(self, run_id: str) -> None:
         if run_id in self.broken and run_id not in self.table:
