@@ -8,7 +8,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jupyter_evalsched import contract, models
+from jupyter_evalsched import contract, schemas
 from jupyter_evalsched.contract import Holder, Why
 from jupyter_evalsched.scheduler.policy import (
     Capacity,
@@ -589,7 +589,7 @@ def test_every_waiting_jobs_reason_is_its_why_and_its_holders_hold_what_it_needs
         assert d.waiting[job_id] == contract.reason(why.code, why.detail, arg=why.arg, limit=10_000)
         data = json.loads(json.dumps(why.as_dict()))
         assert Why.from_dict(data) == why
-        assert models.Why.model_validate(data).model_dump() == data
+        assert schemas.Why.model_validate(data).model_dump() == data
         for holder in why.holders:
             assert holder.kind in contract.HOLDER_KINDS
             if why.code == "reserved_for":
