@@ -33,6 +33,7 @@ describe('chartData', () => {
       {
         params: ['skill', 'label'],
         metrics: ['acc'],
+        metrics_dropped: 0,
         baseline: 'a',
         rows: [
           row('a', { skill: 0.3, label: 'x' }, 0.5),
@@ -61,6 +62,7 @@ describe('chartData', () => {
       {
         params: ['model'],
         metrics: ['acc'],
+        metrics_dropped: 0,
         baseline: null,
         rows: [row('a', { model: 'small' }, 1), row('b', { model: 'big' }, 2)]
       },
@@ -69,7 +71,13 @@ describe('chartData', () => {
     expect(categorical.numeric).toBe(false);
     expect(categorical.categories).toEqual(['small', 'big']);
     const runs = chartData(
-      { params: [], metrics: ['acc'], baseline: null, rows: [row('a', {}, 1)] },
+      {
+        params: [],
+        metrics: ['acc'],
+        metrics_dropped: 0,
+        baseline: null,
+        rows: [row('a', {}, 1)]
+      },
       'acc'
     );
     expect(runs.xParam).toBeNull();
