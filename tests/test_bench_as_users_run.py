@@ -1,0 +1,57 @@
+"""bench/bench_as_users_run.py is a script, not a test: this checks only that it starts (its
+``--help``) and that its pure helpers (quantiles, the verdict table, the README table) say what
+the figures say. The bench itself is run by hand (``--quick`` to check that it works)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_as_users_run
+
+        yield bench_as_users_run
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_help_runs():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_as_users_run.py"), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--rounds", "--quick", "--markdown", "--parts"):
+        assert option in proc.stdout
+
+
+def test_quantiles(bench):
+    xs = [float(x) for x in range(1, 101)]  # 1..100
+    assert bench.pct(xs, 0.5) == 51.0
+    assert bench.pct(xs, 0.9) == 91.0
+    assert bench.pct(xs, 0.99) == 100.0
+    assert bench.pct([3.0, 1.0, 2.0], 0.0) == 1.0
+    assert bench.med([3.0, 1.0, 2.0, 10.0]) == 2.5
+
+
+def test_tables_say_pass_miss_and_reference(bench):
+    rows = [
+        bench.Target("1. a ratio", "0.40x", "tsp 10 ms", "<= 0.6x", True),
+        bench.Target("2. a makespan", "0.90x", "tsp 1 s", "<= 0.8x", False),
+        bench.Target("3. a reference", "7 ms", "as above", "(reference)", None),
+    ]
+    lines = bench.target_table(rows).splitlines()
+    assert lines[0].startswith("target") and lines[0].endswith("verdict")
+    assert [line.split()[-1] for line in lines[1:]] == ["PASS", "MISS", "-"]
+    md = bench.markdown_table(rows, "Linux, 2 CPUs; default server: cgroups hybrid").splitlines()
+    assert "cgroups hybrid" in md[0]
+    assert md[4] == "| 1. a ratio | 0.40x | tsp 10 ms | <= 0.6x | PASS |"
+    assert md[5].endswith("| MISS |") and md[6].endswith("| - |")
