@@ -308,7 +308,7 @@ class Tsp:
 
     def run(self, *args: str) -> str:
         proc = subprocess.run(["tsp", *args], env=self.env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        if proc.returncode != 0 and args[:1] != ("-w",):
+        if proc.returncode != 0:  # for -w, the job's own exit code: a no-op job that failed
             raise BenchFailure(f"tsp {' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()}")
         return proc.stdout
 
@@ -481,6 +481,13 @@ def filesystem_of(path: Path) -> str:
     except OSError:
         pass
     return f"{best[2]} ({best[0]} on {best[1]})"
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
 
 def fsync_default() -> str:
@@ -745,7 +752,10 @@ def main() -> int:
         nocg = start_server("cgroups off", root / "runs-nocg", cgroups=False)
         servers.append(nocg)
         print("configuration")
-        print(f"   host: Linux {platform.release()}, {os.cpu_count()} CPUs, python {platform.python_version()}")
+        print(
+            f"   host: Linux {platform.release()}, {os.cpu_count()} CPUs, python {platform.python_version()};"
+            f" load average {loadavg()} (other work on the host moves every figure; tsp's chain of wake-ups most)"
+        )
         print(
             f"   runs directories in {root}: {filesystem_of(root)}; a new file costs {create_cost(root) * 1000:.3f} ms"
         )
@@ -987,7 +997,7 @@ def main() -> int:
                     ch_rate / q_rate >= 0.6,
                 ),
             ]
-        print(f"(all parts: {time.monotonic() - t_begin:.0f} s)\n")
+        print(f"(all parts: {time.monotonic() - t_begin:.0f} s; load average now {loadavg()})\n")
     except BenchFailure as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         for srv in servers:
