@@ -145,7 +145,8 @@ async def test_a_retried_sweep_submission_answers_with_the_same_runs(api, jp_fet
     assert second["id"] == first["id"] and [r["id"] for r in second["runs"]] == [r["id"] for r in first["runs"]]
 
 
-# t(0.975, 5), from a printed table.
+# t(0.975, 4) and t(0.975, 5), from a printed table.
+T975_DF4 = 2.7764451051977987
 T975_DF5 = 2.5705818366147395
 
 
@@ -195,22 +196,25 @@ async def test_compare_a_sweep_matches_its_episodes(api, wait_for, runs_dir):
 
 
 async def test_compare_pairs_only_the_episodes_both_runs_have(api, wait_for, runs_dir):
-    full = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 1.0}))
-    short = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 3.0, "fail_at": 5}))
+    full = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 1.0, "slope": 0.0}))
+    short = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 3.0, "slope": 0.1, "fail_at": 5}))
     assert (await wait_for(full["id"]))["state"] == "succeeded"
     assert (await wait_for(short["id"]))["state"] == "failed"
     code, cmp = await api("GET", "compare", params={"runs": f"{full['id']},{short['id']}"})
     assert code == 200, cmp
-    assert cmp["params"] == ["base", "fail_at"] and cmp["baseline"] == full["id"]
+    assert cmp["params"] == ["base", "slope", "fail_at"] and cmp["baseline"] == full["id"]
     row = cmp["rows"][1]
-    assert row["params"] == {"base": 3.0, "fail_at": 5}
+    assert row["params"] == {"base": 3.0, "slope": 0.1, "fail_at": 5}
     assert row["metrics"]["score"]["count"] == 5 and row["delta"]["score"]["paired"] == 5
     a, b = episodes_of(runs_dir, full["id"]), episodes_of(runs_dir, short["id"])
     diffs = [b[i]["score"] - a[i]["score"] for i in sorted(b)]
-    assert row["delta"]["score"]["mean"] == pytest.approx(mean(diffs)) == pytest.approx(2.0)
+    # 2 + 0.1 * i**2 over i = 0..4: the pairs spread, so the interval (t with 4 degrees) has width
+    assert row["delta"]["score"]["mean"] == pytest.approx(mean(diffs)) == pytest.approx(2.6)
+    half = T975_DF4 * stderr(diffs)
+    assert half > 0.5
+    assert row["delta"]["score"]["ci95"] == pytest.approx([2.6 - half, 2.6 + half], abs=1e-9)
     assert cmp["rows"][0]["delta"]["score"] == {"mean": 0.0, "ci95": [0.0, 0.0], "paired": 8}
-    assert cmp["rows"][1]["params"] == {"base": 3.0, "fail_at": 5}
-    assert cmp["rows"][0]["params"] == {"base": 1.0, "fail_at": None}
+    assert cmp["rows"][0]["params"] == {"base": 1.0, "slope": 0.0, "fail_at": None}
 
 
 async def test_compare_refuses_what_it_cannot_answer(api):
