@@ -53,3 +53,48 @@ def hog(ctx, index):
         chunks.append(bytearray(1024 * 1024))
         chunks[-1][::4096] = b"x" * len(chunks[-1][::4096])
     return {"mb": len(chunks)}
+
+
+def leave(ctx, index):
+    """Leave the run's cgroup: write this process's pid to each file of ``params["procs"]`` (the
+    server's own cgroup.procs, one per hierarchy), then fork a child that calls setsid() and a
+    grandchild that is orphaned (its parent exits) and calls setsid(); both sleep. Write
+    ``{"run": pid, "child": pid, "orphan": pid, "left": [files written]}`` to
+    ``params["pid_file"]``, then sleep until cancelled."""
+    import json
+
+    left = []
+    for procs in ctx.params["procs"]:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+        left.append(procs)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read_end)
+        os.setsid()
+        os.write(write_end, f"{os.getpid()}\n".encode())
+        time.sleep(300)
+        os._exit(0)
+    middle = os.fork()
+    if middle == 0:
+        os.close(read_end)
+        orphan = os.fork()
+        if orphan == 0:
+            os.setsid()
+            os.write(write_end, f"{os.getpid()}\n".encode())
+            time.sleep(300)
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(middle, 0)
+    pids = []
+    with os.fdopen(read_end) as f:
+        while len(pids) < 2:
+            pids.append(int(f.readline()))
+    child_pid = child
+    orphan_pid = next(p for p in pids if p != child)
+    with open(ctx.params["pid_file"] + ".tmp", "w") as f:
+        json.dump({"run": os.getpid(), "child": child_pid, "orphan": orphan_pid, "left": left}, f)
+    os.replace(ctx.params["pid_file"] + ".tmp", ctx.params["pid_file"])
+    time.sleep(300)
+    return {}

@@ -17,6 +17,7 @@ from jupyter_evalsched.client import LocalServer
 from jupyter_evalsched.examples.basic import _unit_float
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+GATE = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:gate"
 FAST = [
     "--EvalSchedApp.cancel_grace_s=2.0",
     "--EvalSchedApp.reconcile_interval_s=0.5",
@@ -114,39 +115,45 @@ def test_without_auto_resume_the_run_is_aborted_and_resumable(tmp_path):
 
 
 def test_a_detached_run_survives_sigkill_of_the_server_and_is_reattached(tmp_path):
-    # Long enough (about 8 s) that it usually still runs when the restarted server looks; when
-    # it does not, the run's own _DONE is its verdict (the other path of recovery).
-    EPISODES = 80
+    # The run waits on a file the test writes only after the restart: it is certainly still
+    # running when the restarted server looks, so the server must re-attach it to pass.
     runs = tmp_path / "runs"
+    pid_file, gate = tmp_path / "run.pid", tmp_path / "open"
+    body = {
+        "entrypoint": GATE,
+        "episodes": 1,
+        "params": {"pid_file": str(pid_file), "gate": str(gate)},
+        "cwd": "/",  # outlives each server (a server's own root_dir is removed with it)
+        "scheduling": {"marginal_vram_mb": 8000},
+        "detach": True,
+    }
     server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
     try:
         c = server.client()
-        rec = c.submit(sleepy_run(EPISODES, seed=9, detach=True))
+        rec = c.submit(body)
         assert rec["detach"] is True
-        wait_until(lambda: len(lines_of(runs, rec["id"])) >= 2, timeout=30)
-        pid = c.get(rec["id"])["pid"]
+        wait_until(pid_file.exists, timeout=30, message="the detached run never started")
+        pid = int(pid_file.read_text())
+        wait_until(lambda: c.get(rec["id"])["pid"] == pid, timeout=10)
     finally:
         kill_server(server)
-    # It goes on without any server: more episodes finish after the kill.
-    at_kill = len(lines_of(runs, rec["id"]))
-    wait_until(lambda: len(lines_of(runs, rec["id"])) > at_kill + 2, timeout=30, message="the detached run stopped")
-    assert alive(pid)
+    assert alive(pid)  # it goes on without any server
 
     restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
     try:
         c = restarted.client()
         rec2 = c.get(rec["id"])
-        if rec2["state"] == "running":  # re-attached while it runs: it holds its VRAM meanwhile
-            assert rec2["pid"] == pid
-            ledger = c.ledger()
-            # (It may end meanwhile: still running after the ledger was read means it was then.)
-            if c.get(rec["id"])["state"] == "running":
-                assert {"id": rec["id"], "marginal_vram_mb": 8000} in ledger["devices"][0]["runs"], ledger
+        # Re-attached: running, its pid followed, its VRAM held in the ledger.
+        assert rec2["state"] == "running" and rec2["pid"] == pid and rec2["attempt"] == 1, rec2
+        assert alive(pid)
+        ledger = c.ledger()
+        assert {"id": rec["id"], "marginal_vram_mb": 8000} in ledger["devices"][0]["runs"], ledger
+        gate.touch()  # released: it ends, and the server that follows it records its verdict
         final = wait_until(lambda: settled(c, rec["id"]), timeout=60)
-        assert final["state"] == "succeeded" and final["attempt"] == 1, final
-        assert sorted(e["index"] for e in lines_of(runs, rec["id"])) == list(range(EPISODES))
-        # It may have ended during the restart: judged by its _DONE, written just before it exits.
+        assert final["state"] == "succeeded" and final["attempt"] == 1 and final["history"] == [], final
+        assert final["summary"]["episodes_done"] == 1, final["summary"]
         wait_until(lambda: not alive(pid), timeout=5, message="the detached run outlived its _DONE")
+        assert (runs / rec["id"] / "_DONE").exists()
         assert c.ledger()["devices"][0]["runs"] == []
     finally:
         restarted.cleanup()

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -150,6 +151,71 @@ async def test_cancel_leaves_nothing_of_a_run_that_escaped_its_session(api, tmp_
     final = await wait_for(rec["id"])
     assert final["state"] == "cancelled"
     await async_wait_until(lambda: gone(grandchild), timeout=5)
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["warm", "cold"])
+async def test_a_run_that_leaves_its_cgroup_is_still_attributed_and_ended_by_cancel(
+    api, tmp_path, wait_for, evalsched, plant_gpu_processes, fresh
+):
+    """A run has the server's uid: it can write its pid into the server's own cgroup.procs (where
+    no cgroup namespace stops it on this host), then start a child (setsid) and an orphaned
+    grandchild (setsid, its parent gone) outside every process group of the run. Their VRAM is
+    still the run's (by ancestry, and by the run's environment), and cancel ends all three."""
+    code, status = await api("GET", "status")
+    parents = status["cgroups"]["parents"]
+    procs = [os.path.join(os.path.dirname(ns_dir), "cgroup.procs") for ns_dir in parents.values()]
+    pid_file = tmp_path / "left.json"
+    body = {
+        "entrypoint": f"{EVALS}:leave",
+        "params": {"procs": procs, "pid_file": str(pid_file)},
+        "cwd": str(tmp_path),
+        "scheduling": {"marginal_vram_mb": 8000},
+        "fresh_interpreter": fresh,
+    }
+    rec = await submit(api, body)
+    await async_wait_until(pid_file.exists, timeout=15)
+    assert (await record(api, rec["id"]))["start"] == ("cold" if fresh else "warm")
+    left = json.loads(pid_file.read_text())
+    assert left["left"] == procs
+    run_pid, child, orphan = left["run"], left["child"], left["orphan"]
+    cgroup = evalsched.executors["local"].cgroups.existing(rec["id"])
+    assert cgroup is not None and not cgroup.pids() & {run_pid, child, orphan}  # out of the run's cgroup
+    assert psutil.Process(orphan).ppid() != run_pid and os.getsid(orphan) != os.getsid(run_pid)
+    assert os.getsid(child) != os.getsid(run_pid)
+    gpu = (await record(api, rec["id"]))["devices"][0]
+    plant_gpu_processes([{"pid": child, "gpu": gpu, "used_mb": 3000}, {"pid": orphan, "gpu": gpu, "used_mb": 4000}])
+    rec = await until(api, rec["id"], lambda r: (r["observed"] or {}).get("peak_vram_mb", {}).get(str(gpu)) == 7000)
+    code, ledger = await api("GET", "ledger")
+    dev = ledger["devices"][gpu]
+    assert (dev["allocated_mb"], dev["unmanaged_mb"]) == (8000, 0), dev  # the run's, not nobody's
+    code, _ = await api("POST", f"runs/{rec['id']}/cancel")
+    assert code == 200
+    final = await wait_for(rec["id"])
+    assert final["state"] == "cancelled", final
+    for pid in (run_pid, child, orphan):
+        await async_wait_until(lambda pid=pid: gone(pid), timeout=5, message=f"process {pid} of the run outlived it")
+
+
+def test_a_process_is_a_runs_by_its_environment_only_under_the_servers_uid():
+    from jupyter_evalsched.scheduler.observation import run_of_environment
+
+    run_id = "20260101T000000.000000-abcdef"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "EVALSCHED_RUN_ID": run_id}
+    ours = subprocess.Popen(["sleep", "60"], env=env)
+    others = None
+    if os.getuid() == 0:  # another user's process naming our run is not believed
+        others = subprocess.Popen(["sleep", "60"], env=env, user=65534)
+    try:
+        assert run_of_environment(ours.pid, {run_id: None}) == run_id
+        assert run_of_environment(ours.pid, {"20260101T000000.000000-000000": None}) is None
+        if others is not None:
+            assert run_of_environment(others.pid, {run_id: None}) is None
+        assert run_of_environment(os.getpid(), {run_id: None}) is None  # no such variable
+    finally:
+        for proc in (ours, others):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
 
 async def test_a_run_over_its_memory_limit_fails_with_oom(api, wait_for):

@@ -45,24 +45,33 @@ def test_sweep_flags_parse_grids_and_points():
 
 def test_python_sweep_wait_compare_and_plot(client, clean_queue, capsys):
     spec = {"entrypoint": SCORED, "episodes": 4, "params": {"base": 0.0}, "name": "py"}
-    sweep = jupyter_evalsched.sweep(spec, {"base": [0.0, 1.0], "k": [1, 2]}, client=client)
+    sweep = jupyter_evalsched.sweep(spec, {"base": [0.0, 1.0], "slope": [0.0, 0.5]}, client=client)
     assert isinstance(sweep, SweepHandle) and len(sweep.runs) == 4
     view = sweep.wait(timeout=60)
     assert view["counts"] == {"succeeded": 4}
     err = capsys.readouterr().err
     assert "sweep py (4 runs)" in err and "16/16" in err  # one progress bar for the sweep
     table = sweep.compare()
-    assert table.params == ["base", "k"] and list(table.index) == [r.id for r in sweep.runs]
+    assert table.params == ["base", "slope"] and list(table.index) == [r.id for r in sweep.runs]
     assert table["score_paired"].tolist() == [4, 4, 4, 4]
-    assert table["score_delta"].tolist() == pytest.approx([0.0, 0.0, 1.0, 1.0])
+    # slope 0.5 adds 0.5 * i**2 to episode i: 1.75 on average over i = 0..3
+    assert table["score_delta"].tolist() == pytest.approx([0.0, 1.75, 1.0, 2.75])
     assert table.loc[sweep.runs[2].id, "score"] - table.loc[sweep.runs[0].id, "score"] == pytest.approx(1.0)
     same = jupyter_evalsched.compare([r.id for r in sweep.runs[:2]], baseline=sweep.runs[1].id, client=client)
-    assert same.baseline == sweep.runs[1].id and same.params == ["k"]
+    assert same.baseline == sweep.runs[1].id and same.params == ["slope"]
     import matplotlib
 
     matplotlib.use("Agg")
     ax = table.plot("score", x="base")
-    assert len(ax.lines) + len(ax.containers) >= 2  # one line per value of k
+    # One line per value of slope (an errorbar container each), each through that slope's runs in
+    # the order of base: a single line for everything, or points in the wrong line, fails.
+    assert len(ax.containers) == 2, ax.containers
+    for container, slope, runs in zip(ax.containers, [0.0, 0.5], [(0, 2), (1, 3)], strict=True):
+        line = container.lines[0]
+        ids = [sweep.runs[i].id for i in runs]  # the points (base, slope): base 0.0, then 1.0
+        assert container.get_label() == f"slope={slope}"
+        assert list(line.get_xdata()) == [0.0, 1.0]
+        assert list(line.get_ydata()) == pytest.approx([table.loc[i, "score"] for i in ids])
     assert ax.get_xlabel() == "base"
     with pytest.raises(KeyError):
         table.plot("nope")

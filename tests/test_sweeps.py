@@ -145,6 +145,11 @@ async def test_a_retried_sweep_submission_answers_with_the_same_runs(api, jp_fet
     assert second["id"] == first["id"] and [r["id"] for r in second["runs"]] == [r["id"] for r in first["runs"]]
 
 
+# t(0.975, 4) and t(0.975, 5), from a printed table.
+T975_DF4 = 2.7764451051977987
+T975_DF5 = 2.5705818366147395
+
+
 def mean(xs):
     return math.fsum(xs) / len(xs)
 
@@ -155,17 +160,20 @@ def stderr(xs):
 
 
 async def test_compare_a_sweep_matches_its_episodes(api, wait_for, runs_dir):
+    # Two slopes: a run's paired differences against a baseline of the other slope spread from
+    # episode to episode, so its 95 % interval has width and is checked against the t table.
     body = spec(entry=SCORED, episodes=6, params={"label": "same"})
-    body["sweep"] = {"base": [0.0, 0.5, 2.0], "k": [1, 2]}
+    body["sweep"] = {"base": [0.0, 0.5, 2.0], "slope": [0.0, 0.25]}
     made = await sweep(api, body)
     for run in made["runs"]:
         assert (await wait_for(run["id"]))["state"] == "succeeded"
-    baseline = made["runs"][1]["id"]
+    baseline = made["runs"][1]["id"]  # base 0.0, slope 0.25
     code, cmp = await api("GET", "compare", params={"sweep": made["id"], "baseline": baseline})
     assert code == 200, cmp
-    assert cmp["params"] == ["base", "k"] and cmp["baseline"] == baseline
+    assert cmp["params"] == ["base", "slope"] and cmp["baseline"] == baseline
     assert cmp["metrics"] == ["score", "step"]
     base_eps = episodes_of(runs_dir, baseline)
+    widths = []
     for row, run in zip(cmp["rows"], made["runs"], strict=True):
         assert row["id"] == run["id"] and row["params"] == run["sweep_point"]
         eps = episodes_of(runs_dir, run["id"])
@@ -177,28 +185,36 @@ async def test_compare_a_sweep_matches_its_episodes(api, wait_for, runs_dir):
         diffs = [eps[i]["score"] - base_eps[i]["score"] for i in sorted(eps)]
         delta = row["delta"]["score"]
         assert delta["paired"] == 6 and delta["mean"] == pytest.approx(mean(diffs), abs=1e-12)
-        half = 2.5705818366147395 * (stderr(diffs) if any(abs(d - diffs[0]) > 1e-12 for d in diffs) else 0.0)
+        half = T975_DF5 * stderr(diffs)  # t(0.975, 5) from a printed table, not from the code
         assert delta["ci95"] == pytest.approx([mean(diffs) - half, mean(diffs) + half], abs=1e-9)
+        widths.append((run["sweep_point"]["slope"], delta["ci95"][1] - delta["ci95"][0]))
         assert row["wall_s"] is not None and row["wall_s"] >= 0
+    # The other slope's rows have spread (1.96 for t, or n for sqrt(n), would fail them); the
+    # baseline's own slope pairs to a constant difference: no width.
+    assert all(width > 1.0 for slope, width in widths if slope == 0.0), widths
+    assert all(width == pytest.approx(0.0, abs=1e-9) for slope, width in widths if slope == 0.25), widths
 
 
 async def test_compare_pairs_only_the_episodes_both_runs_have(api, wait_for, runs_dir):
-    full = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 1.0}))
-    short = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 3.0, "fail_at": 5}))
+    full = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 1.0, "slope": 0.0}))
+    short = await submit(api, spec(entry=SCORED, episodes=8, params={"base": 3.0, "slope": 0.1, "fail_at": 5}))
     assert (await wait_for(full["id"]))["state"] == "succeeded"
     assert (await wait_for(short["id"]))["state"] == "failed"
     code, cmp = await api("GET", "compare", params={"runs": f"{full['id']},{short['id']}"})
     assert code == 200, cmp
-    assert cmp["params"] == ["base", "fail_at"] and cmp["baseline"] == full["id"]
+    assert cmp["params"] == ["base", "slope", "fail_at"] and cmp["baseline"] == full["id"]
     row = cmp["rows"][1]
-    assert row["params"] == {"base": 3.0, "fail_at": 5}
+    assert row["params"] == {"base": 3.0, "slope": 0.1, "fail_at": 5}
     assert row["metrics"]["score"]["count"] == 5 and row["delta"]["score"]["paired"] == 5
     a, b = episodes_of(runs_dir, full["id"]), episodes_of(runs_dir, short["id"])
     diffs = [b[i]["score"] - a[i]["score"] for i in sorted(b)]
-    assert row["delta"]["score"]["mean"] == pytest.approx(mean(diffs)) == pytest.approx(2.0)
+    # 2 + 0.1 * i**2 over i = 0..4: the pairs spread, so the interval (t with 4 degrees) has width
+    assert row["delta"]["score"]["mean"] == pytest.approx(mean(diffs)) == pytest.approx(2.6)
+    half = T975_DF4 * stderr(diffs)
+    assert half > 0.5
+    assert row["delta"]["score"]["ci95"] == pytest.approx([2.6 - half, 2.6 + half], abs=1e-9)
     assert cmp["rows"][0]["delta"]["score"] == {"mean": 0.0, "ci95": [0.0, 0.0], "paired": 8}
-    assert cmp["rows"][1]["params"] == {"base": 3.0, "fail_at": 5}
-    assert cmp["rows"][0]["params"] == {"base": 1.0, "fail_at": None}
+    assert cmp["rows"][0]["params"] == {"base": 1.0, "slope": 0.0, "fail_at": None}
 
 
 async def test_compare_refuses_what_it_cannot_answer(api):

@@ -420,15 +420,55 @@ async def test_runs_that_find_no_spare_because_the_zygote_cannot_fork_start_cold
     assert final["start"] == "warm" and fp["tasks"] == 1, final
 
 
+def run_processes(run_id: str) -> list[int]:
+    """Live processes whose environment names the run."""
+    needle = f"EVALSCHED_RUN_ID={run_id}".encode()
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if needle in Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"):
+                found.append(proc.pid)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
 @pytest.mark.parametrize("preload", [[]])
-async def test_cancel_while_the_fork_is_asked_and_timeouts_of_warm_runs(api, wait_for):
+async def test_cancel_while_the_fork_is_asked_and_timeouts_of_warm_runs(api, wait_for, evalsched, monkeypatch):
+    """A cancel while the fork is in flight (the run handed to a spare, its answer not read yet:
+    held here by a hook on the zygote client) withdraws the start: the run ends at once, cancelled
+    before it started and with no pid, the spare that took it is killed, and its late answer is
+    ignored."""
     await ready_zygote(api)
-    # Cancelled at once: the cancel may come before the zygote's answer; it is sent on arrival.
+    zygote = next(z for z in evalsched.executors["local"].zygotes.zygotes if z.state == "ready")
+    held: list[int] = []
+    real_answered = zygote._answered
+
+    def hold(pid: int) -> None:  # the spare answered: the answer waits until the test lets it through
+        zygote.loop.remove_reader(zygote._asked[pid].sock.fileno())
+        held.append(pid)
+
+    monkeypatch.setattr(zygote, "_answered", hold)
     rec = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.2))
+    await async_wait_until(lambda: held, timeout=10, message="the spare never answered")
+    spare = held[0]
+    assert spare in zygote._asked and run_processes(rec["id"]) == [spare]  # it became the run
+    code, during = await api("GET", f"runs/{rec['id']}")
+    assert during["state"] in ("queued", "running") and during["pid"] is None, during  # the fork is in flight
     code, _ = await api("POST", f"runs/{rec['id']}/cancel")
     assert code == 200
     final = await wait_for(rec["id"], timeout=10)
-    assert final["state"] == "cancelled", final
+    # The path taken: withdrawn before the start (not a signal to a started run, which would have
+    # its pid and the other reason).
+    assert final["state"] == "cancelled" and final["pid"] is None, final
+    assert final["reason"].startswith("cancelled") and "before it started" in final["reason"], final
+    assert spare not in zygote._asked  # withdrawn from the zygote
+    await async_wait_until(lambda: not alive(spare), timeout=5, message="the spare that took the run lives on")
+    monkeypatch.setattr(zygote, "_answered", real_answered)
+    real_answered(spare)  # its answer, late: nothing to do
+    assert (await api("GET", f"runs/{rec['id']}"))[1]["state"] == "cancelled" and run_processes(rec["id"]) == []
     timed = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.2, timeout_s=0.5))
     final = await wait_for(timed["id"], timeout=10)
     assert final["state"] == "failed" and final["reason"].startswith("timeout") and final["start"] == "warm"

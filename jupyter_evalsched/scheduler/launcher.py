@@ -478,11 +478,12 @@ def _join_cgroup(cgroup: RunCgroup, pid: int) -> None:
 
 
 def clean_up_after(proc: RunProcess) -> None:
-    """Kill whatever the run left behind and remove its cgroup (blocking: a thread's work)."""
+    """Kill whatever the run left behind and remove its cgroup (blocking: a thread's work). The
+    environment is searched even with a cgroup: a process of the run can move itself out of it
+    (it has the server's uid; docs/reference.md, "What the host cannot guarantee")."""
     if proc.cgroup is not None:
         proc.cgroup.remove()
-    else:
-        kill_escaped(proc.run_id, proc.spawned_at)
+    kill_escaped(proc.run_id, proc.spawned_at)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -494,17 +495,19 @@ def _killpg(pgid: int, sig: int) -> None:
 
 def kill_escaped(run_id: str, since: float) -> list[int]:
     """Kill the processes a run left outside its process group (a descendant that called
-    ``setsid``): they still carry ``EVALSCHED_RUN_ID=<run_id>`` in their environment. Only
-    processes started after ``since`` (the run's spawn) are looked at. Best effort, for hosts
-    without cgroups: a process that clears its environment escapes this; the run's cgroup, where
-    there is one, holds every process of the run."""
+    ``setsid``) and outside its cgroup (one that wrote its pid into another cgroup.procs, as the
+    server's uid may): they still carry ``EVALSCHED_RUN_ID=<run_id>`` in their environment. Only
+    processes of the server's uid started after ``since`` (the run's spawn) are looked at. Best
+    effort: a process that both leaves the run's cgroup and clears its environment escapes it."""
     needle = b"EVALSCHED_RUN_ID=" + run_id.encode()
-    me = os.getpid()
+    me, uid = os.getpid(), os.getuid()
     killed = []
-    for p in psutil.process_iter(["create_time"]):
+    for p in psutil.process_iter(["create_time", "uids"]):
         try:
             if p.pid == me or (p.info["create_time"] or 0.0) < since - 1.0:
                 continue
+            if p.info["uids"] is not None and p.info["uids"].real != uid:
+                continue  # not the server's uid: not a process of its runs, whatever it says
             with open(f"/proc/{p.pid}/environ", "rb") as f:
                 if needle not in f.read().split(b"\0"):
                     continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor as ThreadPool
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from .runs import Run, RunTable
 from .shared import SharedModels
 
 log = logging.getLogger("jupyter_evalsched")
+
+RUN_ID_VARIABLE = b"EVALSCHED_RUN_ID="  # in every run's environment (environment.run_environment)
 
 OwnKernels = Callable[[], Awaitable[list[OwnKernel]]]
 
@@ -191,24 +194,54 @@ def sample_host(
     children = _children_map()
     out = HostSample()
     for run_id, target in targets.items():
-        pids = target.pids() if target.cgroup is not None else None
-        if not pids:
-            pids = _tree(target.pid, children)
+        # The cgroup's members and, whatever the cgroup says, every descendant of the run's
+        # process and of those members: a process of the run can move itself out of its cgroup
+        # (it has the server's uid), but not out of its ancestry.
+        pids = target.pids() if target.cgroup is not None else set()
+        for root in {target.pid, *pids}:
+            pids |= _tree(root, children)
         out.run_pids[run_id] = pids
-        out.run_rss_mb[run_id] = _rss_mb(pids)
-        if target.cgroup is not None:
-            peak = target.cgroup.memory_peak_mb()
-            if peak is not None:
-                out.run_memory_peak_mb[run_id] = peak
     for pid in model_pids:
         out.baseline_pids |= _tree(pid, children)
     for lease_id, pid in lease_roots.items():
         out.lease_pids[lease_id] = _tree(pid, children)
+    # A GPU process of none of them that left both (out of its cgroup, orphaned): the run whose
+    # id its environment carries, when it is ours (the server's uid).
+    ours = set().union(out.baseline_pids, *out.run_pids.values(), *out.lease_pids.values())
+    for p in processes:
+        if p.pid not in ours:
+            owner = run_of_environment(p.pid, targets)
+            if owner is not None:
+                out.run_pids[owner] |= _tree(p.pid, children)
+    for run_id, target in targets.items():
+        out.run_rss_mb[run_id] = _rss_mb(out.run_pids[run_id])
+        if target.cgroup is not None:
+            peak = target.cgroup.memory_peak_mb()
+            if peak is not None:
+                out.run_memory_peak_mb[run_id] = peak
     ours = set().union(out.baseline_pids, *out.run_pids.values())
     candidates = {p.pid for p in processes if p.pid not in ours} | set(lease_roots.values())
     if candidates:
         out.kernels = identify(candidates, own_kernels)
     return out
+
+
+def run_of_environment(pid: int, run_ids: Mapping[str, object]) -> str | None:
+    """The run among ``run_ids`` whose ``EVALSCHED_RUN_ID`` the process ``pid`` carries in its
+    environment (every process a run starts inherits it), if the process has this server's uid
+    (another user's process naming one of our runs is not believed)."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return None
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return None
+    for entry in environ.split(b"\0"):
+        if entry.startswith(RUN_ID_VARIABLE):
+            run_id = entry[len(RUN_ID_VARIABLE) :].decode("utf-8", "replace")
+            return run_id if run_id in run_ids else None
+    return None
 
 
 def describe_holder(pid: int, own: list[OwnKernel]) -> tuple[KernelInfo | None, set[int]]:
