@@ -294,8 +294,11 @@ class RunHandler(EvalSchedHandler):
     @authorized
     async def get(self, run_id: str) -> None:
         run = self.scheduler.get(run_id)
+        # The record is taken before the summary is read: a run's last summary is on disk before
+        # it ends, so a record that says it ended never comes with an older summary.
+        record = dict(run.record)
         summary, problem = await self.in_thread(self.scheduler.summary, run.id)
-        body = {**run.record, "summary": summary}
+        body = {**record, "summary": summary}
         if problem:
             body["summary_error"] = problem
         self.send_json(body)
