@@ -52,3 +52,16 @@ async def test_metrics_are_behind_the_servers_authentication(jp_fetch, evalsched
     with pytest.raises(HTTPClientError) as err:
         await jp_fetch("metrics", method="GET", headers={"Authorization": "token not-the-token"})
     assert err.value.code == 403
+
+
+async def test_cpu_slots_used_are_those_a_running_run_holds(api, wait_for, jp_fetch, tmp_path):
+    """Issue #30 (11): ``evalsched_cpu_slots{kind="used"}`` is what the ledger has allocated."""
+    opened = tmp_path / "open"
+    run = await submit(api, spec(entry=GATE, params={"gate": str(opened)}, scheduling={"cpus": 3}))
+    await wait_for(run["id"], states=("running",))
+    during = await scrape(jp_fetch)
+    assert value(during, "evalsched_cpu_slots", kind="used") == 3.0
+    assert value(during, "evalsched_cpu_slots", kind="total") == 8.0
+    opened.touch()
+    assert (await wait_for(run["id"]))["state"] == "succeeded"
+    assert value(await scrape(jp_fetch), "evalsched_cpu_slots", kind="used") == 0.0
