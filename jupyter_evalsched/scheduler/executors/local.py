@@ -379,11 +379,15 @@ class LocalExecutor(Executor):
             return FAILED, contract.reason(
                 contract.SIGNAL, "the run process was killed by a signal", arg=signal_name(code)
             )
-        if code is None:  # an adopted detached run: not our child, its status is not ours to read
+        if code is None:  # not our child (adopted, or ended before this server): no status to read
+            what = (
+                "the detached run process exited"
+                if run.record["detach"]
+                else "the run process exited while no server watched it"
+            )
             return FAILED, contract.reason(
                 contract.EXIT_CODE,
-                "the detached run process exited without finishing (its exit status is known only to the "
-                "server that started it)",
+                f"{what} without finishing (its exit status is known only to the server that started it)",
                 arg="unknown",
             )
         if code == contract.EXIT_STOPPED:
