@@ -121,7 +121,7 @@ async def test_a_run_is_running_only_once_its_process_and_its_record_exist(api, 
 def test_a_server_killed_while_a_run_starts_finds_it_queued(tmp_path, preload_dir):
     runs = tmp_path / "runs"
     args = [
-        '--EvalSchedApp.run_env={"PYTHONPATH": "%s"}' % preload_dir,
+        "--EvalSchedApp.run_env=" + json.dumps({"PYTHONPATH": str(preload_dir)}),
         "--EvalSchedApp.preload_modules=warm_hang",
         "--EvalSchedApp.zygote_start_timeout_s=300",
         "--EvalSchedApp.reconcile_interval_s=0.5",

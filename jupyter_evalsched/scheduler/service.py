@@ -516,9 +516,7 @@ class Scheduler:
         queued = [r.record for r in active if r.starting]
         queued += [run.record for run in self.queued_in_order()]
         queued += [
-            r.record
-            for r in active
-            if r.state == QUEUED and not r.starting and not self.admission.is_queued(r.id)
+            r.record for r in active if r.state == QUEUED and not r.starting and not self.admission.is_queued(r.id)
         ]
         running = [r.record for r in active if r.state == RUNNING]
         return {

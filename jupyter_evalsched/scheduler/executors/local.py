@@ -118,8 +118,15 @@ class LocalExecutor(Executor):
         if run.record["models"] or with_cgroup:
             if run.record["models"]:
                 # The model host may need starting: the run waits for it (resources held), visibly.
-                names = ", ".join(run.record["models"])
-                self.ctx.table.set_reason(run, contract.Why(contract.STARTING, f"waiting for shared models: {names}"))
+                models = run.record["models"]
+                self.ctx.table.set_reason(
+                    run,
+                    contract.Why(
+                        contract.STARTING,
+                        f"waiting for shared models: {', '.join(models)}",
+                        holders=[contract.Holder("model", name, name) for name in models],
+                    ),
+                )
             else:
                 self.ctx.table.changed(run)  # starting: its cgroup is being made
             task = asyncio.ensure_future(self._launch_later(run, with_cgroup))
@@ -216,9 +223,7 @@ class LocalExecutor(Executor):
         if zygote is None:
             self._spawn_cold(run, cwd, env, cgroup, why or "warm_start is off")
             return
-        ctx.table.set_reason(
-            run, contract.Why(contract.STARTING, f"waiting for a warm start from zygote {zygote.pid}")
-        )
+        ctx.table.set_reason(run, contract.Why(contract.STARTING, f"waiting for a warm start from zygote {zygote.pid}"))
         try:
             self.launcher.fork(
                 run.id,
