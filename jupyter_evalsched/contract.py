@@ -56,6 +56,8 @@ OOM = "oom"  # the run's cgroup hit its memory_mb limit and the kernel killed it
 PREEMPTED_BY = "preempted_by"  # preempted_by:<id>: queued again, resumes when there is room
 PREEMPTING = "preempting"  # preempting:<id>: running, told to stop at its next episode boundary
 RETRYING = "retrying"  # queued, waiting out the back-off before an automatic retry
+# queued: admitted (its resources held), its process not started yet (a model host, a cgroup, a zygote)
+STARTING = "starting"
 RUN_FILE = "run_file"  # run_file: _DONE is a FIFO, not a regular file; the server does not open it
 # The reason codes of a failure that ``retry_on`` may name, and its default.
 RETRYABLE_CODES = (EXCEPTION, EXIT_CODE, SIGNAL, OOM, TIMEOUT, OVER_VRAM, MODEL_UNAVAILABLE)

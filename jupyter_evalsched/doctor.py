@@ -3,7 +3,7 @@
 Each check is ``{"name", "status": "ok" | "degraded" | "error", "detail", "fix"}``: one line that
 says what was found, and, when it is not ok, what to do about it. The server's checks describe the
 scheduler as it runs; the same host checks (GPUs, cgroups, the runner's byte code) also run
-without a server, from the CLI.
+without a server, from the CLI, which then also starts a zygote to see whether warm starts work.
 """
 
 from __future__ import annotations
@@ -168,6 +168,64 @@ def warm_start_check(warm: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+# How long the doctor without a server waits for its zygote to be ready (preloads included).
+DOCTOR_ZYGOTE_TIMEOUT_S = 60.0
+
+
+def zygote_check(preload: list[str] | None = None, timeout_s: float = DOCTOR_ZYGOTE_TIMEOUT_S) -> dict[str, Any]:
+    """Without a server: start a zygote as the server would (the runner and ``preload``, by
+    default ``EVALSCHED_PRELOAD``), wait until it is ready, refuses or dies (``timeout_s`` at
+    most), then end it. What ``warm_start_check`` says of it."""
+    import asyncio
+
+    from .runner.zygote import PRELOAD
+    from .scheduler import zygotes
+    from .scheduler.environment import run_environment
+
+    if preload is None:
+        preload = [n.strip() for n in os.environ.get(PRELOAD, "").split(",") if n.strip()]
+
+    async def attempt() -> dict[str, Any]:
+        env = run_environment("", devices=None, parent_pid=os.getpid(), fsync=False)
+        client = zygotes.ZygoteClient(
+            asyncio.get_running_loop(),
+            sys.executable,
+            zygotes.zygote_environment(env),
+            list(preload),
+            lambda *_: None,
+            start_timeout_s=timeout_s,
+        )
+        client.start()
+        try:
+            while client.state == zygotes.STARTING:
+                await asyncio.sleep(0.05)
+            status = client.status()
+            return {
+                "enabled": True,
+                "preload": list(preload),
+                "refused": client.why if client.state == zygotes.REFUSED else None,
+                "held": [client.why] if client.timed_out else [],
+                "dead": client.why if client.state == zygotes.DEAD and not client.timed_out else None,
+                "zygotes": [status],
+            }
+        finally:
+            client.close()
+
+    try:
+        warm = asyncio.run(attempt())
+    except Exception as exc:  # whatever it is, it is this check's finding, not the doctor's end
+        return check("warm_start", ERROR, f"could not start a zygote: {type(exc).__name__}: {exc}")
+    if warm["dead"]:
+        return check(
+            "warm_start",
+            DEGRADED,
+            f"a zygote preloading {', '.join(preload) or 'the runner only'} died before it was ready "
+            f"({warm['dead']}); runs would start cold",
+            "run the preload modules in a plain python to see why they end the interpreter",
+        )
+    return warm_start_check(warm)
+
+
 def host_checks(probe: GpuProbe, cgroups: Cgroups | None) -> list[dict[str, Any]]:
     """What the host offers, whether or not a server runs."""
     return [gpu_check(probe), cgroup_check(cgroups), runner_bytecode_check()]
@@ -236,8 +294,9 @@ def server_checks(app: EvalSchedApp, models: list[dict[str, Any]]) -> list[dict[
     return out
 
 
-def local_checks() -> list[dict[str, Any]]:
-    """The host checks without a server (the CLI, when none can be reached)."""
+def local_checks(zygote: bool = True) -> list[dict[str, Any]]:
+    """The host checks without a server (the CLI, when none can be reached), and a zygote tried
+    (``zygote_check``)."""
     from .scheduler.cgroups import Cgroups
     from .scheduler.gpus import NvmlProbe, VirtualProbe, parse_sizes
 
@@ -249,6 +308,7 @@ def local_checks() -> list[dict[str, Any]]:
     )
     cgroups = Cgroups.detect("auto", namespace=f"evalsched-doctor-{os.getpid()}")
     try:
-        return host_checks(probe, cgroups)
+        checks = host_checks(probe, cgroups)
     finally:
         cgroups.remove_namespace()
+    return [*checks, zygote_check()] if zygote else checks

@@ -213,7 +213,7 @@ class SchedulerCollector:
         slots = view.get("cpu_slots") or {}
         cpu = GaugeMetricFamily("evalsched_cpu_slots", "CPU slots runs may take, and those taken", labels=["kind"])
         cpu.add_metric(["total"], float(slots.get("total") or 0))
-        cpu.add_metric(["used"], float(slots.get("used") or 0))
+        cpu.add_metric(["used"], float(slots.get("allocated") or 0))  # the ledger's word for taken
         yield cpu
         leases = GaugeMetricFamily("evalsched_leases", "Live leases (VRAM held for interactive work)", labels=["state"])
         live = scheduler.leases.live()

@@ -177,8 +177,8 @@ class TestPendingStart:
         assert [z["state"] for z in (await status(api))["warm_start"]["zygotes"]] == ["starting"]
         rec = await submit(api, spec(entry=SLEEPY, episodes=100, sleep_s=0.2))
 
-        async def admitted() -> bool:
-            return (await api("GET", f"runs/{rec['id']}"))[1]["state"] == "running"
+        async def admitted() -> bool:  # queued, starting: waiting for its fork (#30)
+            return ((await api("GET", f"runs/{rec['id']}"))[1]["why"] or {}).get("code") == "starting"
 
         await async_wait_until(admitted, timeout=10, message="the run was not admitted")
         code, _ = await api("POST", f"runs/{rec['id']}/cancel")

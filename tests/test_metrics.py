@@ -18,7 +18,7 @@ async def test_metrics_follow_a_run_through_its_states(api, wait_for, jp_fetch, 
     assert value(before, "evalsched_scheduler_up") == 1.0
     assert value(before, "evalsched_gpu_memory_mb", gpu="0", kind="usable") == 24000.0
     assert value(before, "evalsched_cpu_slots", kind="total") == 8.0
-    # (kind="used" of evalsched_cpu_slots is not checked here: #30 item 11, fixed on its own.)
+    assert value(before, "evalsched_cpu_slots", kind="used") == 0.0
     assert value(before, "evalsched_leases", state="granted") == 0.0
     opened, pid_file = tmp_path / "open", tmp_path / "run.pid"
     run = await submit(api, spec(entry=GATE, vram=6000, params={"gate": str(opened), "pid_file": str(pid_file)}))
@@ -101,3 +101,16 @@ async def test_metrics_are_the_extensions_and_behind_the_servers_authentication(
     answer = await AsyncHTTPClient().fetch(url, raise_error=False, follow_redirects=False)
     assert answer.code in (302, 403), (answer.code, answer.body[:200])
     assert b"evalsched_" not in (answer.body or b"")
+
+
+async def test_cpu_slots_used_are_those_a_running_run_holds(api, wait_for, jp_fetch, tmp_path):
+    """Issue #30 (11): ``evalsched_cpu_slots{kind="used"}`` is what the ledger has allocated."""
+    opened = tmp_path / "open"
+    run = await submit(api, spec(entry=GATE, params={"gate": str(opened)}, scheduling={"cpus": 3}))
+    await wait_for(run["id"], states=("running",))
+    during = await scrape(jp_fetch)
+    assert value(during, "evalsched_cpu_slots", kind="used") == 3.0
+    assert value(during, "evalsched_cpu_slots", kind="total") == 8.0
+    opened.touch()
+    assert (await wait_for(run["id"]))["state"] == "succeeded"
+    assert value(await scrape(jp_fetch), "evalsched_cpu_slots", kind="used") == 0.0

@@ -174,3 +174,23 @@ async def test_recovery_tolerates_garbage(jp_serverapp, runs_dir):
     assert scheduler.counts["total"] == 0
     assert (runs_dir / "broken" / "job.json").read_text() == "{not json"  # left as it was
     assert not (runs_dir / ".staging-20260101T000000.000000-aaaaaa").exists()
+
+
+@pytest.mark.parametrize("detach", [False, True])
+async def test_a_run_that_finalized_unwatched_without_a_verdict_is_judged_by_its_kind(jp_serverapp, runs_dir, detach):
+    """Issue #30 (11): a run found with its ``_DONE`` but no verdict in its summary (no exit status
+    either: it ended while no server watched) fails ``exit_code:unknown``; only a detached run's
+    reason says it was detached."""
+    run_id = "20260101T000000.000000-eeeeee"
+    run = runs_dir / run_id
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    write_run_dir(run, run_id, ended.pid, 1.0, detach=detach)
+    (run / "_DONE").write_text("")
+    await jp_serverapp.extension_manager.start_all_extensions()
+    scheduler = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
+    rec = scheduler.get(run_id).record
+    assert rec["state"] == "failed" and rec["reason"].startswith("exit_code:unknown"), rec
+    assert ("detached" in rec["reason"]) == detach, rec
+    if not detach:
+        assert "while no server watched it" in rec["reason"], rec

@@ -41,7 +41,9 @@ async def test_two_big_runs_share_one_gpu_in_turn(api, wait_for, evalsched, runs
 
     async def b_decided():  # admission has considered b: it waits with a reason
         code, queue = await api("GET", "queue")
-        return queue if code == 200 and any(r["reason"] for r in queue["queued"]) else None
+        # (and a is running: starting, it is listed first among the queued)
+        decided = code == 200 and any(r["reason"] for r in queue["queued"]) and queue["running"]
+        return queue if decided else None
 
     queue = await async_wait_until(b_decided, message="b never got a reason")
     assert [r["id"] for r in queue["queued"]] == [b["id"]]

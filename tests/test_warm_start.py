@@ -357,8 +357,10 @@ async def test_what_a_run_frees_goes_to_the_next_before_its_verdict_is_read(api,
     def listener(event: dict) -> None:
         run = event.get("run") or {}
         if event.get("type") == "run" and run.get("id") == ids.get("a") and run.get("state") == "succeeded":
-            seen["b"] = evalsched.get(ids["b"]).state
-            seen["c"] = evalsched.get(ids["c"]).state
+            b, c = evalsched.get(ids["b"]), evalsched.get(ids["c"])
+            # Admitted: running, or starting (queued until its forked process is there).
+            seen["b"] = "admitted" if b.starting or b.state == "running" else b.state
+            seen["c"] = "admitted" if c.starting or c.state == "running" else c.state
 
     evalsched.subscribe(listener)
     try:
@@ -373,7 +375,7 @@ async def test_what_a_run_frees_goes_to_the_next_before_its_verdict_is_read(api,
     finally:
         evalsched.unsubscribe(listener)
     assert all(f["state"] == "succeeded" for f in finals.values()), finals
-    assert seen == {"b": "running", "c": "queued"}, seen
+    assert seen == {"b": "admitted", "c": "queued"}, seen
     # Its finished_at is when its process was seen gone: before b's start, which came before the
     # verdict was recorded.
     assert finals["a"]["finished_at"] <= finals["b"]["started_at"], finals
@@ -610,11 +612,13 @@ async def test_a_preload_that_never_returns_starts_its_runs_cold_after_the_deadl
     for rec in (waiting, cancelled):
 
         async def admitted(run_id=rec["id"]) -> bool:
-            return (await api("GET", f"runs/{run_id}"))[1]["state"] == "running"
+            return ((await api("GET", f"runs/{run_id}"))[1]["why"] or {}).get("code") == "starting"
 
         await async_wait_until(admitted, timeout=HANG_DEADLINE_S / 3, message="not admitted")
-        code, running = await api("GET", f"runs/{rec['id']}")
-        assert running["pid"] is None and running["start"] is None, running  # waiting for the zygote
+        code, starting = await api("GET", f"runs/{rec['id']}")
+        # Waiting for the zygote: still queued (no process), its reason says so.
+        assert starting["state"] == "queued" and starting["pid"] is None and starting["start"] is None, starting
+        assert starting["reason"].startswith("starting: waiting for a warm start from zygote"), starting
     # A cancel (and then a delete) of a run waiting for the zygote: at once, not at the deadline.
     code, _ = await api("POST", f"runs/{cancelled['id']}/cancel")
     assert code == 200

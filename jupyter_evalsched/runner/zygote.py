@@ -50,6 +50,7 @@ zygote share the zygote's salt (a random one, unless ``PYTHONHASHSEED`` is set).
 from __future__ import annotations
 
 import _signal
+import _weakref
 import gc
 import json
 import os
@@ -326,6 +327,7 @@ def preload(names: list[str]) -> tuple[list[str], list[str], str | None, list[st
     imported, failed = [], []
     original = os.environ.__class__
     os.environ.__class__ = _RecordingEnviron
+    restore_random = _record_unseeded_randoms()
     try:
         for name in (*RUNNER_MODULES, *names):
             try:
@@ -341,7 +343,36 @@ def preload(names: list[str]) -> tuple[list[str], list[str], str | None, list[st
                 return imported, failed, f"preloading {name!r} made it unsafe to fork: {why}", []
     finally:
         os.environ.__class__ = original
+        restore_random()
     return imported, failed, None, sorted(_RecordingEnviron.read)
+
+
+# ``random.Random()`` instances a preload made without a seed (weak references): a fresh
+# interpreter would seed each from the OS, so every forked run reseeds them (``_reseed``).
+_UNSEEDED_RANDOMS: list[Any] = []
+
+
+def _record_unseeded_randoms() -> Any:
+    """While the preloads import, note each ``random.Random`` made without a seed; returns what
+    undoes the patch (runs see the class as it was)."""
+    import random
+
+    original = random.Random.__init__
+
+    def __init__(self, x=None, *args, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, x, *args, **kwargs)
+        if x is None:
+            try:
+                _UNSEEDED_RANDOMS.append(_weakref.ref(self))
+            except TypeError:  # a subclass with __slots__ and no __weakref__: left as it is
+                pass
+
+    random.Random.__init__ = __init__  # type: ignore[method-assign]
+
+    def restore() -> None:
+        random.Random.__init__ = original  # type: ignore[method-assign]
+
+    return restore
 
 
 # ---------------------------------------------------------------------------- the zygote
@@ -670,6 +701,10 @@ def become_run(zygote: Zygote, request: dict[str, Any], fds: list[int]) -> int:
         os.chdir(request["cwd"])
         set_environment(request["env"])
         show_environment(request["env"])
+        # The zygote's ``time`` computed its zone at import, from the zygote's TZ: a fresh
+        # interpreter's would come from the run's. (LC_* and LANG select the zygote: they act at
+        # the interpreter's start, see scheduler/zygotes.py.)
+        time.tzset()
         run_dir = request["run_dir"]
         from . import __main__ as entry
 
@@ -769,7 +804,14 @@ def _reseed() -> None:
     the zygote did not load seeds itself when the run imports it.)"""
     random = sys.modules.get("random")
     if random is not None:
-        random.seed()
+        random.seed()  # the module's own generator (random._inst)
+        for ref in _UNSEEDED_RANDOMS:  # and those the preloads made without a seed
+            made = ref()
+            if made is not None:
+                try:
+                    made.seed()
+                except Exception:
+                    pass
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         try:

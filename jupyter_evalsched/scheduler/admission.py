@@ -34,7 +34,8 @@ class Carrier(Protocol):
     """What carrying out a decision does outside admission's own state."""
 
     def launch(self, run: Run, devices: tuple[int, ...]) -> None:
-        """The run is running on ``devices`` (admission took them already): record it, start it."""
+        """The run is admitted on ``devices`` (admission took them already): record it (still
+        ``queued``, reason ``starting``) and start it; it is ``running`` once its process exists."""
 
     def grant(self, grants: list[tuple[Lease, tuple[int, ...]]]) -> None:
         """The leases are granted these devices (one call per decision)."""
@@ -259,6 +260,8 @@ class Admission:
         code = (run.record["why"] or {}).get("code")
         if run.requeued_why is None and code != contract.SERVER_RESTART:
             self.table.update(run, save=False, notify=False, reason=None)
+        if run.record["devices"]:  # admitted, not started, by the server that died: starts anew
+            self.table.update(run, save=False, notify=False, devices=[])
         self.enqueue(run)
 
     def recover_running(self, run: Run) -> None:

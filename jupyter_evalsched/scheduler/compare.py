@@ -17,7 +17,9 @@ from typing import Any
 
 from ..contract import MAX_METRIC_NAMES
 
-MAX_COMPARE_RUNS = 200
+# A whole sweep can be compared (sweeps.MAX_SWEEP_RUNS): what bounds a comparison is the time and
+# the values it reads (below), not how many runs hold them.
+MAX_COMPARE_RUNS = 1000
 # The comparison pool's threads, how many comparisons are admitted at once (a 429 beyond), how long
 # one may take from its admission (a 503 after), and how many episode metric values it may read
 # in all (a 413 beyond).

@@ -5,13 +5,15 @@ the user's Jupyter servers on the host: the primary's own (its kernel manager kn
 session manager their notebooks' current paths) or any other server's (a kernel started by
 jupyter_client has its connection file ``kernel-<id>.json`` on its command line, and a kernel
 started for a notebook has ``JPY_SESSION_NAME``, the notebook's path when it started, in its
-environment). Only processes of this user are readable, which is what we want.
+environment). Only processes of this user count: another user's process with such an argument
+is not our kernel (and, for root, every process would be readable).
 
 Reads of ``/proc`` happen in the scheduler's I/O thread, for the few processes that hold VRAM.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -56,7 +58,13 @@ def _parent(pid: int) -> int | None:
 
 
 def kernel_of_process(pid: int) -> KernelInfo | None:
-    """The kernel that ``pid`` is (from its command line and environment), or None."""
+    """The kernel that ``pid`` is (from its command line and environment), or None. A process
+    of another user is no kernel of ours, whatever its command line says."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+            return None
+    except OSError:
+        return None
     cmdline = _read(f"/proc/{pid}/cmdline")
     if not cmdline:
         return None

@@ -242,6 +242,11 @@ class Launcher:
         )
         return proc
 
+    def is_pending(self, run_id: str) -> bool:
+        """A warm start asked of a zygote, no pid yet."""
+        proc = self._procs.get(run_id)
+        return proc is not None and proc.pending
+
     def withdraw(self, run_id: str) -> RunProcess | None:
         """A warm start asked of a zygote and not started yet is given up (a cancel): no process
         of the run is left, and none comes. Returns its ``RunProcess`` (its cgroup is the

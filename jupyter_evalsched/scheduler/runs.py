@@ -144,6 +144,13 @@ class Run:
     def terminal(self) -> bool:
         return self.record["state"] in TERMINAL_STATES
 
+    @property
+    def starting(self) -> bool:
+        """Admitted (its resources held) and still ``queued``, reason ``starting``: its process
+        does not exist yet (``RunTable.started`` makes it ``running``)."""
+        rec = self.record
+        return rec["state"] == contract.QUEUED and (rec["why"] or {}).get("code") == contract.STARTING
+
 
 def new_record(
     run_id: str,
@@ -390,6 +397,13 @@ class RunTable:
             self.save(run)
         if notify:
             self.changed(run)
+
+    def started(self, run: Run, **fields: Any) -> None:
+        """The run's process exists (``fields``: its pid and how it started): ``running`` from
+        now on, written to ``job.json`` before any listener is told. Until then a run stays
+        ``queued`` (``starting``), so that no client sees ``running`` without a process on disk,
+        and a server killed before this write finds the run queued, as its clients last saw it."""
+        self.update(run, state=contract.RUNNING, reason=None, started_at=utcnow_iso(), **fields)
 
     def set_reason(self, run: Run, why: contract.Why | None) -> bool:
         """Why a run waits (its ``reason`` and ``why``, from one fact): news to the widget and

@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import contract
 from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, TERMINAL_STATES
-from ..schemas import EvalSpec, LeaseRequest, utcnow_iso
+from ..schemas import EvalSpec, LeaseRequest
 from ..store import FoundRun, RunFileError, RunStore, StoreError
 from . import attempts, policy
 from .admission import Admission
@@ -510,10 +510,15 @@ class Scheduler:
         return self.admission.leases_in_order()
 
     def queue_view(self) -> dict:
-        queued = [run.record for run in self.queued_in_order()]
-        # Runs of placing executors (SLURM) wait elsewhere: after ours, in submission order.
-        queued += [r.record for r in self.table.active() if r.state == QUEUED and not self.admission.is_queued(r.id)]
-        running = [r.record for r in self.table.active() if r.state == RUNNING]
+        active = self.table.active()
+        # First the runs starting (admitted, no process yet: queued until they have one), then
+        # admission's order; runs of placing executors (SLURM) wait elsewhere: after ours.
+        queued = [r.record for r in active if r.starting]
+        queued += [run.record for run in self.queued_in_order()]
+        queued += [
+            r.record for r in active if r.state == QUEUED and not r.starting and not self.admission.is_queued(r.id)
+        ]
+        running = [r.record for r in active if r.state == RUNNING]
         return {
             "primary": self.primary_info,
             "queued": queued,
@@ -651,14 +656,16 @@ class _Carrier:
 
     def launch(self, run: Run, devices: tuple[int, ...]) -> None:
         s = self._scheduler
+        # Still queued (``starting``) until its process exists and job.json says so (the
+        # executor's ``RunTable.started``); the ledger counts what it holds from now on. Not
+        # written nor told here: a start that waits (a model host, a cgroup, a zygote) says so.
+        where = f"GPU {', '.join(map(str, devices))}" if devices else "CPU"
         s.table.update(
             run,
             save=False,
             notify=False,
-            state=RUNNING,
-            reason=None,
+            why=contract.Why(contract.STARTING, f"admitted on {where}; its process is being started"),
             devices=list(devices),
-            started_at=utcnow_iso(),
         )
         s.executors[run.executor].launch(run)
 

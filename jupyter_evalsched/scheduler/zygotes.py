@@ -61,8 +61,44 @@ PER_RUN_VARIABLES = frozenset(
     }
 )
 # Read by the interpreter, the dynamic loader or native libraries at start or load time, where
-# the zygote cannot see the read: they must match whatever the preloads are.
-STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "MALLOC_", "GLIBC_")
+# the zygote cannot see the read: they must match whatever the preloads are. (LC_* and LANG: the
+# interpreter sets its LC_CTYPE, its UTF-8 mode and its streams' encoding from them at start.)
+STARTUP_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "OMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "KMP_",
+    "GOMP_",
+    "MALLOC_",
+    "GLIBC_",
+    "LC_",
+    "LANG",
+)
+# A preload that iterated the whole environment (torch does) is assumed to depend on these
+# alone, the variables frameworks read as they import (configuration, caches, devices): other
+# variables are the run's own, set after the fork (``runner.zygote.set_environment``), so runs
+# whose environments differ in them share one zygote (docs/reference.md, "Warm starts").
+IMPORT_TIME_PREFIXES = (
+    "TORCH",
+    "PYTORCH_",
+    "CUDA_",
+    "NCCL_",
+    "NVIDIA_",
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "XLA_",
+    "TF_",
+    "JAX_",
+    "NUMBA_",
+    "NUMEXPR_",
+    "XDG_",
+    "HOME",
+    "TMPDIR",
+)
 
 MAX_MESSAGE = 1 << 16  # the zygote's messages are small
 # How long an environment whose zygote missed its start deadline gets no new zygote: its runs start
@@ -80,14 +116,19 @@ def zygote_environment(env: Mapping[str, str]) -> dict[str, str]:
 
 def incompatible(zygote_env: Mapping[str, str], env_read: list[str] | None, run_env: Mapping[str, str]) -> str | None:
     """The first variable whose value in ``run_env`` differs from the zygote's where it matters
-    (read while preloading, or read at start-up by the interpreter or a native library), or None
-    when the run may be forked from that zygote. ``env_read`` None (not known yet): every
-    variable matters. ``"*"`` in it: a preload iterated the environment, so every one does."""
+    (read by name while preloading, or read at start-up by the interpreter or a native library),
+    or None when the run may be forked from that zygote. ``env_read`` None (not known yet: the
+    zygote is starting): every variable matters. ``"*"`` in it: a preload iterated the
+    environment (``dict(os.environ)`` then reads every name too, so the names read tell nothing
+    more): the ``IMPORT_TIME_PREFIXES`` variables matter instead."""
     names: set[str] = set(zygote_env) | set(run_env)
-    if env_read is not None and "*" not in env_read:
-        names = set(env_read) | {n for n in names if n.startswith(STARTUP_PREFIXES)}
-    else:
+    if env_read is None:
         names -= PER_RUN_VARIABLES
+    elif "*" in env_read:
+        prefixes = STARTUP_PREFIXES + IMPORT_TIME_PREFIXES
+        names = {n for n in names if n.startswith(prefixes) and n not in PER_RUN_VARIABLES}
+    else:
+        names = set(env_read) | {n for n in names if n.startswith(STARTUP_PREFIXES) and n not in PER_RUN_VARIABLES}
     for name in sorted(names):
         if zygote_env.get(name) != run_env.get(name):
             return name

@@ -102,7 +102,7 @@ class LocalExecutor(Executor):
         self._launch_now(run)
 
     def _launch_now(self, run: Run) -> None:
-        if run.terminal or run.state != contract.RUNNING:
+        if not run.starting:
             return  # cancelled meanwhile
         if self._stopping:  # admitted, then the server began to shut down: it loses nothing
             self.ctx.table.update(run, state=QUEUED, reason=None, devices=[], started_at=None)
@@ -118,7 +118,17 @@ class LocalExecutor(Executor):
         if run.record["models"] or with_cgroup:
             if run.record["models"]:
                 # The model host may need starting: the run waits for it (resources held), visibly.
-                self.ctx.table.update(run)
+                models = run.record["models"]
+                self.ctx.table.set_reason(
+                    run,
+                    contract.Why(
+                        contract.STARTING,
+                        f"waiting for shared models: {', '.join(models)}",
+                        holders=[contract.Holder("model", name, name) for name in models],
+                    ),
+                )
+            else:
+                self.ctx.table.changed(run)  # starting: its cgroup is being made
             task = asyncio.ensure_future(self._launch_later(run, with_cgroup))
             self._starting[run.id] = task
             task.add_done_callback(lambda _: self._starting.pop(run.id, None))
@@ -213,6 +223,7 @@ class LocalExecutor(Executor):
         if zygote is None:
             self._spawn_cold(run, cwd, env, cgroup, why or "warm_start is off")
             return
+        ctx.table.set_reason(run, contract.Why(contract.STARTING, f"waiting for a warm start from zygote {zygote.pid}"))
         try:
             self.launcher.fork(
                 run.id,
@@ -233,7 +244,7 @@ class LocalExecutor(Executor):
     def _spawn_cold(self, run: Run, cwd: str, env: dict[str, str], cgroup: RunCgroup | None, why: str) -> None:
         """Start the run in a fresh interpreter; ``why`` says why it is not forked."""
         ctx = self.ctx
-        if run.terminal or run.state != contract.RUNNING:
+        if not run.starting:
             self._drop_cgroup(cgroup)
             return
         if run.cancel_requested or run.kill_reason is not None:  # asked while a zygote was asked
@@ -281,7 +292,7 @@ class LocalExecutor(Executor):
         timeout = run.spec.get("timeout_s")
         if timeout:
             self._timeouts[run.id] = ctx.loop.call_later(timeout, self._on_timeout, run.id)
-        ctx.table.update(
+        ctx.table.started(
             run,
             pid=proc.pid,
             pid_create_time=proc.create_time if proc.create_time is not None else process_create_time(proc.pid),
@@ -373,11 +384,15 @@ class LocalExecutor(Executor):
             return FAILED, contract.reason(
                 contract.SIGNAL, "the run process was killed by a signal", arg=signal_name(code)
             )
-        if code is None:  # an adopted detached run: not our child, its status is not ours to read
+        if code is None:  # not our child (adopted, or ended before this server): no status to read
+            what = (
+                "the detached run process exited"
+                if run.record["detach"]
+                else "the run process exited while no server watched it"
+            )
             return FAILED, contract.reason(
                 contract.EXIT_CODE,
-                "the detached run process exited without finishing (its exit status is known only to the "
-                "server that started it)",
+                f"{what} without finishing (its exit status is known only to the server that started it)",
                 arg="unknown",
             )
         if code == contract.EXIT_STOPPED:
@@ -467,7 +482,9 @@ class LocalExecutor(Executor):
         starting = self._starting.get(run.id)
         waiting = starting is not None and not starting.done()  # (a done one may have started it)
         pending = None if waiting else self.launcher.withdraw(run.id)
-        if waiting or pending is not None:
+        # No process of it anywhere (its start waits for the last attempt's clean-up): ends now too.
+        unstarted = run.starting and run.id not in self.launcher.running and not self.launcher.is_pending(run.id)
+        if waiting or pending is not None or unstarted:
             if pending is not None:
                 self._drop_cgroup(pending.cgroup)
             self.ctx.table.finish(
@@ -562,6 +579,9 @@ class LocalExecutor(Executor):
         for run_id in self.launcher.kill_all():  # detached runs go on
             run = table.get(run_id)
             if run is None:
+                continue
+            if run.starting:  # asked of a zygote, never started: it loses nothing
+                table.update(run, reason=None, devices=[])
                 continue
             if self.ctx.config.auto_resume:
                 if table.requeue(run, restart_plan(run.record, why), quiet=True):
