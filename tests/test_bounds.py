@@ -234,7 +234,9 @@ async def _sweep_liveness(api, jp_fetch, wait_for, points: int, params: dict) ->
     latencies = await _status_latencies_while(jp_fetch, task)
     code, made = task.result()
     assert code == 201 and len(made["runs"]) == points, (code, str(made)[:300])
-    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+    # A liveness bound, not a speed one: the unsliced submission blocked the loop for 31 s; 3 s
+    # leaves room for a loaded 2-core host.
+    assert len(latencies) >= 3 and max(latencies) < 3.0, latencies
     await api("POST", f"sweeps/{made['id']}/cancel")
     await api("POST", f"runs/{blocker['id']}/cancel")
 
