@@ -71,7 +71,7 @@ def test_exclusive_needs_an_idle_gpu_and_blocks_it():
     d = decide([q("z", 3, marginal_vram_mb=10)], [RunningJob("x", (0,), 0, exclusive=True)], ONE_GPU, {})
     assert d.starts == [] and d.waiting["z"].startswith("waiting_vram")
     d = decide([q("x2", 1, exclusive=True)], running, ONE_GPU, {})
-    assert d.waiting["x2"] == "waiting_gpu_exclusive: needs 1 GPU with nothing else on it; GPU 0: 1 run"
+    assert d.waiting["x2"] == "waiting_gpu_exclusive: needs 1 GPU with nothing else on it; GPU 0: run r0"
 
 
 def test_exclusive_waits_for_foreign_processes_too():
@@ -142,7 +142,7 @@ def test_dependencies_wait_then_fail_without_running():
         deps,
     )
     assert [s.id for s in d.starts] == ["b"]
-    assert d.waiting["a"] == "waiting_dependency: d1 is running"
+    assert d.waiting["a"] == "waiting_dependency: run d1 is running"
     assert d.dependency_failed == {"c": "d3"}
     d = decide([q("e", 1, depends_on=("gone",))], [], ONE_GPU, {})
     assert d.dependency_failed == {"e": "gone"}
@@ -543,7 +543,7 @@ def test_waiting_dependency_names_the_dependencies():
         dependency_names={"d1": "prepare", "d3": "tokenize"},
     )
     assert d.why["a"].holders == (Holder("run", "d1", "prepare"), Holder("run", "d3", "tokenize"))
-    assert d.waiting["a"] == "waiting_dependency: d1 is running; d3 is queued"
+    assert d.waiting["a"] == "waiting_dependency: run prepare (d1) is running; run tokenize (d3) is queued"
 
 
 named_running_st = st.lists(

@@ -506,8 +506,9 @@ def dependency_verdict(
         if state == "succeeded":
             continue
         if state in ("queued", "running"):
-            pending.append(f"{dep} is {state}")
-            holders.append(Holder("run", dep, names.get(dep) if names is not None else None))
+            name = names.get(dep) if names is not None else None
+            pending.append(f"{contract.run_named(dep, name)} is {state}")
+            holders.append(Holder("run", dep, name))
             continue
         return ("failed", dep)
     if pending:
@@ -636,11 +637,16 @@ def _kernel_charges(book: _Book) -> list[tuple[str, int]]:
     return sorted(charges.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def _device_users(book: _Book, index: int) -> str:
-    """``GPU 0: 1 run, lease lease-... (analysis.ipynb)``: who holds a device."""
+def _device_users(book: _Book, index: int, limit: int = 3) -> str:
+    """``GPU 0: run train (2026...-a9b770), lease lease-... (analysis.ipynb)``: who holds a device,
+    its runs by name and id (the first ``limit``, then how many more)."""
     leases = book.leases.get(index, [])
     runs = book.runs[index] - len(leases)
-    parts = [f"{runs} run{'s' if runs != 1 else ''}"] if runs else []
+    named = [h for h in book.users.get(index, ()) if h.kind == "run" and h.id][: min(runs, limit)]
+    parts = [contract.run_named(h.id or "", h.name) for h in named]
+    if runs > len(named):
+        more = runs - len(named)
+        parts.append(f"{more} {'more ' if named else ''}run{'s' if more != 1 else ''}")
     parts += [f"lease {lease.id} ({lease.label})" if lease.label else f"lease {lease.id}" for lease in leases]
     return f"GPU {index}: " + ", ".join(parts)
 

@@ -437,13 +437,15 @@ class LocalExecutor(Executor):
             return False
         run.preempted_by = by
         grace = ctx.config.preempt_grace_s
+        holder = self._job_holder(by)
+        for_whom = contract.run_named(by, holder.name) if holder.kind == "run" else f"lease {by}"
         ctx.table.set_reason(
             run,
             contract.Why(
                 contract.PREEMPTING,
-                f"stops at its next episode boundary to make room for {by} (signalled after {grace:g} s)",
+                f"stops at its next episode boundary to make room for {for_whom} (signalled after {grace:g} s)",
                 arg=by,
-                holders=[self._job_holder(by)],
+                holders=[holder],
             ),
         )
         self._preempt_timers[run.id] = ctx.loop.call_later(grace, self._preempt_overdue, run.id)

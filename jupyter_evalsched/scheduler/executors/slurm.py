@@ -86,17 +86,21 @@ class SlurmExecutor(Executor):
                 if dep is not None and dep.record["slurm_job_id"] and state in (QUEUED, RUNNING):
                     slurm_deps.append(dep.record["slurm_job_id"])
                 elif state in (QUEUED, RUNNING):
-                    pending.append(f"{dep_id} is {state}")
+                    pending.append(f"{contract.run_named(dep_id, dep.record['name'] if dep else None)} is {state}")
                     if dep is not None:
                         pending_runs.append((dep_id, dep.record["name"]))
                 else:
-                    failed = (dep_id, state)
+                    failed = (dep_id, state, dep.record["name"] if dep is not None else None)
                     break
             if failed:
                 table.finish(
                     run,
                     FAILED,
-                    contract.reason(contract.DEPENDENCY_FAILED, f"{failed[0]} ended {failed[1]}", arg=failed[0]),
+                    contract.reason(
+                        contract.DEPENDENCY_FAILED,
+                        f"{contract.run_named(failed[0], failed[2])} ended {failed[1]}",
+                        arg=failed[0],
+                    ),
                 )
                 continue
             if pending:
