@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -84,8 +85,39 @@ def format_slurm(rec: dict) -> str:
 
 def format_where(rec: dict) -> str:
     """Where a run executes, for the GPUS column: ``slurm:123 RUNNING`` for a SLURM run (it is not
-    on this host's GPUs), else its GPU indices (``0,1``), or ``-``."""
-    return format_slurm(rec) or ",".join(str(d) for d in rec.get("devices") or []) or "-"
+    on this host's GPUs), else its GPUs (``gpu0,gpu1``: a bare ``0`` reads as "no GPU"), ``cpu``
+    for a run that takes no GPU, ``-`` for one that has none yet (queued)."""
+    if format_slurm(rec):
+        return format_slurm(rec)
+    devices = rec.get("devices") or []
+    if devices:
+        return ",".join(f"gpu{d}" for d in devices)
+    if not rec.get("marginal_vram_mb") and not rec.get("exclusive_gpu"):
+        return "cpu"
+    return "-"
+
+
+# The width of text written to a pipe or a file: wide enough for a table row, narrow enough to read.
+PIPED_WIDTH = 100
+
+
+def output_width(stream: Any = None) -> int:
+    """The columns text is wrapped to: the terminal's (``COLUMNS`` first, as the shell sets it),
+    else ``PIPED_WIDTH`` when the output is not a terminal."""
+    return max(40, shutil.get_terminal_size((PIPED_WIDTH, 24)).columns)
+
+
+def wrap_lines(text: str, width: int, indent: str = "", first_indent: str = "") -> list[str]:
+    """``text`` wrapped to ``width`` columns at spaces, never inside a word (an id, a path): the
+    whole of it, nothing cut."""
+    return textwrap.wrap(
+        text,
+        width=width,
+        initial_indent=first_indent,
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [first_indent.rstrip()]
 
 
 def _bar(fraction: float, width: int = 24) -> str:
@@ -111,7 +143,7 @@ def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | 
             holders = _unmanaged_holders(dev)
             extra.append(f"other {dev['unmanaged_mb']} MB" + (f": {holders}" if holders else ""))
         if dev.get("exclusive"):
-            extra.append(f"exclusive {names.get(dev['exclusive'], dev['exclusive'])}")
+            extra.append(f"held whole by {names.get(dev['exclusive'], dev['exclusive'])}")
         runs = ", ".join(
             f"{names.get(r.get('id'), r.get('id'))}:{r.get('marginal_vram_mb')}" for r in dev.get("runs") or []
         )
@@ -229,10 +261,15 @@ class _Screen:
 
     def draw(self, text: str, key: Any = None) -> None:
         if self.tty:
-            # Lines are clipped to the terminal's width: a wrapped line would break the count of
-            # lines to move back up over at the next redraw.
+            # Lines are wrapped here to the terminal's width (never cut: a reason is read whole):
+            # a line the terminal wrapped would break the count of lines to move back up over.
             columns = max(20, shutil.get_terminal_size().columns - 1)
-            lines = [line if len(line) <= columns else line[: columns - 1] + "…" for line in text.split("\n")]
+            lines = []
+            for line in text.split("\n"):
+                if len(line) <= columns:
+                    lines.append(line)
+                else:
+                    lines += textwrap.wrap(line, columns, subsequent_indent="  ", break_on_hyphens=False) or [""]
             if self._lines:
                 self.stream.write(f"\x1b[{self._lines}F\x1b[J")
             self.stream.write("\n".join(lines) + "\n")
@@ -738,31 +775,40 @@ def demo_plan(sleep_s: float, episodes: int) -> list[tuple[str, dict]]:
     ]
 
 
-def _demo_frame(view: dict, ids: dict[str, str], records: dict[str, dict], t0: float) -> tuple[str, Any]:
+def demo_frame(
+    view: dict, ids: dict[str, str], records: dict[str, dict], elapsed: float, width: int
+) -> tuple[str, Any]:
+    """One frame of the demo, ``width`` columns wide: the ledger, then a row per run with its
+    reason whole under it (wrapped, never cut: the reason is what the demo is there to show).
+    Returns the text and what a log outside a terminal compares to print changes only."""
     order = {q["id"]: i + 1 for i, q in enumerate(view.get("queued") or [])}
-    rows = []
+    labels = {rid: label for label, rid in ids.items()}
+    rows, reasons = [], []
     for label, rid in ids.items():
         rec = records[rid]
-        pos = f"#{order[rid]}" if rid in order else ""
         rows.append(
             (
                 label,
                 rec.get("state"),
-                pos,
+                f"#{order[rid]}" if rid in order else "",
                 rec.get("priority"),
                 rec.get("marginal_vram_mb"),
                 format_where(rec),
                 _progress(rec),
-                rec.get("reason") or "",
             )
         )
-    table = format_table(
-        rows, ["RUN", "STATE", "QUEUE", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "REASON"], max_width=70
-    )
-    labels = {rid: label for label, rid in ids.items()}
-    text = f"t={time.monotonic() - t0:5.1f}s\n{format_ledger(view.get('ledger'), names=labels)}\n\n{table}"
-    key = [(r[1], r[2], r[7]) for r in rows]  # what a non-terminal log should report: changes only
-    return text, key
+        reasons.append(rec.get("reason") or "")
+    table = format_table(rows, ["RUN", "STATE", "QUEUE", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS"]).split("\n")
+    lines = [f"t={elapsed:5.1f}s"]
+    for line in format_ledger(view.get("ledger"), names=labels).split("\n"):
+        lines += wrap_lines(line, width, indent="      ")
+    lines += ["", table[0]]
+    for row, reason in zip(table[1:], reasons, strict=True):
+        lines.append(row)
+        if reason:
+            lines += wrap_lines(reason, width, indent="      ", first_indent="    ")
+    key = [(r[1], r[2], reason) for r, reason in zip(rows, reasons, strict=True)]  # changes only, in a log
+    return "\n".join(lines), key
 
 
 def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Namespace) -> list[dict] | None:
@@ -774,7 +820,7 @@ def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Na
     records: dict[str, dict] = {}
 
     def draw() -> None:
-        text, key = _demo_frame(tracker.view, ids, records, t0)
+        text, key = demo_frame(tracker.view, ids, records, time.monotonic() - t0, output_width() - 1)
         if not args.json:
             screen.draw(text, key=key)
 
@@ -786,7 +832,12 @@ def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Na
             # A run is queued, running or recently finished; a GET only before the first read.
             records[rid] = tracker.find(rid) or records.get(rid) or client.get(rid)
         if all(r.get("state") in TERMINAL_STATES for r in records.values()):
-            redraw.draw_now()  # the final frame, whatever the throttle says
+            # The last end came as an event, before the ledger that frees its GPU: the final
+            # frame is drawn from a fresh read, whatever the throttle says.
+            tracker.read(client)
+            for rid in ids.values():
+                records[rid] = tracker.find(rid) or records[rid]
+            redraw.draw_now()
             return False
         redraw.tick()
         return time.monotonic() - t0 <= args.timeout
@@ -795,6 +846,24 @@ def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Na
     if not all(r.get("state") in TERMINAL_STATES for r in records.values()):
         return None
     return [client.get(rid) for rid in ids.values()]  # with the final summary.json: the metrics
+
+
+def format_demo_final(ids: dict[str, str], final: Sequence[dict], width: int) -> str:
+    """The demo's last table: each run's id, state, time, GPUs and metrics; a reason (a run that
+    did not succeed) whole under its row."""
+    table = format_table(
+        [
+            (label, rec.get("id"), rec.get("state"), format_duration(elapsed_s(rec)), format_where(rec), format_metrics(rec))
+            for label, rec in zip(ids, final, strict=False)
+        ],
+        ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS"],
+    ).split("\n")
+    lines = [table[0]]
+    for row, rec in zip(table[1:], final, strict=False):
+        lines.append(row)
+        if rec.get("reason"):
+            lines += wrap_lines(rec["reason"], width, indent="      ", first_indent="    ")
+    return "\n".join(lines)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -841,23 +910,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _print_json({"runs": final})
         else:
             print("\nfinal:")
-            print(
-                format_table(
-                    [
-                        (
-                            label,
-                            rec.get("id"),
-                            rec.get("state"),
-                            format_duration(elapsed_s(rec)),
-                            format_where(rec),
-                            format_metrics(rec),
-                            rec.get("reason") or "",
-                        )
-                        for label, rec in zip(ids, final, strict=False)
-                    ],
-                    ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS", "REASON"],
-                )
-            )
+            print(format_demo_final(ids, final, output_width() - 1))
         ok = all(r.get("state") == SUCCEEDED for r in final)
         return 0 if ok else 1
     except KeyboardInterrupt:

@@ -77,12 +77,14 @@ def test_cli_tables_show_slurm_job_and_state():
     }
     assert format_slurm(slurm) == "slurm:123 RUNNING" and format_where(slurm) == "slurm:123 RUNNING"
     assert format_slurm(unsubmitted) == "slurm" and format_slurm(local) == ""
-    assert format_where(local) == "0,1" and format_where({"id": "x"}) == "-"
+    # GPUs read as GPUs (a bare "0" reads as "no GPU"); a run that takes none is on the CPU.
+    assert format_where(local) == "gpu0,gpu1" and format_where({"id": "x"}) == "cpu"
+    assert format_where({"id": "q", "marginal_vram_mb": 8000}) == "-"  # queued: no GPU yet
 
     text = format_queue({"running": [slurm, local], "queued": [pending, unsubmitted], "ledger": None})
     running_row = next(line for line in text.splitlines() if line.startswith("s1 "))
     assert "slurm:123 RUNNING" in running_row and "1/4" in running_row
-    assert "0,1" in next(line for line in text.splitlines() if line.startswith("l1 "))
+    assert "gpu0,gpu1" in next(line for line in text.splitlines() if line.startswith("l1 "))
     header = next(line for line in text.splitlines() if line.startswith("#"))
     assert header.split() == ["#", "ID", "NAME", "PRIORITY", "VRAM_MB", "SLURM", "REASON"]
     assert "slurm:124 PENDING" in next(line for line in text.splitlines() if " s2 " in line)
@@ -507,17 +509,74 @@ def test_cli_logs_follow(live_server, clean_queue, tmp_path):
     ]
 
 
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
 def test_cli_demo(tmp_path):
-    proc = cli(None, "demo", "--sleep", "0.3", "--episodes", "3", with_server=False, cwd=str(tmp_path), timeout=90)
+    # Piped, in an 80-column terminal's environment: every line fits, nothing is cut.
+    proc = cli(
+        None,
+        "demo",
+        "--sleep",
+        "0.3",
+        "--episodes",
+        "3",
+        with_server=False,
+        cwd=str(tmp_path),
+        timeout=90,
+        env={"COLUMNS": "80"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    final = proc.stdout.split("final:")[-1]
+    frames, final = proc.stdout.split("final:")
     assert final.count("succeeded") == 6
     # Queueing really happened: the log shows VRAM and exclusive waits and the dependency.
     assert "waiting_vram" in proc.stdout and "waiting_gpu_exclusive" in proc.stdout
-    assert "waiting_dependency" in proc.stdout
-    # A notebook's lease held VRAM at first: the ledger drew it (the reasons that name it are
-    # cut to the table's width here; tests/test_leases.py checks them whole).
-    assert "leases: demo notebook:10000" in proc.stdout and "10000 MB for 'demo notebook'" in proc.stderr
+    assert "waiting_dependency: run big-a (" in _words(proc.stdout)
+    # A notebook's lease held VRAM at first: the ledger drew it, and the reasons it held back say
+    # so whole (wrapped, not cut).
+    assert "leases: demo notebook:10000" in _words(proc.stdout) and "10000 MB for 'demo notebook'" in proc.stderr
+    assert "(demo notebook) holds 10000 MB on GPU 0" in _words(proc.stdout)
+    assert "…" not in proc.stdout and max(len(line) for line in proc.stdout.splitlines()) < 80
+    # The last frame is drawn after the last run ended: every GPU is free again.
+    last = frames.strip().split("\nt=")[-1]
+    assert "held whole by" not in last and "runs:" not in last, last
+    assert last.count("0/24000 MB") == 2, last
+
+
+def test_demo_frames_show_each_pending_reason_whole(live_server, client, clean_queue):
+    """The demo's frame, from the server's answers while the demo's runs wait (a lease held,
+    exclusive and dependent runs queued), at 80 and 120 columns and piped: each reason whole."""
+    from jupyter_evalsched.cli import PIPED_WIDTH, demo_frame, demo_plan
+
+    lease = client.request("POST", "leases", body={"vram_mb": 10000, "label": "demo notebook", "pid": os.getpid()})
+    ids: dict[str, str] = {}
+    for label, spec in demo_plan(30.0, 1):
+        spec["depends_on"] = [ids[d[1:]] if d.startswith("@") else d for d in spec.get("depends_on", [])]
+        ids[label] = client.submit(spec)["id"]
+
+    def settled():
+        view = client.queue()
+        records = {rid: client.get(rid) for rid in ids.values()}
+        waiting = [r for r in records.values() if r["state"] == "queued"]
+        return (view, records) if waiting and all(r["reason"] for r in waiting) else None
+
+    view, records = wait_until(settled, timeout=15)
+    reasons = [r["reason"] for r in records.values() if r["state"] == "queued"]
+    assert any("holds 10000 MB on GPU" in r for r in reasons), reasons  # the lease, named in a reason
+    after = records[ids["after-a"]]["reason"]
+    assert after == f"waiting_dependency: run big-a ({ids['big-a']}) is running", after
+    for width in (79, 119, PIPED_WIDTH - 1):  # 80 and 120 columns (the last one left free), piped
+        text, _ = demo_frame(view, ids, records, 1.0, width)
+        assert "…" not in text
+        assert max(len(line) for line in text.splitlines()) <= width, text
+        for reason in reasons:
+            assert _words(reason) in _words(text), (width, reason, text)
+        rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in ([k] for k in ids)}
+        # GPUS reads as GPUs: gpu<index> when it has one, cpu for a run that takes none.
+        assert rows["big-a"][1] == "running" and rows["big-a"][-2] in ("gpu0", "gpu1"), rows["big-a"]
+        assert rows["after-a"][-2] == "cpu", rows["after-a"]
+    client.request("DELETE", f"leases/{lease['id']}")
 
 
 def test_run_handle_repr_and_html(client, clean_queue):
