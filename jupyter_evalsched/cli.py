@@ -488,6 +488,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "run_dir",
     ]
     for key in keys:
+        if key == "exit_code" and not exit_code_tells(rec):
+            continue
         if key in rec and rec[key] not in (None, [], ""):
             print(f"{key:<17}{rec[key]}")
     for holder in (rec.get("why") or {}).get("holders") or []:
@@ -527,7 +529,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     error = summary.get("error")
     if error:
         print(f"{'error':<17}{error.get('type')}: {error.get('message')}")
+    if rec.get("state") in TERMINAL_STATES and rec.get("state") != SUCCEEDED:
+        print(f"{'its stderr':<17}{PROG} logs {rec.get('id')} --stream stderr  (a traceback is there)")
     return 0
+
+
+def exit_code_tells(rec: dict) -> bool:
+    """Whether a record's ``exit_code`` says something: not a 0 of a run that failed, which only
+    means that the runner caught the eval's failure, recorded it and exited normally."""
+    return not (rec.get("exit_code") == 0 and rec.get("state") not in (SUCCEEDED, None, "queued", "running"))
 
 
 def cmd_leases(args: argparse.Namespace) -> int:
@@ -624,14 +634,14 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     if args.run_id.startswith(SWEEP_PREFIX):  # a sweep: its unfinished runs
-        view = _client(args).cancel_sweep(args.run_id)
+        view = _client(args).cancel_sweep(args.run_id, by="cli")
         if args.json:
             _print_json(view)
         else:
             for rec in view["runs"]:
                 print(_record_line(rec))
         return 0
-    rec = _client(args).cancel(args.run_id)
+    rec = _client(args).cancel(args.run_id, by="cli")
     _print_json(rec) if args.json else print(_record_line(rec))
     return 0
 
@@ -657,9 +667,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
         text = client.logs(args.run_id, stream=args.stream, tail=args.tail)
         if args.json:
             _print_json({"id": args.run_id, "stream": args.stream, "text": text})
-        else:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            return 0
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        _tell_the_end(client, args.run_id, args.stream, printed=bool(text))
         return 0
     follower = _LogFollower(client, args.run_id, args.stream, args.tail)
     try:
@@ -669,7 +680,35 @@ def cmd_logs(args: argparse.Namespace) -> int:
         follower.print_new()
     except KeyboardInterrupt:
         return 130
+    _tell_the_end(client, args.run_id, args.stream, printed=follower.printed > 0)
     return 0
+
+
+STDERR_TAIL_LINES = 20  # of a failed run's stderr, under its stdout
+
+
+def _tell_the_end(client: EvalSchedClient, run_id: str, stream: str, printed: bool) -> None:
+    """After a run's stdout, on stderr: why it did not succeed, with the end of its stderr (the
+    traceback is there) and how to read all of it; for an empty log, that it is empty. Never
+    nothing: an empty answer reads as "it worked"."""
+    rec = client.get(run_id)
+    state = rec.get("state")
+    if state not in TERMINAL_STATES or state == SUCCEEDED or stream == "stderr":
+        if not printed:
+            print(f"({stream}.log of run {run_id} is empty; the run is {state})", file=sys.stderr)
+        return
+    print(failure_note(rec, client.logs(run_id, stream="stderr", tail=STDERR_TAIL_LINES)), file=sys.stderr)
+
+
+def failure_note(rec: dict, stderr_tail: str) -> str:
+    """What ``logs`` adds for a run that did not succeed: its state and reason, the end of its
+    stderr, and the command that shows the whole of it."""
+    run_id = rec.get("id", "?")
+    lines = [f"run {run_id} {rec.get('state')}: {rec.get('reason') or 'no reason recorded'}"]
+    if stderr_tail.strip():
+        lines += ["the end of its stderr.log:", *("  " + line for line in stderr_tail.rstrip("\n").split("\n"))]
+    lines.append(f"all of it: {PROG} logs {run_id} --stream stderr")
+    return "\n".join(lines)
 
 
 class _LogFollower:
@@ -682,6 +721,7 @@ class _LogFollower:
         self.tail = tail
         self.interval_s = interval_s
         self._printed = 0
+        self.printed = 0  # characters written to stdout
         self._first = True
         self._last_read = 0.0
 
@@ -701,6 +741,7 @@ class _LogFollower:
         if new:
             sys.stdout.write(new)
             sys.stdout.flush()
+            self.printed += len(new)
         self._printed = len(text)
 
 

@@ -83,6 +83,23 @@ def run_named(run_id: str, name: str | None = None) -> str:
     return f"run {name} ({run_id})" if name and name != run_id else f"run {run_id}"
 
 
+# Who asked for a cancel (``POST .../cancel?by=panel``), in the reason's words; without ``by``,
+# "through the API".
+CANCELLED_BY = {
+    "panel": "from the Lab panel",
+    "widget": "from a notebook widget",
+    "cli": "with jupyter evalsched cancel",
+    "python": "from Python (cancel())",
+}
+
+
+def cancelled_reason(by: str | None, when: str = "") -> str:
+    """``cancelled: cancelled from the Lab panel while queued``: who cancelled (``by``, a key of
+    ``CANCELLED_BY``) and when (``while queued``, ``before it started``, ...)."""
+    who = CANCELLED_BY.get(by or "", "through the API")
+    return reason(CANCELLED_REASON, f"cancelled {who}" + (f" {when}" if when else ""))
+
+
 def reason_code(text: str | None) -> str | None:
     """The code of a reason (``"waiting_vram: needs ..."`` -> ``"waiting_vram"``,
     ``"exit_code:3: ..."`` -> ``"exit_code"``); None for no reason."""

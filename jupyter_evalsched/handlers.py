@@ -308,11 +308,19 @@ class RunHandler(EvalSchedHandler):
         self.finish()
 
 
+def cancelled_by(handler: EvalSchedHandler) -> str | None:
+    """A cancel's ``?by=`` (who asks: the panel, the widget, the CLI, Python), for its reason."""
+    by = handler.get_argument("by", None) or None
+    if by is not None and by not in contract.CANCELLED_BY:
+        raise ApiError(400, f"query parameter 'by' must be one of {', '.join(contract.CANCELLED_BY)}, got {by!r:.100}")
+    return by
+
+
 class CancelHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def post(self, run_id: str) -> None:
-        self.send_json(await self.scheduler.cancel(run_id))
+        self.send_json(await self.scheduler.cancel(run_id, cancelled_by(self)))
 
 
 class ResumeHandler(EvalSchedHandler):
@@ -381,7 +389,7 @@ class SweepCancelHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def post(self, sweep_id: str) -> None:
-        self.send_json(await self.scheduler.cancel_sweep(sweep_id))
+        self.send_json(await self.scheduler.cancel_sweep(sweep_id, cancelled_by(self)))
 
 
 class CompareHandler(EvalSchedHandler):

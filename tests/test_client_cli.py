@@ -466,6 +466,43 @@ def test_cli_spec_file_with_flag_overrides_and_failed_wait(live_server, clean_qu
     spec = json.loads(open(os.path.join(final["run_dir"], "spec.json")).read())
     assert spec["params"] == {"how": "exception", "at": 1, "sleep_s": 0.01}
 
+    # `logs` of the failed run (nothing on its stdout) tells why, with its traceback and how to
+    # read all of its stderr: never nothing with exit 0.
+    logs = cli(live_server, "logs", final["id"])
+    assert logs.returncode == 0 and logs.stdout == ""
+    assert f"run {final['id']} failed: exception: RuntimeError: crash requested in episode 1" in logs.stderr
+    assert "Traceback (most recent call last):" in logs.stderr
+    assert f"jupyter evalsched logs {final['id']} --stream stderr" in logs.stderr
+    # `status` does not show the runner's clean exit (0) as if it meant success.
+    status = cli(live_server, "status", final["id"])
+    assert "exit_code" not in status.stdout and "reason           exception: RuntimeError" in status.stdout
+    assert f"logs {final['id']} --stream stderr" in status.stdout
+
+
+def test_cancel_says_who_cancelled(live_server, client, clean_queue):
+    """The reason of a cancelled run names who asked: the CLI, the Lab panel (its `?by=panel`),
+    Python; a plain REST call stays "through the API"; another `by` is a 400."""
+    blocker = client.submit(_sleepy("blocker", sleep_s=30, episodes=1, exclusive_gpu=True, gpus=2))
+    queued = [client.submit(_sleepy(f"q{i}", vram=1000)) for i in range(4)]
+    proc = cli(live_server, "cancel", queued[0]["id"])
+    assert proc.returncode == 0, proc.stderr
+    expected = {
+        queued[0]["id"]: "cancelled: cancelled with jupyter evalsched cancel while queued",
+        queued[1]["id"]: "cancelled: cancelled from the Lab panel while queued",
+        queued[2]["id"]: "cancelled: cancelled from Python (cancel()) while queued",
+        queued[3]["id"]: "cancelled: cancelled through the API while queued",
+        blocker["id"]: "cancelled: cancelled from the Lab panel",
+    }
+    client.cancel(queued[1]["id"], by="panel")
+    client.handle(queued[2]["id"]).cancel()
+    client.cancel(queued[3]["id"])
+    with pytest.raises(EvalSchedError) as err:
+        client.cancel(blocker["id"], by="someone")
+    assert err.value.status == 400 and "panel" in str(err.value)
+    client.cancel(blocker["id"], by="panel")
+    for run_id, reason in expected.items():
+        assert wait_state(client, run_id)["reason"] == reason
+
 
 def test_cli_errors_exit_2_with_one_line(live_server, tmp_path):
     cases = [

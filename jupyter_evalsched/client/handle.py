@@ -86,7 +86,7 @@ class RunHandle:
 
     def cancel(self) -> dict:
         """Cancel the run (queued: at once; running: its process group is signalled)."""
-        self._record = self.client.cancel(self.id)
+        self._record = self.client.cancel(self.id, by="python")
         return self._record
 
     def resume(self) -> dict:

@@ -87,7 +87,7 @@ class SweepHandle:
 
     def cancel(self) -> dict:
         """Cancel the sweep's unfinished runs; finished runs keep their results."""
-        self._view = self.client.cancel_sweep(self.id)
+        self._view = self.client.cancel_sweep(self.id, by="python")
         return self._view
 
     def wait(self, timeout: float | None = None, progress: Any = True) -> dict:

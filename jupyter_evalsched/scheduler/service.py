@@ -309,11 +309,11 @@ class Scheduler:
     def list_sweeps(self, limit: int = 100) -> list[dict[str, Any]]:
         return self.submissions.list_sweeps(limit)
 
-    async def cancel_sweep(self, sweep_id: str) -> dict[str, Any]:
+    async def cancel_sweep(self, sweep_id: str, by: str | None = None) -> dict[str, Any]:
         """Cancel the sweep's unfinished runs; finished ones stay as they are."""
         for run in self.sweep_runs(sweep_id):
             if not run.terminal:
-                await self.cancel(run.id)
+                await self.cancel(run.id, by)
         return self.sweep_view(sweep_id)
 
     # ----------------------------------------------------------------- admission (admission.py)
@@ -442,15 +442,16 @@ class Scheduler:
             raise UnknownRun(f"no run with id {run_id!r}")
         return run
 
-    async def cancel(self, run_id: str) -> dict:
+    async def cancel(self, run_id: str, by: str | None = None) -> dict:
+        """Cancel a run; ``by`` (a key of ``contract.CANCELLED_BY``) says who asked, in its reason."""
         run = self.get(run_id)
         if run.terminal:
             raise StateConflict(f"run {run_id} already ended ({run.state}); nothing to cancel")
+        if by is not None and run.cancelled_by is None:
+            run.cancelled_by = by
         executor = self.executors.get(run.executor)
         if self.admission.withdraw(run) or executor is None:
-            self.table.finish(
-                run, CANCELLED, contract.reason(contract.CANCELLED_REASON, "cancelled through the API while queued")
-            )
+            self.table.finish(run, CANCELLED, contract.cancelled_reason(run.cancelled_by, "while queued"))
         else:
             await executor.cancel(run)
         return run.record

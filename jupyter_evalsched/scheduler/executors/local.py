@@ -111,7 +111,7 @@ class LocalExecutor(Executor):
             self.ctx.table.finish(
                 run,
                 CANCELLED,
-                contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                contract.cancelled_reason(run.cancelled_by, "before it started"),
             )
             return
         with_cgroup = self.cgroups is not None and self.cgroups.enabled
@@ -153,7 +153,7 @@ class LocalExecutor(Executor):
                 table.finish(
                     run,
                     CANCELLED,
-                    contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                    contract.cancelled_reason(run.cancelled_by, "before it started"),
                 )
             return
         self._spawn(run, urls, made)
@@ -244,7 +244,7 @@ class LocalExecutor(Executor):
                 ctx.table.finish(
                     run,
                     CANCELLED,
-                    contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                    contract.cancelled_reason(run.cancelled_by, "before it started"),
                 )
             return
         try:
@@ -366,7 +366,7 @@ class LocalExecutor(Executor):
         if run.kill_reason is not None:
             return FAILED, run.kill_reason
         if run.cancel_requested:
-            return CANCELLED, contract.reason(contract.CANCELLED_REASON, "cancelled through the API")
+            return CANCELLED, contract.cancelled_reason(run.cancelled_by)
         if run.timed_out:
             return FAILED, contract.reason(contract.TIMEOUT, f"ran longer than timeout_s={run.spec.get('timeout_s')}")
         if code is not None and code < 0:
@@ -475,7 +475,7 @@ class LocalExecutor(Executor):
             self.ctx.table.finish(
                 run,
                 CANCELLED,
-                contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                contract.cancelled_reason(run.cancelled_by, "before it started"),
             )
             return
         self.launcher.terminate(run.id, self.ctx.config.cancel_grace_s)

@@ -215,7 +215,7 @@ class SlurmExecutor(Executor):
         state, reason = verdict(st, run_ids)
         if run.cancel_requested and state != SUCCEEDED:
             state = CANCELLED
-            reason = contract.reason(contract.CANCELLED_REASON, f"cancelled through the API (scancel {st.job_id})")
+            reason = contract.cancelled_reason(run.cancelled_by, f"(scancel {st.job_id})")
         table.finish(run, state, reason)
 
     # ------------------------------------------------------------------ operations
@@ -227,7 +227,7 @@ class SlurmExecutor(Executor):
                 self.ctx.table.finish(
                     run,
                     CANCELLED,
-                    contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it reached SLURM"),
+                    contract.cancelled_reason(run.cancelled_by, "before it reached SLURM"),
                 )
             return  # _sbatch cancels it once sbatch answers
         await self._scancel(run)
