@@ -17,7 +17,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .client import (
     SPEC_FILE_SUFFIXES,
@@ -40,6 +40,7 @@ from .client import (
     sweep_from_options,
 )
 from .client.formatting import compare_table, holder_text, pending_text
+from .client.spec import did_you_mean
 from .client.sweep import sweep_record
 from .contract import SUCCEEDED, TERMINAL_STATES
 
@@ -965,10 +966,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with "did you mean ...?" for a mistyped flag or command."""
+
+    def error(self, message: str) -> NoReturn:
+        known: set[str] = set(self._option_string_actions)
+        for action in self._actions:  # a flag the top parser does not know may be a command's
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    known.update(sub._option_string_actions)
+        super().error(did_you_mean(message, sorted(known)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Global options are accepted before and after the subcommand; SUPPRESS keeps a subparser's
     # unset copy from overwriting a value given before the subcommand.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--url",
         default=argparse.SUPPRESS,
@@ -977,9 +990,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--token", default=argparse.SUPPRESS, help="server token (default: EVALSCHED_TOKEN)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
-    parser = argparse.ArgumentParser(
-        prog=PROG, parents=[common], description="Submit and watch evaluation runs on the host's scheduler."
-    )
+    parser = _Parser(prog=PROG, parents=[common], description="Submit and watch evaluation runs on the host's scheduler.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:

@@ -30,6 +30,7 @@ from .client import (
     load_spec_file,
     sweep_from_options,
 )
+from .client.spec import did_you_mean
 
 __all__ = ["EvalSchedMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -41,7 +42,11 @@ def _parse(magic_func, line: str):
         argv = shlex.split(line)
     except ValueError as e:
         raise UsageError(f"cannot split the arguments: {e}") from None
-    return magic_func.parser.parse_args(argv)  # MagicArgumentParser raises UsageError itself
+    parser = magic_func.parser
+    try:
+        return parser.parse_args(argv)  # MagicArgumentParser raises UsageError itself
+    except UsageError as e:
+        raise UsageError(did_you_mean(str(e), parser._option_string_actions)) from None
 
 
 def _spec_flags(func):

@@ -504,6 +504,16 @@ def test_cancel_says_who_cancelled(live_server, client, clean_queue):
         assert wait_state(client, run_id)["reason"] == reason
 
 
+def test_cli_mistyped_flags_and_commands_get_a_did_you_mean(tmp_path):
+    for args, hint in (
+        (("submit", SLEEPY, "--priorty", "3"), "did you mean --priority instead of --priorty?"),
+        (("stauts", "x"), "did you mean 'status'?"),
+        (("submit", SLEEPY, "--priority", "hihg"), "did you mean 'high'?"),
+    ):
+        proc = cli(None, *args, with_server=False, cwd=str(tmp_path))
+        assert proc.returncode == 2 and hint in proc.stderr, (args, proc.stderr)
+
+
 def test_cli_errors_exit_2_with_one_line(live_server, tmp_path):
     cases = [
         (("submit", SLEEPY, "--vram", "-1"), "422: scheduling.marginal_vram_mb"),
