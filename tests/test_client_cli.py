@@ -504,6 +504,37 @@ def test_cancel_says_who_cancelled(live_server, client, clean_queue):
         assert wait_state(client, run_id)["reason"] == reason
 
 
+def test_every_misplaced_known_field_gets_a_422_saying_where_it_belongs(client):
+    """Each field of the spec's scheduling at the top level, and each top-level field under
+    scheduling: the 422 names the section it belongs in, with the shape to write; a typo, the field
+    it is probably a typo of."""
+    from jupyter_evalsched.schemas import EvalSpec, Scheduling
+
+    def refused(spec: dict) -> EvalSchedError:
+        with pytest.raises(EvalSchedError) as err:
+            client.submit({"entrypoint": SLEEPY, **spec})
+        assert err.value.status == 422
+        return err.value
+
+    for field in Scheduling.model_fields:
+        err = refused({field: 1})
+        hint = f'{field} belongs under scheduling: {{"scheduling": {{"{field}": ...}}}}'
+        assert hint in err.message and hint in err.detail[0]["msg"] and hint in str(err), err.message
+    for field in EvalSpec.model_fields:
+        if field == "scheduling":
+            continue
+        err = refused({"scheduling": {field: 1}})
+        assert f'{field} belongs at the top level: {{"{field}": ...}}' in err.message, err.message
+    assert "did you mean episodes?" in refused({"episods": 3}).message
+    assert 'did you mean marginal_vram_mb, which belongs under scheduling: {"scheduling": {"marginal_vram_mb"' in (
+        refused({"vram": 16000}).message
+    )
+    assert "did you mean" not in refused({"zzz": 1}).message  # nothing close: the plain error
+    with pytest.raises(EvalSchedError) as err:
+        client.submit_sweep({"entrypoint": SLEEPY, "gpus": 2}, {"k": [1, 2]})
+    assert 'gpus belongs under scheduling: {"scheduling": {"gpus": ...}}' in err.value.message
+
+
 def test_cli_mistyped_flags_and_commands_get_a_did_you_mean(tmp_path):
     for args, hint in (
         (("submit", SLEEPY, "--priorty", "3"), "did you mean --priority instead of --priorty?"),
