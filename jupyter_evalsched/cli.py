@@ -333,7 +333,7 @@ def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namesp
     except WaitTimeout as e:
         if reporter:
             reporter.finish(e.record or {})
-        print(f"{PROG}: {e}", file=sys.stderr)
+        print(f"{PROG}: {e}; it goes on (`{PROG} wait {run_id}` again, or `{PROG} cancel {run_id}`)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if reporter:
@@ -946,7 +946,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         final = _follow_demo(client, ids, args)
         if final is None:
-            print(f"{PROG}: demo runs did not finish within {args.timeout:g} s", file=sys.stderr)
+            print(
+                f"{PROG}: demo runs did not finish within {args.timeout:g} s (a busy host? try --timeout {2 * args.timeout:g})",
+                file=sys.stderr,
+            )
             return 1
         if args.json:
             _print_json({"runs": final})

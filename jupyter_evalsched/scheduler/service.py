@@ -421,7 +421,7 @@ class Scheduler:
     def get_lease(self, lease_id: str) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None:
-            raise UnknownRun(f"no lease with id {lease_id!r}")
+            raise UnknownRun(f"no lease with id {lease_id!r} (it ended long ago, or never was): `jupyter evalsched leases` lists the live ones")
         return lease
 
     def release_lease(self, lease_id: str) -> dict[str, Any]:
@@ -439,7 +439,7 @@ class Scheduler:
                 raise StateConflict(
                     f"the directory of run {run_id} is broken ({self.broken[run_id]}); DELETE the run to remove it"
                 )
-            raise UnknownRun(f"no run with id {run_id!r}")
+            raise UnknownRun(f"no run with id {run_id!r} on this server (deleted, or never submitted here): `jupyter evalsched list` lists the runs")
         return run
 
     async def cancel(self, run_id: str, by: str | None = None) -> dict:
@@ -471,7 +471,9 @@ class Scheduler:
             raise StateConflict(f"run {run_id} is {run.state}; cancel it before deleting it")
         dependents = [other.id for other in self.table.active() if run_id in other.depends_on]
         if dependents:
-            raise StateConflict(f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}")
+            raise StateConflict(
+                f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}; cancel them first, or delete it once they ended"
+            )
         self._delete_directory(run_id)
         self.table.remove(run_id)
         if run.record["idempotency_key"]:
