@@ -154,7 +154,7 @@ class EvalSchedMagics(Magics):
 
         Line form::
 
-            %eval_sweep mypkg.evals:episode --sweep temperature=0.2,0.7,1.0 --sweep k=1,5
+            %eval_sweep jupyter_evalsched.examples.basic:accuracy_toy --sweep skill=0.3,0.6,0.9
             %eval_sweep spec.yaml --sweep-points '[{"k": 1}, {"k": 5, "temperature": 0.2}]'
 
         Cell form (the cell is the eval's source, ``eval.py:episode``)::
