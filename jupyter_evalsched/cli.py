@@ -895,7 +895,14 @@ def format_demo_final(ids: dict[str, str], final: Sequence[dict], width: int) ->
     did not succeed) whole under its row."""
     table = format_table(
         [
-            (label, rec.get("id"), rec.get("state"), format_duration(elapsed_s(rec)), format_where(rec), format_metrics(rec))
+            (
+                label,
+                rec.get("id"),
+                rec.get("state"),
+                format_duration(elapsed_s(rec)),
+                format_where(rec),
+                format_metrics(rec),
+            )
             for label, rec in zip(ids, final, strict=False)
         ],
         ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS"],
@@ -993,7 +1000,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--token", default=argparse.SUPPRESS, help="server token (default: EVALSCHED_TOKEN)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
-    parser = _Parser(prog=PROG, parents=[common], description="Submit and watch evaluation runs on the host's scheduler.")
+    parser = _Parser(
+        prog=PROG, parents=[common], description="Submit and watch evaluation runs on the host's scheduler."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:

@@ -255,7 +255,10 @@ class EvalSchedMagics(Magics):
 
             widget = QueueWidget(self.client, use_events=not args.poll)
         except ImportError as e:
-            print(f"eval_queue: ipywidgets is needed ({e}): pip install ipywidgets, then restart the kernel", file=sys.stderr)
+            print(
+                f"eval_queue: ipywidgets is needed ({e}): pip install ipywidgets, then restart the kernel",
+                file=sys.stderr,
+            )
             return None
         except EvalSchedClientError as e:
             print(f"eval_queue: {e}", file=sys.stderr)

@@ -421,7 +421,9 @@ class Scheduler:
     def get_lease(self, lease_id: str) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None:
-            raise UnknownRun(f"no lease with id {lease_id!r} (it ended long ago, or never was): `jupyter evalsched leases` lists the live ones")
+            raise UnknownRun(
+                f"no lease with id {lease_id!r} (it ended long ago, or never was): `jupyter evalsched leases` lists the live ones"
+            )
         return lease
 
     def release_lease(self, lease_id: str) -> dict[str, Any]:
@@ -439,7 +441,9 @@ class Scheduler:
                 raise StateConflict(
                     f"the directory of run {run_id} is broken ({self.broken[run_id]}); DELETE the run to remove it"
                 )
-            raise UnknownRun(f"no run with id {run_id!r} on this server (deleted, or never submitted here): `jupyter evalsched list` lists the runs")
+            raise UnknownRun(
+                f"no run with id {run_id!r} on this server (deleted, or never submitted here): `jupyter evalsched list` lists the runs"
+            )
         return run
 
     async def cancel(self, run_id: str, by: str | None = None) -> dict:
