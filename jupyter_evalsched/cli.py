@@ -55,15 +55,22 @@ def _print_json(value: Any) -> None:
     sys.stdout.write("\n")
 
 
-def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], max_width: int = 60) -> str:
-    """A plain left-aligned text table; cells longer than ``max_width`` are cut with an ellipsis."""
+def format_table(
+    rows: Sequence[Sequence[Any]], headers: Sequence[str], max_width: int = 60, whole_last: bool = True
+) -> str:
+    """A plain left-aligned text table; cells longer than ``max_width`` are cut with an ellipsis,
+    except in the last column (a reason: read whole, it shifts no other column) unless
+    ``whole_last`` is False."""
 
-    def cell(v: Any) -> str:
+    def cell(v: Any, width: int | None = max_width) -> str:
         s = "" if v is None else str(v)
         s = " ".join(s.split())
-        return s if len(s) <= max_width else s[: max_width - 1] + "…"
+        return s if width is None or len(s) <= width else s[: width - 1] + "…"
 
-    text_rows = [[cell(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
+    last = len(headers) - 1
+    text_rows = [[cell(h) for h in headers]] + [
+        [cell(v, None if i == last and whole_last else max_width) for i, v in enumerate(row)] for row in rows
+    ]
     widths = [max(len(r[i]) for r in text_rows) for i in range(len(headers))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)).rstrip() for r in text_rows]
     return "\n".join(lines)

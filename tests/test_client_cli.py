@@ -98,6 +98,16 @@ def test_cli_tables_show_slurm_job_and_state():
     )
 
 
+def test_tables_show_reasons_whole():
+    from jupyter_evalsched.cli import format_list, format_queue
+
+    reason = "waiting_vram: needs 16000 MB on 1 GPU; most free is 14000 MB (GPU 0); " + "lease lease-x holds 1 MB; " * 8
+    rec = {"id": "q1", "name": "n" * 100, "state": "queued", "priority": "normal", "reason": reason.strip()}
+    for text in (format_queue({"queued": [rec]}), format_list([rec])):
+        assert reason.strip() in text, text  # the last column, never cut
+        assert "n" * 100 not in text and "…" in text  # other columns still are cut
+
+
 def test_pending_reasons_are_told_from_why_naming_the_holders():
     import io
 
