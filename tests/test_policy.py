@@ -114,7 +114,7 @@ def test_starving_head_reserves_its_gpu_and_cpus():
     d = decide([big, q("small", 2, marginal_vram_mb=4000)], running, ONE_GPU, {})
     assert d.starts == []
     assert d.reserved_for == "big"
-    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job"
+    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job, run big"
     # Passed over too often counts the same as waiting too long.
     d = decide(
         [q("big", 1, marginal_vram_mb=16000, passed_over=50), q("small", 2, marginal_vram_mb=4000)],
@@ -531,7 +531,7 @@ def test_reserved_for_names_the_job_it_is_held_for():
     why = d.why["small"]
     assert (why.code, why.arg) == ("reserved_for", "big")
     assert why.holders == (Holder("run", "big", "Big job"),)
-    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job"
+    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job, run Big job (big)"
 
 
 def test_waiting_dependency_names_the_dependencies():

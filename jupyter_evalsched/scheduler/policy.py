@@ -380,7 +380,8 @@ def decide(
             if _place(job, book, frozenset()) is not None and job.cpus <= book.cpu_free:
                 decision.why[job.id] = Why(
                     contract.RESERVED_FOR,
-                    f"{_describe_reservation(reserved_devices, reserved_cpus)} held for an older job",
+                    f"{_describe_reservation(reserved_devices, reserved_cpus)} held for an older job, "
+                    + _job_named(decision.reserved_holder, decision.reserved_for),
                     arg=decision.reserved_for,
                     holders=(decision.reserved_holder,) if decision.reserved_holder else (),
                 )
@@ -534,6 +535,13 @@ def _reservation_devices(job: QueuedJob, book: _Book) -> list[int]:
         able = list(book.usable)
     able.sort(key=lambda i: (-book.free[i], book.runs[i], i))
     return able[: job.gpus]
+
+
+def _job_named(holder: Holder | None, job_id: str) -> str:
+    """A waiting job as a sentence names it: ``run big (2026...-ab12)``, ``lease lease-...``."""
+    if holder is not None and holder.kind != "run":
+        return f"{holder.kind} {job_id}" + (f" ({holder.name})" if holder.name else "")
+    return contract.run_named(job_id, holder.name if holder is not None else None)
 
 
 def _describe_reservation(devices: frozenset[int], cpus: int) -> str:
