@@ -55,12 +55,9 @@ def _print_json(value: Any) -> None:
     sys.stdout.write("\n")
 
 
-def format_table(
-    rows: Sequence[Sequence[Any]], headers: Sequence[str], max_width: int = 60, whole_last: bool = True
-) -> str:
+def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], max_width: int = 60) -> str:
     """A plain left-aligned text table; cells longer than ``max_width`` are cut with an ellipsis,
-    except in the last column (a reason: read whole, it shifts no other column) unless
-    ``whole_last`` is False."""
+    except in the last column (a reason: read whole, it shifts no other column)."""
 
     def cell(v: Any, width: int | None = max_width) -> str:
         s = "" if v is None else str(v)
@@ -69,7 +66,7 @@ def format_table(
 
     last = len(headers) - 1
     text_rows = [[cell(h) for h in headers]] + [
-        [cell(v, None if i == last and whole_last else max_width) for i, v in enumerate(row)] for row in rows
+        [cell(v, None if i == last else max_width) for i, v in enumerate(row)] for row in rows
     ]
     widths = [max(len(r[i]) for r in text_rows) for i in range(len(headers))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)).rstrip() for r in text_rows]
@@ -109,7 +106,7 @@ def format_where(rec: dict) -> str:
 PIPED_WIDTH = 100
 
 
-def output_width(stream: Any = None) -> int:
+def output_width() -> int:
     """The columns text is wrapped to: the terminal's (``COLUMNS`` first, as the shell sets it),
     else ``PIPED_WIDTH`` when the output is not a terminal."""
     return max(40, shutil.get_terminal_size((PIPED_WIDTH, 24)).columns)
@@ -538,7 +535,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if error:
         print(f"{'error':<17}{error.get('type')}: {error.get('message')}")
     if rec.get("state") in TERMINAL_STATES and rec.get("state") != SUCCEEDED:
-        print(f"{'its stderr':<17}{PROG} logs {rec.get('id')} --stream stderr  (a traceback is there)")
+        print(f"{'its stderr':<17}{PROG} logs {rec.get('id')} --stream stderr  (a traceback, if any)")
     return 0
 
 
