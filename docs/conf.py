@@ -41,4 +41,4 @@ html_theme_options = {
 }
 html_sidebars = {"**": []}  # the top bar holds the navigation; no empty left column
 html_show_sourcelink = False
-# No html_static_path: docs/_static holds only the generated screenshot, and may not exist.
+# No html_static_path: docs/_static holds only the panel's screenshot, which the figure copies.

@@ -14,9 +14,10 @@ import json
 import os
 import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .client import (
     SPEC_FILE_SUFFIXES,
@@ -39,6 +40,7 @@ from .client import (
     sweep_from_options,
 )
 from .client.formatting import compare_table, holder_text, pending_text
+from .client.spec import did_you_mean
 from .client.sweep import sweep_record
 from .contract import SUCCEEDED, TERMINAL_STATES
 
@@ -54,14 +56,18 @@ def _print_json(value: Any) -> None:
 
 
 def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], max_width: int = 60) -> str:
-    """A plain left-aligned text table; cells longer than ``max_width`` are cut with an ellipsis."""
+    """A plain left-aligned text table; cells longer than ``max_width`` are cut with an ellipsis,
+    except in the last column (a reason: read whole, it shifts no other column)."""
 
-    def cell(v: Any) -> str:
+    def cell(v: Any, width: int | None = max_width) -> str:
         s = "" if v is None else str(v)
         s = " ".join(s.split())
-        return s if len(s) <= max_width else s[: max_width - 1] + "…"
+        return s if width is None or len(s) <= width else s[: width - 1] + "…"
 
-    text_rows = [[cell(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
+    last = len(headers) - 1
+    text_rows = [[cell(h) for h in headers]] + [
+        [cell(v, None if i == last else max_width) for i, v in enumerate(row)] for row in rows
+    ]
     widths = [max(len(r[i]) for r in text_rows) for i in range(len(headers))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)).rstrip() for r in text_rows]
     return "\n".join(lines)
@@ -84,8 +90,39 @@ def format_slurm(rec: dict) -> str:
 
 def format_where(rec: dict) -> str:
     """Where a run executes, for the GPUS column: ``slurm:123 RUNNING`` for a SLURM run (it is not
-    on this host's GPUs), else its GPU indices (``0,1``), or ``-``."""
-    return format_slurm(rec) or ",".join(str(d) for d in rec.get("devices") or []) or "-"
+    on this host's GPUs), else its GPUs (``gpu0,gpu1``: a bare ``0`` reads as "no GPU"), ``cpu``
+    for a run that takes no GPU, ``-`` for one that has none yet (queued)."""
+    if format_slurm(rec):
+        return format_slurm(rec)
+    devices = rec.get("devices") or []
+    if devices:
+        return ",".join(f"gpu{d}" for d in devices)
+    if not rec.get("marginal_vram_mb") and not rec.get("exclusive_gpu"):
+        return "cpu"
+    return "-"
+
+
+# The width of text written to a pipe or a file: wide enough for a table row, narrow enough to read.
+PIPED_WIDTH = 100
+
+
+def output_width() -> int:
+    """The columns text is wrapped to: the terminal's (``COLUMNS`` first, as the shell sets it),
+    else ``PIPED_WIDTH`` when the output is not a terminal."""
+    return max(40, shutil.get_terminal_size((PIPED_WIDTH, 24)).columns)
+
+
+def wrap_lines(text: str, width: int, indent: str = "", first_indent: str = "") -> list[str]:
+    """``text`` wrapped to ``width`` columns at spaces, never inside a word (an id, a path): the
+    whole of it, nothing cut."""
+    return textwrap.wrap(
+        text,
+        width=width,
+        initial_indent=first_indent,
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [first_indent.rstrip()]
 
 
 def _bar(fraction: float, width: int = 24) -> str:
@@ -111,7 +148,7 @@ def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | 
             holders = _unmanaged_holders(dev)
             extra.append(f"other {dev['unmanaged_mb']} MB" + (f": {holders}" if holders else ""))
         if dev.get("exclusive"):
-            extra.append(f"exclusive {names.get(dev['exclusive'], dev['exclusive'])}")
+            extra.append(f"held whole by {names.get(dev['exclusive'], dev['exclusive'])}")
         runs = ", ".join(
             f"{names.get(r.get('id'), r.get('id'))}:{r.get('marginal_vram_mb')}" for r in dev.get("runs") or []
         )
@@ -229,10 +266,15 @@ class _Screen:
 
     def draw(self, text: str, key: Any = None) -> None:
         if self.tty:
-            # Lines are clipped to the terminal's width: a wrapped line would break the count of
-            # lines to move back up over at the next redraw.
+            # Lines are wrapped here to the terminal's width (never cut: a reason is read whole):
+            # a line the terminal wrapped would break the count of lines to move back up over.
             columns = max(20, shutil.get_terminal_size().columns - 1)
-            lines = [line if len(line) <= columns else line[: columns - 1] + "…" for line in text.split("\n")]
+            lines = []
+            for line in text.split("\n"):
+                if len(line) <= columns:
+                    lines.append(line)
+                else:
+                    lines += textwrap.wrap(line, columns, subsequent_indent="  ", break_on_hyphens=False) or [""]
             if self._lines:
                 self.stream.write(f"\x1b[{self._lines}F\x1b[J")
             self.stream.write("\n".join(lines) + "\n")
@@ -295,7 +337,7 @@ def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namesp
     except WaitTimeout as e:
         if reporter:
             reporter.finish(e.record or {})
-        print(f"{PROG}: {e}", file=sys.stderr)
+        print(f"{PROG}: {e}; it goes on (`{PROG} wait {run_id}` again, or `{PROG} cancel {run_id}`)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if reporter:
@@ -451,6 +493,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "run_dir",
     ]
     for key in keys:
+        if key == "exit_code" and not exit_code_tells(rec):
+            continue
         if key in rec and rec[key] not in (None, [], ""):
             print(f"{key:<17}{rec[key]}")
     for holder in (rec.get("why") or {}).get("holders") or []:
@@ -490,7 +534,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     error = summary.get("error")
     if error:
         print(f"{'error':<17}{error.get('type')}: {error.get('message')}")
+    if rec.get("state") in TERMINAL_STATES and rec.get("state") != SUCCEEDED:
+        print(f"{'its stderr':<17}{PROG} logs {rec.get('id')} --stream stderr  (a traceback, if any)")
     return 0
+
+
+def exit_code_tells(rec: dict) -> bool:
+    """Whether a record's ``exit_code`` says something: not a 0 of a run that failed, which only
+    means that the runner caught the eval's failure, recorded it and exited normally."""
+    return not (rec.get("exit_code") == 0 and rec.get("state") not in (SUCCEEDED, None, "queued", "running"))
 
 
 def cmd_leases(args: argparse.Namespace) -> int:
@@ -587,14 +639,14 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     if args.run_id.startswith(SWEEP_PREFIX):  # a sweep: its unfinished runs
-        view = _client(args).cancel_sweep(args.run_id)
+        view = _client(args).cancel_sweep(args.run_id, by="cli")
         if args.json:
             _print_json(view)
         else:
             for rec in view["runs"]:
                 print(_record_line(rec))
         return 0
-    rec = _client(args).cancel(args.run_id)
+    rec = _client(args).cancel(args.run_id, by="cli")
     _print_json(rec) if args.json else print(_record_line(rec))
     return 0
 
@@ -620,9 +672,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
         text = client.logs(args.run_id, stream=args.stream, tail=args.tail)
         if args.json:
             _print_json({"id": args.run_id, "stream": args.stream, "text": text})
-        else:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            return 0
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        _tell_the_end(client, args.run_id, args.stream, printed=bool(text))
         return 0
     follower = _LogFollower(client, args.run_id, args.stream, args.tail)
     try:
@@ -632,7 +685,35 @@ def cmd_logs(args: argparse.Namespace) -> int:
         follower.print_new()
     except KeyboardInterrupt:
         return 130
+    _tell_the_end(client, args.run_id, args.stream, printed=follower.printed > 0)
     return 0
+
+
+STDERR_TAIL_LINES = 20  # of a failed run's stderr, under its stdout
+
+
+def _tell_the_end(client: EvalSchedClient, run_id: str, stream: str, printed: bool) -> None:
+    """After a run's stdout, on stderr: why it did not succeed, with the end of its stderr (the
+    traceback is there) and how to read all of it; for an empty log, that it is empty. Never
+    nothing: an empty answer reads as "it worked"."""
+    rec = client.get(run_id)
+    state = rec.get("state")
+    if state not in TERMINAL_STATES or state == SUCCEEDED or stream == "stderr":
+        if not printed:
+            print(f"({stream}.log of run {run_id} is empty; the run is {state})", file=sys.stderr)
+        return
+    print(failure_note(rec, client.logs(run_id, stream="stderr", tail=STDERR_TAIL_LINES)), file=sys.stderr)
+
+
+def failure_note(rec: dict, stderr_tail: str) -> str:
+    """What ``logs`` adds for a run that did not succeed: its state and reason, the end of its
+    stderr, and the command that shows the whole of it."""
+    run_id = rec.get("id", "?")
+    lines = [f"run {run_id} {rec.get('state')}: {rec.get('reason') or 'no reason recorded'}"]
+    if stderr_tail.strip():
+        lines += ["the end of its stderr.log:", *("  " + line for line in stderr_tail.rstrip("\n").split("\n"))]
+    lines.append(f"all of it: {PROG} logs {run_id} --stream stderr")
+    return "\n".join(lines)
 
 
 class _LogFollower:
@@ -645,6 +726,7 @@ class _LogFollower:
         self.tail = tail
         self.interval_s = interval_s
         self._printed = 0
+        self.printed = 0  # characters written to stdout
         self._first = True
         self._last_read = 0.0
 
@@ -664,6 +746,7 @@ class _LogFollower:
         if new:
             sys.stdout.write(new)
             sys.stdout.flush()
+            self.printed += len(new)
         self._printed = len(text)
 
 
@@ -738,31 +821,40 @@ def demo_plan(sleep_s: float, episodes: int) -> list[tuple[str, dict]]:
     ]
 
 
-def _demo_frame(view: dict, ids: dict[str, str], records: dict[str, dict], t0: float) -> tuple[str, Any]:
+def demo_frame(
+    view: dict, ids: dict[str, str], records: dict[str, dict], elapsed: float, width: int
+) -> tuple[str, Any]:
+    """One frame of the demo, ``width`` columns wide: the ledger, then a row per run with its
+    reason whole under it (wrapped, never cut: the reason is what the demo is there to show).
+    Returns the text and what a log outside a terminal compares to print changes only."""
     order = {q["id"]: i + 1 for i, q in enumerate(view.get("queued") or [])}
-    rows = []
+    labels = {rid: label for label, rid in ids.items()}
+    rows, reasons = [], []
     for label, rid in ids.items():
         rec = records[rid]
-        pos = f"#{order[rid]}" if rid in order else ""
         rows.append(
             (
                 label,
                 rec.get("state"),
-                pos,
+                f"#{order[rid]}" if rid in order else "",
                 rec.get("priority"),
                 rec.get("marginal_vram_mb"),
                 format_where(rec),
                 _progress(rec),
-                rec.get("reason") or "",
             )
         )
-    table = format_table(
-        rows, ["RUN", "STATE", "QUEUE", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS", "REASON"], max_width=70
-    )
-    labels = {rid: label for label, rid in ids.items()}
-    text = f"t={time.monotonic() - t0:5.1f}s\n{format_ledger(view.get('ledger'), names=labels)}\n\n{table}"
-    key = [(r[1], r[2], r[7]) for r in rows]  # what a non-terminal log should report: changes only
-    return text, key
+        reasons.append(rec.get("reason") or "")
+    table = format_table(rows, ["RUN", "STATE", "QUEUE", "PRIORITY", "VRAM_MB", "GPUS", "PROGRESS"]).split("\n")
+    lines = [f"t={elapsed:5.1f}s"]
+    for line in format_ledger(view.get("ledger"), names=labels).split("\n"):
+        lines += wrap_lines(line, width, indent="      ")
+    lines += ["", table[0]]
+    for row, reason in zip(table[1:], reasons, strict=True):
+        lines.append(row)
+        if reason:
+            lines += wrap_lines(reason, width, indent="      ", first_indent="    ")
+    key = [(r[1], r[2], reason) for r, reason in zip(rows, reasons, strict=True)]  # changes only, in a log
+    return "\n".join(lines), key
 
 
 def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Namespace) -> list[dict] | None:
@@ -774,7 +866,7 @@ def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Na
     records: dict[str, dict] = {}
 
     def draw() -> None:
-        text, key = _demo_frame(tracker.view, ids, records, t0)
+        text, key = demo_frame(tracker.view, ids, records, time.monotonic() - t0, output_width() - 1)
         if not args.json:
             screen.draw(text, key=key)
 
@@ -786,7 +878,12 @@ def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Na
             # A run is queued, running or recently finished; a GET only before the first read.
             records[rid] = tracker.find(rid) or records.get(rid) or client.get(rid)
         if all(r.get("state") in TERMINAL_STATES for r in records.values()):
-            redraw.draw_now()  # the final frame, whatever the throttle says
+            # The last end came as an event, before the ledger that frees its GPU: the final
+            # frame is drawn from a fresh read, whatever the throttle says.
+            tracker.read(client)
+            for rid in ids.values():
+                records[rid] = tracker.find(rid) or records[rid]
+            redraw.draw_now()
             return False
         redraw.tick()
         return time.monotonic() - t0 <= args.timeout
@@ -795,6 +892,31 @@ def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Na
     if not all(r.get("state") in TERMINAL_STATES for r in records.values()):
         return None
     return [client.get(rid) for rid in ids.values()]  # with the final summary.json: the metrics
+
+
+def format_demo_final(ids: dict[str, str], final: Sequence[dict], width: int) -> str:
+    """The demo's last table: each run's id, state, time, GPUs and metrics; a reason (a run that
+    did not succeed) whole under its row."""
+    table = format_table(
+        [
+            (
+                label,
+                rec.get("id"),
+                rec.get("state"),
+                format_duration(elapsed_s(rec)),
+                format_where(rec),
+                format_metrics(rec),
+            )
+            for label, rec in zip(ids, final, strict=False)
+        ],
+        ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS"],
+    ).split("\n")
+    lines = [table[0]]
+    for row, rec in zip(table[1:], final, strict=False):
+        lines.append(row)
+        if rec.get("reason"):
+            lines += wrap_lines(rec["reason"], width, indent="      ", first_indent="    ")
+    return "\n".join(lines)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -835,29 +957,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         final = _follow_demo(client, ids, args)
         if final is None:
-            print(f"{PROG}: demo runs did not finish within {args.timeout:g} s", file=sys.stderr)
+            print(
+                f"{PROG}: demo runs did not finish within {args.timeout:g} s (a busy host? try --timeout {2 * args.timeout:g})",
+                file=sys.stderr,
+            )
             return 1
         if args.json:
             _print_json({"runs": final})
         else:
             print("\nfinal:")
-            print(
-                format_table(
-                    [
-                        (
-                            label,
-                            rec.get("id"),
-                            rec.get("state"),
-                            format_duration(elapsed_s(rec)),
-                            format_where(rec),
-                            format_metrics(rec),
-                            rec.get("reason") or "",
-                        )
-                        for label, rec in zip(ids, final, strict=False)
-                    ],
-                    ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS", "REASON"],
-                )
-            )
+            print(format_demo_final(ids, final, output_width() - 1))
         ok = all(r.get("state") == SUCCEEDED for r in final)
         return 0 if ok else 1
     except KeyboardInterrupt:
@@ -871,10 +980,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with "did you mean ...?" for a mistyped flag or command."""
+
+    def error(self, message: str) -> NoReturn:
+        known: set[str] = set(self._option_string_actions)
+        for action in self._actions:  # a flag the top parser does not know may be a command's
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    known.update(sub._option_string_actions)
+        super().error(did_you_mean(message, sorted(known)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Global options are accepted before and after the subcommand; SUPPRESS keeps a subparser's
     # unset copy from overwriting a value given before the subcommand.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--url",
         default=argparse.SUPPRESS,
@@ -883,7 +1004,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--token", default=argparse.SUPPRESS, help="server token (default: EVALSCHED_TOKEN)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG, parents=[common], description="Submit and watch evaluation runs on the host's scheduler."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -78,6 +78,30 @@ def reason(code: str, detail: str | None = None, *, arg: object = None, limit: i
     return text
 
 
+def run_named(run_id: str, name: str | None = None) -> str:
+    """A run as a reason's sentence names it: ``run big-a (20261203T063534.645737-38512a)``, by
+    its name and id (the id alone when it has no name of its own), so that a reader knows it
+    without looking the id up."""
+    return f"run {name} ({run_id})" if name and name != run_id else f"run {run_id}"
+
+
+# Who asked for a cancel (``POST .../cancel?by=panel``), in the reason's words; without ``by``,
+# "through the API".
+CANCELLED_BY = {
+    "panel": "from the Lab panel",
+    "widget": "from a notebook widget",
+    "cli": "with jupyter evalsched cancel",
+    "python": "from Python (cancel())",
+}
+
+
+def cancelled_reason(by: str | None, when: str = "") -> str:
+    """``cancelled: cancelled from the Lab panel while queued``: who cancelled (``by``, a key of
+    ``CANCELLED_BY``) and when (``while queued``, ``before it started``, ...)."""
+    who = CANCELLED_BY.get(by or "", "through the API")
+    return reason(CANCELLED_REASON, f"cancelled {who}" + (f" {when}" if when else ""))
+
+
 def reason_code(text: str | None) -> str | None:
     """The code of a reason (``"waiting_vram: needs ..."`` -> ``"waiting_vram"``,
     ``"exit_code:3: ..."`` -> ``"exit_code"``); None for no reason."""

@@ -31,7 +31,7 @@ from .contract import STATES
 from .scheduler.errors import SchedulerError
 from .scheduler.service import Scheduler
 from .scheduler.shared import ModelUnavailable
-from .schemas import MAX_SPEC_JSON_CHARS, EvalSpec, LeaseRequest, SweepRequest
+from .schemas import MAX_SPEC_JSON_CHARS, EvalSpec, LeaseRequest, SweepRequest, extra_field_hint
 from .store import RunFileError
 
 if TYPE_CHECKING:
@@ -274,13 +274,19 @@ def parse_body(body: bytes, model: type[M], what: str) -> M:
         return model.model_validate(obj)
     except ValidationError as exc:
         detail = [
-            {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}
+            {"loc": list(err["loc"]), "msg": _field_message(model, err), "type": err["type"]}
             for err in exc.errors(include_url=False, include_context=False, include_input=False)
         ]
         message = "; ".join(f"{'.'.join(map(str, d['loc'])) or what}: {d['msg']}" for d in detail)
         raise ApiError(422, f"invalid {what}: {message}", detail) from None
     except RecursionError:
         raise ApiError(400, "the body is nested too deeply") from None
+
+
+def _field_message(model: type[BaseModel], err: Any) -> str:
+    """A field error's message, with where an unknown field belongs (or what it is a typo of)."""
+    hint = extra_field_hint(model, tuple(err["loc"])) if err["type"] == "extra_forbidden" else None
+    return f"{err['msg']}; {hint}" if hint else str(err["msg"])
 
 
 def _reject_constant(name: str) -> Any:
@@ -311,11 +317,19 @@ class RunHandler(EvalSchedHandler):
         self.finish()
 
 
+def cancelled_by(handler: EvalSchedHandler) -> str | None:
+    """A cancel's ``?by=`` (who asks: the panel, the widget, the CLI, Python), for its reason."""
+    by = handler.get_argument("by", None) or None
+    if by is not None and by not in contract.CANCELLED_BY:
+        raise ApiError(400, f"query parameter 'by' must be one of {', '.join(contract.CANCELLED_BY)}, got {by!r:.100}")
+    return by
+
+
 class CancelHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def post(self, run_id: str) -> None:
-        self.send_json(await self.scheduler.cancel(run_id))
+        self.send_json(await self.scheduler.cancel(run_id, cancelled_by(self)))
 
 
 class ResumeHandler(EvalSchedHandler):
@@ -384,7 +398,7 @@ class SweepCancelHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def post(self, sweep_id: str) -> None:
-        self.send_json(await self.scheduler.cancel_sweep(sweep_id))
+        self.send_json(await self.scheduler.cancel_sweep(sweep_id, cancelled_by(self)))
 
 
 class CompareHandler(EvalSchedHandler):

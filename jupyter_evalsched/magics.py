@@ -30,6 +30,7 @@ from .client import (
     load_spec_file,
     sweep_from_options,
 )
+from .client.spec import did_you_mean
 
 __all__ = ["EvalSchedMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -41,7 +42,11 @@ def _parse(magic_func, line: str):
         argv = shlex.split(line)
     except ValueError as e:
         raise UsageError(f"cannot split the arguments: {e}") from None
-    return magic_func.parser.parse_args(argv)  # MagicArgumentParser raises UsageError itself
+    parser = magic_func.parser
+    try:
+        return parser.parse_args(argv)  # MagicArgumentParser raises UsageError itself
+    except UsageError as e:
+        raise UsageError(did_you_mean(str(e), parser._option_string_actions)) from None
 
 
 def _spec_flags(func):
@@ -149,7 +154,7 @@ class EvalSchedMagics(Magics):
 
         Line form::
 
-            %eval_sweep mypkg.evals:episode --sweep temperature=0.2,0.7,1.0 --sweep k=1,5
+            %eval_sweep jupyter_evalsched.examples.basic:accuracy_toy --sweep skill=0.3,0.6,0.9
             %eval_sweep spec.yaml --sweep-points '[{"k": 1}, {"k": 5, "temperature": 0.2}]'
 
         Cell form (the cell is the eval's source, ``eval.py:episode``)::
@@ -250,7 +255,10 @@ class EvalSchedMagics(Magics):
 
             widget = QueueWidget(self.client, use_events=not args.poll)
         except ImportError as e:
-            print(f"eval_queue: ipywidgets is needed: {e}", file=sys.stderr)
+            print(
+                f"eval_queue: ipywidgets is needed ({e}): pip install ipywidgets, then restart the kernel",
+                file=sys.stderr,
+            )
             return None
         except EvalSchedClientError as e:
             print(f"eval_queue: {e}", file=sys.stderr)

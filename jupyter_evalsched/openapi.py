@@ -8,6 +8,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from ._version import __version__
+from .contract import CANCELLED_BY
 from .schemas import (
     STATES,
     Comparison,
@@ -117,6 +118,14 @@ IDEMPOTENCY_KEY_PARAM = {
     "the same key with another body is a 409",
     "schema": {"type": "string", "pattern": "^[!-~]{1,200}$"},
 }
+CANCELLED_BY_PARAM = {
+    "name": "by",
+    "in": "query",
+    "required": False,
+    "description": "who cancels, for the run's reason ('cancelled from the Lab panel'); without it, "
+    "'cancelled through the API'",
+    "schema": {"type": "string", "enum": list(CANCELLED_BY)},
+}
 LEASE_ID_PARAM = {
     "name": "lease_id",
     "in": "path",
@@ -180,7 +189,8 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "post": {
                 "summary": "Cancel a queued or running run",
                 "operationId": "cancelRun",
-                "responses": {"200": _json("RunRecord", "the run"), **_errors(404, 409)},
+                "parameters": [CANCELLED_BY_PARAM],
+                "responses": {"200": _json("RunRecord", "the run"), **_errors(400, 404, 409)},
             },
         },
         "/runs/{run_id}/resume": {
@@ -231,7 +241,8 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "post": {
                 "summary": "Cancel a sweep's unfinished runs (finished ones stay)",
                 "operationId": "cancelSweep",
-                "responses": {"200": _json("SweepView", "the sweep"), **_errors(404)},
+                "parameters": [CANCELLED_BY_PARAM],
+                "responses": {"200": _json("SweepView", "the sweep"), **_errors(400, 404)},
             },
         },
         "/compare": {

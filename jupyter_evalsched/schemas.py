@@ -6,6 +6,7 @@ library (see ``runner/``) so that it never pays pydantic's import cost.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -246,6 +247,66 @@ class EvalSpec(_Strict):
         rest = self.model_dump(mode="json", exclude={"params", "sweep"})
         check_spec_size(json_chars(rest) + len(',"params":') + json_chars(self.params))
         return self
+
+
+# Names people write for a field, from the CLI's flags and habit: where "did you mean" points.
+FIELD_ALIASES = {
+    "vram": "marginal_vram_mb",
+    "vram_mb": "marginal_vram_mb",
+    "memory": "memory_mb",
+    "exclusive": "exclusive_gpu",
+    "timeout": "timeout_s",
+    "param": "params",
+    "model": "models",
+    "depends": "depends_on",
+}
+
+
+def _field_sections(model: type[BaseModel], path: tuple[str, ...] = ()) -> dict[str, list[tuple[str, ...]]]:
+    """Every field of ``model`` and of its sub-models, with where it sits: ``{"gpus":
+    [("scheduling",)], "episodes": [()]}``."""
+    out: dict[str, list[tuple[str, ...]]] = {}
+    for name, info in model.model_fields.items():
+        out.setdefault(name, []).append(path)
+        sub = info.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            for inner, where in _field_sections(sub, (*path, name)).items():
+                out.setdefault(inner, []).extend(where)
+    return out
+
+
+def _placed(name: str, where: tuple[str, ...]) -> tuple[str, str]:
+    """``("under scheduling", '{"scheduling": {"gpus": ...}}')`` or the top level's."""
+    example = f'"{name}": ...'
+    for section in reversed(where):
+        example = f'"{section}": {{{example}}}'
+    return ("under " + ".".join(where) if where else "at the top level", "{" + example + "}")
+
+
+def extra_field_hint(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
+    """What to do about an unknown field at ``loc`` of a ``model`` body: the section it belongs
+    in when it is a field of another one (``marginal_vram_mb belongs under scheduling:
+    {"scheduling": {"marginal_vram_mb": ...}}``), else the field it is probably a typo of; None
+    when nothing is close."""
+    if not loc or not isinstance(loc[-1], str):
+        return None
+    name, here = loc[-1], tuple(str(part) for part in loc[:-1])
+    sections = _field_sections(model)
+    elsewhere = [where for where in sections.get(name, []) if where != here]
+    if elsewhere:
+        place, example = _placed(name, elsewhere[0])
+        return f"{name} belongs {place}: {example}"
+    candidates = [field for field, places in sections.items() for _ in places]
+    meant = FIELD_ALIASES.get(name.lower())
+    if meant not in sections:
+        meant = next(iter(difflib.get_close_matches(name, candidates, n=1, cutoff=0.7)), None)
+    if meant is None:
+        return None
+    where = here if here in sections[meant] else sections[meant][0]
+    if where == here:
+        return f"did you mean {meant}?"
+    place, example = _placed(meant, where)
+    return f"did you mean {meant}, which belongs {place}: {example}?"
 
 
 def json_chars(value: Any) -> int:

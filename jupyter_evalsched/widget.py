@@ -545,7 +545,7 @@ class QueueWidget(widgets.VBox):
     def _cancel(self, run_id: str) -> None:
         # Runs on the kernel's main thread (comm message); only REST here, the feed re-renders.
         try:
-            self.client.cancel(run_id)
+            self.client.cancel(run_id, by="widget")
             self._action_error = None
         except EvalSchedClientError as e:
             self._action_error = f"cancel {run_id}: {e}"
@@ -709,7 +709,7 @@ class RunProgress(widgets.VBox):
 
     def _cancel(self) -> None:
         try:
-            self.update(self.client.cancel(self.run_id))
+            self.update(self.client.cancel(self.run_id, by="widget"))
             self._action_error = None
         except EvalSchedClientError as e:
             self._action_error = str(e)

@@ -77,12 +77,14 @@ def test_cli_tables_show_slurm_job_and_state():
     }
     assert format_slurm(slurm) == "slurm:123 RUNNING" and format_where(slurm) == "slurm:123 RUNNING"
     assert format_slurm(unsubmitted) == "slurm" and format_slurm(local) == ""
-    assert format_where(local) == "0,1" and format_where({"id": "x"}) == "-"
+    # GPUs read as GPUs (a bare "0" reads as "no GPU"); a run that takes none is on the CPU.
+    assert format_where(local) == "gpu0,gpu1" and format_where({"id": "x"}) == "cpu"
+    assert format_where({"id": "q", "marginal_vram_mb": 8000}) == "-"  # queued: no GPU yet
 
     text = format_queue({"running": [slurm, local], "queued": [pending, unsubmitted], "ledger": None})
     running_row = next(line for line in text.splitlines() if line.startswith("s1 "))
     assert "slurm:123 RUNNING" in running_row and "1/4" in running_row
-    assert "0,1" in next(line for line in text.splitlines() if line.startswith("l1 "))
+    assert "gpu0,gpu1" in next(line for line in text.splitlines() if line.startswith("l1 "))
     header = next(line for line in text.splitlines() if line.startswith("#"))
     assert header.split() == ["#", "ID", "NAME", "PRIORITY", "VRAM_MB", "SLURM", "REASON"]
     assert "slurm:124 PENDING" in next(line for line in text.splitlines() if " s2 " in line)
@@ -94,6 +96,16 @@ def test_cli_tables_show_slurm_job_and_state():
     assert "SLURM" not in format_list([local]) and "SLURM" not in format_queue(
         {"queued": [dict(local, state="queued")]}
     )
+
+
+def test_tables_show_reasons_whole():
+    from jupyter_evalsched.cli import format_list, format_queue
+
+    reason = "waiting_vram: needs 16000 MB on 1 GPU; most free is 14000 MB (GPU 0); " + "lease lease-x holds 1 MB; " * 8
+    rec = {"id": "q1", "name": "n" * 100, "state": "queued", "priority": "normal", "reason": reason.strip()}
+    for text in (format_queue({"queued": [rec]}), format_list([rec])):
+        assert reason.strip() in text, text  # the last column, never cut
+        assert "n" * 100 not in text and "…" in text  # other columns still are cut
 
 
 def test_pending_reasons_are_told_from_why_naming_the_holders():
@@ -464,6 +476,84 @@ def test_cli_spec_file_with_flag_overrides_and_failed_wait(live_server, clean_qu
     spec = json.loads(open(os.path.join(final["run_dir"], "spec.json")).read())
     assert spec["params"] == {"how": "exception", "at": 1, "sleep_s": 0.01}
 
+    # `logs` of the failed run (nothing on its stdout) tells why, with its traceback and how to
+    # read all of its stderr: never nothing with exit 0.
+    logs = cli(live_server, "logs", final["id"])
+    assert logs.returncode == 0 and logs.stdout == ""
+    assert f"run {final['id']} failed: exception: RuntimeError: crash requested in episode 1" in logs.stderr
+    assert "Traceback (most recent call last):" in logs.stderr
+    assert f"jupyter evalsched logs {final['id']} --stream stderr" in logs.stderr
+    # `status` does not show the runner's clean exit (0) as if it meant success.
+    status = cli(live_server, "status", final["id"])
+    assert "exit_code" not in status.stdout and "reason           exception: RuntimeError" in status.stdout
+    assert f"logs {final['id']} --stream stderr" in status.stdout
+
+
+def test_cancel_says_who_cancelled(live_server, client, clean_queue):
+    """The reason of a cancelled run names who asked: the CLI, the Lab panel (its `?by=panel`),
+    Python; a plain REST call stays "through the API"; another `by` is a 400."""
+    blocker = client.submit(_sleepy("blocker", sleep_s=30, episodes=1, exclusive_gpu=True, gpus=2))
+    queued = [client.submit(_sleepy(f"q{i}", vram=1000)) for i in range(4)]
+    proc = cli(live_server, "cancel", queued[0]["id"])
+    assert proc.returncode == 0, proc.stderr
+    expected = {
+        queued[0]["id"]: "cancelled: cancelled with jupyter evalsched cancel while queued",
+        queued[1]["id"]: "cancelled: cancelled from the Lab panel while queued",
+        queued[2]["id"]: "cancelled: cancelled from Python (cancel()) while queued",
+        queued[3]["id"]: "cancelled: cancelled through the API while queued",
+        blocker["id"]: "cancelled: cancelled from the Lab panel",
+    }
+    client.cancel(queued[1]["id"], by="panel")
+    client.handle(queued[2]["id"]).cancel()
+    client.cancel(queued[3]["id"])
+    with pytest.raises(EvalSchedError) as err:
+        client.cancel(blocker["id"], by="someone")
+    assert err.value.status == 400 and "panel" in str(err.value)
+    client.cancel(blocker["id"], by="panel")
+    for run_id, reason in expected.items():
+        assert wait_state(client, run_id)["reason"] == reason
+
+
+def test_every_misplaced_known_field_gets_a_422_saying_where_it_belongs(client):
+    """Each field of the spec's scheduling at the top level, and each top-level field under
+    scheduling: the 422 names the section it belongs in, with the shape to write; a typo, the field
+    it is probably a typo of."""
+    from jupyter_evalsched.schemas import EvalSpec, Scheduling
+
+    def refused(spec: dict) -> EvalSchedError:
+        with pytest.raises(EvalSchedError) as err:
+            client.submit({"entrypoint": SLEEPY, **spec})
+        assert err.value.status == 422
+        return err.value
+
+    for field in Scheduling.model_fields:
+        err = refused({field: 1})
+        hint = f'{field} belongs under scheduling: {{"scheduling": {{"{field}": ...}}}}'
+        assert hint in err.message and hint in err.detail[0]["msg"] and hint in str(err), err.message
+    for field in EvalSpec.model_fields:
+        if field == "scheduling":
+            continue
+        err = refused({"scheduling": {field: 1}})
+        assert f'{field} belongs at the top level: {{"{field}": ...}}' in err.message, err.message
+    assert "did you mean episodes?" in refused({"episods": 3}).message
+    assert 'did you mean marginal_vram_mb, which belongs under scheduling: {"scheduling": {"marginal_vram_mb"' in (
+        refused({"vram": 16000}).message
+    )
+    assert "did you mean" not in refused({"zzz": 1}).message  # nothing close: the plain error
+    with pytest.raises(EvalSchedError) as err:
+        client.submit_sweep({"entrypoint": SLEEPY, "gpus": 2}, {"k": [1, 2]})
+    assert 'gpus belongs under scheduling: {"scheduling": {"gpus": ...}}' in err.value.message
+
+
+def test_cli_mistyped_flags_and_commands_get_a_did_you_mean(tmp_path):
+    for args, hint in (
+        (("submit", SLEEPY, "--priorty", "3"), "did you mean --priority instead of --priorty?"),
+        (("stauts", "x"), "did you mean 'status'?"),
+        (("submit", SLEEPY, "--priority", "hihg"), "did you mean 'high'?"),
+    ):
+        proc = cli(None, *args, with_server=False, cwd=str(tmp_path))
+        assert proc.returncode == 2 and hint in proc.stderr, (args, proc.stderr)
+
 
 def test_cli_errors_exit_2_with_one_line(live_server, tmp_path):
     cases = [
@@ -507,17 +597,74 @@ def test_cli_logs_follow(live_server, clean_queue, tmp_path):
     ]
 
 
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
 def test_cli_demo(tmp_path):
-    proc = cli(None, "demo", "--sleep", "0.3", "--episodes", "3", with_server=False, cwd=str(tmp_path), timeout=90)
+    # Piped, in an 80-column terminal's environment: every line fits, nothing is cut.
+    proc = cli(
+        None,
+        "demo",
+        "--sleep",
+        "0.3",
+        "--episodes",
+        "3",
+        with_server=False,
+        cwd=str(tmp_path),
+        timeout=90,
+        env={"COLUMNS": "80"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    final = proc.stdout.split("final:")[-1]
+    frames, final = proc.stdout.split("final:")
     assert final.count("succeeded") == 6
     # Queueing really happened: the log shows VRAM and exclusive waits and the dependency.
     assert "waiting_vram" in proc.stdout and "waiting_gpu_exclusive" in proc.stdout
-    assert "waiting_dependency" in proc.stdout
-    # A notebook's lease held VRAM at first: the ledger drew it (the reasons that name it are
-    # cut to the table's width here; tests/test_leases.py checks them whole).
-    assert "leases: demo notebook:10000" in proc.stdout and "10000 MB for 'demo notebook'" in proc.stderr
+    assert "waiting_dependency: run big-a (" in _words(proc.stdout)
+    # A notebook's lease held VRAM at first: the ledger drew it, and the reasons it held back say
+    # so whole (wrapped, not cut).
+    assert "leases: demo notebook:10000" in _words(proc.stdout) and "10000 MB for 'demo notebook'" in proc.stderr
+    assert "(demo notebook) holds 10000 MB on GPU 0" in _words(proc.stdout)
+    assert "…" not in proc.stdout and max(len(line) for line in proc.stdout.splitlines()) < 80
+    # The last frame is drawn after the last run ended: every GPU is free again.
+    last = frames.strip().split("\nt=")[-1]
+    assert "held whole by" not in last and "runs:" not in last, last
+    assert last.count("0/24000 MB") == 2, last
+
+
+def test_demo_frames_show_each_pending_reason_whole(live_server, client, clean_queue):
+    """The demo's frame, from the server's answers while the demo's runs wait (a lease held,
+    exclusive and dependent runs queued), at 80 and 120 columns and piped: each reason whole."""
+    from jupyter_evalsched.cli import PIPED_WIDTH, demo_frame, demo_plan
+
+    lease = client.request("POST", "leases", body={"vram_mb": 10000, "label": "demo notebook", "pid": os.getpid()})
+    ids: dict[str, str] = {}
+    for label, spec in demo_plan(30.0, 1):
+        spec["depends_on"] = [ids[d[1:]] if d.startswith("@") else d for d in spec.get("depends_on", [])]
+        ids[label] = client.submit(spec)["id"]
+
+    def settled():
+        view = client.queue()
+        records = {rid: client.get(rid) for rid in ids.values()}
+        waiting = [r for r in records.values() if r["state"] == "queued"]
+        return (view, records) if waiting and all(r["reason"] for r in waiting) else None
+
+    view, records = wait_until(settled, timeout=15)
+    reasons = [r["reason"] for r in records.values() if r["state"] == "queued"]
+    assert any("holds 10000 MB on GPU" in r for r in reasons), reasons  # the lease, named in a reason
+    after = records[ids["after-a"]]["reason"]
+    assert after == f"waiting_dependency: run big-a ({ids['big-a']}) is running", after
+    for width in (79, 119, PIPED_WIDTH - 1):  # 80 and 120 columns (the last one left free), piped
+        text, _ = demo_frame(view, ids, records, 1.0, width)
+        assert "…" not in text
+        assert max(len(line) for line in text.splitlines()) <= width, text
+        for reason in reasons:
+            assert _words(reason) in _words(text), (width, reason, text)
+        rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in ([k] for k in ids)}
+        # GPUS reads as GPUs: gpu<index> when it has one, cpu for a run that takes none.
+        assert rows["big-a"][1] == "running" and rows["big-a"][-2] in ("gpu0", "gpu1"), rows["big-a"]
+        assert rows["after-a"][-2] == "cpu", rows["after-a"]
+    client.request("DELETE", f"leases/{lease['id']}")
 
 
 def test_run_handle_repr_and_html(client, clean_queue):

@@ -125,6 +125,15 @@ def test_errors_are_one_line_without_traceback(ip, capsys, monkeypatch):
     assert not result.success
     out = capsys.readouterr()
     assert "UsageError" in out.err + out.out and "Traceback" not in out.err + out.out
+    # A mistyped flag, or a mistyped choice: what was probably meant.
+    for line, hint in (
+        (f"{SLEEPY} --priorty 3", "did you mean --priority instead of --priorty?"),
+        (f"{SLEEPY} --episods 3 --vram 10", "did you mean --episodes instead of --episods?"),
+        (f"{SLEEPY} --priority hihg", "did you mean 'high'?"),
+    ):
+        result = ip.run_cell(f"%eval_submit {line}")
+        out = capsys.readouterr()
+        assert not result.success and hint in out.err + out.out, (line, out)
 
     monkeypatch.setenv("EVALSCHED_URL", "http://127.0.0.1:9/")
     assert ip.run_line_magic("eval_submit", SLEEPY) is None
@@ -138,6 +147,14 @@ def test_handle_methods(ip, capsys, clean_queue):
     assert h.record()["id"] == h.id
     final = h.wait(timeout=30)  # with the text progress bar (no kernel here)
     assert final["state"] == "succeeded"
+    # A cell's last line `h.wait()` shows one line under the progress bar, not the whole record;
+    # the record is a dict all the same.
+    from IPython.lib.pretty import pretty
+
+    shown = pretty(final)
+    assert "\n" not in shown and len(shown) < 300 and "'state': 'succeeded'" in shown and h.id in shown, shown
+    assert isinstance(final, dict) and json.loads(json.dumps(final))["summary"]["episodes_done"] == 3
+    assert "summary" in repr(dict(final))
     err = capsys.readouterr().err
     assert "3/3" in err and "succeeded" in err and "score=" in err
     assert h.summary()["metrics"]["score"]["count"] == 3

@@ -71,7 +71,7 @@ def test_exclusive_needs_an_idle_gpu_and_blocks_it():
     d = decide([q("z", 3, marginal_vram_mb=10)], [RunningJob("x", (0,), 0, exclusive=True)], ONE_GPU, {})
     assert d.starts == [] and d.waiting["z"].startswith("waiting_vram")
     d = decide([q("x2", 1, exclusive=True)], running, ONE_GPU, {})
-    assert d.waiting["x2"] == "waiting_gpu_exclusive: needs 1 GPU with nothing else on it; GPU 0: 1 run"
+    assert d.waiting["x2"] == "waiting_gpu_exclusive: needs 1 GPU with nothing else on it; GPU 0: run r0"
 
 
 def test_exclusive_waits_for_foreign_processes_too():
@@ -114,7 +114,7 @@ def test_starving_head_reserves_its_gpu_and_cpus():
     d = decide([big, q("small", 2, marginal_vram_mb=4000)], running, ONE_GPU, {})
     assert d.starts == []
     assert d.reserved_for == "big"
-    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job"
+    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job, run big"
     # Passed over too often counts the same as waiting too long.
     d = decide(
         [q("big", 1, marginal_vram_mb=16000, passed_over=50), q("small", 2, marginal_vram_mb=4000)],
@@ -142,7 +142,7 @@ def test_dependencies_wait_then_fail_without_running():
         deps,
     )
     assert [s.id for s in d.starts] == ["b"]
-    assert d.waiting["a"] == "waiting_dependency: d1 is running"
+    assert d.waiting["a"] == "waiting_dependency: run d1 is running"
     assert d.dependency_failed == {"c": "d3"}
     d = decide([q("e", 1, depends_on=("gone",))], [], ONE_GPU, {})
     assert d.dependency_failed == {"e": "gone"}
@@ -531,7 +531,7 @@ def test_reserved_for_names_the_job_it_is_held_for():
     why = d.why["small"]
     assert (why.code, why.arg) == ("reserved_for", "big")
     assert why.holders == (Holder("run", "big", "Big job"),)
-    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job"
+    assert d.waiting["small"] == "reserved_for:big: GPU 0 and 1 CPU slot held for an older job, run Big job (big)"
 
 
 def test_waiting_dependency_names_the_dependencies():
@@ -543,7 +543,7 @@ def test_waiting_dependency_names_the_dependencies():
         dependency_names={"d1": "prepare", "d3": "tokenize"},
     )
     assert d.why["a"].holders == (Holder("run", "d1", "prepare"), Holder("run", "d3", "tokenize"))
-    assert d.waiting["a"] == "waiting_dependency: d1 is running; d3 is queued"
+    assert d.waiting["a"] == "waiting_dependency: run prepare (d1) is running; run tokenize (d3) is queued"
 
 
 named_running_st = st.lists(

@@ -393,6 +393,9 @@ def test_unresolvable_entrypoint_fails_precisely(tmp_path, started, entrypoint, 
     assert s["episodes_done"] == 0 and s["episodes_total"] == 3
     if error_type == "FileNotFoundError":
         assert str(tmp_path / "missing" / "eval_file.py") in error["message"]
+    if error_type == "ModuleNotFoundError":  # the entrypoint's own module: where it is looked for
+        assert "must be importable by the server's Python" in error["message"]
+        assert "'path/to/file.py:episode'" in error["message"]
     assert error_type in (run_dir / "stderr.log").read_text()
 
 

@@ -198,10 +198,12 @@ async def test_dependencies(api, wait_for, runs_dir):
 
     rec = await async_wait_until(second_decided, message="the dependent run was never considered")
     if rec["state"] == "queued":
-        assert rec["reason"].startswith(f"waiting_dependency: {first['id']} is")
+        # Named by name and id: a reader knows the run without looking the id up.
+        assert rec["reason"].startswith(f"waiting_dependency: run {first['name']} ({first['id']}) is")
     assert (await wait_for(second["id"]))["state"] == "succeeded"
     r = await wait_for(after_bad["id"])
     assert r["state"] == "failed" and r["reason"].startswith(f"dependency_failed:{bad['id']}")
+    assert f"run {bad['name']} ({bad['id']}) ended failed" in r["reason"]
     assert r["pid"] is None and (runs_dir / after_bad["id"] / "_DONE").exists()
     r = await wait_for(chained["id"])
     assert r["state"] == "failed" and r["reason"].startswith(f"dependency_failed:{after_bad['id']}")
@@ -222,7 +224,7 @@ async def test_runs_held_by_a_dependency_stay_out_of_decisions_and_are_freed_by_
 
     async def all_held():
         recs = [(await api("GET", f"runs/{r['id']}"))[1] for r in waiting]
-        return all(r["reason"] == f"waiting_dependency: {gate['id']} is running" for r in recs)
+        return all(r["reason"] == f"waiting_dependency: run {gate['name']} ({gate['id']}) is running" for r in recs)
 
     await async_wait_until(all_held, message="the held runs did not say that their dependency is running")
     assert all(r["id"] in evalsched.admission._blocked for r in waiting)

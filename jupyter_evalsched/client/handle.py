@@ -19,6 +19,32 @@ def run_id_of(value: Any) -> Any:
     return value.id if isinstance(value, RunHandle) else value
 
 
+class ShortRecord(dict):
+    """What ``wait()`` returns: a plain dict (``record["state"]``, ``json.dumps(record)``) that
+    IPython shows in one line, its main keys first, when it is a cell's last value; the progress
+    bar above it already told the rest. ``dict(record)`` or ``print(record)`` shows all of it."""
+
+    SHOWN = ("id", "name", "state", "reason", "counts")
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(short_repr(self, self.SHOWN))
+
+
+def short_repr(record: dict, shown: tuple[str, ...]) -> str:
+    """``{'id': '…', 'state': 'failed', 'reason': '…', … 35 more keys: print(record) shows them}``"""
+    parts = []
+    for key in shown:
+        if record.get(key) not in (None, "", {}, []):
+            parts.append(f"{key!r}: {record[key]!r}")
+    runs = record.get("runs")
+    if isinstance(runs, list):
+        parts.append(f"'runs': [{len(runs)} run records]")
+    more = len(record) - len(parts)
+    if more > 0:
+        parts.append(f"… {more} more keys: print(record) shows them")
+    return "{" + ", ".join(parts) + "}"
+
+
 class RunHandle:
     """One run: ``status()``, ``record()``, ``summary()``, ``episodes()``, ``logs()`` read the
     server; ``wait()`` shows progress (a widget in a notebook, text in a terminal) and returns the
@@ -86,7 +112,7 @@ class RunHandle:
 
     def cancel(self) -> dict:
         """Cancel the run (queued: at once; running: its process group is signalled)."""
-        self._record = self.client.cancel(self.id)
+        self._record = self.client.cancel(self.id, by="python")
         return self._record
 
     def resume(self) -> dict:
@@ -116,7 +142,7 @@ class RunHandle:
                 f"stopped waiting; run {self.id} is still {record.get('state')} (cancel it with .cancel())",
                 file=sys.stderr,
             )
-            return record
+            return ShortRecord(record)
         except WaitTimeout as e:
             reporter.finish(e.record or {})
             raise
@@ -125,7 +151,7 @@ class RunHandle:
             raise
         self._record = record
         reporter.finish(record)
-        return record
+        return ShortRecord(record)
 
     def _record_after_interrupt(self) -> dict:
         try:

@@ -151,8 +151,10 @@ class EvalSchedClient:
         """The sweeps, newest first (``id``, ``name``, ``runs``, ``counts``, ``submitted_at``)."""
         return self.request("GET", "sweeps", query={"limit": limit})["sweeps"]
 
-    def cancel_sweep(self, sweep_id: str) -> dict:
-        return self.request("POST", f"sweeps/{urllib.parse.quote(str(sweep_id), safe='')}/cancel", body={})
+    def cancel_sweep(self, sweep_id: str, by: str | None = None) -> dict:
+        """Cancel a sweep's unfinished runs; ``by`` as for :meth:`cancel`."""
+        path = f"sweeps/{urllib.parse.quote(str(sweep_id), safe='')}/cancel"
+        return self.request("POST", path, body={}, query={"by": by} if by else None)
 
     def compare(self, runs: builtins.list[Any] | None = None, sweep: str | None = None, baseline: Any = None) -> dict:
         """``GET /evalsched/compare``: the runs (ids, handles or records), or a sweep's, side by side."""
@@ -193,8 +195,10 @@ class EvalSchedClient:
     def delete(self, run_id: str) -> None:
         self.request("DELETE", f"runs/{_quote_id(run_id)}")
 
-    def cancel(self, run_id: str) -> dict:
-        return self.request("POST", f"runs/{_quote_id(run_id)}/cancel", body={})
+    def cancel(self, run_id: str, by: str | None = None) -> dict:
+        """Cancel a run. ``by`` says who asks, in the run's reason: ``"cli"``, ``"widget"``,
+        ``"panel"`` or ``"python"`` (``cancelled from Python (cancel())``)."""
+        return self.request("POST", f"runs/{_quote_id(run_id)}/cancel", body={}, query={"by": by} if by else None)
 
     def resume(self, run_id: str) -> dict:
         return self.request("POST", f"runs/{_quote_id(run_id)}/resume", body={})

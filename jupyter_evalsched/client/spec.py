@@ -4,8 +4,11 @@ files, ``--param`` values."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
+from collections.abc import Iterable
 from typing import Any
 
 from ..contract import LANES, RETRYABLE_CODES
@@ -117,6 +120,27 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
 ]
 
 SPEC_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def did_you_mean(message: str, options: Iterable[str]) -> str:
+    """An argument parser's error ``message`` with what was probably meant: the known flag
+    (``options``) closest to each unrecognized one (``--priorty`` -> ``--priority``), the choice
+    closest to an invalid one (``hihg`` -> ``high``, ``stauts`` -> ``status``)."""
+    hints = []
+    known = list(options)
+    if "unrecognized arguments:" in message:
+        for word in message.split("unrecognized arguments:", 1)[1].split():
+            flag = word.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6) if flag.startswith("--") else []
+            if close:
+                hints.append(f"did you mean {close[0]} instead of {flag}?")
+    invalid = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if invalid:
+        choices = re.findall(r"'([^']*)'", invalid.group(2))
+        close = difflib.get_close_matches(invalid.group(1), choices, n=1, cutoff=0.6)
+        if close:
+            hints.append(f"did you mean {close[0]!r}?")
+    return "; ".join([message, *hints])
 
 
 def vram_figure(text: str) -> int | str:

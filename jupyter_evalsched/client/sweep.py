@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TERMINAL_STATES
 from .errors import EvalSchedClientError, WaitTimeout
-from .handle import RunHandle
+from .handle import RunHandle, ShortRecord
 from .progress import ProgressReporter, TextProgress, _NoProgress
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class SweepHandle:
 
     def cancel(self) -> dict:
         """Cancel the sweep's unfinished runs; finished runs keep their results."""
-        self._view = self.client.cancel_sweep(self.id)
+        self._view = self.client.cancel_sweep(self.id, by="python")
         return self._view
 
     def wait(self, timeout: float | None = None, progress: Any = True) -> dict:
@@ -116,12 +116,12 @@ class SweepHandle:
         except KeyboardInterrupt:
             reporter.finish(sweep_record(view))
             print(f"stopped waiting; sweep {self.id} goes on (cancel it with .cancel())", file=sys.stderr)
-            return view
+            return ShortRecord(view)
         except BaseException:
             reporter.finish(sweep_record(view))
             raise
         reporter.finish(record)
-        return view
+        return ShortRecord(view)
 
     def compare(self, baseline: Any = None) -> Any:
         """The sweep's runs side by side: see :func:`jupyter_evalsched.compare`."""

@@ -58,7 +58,17 @@ def load_episode_function(entrypoint: str, run_dir: str, cwd: str | None = None)
 
         if cwd not in sys.path:  # `python -m` puts it first; make sure, whatever the flags
             sys.path.insert(0, cwd)
-        module = import_module(target)
+        try:
+            module = import_module(target)
+        except ModuleNotFoundError as exc:
+            if not exc.name or not (target == exc.name or target.startswith(exc.name + ".")):
+                raise  # a module the eval imports is missing: its own message says which
+            # The entrypoint's own module: say where it is looked for, and the other way.
+            raise ModuleNotFoundError(
+                f"{exc}: the entrypoint's module must be importable by the server's Python (installed "
+                f"there, or under the run's cwd {cwd}); or name a file: 'path/to/file.py:{func_name}'",
+                name=exc.name,
+            ) from None
     func: object = getattr(module, func_name, None)
     if func is None:
         raise AttributeError(f"module {target!r} has no function {func_name!r}")

@@ -360,8 +360,9 @@ class Admission:
                 run = self._queued[run_id]
                 dep_run = self.table.get(dep)
                 dep_state = dep_run.state if dep_run is not None else "deleted"
+                named = contract.run_named(dep, dep_run.record["name"] if dep_run is not None else None)
                 self.table.finish(
-                    run, FAILED, contract.reason(contract.DEPENDENCY_FAILED, f"{dep} ended {dep_state}", arg=dep)
+                    run, FAILED, contract.reason(contract.DEPENDENCY_FAILED, f"{named} ended {dep_state}", arg=dep)
                 )
         grants: list[tuple[Lease, tuple[int, ...]]] = []
         for start in decision.starts:

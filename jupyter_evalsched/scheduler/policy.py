@@ -380,7 +380,8 @@ def decide(
             if _place(job, book, frozenset()) is not None and job.cpus <= book.cpu_free:
                 decision.why[job.id] = Why(
                     contract.RESERVED_FOR,
-                    f"{_describe_reservation(reserved_devices, reserved_cpus)} held for an older job",
+                    f"{_describe_reservation(reserved_devices, reserved_cpus)} held for an older job, "
+                    + _job_named(decision.reserved_holder, decision.reserved_for),
                     arg=decision.reserved_for,
                     holders=(decision.reserved_holder,) if decision.reserved_holder else (),
                 )
@@ -506,8 +507,9 @@ def dependency_verdict(
         if state == "succeeded":
             continue
         if state in ("queued", "running"):
-            pending.append(f"{dep} is {state}")
-            holders.append(Holder("run", dep, names.get(dep) if names is not None else None))
+            name = names.get(dep) if names is not None else None
+            pending.append(f"{contract.run_named(dep, name)} is {state}")
+            holders.append(Holder("run", dep, name))
             continue
         return ("failed", dep)
     if pending:
@@ -533,6 +535,13 @@ def _reservation_devices(job: QueuedJob, book: _Book) -> list[int]:
         able = list(book.usable)
     able.sort(key=lambda i: (-book.free[i], book.runs[i], i))
     return able[: job.gpus]
+
+
+def _job_named(holder: Holder | None, job_id: str) -> str:
+    """A waiting job as a sentence names it: ``run big (2026...-ab12)``, ``lease lease-...``."""
+    if holder is not None and holder.kind != "run":
+        return f"{holder.kind} {job_id}" + (f" ({holder.name})" if holder.name else "")
+    return contract.run_named(job_id, holder.name if holder is not None else None)
 
 
 def _describe_reservation(devices: frozenset[int], cpus: int) -> str:
@@ -636,11 +645,16 @@ def _kernel_charges(book: _Book) -> list[tuple[str, int]]:
     return sorted(charges.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def _device_users(book: _Book, index: int) -> str:
-    """``GPU 0: 1 run, lease lease-... (analysis.ipynb)``: who holds a device."""
+def _device_users(book: _Book, index: int, limit: int = 3) -> str:
+    """``GPU 0: run train (2026...-a9b770), lease lease-... (analysis.ipynb)``: who holds a device,
+    its runs by name and id (the first ``limit``, then how many more)."""
     leases = book.leases.get(index, [])
     runs = book.runs[index] - len(leases)
-    parts = [f"{runs} run{'s' if runs != 1 else ''}"] if runs else []
+    named = [h for h in book.users.get(index, ()) if h.kind == "run" and h.id][: min(runs, limit)]
+    parts = [contract.run_named(h.id or "", h.name) for h in named]
+    if runs > len(named):
+        more = runs - len(named)
+        parts.append(f"{more} {'more ' if named else ''}run{'s' if more != 1 else ''}")
     parts += [f"lease {lease.id} ({lease.label})" if lease.label else f"lease {lease.id}" for lease in leases]
     return f"GPU {index}: " + ", ".join(parts)
 

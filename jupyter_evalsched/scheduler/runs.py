@@ -109,6 +109,7 @@ class Run:
     scheduling: RunScheduling = field(init=False)  # from ``given_scheduling``, else from the spec
     passed_over: int = 0  # times a later job was admitted ahead of it (anti-starvation)
     cancel_requested: bool = False
+    cancelled_by: str | None = None  # who asked (contract.CANCELLED_BY), for the reason
     kill_reason: str | None = None  # set when the server stopped the run (over_vram: ...)
     timed_out: bool = False
     warned: set[str] = field(default_factory=set)  # keys of the warnings already recorded

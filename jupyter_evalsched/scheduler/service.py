@@ -309,11 +309,11 @@ class Scheduler:
     def list_sweeps(self, limit: int = 100) -> list[dict[str, Any]]:
         return self.submissions.list_sweeps(limit)
 
-    async def cancel_sweep(self, sweep_id: str) -> dict[str, Any]:
+    async def cancel_sweep(self, sweep_id: str, by: str | None = None) -> dict[str, Any]:
         """Cancel the sweep's unfinished runs; finished ones stay as they are."""
         for run in self.sweep_runs(sweep_id):
             if not run.terminal:
-                await self.cancel(run.id)
+                await self.cancel(run.id, by)
         return self.sweep_view(sweep_id)
 
     # ----------------------------------------------------------------- admission (admission.py)
@@ -421,7 +421,9 @@ class Scheduler:
     def get_lease(self, lease_id: str) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None:
-            raise UnknownRun(f"no lease with id {lease_id!r}")
+            raise UnknownRun(
+                f"no lease with id {lease_id!r} (it ended long ago, or never was): `jupyter evalsched leases` lists the live ones"
+            )
         return lease
 
     def release_lease(self, lease_id: str) -> dict[str, Any]:
@@ -439,18 +441,21 @@ class Scheduler:
                 raise StateConflict(
                     f"the directory of run {run_id} is broken ({self.broken[run_id]}); DELETE the run to remove it"
                 )
-            raise UnknownRun(f"no run with id {run_id!r}")
+            raise UnknownRun(
+                f"no run with id {run_id!r} on this server (deleted, or never submitted here): `jupyter evalsched list` lists the runs"
+            )
         return run
 
-    async def cancel(self, run_id: str) -> dict:
+    async def cancel(self, run_id: str, by: str | None = None) -> dict:
+        """Cancel a run; ``by`` (a key of ``contract.CANCELLED_BY``) says who asked, in its reason."""
         run = self.get(run_id)
         if run.terminal:
             raise StateConflict(f"run {run_id} already ended ({run.state}); nothing to cancel")
+        if by is not None and run.cancelled_by is None:
+            run.cancelled_by = by
         executor = self.executors.get(run.executor)
         if self.admission.withdraw(run) or executor is None:
-            self.table.finish(
-                run, CANCELLED, contract.reason(contract.CANCELLED_REASON, "cancelled through the API while queued")
-            )
+            self.table.finish(run, CANCELLED, contract.cancelled_reason(run.cancelled_by, "while queued"))
         else:
             await executor.cancel(run)
         return run.record
@@ -470,7 +475,9 @@ class Scheduler:
             raise StateConflict(f"run {run_id} is {run.state}; cancel it before deleting it")
         dependents = [other.id for other in self.table.active() if run_id in other.depends_on]
         if dependents:
-            raise StateConflict(f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}")
+            raise StateConflict(
+                f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}; cancel them first, or delete it once they ended"
+            )
         self._delete_directory(run_id)
         self.table.remove(run_id)
         if run.record["idempotency_key"]:

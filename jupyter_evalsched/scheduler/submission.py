@@ -130,10 +130,12 @@ class Submissions:
                 )
         for dep in spec.depends_on:
             if dep not in self.table:
-                errors.append({"loc": ["depends_on"], "msg": f"unknown run id {dep!r}", "type": "unknown_dependency"})
+                msg = f"unknown run id {dep!r}: a run this server knows (`jupyter evalsched list`), not deleted"
+                errors.append({"loc": ["depends_on"], "msg": msg, "type": "unknown_dependency"})
         cwd = self.resolve_cwd(spec.cwd)
         if not os.path.isdir(cwd):
-            errors.append({"loc": ["cwd"], "msg": f"{cwd!r} is not a directory", "type": "bad_cwd"})
+            msg = f"{cwd!r} is not a directory on the server's host: the run starts there; give one that exists"
+            errors.append({"loc": ["cwd"], "msg": msg, "type": "bad_cwd"})
         elif spec.entrypoint:
             problem = _entrypoint_problem(spec, cwd)
             if problem:

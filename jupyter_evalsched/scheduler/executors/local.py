@@ -111,7 +111,7 @@ class LocalExecutor(Executor):
             self.ctx.table.finish(
                 run,
                 CANCELLED,
-                contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                contract.cancelled_reason(run.cancelled_by, "before it started"),
             )
             return
         with_cgroup = self.cgroups is not None and self.cgroups.enabled
@@ -163,7 +163,7 @@ class LocalExecutor(Executor):
                 table.finish(
                     run,
                     CANCELLED,
-                    contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                    contract.cancelled_reason(run.cancelled_by, "before it started"),
                 )
             return
         self._spawn(run, urls, made)
@@ -255,7 +255,7 @@ class LocalExecutor(Executor):
                 ctx.table.finish(
                     run,
                     CANCELLED,
-                    contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                    contract.cancelled_reason(run.cancelled_by, "before it started"),
                 )
             return
         try:
@@ -377,7 +377,7 @@ class LocalExecutor(Executor):
         if run.kill_reason is not None:
             return FAILED, run.kill_reason
         if run.cancel_requested:
-            return CANCELLED, contract.reason(contract.CANCELLED_REASON, "cancelled through the API")
+            return CANCELLED, contract.cancelled_reason(run.cancelled_by)
         if run.timed_out:
             return FAILED, contract.reason(contract.TIMEOUT, f"ran longer than timeout_s={run.spec.get('timeout_s')}")
         if code is not None and code < 0:
@@ -452,13 +452,15 @@ class LocalExecutor(Executor):
             return False
         run.preempted_by = by
         grace = ctx.config.preempt_grace_s
+        holder = self._job_holder(by)
+        for_whom = contract.run_named(by, holder.name) if holder.kind == "run" else f"lease {by}"
         ctx.table.set_reason(
             run,
             contract.Why(
                 contract.PREEMPTING,
-                f"stops at its next episode boundary to make room for {by} (signalled after {grace:g} s)",
+                f"stops at its next episode boundary to make room for {for_whom} (signalled after {grace:g} s)",
                 arg=by,
-                holders=[self._job_holder(by)],
+                holders=[holder],
             ),
         )
         self._preempt_timers[run.id] = ctx.loop.call_later(grace, self._preempt_overdue, run.id)
@@ -490,7 +492,7 @@ class LocalExecutor(Executor):
             self.ctx.table.finish(
                 run,
                 CANCELLED,
-                contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it started"),
+                contract.cancelled_reason(run.cancelled_by, "before it started"),
             )
             return
         self.launcher.terminate(run.id, self.ctx.config.cancel_grace_s)

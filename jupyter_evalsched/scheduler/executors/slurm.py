@@ -86,17 +86,21 @@ class SlurmExecutor(Executor):
                 if dep is not None and dep.record["slurm_job_id"] and state in (QUEUED, RUNNING):
                     slurm_deps.append(dep.record["slurm_job_id"])
                 elif state in (QUEUED, RUNNING):
-                    pending.append(f"{dep_id} is {state}")
+                    pending.append(f"{contract.run_named(dep_id, dep.record['name'] if dep else None)} is {state}")
                     if dep is not None:
                         pending_runs.append((dep_id, dep.record["name"]))
                 else:
-                    failed = (dep_id, state)
+                    failed = (dep_id, state, dep.record["name"] if dep is not None else None)
                     break
             if failed:
                 table.finish(
                     run,
                     FAILED,
-                    contract.reason(contract.DEPENDENCY_FAILED, f"{failed[0]} ended {failed[1]}", arg=failed[0]),
+                    contract.reason(
+                        contract.DEPENDENCY_FAILED,
+                        f"{contract.run_named(failed[0], failed[2])} ended {failed[1]}",
+                        arg=failed[0],
+                    ),
                 )
                 continue
             if pending:
@@ -211,7 +215,7 @@ class SlurmExecutor(Executor):
         state, reason = verdict(st, run_ids)
         if run.cancel_requested and state != SUCCEEDED:
             state = CANCELLED
-            reason = contract.reason(contract.CANCELLED_REASON, f"cancelled through the API (scancel {st.job_id})")
+            reason = contract.cancelled_reason(run.cancelled_by, f"(scancel {st.job_id})")
         table.finish(run, state, reason)
 
     # ------------------------------------------------------------------ operations
@@ -223,7 +227,7 @@ class SlurmExecutor(Executor):
                 self.ctx.table.finish(
                     run,
                     CANCELLED,
-                    contract.reason(contract.CANCELLED_REASON, "cancelled through the API before it reached SLURM"),
+                    contract.cancelled_reason(run.cancelled_by, "before it reached SLURM"),
                 )
             return  # _sbatch cancels it once sbatch answers
         await self._scancel(run)
