@@ -115,6 +115,15 @@ def memory_cgroups_dying(memory_root: str) -> int:
     return held - present
 
 
+def namespace_charge(parents: dict[str, str]) -> int:
+    """What is charged to the namespace's memory cgroup and every cgroup below it, dying ones
+    included (v1 counts hierarchically)."""
+    if "memory" not in parents:
+        return 0
+    with open(os.path.join(parents["memory"], "memory.usage_in_bytes")) as f:
+        return int(f.read())
+
+
 def memory_root(parents: dict[str, str]) -> str | None:
     path = parents.get("memory")
     if path is None:
@@ -130,6 +139,7 @@ async def test_a_thousand_runs_leave_no_cgroup_and_no_pile_of_dying_ones(api, wa
     await spares_in_place(api, parents)
     root = memory_root(parents)
     dying_before = memory_cgroups_dying(root) if root else 0
+    charged_before = namespace_charge(parents)
     ids = []
     for _ in range(1000):
         ids.append((await submit(api, spec(entry=NOOP)))["id"])
@@ -151,11 +161,15 @@ async def test_a_thousand_runs_leave_no_cgroup_and_no_pile_of_dying_ones(api, wa
         left = [e.name for e in os.scandir(ns) if e.is_dir(follow_symlinks=False)]
         assert len(left) <= POOL_SIZE + SPARES, left
     if root is not None:
-        # Each run's memory cgroup was emptied of its page cache before its rmdir, so the kernel
-        # frees it at once; without that, about one per run would linger (dying) for a long time.
-        # Other processes on the host make and remove memory cgroups too: a generous bound.
+        # A removed memory cgroup stays in the kernel (dying) while pages are charged to it: the
+        # files its run wrote. Each run's cgroup is emptied of them before its rmdir, so nothing
+        # stays charged below the namespace but what its live cgroups (the spares') hold. The
+        # host-wide count (/proc/cgroups against the directories) moves with every other process
+        # that makes memory cgroups here: printed, not asserted.
+        charged = namespace_charge(parents) - charged_before
         grown = memory_cgroups_dying(root) - dying_before
-        assert grown < 100, f"{grown} more dying memory cgroups after 1000 runs"
+        print(f"charged below the namespace: {charged / MiB:+.1f} MiB; host-wide dying memory cgroups: {grown:+d}")
+        assert charged < 12 * MiB, f"{charged / MiB:.1f} MiB more charged below the namespace after 1000 runs"
 
 
 # --------------------------------------------------------------------------- pure cgroup v2 files
