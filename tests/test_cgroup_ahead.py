@@ -7,6 +7,7 @@ which this host does not have, against a directory laid out like the kernel's.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -19,7 +20,7 @@ from jupyter_evalsched.runner.zygote import SPARES, place_in_cgroup
 from jupyter_evalsched.scheduler.cgroup_detect import CgroupSupport
 from jupyter_evalsched.scheduler.cgroup_pool import POOL_SIZE
 from jupyter_evalsched.scheduler.cgroupfs import MiB
-from jupyter_evalsched.scheduler.cgroups import LEAF_PREFIX, Cgroups
+from jupyter_evalsched.scheduler.cgroups import LEAF_PREFIX, Cgroups, RunCgroup
 
 HERE = Path(__file__).resolve().parent
 WHERE = f"{HERE / 'evals_cgroup.py'}:where_am_i"
@@ -105,6 +106,34 @@ async def test_a_run_is_in_its_cgroup_from_its_first_instruction(api, wait_for, 
         timeout=10,
         message=f"the cgroup {name} of the ended run is still there",
     )
+
+
+async def test_the_exit_reads_its_cgroups_figures_off_the_event_loop_before_its_removal(api, wait_for, monkeypatch):
+    on_loop: list[bool] = []
+    events: list[tuple[str, str]] = []
+    read, remove = RunCgroup.oom_kills, RunCgroup.remove
+
+    def spy_read(self: RunCgroup) -> int:
+        on_loop.append(asyncio._get_running_loop() is not None)
+        events.append(("read", self.run_id))
+        return read(self)
+
+    def spy_remove(self: RunCgroup) -> None:
+        events.append(("remove", self.run_id))
+        remove(self)
+
+    monkeypatch.setattr(RunCgroup, "oom_kills", spy_read)
+    monkeypatch.setattr(RunCgroup, "remove", spy_remove)
+    ids = []
+    for fresh in (False, True):
+        rec = await submit(api, spec(entry=NOOP, fresh_interpreter=fresh))
+        final = await wait_for(rec["id"])
+        assert final["state"] == "succeeded", final
+        ids.append(rec["id"])
+    assert on_loop == [False, False]
+    for run_id in ids:
+        await async_wait_until(lambda: ("remove", run_id) in events, timeout=10)
+        assert events.index(("read", run_id)) < events.index(("remove", run_id)), events
 
 
 def memory_cgroups_dying(memory_root: str) -> int:

@@ -305,9 +305,6 @@ class ZygoteClient:
             cgroup, spare.cgroup = spare.cgroup, None
             if request.prepare is not None:
                 cgroup = request.prepare(cgroup)  # (the run's limits, written before it can run)
-            elif cgroup is not None:
-                self._discard_cgroup(cgroup)
-                cgroup = None
             if cgroup is not None:
                 env = {**env, "EVALSCHED_CGROUP_PROCS": ":".join(cgroup.procs_files())}
             message = {"run_id": request.run_id, "run_dir": request.run_dir, "cwd": request.cwd, "env": env}
