@@ -138,12 +138,21 @@ async def test_the_status_says_which_cgroup_mode_is_in_force(api):
     assert status["enforce_vram"] == "warn" and status["gpu_source"] == "virtual"
 
 
-async def test_cancel_leaves_nothing_of_a_run_that_escaped_its_session(api, tmp_path, wait_for):
+@pytest.mark.parametrize("fresh", [False, True], ids=["warm", "cold"])
+async def test_cancel_leaves_nothing_of_a_run_that_escaped_its_session(api, tmp_path, wait_for, fresh):
     pid_file = tmp_path / "escaped.pid"
     rec = await submit(
-        api, {"entrypoint": f"{EVALS}:escape", "params": {"pid_file": str(pid_file)}, "cwd": str(tmp_path)}
+        api,
+        {
+            "entrypoint": f"{EVALS}:escape",
+            "params": {"pid_file": str(pid_file)},
+            "cwd": str(tmp_path),
+            "fresh_interpreter": fresh,
+        },
     )
     await async_wait_until(pid_file.exists, timeout=15)
+    code, running = await api("GET", f"runs/{rec['id']}")
+    assert running["start"] == ("cold" if fresh else "warm"), running
     grandchild = int(pid_file.read_text())
     proc = psutil.Process(grandchild)
     assert proc.environ() == {} and os.getsid(grandchild) != os.getsid(proc.ppid() or grandchild)

@@ -139,10 +139,12 @@ def parent_is_gone(expected_pid: int | None) -> bool:
 def ensure_in_cgroup(run_id: str) -> None:
     """Join the run's cgroup unless the server has moved us there already.
 
-    The server adds a run's process to its cgroup right after starting it, off its event loop (the
+    A warm run's process is in its cgroup before its request (the zygote's spare placed itself
+    there); a cold one is added by the server right after it started, off its event loop (the
     first move into a cgroup can take milliseconds in the kernel); this check, made before any
     user code runs or any worker is forked, closes the race: nothing the eval starts can be
-    outside the cgroup. ``EVALSCHED_CGROUP_PROCS`` lists the cgroup.procs files, primary last.
+    outside the cgroup. ``EVALSCHED_CGROUP_PROCS`` lists the cgroup.procs files, primary last;
+    the cgroup's name (the same in every hierarchy) is their directory's, not the run id.
     """
     files = [f for f in os.environ.get("EVALSCHED_CGROUP_PROCS", "").split(":") if f]
     if not files:
@@ -152,7 +154,7 @@ def ensure_in_cgroup(run_id: str) -> None:
             lines = f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         lines = []
-    suffix = "/" + run_id
+    suffix = "/" + os.path.basename(os.path.dirname(files[-1]))
     if sum(1 for line in lines if line.endswith(suffix)) >= len(files):
         return
     pid = str(os.getpid())

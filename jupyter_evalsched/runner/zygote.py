@@ -24,6 +24,10 @@ JSON message each:
   started. ``{"op": "retire", "why"}``: a spare found a preloaded module's file edited; no spare
   more, and the zygote ends once its runs have. ``{"op": "more"}``: after ``nospare``, a run went
   cold for want of a spare; the zygote tries to fork again.
+* spare -> server, first, where the server set ``EVALSCHED_CGROUP_SPARES`` (then the zygote's
+  ``spare`` message names the spare's cgroup, ``"cgroup"``): ``{"op": "placed", "made", "joined",
+  "why"}`` once the spare made that cgroup and joined it, before it touches memory (the server
+  gives a run only to a spare that said so, and writes the run's limits in that cgroup).
 * server -> spare: ``{"run_id", "run_dir", "cwd", "env"}`` with the run's stdout and stderr as two
   descriptors. The spare checks what may have changed since the zygote imported its modules, then
   answers ``{"op": "started", "at"}`` (``at``: wall clock, the run's start) and becomes the run, or
@@ -74,6 +78,9 @@ if TYPE_CHECKING:
 
 ZYGOTE_FD = "EVALSCHED_ZYGOTE_FD"
 PRELOAD = "EVALSCHED_PRELOAD"
+# Where each spare makes its own cgroup and joins it (JSON: {"parents": [dirs, primary last],
+# "prefix": the name's}); unset: the host gives runs no cgroup.
+CGROUP_SPARES = "EVALSCHED_CGROUP_SPARES"
 MAX_MESSAGE = 1 << 20  # a request carries a run's environment: far below this
 
 # What a run's start imports anyway: preloaded always.
@@ -391,6 +398,9 @@ class Zygote:
         # The pids of the next runs' processes, forked ahead of their requests, the oldest first.
         self.spares: list[int] = []
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # Each spare waits in a cgroup of its own, the run's (the server's CGROUP_SPARES).
+        self.cgroup_parents: list[str] = []
+        self.cgroup_prefix = ""
 
     def send(self, message: dict[str, object], fds: list[int] | None = None) -> None:
         data = json.dumps(message, separators=(",", ":")).encode()
@@ -528,6 +538,7 @@ class Zygote:
                 pass
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         me = os.getpid()
+        cgroup = self.cgroup_prefix + os.urandom(6).hex() if self.cgroup_parents else None
         try:
             pid = os.fork()
         except OSError as exc:  # out of processes or memory: runs start cold until a fork works
@@ -537,7 +548,7 @@ class Zygote:
             self.send({"op": "nospare", "why": f"the zygote cannot fork: {exc}"})
             return False
         if pid == 0:
-            os._exit(spare_main(self, me, theirs))
+            os._exit(spare_main(self, me, theirs, cgroup))
         theirs.close()
         self.spares.append(pid)
         fds = [ours.fileno()]
@@ -546,7 +557,7 @@ class Zygote:
             fds.append(pidfd)
         # ``create_time``: read now, while the zygote is idle, so that the server reads no /proc
         # file at the run's start.
-        self.send({"op": "spare", "pid": pid, "create_time": process_start_time(pid)}, fds)
+        self.send({"op": "spare", "pid": pid, "create_time": process_start_time(pid), "cgroup": cgroup}, fds)
         ours.close()  # the server's now (or nobody's: the spare then leaves)
         if pidfd is not None:
             os.close(pidfd)
@@ -596,14 +607,47 @@ def _killpg(pgid: int) -> None:
 # ---------------------------------------------------------------------------- the child
 
 
-def spare_main(zygote: Zygote, zygote_pid: int, sock: socket.socket) -> int:
-    """In the forked child, before any request: everything a run's process needs that does not
-    depend on the run, then the wait for the request. Returns the exit code."""
+def place_in_cgroup(parents: list[str], name: str) -> dict[str, object]:
+    """Make the cgroup ``name`` in each of ``parents`` and join it (the primary hierarchy
+    last): the run this process becomes is in its own cgroup from its first instruction, and the
+    memory it copies from the zygote is charged to it. The answer to the server: ``made`` (the
+    directories are there: the server writes the run's limits in them and removes them),
+    ``joined``, and ``why`` not."""
+    made = False
+    try:
+        for parent in parents:
+            os.mkdir(os.path.join(parent, name))
+        made = True
+        pid = str(os.getpid()).encode()
+        for parent in parents:
+            fd = os.open(os.path.join(parent, name, "cgroup.procs"), os.O_WRONLY)
+            try:
+                os.write(fd, pid)
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        if not made:  # nothing joined yet: what was made goes (the server gives the run another)
+            for parent in parents:
+                try:
+                    os.rmdir(os.path.join(parent, name))
+                except OSError:
+                    pass
+        return {"op": "placed", "made": made, "joined": False, "why": f"{exc.filename}: {exc.strerror or exc}"}
+    return {"op": "placed", "made": True, "joined": True}
+
+
+def spare_main(zygote: Zygote, zygote_pid: int, sock: socket.socket, cgroup: str | None = None) -> int:
+    """In the forked child, before any request: its cgroup (first: before it touches memory),
+    everything a run's process needs that does not depend on the run, then the wait for the
+    request. Returns the exit code."""
     try:
         os.setsid()
         set_parent_death_signal()
         if os.getppid() != zygote_pid:  # the zygote died before the signal was armed
             return EXIT_PARENT_GONE
+        if cgroup is not None:
+            placed = place_in_cgroup(zygote.cgroup_parents, cgroup)
+            sock.send(json.dumps(placed, separators=(",", ":")).encode())
         _signal.set_wakeup_fd(-1)
         for sig in (_signal.SIGCHLD, _signal.SIGINT, _signal.SIGTERM):
             _signal.signal(sig, _signal.SIG_DFL)
@@ -837,8 +881,16 @@ def main() -> int:
         sys.stderr.write(f"evalsched zygote: {ZYGOTE_FD} is not set; the server starts the zygote\n")
         return 2
     os.environ.pop(ENV_RESERVE, None)  # (it stays in the initial block, where it makes room)
+    placement = os.environ.pop(CGROUP_SPARES, "")
     sock = socket.socket(fileno=fd)
     zygote = Zygote(sock)
+    if placement:
+        try:
+            where = json.loads(placement)
+            zygote.cgroup_parents = [str(p) for p in where["parents"]]
+            zygote.cgroup_prefix = str(where["prefix"])
+        except (ValueError, KeyError, TypeError):
+            pass  # no placement: the server moves each run itself
     zygote.start()
     if zygote.refused is not None:
         return 0

@@ -22,7 +22,11 @@ create them), in a namespace directory: ``<own cgroup>/<namespace>/<run_id>``.
 cgroups are created in, so a ``Cgroups(support)`` rebuilt from a ``CgroupSupport`` needs nothing
 else.
 
-Creating a run cgroup is on the path that starts a run: a few ``mkdir`` and writes, nothing more.
+A run's cgroup is made *before* its start (see :mod:`.cgroup_pool`): a spare process that a
+zygote forked ahead places itself in a fresh cgroup while it waits, and cold starts take one from a
+small pool made ahead. Such a cgroup is named ``c+<server token>+<random>`` (never a run id), and
+the run's id is given to it at the start, when its limits are written (:meth:`RunCgroup.assign`).
+A run's cgroup is found again after a restart through its process (``/proc/<pid>/cgroup``).
 
 This module holds a run's cgroup (:class:`RunCgroup`) and the host's (:class:`Cgroups`); what the
 host offers is found by :mod:`.cgroup_detect`, and the files are read and written by
@@ -33,12 +37,13 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from pathlib import Path
 
 from jupyter_evalsched import contract
 
-from .cgroup_detect import CgroupSupport, detect, enable_v2_memory, make_namespace, no_support
+from .cgroup_detect import CgroupSupport, detect, enable_v2_memory, make_namespace, no_support, parse_self_cgroup
 from .cgroupfs import (
     FALLBACK_HINT,
     PRIMARY_ORDER,
@@ -61,6 +66,10 @@ from .cgroupfs import (
 )
 
 log = logging.getLogger(__name__)
+
+# Cgroups made ahead of their runs are named LEAF_PREFIX + <server token> + "+" + <random>: "+" is
+# not a run id's character, so such a name never clashes with a run cgroup of an older version.
+LEAF_PREFIX = "c+"
 
 
 # --------------------------------------------------------------------------- one run's cgroup
@@ -87,6 +96,25 @@ class RunCgroup:
 
     def __repr__(self) -> str:
         return f"RunCgroup({self.run_id!r}, {sorted(self.paths)}, memory_limit_mb={self.memory_limit_mb})"
+
+    @property
+    def name(self) -> str:
+        """The directory's name (the same in every hierarchy)."""
+        return self.primary.name
+
+    def assign(self, run_id: str, memory_mb: int | None) -> str:
+        """The run ``run_id`` starts in this cgroup (made ahead): its limit is written and read
+        back. Returns why ``memory_mb`` is not enforced ("" when it is, or when none is asked)."""
+        self.run_id = run_id
+        if not memory_mb:
+            return ""
+        if self.memory_kind is None:
+            return "this host gives runs no memory cgroup"
+        try:
+            self.set_memory_limit(memory_mb)
+        except CgroupError as exc:
+            return str(exc)
+        return ""
 
     @property
     def primary(self) -> Path:
@@ -316,15 +344,31 @@ class RunCgroup:
     # ---- clean-up
 
     def remove(self) -> None:
-        """Kill what is left, then rmdir every directory. Idempotent; never raises."""
+        """Kill what is left, give back the memory still charged to it, then rmdir every
+        directory. Idempotent; never raises."""
         try:
             if any(p.is_dir() for p in self.paths.values()) and not self._empty():
                 self.kill()
         except Exception:
             log.warning("run %s: killing its cgroup failed", self.run_id, exc_info=True)
+        self.reclaim()
         wait_until = time.monotonic() + 0.5
         for path in self.paths.values():
             rmdir_tree(path, wait_until)
+
+    def reclaim(self) -> None:
+        """Reclaim the page cache still charged to the (empty) cgroup: a memory cgroup removed
+        with pages charged stays in the kernel as a *dying* cgroup until they are reclaimed, and
+        a run writes files (its logs, its results), so without this every run left one."""
+        try:
+            if self.memory_kind == "v1" and "memory" in self.paths:
+                write_file(self.paths["memory"] / "memory.force_empty", "0")
+            elif self.memory_kind == "v2" and (v2 := self._v2_dir()) is not None:
+                current = bytes_value(read_file(v2 / "memory.current"))
+                if current:
+                    write_file(v2 / "memory.reclaim", str(current))
+        except OSError:
+            pass  # (no such file on this kernel, a task still exiting, or less could be reclaimed)
 
 
 # --------------------------------------------------------------------------- the host's cgroups
@@ -335,6 +379,9 @@ class Cgroups:
 
     def __init__(self, support: CgroupSupport) -> None:
         self._support = support
+        # The names of the cgroups this instance makes ahead start with this: a restarted server
+        # removes the ones of earlier instances (their runs are gone) and never its own.
+        self.leaf_prefix = f"{LEAF_PREFIX}{secrets.token_hex(4)}+"
         if "memory" in support.parents:
             self._memory_kind: str | None = "v1"
         elif support.memory and any(k in support.parents for k in V2_KEYS):
@@ -422,17 +469,103 @@ class Cgroups:
             raise CgroupError(f"cannot create the cgroup of run {run_id}: {oserror_text(where, exc)}") from exc
         return run
 
-    def existing(self, run_id: str) -> RunCgroup | None:
-        """The cgroup of ``run_id`` left by an earlier server process, or None."""
+    def new_name(self) -> str:
+        """A fresh name for a cgroup made ahead of its run (see ``leaf_prefix``)."""
+        return self.leaf_prefix + secrets.token_hex(6)
+
+    def make(self) -> RunCgroup:
+        """A fresh cgroup for a run not known yet (its id and limits come with ``assign``):
+        CgroupError when it cannot be made."""
+        if not self.enabled:
+            raise CgroupError(f"no cgroups on this host: {self._support.detail}")
+        name = self.new_name()
+        made: dict[str, Path] = {}
+        try:
+            for key, ns_dir in self._support.parents.items():
+                path = Path(ns_dir, name)
+                try:
+                    os.mkdir(path)
+                except FileNotFoundError:
+                    self._ensure_namespace(key, ns_dir)
+                    os.mkdir(path)
+                made[key] = path
+        except (OSError, CgroupError) as exc:
+            for path in made.values():
+                rmdir_tree(path, time.monotonic())
+            if isinstance(exc, CgroupError):
+                raise
+            where = str(exc.filename) if exc.filename else "mkdir"
+            raise CgroupError(f"cannot create a run cgroup: {oserror_text(where, exc)}") from exc
+        return self._run_cgroup("", made)
+
+    def leaf(self, name: str) -> RunCgroup | None:
+        """The cgroup ``name`` (one a process made for itself: a zygote's spare) in each
+        hierarchy, or None when the name is not one of ours."""
+        if not self.enabled or not name.startswith(self.leaf_prefix) or "/" in name or name in (".", ".."):
+            return None
+        return self._run_cgroup("", {key: Path(ns_dir, name) for key, ns_dir in self._support.parents.items()})
+
+    def spare_placement(self) -> dict[str, object]:
+        """What a zygote needs to place each spare in a fresh cgroup of its own: the directories
+        to make it in (the primary hierarchy last: a process listed there is in all of them)
+        and the prefix of its name."""
+        parents = self._support.parents
+        primary = next((k for k in PRIMARY_ORDER if k in parents), None)
+        ordered = [d for k, d in parents.items() if k != primary] + ([parents[primary]] if primary else [])
+        return {"parents": ordered, "prefix": self.leaf_prefix}
+
+    def existing(self, run_id: str, pid: int | None = None) -> RunCgroup | None:
+        """The cgroup of ``run_id`` left by an earlier server process, or None: the directory of
+        that name (made by an older version), else the cgroup of ours that ``pid`` (the run's
+        process, checked by the caller) is in."""
         if not self.enabled or not contract.is_valid_run_id(run_id):
             return None
         paths = {name: Path(ns_dir, run_id) for name, ns_dir in self._support.parents.items()}
         paths = {name: path for name, path in paths.items() if path.is_dir()}
+        if not paths and pid:
+            paths = self._paths_of_process(pid)
         if not paths:
             return None
         run = self._run_cgroup(run_id, paths)
         run.memory_limit_mb = run.read_memory_limit_mb()
         return run
+
+    def _paths_of_process(self, pid: int) -> dict[str, Path]:
+        try:
+            own = parse_self_cgroup(read_file(f"/proc/{pid}/cgroup"))
+        except OSError:
+            return {}
+        paths: dict[str, Path] = {}
+        for key, ns_dir in self._support.parents.items():
+            where = own.get("" if key in V2_KEYS else key, "")
+            parent, leaf = os.path.split(where.rstrip("/"))
+            if leaf.startswith(LEAF_PREFIX) and os.path.basename(parent) == os.path.basename(ns_dir):
+                path = Path(ns_dir, leaf)
+                if path.is_dir():
+                    paths[key] = path
+        return paths
+
+    def stale_names(self, keep: set[str] | frozenset[str] = frozenset(), *, own: bool = False) -> list[str]:
+        """The cgroups in our namespace that no run of this instance uses: run ids (older
+        versions) and cgroups made ahead by earlier instances (``own``: by this one too), but
+        those in ``keep``."""
+        names: set[str] = set()
+        for ns_dir in self._support.parents.values():
+            try:
+                with os.scandir(ns_dir) as it:
+                    names.update(e.name for e in it if e.is_dir(follow_symlinks=False))
+            except FileNotFoundError:
+                continue
+        ours = {n for n in names if contract.is_valid_run_id(n) or n.startswith(LEAF_PREFIX)}
+        return sorted(n for n in ours if (own or not n.startswith(self.leaf_prefix)) and n not in keep)
+
+    def named(self, name: str) -> RunCgroup | None:
+        """The cgroup ``name`` of our namespace where its directories exist (a stale one), or None."""
+        if not self.enabled or "/" in name or name in ("", ".", ".."):
+            return None
+        paths = {key: Path(ns_dir, name) for key, ns_dir in self._support.parents.items()}
+        paths = {key: path for key, path in paths.items() if path.is_dir()}
+        return self._run_cgroup(name, paths) if paths else None
 
     def stale_run_ids(self) -> list[str]:
         """Run ids that have a cgroup under our namespace (in any hierarchy)."""

@@ -33,8 +33,10 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -46,7 +48,9 @@ from .zygotes import ForkRequest, ZygoteClient
 
 log = logging.getLogger(__name__)
 
-ExitCallback = Callable[[str, "int | None"], None]  # run id, exit code (None: not known)
+# run id, exit code (None: not known) -> None, or a future the clean-up (the removal of the run's
+# cgroup) waits for: the handler's reads of the cgroup's figures, off the loop.
+ExitCallback = Callable[[str, "int | None"], "asyncio.Future[Any] | None"]
 
 
 class SpawnError(Exception):
@@ -143,6 +147,9 @@ class Launcher:
         # Clean-up of ended runs still under way (a thread's work): a run's next attempt waits
         # for it, or it could remove the new attempt's cgroup.
         self.cleaning: dict[str, asyncio.Future[None]] = {}
+        # Where ended runs' clean-up (cgroup removal) runs: one thread for all of it (None: the
+        # loop's default executor).
+        self.janitor: Executor | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -186,11 +193,14 @@ class Launcher:
         on_started: Callable[[RunProcess], None],
         on_cold: Callable[[str], None],
         on_error: Callable[[str], None],
+        prepare: Callable[[RunCgroup | None], RunCgroup | None] | None = None,
     ) -> RunProcess:
         """Ask ``zygote`` to fork the run (a warm start). The answer comes later, on the loop:
         ``on_started`` once it has a pid, ``on_cold(why)`` when the zygote would rather not (the
         caller then starts it cold), ``on_error(why)`` when it cannot start at all. A signal asked
-        for meanwhile (cancel, kill) is sent once the pid is known."""
+        for meanwhile (cancel, kill) is sent once the pid is known. ``prepare`` is given the cgroup
+        the spare waits in, at the hand-over, and returns the run's (its limits written); without
+        it, the spare's cgroup (or ``cgroup``) is the run's."""
         out, err = self._open_logs(stdout, stderr)
         proc = RunProcess(run_id, None, cgroup, zygote=zygote, pending=True)
         self._procs[run_id] = proc
@@ -223,6 +233,13 @@ class Launcher:
                     self.terminate(run_id, asked[1])
             return watched
 
+        def prepared(spare_cgroup: RunCgroup | None) -> RunCgroup | None:
+            if prepare is not None:
+                proc.cgroup = prepare(spare_cgroup)
+            elif spare_cgroup is not None:
+                proc.cgroup = spare_cgroup
+            return proc.cgroup
+
         def answered(then: Callable[[str], None], why: str) -> None:
             if self._procs.get(run_id) is proc:
                 del self._procs[run_id]
@@ -238,6 +255,7 @@ class Launcher:
                 forked,
                 functools.partial(answered, on_cold),
                 functools.partial(answered, on_error),
+                prepared,
             )
         )
         return proc
@@ -392,22 +410,34 @@ class Launcher:
         # which must wait for this clean-up (it would remove the new attempt's cgroup).
         cleaned: asyncio.Future[None] = self.loop.create_future()
         self.cleaning[proc.run_id] = cleaned
+        after = None
         try:
-            self._on_exit(proc.run_id, code)
+            after = self._on_exit(proc.run_id, code)
         except Exception:
             log.exception("exit handler failed for run %s", proc.run_id)
         if proc.zombie and proc.zygote is not None:
             proc.zygote.release_child(proc.pid)
         # A descendant that left the group (setsid) escaped that killpg: its cgroup holds it, or
-        # its environment names the run. Done off the event loop, after the exit is recorded: the
-        # next admission does not wait for it.
-        work = self.loop.run_in_executor(None, clean_up_after, proc)
+        # its environment names the run. Done off the event loop, after the exit is recorded (and
+        # the cgroup's figures read): the next admission does not wait for it.
+        if after is not None and not after.done():
+            after.add_done_callback(lambda _: self._clean_up(proc, cleaned))
+        else:
+            self._clean_up(proc, cleaned)
+
+    def _clean_up(self, proc: RunProcess, cleaned: asyncio.Future[None]) -> None:
+        try:
+            work = self.loop.run_in_executor(self.janitor, clean_up_after, proc)
+        except RuntimeError:  # the janitor is closed (shutdown): done here
+            clean_up_after(proc)
+            self._cleaned(proc.run_id, cleaned, None)
+            return
         work.add_done_callback(functools.partial(self._cleaned, proc.run_id, cleaned))
 
-    def _cleaned(self, run_id: str, cleaned: asyncio.Future[None], work: asyncio.Future[None]) -> None:
+    def _cleaned(self, run_id: str, cleaned: asyncio.Future[None], work: asyncio.Future[None] | None) -> None:
         if self.cleaning.get(run_id) is cleaned:
             del self.cleaning[run_id]
-        if not work.cancelled() and work.exception() is not None:
+        if work is not None and not work.cancelled() and work.exception() is not None:
             log.error("clean-up after run %s failed", run_id, exc_info=work.exception())
         if not cleaned.done():
             cleaned.set_result(None)

@@ -33,10 +33,14 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..runner.zygote import ENV_RESERVE, PRELOAD, ZYGOTE_FD
+from ..runner.zygote import CGROUP_SPARES, ENV_RESERVE, PRELOAD, ZYGOTE_FD
 from ..schemas import MAX_ENV_BYTES
+
+if TYPE_CHECKING:
+    from .cgroup_pool import CgroupPool
+    from .cgroups import RunCgroup
 
 log = logging.getLogger("jupyter_evalsched")
 
@@ -167,6 +171,9 @@ class ForkRequest:
     on_forked: Callable[[int, float, float | None, int | None], bool]
     on_cold: Callable[[str], None]  # the reason: start it in a fresh interpreter
     on_error: Callable[[str], None]  # it cannot start at all
+    # Given the cgroup the spare waits in (None: it has none), at the hand-over: the run's cgroup
+    # (that one, its limits written; or another the runner joins), which is the callee's from then on.
+    prepare: Callable[[RunCgroup | None], RunCgroup | None] | None = None
 
 
 ExitHandler = Callable[[str, int, int], None]  # run id, pid, exit code
@@ -182,6 +189,8 @@ class Spare:
     pidfd: int | None
     create_time: float | None
     request: ForkRequest | None = None  # once given a run, until it answers
+    cgroup: RunCgroup | None = None  # the cgroup it placed itself in, until given a run
+    placed: bool = True  # False: its cgroup is named, its word that it is in it not read yet
 
     def close(self) -> None:
         self.sock.close()
@@ -198,6 +207,7 @@ class ZygoteClient:
     preload: list[str]
     on_exit: ExitHandler
     on_change: Callable[[ZygoteClient], None] | None = None
+    cgroups: CgroupPool | None = None  # where each spare places itself in a cgroup of its own
     state: str = STARTING
     pid: int = 0
     info: dict[str, Any] = field(default_factory=dict)
@@ -237,6 +247,8 @@ class ZygoteClient:
         # Room in its initial environment block, which each forked run rewrites to show its own
         # environment in /proc (runner.zygote.show_environment).
         env[ENV_RESERVE] = "x" * ENV_RESERVE_BYTES
+        if self.cgroups is not None:
+            env[CGROUP_SPARES] = json.dumps(self.cgroups.cgroups.spare_placement())
         try:
             # Its output (a preload's warnings) goes to the server's log through a pipe: no file of
             # it is held open (the runs directory stays remountable). Runs forked from it write
@@ -323,18 +335,33 @@ class ZygoteClient:
 
     def _flush(self) -> None:
         """Give the waiting runs to the spares, one each (the zygote forks more on ``taken``)."""
-        while self._queue and self._spares and self.state == READY:
-            spare = self._spares.popleft()  # the oldest: surely ready
+        while self._queue and self.state == READY:
+            # The oldest spare that is in its cgroup: surely ready.
+            spare = next((candidate for candidate in self._spares if candidate.placed), None)
+            if spare is None:
+                break
+            self._spares.remove(spare)
             request = self._queue.popleft()
-            message = {"run_id": request.run_id, "run_dir": request.run_dir, "cwd": request.cwd, "env": request.env}
+            env = request.env
+            cgroup, spare.cgroup = spare.cgroup, None
+            if request.prepare is not None:
+                cgroup = request.prepare(cgroup)  # (the run's limits, written before it can run)
+            if cgroup is not None:
+                env = {**env, "EVALSCHED_CGROUP_PROCS": ":".join(cgroup.procs_files())}
+            message = {"run_id": request.run_id, "run_dir": request.run_dir, "cwd": request.cwd, "env": env}
             try:
                 socket.send_fds(spare.sock, [json.dumps(message).encode()], list(request.fds))
             except OSError as exc:
                 # Whatever the failure (a message larger than the socket carries, a spare killed
                 # from outside), the run starts cold, once: handed to the next spare it could fail
-                # the same way, forever. The spare is dropped only when it is gone; the zygote
-                # then reaps and replaces it.
-                if exc.errno in SPARE_GONE:
+                # the same way, forever. The spare, whose cgroup went with the run, leaves; the
+                # zygote reaps and replaces it. (Without a cgroup it stays, unless it is gone.)
+                if exc.errno in SPARE_GONE or cgroup is not None:
+                    if exc.errno not in SPARE_GONE and spare.pidfd is not None:
+                        try:
+                            signal.pidfd_send_signal(spare.pidfd, signal.SIGKILL)
+                        except OSError:
+                            pass
                     spare.close()
                 else:
                     self._spares.appendleft(spare)
@@ -349,7 +376,12 @@ class ZygoteClient:
             # The zygote hears of it once the spare has answered: the next spare is forked after
             # this run's start, not during it.
             self.loop.add_reader(spare.sock.fileno(), self._answered, spare.pid)
-        if self._queue and not self._spares and self._no_spare is not None and self.state == READY:
+        if (
+            self._queue
+            and not any(s.placed for s in self._spares)
+            and self._no_spare is not None
+            and self.state == READY
+        ):
             # The zygote could not fork: these runs start cold now rather than wait, and it tries
             # again for the next ones.
             self._cold_queue(self._no_spare)
@@ -584,7 +616,7 @@ class ZygoteClient:
             dead = next((spare for spare in self._spares if spare.pid == pid), None)
             if dead is not None:  # it died waiting
                 self._spares.remove(dead)
-                dead.close()
+                self._discard_spare(dead)
                 return
             run_id = next((r for r, p in self.children.items() if p == pid), None)
             if run_id is None:
@@ -602,21 +634,74 @@ class ZygoteClient:
         self._no_spare = None
         sock = socket.socket(fileno=fds[0])
         sock.setblocking(False)
-        self._spares.append(
-            Spare(
-                pid,
-                sock,
-                fds[1] if len(fds) > 1 else None,
-                float(created) if isinstance(created, (int, float)) else None,
-            )
+        spare = Spare(
+            pid,
+            sock,
+            fds[1] if len(fds) > 1 else None,
+            float(created) if isinstance(created, (int, float)) else None,
         )
+        name = message.get("cgroup")
+        if isinstance(name, str) and self.cgroups is not None:
+            spare.cgroup = self.cgroups.cgroups.leaf(name)
+        if spare.cgroup is not None:
+            # Given a run once it says it is in its cgroup (moments after its fork, long before
+            # it is wanted, usually): the run's limits are written there at the hand-over.
+            spare.placed = False
+            self.loop.add_reader(sock.fileno(), self._placed, pid)
+        self._spares.append(spare)
         self._flush()
+
+    def _placed(self, pid: int) -> None:
+        """The spare ``pid`` made its cgroup and joined it (or says why not)."""
+        spare = next((s for s in self._spares if s.pid == pid and not s.placed), None)
+        if spare is None:
+            return
+        try:
+            data = spare.sock.recv(MAX_MESSAGE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        self.loop.remove_reader(spare.sock.fileno())
+        if not data:  # it died before it was placed (the zygote's exit message follows)
+            self._spares.remove(spare)
+            self._discard_spare(spare)
+            return
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            answer = {}
+        if not isinstance(answer, dict) or not answer.get("joined"):
+            why = answer.get("why") if isinstance(answer, dict) else repr(data[:200])
+            log.warning(
+                "evalsched: spare %d could not place itself in its cgroup (%s); its run joins one itself", pid, why
+            )
+            if not (isinstance(answer, dict) and answer.get("made")):
+                spare.cgroup = None  # nothing of it is left: the run gets a cgroup of the pool
+        spare.placed = True
+        self._flush()
+
+    def _discard_cgroup(self, cgroup: RunCgroup | None) -> None:
+        if cgroup is not None and self.cgroups is not None:
+            self.cgroups.discard(cgroup)
+
+    def _discard_spare(self, spare: Spare) -> None:
+        """A spare that will not become a run: it leaves (its socket closes), and its cgroup is
+        removed once it has."""
+        if not spare.placed and spare.request is None:
+            try:
+                self.loop.remove_reader(spare.sock.fileno())
+            except (ValueError, OSError):
+                pass
+        spare.close()
+        cgroup, spare.cgroup = spare.cgroup, None
+        self._discard_cgroup(cgroup)
 
     def _drop_spares(self) -> None:
         """The spares are not needed (the zygote retires or ends): each leaves once its socket
         closes."""
         while self._spares:
-            self._spares.popleft().close()
+            self._discard_spare(self._spares.popleft())
 
     def _notify(self) -> None:
         if self.on_change is not None:
@@ -748,9 +833,10 @@ class WarmStartConfig:
 
 
 class ZygotePool:
-    def __init__(self, config: WarmStartConfig, on_exit: ExitHandler) -> None:
+    def __init__(self, config: WarmStartConfig, on_exit: ExitHandler, cgroups: CgroupPool | None = None) -> None:
         self.config = config
         self.on_exit = on_exit
+        self.cgroups = cgroups  # each spare waits in a cgroup of its own (None: no cgroups)
         self.zygotes: list[ZygoteClient] = []
         self.refused: str | None = None  # a preload that can never be forked from: warm starts are off
         self.primary_env: dict[str, str] | None = None
@@ -779,6 +865,7 @@ class ZygotePool:
             list(self.config.preload),
             self.on_exit,
             on_change=self._changed,
+            cgroups=self.cgroups,
             start_timeout_s=self.config.start_timeout_s,
         )
         self.zygotes.append(zygote)

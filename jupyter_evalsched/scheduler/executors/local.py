@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import sys
@@ -27,6 +28,7 @@ from ... import contract
 from ...contract import ABORTED, CANCELLED, FAILED, QUEUED, SUCCEEDED
 from ...store import RunFileError, UnsafeRunFile
 from ..attempts import Requeue, preempted_plan, restart_plan
+from ..cgroup_pool import CgroupPool
 from ..cgroups import CgroupError, Cgroups, RunCgroup
 from ..environment import run_environment
 from ..launcher import (
@@ -66,6 +68,10 @@ class LocalExecutor(Executor):
         self._timeouts: dict[str, asyncio.TimerHandle] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}  # admitted runs waiting for their model host
         self._cgroups: dict[str, RunCgroup] = {}  # the live runs' cgroups
+        # Cgroups made ahead (cold starts) and removed afterwards, in a thread of their own.
+        self.pool: CgroupPool | None = CgroupPool(cgroups) if cgroups is not None and cgroups.enabled else None
+        self._handover: dict[str, RunCgroup] = {}  # warm starts asked of a spare: the run's cgroup
+        self._concluding: dict[str, asyncio.Future[tuple[int | None, int]]] = {}  # exits whose figures are read
         self._preempt_timers: dict[str, asyncio.TimerHandle] = {}
         self._stopping = False
 
@@ -73,6 +79,9 @@ class LocalExecutor(Executor):
         super().bind(ctx)
         self.launcher.bind(ctx.loop)
         config = ctx.config
+        if self.pool is not None:
+            self.pool.start()
+            self.launcher.janitor = self.pool.janitor
         if config.warm_start:
             self.zygotes = ZygotePool(
                 WarmStartConfig(
@@ -83,6 +92,7 @@ class LocalExecutor(Executor):
                     python=self.python,
                 ),
                 self.launcher.zygote_exited,
+                cgroups=self.pool,
             )
             self.zygotes.bind(ctx.loop)
             base = run_environment("", config.run_env, devices=None, parent_pid=os.getpid(), fsync=config.fsync)
@@ -114,30 +124,27 @@ class LocalExecutor(Executor):
                 contract.cancelled_reason(run.cancelled_by, "before it started"),
             )
             return
-        with_cgroup = self.cgroups is not None and self.cgroups.enabled
-        if run.record["models"] or with_cgroup:
-            if run.record["models"]:
-                # The model host may need starting: the run waits for it (resources held), visibly.
-                models = run.record["models"]
-                self.ctx.table.set_reason(
-                    run,
-                    contract.Why(
-                        contract.STARTING,
-                        f"waiting for shared models: {', '.join(models)}",
-                        holders=[contract.Holder("model", name, name) for name in models],
-                    ),
-                )
-            else:
-                self.ctx.table.changed(run)  # starting: its cgroup is being made
-            task = asyncio.ensure_future(self._launch_later(run, with_cgroup))
+        if run.record["models"]:
+            # The model host may need starting: the run waits for it (resources held), visibly.
+            models = run.record["models"]
+            self.ctx.table.set_reason(
+                run,
+                contract.Why(
+                    contract.STARTING,
+                    f"waiting for shared models: {', '.join(models)}",
+                    holders=[contract.Holder("model", name, name) for name in models],
+                ),
+            )
+            task = asyncio.ensure_future(self._launch_later(run))
             self._starting[run.id] = task
             task.add_done_callback(lambda _: self._starting.pop(run.id, None))
         else:
-            self._spawn(run, {}, None)
+            # (Its cgroup was made ahead: a warm run's process waits in it, a cold run takes one
+            # from the pool.)
+            self._spawn(run, {})
 
-    async def _launch_later(self, run: Run, with_cgroup: bool) -> None:
-        """The start, once the model host answers and the run's cgroup is made: a cgroup is a few
-        mkdirs on cgroupfs (milliseconds), made in a thread so that the loop goes on meanwhile."""
+    async def _launch_later(self, run: Run) -> None:
+        """The start, once the model host answers."""
         table = self.ctx.table
         urls: dict[str, str] = {}
         if run.record["models"]:
@@ -149,16 +156,7 @@ class LocalExecutor(Executor):
             except Exception as exc:
                 table.finish(run, FAILED, contract.reason(contract.EXCEPTION, f"shared model host unavailable: {exc}"))
                 return
-        made: tuple[RunCgroup | None, str] | None = None
-        if with_cgroup and not run.terminal:
-            pending = self.ctx.loop.run_in_executor(self.ctx.io, self._create_cgroup, run)
-            try:
-                made = await asyncio.shield(pending)
-            except asyncio.CancelledError:  # shutdown or requeue meanwhile: the cgroup is nobody's
-                pending.add_done_callback(self._drop_made_cgroup)
-                raise
         if run.terminal or run.cancel_requested:
-            self._drop_cgroup(made[0] if made else None)
             if not run.terminal:
                 table.finish(
                     run,
@@ -166,21 +164,9 @@ class LocalExecutor(Executor):
                     contract.cancelled_reason(run.cancelled_by, "before it started"),
                 )
             return
-        self._spawn(run, urls, made)
+        self._spawn(run, urls)
 
-    def _drop_made_cgroup(self, made: asyncio.Future[tuple[RunCgroup | None, str]]) -> None:
-        if not made.cancelled():
-            self._drop_cgroup(made.result()[0])
-
-    def _create_cgroup(self, run: Run) -> tuple[RunCgroup | None, str]:
-        """In a thread: (the run's cgroup, or None and why not)."""
-        assert self.cgroups is not None
-        try:
-            return self.cgroups.create(run.id, run.scheduling.memory_mb), ""
-        except Exception as exc:  # (CgroupError says what; anything else must not lose the run)
-            return None, str(exc) if isinstance(exc, CgroupError) else f"{type(exc).__name__}: {exc}"
-
-    def _spawn(self, run: Run, urls: dict[str, str], made: tuple[RunCgroup | None, str] | None) -> None:
+    def _spawn(self, run: Run, urls: dict[str, str]) -> None:
         ctx = self.ctx
         config = ctx.config
         try:
@@ -198,9 +184,6 @@ class LocalExecutor(Executor):
             attempt=run.record["attempt"],
             detach=run.record["detach"],
         )
-        cgroup = self._make_cgroup(run, made)
-        if cgroup is not None:
-            env["EVALSCHED_CGROUP_PROCS"] = ":".join(cgroup.procs_files())
         cwd = spec.get("cwd") or ctx.config.default_cwd
         try:
             # A run without models got ``{"models": {}}`` with its spec at submission; a later
@@ -210,7 +193,7 @@ class LocalExecutor(Executor):
         except OSError as exc:
             # Renamed over whatever is there; only a directory the run made there stops it.
             code = contract.RUN_FILE if exc.errno in (errno.EISDIR, errno.ENOTEMPTY) else contract.EXCEPTION
-            self._start_failed(run, cgroup, str(exc), code)
+            self._start_failed(run, None, str(exc), code)
             return
         why = cold_reason(spec, env, self.zygotes is not None)
         zygote = None
@@ -221,9 +204,15 @@ class LocalExecutor(Executor):
             else:
                 zygote = choice
         if zygote is None:
-            self._spawn_cold(run, cwd, env, cgroup, why or "warm_start is off")
+            self._spawn_cold(run, cwd, env, why or "warm_start is off")
             return
         ctx.table.set_reason(run, contract.Why(contract.STARTING, f"waiting for a warm start from zygote {zygote.pid}"))
+
+        def handed_back(then: functools.partial[None], why: str) -> None:
+            # The spare did not become the run (it leaves): the cgroup it was given goes with it.
+            self._drop_cgroup(self._handover.pop(run.id, None))
+            then(why)
+
         try:
             self.launcher.fork(
                 run.id,
@@ -233,22 +222,61 @@ class LocalExecutor(Executor):
                 env,
                 ctx.store.log_path(run.id, "stdout"),
                 ctx.store.log_path(run.id, "stderr"),
-                cgroup,
-                on_started=lambda proc: self._started(run, proc, cgroup, "warm", f"forked by zygote {zygote.pid}"),
-                on_cold=lambda why: self._spawn_cold(run, cwd, env, cgroup, why),
-                on_error=lambda why: self._start_failed(run, cgroup, why),
+                None,
+                on_started=lambda proc: self._started(run, proc, proc.cgroup, "warm", f"forked by zygote {zygote.pid}"),
+                on_cold=functools.partial(handed_back, functools.partial(self._spawn_cold, run, cwd, env)),
+                on_error=functools.partial(handed_back, functools.partial(self._start_failed, run, None)),
+                prepare=functools.partial(self._prepare_warm, run),
             )
         except SpawnError as exc:
-            self._start_failed(run, cgroup, str(exc), exc.code)
+            self._start_failed(run, None, str(exc), exc.code)
 
-    def _spawn_cold(self, run: Run, cwd: str, env: dict[str, str], cgroup: RunCgroup | None, why: str) -> None:
+    def _prepare_warm(self, run: Run, spare_cgroup: RunCgroup | None) -> RunCgroup | None:
+        """At the hand-over to a spare (on the loop): the run's cgroup is the one the spare waits
+        in, where only the run's limits are written now (a spare without one: a cgroup of the
+        pool, which the runner joins before any user code)."""
+        if spare_cgroup is None:
+            cgroup = self._run_cgroup(run)
+        else:
+            cgroup = spare_cgroup
+            self._note_limit(run, cgroup, cgroup.assign(run.id, run.scheduling.memory_mb))
+        if cgroup is not None:
+            self._handover[run.id] = cgroup
+        return cgroup
+
+    def _run_cgroup(self, run: Run) -> RunCgroup | None:
+        """A cgroup of the pool, given to ``run`` with its limits, or None (the host has none, or
+        it could not be made: then the run's process group is what clean-up kills, and a
+        ``memory_mb`` is not enforced, which the run's warnings say)."""
+        if self.pool is None:
+            why = self.cgroups.support.detail if self.cgroups is not None else "cgroups are off"
+            self._note_limit(run, None, why)
+            return None
+        try:
+            cgroup = self.pool.take()
+        except Exception as exc:  # (CgroupError says what; anything else must not lose the run)
+            why = str(exc) if isinstance(exc, CgroupError) else f"{type(exc).__name__}: {exc}"
+            log.warning("evalsched: run %s runs without a cgroup: %s", run.id, why)
+            self._note_limit(run, None, why)
+            return None
+        self._note_limit(run, cgroup, cgroup.assign(run.id, run.scheduling.memory_mb))
+        return cgroup
+
+    def _note_limit(self, run: Run, cgroup: RunCgroup | None, why: str) -> None:
+        memory_mb = run.scheduling.memory_mb
+        if memory_mb and (cgroup is None or cgroup.memory_limit_mb is None):
+            why = why or "this host gives runs no memory cgroup"
+            self.ctx.table.note_warning(
+                run, contract.reason("memory_limit_not_enforced", f"memory_mb={memory_mb} is not enforced: {why}")
+            )
+
+    def _spawn_cold(self, run: Run, cwd: str, env: dict[str, str], why: str) -> None:
         """Start the run in a fresh interpreter; ``why`` says why it is not forked."""
         ctx = self.ctx
         if not run.starting:
-            self._drop_cgroup(cgroup)
+            return
             return
         if run.cancel_requested or run.kill_reason is not None:  # asked while a zygote was asked
-            self._drop_cgroup(cgroup)
             if run.kill_reason is not None:
                 ctx.table.finish(run, FAILED, run.kill_reason)
             else:
@@ -258,6 +286,9 @@ class LocalExecutor(Executor):
                     contract.cancelled_reason(run.cancelled_by, "before it started"),
                 )
             return
+        cgroup = self._run_cgroup(run)
+        if cgroup is not None:
+            env = {**env, "EVALSCHED_CGROUP_PROCS": ":".join(cgroup.procs_files())}
         try:
             proc = self.launcher.spawn(
                 run.id,
@@ -282,11 +313,12 @@ class LocalExecutor(Executor):
         self.ctx.table.finish(run, FAILED, contract.reason(code, f"could not start the run: {why}"))
 
     def _drop_cgroup(self, cgroup: RunCgroup | None) -> None:
-        if cgroup is not None:
-            self.ctx.loop.run_in_executor(self.ctx.io, cgroup.remove)
+        if cgroup is not None and self.pool is not None:
+            self.pool.discard(cgroup)
 
     def _started(self, run: Run, proc: RunProcess, cgroup: RunCgroup | None, start: str, detail: str) -> None:
         ctx = self.ctx
+        self._handover.pop(run.id, None)
         if cgroup is not None:
             self._cgroups[run.id] = cgroup
         timeout = run.spec.get("timeout_s")
@@ -300,43 +332,40 @@ class LocalExecutor(Executor):
             start_detail=detail,
         )
 
-    def _make_cgroup(self, run: Run, made: tuple[RunCgroup | None, str] | None) -> RunCgroup | None:
-        """The run's own cgroup (with its memory limit; ``made`` already, in a thread), or None
-        where the host has none: then the run's process group is what clean-up kills, and a
-        ``memory_mb`` is not enforced, which the run's warnings say."""
-        memory_mb = run.scheduling.memory_mb
-        cgroup = None
-        why = ""
-        if self.cgroups is not None and self.cgroups.enabled:
-            cgroup, why = made if made is not None else self._create_cgroup(run)
-            if cgroup is None:
-                log.warning("evalsched: run %s runs without a cgroup: %s", run.id, why)
-        else:
-            why = self.cgroups.support.detail if self.cgroups is not None else "cgroups are off"
-        if memory_mb and (cgroup is None or cgroup.memory_limit_mb is None):
-            why = why or "this host gives runs no memory cgroup"
-            self.ctx.table.note_warning(
-                run, contract.reason("memory_limit_not_enforced", f"memory_mb={memory_mb} is not enforced: {why}")
-            )
-        return cgroup
-
     # ------------------------------------------------------------------ end
 
-    def _on_exit(self, run_id: str, code: int | None) -> None:
+    def _on_exit(self, run_id: str, code: int | None) -> asyncio.Future[tuple[int | None, int]] | None:
         table = self.ctx.table
         run = table.get(run_id)
         cgroup = self._cgroups.pop(run_id, None)
         if run is None or run.terminal:
-            return
+            return None
         table.exited(run)  # its resources go to the next run first: the verdict reads files
-        oom_kills = 0
-        if cgroup is not None:
-            # Read before clean-up removes the cgroup: the last figures, and whether the kernel
-            # killed something of the run for its memory limit.
-            oom_kills = cgroup.oom_kills()
-            peak = cgroup.memory_peak_mb()
-            if peak is not None:
-                table.observe(run, {}, peak, notify=False)
+        if cgroup is None:
+            self._conclude(run, code, None, None, 0)
+            return None
+        # Read in a thread, before clean-up removes the cgroup (the launcher waits for this): the
+        # last figures, and whether the kernel killed something of the run for its memory limit.
+        figures = self.ctx.loop.run_in_executor(self.ctx.io, _exit_figures, cgroup)
+        self._concluding[run_id] = figures
+        figures.add_done_callback(functools.partial(self._figures_read, run, code, cgroup))
+        return figures
+
+    def _figures_read(
+        self, run: Run, code: int | None, cgroup: RunCgroup, figures: asyncio.Future[tuple[int | None, int]]
+    ) -> None:
+        self._concluding.pop(run.id, None)
+        peak, oom_kills = None, 0
+        if not figures.cancelled() and figures.exception() is None:
+            peak, oom_kills = figures.result()
+        self._conclude(run, code, cgroup, peak, oom_kills)
+
+    def _conclude(self, run: Run, code: int | None, cgroup: RunCgroup | None, peak: int | None, oom_kills: int) -> None:
+        table = self.ctx.table
+        if run.terminal:
+            return
+        if peak is not None:
+            table.observe(run, {}, peak, notify=False)
         with table.deferring_writes():
             table.set_exit_code(run, code)
             verdict = table.conclude(run, code)
@@ -487,6 +516,7 @@ class LocalExecutor(Executor):
         # No process of it anywhere (its start waits for the last attempt's clean-up): ends now too.
         unstarted = run.starting and run.id not in self.launcher.running and not self.launcher.is_pending(run.id)
         if waiting or pending is not None or unstarted:
+            self._handover.pop(run.id, None)
             if pending is not None:
                 self._drop_cgroup(pending.cgroup)
             self.ctx.table.finish(
@@ -528,8 +558,11 @@ class LocalExecutor(Executor):
             else:
                 table.finish(run, *self._judge_exit(run, run.record.get("exit_code")))
             return
+        # (Its cgroup is found through its process, while that lives; those of runs whose process
+        # is gone are removed with every other stale one: ``recovered``.)
+        alive = is_same_process(pid, create_time)
+        stale = self.cgroups.existing(run.id, pid if alive else None) if self.cgroups is not None else None
         kill_stale_group(pid, create_time)
-        stale = self.cgroups.existing(run.id) if self.cgroups is not None else None
         if stale is not None:
             stale.remove()  # everything it held: the setsid'd, environment-less descendants too
         else:
@@ -547,7 +580,7 @@ class LocalExecutor(Executor):
     def _adopt(self, run: Run, pid: int, create_time: float | None) -> None:
         """A detached run still running from an earlier server: followed again, its resources
         held, its timeout counted from its start."""
-        cgroup = self.cgroups.existing(run.id) if self.cgroups is not None else None
+        cgroup = self.cgroups.existing(run.id, pid) if self.cgroups is not None else None
         self._clear_stop(run)  # a preemption the dead server asked for is no one's any more
         self.launcher.adopt(run.id, pid, create_time, cgroup)
         if cgroup is not None:
@@ -572,6 +605,13 @@ class LocalExecutor(Executor):
         started (waiting for their model host) lose nothing: they go back to the queue."""
         table = self.ctx.table
         self._stopping = True
+        # Warm starts handed to a spare and not started: their cgroups go once the zygotes have.
+        pending, self._handover = list(self._handover.values()), {}
+        detached = {
+            c.name
+            for run_id, c in self._cgroups.items()
+            if run_id in self.launcher.running and _detached(table.get(run_id))
+        }
         for run_id, task in list(self._starting.items()):
             task.cancel()
             run = table.get(run_id)
@@ -590,7 +630,15 @@ class LocalExecutor(Executor):
                     continue
             table.finish(run, ABORTED, contract.reason(contract.SERVER_RESTART, why))
         if self.zygotes is not None:
-            self.zygotes.close()  # after the runs: a zygote's end is its runs' end
+            self.zygotes.close()  # after the runs: a zygote's end is its runs' end (and its spares')
+        if self._concluding:  # exits whose figures are being read: concluded before we stop
+            await asyncio.gather(*list(self._concluding.values()), return_exceptions=True)
+        if self.pool is not None:
+            for cgroup in pending:
+                self.pool.discard(cgroup)
+            self.pool.close()  # the removals under way, the spares' cgroups, the unused ones
+            # What a spare forked as the zygote ended made (the server never heard of it).
+            _remove_stale_cgroups(self.pool.cgroups, self.pool.cgroups.stale_names(detached, own=True))
         if self.cgroups is not None and self.cgroups.enabled:
             self.cgroups.remove_namespace()  # only if no run cgroup is left in it
 
@@ -602,10 +650,12 @@ class LocalExecutor(Executor):
         while they ran) are emptied and removed, off the event loop."""
         if self.cgroups is None or not self.cgroups.enabled:
             return
-        # Listed now, before any new run makes its cgroup: only these are removed.
-        stale = [run_id for run_id in self.cgroups.stale_run_ids() if run_id not in self.launcher.running]
-        if stale:
-            self.ctx.loop.run_in_executor(self.ctx.io, _remove_stale_cgroups, self.cgroups, stale)
+        # Those of this server (made ahead, and its adopted runs') are kept.
+        keep = {cgroup.name for cgroup in self._cgroups.values()}
+        stale = self.cgroups.stale_names(keep)
+        if stale and self.pool is not None:
+            # (In the pool's thread: shutdown waits for it.)
+            self.ctx.loop.run_in_executor(self.pool.janitor, _remove_stale_cgroups, self.cgroups, stale)
 
     @property
     def mode(self) -> dict[str, object]:
@@ -620,11 +670,20 @@ class LocalExecutor(Executor):
         return {"cgroups": self.cgroups.status(), "warm_start": warm}
 
 
-def _remove_stale_cgroups(cgroups: Cgroups, run_ids: list[str]) -> None:
-    for run_id in run_ids:
-        stale = cgroups.existing(run_id)
+def _detached(run: Run | None) -> bool:
+    return run is not None and bool(run.record["detach"])
+
+
+def _exit_figures(cgroup: RunCgroup) -> tuple[int | None, int]:
+    """(the run's memory peak in MiB or None, how many of its processes the kernel OOM-killed)."""
+    return cgroup.memory_peak_mb(), cgroup.oom_kills()
+
+
+def _remove_stale_cgroups(cgroups: Cgroups, names: list[str]) -> None:
+    for name in names:
+        stale = cgroups.named(name)
         if stale is not None:
             pids = stale.kill()
             stale.remove()
             if pids:
-                log.warning("evalsched: killed %d process(es) left in the cgroup of run %s", len(pids), run_id)
+                log.warning("evalsched: killed %d process(es) left in the stale cgroup %s", len(pids), name)
