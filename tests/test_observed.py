@@ -187,7 +187,8 @@ async def test_a_run_that_leaves_its_cgroup_is_still_attributed_and_ended_by_can
     left = json.loads(pid_file.read_text())
     assert left["left"] == procs
     run_pid, child, orphan = left["run"], left["child"], left["orphan"]
-    cgroup = evalsched.executors["local"].cgroups.existing(rec["id"])
+    # (A run's cgroup is named when it is made ahead, not after the run: its process knows it.)
+    cgroup = evalsched.executors["local"].launcher._procs[rec["id"]].cgroup
     assert cgroup is not None and not cgroup.pids() & {run_pid, child, orphan}  # out of the run's cgroup
     assert psutil.Process(orphan).ppid() != run_pid and os.getsid(orphan) != os.getsid(run_pid)
     assert os.getsid(child) != os.getsid(run_pid)
