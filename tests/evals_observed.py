@@ -47,7 +47,11 @@ def escape(ctx, index):
 
 
 def hog(ctx, index):
-    """Touch ``params["mb"]`` MB of memory, a megabyte at a time."""
+    """Touch ``params["mb"]`` MB of memory, a megabyte at a time (first writing the run's
+    ``/proc/self/cgroup`` to ``params["cgroup_file"]`` when given)."""
+    if ctx.params.get("cgroup_file"):
+        with open("/proc/self/cgroup") as f, open(ctx.params["cgroup_file"], "w") as out:
+            out.write(f.read())
     chunks = []
     for _ in range(int(ctx.params["mb"])):
         chunks.append(bytearray(1024 * 1024))

@@ -130,6 +130,7 @@ async def test_a_start_that_cannot_be_handed_over_starts_cold_once_and_keeps_the
     final = await wait_for(rec["id"], timeout=20)
     assert final["state"] == "succeeded" and final["start"] == "cold", final
     assert "hand-over" in final["start_detail"] and "Message too long" in final["start_detail"], final
+
     # No storm: the spare given the failed hand-over leaves with the cgroup it had prepared for the
     # run (its limits were written) and is replaced once; the other spare still waits, and the
     # zygote forked no run.

@@ -237,13 +237,19 @@ async def test_a_run_over_its_memory_limit_fails_with_oom(api, wait_for):
     assert final["observed"]["peak_rss_mb"] >= 90, final["observed"]
 
 
-async def test_a_run_within_its_memory_limit_succeeds_and_leaves_no_cgroup(api, wait_for, evalsched):
-    rec = await submit(api, {"entrypoint": f"{EVALS}:hog", "params": {"mb": 20}, "scheduling": {"memory_mb": 200}})
+async def test_a_run_within_its_memory_limit_succeeds_and_leaves_no_cgroup(api, wait_for, tmp_path):
+    where = tmp_path / "cgroup.txt"
+    params = {"mb": 20, "cgroup_file": str(where)}
+    rec = await submit(api, {"entrypoint": f"{EVALS}:hog", "params": params, "scheduling": {"memory_mb": 200}})
     final = await wait_for(rec["id"])
     assert final["state"] == "succeeded" and final["warnings"] == [], final
     assert 20 <= final["observed"]["peak_rss_mb"] <= 200
-    cgroups = evalsched.executors["local"].cgroups
-    await async_wait_until(lambda: cgroups.existing(rec["id"]) is None, timeout=5)
+    # The run's own cgroup directories (as the run saw them), in the server's hierarchies: gone.
+    parents = (await api("GET", "status"))[1]["cgroups"]["parents"]
+    names = {line.split(":", 2)[2].rstrip("/").rsplit("/", 1)[-1] for line in where.read_text().splitlines()}
+    dirs = [os.path.join(ns, name) for ns in parents.values() for name in names if name.startswith("c+")]
+    assert dirs, (where.read_text(), parents)
+    await async_wait_until(lambda: not any(os.path.isdir(d) for d in dirs), timeout=5, message=str(dirs))
 
 
 @pytest.mark.parametrize("evalsched_config", [{"cgroups": False}])
