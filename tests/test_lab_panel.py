@@ -111,12 +111,12 @@ def _process_table_path(root: Path) -> Path:
 class LabServer:
     """A `jupyter lab` subprocess; this object holds the server's own PID (no shell between)."""
 
-    def __init__(self, root: Path, *, evalsched: bool = True) -> None:
+    def __init__(self, root: Path, *, evalsched: bool = True, env: dict[str, str] | None = None) -> None:
         self.root = root
         self.port = _free_port()
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}{BASE_URL}"
-        self.env = _isolated_env(root)
+        self.env = {**_isolated_env(root), **(env or {})}
         if not evalsched:
             # The user config dir has the last word over the venv's conf.d auto-enable file.
             (root / "config" / "jupyter_server_config.json").write_text(
@@ -235,8 +235,8 @@ class LabServer:
         self._log.close()
 
 
-def _start(root: Path, *, evalsched: bool = True) -> LabServer:
-    server = LabServer(root, evalsched=evalsched)
+def _start(root: Path, *, evalsched: bool = True, env: dict[str, str] | None = None) -> LabServer:
+    server = LabServer(root, evalsched=evalsched, env=env)
     try:
         server.wait_ready(evalsched=evalsched)
     except BaseException:
@@ -505,11 +505,7 @@ def test_panel_live(lab: LabServer, browser: Any) -> None:
 
             ARTIFACTS.mkdir(exist_ok=True)
             page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel.png"))
-            # The user guide's picture (docs/panel.md): a running run and one queued behind it.
-            if os.environ.get("EVALSCHED_DOC_SCREENSHOTS"):
-                shots = Path(os.environ["EVALSCHED_DOC_SCREENSHOTS"])
-                shots.mkdir(parents=True, exist_ok=True)
-                page.locator(PANEL).screenshot(path=str(shots / "panel.png"))
+            # (The docs' picture of the panel is taken in a fuller state: tests/test_lab_layout.py.)
 
             _run(page, d).locator('[data-testid="evalsched-cancel"]').click()
             _confirm_dialog(page, accept=True)
@@ -702,8 +698,11 @@ def test_panel_leases(lab: LabServer, browser: Any) -> None:
             )["id"]
             queued = _wait_run(page, run_id, "queued", "queued")
             _wait_reason(page, run_id, "waiting_vram")
+            # The lease named by its label and a short id, the whole id in a tooltip.
             page.wait_for_function(
-                "([sel, id]) => (document.querySelector(sel)?.textContent || '').includes(id)",
+                "([sel, id]) => { const el = document.querySelector(sel);"
+                " return !!el && (el.textContent || '').includes(id.split('-').pop())"
+                " && [...el.querySelectorAll('[title]')].some(t => t.title.includes(id)); }",
                 arg=[f'{PANEL} .jp-EvalSched-run[data-run-id="{run_id}"] [data-testid="evalsched-reason"]', lease_id],
             )
             assert label in queued.locator('[data-testid="evalsched-reason"]').inner_text()
@@ -1393,7 +1392,8 @@ def test_panel_reasons_from_why(lab: LabServer, browser: Any) -> None:
             assert "needs 16,000 MB on one GPU" in reason.inner_text()
             holders = reason.locator(".jp-EvalSched-reasonHolder")
             assert holders.count() == 2
-            assert holders.nth(0).inner_text() == "why-holder"
+            assert holders.nth(0).inner_text() == f"why-holder ({lease_id.rsplit('-', 1)[1]})"  # name, short id
+            assert lease_id in (holders.nth(0).get_attribute("title") or "")
             assert holders.nth(0).get_attribute("data-kind") == "lease"
             assert holders.nth(0).get_attribute("data-holder-id") == lease_id
             assert "14,000 MB" in (holders.nth(0).get_attribute("title") or "")

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from jupyter_evalsched.client import EvalSchedClientError
-from jupyter_evalsched.widget import QueueWidget, RunProgress, _RunRow, ledger_html, run_row_html
+from jupyter_evalsched.widget import (
+    RUN_PALETTE,
+    QueueWidget,
+    RunProgress,
+    _RunRow,
+    color_slot,
+    ledger_html,
+    run_color,
+    run_row_html,
+)
 
 try:
     from .live_server import SLEEPY, clean_queue, client, live_server, wait_state, wait_until
@@ -358,3 +370,48 @@ def test_a_queued_row_names_what_holds_it_from_its_why():
     assert "waiting_cpu: needs 3 CPU slots" in run_row_html(
         {**rec, "why": None, "reason": "waiting_cpu: needs 3 CPU slots"}
     )
+
+
+RUN_COLORS = Path(__file__).resolve().parents[1] / "labextension" / "src" / "__tests__" / "fixtures" / "run-colors.json"
+
+
+def test_run_colors_match_the_panel():
+    """One colour rule for a run in the widget and in the Lab panel: the ids and slots of the
+    fixture the panel's Jest test reads too, and the palette of the panel's stylesheet."""
+    fixture = json.loads(RUN_COLORS.read_text())
+    assert list(RUN_PALETTE) == fixture["palette"]
+    css = (RUN_COLORS.parents[3] / "style" / "base.css").read_text()
+    panel = re.search(r"\.jp-EvalSched \{(.*?)\}", css, re.S).group(1)
+    assert re.findall(r"--jp-evalsched-c(\d): (#[0-9a-f]{6});", panel) == [
+        (str(i), c) for i, c in enumerate(RUN_PALETTE)
+    ]
+    for case in fixture["cases"]:
+        assert color_slot(case["id"]) == case["slot"], case["id"]
+        assert run_color(case["id"]) == case["color"]
+
+
+def test_ledger_html_labels_and_legends_every_run():
+    """Each run's segment: its colour, its name inside when it is wide enough, and an entry in the
+    legend under the bar (with its MB) whatever its width."""
+    ledger = {
+        "devices": [
+            {
+                "index": 0,
+                "name": "A100",
+                "total_mb": 40000,
+                "usable_mb": 40000,
+                "allocated_mb": 20500,
+                "free_mb": 19500,
+                "runs": [{"id": "big", "marginal_vram_mb": 20000}, {"id": "tiny", "marginal_vram_mb": 500}],
+                "leases": [{"id": "lease-1", "label": "exploration-of-long-context-retrieval", "vram_mb": 0}],
+            }
+        ]
+    }
+    html = ledger_html(ledger, {"big": "big-run", "tiny": "tiny-run"})
+    big = re.search(r"<div data-seg-kind='run' data-run-id='big'[^>]*>(.*?)</div>", html).group(0)
+    assert f"background:{run_color('big')}" in big and ">big-run</span>" in big
+    tiny = re.search(r"<div data-seg-kind='run' data-run-id='tiny'[^>]*>(.*?)</div>", html).group(0)
+    assert "tiny-run" not in tiny.split(">", 1)[1]  # too narrow for a label: only its tooltip
+    for rid, text in (("big", "big-run 20000 MB"), ("tiny", "tiny-run 500 MB")):
+        item = re.search(rf"<span data-legend-run-id='{rid}'.*?</span>(.*?)</span>", html)
+        assert item and item.group(1) == text, html

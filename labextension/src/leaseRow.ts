@@ -4,7 +4,7 @@
 import { TranslationBundle } from '@jupyterlab/translation';
 
 import { ILeaseRecord, leaseHolder } from './api';
-import { formatDuration, formatMB, h, parseTime } from './format';
+import { formatDuration, formatMB, h, parseTime, setName } from './format';
 import { reasonView } from './reason';
 import { renderReason } from './reasonLine';
 import { IRowHost } from './rowHost';
@@ -99,8 +99,7 @@ export class LeaseRow {
     node.dataset.holder = holder;
     node.dataset.vramMb = String(lease.vram_mb);
     node.dataset.devices = (lease.devices ?? []).join(',');
-    this._holder.textContent = holder;
-    this._holder.title = holder;
+    setName(this._holder, holder, trans.__('%1 (lease %2)', holder, lease.id));
     this._state.textContent = lease.state;
     this._state.dataset.state = lease.state;
 

@@ -1,5 +1,9 @@
+import { readFileSync } from 'fs';
+import { join } from 'path';
+
 import {
   attemptOf,
+  colorSlot,
   formatAgo,
   formatDuration,
   formatMB,
@@ -137,5 +141,41 @@ describe('SLURM and sweep points', () => {
       sweepPointLabel({ name: 'renamed', sweep_point: { skill: 0.3 } })
     ).toBe('skill=0.3');
     expect(sweepPointLabel({ name: 'plain' })).toBe('plain');
+  });
+});
+
+describe('run colours', () => {
+  // The same fixture as tests/test_widget.py: a run has one colour in the widget and the panel.
+  const fixture = JSON.parse(
+    readFileSync(join(__dirname, 'fixtures', 'run-colors.json'), 'utf-8')
+  ) as {
+    palette: string[];
+    cases: { id: string; slot: number; color: string }[];
+  };
+
+  it('gives each id the slot the notebook widget gives it', () => {
+    for (const c of fixture.cases) {
+      expect([c.id, colorSlot(c.id, fixture.palette.length)]).toEqual([
+        c.id,
+        c.slot
+      ]);
+    }
+  });
+
+  it('draws the slots in the palette of the widget', () => {
+    const css = readFileSync(
+      join(__dirname, '..', '..', 'style', 'base.css'),
+      'utf-8'
+    );
+    const panel = /\.jp-EvalSched \{([^}]*)\}/.exec(css)![1];
+    const palette: string[] = [];
+    const re = /--jp-evalsched-c\d: (#[0-9a-f]{6});/g;
+    for (let m = re.exec(panel); m; m = re.exec(panel)) {
+      palette.push(m[1]);
+    }
+    expect(palette).toEqual(fixture.palette);
+    for (const c of fixture.cases) {
+      expect(fixture.palette[c.slot]).toBe(c.color);
+    }
   });
 });
