@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 import os
+import re
 import time
 import weakref
 from collections.abc import Callable
@@ -113,6 +114,16 @@ def _badge(state: str) -> str:
 
 def _esc(value: Any) -> str:
     return html.escape("" if value is None else str(value))
+
+
+# A run's, lease's or sweep's id as the server makes them (the panel's LONG_ID, format.ts).
+_LONG_ID = re.compile(r"\b(?:lease-|sweep-)?\d{8}T\d{6}(?:\.\d{6})?-([0-9a-f]{6})\b")
+
+
+def short_ids_html(escaped: str) -> str:
+    """``escaped`` (HTML) with every long id in it shortened to its random tail, the whole id in
+    a tooltip, as the panel shows them: a whole id makes a reason lines longer."""
+    return _LONG_ID.sub(lambda m: f"<span title='{m.group(0)}'>{m.group(1)}</span>", escaped)
 
 
 def is_slurm(rec: dict) -> bool:
@@ -330,7 +341,7 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
     if state == RUNNING:
         details.append(f"{done}/{total} · {format_duration(elapsed_s(rec))}")
         if rec.get("devices") and not slurm:
-            details.append("GPU " + ",".join(str(d) for d in rec["devices"]))
+            details.append("GPU\u00a0" + ",".join(str(d) for d in rec["devices"]))
         if metrics:
             details.append(metrics)
     elif state == QUEUED:
@@ -345,11 +356,11 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
             details.append(metrics)
     vram = int(rec.get("marginal_vram_mb") or 0)
     # A SLURM run is not on this host's GPUs: its job id and SLURM state instead of the VRAM.
-    where = f" · {slurm_badge(rec)}" if slurm else (f" · {vram} MB" if vram else "")
+    where = f" · {slurm_badge(rec)}" if slurm else (f" · {vram}\u00a0MB" if vram else "")
     observed = rec.get("observed") or {}
     peak = max((int(v) for v in (observed.get("peak_vram_mb") or {}).values()), default=0)
     if peak and not slurm:
-        where += f" (seen {peak} MB)"
+        where += f" (seen {peak}\u00a0MB)"
     attempts = attempt_text(rec)
     if attempts:
         where += f" · {_esc(attempts)}"
@@ -359,10 +370,12 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
             f"color:#a4262c;border:1px solid #e8a1a3;border-radius:3px;padding:0 4px;font-size:85%'>"
             f"⚠ {_esc(warning.split(':', 1)[0])}</span>"
         )
+    # Its own line height: the widget's 28 px would space wrapped lines far apart.
     return (
-        f"{_badge(state)} <b>{_esc(rec.get('name'))}</b> <code style='font-size:80%'>{_esc(run_id)}</code>"
+        f"<div style='line-height:1.5'>{_badge(state)} <b>{_esc(rec.get('name'))}</b> "
+        f"<code style='font-size:80%'>{_esc(run_id)}</code>"
         f" · {_esc(rec.get('priority', SCHEDULING_DEFAULTS['priority']))}{where}"
-        f" · <span style='color:#555'>{_esc(' · '.join(details))}</span>"
+        f" · <span style='color:#555'>{short_ids_html(_esc(' · '.join(details)))}</span></div>"
     )
 
 

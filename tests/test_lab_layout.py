@@ -316,10 +316,10 @@ def test_panel_layout(busy: dict, browser: Any) -> None:
         context.close()
 
 
-def _open(browser: Any, server: LabServer) -> tuple[Any, Any, PageErrors]:
+def _open(browser: Any, server: LabServer, height: int = 1000) -> tuple[Any, Any, PageErrors]:
     """A page of JupyterLab with a fresh layout (``?reset``: not the one an earlier test left, a
     notebook open) and the panel shown."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context = browser.new_context(viewport={"width": 1400, "height": height})
     page = context.new_page()
     page.set_default_timeout(UI_TIMEOUT_MS)
     errors = PageErrors(page)
@@ -364,7 +364,7 @@ def test_widget_layout(busy: dict, browser: Any) -> None:
     server = busy["server"]
     _write_user_settings(server, {})
     _notebook(server, "queue-widget.ipynb", "%load_ext jupyter_evalsched\n%eval_queue")
-    context, page, errors = _open(browser, server)
+    context, page, errors = _open(browser, server, height=1400)  # the whole widget in its picture
     try:
         with failure_report(server, "lab-layout-widget-failure.png", lambda: page):
             _panel_ready(page, busy)

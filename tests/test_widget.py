@@ -238,7 +238,7 @@ def test_queue_widget_shows_slurm_runs_with_job_id_and_state():
         assert "SLURM 122 · COMPLETED" in rows["s0"].label.value
         # A local run keeps its VRAM and GPU text and has no badge.
         local = rows["l1"].label.value
-        assert "8000 MB" in local and "GPU 0" in local and "SLURM" not in local
+        assert "8000\u00a0MB" in local and "GPU\u00a00" in local and "SLURM" not in local  # no break inside
         # SLURM runs are not on this host's GPUs: not in the ledger bars.
         assert "s1" not in widget._ledger.value
     finally:
@@ -415,3 +415,19 @@ def test_ledger_html_labels_and_legends_every_run():
     for rid, text in (("big", "big-run 20000 MB"), ("tiny", "tiny-run 500 MB")):
         item = re.search(rf"<span data-legend-run-id='{rid}'.*?</span>(.*?)</span>", html)
         assert item and item.group(1) == text, html
+
+
+def test_run_row_names_ids_short_in_reasons():
+    """A reason names a lease or run by a short id (the whole id in a tooltip), as the panel does:
+    whole ids made a reason several lines long."""
+    lease = "lease-20261203T063805.937217-3eda47"
+    rec = {
+        "id": "20261203T063806.448589-41dfab",
+        "name": "waits",
+        "state": "queued",
+        "reason": f"waiting_vram: lease {lease} (exploration) holds 6000 MB on GPU 0",
+    }
+    html = run_row_html(rec)
+    assert f"lease <span title='{lease}'>3eda47</span> (exploration)" in html
+    assert html.count(lease) == 1  # only in the tooltip
+    assert ">20261203T063806.448589-41dfab</code>" in html  # the row's own id stays whole

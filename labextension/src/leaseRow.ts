@@ -72,8 +72,10 @@ export class LeaseRow {
           title: trans.__('Its colour in the GPU bar')
         }),
         this._holder,
-        this._state,
-        this._release
+        h('span', { className: 'jp-EvalSched-headEnd' }, [
+          this._state,
+          this._release
+        ])
       ]),
       this._meta,
       this._notebook,

@@ -152,8 +152,10 @@ export class RunRow {
         this._chip,
         this._position,
         this._name,
-        this._state,
-        this._cancel
+        h('span', { className: 'jp-EvalSched-headEnd' }, [
+          this._state,
+          this._cancel
+        ])
       ]),
       this._meta,
       this._reason,

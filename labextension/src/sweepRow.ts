@@ -97,8 +97,10 @@ export class SweepRow {
       h('div', { className: 'jp-EvalSched-runHead' }, [
         this._caret,
         this._name,
-        this._state,
-        this._cancel
+        h('span', { className: 'jp-EvalSched-headEnd' }, [
+          this._state,
+          this._cancel
+        ])
       ]),
       this._meta,
       h('div', { className: 'jp-EvalSched-sweepLine' }, [
