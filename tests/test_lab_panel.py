@@ -926,7 +926,7 @@ def _watch_row(page: Any, run_id: str) -> None:
              const note = () => {
                const row = document.querySelector(sel);
                if (!row) { return; }
-               const resume = row.querySelector('.jp-EvalSched-runHead [data-testid="evalsched-resume"]');
+               const resume = row.querySelector('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]');
                const now = { state: row.dataset.state, attempt: row.dataset.attempt,
                              reason: (row.querySelector('[data-testid="evalsched-reason"]') || {}).textContent || '',
                              resumeHidden: !!(resume && resume.hidden) };
@@ -974,7 +974,7 @@ def test_panel_resume(lab: LabServer, browser: Any) -> None:
             first = lab.run(run_id)
             assert first["state"] == "failed" and first["attempt"] == 1, first
             assert first["reason"].startswith("exit_code:3") and first["progress"]["done"] == 2, first
-            resume = row.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]')
+            resume = row.locator('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]')
             assert resume.is_visible() and resume.inner_text() == "Resume"
             assert row.locator('[data-testid="evalsched-cancel"]').is_hidden()
             for badge in ("attempt", "preemptions", "retries", "detached"):  # a plain first attempt
@@ -1035,7 +1035,7 @@ def test_panel_resume(lab: LabServer, browser: Any) -> None:
             assert all(s["attempt"] == "2" and s["resumeHidden"] for s in after), seen
 
             assert done.locator('[data-testid="evalsched-attempt"]').inner_text() == "attempt 2"
-            assert done.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]').is_hidden()
+            assert done.locator('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]').is_hidden()
             assert done.locator('[data-testid="evalsched-preemptions"]').count() == 0
             assert done.locator('[data-testid="evalsched-retries"]').count() == 0
 
@@ -1126,17 +1126,20 @@ def test_panel_preemption_and_retry(tmp_path: Path, browser: Any) -> None:
             row = _wait_reason(page, low_id, "preempting", "running")
             reason = row.locator('[data-testid="evalsched-reason"]')
             text = reason.inner_text()
-            assert reason.is_visible() and f"preempting:{high_id}" in text, text
+            # The run it makes room for by a short id, the whole id in a tooltip.
+            short = high_id.rsplit("-", 1)[1]
+            assert reason.is_visible() and f"preempting:{short}" in text, text
+            assert high_id not in text and reason.locator(f'[title="{high_id}"]').count() >= 1, text
             if reason.get_attribute("data-structured") == "true":
                 # In words only from `why` (a reason string without it is shown as it is).
                 assert row.get_attribute("data-reason-arg") == high_id
-                assert f"being preempted for {high_id}" in text, text
+                assert f"being preempted for {short}" in text, text
 
             # -- queued again, attempt 2, preempted once; no Resume (it is not finished) ---------
             page.wait_for_selector(f'{_row_selector(low_id)}[data-state="queued"][data-attempt="2"]')
             assert row.locator('[data-testid="evalsched-preemptions"]').inner_text() == "preempted ×1"
             assert row.locator('[data-testid="evalsched-attempt"]').inner_text() == "attempt 2"
-            assert row.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]').is_hidden()
+            assert row.locator('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]').is_hidden()
             ARTIFACTS.mkdir(exist_ok=True)
             page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-preempted.png"))
 
@@ -1191,7 +1194,7 @@ def test_panel_preemption_and_retry(tmp_path: Path, browser: Any) -> None:
             page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-retrying.png"))
             done = _wait_run(page, retried_id, "succeeded", "finished")
             assert done.locator('[data-testid="evalsched-retries"]').inner_text() == "retry 1/1"
-            assert done.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]').is_hidden()
+            assert done.locator('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]').is_hidden()
             states = [s["state"] for s in _seen(page, retried_id)]
             assert "queued" in states and states[-1] == "succeeded" and "failed" not in states, states
             final = server.run(retried_id)

@@ -151,7 +151,7 @@ export function renderReason(
   }
   const readable = readableReason(view.code, view.arg, view.text, trans);
   el.replaceChildren(
-    h('span', { className: 'jp-EvalSched-reasonCode', text: view.head }),
+    withShortIds(view.head, 'jp-EvalSched-reasonCode'),
     retry ?? '',
     readable
       ? withShortIds(readable, 'jp-EvalSched-reasonText', {
