@@ -403,7 +403,10 @@ def test_widget_layout(busy: dict, browser: Any) -> None:
                 """([root]) => [...document.querySelectorAll(`${root} [data-seg-kind]`)]
                      .filter(el => el.textContent.trim())
                      .map(el => { const s = getComputedStyle(el);
-                       const lh = s.lineHeight === 'normal' ? 1.2 * parseFloat(s.fontSize) : parseFloat(s.lineHeight);
+                       // A line of its font: its line height, and at least 1.15 × its size (a
+                       // squeezed line height would hide a clipped label).
+                       const lh = Math.max(1.15 * parseFloat(s.fontSize),
+                         s.lineHeight === 'normal' ? 0 : parseFloat(s.lineHeight));
                        return { text: el.textContent.trim(), h: el.clientHeight, lh, font: parseFloat(s.fontSize) }; })""",
                 [WIDGET],
             )
