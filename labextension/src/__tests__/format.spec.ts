@@ -13,6 +13,8 @@ import {
   parseTime,
   retryInSeconds,
   runBadges,
+  shortenIds,
+  shortId,
   slurmLabel,
   splitReason,
   sweepPointLabel
@@ -177,5 +179,25 @@ describe('run colours', () => {
     for (const c of fixture.cases) {
       expect(fixture.palette[c.slot]).toBe(c.color);
     }
+  });
+});
+
+describe('short ids', () => {
+  it('shortens the ids the server makes to their random tail, and only those', () => {
+    expect(shortId('20261203T063806.448589-41dfab')).toBe('41dfab');
+    expect(shortId('lease-20261203T063805.937217-3eda47')).toBe('3eda47');
+    expect(shortId('sweep-20261203T063922-210694')).toBe('210694');
+    expect(shortId('k-1')).toBe('k-1');
+    expect(shortId('my-run-abcdef')).toBe('my-run-abcdef');
+  });
+
+  it('finds the ids in a sentence', () => {
+    const lease = 'lease-20261203T063805.937217-3eda47';
+    expect(shortenIds(`lease ${lease} (notes) holds 6000 MB`)).toEqual([
+      'lease ',
+      { id: lease, short: '3eda47' },
+      ' (notes) holds 6000 MB'
+    ]);
+    expect(shortenIds('needs 20000 MB')).toEqual(['needs 20000 MB']);
   });
 });
