@@ -122,10 +122,11 @@ MEASURE_JS = r"""
     const s = getComputedStyle(el);
     const item = { el: describe(el), text: text(el).slice(0, 80) };
     if (s.display !== 'inline') {
-      if (el.scrollWidth > el.clientWidth + 1 && !excused(el)) {
+      // (An element that scrolls — a log, a traceback — shows the rest on scrolling.)
+      if (el.scrollWidth > el.clientWidth + 1 && !scrolls(s.overflowX) && !excused(el)) {
         problems.push({ ...item, why: `clipped across: ${el.scrollWidth} > ${el.clientWidth}` });
       }
-      if (el.scrollHeight > el.clientHeight + 1 && !excused(el)) {
+      if (el.scrollHeight > el.clientHeight + 1 && !scrolls(s.overflowY) && !excused(el)) {
         problems.push({ ...item, why: `clipped down: ${el.scrollHeight} > ${el.clientHeight}` });
       }
     }
@@ -259,6 +260,11 @@ def test_panel_layout(busy: dict, browser: Any) -> None:
             sweep = page.locator(f'{SWEEP}[data-sweep-id="{busy["running_sweep"]}"]')
             sweep.locator('[data-testid="evalsched-sweep-toggle"]').click()
             sweep.locator('[data-testid="evalsched-sweep-runs"] .jp-EvalSched-run').first.wait_for(state="visible")
+
+            # The failed run's detail open: its fields and error too.
+            failed = page.locator(f'{PANEL} .jp-EvalSched-run[data-run-id="{busy["failed"]}"]')
+            failed.locator('[data-testid="evalsched-details"]').click()
+            failed.locator(".jp-EvalSched-detail").wait_for(state="visible")
 
             problems = _measure(page, PANEL)
             assert problems == [], _explain(problems)

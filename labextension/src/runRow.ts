@@ -422,7 +422,7 @@ export class RunRow {
         h('span', {
           className: 'jp-EvalSched-errorLine',
           text: `${summary.error.type}: ${summary.error.message}`,
-          title: summary.error.message
+          title: `${summary.error.type}: ${summary.error.message}`
         })
       );
     }
