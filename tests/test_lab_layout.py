@@ -301,15 +301,19 @@ def test_panel_layout(busy: dict, browser: Any) -> None:
             assert short in text, text
             assert reason.locator(f'[title*="{busy["lease"]}"]').count() >= 1
 
-            # Section counts: the rows shown (a sweep is one row), or "N runs in M rows".
+            # Section counts: the rows shown (a sweep is one row), the runs in them in the tooltip.
             for section in ("running", "queued", "finished"):
                 rows = page.locator(
                     f'{PANEL} .jp-EvalSched-list[data-section="{section}"] > .jp-EvalSched-run,'
                     f' {PANEL} .jp-EvalSched-list[data-section="{section}"] > .jp-EvalSched-sweep'
                 ).count()
                 count = page.locator(f'{PANEL} section[data-section="{section}"] .jp-EvalSched-count').text_content()
-                assert count == str(rows) or count.endswith(f"in {rows} rows"), (section, count, rows)
+                assert count == str(rows), (section, count, rows)
 
+            running = page.locator(f'{PANEL} section[data-section="running"] .jp-EvalSched-count')
+            assert running.get_attribute("title") == "3 runs in 2 rows"
+
+            page.evaluate(f"document.querySelector('{PANEL} .jp-EvalSched-body').scrollTop = 0")
             ARTIFACTS.mkdir(exist_ok=True)
             page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-layout-panel.png"))
             # The README's and the guide's picture of the panel.

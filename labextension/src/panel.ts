@@ -553,13 +553,14 @@ export class EvalSchedPanel extends Widget implements IRowHost {
       const rows = items[section].length + more;
       const runs = runsIn[section] + more;
       const count = this._counts[section];
-      count.textContent =
-        runs === rows
-          ? String(rows)
-          : this._trans.__('%1 runs in %2 rows', runs, rows);
+      // The rows as shown; the runs they hold in the tooltip where a sweep's row holds several.
+      count.textContent = String(rows);
       count.dataset.rows = String(rows);
       count.dataset.runs = String(runs);
-      count.title = this._trans._n('%1 run', '%1 runs', runs);
+      count.title =
+        runs === rows
+          ? this._trans._n('%1 run', '%1 runs', runs)
+          : this._trans.__('%1 runs in %2 rows', runs, rows);
     }
     this._more.hidden = hidden <= 0;
     this._more.textContent = this._trans.__('… and %1 more queued', hidden);
