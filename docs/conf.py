@@ -4,7 +4,7 @@ Build: ``bash scripts/build_docs.sh`` (``sphinx-build -W --keep-going -b html do
 Pages written at build time, offline, by ``_ext/evalsched_docs.py``: the REST API (from
 ``jupyter_evalsched.openapi.openapi_document()``), the CLI (from
 ``jupyter_evalsched.cli.build_parser()``), and the panel's screenshot when the browser tests made
-one (``docs/_static/panel.png``; see ``EVALSCHED_DOC_SCREENSHOTS`` in tests/test_lab_panel.py).
+one (``docs/_static/panel.png``; see ``EVALSCHED_DOC_SCREENSHOTS`` in tests/test_lab_layout.py).
 """
 
 from __future__ import annotations

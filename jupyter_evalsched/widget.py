@@ -14,10 +14,9 @@ progress during ``RunHandle.wait()`` (the client never imports this module).
 
 from __future__ import annotations
 
-import colorsys
-import hashlib
 import html
 import os
+import re
 import time
 import weakref
 from collections.abc import Callable
@@ -71,10 +70,26 @@ def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
 # --------------------------------------------------------------------------- rendering helpers
 
 
-def _color(run_id: str) -> str:
-    hue = int(hashlib.sha1(run_id.encode()).hexdigest()[:6], 16) / 0xFFFFFF
-    r, g, b = colorsys.hls_to_rgb(hue, 0.55, 0.55)
-    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+# The runs' categorical palette: the same colours, in the same order, as the Lab panel's
+# (labextension/style/base.css, --jp-evalsched-c0 … c7), so a run has one colour in both.
+RUN_PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#e15759", "#edc948", "#9c755f")
+
+
+def color_slot(run_id: str, slots: int = len(RUN_PALETTE)) -> int:
+    """A run's slot in :data:`RUN_PALETTE`: the panel's ``colorSlot`` (labextension/src/format.ts)
+    exactly, a 32-bit ``hash * 31 + code unit`` over the id's UTF-16 code units."""
+    h = 0
+    units = run_id.encode("utf-16-le")
+    for i in range(0, len(units), 2):
+        h = (h * 31 + int.from_bytes(units[i : i + 2], "little")) & 0xFFFFFFFF
+    if h >= 0x80000000:  # JavaScript's `| 0`: a signed 32-bit integer
+        h -= 0x100000000
+    return abs(h) % slots
+
+
+def run_color(run_id: str) -> str:
+    """A run's colour in the GPU bars, the same as the panel's."""
+    return RUN_PALETTE[color_slot(run_id)]
 
 
 _STATE_COLORS = {
@@ -99,6 +114,16 @@ def _badge(state: str) -> str:
 
 def _esc(value: Any) -> str:
     return html.escape("" if value is None else str(value))
+
+
+# A run's, lease's or sweep's id as the server makes them (the panel's LONG_ID, format.ts).
+_LONG_ID = re.compile(r"\b(?:lease-|sweep-)?\d{8}T\d{6}(?:\.\d{6})?-([0-9a-f]{6})\b")
+
+
+def short_ids_html(escaped: str) -> str:
+    """``escaped`` (HTML) with every long id in it shortened to its random tail, the whole id in
+    a tooltip, as the panel shows them: a whole id makes a reason lines longer."""
+    return _LONG_ID.sub(lambda m: f"<span title='{m.group(0)}'>{m.group(1)}</span>", escaped)
 
 
 def is_slurm(rec: dict) -> bool:
@@ -127,8 +152,41 @@ def slurm_badge(rec: dict) -> str:
     )
 
 
+# A segment of a GPU bar is labelled inside when it is at least this share of the bar (as in the
+# panel); every run, lease and holder is in the legend under its bar anyway.
+_LABEL_MIN_SHARE = 0.12
+_BAR_PX = 18  # the bar's height, one line of its 11 px labels
+_LEASE_BG = "repeating-linear-gradient(45deg,#6a3d9a,#6a3d9a 6px,#8e63b5 6px,#8e63b5 12px)"
+
+
+def _segment(kind: str, pct: float, background: str, title: str, label: str, attrs: str = "") -> str:
+    """One segment of a GPU bar: its label (when given) on a line as tall as the bar, cut with an
+    ellipsis where the segment is short, the whole of it in the tooltip."""
+    text = (
+        f"<span style='background:rgba(255,255,255,0.8);color:#111;border-radius:2px;padding:0 3px;"
+        f"margin:0 2px;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;min-width:0'>{_esc(label)}</span>"
+        if label
+        else ""
+    )
+    return (
+        f"<div data-seg-kind='{kind}' {attrs} title='{_esc(title)}' style='display:flex;align-items:center;"
+        f"flex:0 0 auto;width:{pct:.2f}%;height:{_BAR_PX}px;line-height:{_BAR_PX}px;font-size:11px;"
+        f"background:{background};overflow:hidden;text-overflow:ellipsis;white-space:nowrap;"
+        f"box-sizing:border-box'>{text}</div>"
+    )
+
+
+def _legend_item(background: str, text: str, title: str, attrs: str = "") -> str:
+    return (
+        f"<span {attrs} title='{_esc(title)}' style='display:inline-flex;align-items:center;gap:4px;"
+        f"white-space:nowrap'><span style='display:inline-block;width:10px;height:10px;border-radius:2px;"
+        f"border:1px solid #999;background:{background}'></span>{_esc(text)}</span>"
+    )
+
+
 def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str:
-    """One bar per GPU: shared-model baseline, each run's allocation, unmanaged VRAM, free."""
+    """One bar per GPU: shared-model baseline, each run's allocation, unmanaged VRAM, free; a
+    legend under it names every run, lease and holder with its colour and MB."""
     if not ledger:
         return "<i>no ledger yet</i>"
     names = names or {}
@@ -142,38 +200,50 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
         free = int(dev.get("free_mb") or 0)
         scale = max(total, baseline + unmanaged + usable, 1)
         segs: list[str] = []
+        legend: list[str] = []
 
-        def seg(mb: int, color: str, title: str, label: str = "", scale: float = scale, segs: list[str] = segs) -> None:
+        def seg(
+            kind: str,
+            mb: int,
+            background: str,
+            title: str,
+            label: str = "",
+            attrs: str = "",
+            scale: float = scale,
+            segs: list[str] = segs,
+        ) -> None:
             if mb > 0:
-                pct = 100.0 * mb / scale
-                segs.append(
-                    f"<div title='{_esc(title)}' style='width:{pct:.2f}%;background:{color};"
-                    f"overflow:hidden;white-space:nowrap;font-size:80%;color:white;"
-                    f"padding-left:2px;box-sizing:border-box'>{_esc(label)}</div>"
-                )
+                shown = label if mb / scale >= _LABEL_MIN_SHARE else ""
+                segs.append(_segment(kind, 100.0 * mb / scale, background, title, shown, attrs))
 
-        seg(baseline, "#7f7f7f", f"shared models: {baseline} MB", "models")
+        if baseline:
+            seg("baseline", baseline, "#7f7f7f", f"shared models: {baseline} MB", "models")
+            legend.append(_legend_item("#7f7f7f", f"models {baseline} MB", f"shared models: {baseline} MB"))
         # VRAM outside the scheduler, by who holds it (a notebook, through its kernel, else a pid);
         # what a lease holder uses beyond its lease is drawn beside its lease.
         named = 0
         for who, title, mb in unmanaged_by_holder(dev):
-            seg(mb, "#bcbd22", f"{title}: {mb} MB (not managed by the scheduler)", who)
+            full = f"{title}: {mb} MB (not managed by the scheduler)"
+            seg("unmanaged", mb, "#bcbd22", full, who)
+            legend.append(_legend_item("#bcbd22", f"{who} {mb} MB", full))
             named += mb
         over_leases = sum(int(x.get("over_lease_mb") or 0) for x in dev.get("leases") or [])
-        seg(unmanaged - named - over_leases, "#bcbd22", "not managed by the scheduler", "other")
+        other = unmanaged - named - over_leases
+        seg("unmanaged", other, "#bcbd22", f"not managed by the scheduler: {other} MB", "other")
+        if other > 0:
+            legend.append(_legend_item("#bcbd22", f"other {other} MB", "not managed by the scheduler"))
         for item in dev.get("leases") or []:
             holder = lease_label(item)
             mb = int(item.get("vram_mb") or 0)
             lease_id = item.get("id")
             title = f"lease {lease_id} held by {holder}: {mb} MB"
-            segs.append(
-                f"<div class='jupyter-evalsched-lease' data-lease-id='{_esc(lease_id)}' title='{_esc(title)}' "
-                f"style='width:{100.0 * mb / scale:.2f}%;background:repeating-linear-gradient(45deg,#6a3d9a,"
-                f"#6a3d9a 6px,#8e63b5 6px,#8e63b5 12px);overflow:hidden;white-space:nowrap;font-size:80%;"
-                f"color:white;padding-left:2px;box-sizing:border-box'>{_esc(holder)}</div>"
+            attrs = f"class='jupyter-evalsched-lease' data-lease-id='{_esc(lease_id)}'"
+            seg("lease", mb, _LEASE_BG, title, holder, attrs)
+            legend.append(
+                _legend_item(_LEASE_BG, f"lease: {holder} {mb} MB", title, f"data-legend-lease-id='{_esc(lease_id)}'")
             )
             over = int(item.get("over_lease_mb") or 0)
-            seg(over, "#d62728", f"{holder} uses {over} MB more than its lease", "over")
+            seg("over", over, "#d62728", f"{holder} uses {over} MB more than its lease", "over")
         runs = dev.get("runs") or []
         exclusive = dev.get("exclusive")
         for run in runs:
@@ -182,17 +252,23 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
             if exclusive == rid:
                 mb = max(mb, allocated)
             label = names.get(rid) or rid
-            seg(mb, _color(rid), f"{label} ({rid}): {mb} MB", label)
-        seg(free, "#e8f4e8", f"free: {free} MB")
+            title = f"{label} ({rid}): {mb} MB"
+            color = run_color(rid)
+            seg("run", mb, color, title, label, f"data-run-id='{_esc(rid)}'")
+            legend.append(_legend_item(color, f"{label} {mb} MB", title, f"data-legend-run-id='{_esc(rid)}'"))
+        seg("free", free, "#e8f4e8", f"free: {free} MB")
         used_pct = 100.0 * allocated / usable if usable else 0.0
         excl = f" · exclusive: {_esc(names.get(exclusive, exclusive))}" if exclusive else ""
         parts.append(
-            f"<div style='margin:2px 0'><b>GPU {_esc(dev.get('index'))}</b> {_esc(dev.get('name', ''))} · "
+            f"<div class='jupyter-evalsched-gpu' data-index='{_esc(dev.get('index'))}' style='margin:2px 0'>"
+            f"<div><b>GPU {_esc(dev.get('index'))}</b> {_esc(dev.get('name', ''))} · "
             f"allocated {allocated} / usable {usable} MB ({used_pct:.0f}%) · free {free} MB"
             f"{f' · models {baseline} MB' if baseline else ''}"
-            f"{f' · other {unmanaged} MB' if unmanaged else ''}{excl}"
-            f"<div style='display:flex;height:14px;border:1px solid #999;border-radius:2px;"
-            f"background:#f4f4f4;width:100%;max-width:640px'>{''.join(segs)}</div></div>"
+            f"{f' · other {unmanaged} MB' if unmanaged else ''}{excl}</div>"
+            f"<div style='display:flex;height:{_BAR_PX}px;border:1px solid #999;border-radius:2px;"
+            f"background:#f4f4f4;width:100%;max-width:640px;overflow:hidden'>{''.join(segs)}</div>"
+            f"<div class='jupyter-evalsched-legend' style='display:flex;flex-wrap:wrap;gap:0 12px;"
+            f"font-size:11px;line-height:18px;color:#444;max-width:640px'>{''.join(legend)}</div></div>"
         )
     if not parts:
         parts.append("<div><i>no GPUs: CPU-only runs</i></div>")
@@ -265,7 +341,7 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
     if state == RUNNING:
         details.append(f"{done}/{total} · {format_duration(elapsed_s(rec))}")
         if rec.get("devices") and not slurm:
-            details.append("GPU " + ",".join(str(d) for d in rec["devices"]))
+            details.append("GPU\u00a0" + ",".join(str(d) for d in rec["devices"]))
         if metrics:
             details.append(metrics)
     elif state == QUEUED:
@@ -280,11 +356,11 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
             details.append(metrics)
     vram = int(rec.get("marginal_vram_mb") or 0)
     # A SLURM run is not on this host's GPUs: its job id and SLURM state instead of the VRAM.
-    where = f" · {slurm_badge(rec)}" if slurm else (f" · {vram} MB" if vram else "")
+    where = f" · {slurm_badge(rec)}" if slurm else (f" · {vram}\u00a0MB" if vram else "")
     observed = rec.get("observed") or {}
     peak = max((int(v) for v in (observed.get("peak_vram_mb") or {}).values()), default=0)
     if peak and not slurm:
-        where += f" (seen {peak} MB)"
+        where += f" (seen {peak}\u00a0MB)"
     attempts = attempt_text(rec)
     if attempts:
         where += f" · {_esc(attempts)}"
@@ -294,10 +370,12 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
             f"color:#a4262c;border:1px solid #e8a1a3;border-radius:3px;padding:0 4px;font-size:85%'>"
             f"⚠ {_esc(warning.split(':', 1)[0])}</span>"
         )
+    # Its own line height: the widget's 28 px would space wrapped lines far apart.
     return (
-        f"{_badge(state)} <b>{_esc(rec.get('name'))}</b> <code style='font-size:80%'>{_esc(run_id)}</code>"
+        f"<div style='line-height:1.5'>{_badge(state)} <b>{_esc(rec.get('name'))}</b> "
+        f"<code style='font-size:80%'>{_esc(run_id)}</code>"
         f" · {_esc(rec.get('priority', SCHEDULING_DEFAULTS['priority']))}{where}"
-        f" · <span style='color:#555'>{_esc(' · '.join(details))}</span>"
+        f" · <span style='color:#555'>{short_ids_html(_esc(' · '.join(details)))}</span></div>"
     )
 
 
@@ -306,10 +384,15 @@ class _RunRow(widgets.HBox):
 
     def __init__(self, run_id: str, on_cancel):
         self.run_id = run_id
+        # Fixed columns: the label takes what is left, the bar and the button (sized to its text,
+        # never shrunk) keep their widths, so bars line up from row to row.
         self.label = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", min_width="0"))
-        self.bar = widgets.IntProgress(min=0, max=1, value=0, layout=widgets.Layout(width="160px"))
+        self.bar = widgets.IntProgress(min=0, max=1, value=0, layout=widgets.Layout(width="160px", flex="0 0 160px"))
         self.button = widgets.Button(
-            description="Cancel", icon="times", tooltip=f"cancel {run_id}", layout=widgets.Layout(width="auto")
+            description="Cancel",
+            icon="times",
+            tooltip=f"cancel {run_id}",
+            layout=widgets.Layout(width="auto", flex="0 0 auto", overflow="visible"),
         )
         self.button.on_click(lambda _b: on_cancel(run_id))
         super().__init__(
@@ -614,10 +697,13 @@ class RunProgress(widgets.VBox):
         self._title = widgets.HTML()
         self._bar = widgets.IntProgress(min=0, max=1, value=0, layout=widgets.Layout(width="240px"))
         self._status = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
-        self._button = widgets.Button(description="Cancel", icon="times", layout=widgets.Layout(width="auto"))
+        # Buttons sized to their text and never shrunk (a shrunk one reads "✕ Ca…").
+        self._button = widgets.Button(
+            description="Cancel", icon="times", layout=widgets.Layout(width="auto", flex="0 0 auto")
+        )
         self._button.on_click(lambda _b: self._cancel())
         self._resume_button = widgets.Button(
-            description="Resume", icon="redo", layout=widgets.Layout(width="auto", display="none")
+            description="Resume", icon="redo", layout=widgets.Layout(width="auto", flex="0 0 auto", display="none")
         )
         self._resume_button.on_click(lambda _b: self._resume())
         super().__init__(

@@ -111,12 +111,12 @@ def _process_table_path(root: Path) -> Path:
 class LabServer:
     """A `jupyter lab` subprocess; this object holds the server's own PID (no shell between)."""
 
-    def __init__(self, root: Path, *, evalsched: bool = True) -> None:
+    def __init__(self, root: Path, *, evalsched: bool = True, env: dict[str, str] | None = None) -> None:
         self.root = root
         self.port = _free_port()
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}{BASE_URL}"
-        self.env = _isolated_env(root)
+        self.env = {**_isolated_env(root), **(env or {})}
         if not evalsched:
             # The user config dir has the last word over the venv's conf.d auto-enable file.
             (root / "config" / "jupyter_server_config.json").write_text(
@@ -235,8 +235,8 @@ class LabServer:
         self._log.close()
 
 
-def _start(root: Path, *, evalsched: bool = True) -> LabServer:
-    server = LabServer(root, evalsched=evalsched)
+def _start(root: Path, *, evalsched: bool = True, env: dict[str, str] | None = None) -> LabServer:
+    server = LabServer(root, evalsched=evalsched, env=env)
     try:
         server.wait_ready(evalsched=evalsched)
     except BaseException:
@@ -505,11 +505,7 @@ def test_panel_live(lab: LabServer, browser: Any) -> None:
 
             ARTIFACTS.mkdir(exist_ok=True)
             page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel.png"))
-            # The user guide's picture (docs/panel.md): a running run and one queued behind it.
-            if os.environ.get("EVALSCHED_DOC_SCREENSHOTS"):
-                shots = Path(os.environ["EVALSCHED_DOC_SCREENSHOTS"])
-                shots.mkdir(parents=True, exist_ok=True)
-                page.locator(PANEL).screenshot(path=str(shots / "panel.png"))
+            # (The docs' picture of the panel is taken in a fuller state: tests/test_lab_layout.py.)
 
             _run(page, d).locator('[data-testid="evalsched-cancel"]').click()
             _confirm_dialog(page, accept=True)
@@ -702,8 +698,11 @@ def test_panel_leases(lab: LabServer, browser: Any) -> None:
             )["id"]
             queued = _wait_run(page, run_id, "queued", "queued")
             _wait_reason(page, run_id, "waiting_vram")
+            # The lease named by its label and a short id, the whole id in a tooltip.
             page.wait_for_function(
-                "([sel, id]) => (document.querySelector(sel)?.textContent || '').includes(id)",
+                "([sel, id]) => { const el = document.querySelector(sel);"
+                " return !!el && (el.textContent || '').includes(id.split('-').pop())"
+                " && [...el.querySelectorAll('[title]')].some(t => t.title.includes(id)); }",
                 arg=[f'{PANEL} .jp-EvalSched-run[data-run-id="{run_id}"] [data-testid="evalsched-reason"]', lease_id],
             )
             assert label in queued.locator('[data-testid="evalsched-reason"]').inner_text()
@@ -927,7 +926,7 @@ def _watch_row(page: Any, run_id: str) -> None:
              const note = () => {
                const row = document.querySelector(sel);
                if (!row) { return; }
-               const resume = row.querySelector('.jp-EvalSched-runHead [data-testid="evalsched-resume"]');
+               const resume = row.querySelector('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]');
                const now = { state: row.dataset.state, attempt: row.dataset.attempt,
                              reason: (row.querySelector('[data-testid="evalsched-reason"]') || {}).textContent || '',
                              resumeHidden: !!(resume && resume.hidden) };
@@ -975,7 +974,7 @@ def test_panel_resume(lab: LabServer, browser: Any) -> None:
             first = lab.run(run_id)
             assert first["state"] == "failed" and first["attempt"] == 1, first
             assert first["reason"].startswith("exit_code:3") and first["progress"]["done"] == 2, first
-            resume = row.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]')
+            resume = row.locator('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]')
             assert resume.is_visible() and resume.inner_text() == "Resume"
             assert row.locator('[data-testid="evalsched-cancel"]').is_hidden()
             for badge in ("attempt", "preemptions", "retries", "detached"):  # a plain first attempt
@@ -1036,7 +1035,7 @@ def test_panel_resume(lab: LabServer, browser: Any) -> None:
             assert all(s["attempt"] == "2" and s["resumeHidden"] for s in after), seen
 
             assert done.locator('[data-testid="evalsched-attempt"]').inner_text() == "attempt 2"
-            assert done.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]').is_hidden()
+            assert done.locator('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]').is_hidden()
             assert done.locator('[data-testid="evalsched-preemptions"]').count() == 0
             assert done.locator('[data-testid="evalsched-retries"]').count() == 0
 
@@ -1127,17 +1126,20 @@ def test_panel_preemption_and_retry(tmp_path: Path, browser: Any) -> None:
             row = _wait_reason(page, low_id, "preempting", "running")
             reason = row.locator('[data-testid="evalsched-reason"]')
             text = reason.inner_text()
-            assert reason.is_visible() and f"preempting:{high_id}" in text, text
+            # The run it makes room for by a short id, the whole id in a tooltip.
+            short = high_id.rsplit("-", 1)[1]
+            assert reason.is_visible() and f"preempting:{short}" in text, text
+            assert high_id not in text and reason.locator(f'[title="{high_id}"]').count() >= 1, text
             if reason.get_attribute("data-structured") == "true":
                 # In words only from `why` (a reason string without it is shown as it is).
                 assert row.get_attribute("data-reason-arg") == high_id
-                assert f"being preempted for {high_id}" in text, text
+                assert f"being preempted for {short}" in text, text
 
             # -- queued again, attempt 2, preempted once; no Resume (it is not finished) ---------
             page.wait_for_selector(f'{_row_selector(low_id)}[data-state="queued"][data-attempt="2"]')
             assert row.locator('[data-testid="evalsched-preemptions"]').inner_text() == "preempted ×1"
             assert row.locator('[data-testid="evalsched-attempt"]').inner_text() == "attempt 2"
-            assert row.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]').is_hidden()
+            assert row.locator('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]').is_hidden()
             ARTIFACTS.mkdir(exist_ok=True)
             page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-preempted.png"))
 
@@ -1192,7 +1194,7 @@ def test_panel_preemption_and_retry(tmp_path: Path, browser: Any) -> None:
             page.locator(PANEL).screenshot(path=str(ARTIFACTS / "lab-panel-retrying.png"))
             done = _wait_run(page, retried_id, "succeeded", "finished")
             assert done.locator('[data-testid="evalsched-retries"]').inner_text() == "retry 1/1"
-            assert done.locator('.jp-EvalSched-runHead [data-testid="evalsched-resume"]').is_hidden()
+            assert done.locator('.jp-EvalSched-runMeta [data-testid="evalsched-resume"]').is_hidden()
             states = [s["state"] for s in _seen(page, retried_id)]
             assert "queued" in states and states[-1] == "succeeded" and "failed" not in states, states
             final = server.run(retried_id)
@@ -1393,7 +1395,8 @@ def test_panel_reasons_from_why(lab: LabServer, browser: Any) -> None:
             assert "needs 16,000 MB on one GPU" in reason.inner_text()
             holders = reason.locator(".jp-EvalSched-reasonHolder")
             assert holders.count() == 2
-            assert holders.nth(0).inner_text() == "why-holder"
+            assert holders.nth(0).inner_text() == f"why-holder ({lease_id.rsplit('-', 1)[1]})"  # name, short id
+            assert lease_id in (holders.nth(0).get_attribute("title") or "")
             assert holders.nth(0).get_attribute("data-kind") == "lease"
             assert holders.nth(0).get_attribute("data-holder-id") == lease_id
             assert "14,000 MB" in (holders.nth(0).get_attribute("title") or "")

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from jupyter_evalsched.client import EvalSchedClientError
-from jupyter_evalsched.widget import QueueWidget, RunProgress, _RunRow, ledger_html, run_row_html
+from jupyter_evalsched.widget import (
+    RUN_PALETTE,
+    QueueWidget,
+    RunProgress,
+    _RunRow,
+    color_slot,
+    ledger_html,
+    run_color,
+    run_row_html,
+)
 
 try:
     from .live_server import SLEEPY, clean_queue, client, live_server, wait_state, wait_until
@@ -226,7 +238,7 @@ def test_queue_widget_shows_slurm_runs_with_job_id_and_state():
         assert "SLURM 122 · COMPLETED" in rows["s0"].label.value
         # A local run keeps its VRAM and GPU text and has no badge.
         local = rows["l1"].label.value
-        assert "8000 MB" in local and "GPU 0" in local and "SLURM" not in local
+        assert "8000\u00a0MB" in local and "GPU\u00a00" in local and "SLURM" not in local  # no break inside
         # SLURM runs are not on this host's GPUs: not in the ledger bars.
         assert "s1" not in widget._ledger.value
     finally:
@@ -358,3 +370,64 @@ def test_a_queued_row_names_what_holds_it_from_its_why():
     assert "waiting_cpu: needs 3 CPU slots" in run_row_html(
         {**rec, "why": None, "reason": "waiting_cpu: needs 3 CPU slots"}
     )
+
+
+RUN_COLORS = Path(__file__).resolve().parents[1] / "labextension" / "src" / "__tests__" / "fixtures" / "run-colors.json"
+
+
+def test_run_colors_match_the_panel():
+    """One colour rule for a run in the widget and in the Lab panel: the ids and slots of the
+    fixture the panel's Jest test reads too, and the palette of the panel's stylesheet."""
+    fixture = json.loads(RUN_COLORS.read_text())
+    assert list(RUN_PALETTE) == fixture["palette"]
+    css = (RUN_COLORS.parents[3] / "style" / "base.css").read_text()
+    panel = re.search(r"\.jp-EvalSched \{(.*?)\}", css, re.S).group(1)
+    assert re.findall(r"--jp-evalsched-c(\d): (#[0-9a-f]{6});", panel) == [
+        (str(i), c) for i, c in enumerate(RUN_PALETTE)
+    ]
+    for case in fixture["cases"]:
+        assert color_slot(case["id"]) == case["slot"], case["id"]
+        assert run_color(case["id"]) == case["color"]
+
+
+def test_ledger_html_labels_and_legends_every_run():
+    """Each run's segment: its colour, its name inside when it is wide enough, and an entry in the
+    legend under the bar (with its MB) whatever its width."""
+    ledger = {
+        "devices": [
+            {
+                "index": 0,
+                "name": "A100",
+                "total_mb": 40000,
+                "usable_mb": 40000,
+                "allocated_mb": 20500,
+                "free_mb": 19500,
+                "runs": [{"id": "big", "marginal_vram_mb": 20000}, {"id": "tiny", "marginal_vram_mb": 500}],
+                "leases": [{"id": "lease-1", "label": "exploration-of-long-context-retrieval", "vram_mb": 0}],
+            }
+        ]
+    }
+    html = ledger_html(ledger, {"big": "big-run", "tiny": "tiny-run"})
+    big = re.search(r"<div data-seg-kind='run' data-run-id='big'[^>]*>(.*?)</div>", html).group(0)
+    assert f"background:{run_color('big')}" in big and ">big-run</span>" in big
+    tiny = re.search(r"<div data-seg-kind='run' data-run-id='tiny'[^>]*>(.*?)</div>", html).group(0)
+    assert "tiny-run" not in tiny.split(">", 1)[1]  # too narrow for a label: only its tooltip
+    for rid, text in (("big", "big-run 20000 MB"), ("tiny", "tiny-run 500 MB")):
+        item = re.search(rf"<span data-legend-run-id='{rid}'.*?</span>(.*?)</span>", html)
+        assert item and item.group(1) == text, html
+
+
+def test_run_row_names_ids_short_in_reasons():
+    """A reason names a lease or run by a short id (the whole id in a tooltip), as the panel does:
+    whole ids made a reason several lines long."""
+    lease = "lease-20261203T063805.937217-3eda47"
+    rec = {
+        "id": "20261203T063806.448589-41dfab",
+        "name": "waits",
+        "state": "queued",
+        "reason": f"waiting_vram: lease {lease} (exploration) holds 6000 MB on GPU 0",
+    }
+    html = run_row_html(rec)
+    assert f"lease <span title='{lease}'>3eda47</span> (exploration)" in html
+    assert html.count(lease) == 1  # only in the tooltip
+    assert ">20261203T063806.448589-41dfab</code>" in html  # the row's own id stays whole

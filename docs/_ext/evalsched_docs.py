@@ -228,14 +228,15 @@ def screenshot_markdown(srcdir: Path) -> str:
                 ":alt: The jupyter_evalsched side panel in JupyterLab",
                 ":width: 420px",
                 "",
-                "The panel during a run of the browser tests: a run holding 16000 MB of a virtual "
-                "24000 MB GPU, and a second one queued behind it with its `waiting_vram` reason.",
+                "The panel during a run of the browser tests: two virtual 24000 MB GPUs holding a "
+                "lease, a run and a sweep's two runs, each labelled in its bar and its legend; a "
+                "run queued behind them with its `waiting_vram` reason; finished runs and a sweep.",
                 "```",
             ]
         )
     return (
         "*(No screenshot in this build: the browser tests write it. Run "
-        "`EVALSCHED_DOC_SCREENSHOTS=docs/_static .venv/bin/python -m pytest tests/test_lab_panel.py -k panel_live`, "
+        "`EVALSCHED_DOC_SCREENSHOTS=docs/_static .venv/bin/python -m pytest tests/test_lab_layout.py`, "
         "then build the docs again.)*"
     )
 

@@ -26,6 +26,7 @@ import {
   formatNumber,
   h,
   paramText,
+  shortId,
   sweepPointLabel
 } from './format';
 import { renderChart } from './compareChart';
@@ -343,12 +344,18 @@ export class CompareView extends Widget {
     this._baselineSelect.replaceChildren(
       ...comparison.rows.map(row =>
         h('option', {
-          text: `${this._runLabel(row)} (${row.id})`,
+          text: `${this._runLabel(row)} (${shortId(row.id)})`,
+          title: `${this._runLabel(row)} (${row.id})`,
           attrs: { value: row.id }
         })
       )
     );
     this._baselineSelect.value = comparison.baseline ?? '';
+    // The whole label of the chosen baseline, where the select is too narrow for it.
+    const chosen = comparison.rows.find(r => r.id === comparison.baseline);
+    this._baselineSelect.title = chosen
+      ? `${this._runLabel(chosen)} (${chosen.id})`
+      : '';
     this._metricSelect.replaceChildren(
       ...metrics.map(m => h('option', { text: m, attrs: { value: m } }))
     );

@@ -101,6 +101,63 @@ export function colorSlot(id: string, slots = 8): number {
   return Math.abs(hash) % slots;
 }
 
+/** A run's, lease's or sweep's id as the server makes them: `[lease-|sweep-]<time>-<6 hex>`. */
+const LONG_ID = /\b(?:lease-|sweep-)?\d{8}T\d{6}(?:\.\d{6})?-([0-9a-f]{6})\b/g;
+
+/**
+ * A short form of an id (its random tail, `3eda47`), to name a run or lease in a line of text;
+ * the whole id goes in a tooltip. An id of another shape is kept whole.
+ */
+export function shortId(id: string): string {
+  LONG_ID.lastIndex = 0;
+  const m = LONG_ID.exec(id);
+  return m && m[0] === id ? m[1] : id;
+}
+
+/**
+ * `text` with every long id in it shortened (`shortId`), as parts: strings, and the ids as
+ * `{ id, short }` (the caller shows the short form with the whole id in a tooltip).
+ */
+export function shortenIds(
+  text: string
+): (string | { id: string; short: string })[] {
+  const parts: (string | { id: string; short: string })[] = [];
+  let at = 0;
+  LONG_ID.lastIndex = 0;
+  for (let m = LONG_ID.exec(text); m; m = LONG_ID.exec(text)) {
+    if (m.index > at) {
+      parts.push(text.slice(at, m.index));
+    }
+    parts.push({ id: m[0], short: m[1] });
+    at = m.index + m[0].length;
+  }
+  if (at < text.length) {
+    parts.push(text.slice(at));
+  }
+  return parts;
+}
+
+/**
+ * Show a name in `el` (a row's name button or holder): wrapped at word boundaries over at most
+ * two lines, then cut with an ellipsis (style: .jp-EvalSched-nameText); `title` carries the whole.
+ */
+export function setName(el: HTMLElement, name: string, title: string): void {
+  const current = el.firstElementChild;
+  if (
+    current instanceof HTMLElement &&
+    current.classList.contains('jp-EvalSched-nameText')
+  ) {
+    if (current.textContent !== name) {
+      current.textContent = name;
+    }
+  } else {
+    el.replaceChildren(
+      h('span', { className: 'jp-EvalSched-nameText', text: name })
+    );
+  }
+  el.title = title;
+}
+
 /** Split a `reason` into its code and the human sentence after `: `. */
 export function splitReason(reason: string | null | undefined): {
   code: string;

@@ -4,7 +4,7 @@
 import { TranslationBundle } from '@jupyterlab/translation';
 
 import { ILeaseRecord, leaseHolder } from './api';
-import { formatDuration, formatMB, h, parseTime } from './format';
+import { formatDuration, formatMB, h, parseTime, setName } from './format';
 import { reasonView } from './reason';
 import { renderReason } from './reasonLine';
 import { IRowHost } from './rowHost';
@@ -72,8 +72,10 @@ export class LeaseRow {
           title: trans.__('Its colour in the GPU bar')
         }),
         this._holder,
-        this._state,
-        this._release
+        h('span', { className: 'jp-EvalSched-headEnd' }, [
+          this._state,
+          this._release
+        ])
       ]),
       this._meta,
       this._notebook,
@@ -99,8 +101,7 @@ export class LeaseRow {
     node.dataset.holder = holder;
     node.dataset.vramMb = String(lease.vram_mb);
     node.dataset.devices = (lease.devices ?? []).join(',');
-    this._holder.textContent = holder;
-    this._holder.title = holder;
+    setName(this._holder, holder, trans.__('%1 (lease %2)', holder, lease.id));
     this._state.textContent = lease.state;
     this._state.dataset.state = lease.state;
 

@@ -178,39 +178,20 @@ export function deviceGeometry(device: ILedgerDevice): IDeviceGeometry {
 }
 
 /**
- * Give every run on a GPU a colour slot that no other run on the ledger holds (while there are
- * at most `slots` of them), and keep it for as long as the run holds memory. Updates `colors`.
+ * The colour slot of every run holding memory on the ledger: its id's hash (`colorSlot`), the
+ * rule of the notebook widget too (`color_slot` in widget.py), so a run has one colour in both.
+ * Two runs may share a colour: their segments are labelled and listed in the legend by name.
+ * Updates `colors`.
  */
 export function assignColors(
   colors: Map<string, number>,
   ledger: ILedger | null,
   slots = COLOR_SLOTS
 ): void {
-  const live = new Set<string>();
+  colors.clear();
   for (const device of ledger?.devices ?? []) {
     for (const run of device.runs ?? []) {
-      live.add(run.id);
+      colors.set(run.id, colorSlot(run.id, slots));
     }
-  }
-  for (const id of [...colors.keys()]) {
-    if (!live.has(id)) {
-      colors.delete(id);
-    }
-  }
-  const used = new Set(colors.values());
-  for (const id of live) {
-    if (colors.has(id)) {
-      continue;
-    }
-    let slot = colorSlot(id, slots);
-    for (let i = 0; i < slots; i++) {
-      const candidate = (slot + i) % slots;
-      if (!used.has(candidate)) {
-        slot = candidate;
-        break;
-      }
-    }
-    colors.set(id, slot);
-    used.add(slot);
   }
 }

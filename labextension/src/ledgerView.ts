@@ -6,7 +6,7 @@
 import { TranslationBundle } from '@jupyterlab/translation';
 
 import { ILedger, ILedgerDevice, ILedgerLease, leaseHolder } from './api';
-import { colorSlot, formatMB, h } from './format';
+import { colorSlot, formatMB, h, shortId } from './format';
 import { COLOR_SLOTS, deviceGeometry, IUnmanagedGroup } from './ledgerGeometry';
 
 /** A bar segment is labelled with its holder when it is at least this share of the bar. */
@@ -171,18 +171,14 @@ export class LedgerView {
       if (device.exclusive === run.id) {
         mb += exclusiveExtra;
       }
-      const label = name ? `${name} (${run.id})` : run.id;
       const el = seg(
         'run',
         mb,
-        device.exclusive === run.id
-          ? trans.__('%1: %2, exclusive', label, formatMB(mb))
-          : trans.__('%1: %2', label, formatMB(mb)),
-        { 'data-run-id': run.id }
+        this._runTitle(run.id, mb, device.exclusive === run.id),
+        { 'data-run-id': run.id },
+        name || shortId(run.id)
       );
-      el?.classList.add(
-        `jp-EvalSched-c${this._colorOf(run.id) ?? colorSlot(run.id, COLOR_SLOTS)}`
-      );
+      el?.classList.add(this._runColor(run.id));
     }
     for (const lease of leases) {
       let mb = Math.max(0, lease.vram_mb);
@@ -262,6 +258,22 @@ export class LedgerView {
             trans.__('shared models %1', formatMB(baseline))
           )
         : null,
+      ...runs.map(run => {
+        const mb =
+          Math.max(0, run.marginal_vram_mb) +
+          (device.exclusive === run.id ? exclusiveExtra : 0);
+        return legendItem(
+          'run',
+          trans.__(
+            '%1 %2',
+            this._runName(run.id) || shortId(run.id),
+            formatMB(mb)
+          ),
+          { 'data-legend-run-id': run.id },
+          this._runTitle(run.id, mb, device.exclusive === run.id),
+          this._runColor(run.id)
+        );
+      }),
       ...leases.map(lease =>
         legendItem(
           'lease',
@@ -418,6 +430,20 @@ export class LedgerView {
     return items;
   }
 
+  /** A run's colour class: the slot of its id, as in its row and the notebook widget. */
+  private _runColor(id: string): string {
+    return `jp-EvalSched-c${this._colorOf(id) ?? colorSlot(id, COLOR_SLOTS)}`;
+  }
+
+  /** The tooltip of a run's segment and legend item: name, id, MB. */
+  private _runTitle(id: string, mb: number, exclusive: boolean): string {
+    const name = this._runName(id);
+    const label = name ? `${name} (${id})` : id;
+    return exclusive
+      ? this._trans.__('%1: %2, exclusive', label, formatMB(mb))
+      : this._trans.__('%1: %2', label, formatMB(mb));
+  }
+
   /** The tooltip of a lease's segment: id, holder, MB, notebook, pid. */
   private _leaseTitle(
     lease: ILedgerLease,
@@ -499,7 +525,8 @@ function legendItem(
   kind: string,
   text: string,
   attrs: Record<string, string> = {},
-  title?: string
+  title?: string,
+  swatchClass = ''
 ): HTMLElement {
   return h(
     'span',
@@ -509,7 +536,10 @@ function legendItem(
       attrs: { 'data-kind': kind, ...attrs }
     },
     [
-      h('span', { className: `jp-EvalSched-swatch jp-EvalSched-seg-${kind}` }),
+      h('span', {
+        className:
+          `jp-EvalSched-swatch jp-EvalSched-seg-${kind} ${swatchClass}`.trim()
+      }),
       text
     ]
   );

@@ -490,15 +490,19 @@ export class EvalSchedPanel extends Widget implements IRowHost {
       shownRuns.add(record.id);
       return row.node;
     };
-    let finishedRuns = 0;
+    // What each section's count says: its rows as shown (a sweep is one row), and how many runs
+    // they hold where that differs.
+    const runsIn: Record<Section, number> = {
+      running: 0,
+      queued: 0,
+      finished: 0
+    };
     for (const section of SECTIONS) {
       const nodes: HTMLElement[] = [];
       items[section].forEach((item, index) => {
         if (item.kind === 'run') {
           nodes.push(runRow(item.record, section, item.position));
-          if (section === 'finished') {
-            finishedRuns++;
-          }
+          runsIn[section]++;
           return;
         }
         let sweep = this._sweepRows.get(item.id);
@@ -509,9 +513,7 @@ export class EvalSchedPanel extends Widget implements IRowHost {
         sweep.update(item.members, item.counts, section, index);
         shownSweeps.add(item.id);
         nodes.push(sweep.node);
-        if (section === 'finished') {
-          finishedRuns += item.members.length;
-        }
+        runsIn[section] += item.members.length;
         if (sweep.expanded) {
           const shown = item.members.slice(0, MAX_SWEEP_RUNS_SHOWN);
           sweep.setRuns(
@@ -544,10 +546,22 @@ export class EvalSchedPanel extends Widget implements IRowHost {
         this._sweepRows.delete(id);
       }
     }
-    this._counts.running.textContent = String(model.running.length);
-    this._counts.queued.textContent = String(model.queued.length);
-    this._counts.finished.textContent = String(finishedRuns);
     const hidden = model.queued.filter(r => !covered.has(r.id)).length;
+    for (const section of SECTIONS) {
+      // Queued runs beyond those shown are rows too ("… and N more queued").
+      const more = section === 'queued' ? hidden : 0;
+      const rows = items[section].length + more;
+      const runs = runsIn[section] + more;
+      const count = this._counts[section];
+      // The rows as shown; the runs they hold in the tooltip where a sweep's row holds several.
+      count.textContent = String(rows);
+      count.dataset.rows = String(rows);
+      count.dataset.runs = String(runs);
+      count.title =
+        runs === rows
+          ? this._trans._n('%1 run', '%1 runs', runs)
+          : this._trans.__('%1 runs in %2 rows', runs, rows);
+    }
     this._more.hidden = hidden <= 0;
     this._more.textContent = this._trans.__('… and %1 more queued', hidden);
     this._syncSelection();

@@ -5,7 +5,7 @@
  */
 import { TranslationBundle } from '@jupyterlab/translation';
 
-import { formatMB, h } from './format';
+import { formatMB, h, shortenIds, shortId } from './format';
 import { IHolderView, IReasonView } from './reason';
 
 /**
@@ -66,16 +66,34 @@ function holdersNode(
     if (i > 0) {
       children.push(', ');
     }
+    // A run or lease by its name and a short id (the whole id in the tooltip): a whole id
+    // would make the reason several lines long in the panel's width.
+    const short =
+      holder.id && (holder.kind === 'run' || holder.kind === 'lease')
+        ? shortId(holder.id)
+        : '';
+    const label = holder.label === holder.id && short ? short : holder.label;
     children.push(
-      h('span', {
-        className: 'jp-EvalSched-reasonHolder',
-        text: holder.label,
-        title: holderTitle(holder, trans),
-        attrs: {
-          'data-kind': holder.kind,
-          'data-holder-id': holder.id ?? ''
-        }
-      })
+      h(
+        'span',
+        {
+          className: 'jp-EvalSched-reasonHolder',
+          title: holderTitle(holder, trans),
+          attrs: {
+            'data-kind': holder.kind,
+            'data-holder-id': holder.id ?? ''
+          }
+        },
+        [
+          label,
+          short && label !== short
+            ? h('span', {
+                className: 'jp-EvalSched-shortId',
+                text: ` (${short})`
+              })
+            : null
+        ]
+      )
     );
   });
   return h(
@@ -85,6 +103,31 @@ function holdersNode(
       attrs: { 'data-testid': 'evalsched-reason-holders' }
     },
     children
+  );
+}
+
+/**
+ * A sentence of a reason with the ids in it shortened (`shortId`), each with its whole id as a
+ * tooltip.
+ */
+function withShortIds(
+  text: string,
+  className: string,
+  attrs: Record<string, string> = {}
+): HTMLElement {
+  return h(
+    'span',
+    { className, attrs },
+    shortenIds(text).map(part =>
+      typeof part === 'string'
+        ? part
+        : h('span', {
+            className: 'jp-EvalSched-shortId',
+            text: part.short,
+            title: part.id,
+            attrs: { 'data-id': part.id }
+          })
+    )
   );
 }
 
@@ -98,10 +141,8 @@ export function renderReason(
   el.dataset.structured = String(view.structured);
   if (!view.structured) {
     el.replaceChildren(
-      h('span', {
-        className: 'jp-EvalSched-reasonText',
-        text: view.head,
-        attrs: { 'data-raw': 'true' }
+      withShortIds(view.head, 'jp-EvalSched-reasonText', {
+        'data-raw': 'true'
       }),
       retry ?? ''
     );
@@ -110,16 +151,14 @@ export function renderReason(
   }
   const readable = readableReason(view.code, view.arg, view.text, trans);
   el.replaceChildren(
-    h('span', { className: 'jp-EvalSched-reasonCode', text: view.head }),
+    withShortIds(view.head, 'jp-EvalSched-reasonCode'),
     retry ?? '',
     readable
-      ? h('span', {
-          className: 'jp-EvalSched-reasonText',
-          text: readable,
-          attrs: { 'data-readable': 'true' }
+      ? withShortIds(readable, 'jp-EvalSched-reasonText', {
+          'data-readable': 'true'
         })
       : view.text
-        ? h('span', { className: 'jp-EvalSched-reasonText', text: view.text })
+        ? withShortIds(view.text, 'jp-EvalSched-reasonText')
         : '',
     view.holders.length ? holdersNode(view.holders, trans) : ''
   );

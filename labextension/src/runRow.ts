@@ -33,6 +33,7 @@ import {
   retryAtOf,
   retryInSeconds,
   runBadges,
+  setName,
   slurmLabel,
   splitReason,
   sweepPointLabel
@@ -151,9 +152,10 @@ export class RunRow {
         this._chip,
         this._position,
         this._name,
-        this._state,
-        this._resume,
-        this._cancel
+        h('span', { className: 'jp-EvalSched-headEnd' }, [
+          this._state,
+          this._cancel
+        ])
       ]),
       this._meta,
       this._reason,
@@ -225,17 +227,27 @@ export class RunRow {
       const point = sweepPointLabel(record);
       node.dataset.sweepId = sweepId;
       node.dataset.point = point;
-      this._name.textContent = point || record.name || record.id;
-      this._name.title = trans.__(
-        '%1 (%2) — show details and logs',
-        record.name || record.id,
-        record.id
+      setName(
+        this._name,
+        point || record.name || record.id,
+        trans.__(
+          '%1 (%2) — show details and logs',
+          point ? `${record.name || record.id} [${point}]` : record.name,
+          record.id
+        )
       );
     } else {
       delete node.dataset.sweepId;
       delete node.dataset.point;
-      this._name.textContent = record.name || record.id;
-      this._name.title = trans.__('%1 — show details and logs', record.id);
+      setName(
+        this._name,
+        record.name || record.id,
+        trans.__(
+          '%1 (%2) — show details and logs',
+          record.name || record.id,
+          record.id
+        )
+      );
     }
     this._state.textContent = record.state;
     this._state.dataset.state = record.state;
@@ -337,6 +349,8 @@ export class RunRow {
     }
     this._time = h('span', { className: 'jp-EvalSched-time' });
     parts.push(this._time);
+    // Resume on the meta line, not beside the name: the name keeps the head's width.
+    parts.push(this._resume);
     this._meta.replaceChildren(...parts);
 
     // Reason: the pending reason of a queued run, the end reason of a finished one; of a running
@@ -408,7 +422,7 @@ export class RunRow {
         h('span', {
           className: 'jp-EvalSched-errorLine',
           text: `${summary.error.type}: ${summary.error.message}`,
-          title: summary.error.message
+          title: `${summary.error.type}: ${summary.error.message}`
         })
       );
     }

@@ -9,7 +9,7 @@ import {
 
 import { IRunRecord, isTerminal, StateCounts } from './api';
 import { ProgressBar, reconcile } from './dom';
-import { formatAgo, formatDuration, h, parseTime } from './format';
+import { formatAgo, formatDuration, h, parseTime, setName } from './format';
 import { IRowHost } from './rowHost';
 import { Section, STATE_ORDER, sweepNameOf, sweepState } from './sweeps';
 
@@ -97,8 +97,10 @@ export class SweepRow {
       h('div', { className: 'jp-EvalSched-runHead' }, [
         this._caret,
         this._name,
-        this._state,
-        this._cancel
+        h('span', { className: 'jp-EvalSched-headEnd' }, [
+          this._state,
+          this._cancel
+        ])
       ]),
       this._meta,
       h('div', { className: 'jp-EvalSched-sweepLine' }, [
@@ -152,8 +154,11 @@ export class SweepRow {
       }
     }
     node.dataset.counts = JSON.stringify(shownCounts);
-    this._name.textContent = this._label;
-    this._name.title = trans.__('Sweep %1 — show its runs', this.id);
+    setName(
+      this._name,
+      this._label,
+      trans.__('Sweep %1 (%2) — show its runs', this._label, this.id)
+    );
     this._state.textContent = state;
     this._state.dataset.state = state;
     this._cancel.hidden = this._unfinished() === 0;

@@ -1,5 +1,9 @@
+import { readFileSync } from 'fs';
+import { join } from 'path';
+
 import {
   attemptOf,
+  colorSlot,
   formatAgo,
   formatDuration,
   formatMB,
@@ -9,6 +13,8 @@ import {
   parseTime,
   retryInSeconds,
   runBadges,
+  shortenIds,
+  shortId,
   slurmLabel,
   splitReason,
   sweepPointLabel
@@ -137,5 +143,61 @@ describe('SLURM and sweep points', () => {
       sweepPointLabel({ name: 'renamed', sweep_point: { skill: 0.3 } })
     ).toBe('skill=0.3');
     expect(sweepPointLabel({ name: 'plain' })).toBe('plain');
+  });
+});
+
+describe('run colours', () => {
+  // The same fixture as tests/test_widget.py: a run has one colour in the widget and the panel.
+  const fixture = JSON.parse(
+    readFileSync(join(__dirname, 'fixtures', 'run-colors.json'), 'utf-8')
+  ) as {
+    palette: string[];
+    cases: { id: string; slot: number; color: string }[];
+  };
+
+  it('gives each id the slot the notebook widget gives it', () => {
+    for (const c of fixture.cases) {
+      expect([c.id, colorSlot(c.id, fixture.palette.length)]).toEqual([
+        c.id,
+        c.slot
+      ]);
+    }
+  });
+
+  it('draws the slots in the palette of the widget', () => {
+    const css = readFileSync(
+      join(__dirname, '..', '..', 'style', 'base.css'),
+      'utf-8'
+    );
+    const panel = /\.jp-EvalSched \{([^}]*)\}/.exec(css)![1];
+    const palette: string[] = [];
+    const re = /--jp-evalsched-c\d: (#[0-9a-f]{6});/g;
+    for (let m = re.exec(panel); m; m = re.exec(panel)) {
+      palette.push(m[1]);
+    }
+    expect(palette).toEqual(fixture.palette);
+    for (const c of fixture.cases) {
+      expect(fixture.palette[c.slot]).toBe(c.color);
+    }
+  });
+});
+
+describe('short ids', () => {
+  it('shortens the ids the server makes to their random tail, and only those', () => {
+    expect(shortId('20261203T063806.448589-41dfab')).toBe('41dfab');
+    expect(shortId('lease-20261203T063805.937217-3eda47')).toBe('3eda47');
+    expect(shortId('sweep-20261203T063922-210694')).toBe('210694');
+    expect(shortId('k-1')).toBe('k-1');
+    expect(shortId('my-run-abcdef')).toBe('my-run-abcdef');
+  });
+
+  it('finds the ids in a sentence', () => {
+    const lease = 'lease-20261203T063805.937217-3eda47';
+    expect(shortenIds(`lease ${lease} (notes) holds 6000 MB`)).toEqual([
+      'lease ',
+      { id: lease, short: '3eda47' },
+      ' (notes) holds 6000 MB'
+    ]);
+    expect(shortenIds('needs 20000 MB')).toEqual(['needs 20000 MB']);
   });
 });

@@ -4,6 +4,7 @@ import {
   deviceGeometry,
   unmanagedGroups
 } from '../ledgerGeometry';
+import { colorSlot } from '../format';
 import { IUnmanagedProcess } from '../records';
 import { device } from './fixtures';
 
@@ -123,7 +124,7 @@ describe('unmanagedGroups', () => {
 });
 
 describe('assignColors', () => {
-  it('gives each run on the ledger its own slot and keeps it while the run holds memory', () => {
+  it('gives each run on the ledger the slot of its id, whatever else is there', () => {
     const colors = new Map<string, number>();
     const ledger = (ids: string[]) => ({
       devices: [device({ runs: ids.map(id => ({ id, marginal_vram_mb: 1 })) })],
@@ -131,12 +132,12 @@ describe('assignColors', () => {
     });
     const ids = Array.from({ length: COLOR_SLOTS }, (_, i) => `r${i}`);
     assignColors(colors, ledger(ids));
-    expect(new Set(colors.values()).size).toBe(COLOR_SLOTS);
-    const kept = colors.get('r3');
+    for (const id of ids) {
+      expect(colors.get(id)).toBe(colorSlot(id, COLOR_SLOTS));
+    }
     assignColors(colors, ledger(['r3', 'new']));
-    expect(colors.get('r3')).toBe(kept);
+    expect(colors.get('r3')).toBe(colorSlot('r3', COLOR_SLOTS));
     expect(colors.has('r0')).toBe(false);
-    expect(colors.get('new')).not.toBe(kept);
     assignColors(colors, null);
     expect(colors.size).toBe(0);
   });
