@@ -138,9 +138,13 @@ export class EvalSchedAPI {
   }
 
   cancelRun(id: string): Promise<IRunRecord> {
-    return this._json<IRunRecord>(['runs', id, 'cancel'], { by: 'panel' }, {
-      method: 'POST'
-    });
+    return this._json<IRunRecord>(
+      ['runs', id, 'cancel'],
+      { by: 'panel' },
+      {
+        method: 'POST'
+      }
+    );
   }
 
   /**
@@ -182,9 +186,13 @@ export class EvalSchedAPI {
 
   /** Cancel a sweep's unfinished runs; answers the sweep as it is then. */
   cancelSweep(id: string): Promise<ISweepView> {
-    return this._json<ISweepView>(['sweeps', id, 'cancel'], { by: 'panel' }, {
-      method: 'POST'
-    });
+    return this._json<ISweepView>(
+      ['sweeps', id, 'cancel'],
+      { by: 'panel' },
+      {
+        method: 'POST'
+      }
+    );
   }
 
   /**
