@@ -805,7 +805,8 @@ class ZygoteClient:
             "modules": self.info.get("modules"),
             "runs": len(self.children),
             "forks": self.forks,
-            "spares": [spare.pid for spare in self._spares],
+            # (Those ready to become a run: a spare still placing itself in its cgroup is not.)
+            "spares": [spare.pid for spare in self._spares if spare.placed],
         }
 
 
