@@ -238,6 +238,7 @@ class RunsHandler(EvalSchedHandler):
             if unknown:
                 raise ApiError(400, f"unknown state(s) {sorted(unknown)}; states are {', '.join(STATES)}")
         limit = self.int_arg("limit", 100, 1, MAX_LIST_LIMIT)
+        await self.scheduler.on_disk()  # (terminal records being written: answered once on disk)
         runs, total = self.scheduler.list_runs(states, limit or 100)
         self.send_json({"runs": runs, "total": total})
 
@@ -294,6 +295,7 @@ class RunHandler(EvalSchedHandler):
     @authorized
     async def get(self, run_id: str) -> None:
         run = self.scheduler.get(run_id)
+        await self.scheduler.on_disk(run.id)
         summary, problem = await self.in_thread(self.scheduler.summary, run.id)
         body = {**run.record, "summary": summary}
         if problem:
@@ -355,6 +357,7 @@ class SweepsHandler(EvalSchedHandler):
     @authorized
     async def get(self) -> None:
         limit = self.int_arg("limit", 100, 1, MAX_LIST_LIMIT)
+        await self.scheduler.on_disk()
         self.send_json({"sweeps": self.scheduler.list_sweeps(limit or 100)})
 
     @web.authenticated
@@ -374,6 +377,7 @@ class SweepHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def get(self, sweep_id: str) -> None:
+        await self.scheduler.on_disk()
         self.send_json(self.scheduler.sweep_view(sweep_id))
 
 
