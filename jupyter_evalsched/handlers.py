@@ -295,8 +295,8 @@ class RunHandler(EvalSchedHandler):
     @authorized
     async def get(self, run_id: str) -> None:
         run = self.scheduler.get(run_id)
-        await self.scheduler.on_disk(run.id)
         summary, problem = await self.in_thread(self.scheduler.summary, run.id)
+        await self.scheduler.on_disk(run.id)  # (last: the run may have ended during the read)
         body = {**run.record, "summary": summary}
         if problem:
             body["summary_error"] = problem

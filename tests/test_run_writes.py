@@ -291,3 +291,28 @@ async def test_a_cancel_answers_once_the_terminal_record_is_on_disk(api, evalsch
         assert json.loads((runs_dir / r["id"] / "job.json").read_text())["state"] == "cancelled"
         assert (runs_dir / r["id"] / "_DONE").exists()
     await api("POST", f"runs/{gate['id']}/cancel")
+
+
+async def test_a_run_read_as_ended_is_ended_on_disk(api, wait_for, evalsched, runs_dir, monkeypatch):
+    """The server's terminal job.json of a run that ended on its own is written a second late:
+    GET of the run, and of the list, answer "succeeded" only once it is on disk."""
+    write_job = evalsched.store.write_job
+
+    def late(run_id, record):
+        if isinstance(record, bytes) and b'"state":"succeeded"' in record:
+            time.sleep(1)
+        write_job(run_id, record)
+
+    monkeypatch.setattr(evalsched.store, "write_job", late)
+    rec = await submit(api, spec(entry=NOOP))
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded"
+    assert json.loads((runs_dir / rec["id"] / "job.json").read_text())["state"] == "succeeded"
+    other = await submit(api, spec(entry=NOOP))
+
+    async def listed_as_ended() -> bool:
+        code, body = await api("GET", "runs", params={"state": "succeeded"})
+        return other["id"] in {r["id"] for r in body["runs"]}
+
+    await async_wait_until(listed_as_ended, timeout=30, message="the run never ended")
+    assert json.loads((runs_dir / other["id"] / "job.json").read_text())["state"] == "succeeded"

@@ -132,6 +132,7 @@ class RunWriter:
         self._wake = threading.Condition(self._lock)
         self._queue: deque[_Create | TerminalWrite] = deque()
         self._sleeping = False
+        self._kick_pending = False  # a wake of the thread is scheduled on the loop
         self._closing = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -195,12 +196,22 @@ class RunWriter:
 
     def _put(self, items: tuple[_Create, ...] | list[TerminalWrite]) -> bool:
         with self._lock:
-            if self._thread is None or self._closing:
+            if self._thread is None or self._closing or self._loop is None:
                 return False
             self._queue.extend(items)
-            if self._sleeping:
-                self._wake.notify()
+            if self._sleeping and not self._kick_pending:
+                # Woken once the loop has run what is ready now: the submissions read in this
+                # iteration go as one batch, and the loop pays one wake (a context switch on a
+                # busy host) for all of them.
+                self._kick_pending = True
+                self._loop.call_soon(self._kick)
         return True
+
+    def _kick(self) -> None:
+        with self._lock:
+            self._kick_pending = False
+            if self._sleeping and self._queue:
+                self._wake.notify()
 
     # ----------------------------------------------------------------- the thread
 
