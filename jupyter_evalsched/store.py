@@ -30,6 +30,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -426,6 +427,8 @@ class RunStore:
         self.root = Path(runs_dir)
         self.fsync = fsync
         self.cache = FileCache()
+        self._pool: ThreadPoolExecutor | None = None  # with fsync: a batch's directories, synced at once
+        self._pool_lock = threading.Lock()
 
     def ensure(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -452,19 +455,16 @@ class RunStore:
 
     def create_many(self, runs: Sequence[tuple[str, dict[str, bytes]]]) -> list[StoreError | None]:
         """Several run directories at once (concurrent submissions): each assembled and renamed
-        into place as :meth:`assemble` does, then, with ``fsync``, one fsync of the runs
-        directory for all their renames. One entry per run: None when its directory is in place,
+        into place as :meth:`assemble` does (with ``fsync``, several at once), then, with
+        ``fsync``, one fsync of the runs directory for all their renames. One entry per run: None when its directory is in place,
         else the StoreError that failed that run alone (nothing of it is left)."""
-        out: list[StoreError | None] = []
-        placed: list[int] = []
-        for run_id, files in runs:
-            try:
-                self.assemble(run_id, files)
-            except StoreError as exc:
-                out.append(exc)
-                continue
-            placed.append(len(out))
-            out.append(None)
+        if self.fsync and len(runs) > 1:
+            # Each fsync waits for the disk: made from several threads at once, the filesystem
+            # commits them together (one after another, a batch would take as many commits).
+            out = list(self._sync_pool().map(self._try_assemble, runs))
+        else:
+            out = [self._try_assemble(run) for run in runs]
+        placed = [i for i, error in enumerate(out) if error is None]
         if self.fsync and placed:
             try:
                 fsync_dir(self.root)  # the renames are what acknowledges the runs: make them durable
@@ -474,6 +474,19 @@ class RunStore:
                     discard_run_entry(self.run_dir(runs[i][0]))
                     out[i] = error
         return out
+
+    def _try_assemble(self, run: tuple[str, dict[str, bytes]]) -> StoreError | None:
+        try:
+            self.assemble(*run)
+        except StoreError as exc:
+            return exc
+        return None
+
+    def _sync_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-fsync")
+            return self._pool
 
     def assemble(self, run_id: str, files: dict[str, bytes]) -> Path:
         """A run directory made under a staging name (its files, with ``fsync`` each file and the
