@@ -1,10 +1,11 @@
 """Submissions to a real ``jupyter server`` as users run it, with same-run baselines.
 
     .venv/bin/python bench/bench_submissions.py [--submissions 2000] [--clients 8] [--phases 8]
-        [--old /work/main] [--fsync] [--runs-dir-in /dev/shm]
+        [--old /work/main] [--fsync] [--runs-dir-in DIR]
 
 A ``jupyter server`` subprocess with the extension's defaults on this host (no virtual GPUs, no
-``cpu_slots``, cgroups as detected) per code tree: this tree and, with ``--old``, another
+``cpu_slots``, cgroups as detected; its runs directory beside the default one, in the Jupyter
+data directory, unless ``--runs-dir-in``) per code tree: this tree and, with ``--old``, another
 checkout (e.g. main) imported through ``PYTHONPATH``. Both run side by side, and the measures
 alternate phase by phase between them (the order flips every phase), so that a busy host slows
 both alike. Per server, ``--submissions`` requests of each kind in ``--phases`` phases, from
@@ -37,6 +38,8 @@ from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from jupyter_core.paths import jupyter_data_dir  # noqa: E402
 
 from jupyter_evalsched.client import LocalServer  # noqa: E402
 
@@ -110,14 +113,15 @@ class Target:
     def __init__(self, label: str, tree: Path, args: argparse.Namespace) -> None:
         self.label = label
         self.tree = tree
-        self.runs_dir = tempfile.mkdtemp(prefix="evalsched-bench-", dir=args.runs_dir_in) if args.runs_dir_in else None
+        args.runs_dir_in.mkdir(parents=True, exist_ok=True)
+        self.runs_dir = tempfile.mkdtemp(prefix="bench-submissions-", dir=args.runs_dir_in)
         extra = ["--EvalSchedApp.fsync=True"] if args.fsync else []
         self.server = LocalServer(
             virtual_gpus=None,
             cpu_slots=None,
             env={"PYTHONPATH": str(tree)},
             extra_args=extra,
-            runs_dir=os.path.join(self.runs_dir, "runs") if self.runs_dir else None,
+            runs_dir=os.path.join(self.runs_dir, "runs"),
         )
         client = self.server.client()
         self.blocker = client.submit({"entrypoint": SLEEPY, "episodes": 100000, "params": {"sleep_s": 3600}})
@@ -164,8 +168,7 @@ class Target:
             self.server.client().cancel(self.blocker["id"])
         finally:
             self.server.cleanup()
-            if self.runs_dir:
-                shutil.rmtree(self.runs_dir, ignore_errors=True)
+            shutil.rmtree(self.runs_dir, ignore_errors=True)
 
 
 def main() -> None:
@@ -175,15 +178,20 @@ def main() -> None:
     ap.add_argument("--phases", type=int, default=8, help="alternations between the servers")
     ap.add_argument("--old", type=Path, default=None, help="another checkout to compare with (e.g. /work/main)")
     ap.add_argument("--fsync", action="store_true", help="servers run with EvalSchedApp.fsync=True")
-    ap.add_argument("--runs-dir-in", type=Path, default=None, help="the runs directories in this folder (/dev/shm)")
+    ap.add_argument(
+        "--runs-dir-in",
+        type=Path,
+        default=Path(jupyter_data_dir()) / "evalsched",
+        help="the runs directories in this folder (default: where the default runs_dir is; /dev/shm: tmpfs)",
+    )
     args = ap.parse_args()
     trees = [("new", REPO)] + ([("old", args.old.resolve())] if args.old else [])
     print(
         f"{args.submissions} submissions from {args.clients} clients to each fresh default `jupyter server` "
         f"(runs held by a dependency), in {args.phases} phases alternating between "
         f"{' and '.join(f'{label} ({tree})' for label, tree in trees)}"
-        f"{', fsync on' if args.fsync else ''}, runs directories "
-        f"{f'in {args.runs_dir_in}' if args.runs_dir_in else 'on disk'}; load {os.getloadavg()[0]:.2f}"
+        f"{', fsync on' if args.fsync else ''}, runs directories in {args.runs_dir_in}; "
+        f"load {os.getloadavg()[0]:.2f}"
     )
     targets: list[Target] = []
     try:

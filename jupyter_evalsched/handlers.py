@@ -607,7 +607,7 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
 
     def _on_event(self, event: dict) -> None:
         try:
-            self.write_message(json.dumps(event, separators=(",", ":")))
+            self.write_message(_encoded(event))
         except websocket.WebSocketClosedError:
             self._scheduler.unsubscribe(self._on_event)
 
@@ -621,6 +621,18 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
         scheduler = getattr(self, "_scheduler", None)
         if scheduler is not None:
             scheduler.unsubscribe(self._on_event)
+
+
+_last_event: tuple[dict | None, str] = (None, "")
+
+
+def _encoded(event: dict) -> str:
+    """An event as JSON, encoded once for every socket it goes to (the run table hands the same
+    dict to each subscriber in turn)."""
+    global _last_event
+    if _last_event[0] is not event:
+        _last_event = (event, json.dumps(event, separators=(",", ":")))
+    return _last_event[1]
 
 
 def handlers() -> list[tuple[str, type]]:
