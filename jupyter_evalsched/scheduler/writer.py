@@ -196,8 +196,8 @@ class RunWriter:
 
     def _put(self, items: tuple[_Create, ...] | list[TerminalWrite]) -> bool:
         with self._lock:
-            if self._thread is None or self._closing or self._loop is None:
-                return False
+            if self._thread is None or self._closing or self._loop is None or not self._thread.is_alive():
+                return False  # (written by the caller)
             self._queue.extend(items)
             if self._sleeping and not self._kick_pending:
                 # Woken once the loop has run what is ready now: the submissions read in this
