@@ -427,7 +427,7 @@ class RunStore:
         self.root = Path(runs_dir)
         self.fsync = fsync
         self.cache = FileCache()
-        self._pool: ThreadPoolExecutor | None = None  # with fsync: a batch's directories, synced at once
+        self._pool: ThreadPoolExecutor | None = None  # a batch's directories, assembled at once
         self._pool_lock = threading.Lock()
 
     def ensure(self) -> None:
@@ -455,13 +455,14 @@ class RunStore:
 
     def create_many(self, runs: Sequence[tuple[str, dict[str, bytes]]]) -> list[StoreError | None]:
         """Several run directories at once (concurrent submissions): each assembled and renamed
-        into place as :meth:`assemble` does (with ``fsync``, several at once), then, with
-        ``fsync``, one fsync of the runs directory for all their renames. One entry per run: None when its directory is in place,
+        into place as :meth:`assemble` does (several at once), then, with ``fsync``, one fsync
+        of the runs directory for all their renames. One entry per run: None when its directory is in place,
         else the StoreError that failed that run alone (nothing of it is left)."""
-        if self.fsync and len(runs) > 1:
-            # Each fsync waits for the disk: made from several threads at once, the filesystem
-            # commits them together (one after another, a batch would take as many commits).
-            out = list(self._sync_pool().map(self._try_assemble, runs))
+        if len(runs) > 1:
+            # Each file's creation (and fsync) waits for the disk: from several threads at once,
+            # the filesystem overlaps them, and each thread's wait for the GIL after a system
+            # call (the loop holds it) overlaps the others' disk work.
+            out = list(self._batch_pool().map(self._try_assemble, runs))
         else:
             out = [self._try_assemble(run) for run in runs]
         placed = [i for i, error in enumerate(out) if error is None]
@@ -482,10 +483,10 @@ class RunStore:
             return exc
         return None
 
-    def _sync_pool(self) -> ThreadPoolExecutor:
+    def _batch_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-fsync")
+                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-create")
             return self._pool
 
     def assemble(self, run_id: str, files: dict[str, bytes]) -> Path:
