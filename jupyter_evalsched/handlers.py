@@ -238,6 +238,7 @@ class RunsHandler(EvalSchedHandler):
             if unknown:
                 raise ApiError(400, f"unknown state(s) {sorted(unknown)}; states are {', '.join(STATES)}")
         limit = self.int_arg("limit", 100, 1, MAX_LIST_LIMIT)
+        await self.scheduler.on_disk()  # (terminal records being written: answered once on disk)
         runs, total = self.scheduler.list_runs(states, limit or 100)
         self.send_json({"runs": runs, "total": total})
 
@@ -304,6 +305,7 @@ class RunHandler(EvalSchedHandler):
         # it ends, so a record that says it ended never comes with an older summary.
         record = dict(run.record)
         summary, problem = await self.in_thread(self.scheduler.summary, run.id)
+        await self.scheduler.on_disk(run.id)  # (a record that says it ended: once it is on disk)
         body = {**record, "summary": summary}
         if problem:
             body["summary_error"] = problem
@@ -372,6 +374,7 @@ class SweepsHandler(EvalSchedHandler):
     @authorized
     async def get(self) -> None:
         limit = self.int_arg("limit", 100, 1, MAX_LIST_LIMIT)
+        await self.scheduler.on_disk()
         self.send_json({"sweeps": self.scheduler.list_sweeps(limit or 100)})
 
     @web.authenticated
@@ -391,6 +394,7 @@ class SweepHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def get(self, sweep_id: str) -> None:
+        await self.scheduler.on_disk()
         self.send_json(self.scheduler.sweep_view(sweep_id))
 
 
@@ -620,7 +624,7 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
 
     def _on_event(self, event: dict) -> None:
         try:
-            self.write_message(json.dumps(event, separators=(",", ":")))
+            self.write_message(_encoded(event))
         except websocket.WebSocketClosedError:
             self._scheduler.unsubscribe(self._on_event)
 
@@ -634,6 +638,18 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
         scheduler = getattr(self, "_scheduler", None)
         if scheduler is not None:
             scheduler.unsubscribe(self._on_event)
+
+
+_last_event: tuple[dict | None, str] = (None, "")
+
+
+def _encoded(event: dict) -> str:
+    """An event as JSON, encoded once for every socket it goes to (the run table hands the same
+    dict to each subscriber in turn)."""
+    global _last_event
+    if _last_event[0] is not event:
+        _last_event = (event, json.dumps(event, separators=(",", ":")))
+    return _last_event[1]
 
 
 def handlers() -> list[tuple[str, type]]:

@@ -29,7 +29,8 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -426,6 +427,8 @@ class RunStore:
         self.root = Path(runs_dir)
         self.fsync = fsync
         self.cache = FileCache()
+        self._pool: ThreadPoolExecutor | None = None  # a batch's directories, assembled at once
+        self._pool_lock = threading.Lock()
 
     def ensure(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -443,36 +446,101 @@ class RunStore:
     # ---- writes (the server's own files)
 
     def create(self, run_id: str, files: dict[str, bytes]) -> Path:
-        """Assemble a run directory under a staging name, then rename it into place."""
+        """Assemble a run directory under a staging name, then rename it into place (durably
+        with ``fsync``); StoreError says why not."""
+        error = self.create_many([(run_id, files)])[0]
+        if error is not None:
+            raise error
+        return self.run_dir(run_id)
+
+    def create_many(self, runs: Sequence[tuple[str, dict[str, bytes]]]) -> list[StoreError | None]:
+        """Several run directories at once (concurrent submissions): each assembled and renamed
+        into place as :meth:`assemble` does (several at once), then, with ``fsync``, one fsync
+        of the runs directory for all their renames. One entry per run: None when its directory is in place,
+        else the StoreError that failed that run alone (nothing of it is left)."""
+        if len(runs) > 1:
+            # Each file's creation (and fsync) waits for the disk: from several threads at once,
+            # the filesystem overlaps them, and each thread's wait for the GIL after a system
+            # call (the loop holds it) overlaps the others' disk work.
+            out = list(self._batch_pool().map(self._try_assemble, runs))
+        else:
+            out = [self._try_assemble(run) for run in runs]
+        placed = [i for i, error in enumerate(out) if error is None]
+        if self.fsync and placed:
+            try:
+                fsync_dir(self.root)  # the renames are what acknowledges the runs: make them durable
+            except OSError as exc:
+                error = StoreError(_disk_message(exc, self.root))
+                for i in placed:  # not durable, not acknowledged: not left to run after a restart
+                    discard_run_entry(self.run_dir(runs[i][0]))
+                    out[i] = error
+        return out
+
+    def _try_assemble(self, run: tuple[str, dict[str, bytes]]) -> StoreError | None:
+        try:
+            self.assemble(*run)
+        except StoreError as exc:
+            return exc
+        return None
+
+    def _batch_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-create")
+            return self._pool
+
+    def assemble(self, run_id: str, files: dict[str, bytes]) -> Path:
+        """A run directory made under a staging name (its files, with ``fsync`` each file and the
+        directory synced) and renamed into place; the rename itself is made durable by the
+        caller (:meth:`create_many`: one fsync of the runs directory for a batch). StoreError
+        (the staging directory removed) when it cannot be."""
         final = self.run_dir(run_id)
         staging = self.root / f"{STAGING_PREFIX}{run_id}"
         try:
             os.mkdir(staging, 0o700)
-            dfd = open_dir(staging)  # the files go into the directory made here, whatever is renamed
-            try:
-                for name, data in files.items():
-                    # No temp file needed: nobody sees the staging directory until its rename.
-                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS, 0o600, dir_fd=dfd)
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(data)
-                        if self.fsync:
-                            f.flush()
-                            os.fsync(f.fileno())
-                if self.fsync:
-                    os.fsync(dfd)
-            finally:
-                os.close(dfd)
-            os.rename(staging, final)
-            if self.fsync:
-                fsync_dir(self.root)  # the rename is what acknowledges the run: make it durable
+        except FileExistsError:
+            raise StoreError(f"cannot create the directory of run {run_id}: {staging.name} exists already") from None
         except OSError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
             raise StoreError(_disk_message(exc, self.root)) from exc
+        try:
+            self._fill(staging, files)
+            try:
+                os.rename(staging, final)
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise StoreError(f"cannot create the directory of run {run_id}: {final} exists already") from None
+                raise
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise StoreError(_disk_message(exc, self.root)) from exc
+            raise
         return final
 
-    def write_job(self, run_id: str, record: dict[str, Any]) -> None:
+    def _fill(self, staging: Path, files: dict[str, bytes]) -> None:
+        dfd = open_dir(staging)  # the files go into the directory made here, whatever is renamed
         try:
-            atomic_write_json(self.file(run_id, contract.JOB_FILE), record, fsync=self.fsync)
+            for name, data in files.items():
+                # No temp file needed: nobody sees the staging directory until its rename.
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS, 0o600, dir_fd=dfd)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            if self.fsync:
+                os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def write_job(self, run_id: str, record: dict[str, Any] | bytes) -> None:
+        """``job.json``: the record, or its JSON already made (:func:`dumps`)."""
+        data = record if isinstance(record, bytes) else dumps(record)
+        try:
+            atomic_write_bytes(self.file(run_id, contract.JOB_FILE), data, fsync=self.fsync)
         except OSError as exc:
             raise StoreError(_disk_message(exc, self.root)) from exc
 

@@ -263,25 +263,27 @@ async def test_the_server_answers_while_a_1000_point_sweep_is_submitted(api, jp_
 def held_creates(evalsched, monkeypatch):
     """Run directories are created only once ``release`` is set; ``calls`` counts the tries."""
     store = evalsched.submissions.store
-    create = store.create
+    assemble = store.assemble
     release = threading.Event()
     calls: list[str] = []
 
     def held(run_id, files):
         calls.append(run_id)
         release.wait(30)
-        return create(run_id, files)
+        return assemble(run_id, files)
 
-    monkeypatch.setattr(store, "create", held)
+    monkeypatch.setattr(store, "assemble", held)
     yield release, calls
     release.set()
 
 
-async def test_concurrent_sweep_submissions_beyond_the_limit_are_a_429(api, jp_fetch, held_creates):
+async def test_concurrent_sweep_submissions_beyond_the_limit_are_a_429(api, jp_fetch, evalsched, held_creates):
     release, calls = held_creates
     body = {**spec(entry=NOOP), "sweep": {"k": [1, 2]}}
     first = [asyncio.ensure_future(api("POST", "sweeps", body)) for _ in range(MAX_SWEEP_SUBMISSIONS)]
-    await async_wait_until(lambda: len(calls) == MAX_SWEEP_SUBMISSIONS, timeout=10, message="not all in flight")
+    # Each sweep's first run is with the writer (whose one thread is held in the first of them).
+    creating = evalsched.submissions._creating
+    await async_wait_until(lambda: len(creating) == MAX_SWEEP_SUBMISSIONS, timeout=10, message="not all in flight")
     resp = await asyncio.wait_for(
         jp_fetch("evalsched", "sweeps", method="POST", body=json.dumps(body), raise_error=False), 10
     )
@@ -359,7 +361,7 @@ async def test_submissions_waiting_on_one_key_whose_first_failed_make_one_run(ap
     """The same class for single runs: two submissions wait for a first with their key; that
     one fails (503), and of the two waiting, one makes the run and the other answers with it."""
     store = evalsched.submissions.store
-    create = store.create
+    assemble = store.assemble
     release = threading.Event()
     calls: list[str] = []
 
@@ -368,9 +370,9 @@ async def test_submissions_waiting_on_one_key_whose_first_failed_make_one_run(ap
         if len(calls) == 1:
             release.wait(30)
             raise StoreError("the runs directory is full (test)")
-        return create(run_id, files)
+        return assemble(run_id, files)
 
-    monkeypatch.setattr(store, "create", first_fails)
+    monkeypatch.setattr(store, "assemble", first_fails)
     entered = entries(monkeypatch, evalsched.submissions, "submit")
     post = keyed_post(jp_fetch, "runs", spec(entry=NOOP), "one-1")
 

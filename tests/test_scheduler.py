@@ -79,7 +79,6 @@ async def test_run_directory_contract(api, wait_for, runs_dir):
     names = {p.name for p in run.iterdir()}
     assert {
         "spec.json",
-        "shared_urls.json",
         "job.json",
         "summary.json",
         "episodes.jsonl",
@@ -87,7 +86,7 @@ async def test_run_directory_contract(api, wait_for, runs_dir):
         "stderr.log",
         "_DONE",
     } <= names
-    assert json.loads((run / "shared_urls.json").read_text()) == {"models": {}}
+    assert "shared_urls.json" not in names  # a first attempt without models: none needed
     saved = json.loads((run / "spec.json").read_text())
     assert saved["scheduling"] == {
         "marginal_vram_mb": 0,
@@ -237,48 +236,27 @@ async def test_runs_held_by_a_dependency_stay_out_of_decisions_and_are_freed_by_
     assert not evalsched.admission._blocked and not evalsched.admission._waiting_on
 
 
-async def test_dependents_failed_in_one_decision_all_reach_the_disk_a_slice_at_a_time(
+async def test_dependents_failed_in_one_decision_all_reach_the_disk(
     api, wait_for, evalsched, runs_dir, tmp_path, monkeypatch
 ):
-    """Twelve runs wait on one that is cancelled: they fail in one decision. With two records
-    written at once and no time slice, the other ten go a slice per loop iteration (seen through
-    a hook on the table's writes: which slice wrote each record, and that the loop ran other work
-    between two slices); each still ends on disk with its terminal job.json and _DONE."""
-    from jupyter_evalsched.scheduler import runs as runs_module
+    """Twelve runs wait on one that is cancelled: they fail in one decision, and their records go
+    to the writer's thread (never the event loop's); each ends on disk with its terminal job.json
+    and _DONE."""
+    import threading
 
-    monkeypatch.setattr(runs_module, "TERMINAL_WRITES_AT_ONCE", 2)
-    monkeypatch.setattr(runs_module, "TERMINAL_WRITE_SLICE_S", 0.0)
-    table = evalsched.table
-    slices = {"n": 0, "between": 0}  # slices begun; loop callbacks that ran between two slices
-    writes: list[tuple[str, int]] = []  # (run id, the slice that wrote it: 0 = the decision itself)
-    ticks: list[int] = []  # the slice count each time the loop ran the ticker
+    store = evalsched.table.store
+    marked: dict[str, str] = {}  # run id -> the thread that wrote its _DONE
+    real_mark = store.mark_done
 
-    real_drain, real_write = table._drain_slice, table._write_terminal
+    def mark_done(run_id, *args, **kwargs):
+        marked[run_id] = threading.current_thread().name
+        return real_mark(run_id, *args, **kwargs)
 
-    def drain_slice() -> None:
-        slices["n"] += 1
-        if len(ticks) > 1 and ticks[-1] == slices["n"] - 1:
-            slices["between"] += 1
-        real_drain()
-
-    def write_terminal(run, quiet=False):
-        writes.append((run.id, slices["n"]))
-        real_write(run, quiet)
-
-    monkeypatch.setattr(table, "_drain_slice", drain_slice)
-    monkeypatch.setattr(table, "_write_terminal", write_terminal)
-    loop = asyncio.get_running_loop()
-
-    def tick():  # other work on the loop: it must get turns between the slices
-        ticks.append(slices["n"])
-        if not (slices["n"] and table.writes_waiting == 0):  # until the last slice has run
-            loop.call_soon(tick)
-
+    monkeypatch.setattr(store, "mark_done", mark_done)
     gate_entry = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:gate"
     gate = await submit(api, spec(entry=gate_entry, params={"gate": str(tmp_path / "never")}))
     waiting = [await submit(api, spec(entry=NOOP, depends_on=[gate["id"]])) for _ in range(12)]
     await async_wait_until(lambda: evalsched.get(gate["id"]).state == "running", message="the gate never ran")
-    loop.call_soon(tick)
     code, _ = await api("POST", f"runs/{gate['id']}/cancel")
     assert code == 200
     for rec in waiting:
@@ -293,15 +271,8 @@ async def test_dependents_failed_in_one_decision_all_reach_the_disk_a_slice_at_a
         )
 
     await async_wait_until(on_disk, message="not every failed dependent's record reached the disk")
-    assert table.writes_waiting == 0
-    ids = {r["id"] for r in waiting}
-    ours = [(run_id, at) for run_id, at in writes if run_id in ids]
-    assert sorted(run_id for run_id, _ in ours) == sorted(ids)  # each written once
-    first = ours[0][1]
-    # Two in the decision's own turn, then one per slice, each slice its own loop turn.
-    assert [at for _, at in ours[:2]] == [first, first], ours
-    assert [at for _, at in ours[2:]] == list(range(first + 1, first + 11)), ours
-    assert slices["between"] >= 10, slices  # the loop ran the ticker between every two slices
+    assert evalsched.table.writes_waiting == 0
+    assert {marked.get(r["id"]) for r in waiting} == {"evalsched-writer"}, marked
 
 
 async def test_priorities_and_exclusive(api, wait_for, evalsched):

@@ -5,7 +5,6 @@ its zygote reaps it."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import select
@@ -118,74 +117,3 @@ def test_zombie_exit_code_reads_another_process_child_only_until_it_is_reaped():
     finally:
         helper.kill()
         helper.wait()
-
-
-def _queued_runs(tmp_path, n: int) -> tuple[RunStore, RunTable, list]:
-    from jupyter_evalsched.scheduler.runs import Run, new_record
-    from jupyter_evalsched.schemas import EvalSpec
-
-    store = RunStore(tmp_path / "runs")
-    store.ensure()
-    table = RunTable(store)
-    runs = []
-    for _ in range(n):
-        run_id = new_run_id()
-        spec = EvalSpec(entrypoint="jupyter_evalsched.examples.basic:noop").model_dump(mode="json")
-        record = new_record(run_id, spec, seq=table.next_seq(), executor="local", run_dir=str(store.run_dir(run_id)))
-        store.create(run_id, {"spec.json": json.dumps(spec).encode(), "job.json": json.dumps(record).encode()})
-        run = Run(record=record, spec=spec, submitted_ts=0.0)
-        table.add(run)
-        runs.append(run)
-    return store, table, runs
-
-
-def _finished_in_one_block(tmp_path, monkeypatch, n: int, at_once: int, state: str) -> tuple[RunStore, RunTable, list]:
-    """n runs ended in one deferred block, the first ``at_once`` records written at once and no
-    time slice for more."""
-    monkeypatch.setattr(runs_module, "TERMINAL_WRITES_AT_ONCE", at_once)
-    monkeypatch.setattr(runs_module, "TERMINAL_WRITE_SLICE_S", 0.0)
-    store, table, runs = _queued_runs(tmp_path, n)
-    with table.deferring_writes():
-        for run in runs:
-            table.finish(run, state, f"{state}: by the test")
-    return store, table, runs
-
-
-def _on_disk(store: RunStore, run_id: str) -> tuple[str, bool]:
-    record = json.loads((store.run_dir(run_id) / "job.json").read_text())
-    return record["state"], store.done_exists(run_id)
-
-
-async def test_a_large_batch_of_terminal_records_is_written_a_slice_per_loop_iteration(tmp_path, monkeypatch):
-    """A decision that fails thousands of dependents must not hold the event loop for all their
-    writes: past the first few (and a time slice, here none), the records wait in a backlog that
-    the loop drains a slice per iteration. A later write for a waiting run writes its terminal
-    record first; a removed run's is dropped; shutdown writes the rest."""
-    store, table, runs = _finished_in_one_block(tmp_path, monkeypatch, 12, 4, "failed")
-    assert [_on_disk(store, r.id) for r in runs[:4]] == [("failed", True)] * 4  # at once
-    assert [_on_disk(store, r.id) for r in runs[4:]] == [("queued", False)] * 8  # waiting
-    assert table.writes_waiting == 8
-
-    requeued, removed = runs[5], runs[6]
-    assert table.requeue(requeued, runs_module.Requeue(why=None, fields={}))
-    assert _on_disk(store, requeued.id) == ("queued", False)  # its terminal record came first, then this
-    store.delete(removed.id)
-    table.remove(removed.id)
-    assert table.writes_waiting == 6
-
-    await asyncio.sleep(0)  # one loop iteration: one slice (one record, the slice being empty)
-    assert table.writes_waiting == 5
-    assert _on_disk(store, runs[4].id) == ("failed", True)
-    table.flush_writes()  # what Scheduler.stop does
-    assert table.writes_waiting == 0
-    for run in runs[7:]:
-        assert _on_disk(store, run.id) == ("failed", True)
-    assert _on_disk(store, requeued.id) == ("queued", False)  # not overwritten by its old verdict
-    await asyncio.sleep(0)  # the cancelled drain does nothing more
-    assert not store.run_dir(removed.id).exists()
-
-
-def test_without_a_running_loop_every_terminal_record_is_written_at_once(tmp_path, monkeypatch):
-    store, table, runs = _finished_in_one_block(tmp_path, monkeypatch, 5, 1, "cancelled")
-    assert table.writes_waiting == 0
-    assert [_on_disk(store, r.id) for r in runs] == [("cancelled", True)] * 5

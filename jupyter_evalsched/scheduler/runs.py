@@ -1,8 +1,9 @@
 """The run table: every run this server knows, and the life of its record.
 
 One module owns a record from creation to its terminal state: transitions, persistence of
-``job.json`` (atomically, at every transition), ``_DONE`` after the terminal ``job.json``,
-retries of writes a full or read-only disk refused, and change notification. Admission decides
+``job.json`` (atomically, at every transition), ``_DONE`` after the terminal ``job.json`` (both
+made by the writer's thread, in order per run: ``writer.py``), retries of writes a full or
+read-only disk refused, and change notification. Admission decides
 *when* a run starts; executors decide *how* it runs and *how it ended*; both change records only
 through this table.
 
@@ -16,12 +17,13 @@ A run goes back to ``queued`` only through ``requeue``, and a failure becomes a 
 an end inside ``finish`` (the ``requeue_policy``): a client waiting for the run never sees a
 terminal state that is not final.
 
-All of it runs on the event-loop thread.
+All of it runs on the event-loop thread (the terminal writes themselves in the writer's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -35,8 +37,9 @@ from typing import Any
 from .. import contract
 from ..contract import ACTIVE_STATES, FAILED, SUCCEEDED, TERMINAL_STATES
 from ..schemas import RECORD_FIELDS, RunRecord, utcnow_iso
-from ..store import FileStamp, RunFileError, RunStore, StoreError, UnsafeRunFile
+from ..store import FileStamp, RunFileError, RunStore, StoreError, UnsafeRunFile, dumps
 from .attempts import Requeue
+from .writer import RunWriter, TerminalWrite
 
 log = logging.getLogger("jupyter_evalsched")
 
@@ -54,11 +57,6 @@ HEAVY_SPEC_FIELDS = ("params", "source", "env")
 
 FRESH_SPECS = 256  # whole specs kept from submission to start (RunTable.remember_spec) ...
 FRESH_SPEC_MAX_BYTES = 16 * 1024  # ... of at most this size: 4 MB at most in all
-# Terminal records written when a deferred block ends: this many at once whatever the time (a
-# small batch is on disk before the loop runs anything else), then more while the slice lasts,
-# then a slice per loop iteration (RunTable._write_terminals).
-TERMINAL_WRITES_AT_ONCE = 64
-TERMINAL_WRITE_SLICE_S = 0.005
 
 
 def slim_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -244,8 +242,10 @@ def _int(value: Any, default: int = 0) -> int:
 
 
 class RunTable:
-    def __init__(self, store: RunStore) -> None:
+    def __init__(self, store: RunStore, writer: RunWriter | None = None) -> None:
         self.store = store
+        # Terminal job.json/_DONE writes go to the writer's thread (none: written at once).
+        self.writer = writer
         self._runs: dict[str, Run] = {}  # every known run, in submission order
         self._active: dict[str, Run] = {}  # the queued and running ones
         self._seq = 0
@@ -256,10 +256,9 @@ class RunTable:
         self.requeue_policy: RequeuePolicy | None = None  # a failure retried instead of ended
         self._unwritten: set[str] = set()  # runs whose job.json or _DONE a write refused
         self._deferred: list[Run] | None = None
-        # Terminal records not written yet, beyond a deferred block's first slice (see
-        # _write_terminals); any later write for one of these runs writes its record first.
-        self._backlog: dict[str, Run] = {}
-        self._drain: asyncio.Handle | None = None
+        # Terminal records handed to the writer and not applied yet; any later write for one of
+        # these runs settles its terminal write first (``_settle``).
+        self._pending: dict[str, TerminalWrite] = {}
         # The whole specs of the latest submissions (small ones), as written to spec.json: most
         # runs start soon after they are submitted, and reading the file back is then the one
         # read on the way from admission to the start. Used once, at the first start.
@@ -293,7 +292,8 @@ class RunTable:
         self._seq = max(self._seq, _int(run.record.get("seq")))
 
     def remove(self, run_id: str) -> None:
-        self._backlog.pop(run_id, None)  # its directory is gone: nothing left to write
+        """Forget a run (its directory deleted: ``settle`` it before)."""
+        self._pending.pop(run_id, None)
         self._runs.pop(run_id, None)
         self._active.pop(run_id, None)
         self._unwritten.discard(run_id)
@@ -519,8 +519,9 @@ class RunTable:
         return True
 
     def finish(self, run: Run, state: str, reason: str | None, *, done_on_disk: bool = False) -> None:
-        """Record a terminal state: ``job.json`` first, then ``_DONE`` (unless the run already
-        wrote it), then tell the listeners and the end listeners."""
+        """Record a terminal state and tell the listeners and the end listeners; ``job.json``
+        then ``_DONE`` (unless the run already wrote it) are written by the writer's thread
+        (``written`` waits for them)."""
         if state not in TERMINAL_STATES:
             raise ValueError(f"{state!r} is not a terminal state")
         if run.terminal:
@@ -537,7 +538,7 @@ class RunTable:
         if self._deferred is not None:
             self._deferred.append(run)
         else:
-            self._write_terminal(run)
+            self._write_terminals([run])
         self.changed(run)
         for listener in list(self._end_listeners):
             try:
@@ -628,9 +629,10 @@ class RunTable:
 
     @contextmanager
     def deferring_writes(self) -> Iterator[None]:
-        """Hold terminal writes until the block ends: an exit's admission comes first, so a freed
-        GPU is reused at once. Should the server die in between, recovery still finds the run's
-        own ``_DONE``, marks it aborted, or (a dependency's failure) decides it again."""
+        """Hold terminal writes until the block ends, then hand them to the writer together (one
+        batch: a decision that fails thousands of dependents queues them at once). Should the
+        server die before they are written, recovery still finds the run's own ``_DONE``, marks
+        it aborted, or (a dependency's failure) decides it again."""
         if self._deferred is not None:
             yield
             return
@@ -641,55 +643,93 @@ class RunTable:
             pending, self._deferred = self._deferred, None
             self._write_terminals(pending)
 
-    def _write_terminals(self, runs: list[Run]) -> None:
-        """The first ``TERMINAL_WRITES_AT_ONCE`` now, and more while ``TERMINAL_WRITE_SLICE_S``
-        lasts; the rest a slice per loop iteration. A decision that fails thousands of dependents
-        would otherwise hold the event loop for all their writes (0.6 s for 2,000 here on a quick
-        disk: bench_warm_start.py, part 5)."""
-        deadline = time.monotonic() + TERMINAL_WRITE_SLICE_S
-        for i, run in enumerate(runs):
-            if i >= TERMINAL_WRITES_AT_ONCE and time.monotonic() >= deadline and self._schedule_drain():
-                for rest in runs[i:]:
-                    self._backlog[rest.id] = rest
-                return
-            self._write_terminal(run)
-
-    def _schedule_drain(self) -> bool:
-        if self._drain is None:
+    def _write_terminals(self, runs: list[Run], quiet: bool = False) -> None:
+        """Each run's terminal ``job.json`` (its JSON made now), then its ``_DONE``, queued to
+        the writer in this order (written here when there is none)."""
+        writes: list[TerminalWrite] = []
+        for run in runs:
+            self._settle(run.id)  # (an earlier one for the run, still waiting, goes first)
             try:
-                self._drain = asyncio.get_running_loop().call_soon(self._drain_slice)
-            except RuntimeError:  # no loop (a script, a test of the table alone): write at once
-                return False
-        return True
+                data = dumps(run.record)
+            except Exception:  # a record that cannot be serialized: that run's problem
+                self._unwritten.add(run.id)
+                if not quiet:
+                    log.exception("evalsched: cannot write job.json of %s", run.id)
+                continue
+            write = TerminalWrite(
+                run.id, data, not run.done_on_disk, functools.partial(self._terminal_written, run, quiet)
+            )
+            self._pending[run.id] = write
+            writes.append(write)
+        if not writes:
+            return
+        if self.writer is not None:
+            self.writer.terminal(writes)
+        else:
+            for write in writes:
+                write.make(self.store)
+                write.complete()
 
-    def _drain_slice(self) -> None:
-        self._drain = None
-        deadline = time.monotonic() + TERMINAL_WRITE_SLICE_S
-        while self._backlog:
-            self._write_terminal(next(iter(self._backlog.values())))
-            if time.monotonic() >= deadline:
-                break
-        if self._backlog:
-            self._schedule_drain()
+    def _terminal_written(self, run: Run, quiet: bool, write: TerminalWrite) -> None:
+        """On the loop, once the writer made ``write``: what failed is retried by the
+        reconciliation (``retry_unwritten``)."""
+        if self._pending.get(run.id) is write:
+            del self._pending[run.id]
+        if self._runs.get(run.id) is not run:
+            return  # deleted meanwhile
+        if write.job_error is not None:
+            self._unwritten.add(run.id)
+            if not quiet:
+                log.error("evalsched: cannot write job.json of %s: %s", run.id, write.job_error)
+            return
+        if write.done_error is not None:
+            self._unwritten.add(run.id)
+            if not quiet:
+                log.error("evalsched: cannot write _DONE for %s: %s", run.id, write.done_error)
+            return
+        if write.mark_done:
+            run.done_on_disk = True
+        self._unwritten.discard(run.id)
 
     def _settle(self, run_id: str) -> None:
-        """The run's terminal record, if it waits in the backlog, written now: before any other
-        write for that run."""
-        run = self._backlog.get(run_id)
-        if run is not None:
-            self._write_terminal(run)
+        """The run's terminal write, if one waits, made and applied now: before any other write
+        for that run."""
+        write = self._pending.pop(run_id, None)
+        if write is None:
+            return
+        if self.writer is not None:
+            self.writer.settle(write)
+        else:
+            write.make(self.store)
+            write.complete()
+
+    def settle(self, run_id: str) -> None:
+        """:meth:`_settle`, for a write of the run's directory made elsewhere (its deletion)."""
+        self._settle(run_id)
+
+    async def written(self, run_id: str) -> None:
+        """Once the run's terminal record is on disk (or its write failed: the reconciliation
+        retries it): an API call that ended a run answers after this."""
+        write = self._pending.get(run_id)
+        if write is not None:
+            await write.wait(asyncio.get_running_loop())
+
+    async def all_written(self) -> None:
+        """Once every terminal write waiting now is made (recovery's, before the server says it
+        has started)."""
+        loop = asyncio.get_running_loop()
+        waits = [write.wait(loop) for write in list(self._pending.values())]
+        if waits:
+            await asyncio.gather(*waits)
 
     def flush_writes(self) -> None:
-        """Every terminal record still waiting, written now (shutdown)."""
-        if self._drain is not None:
-            self._drain.cancel()
-            self._drain = None
-        while self._backlog:
-            self._write_terminal(next(iter(self._backlog.values())))
+        """Every terminal write still waiting, made now (shutdown)."""
+        for run_id in list(self._pending):
+            self._settle(run_id)
 
     @property
     def writes_waiting(self) -> int:
-        return len(self._backlog)
+        return len(self._pending)
 
     # ------------------------------------------------------------------ persistence
 
@@ -717,23 +757,7 @@ class RunTable:
 
     def ensure_done(self, run: Run) -> None:
         """A terminal run found without ``_DONE`` (the server died between the two writes)."""
-        self._write_terminal(run, quiet=True)
-
-    def _write_terminal(self, run: Run, quiet: bool = False) -> None:
-        self._backlog.pop(run.id, None)  # written here, whoever asks: no longer waiting
-        # _DONE only once job.json holds the terminal state: a _DONE beside a job.json that still
-        # says "running" would make the next start conclude the run from stale files.
-        if not self._save(run, quiet=quiet):
-            return
-        if run.done_on_disk:
-            return
-        try:
-            self.store.mark_done(run.id)
-            run.done_on_disk = True
-        except (OSError, RunFileError) as exc:
-            self._unwritten.add(run.id)
-            if not quiet:
-                log.error("evalsched: cannot write _DONE for %s: %s", run.id, exc)
+        self._write_terminals([run], quiet=True)
 
     @property
     def has_unwritten(self) -> bool:
@@ -746,7 +770,8 @@ class RunTable:
             if run is None or not self.store.run_dir(run_id).is_dir():
                 self._unwritten.discard(run_id)  # deleted, or its directory is gone
             elif run.terminal:
-                self._write_terminal(run, quiet=True)
+                if run_id not in self._pending:
+                    self._write_terminals([run], quiet=True)
             else:
                 self.save(run, quiet=True)
 

@@ -42,6 +42,7 @@ from .observation import Observer, describe_holder
 from .runs import Listener, Run, RunScheduling, RunTable, parse_timestamp, record_from_disk, slim_spec
 from .shared import NoSharedModels, SharedModels
 from .submission import Submissions, dumps
+from .writer import RunWriter
 
 log = logging.getLogger("jupyter_evalsched")
 
@@ -79,7 +80,8 @@ class Scheduler:
         self.probe = probe
         self.models: SharedModels = models if models is not None else NoSharedModels()
         self.store = RunStore(config.runs_dir, fsync=config.fsync)
-        self.table = RunTable(self.store)
+        self.writer = RunWriter(self.store)  # new run directories and terminal records, off the loop
+        self.table = RunTable(self.store, self.writer)
         self.leases = LeaseTable(self.store, emit=self.table.emit)
         self.executors: dict[str, Executor] = {e.name: e for e in (executors or [LocalExecutor(self.models)])}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -115,7 +117,7 @@ class Scheduler:
             self.admission,
             self._empty_capacity,
             self._require_loop,
-            self._io,
+            self.writer,
         )
         self.leases.on_end(self._on_lease_ended)
 
@@ -134,6 +136,7 @@ class Scheduler:
         self._loop = asyncio.get_running_loop()
         self.admission.bind(self._loop)
         self.store.ensure()
+        self.writer.bind(self._loop)
         self._budgets = self._compute_budgets()
         self.context = ExecutorContext(
             table=self.table, store=self.store, config=self.config, loop=self._loop, io=self._io
@@ -144,6 +147,7 @@ class Scheduler:
         self._recover(found)
         for executor in self.executors.values():
             executor.recovered()
+        await self.table.all_written()  # what recovery decided is on disk before the API answers
         self.leases.bind(self._loop)
         self.leases.recover(
             await self._loop.run_in_executor(None, self.store.read_leases), max_ttl_s=self.config.max_lease_ttl_s
@@ -173,6 +177,7 @@ class Scheduler:
             for executor in self.executors.values():
                 await executor.stop()
         self.table.flush_writes()  # the terminal records still waiting (a large cascade's)
+        self.writer.close()
         self._started = False
         self._io.shutdown(wait=True)
         self.comparisons.close()
@@ -310,10 +315,16 @@ class Scheduler:
         return self.submissions.list_sweeps(limit)
 
     async def cancel_sweep(self, sweep_id: str, by: str | None = None) -> dict[str, Any]:
-        """Cancel the sweep's unfinished runs; finished ones stay as they are."""
+        """Cancel the sweep's unfinished runs; finished ones stay as they are. Answers once the
+        records of the runs it ended are on disk (the writer's thread writes them meanwhile)."""
+        ended: list[str] = []
         for run in self.sweep_runs(sweep_id):
             if not run.terminal:
-                await self.cancel(run.id, by)
+                await self._cancel(run, by)
+                if run.terminal:
+                    ended.append(run.id)
+        for run_id in ended:
+            await self.table.written(run_id)
         return self.sweep_view(sweep_id)
 
     # ----------------------------------------------------------------- admission (admission.py)
@@ -447,10 +458,17 @@ class Scheduler:
         return run
 
     async def cancel(self, run_id: str, by: str | None = None) -> dict:
-        """Cancel a run; ``by`` (a key of ``contract.CANCELLED_BY``) says who asked, in its reason."""
+        """Cancel a run; ``by`` (a key of ``contract.CANCELLED_BY``) says who asked, in its reason.
+        Answers with its record, once on disk when the run ended here (a running one is signalled
+        and ends when its process does)."""
         run = self.get(run_id)
         if run.terminal:
             raise StateConflict(f"run {run_id} already ended ({run.state}); nothing to cancel")
+        await self._cancel(run, by)
+        await self.table.written(run.id)
+        return run.record
+
+    async def _cancel(self, run: Run, by: str | None = None) -> None:
         if by is not None and run.cancelled_by is None:
             run.cancelled_by = by
         executor = self.executors.get(run.executor)
@@ -458,7 +476,6 @@ class Scheduler:
             self.table.finish(run, CANCELLED, contract.cancelled_reason(run.cancelled_by, "while queued"))
         else:
             await executor.cancel(run)
-        return run.record
 
     async def compare(self, run_ids: list[str] | None, sweep_id: str | None, baseline: str | None) -> dict[str, Any]:
         """``GET /evalsched/compare`` (``Comparisons.compare``)."""
@@ -478,6 +495,7 @@ class Scheduler:
             raise StateConflict(
                 f"run {run_id} is a dependency of queued runs: {', '.join(dependents[:5])}; cancel them first, or delete it once they ended"
             )
+        self.table.settle(run_id)  # its terminal record, if still waiting, first: then nothing more is written
         self._delete_directory(run_id)
         self.table.remove(run_id)
         if run.record["idempotency_key"]:
@@ -490,6 +508,14 @@ class Scheduler:
             pass
         except OSError as exc:
             raise Unavailable(f"cannot delete run {run_id}: {exc.strerror or exc}") from exc
+
+    async def on_disk(self, run_id: str | None = None) -> None:
+        """Once the terminal record of ``run_id`` (of every run: None) that the writer's thread
+        is writing is on disk: a record the API answers with is the one on disk."""
+        if run_id is None:
+            await self.table.all_written()
+        else:
+            await self.table.written(run_id)
 
     def list_runs(self, states: set[str] | None = None, limit: int = 100) -> tuple[list[dict[str, Any]], int]:
         out: list[dict[str, Any]] = []

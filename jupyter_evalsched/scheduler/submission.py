@@ -5,7 +5,7 @@ idempotent submissions (``Idempotency-Key``: a retry answers with the first run)
 directory written off the loop, and the hand-over to admission (a ledger run) or to its executor
 (a placing one). Sweeps: every point checked, then one submission per point.
 
-All of it runs on the event-loop thread (the directory is written in the I/O pool).
+All of it runs on the event-loop thread (the directory is written by the writer's thread).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Executor as ThreadPool
 from typing import Any
 
 from .. import contract
@@ -31,6 +30,7 @@ from .executors import Executor
 from .ledger import Capacity
 from .runs import Run, RunScheduling, RunTable, new_record, source_digest
 from .shared import SharedModels
+from .writer import RunWriter
 
 
 class Submissions:
@@ -44,7 +44,7 @@ class Submissions:
         admission: Admission,
         empty_capacity: Callable[[], Capacity],
         require_loop: Callable[[], asyncio.AbstractEventLoop],
-        io: ThreadPool,
+        writer: RunWriter,
     ) -> None:
         self.config = config
         self.store = store
@@ -54,7 +54,7 @@ class Submissions:
         self.admission = admission
         self.empty_capacity = empty_capacity  # the host with nothing running: what never fits
         self.require_loop = require_loop
-        self.io = io
+        self.writer = writer  # run directories are written by its thread, concurrent ones together
         self.by_key: dict[str, str] = {}  # Idempotency-Key -> the run it created
         self._keys_in_flight: dict[str, asyncio.Future[None]] = {}
         self._sweep_keys_in_flight: dict[str, asyncio.Future[None]] = {}
@@ -273,19 +273,20 @@ class Submissions:
             sweep_name=sweep[2] if sweep else None,
             scheduling=scheduling,
         )
+        # Only what the contract needs at submission: each file is an inode, made at about 2,000
+        # a second on this host's disk whatever the threads. No shared_urls.json for a run
+        # without models (no file: no models, to the runner).
         files = {contract.SPEC_FILE: dumps(spec_dict), contract.JOB_FILE: dumps(record)}
-        if not spec_dict.get("models"):  # known now: written here, off the loop, not at the start
-            files[contract.SHARED_URLS_FILE] = dumps({"models": {}})
         if spec.source is not None:
             files[contract.EVAL_SOURCE_FILE] = spec.source.encode()
         # The logs exist (empty) from the submission on: the start only opens them, and a new
         # file's inode is not allocated between a run's admission and its start.
         files[contract.STDOUT_FILE] = files[contract.STDERR_FILE] = b""
-        # Creating files costs about a millisecond each on these disks, mostly waiting: done in
-        # a thread pool, several submissions overlap and the event loop stays free.
+        # Creating files costs about a millisecond each on these disks, mostly waiting: done by
+        # the writer's thread, concurrent submissions in one batch, and the event loop stays free.
         self._creating.add(run_id)
         try:
-            await self.require_loop().run_in_executor(self.io, self.store.create, run_id, files)
+            await self.writer.create(run_id, files)
         except StoreError as exc:
             raise Unavailable(str(exc)) from exc
         finally:
@@ -381,7 +382,7 @@ class Submissions:
         records: list[dict[str, Any]] = []
         made: list[str] = []
         try:
-            # A point at a time: each writes its directory in the I/O pool, or reads one back
+            # A point at a time: each writes its directory in the writer's thread, or reads one back
             # (a replay), and the loop serves others between them.
             for i, point in enumerate(points):
                 key = keys[i]

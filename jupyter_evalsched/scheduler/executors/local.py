@@ -186,8 +186,8 @@ class LocalExecutor(Executor):
         )
         cwd = spec.get("cwd") or ctx.config.default_cwd
         try:
-            # A run without models got ``{"models": {}}`` with its spec at submission; a later
-            # attempt gets it again (the eval may have touched its run directory).
+            # A run without models has no shared_urls.json (none: no models); a later attempt
+            # gets ``{"models": {}}`` (the eval may have touched its run directory).
             if run.record["models"] or run.record["attempt"] > 1:
                 ctx.store.write_shared_urls(run.id, urls)
         except OSError as exc:

@@ -1,0 +1,318 @@
+"""Issue #29: the writer's thread writes run directories off the event loop (``scheduler/writer.py``).
+
+Concurrent submissions are written in one batch, each answered once its own directory is on disk;
+a directory that cannot be written fails that submission alone, with a JSON error. Terminal
+records (``job.json``, then ``_DONE``) are written by the same thread, in order per run: a later
+write for the run (a requeue, a deletion) takes a waiting one back or waits for it; an API call
+that ends a run (cancel, a sweep's cancel) answers once the record is on disk.
+
+The writes are slowed or held at the file-write boundary (``RunStore.assemble``,
+``RunStore.write_job``): an answer given before its write would then see the disk without it.
+No figure of time is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+
+from rest import NOOP, SLEEPY, spec, submit
+from waiting import async_wait_until
+
+from jupyter_evalsched.scheduler import submission as submission_module
+from jupyter_evalsched.scheduler.attempts import Requeue
+from jupyter_evalsched.scheduler.runs import Run, RunTable, new_record
+from jupyter_evalsched.scheduler.writer import RunWriter
+from jupyter_evalsched.schemas import EvalSpec
+from jupyter_evalsched.store import STAGING_PREFIX, RunStore, StoreError, new_run_id
+
+
+def _complete_on_disk(runs_dir, run_id: str) -> bool:
+    job = runs_dir / run_id / "job.json"
+    return (runs_dir / run_id / "spec.json").is_file() and job.is_file() and json.loads(job.read_text())["id"] == run_id
+
+
+def _staging_left(runs_dir) -> list[str]:
+    return [name for name in os.listdir(runs_dir) if name.startswith(STAGING_PREFIX)]
+
+
+def _slowed_assemble(store, monkeypatch, hold_first: threading.Event | None = None) -> list[str]:
+    """Each run directory written a little later than it would be (the first one, with
+    ``hold_first``, only once it is set); returns the ids in the order written."""
+    assemble = store.assemble
+    written: list[str] = []
+
+    def slowed(run_id, files):
+        if hold_first is not None and not written:
+            hold_first.wait(30)
+        time.sleep(0.01)
+        written.append(run_id)
+        return assemble(run_id, files)
+
+    monkeypatch.setattr(store, "assemble", slowed)
+    return written
+
+
+async def _post_all(jp_fetch, bodies: list[dict]) -> list[asyncio.Future]:
+    return [
+        asyncio.ensure_future(jp_fetch("evalsched", "runs", method="POST", body=json.dumps(body), raise_error=False))
+        for body in bodies
+    ]
+
+
+async def test_each_concurrent_submission_is_on_disk_when_it_is_answered(
+    jp_fetch, api, evalsched, runs_dir, monkeypatch
+):
+    """Eight submissions at once (the test client's most): the first is held until all are with
+    the writer, so the others are written as one batch; each answer finds its whole directory on
+    disk."""
+    gate = await submit(api, spec(entry=SLEEPY, episodes=1, sleep_s=3600))
+    body = {"entrypoint": NOOP, "episodes": 1, "depends_on": [gate["id"]]}
+    release = threading.Event()
+    written = _slowed_assemble(evalsched.store, monkeypatch, hold_first=release)
+    pending = await _post_all(jp_fetch, [body] * 8)
+    creating = evalsched.submissions._creating
+    await async_wait_until(lambda: len(creating) == 8, timeout=10, message="not every submission reached the writer")
+    release.set()
+    answered = []
+    for next_answer in asyncio.as_completed(pending):
+        resp = await next_answer
+        assert resp.code == 201, resp.body
+        rec = json.loads(resp.body)
+        assert _complete_on_disk(runs_dir, rec["id"]), f"run {rec['id']} was answered before its directory was on disk"
+        answered.append(rec["id"])
+    assert sorted(answered) == sorted(written)
+    assert _staging_left(runs_dir) == []
+    code, listed = await api("GET", "runs", params={"state": "queued", "limit": "100"})
+    assert set(answered) <= {r["id"] for r in listed["runs"]}
+    await api("POST", f"runs/{gate['id']}/cancel")
+
+
+async def test_a_directory_that_cannot_be_written_fails_its_submission_alone(
+    jp_fetch, api, evalsched, runs_dir, monkeypatch
+):
+    """Eight submissions in one batch; one run's path is taken already (a directory someone left
+    there): that submission is a 503 saying so, the seven others are made, and nothing is left
+    of the failed one but what was there before."""
+    ids = [f"20260101T000000.00000{i}-abcdef" for i in range(8)]
+    doomed = ids[4]
+    (runs_dir / doomed).mkdir(parents=True)
+    (runs_dir / doomed / "keep").write_text("not the server's")
+    handed_out = iter(ids)
+    monkeypatch.setattr(submission_module, "new_run_id", lambda: next(handed_out))
+    release = threading.Event()
+    _slowed_assemble(evalsched.store, monkeypatch, hold_first=release)
+    pending = await _post_all(jp_fetch, [spec(entry=NOOP)] * 8)
+    creating = evalsched.submissions._creating
+    await async_wait_until(lambda: len(creating) == 8, timeout=10, message="not every submission reached the writer")
+    release.set()
+    answers = [await resp for resp in pending]
+    made = [json.loads(r.body)["id"] for r in answers if r.code == 201]
+    failed = [json.loads(r.body) for r in answers if r.code != 201]
+    assert sorted(made) == sorted(set(ids) - {doomed})
+    assert [r.code for r in answers].count(503) == 1 and len(failed) == 1
+    assert failed[0]["message"] == (
+        f"cannot create the directory of run {doomed}: {runs_dir / doomed} exists already"
+    ), failed[0]
+    assert all(_complete_on_disk(runs_dir, run_id) for run_id in made)
+    assert os.listdir(runs_dir / doomed) == ["keep"]
+    assert _staging_left(runs_dir) == []
+    assert (await api("GET", f"runs/{doomed}"))[0] == 404
+    for run_id in made:
+        await wait_for_end(api, run_id)
+
+
+async def wait_for_end(api, run_id: str) -> None:
+    async def ended() -> bool:
+        return (await api("GET", f"runs/{run_id}"))[1]["state"] in ("succeeded", "failed", "cancelled", "aborted")
+
+    await async_wait_until(ended, timeout=30, message=f"run {run_id} did not end")
+
+
+def test_a_batch_syncs_the_runs_directory_once_and_fails_one_run_alone(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    store = RunStore(tmp_path / "runs", fsync=True)
+    store.ensure()
+    ids = [f"20260101T000000.00000{i}-abcdef" for i in range(3)]
+    (store.root / f"{STAGING_PREFIX}{ids[1]}").mkdir()  # a staging directory that is not ours
+    files = {"spec.json": b"{}", "job.json": b"{}"}
+    errors = store.create_many([(run_id, files) for run_id in ids])
+    assert errors[0] is None and errors[2] is None
+    assert isinstance(errors[1], StoreError) and "exists already" in str(errors[1])
+    root = str(store.root)
+    assert synced.count(root) == 1 and synced[-1] == root  # one fsync for both renames, after them
+    for run_id in (ids[0], ids[2]):
+        staged = str(store.root / f"{STAGING_PREFIX}{run_id}")
+        assert synced.count(staged) == 1  # each directory's entries, before its rename
+        assert sorted(os.listdir(store.run_dir(run_id))) == ["job.json", "spec.json"]
+    assert not store.run_dir(ids[1]).exists()
+    assert (store.root / f"{STAGING_PREFIX}{ids[1]}").is_dir()  # left as it was found
+
+
+# ----------------------------------------------------------------------------- terminal writes
+
+
+def _queued_runs(tmp_path, n: int, writer: bool) -> tuple[RunStore, RunTable, list[Run]]:
+    store = RunStore(tmp_path / "runs")
+    store.ensure()
+    table = RunTable(store, RunWriter(store) if writer else None)
+    runs = []
+    for _ in range(n):
+        run_id = new_run_id()
+        spec_dict = EvalSpec(entrypoint=NOOP).model_dump(mode="json")
+        record = new_record(
+            run_id, spec_dict, seq=table.next_seq(), executor="local", run_dir=str(store.run_dir(run_id))
+        )
+        store.create(run_id, {"spec.json": json.dumps(spec_dict).encode(), "job.json": json.dumps(record).encode()})
+        run = Run(record=record, spec=spec_dict, submitted_ts=0.0)
+        table.add(run)
+        runs.append(run)
+    return store, table, runs
+
+
+def _on_disk(store: RunStore, run_id: str) -> tuple[str, bool]:
+    record = json.loads((store.run_dir(run_id) / "job.json").read_text())
+    return record["state"], store.done_exists(run_id)
+
+
+async def test_terminal_writes_keep_their_order_per_run(tmp_path, monkeypatch):
+    """A run ends and the writer is held in its job.json; five more end in one block meanwhile. A
+    requeue of a run whose terminal write waits in the queue makes that write first, then
+    "queued"; a requeue of the run being written waits for it; a deleted run's write is settled
+    before its directory goes. Every other run ends on disk with its terminal job.json, then
+    _DONE."""
+    store, table, runs = _queued_runs(tmp_path, 6, writer=True)
+    assert table.writer is not None
+    table.writer.bind(asyncio.get_running_loop())
+    entered, release = threading.Event(), threading.Event()
+    write_job = store.write_job
+    order: list[tuple[str, str]] = []
+
+    def held_write_job(run_id, record):
+        if run_id == runs[0].id and not entered.is_set():
+            entered.set()
+            release.wait(30)
+        order.append((run_id, (json.loads(record) if isinstance(record, bytes) else record)["state"]))
+        write_job(run_id, record)
+
+    mark_done = store.mark_done
+
+    def recorded_mark_done(run_id):
+        order.append((run_id, "_DONE"))
+        mark_done(run_id)
+
+    monkeypatch.setattr(store, "write_job", held_write_job)
+    monkeypatch.setattr(store, "mark_done", recorded_mark_done)
+    try:
+        table.finish(runs[0], "failed", "failed: by the test")
+        await async_wait_until(entered.is_set, timeout=10, message="the writer never began")
+        with table.deferring_writes():  # these wait in the queue meanwhile
+            for run in runs[1:]:
+                table.finish(run, "failed", "failed: by the test")
+        assert table.writes_waiting == 6
+
+        queued_again = runs[2]
+        assert table.requeue(queued_again, Requeue(why=None, fields={}))
+        assert _on_disk(store, queued_again.id) == ("queued", False)
+        assert order[-3:] == [(queued_again.id, "failed"), (queued_again.id, "_DONE"), (queued_again.id, "queued")]
+
+        threading.Timer(0.2, release.set).start()  # (either way the outcome is the same)
+        assert table.requeue(runs[0], Requeue(why=None, fields={}))  # waits for its write under way
+        assert _on_disk(store, runs[0].id) == ("queued", False)
+
+        deleted = runs[3]
+        table.settle(deleted.id)
+        store.delete(deleted.id)
+        table.remove(deleted.id)
+
+        await table.all_written()
+        assert table.writes_waiting == 0
+        for run in (runs[1], runs[4], runs[5]):
+            assert _on_disk(store, run.id) == ("failed", True)
+            assert run.done_on_disk
+            mine = [what for run_id, what in order if run_id == run.id]
+            assert mine == ["failed", "_DONE"]  # _DONE last
+        assert not store.run_dir(deleted.id).exists()
+        assert [what for run_id, what in order if run_id == runs[0].id] == ["failed", "_DONE", "queued"]
+    finally:
+        release.set()
+        table.writer.close()
+
+
+def test_without_a_writer_every_terminal_record_is_written_at_once(tmp_path):
+    store, table, runs = _queued_runs(tmp_path, 5, writer=False)
+    with table.deferring_writes():
+        for run in runs:
+            table.finish(run, "cancelled", "cancelled: by the test")
+    assert table.writes_waiting == 0
+    assert [_on_disk(store, r.id) for r in runs] == [("cancelled", True)] * 5
+
+
+# ----------------------------------------------------------------------------- the API waits for them
+
+
+def _slowed_cancelled_writes(store, monkeypatch) -> None:
+    """A cancelled record is written a second late (its write held at the boundary)."""
+    write_job = store.write_job
+
+    def late(run_id, record):
+        if isinstance(record, bytes) and b'"state":"cancelled"' in record:
+            time.sleep(1)
+        write_job(run_id, record)
+
+    monkeypatch.setattr(store, "write_job", late)
+
+
+async def test_a_cancel_answers_once_the_terminal_record_is_on_disk(api, evalsched, runs_dir, monkeypatch):
+    gate = await submit(api, spec(entry=SLEEPY, episodes=1, sleep_s=3600))
+    held = await submit(api, spec(entry=NOOP, depends_on=[gate["id"]]))
+    code, sweep = await api("POST", "sweeps", {**spec(entry=NOOP, depends_on=[gate["id"]]), "sweep": {"k": [1, 2, 3]}})
+    assert code == 201, sweep
+    _slowed_cancelled_writes(evalsched.store, monkeypatch)
+
+    code, rec = await api("POST", f"runs/{held['id']}/cancel")
+    assert code == 200 and rec["state"] == "cancelled"
+    assert json.loads((runs_dir / held["id"] / "job.json").read_text())["state"] == "cancelled"
+    assert (runs_dir / held["id"] / "_DONE").exists()
+
+    code, view = await api("POST", f"sweeps/{sweep['id']}/cancel")
+    assert code == 200 and [r["state"] for r in view["runs"]] == ["cancelled"] * 3
+    for r in view["runs"]:
+        assert json.loads((runs_dir / r["id"] / "job.json").read_text())["state"] == "cancelled"
+        assert (runs_dir / r["id"] / "_DONE").exists()
+    await api("POST", f"runs/{gate['id']}/cancel")
+
+
+async def test_a_run_read_as_ended_is_ended_on_disk(api, wait_for, evalsched, runs_dir, monkeypatch):
+    """The server's terminal job.json of a run that ended on its own is written a second late:
+    GET of the run, and of the list, answer "succeeded" only once it is on disk."""
+    write_job = evalsched.store.write_job
+
+    def late(run_id, record):
+        if isinstance(record, bytes) and b'"state":"succeeded"' in record:
+            time.sleep(1)
+        write_job(run_id, record)
+
+    monkeypatch.setattr(evalsched.store, "write_job", late)
+    rec = await submit(api, spec(entry=NOOP))
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded"
+    assert json.loads((runs_dir / rec["id"] / "job.json").read_text())["state"] == "succeeded"
+    other = await submit(api, spec(entry=NOOP))
+
+    async def listed_as_ended() -> bool:
+        code, body = await api("GET", "runs", params={"state": "succeeded"})
+        return other["id"] in {r["id"] for r in body["runs"]}
+
+    await async_wait_until(listed_as_ended, timeout=30, message="the run never ended")
+    assert json.loads((runs_dir / other["id"] / "job.json").read_text())["state"] == "succeeded"
