@@ -635,7 +635,7 @@ async def test_modes_are_owner_only(api, wait_for, runs_dir):
         if stat.S_IMODE(os.lstat(d).st_mode) != 0o700:
             wrong.append(f"{d.name}: {oct(stat.S_IMODE(os.lstat(d).st_mode))}")
         names = os.listdir(d)
-        assert {"spec.json", "job.json", "shared_urls.json", "stdout.log", "stderr.log", "_DONE"} <= set(names)
+        assert {"spec.json", "job.json", "stdout.log", "stderr.log", "_DONE"} <= set(names)
         for name in names:
             mode = stat.S_IMODE(os.lstat(d / name).st_mode)
             if mode != 0o600:
