@@ -152,6 +152,9 @@ def test_repeated_kill_9_of_the_server_loses_nothing(tmp_path):
                         ) from None
                     assert rec["state"] == "aborted" and rec["reason"].startswith("server_restart:"), rec
                     assert (runs / rid / "_DONE").exists()
+                # (The head is `queued` with reason `starting` until its process and its running
+                # record exist: wait for that, then read the queue.)
+                wait_until(lambda: pre_queue[0] in {r["id"] for r in c.queue()["running"]}, timeout=30)
                 view = c.queue()
                 running_now = {r["id"] for r in view["running"]}
                 queued_now = [r["id"] for r in view["queued"]]
