@@ -217,6 +217,42 @@ class ModelHostManager:
             # The host listens, dies or is started again: a short poll sees all three.
             await asyncio.sleep(0.05)
 
+    async def ask(self, name: str, message: dict) -> dict:
+        """Send one message to the host of model ``name`` (started if needed) on a connection of
+        its own, and return the host's reply (``{"ok": True, ...}`` or ``{"ok": False, "error"}``).
+
+        For the OpenAI-compatible routes: one connection per request, so that every request in
+        flight counts as a caller and the host never waits for a batch to fill. Cancelling the
+        call (a client that went away) closes the connection; the host finishes the batch, finds
+        nobody to answer and goes on. ValueError for an unknown name; ModelUnavailable when the
+        host cannot start; ConnectionError when it dies before it answers.
+        """
+        host = self._host(name)
+        await self._until_listening(host)
+        try:
+            reader, writer = await asyncio.open_unix_connection(host.socket_path)
+        except OSError as exc:
+            raise ConnectionError(f"the model host of {name!r} is not reachable: {exc}") from None
+
+        async def read_message() -> Any:
+            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+            return PlainUnpickler(io.BytesIO(await reader.readexactly(size))).load()
+
+        try:
+            await read_message()  # the host's greeting
+            writer.write(encode({**message, "model": name}))
+            await writer.drain()
+            reply = await read_message()
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise ConnectionError(
+                f"the model host of {name!r} closed the connection before it answered ({exc})"
+            ) from None
+        finally:
+            writer.close()
+        if not isinstance(reply, dict):
+            raise ConnectionError(f"the model host of {name!r} answered {type(reply).__name__}, not a reply")
+        return reply
+
     async def describe(self) -> list[dict[str, Any]]:
         """One dict per model (JSON-able): name, state, device, vram_mb, requests, batches,
         mean_batch_size, load_count, error, plus pid, restarts, batch_sizes and more."""
