@@ -188,6 +188,19 @@ async def test_greedy_completions_equal_generate(v1, reference):
     assert choice["text"] == PROMPTS[0] + text[: text.index(stop)] and choice["finish_reason"] == "stop"
     offsets = choice["logprobs"]["text_offset"]
     assert offsets[0] == 0 and choice["logprobs"]["token_logprobs"][0] is None
+    # Echo with generation: the offsets of the prompt's and the generated tokens point into the text.
+    code, answer = await v1(
+        "POST",
+        "completions",
+        {"model": "tiny-lm", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "echo": True, "logprobs": 0},
+    )
+    choice = answer["choices"][0]
+    assert choice["text"] == PROMPTS[1] + direct_greedy(reference, PROMPTS[1], 12)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == answer["usage"]["total_tokens"]
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"], strict=True):
+        if not token.startswith("bytes:"):
+            assert choice["text"][offset : offset + len(token)] == token, (token, offset)
     # Seeded sampling repeats itself.
     sampled = {"model": "tiny-lm", "prompt": "The dog", "max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "seed": 7}
     first, second = await v1("POST", "completions", sampled), await v1("POST", "completions", sampled)
