@@ -253,6 +253,7 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
 
     async def _become_primary(self) -> None:
         if self.model_host is not None:
+            self.model_host.api_base = self._own_url() + "evalsched/v1"
             await self.model_host.start()
         await self.scheduler.start()
         collector().follow(self.scheduler)  # the scheduler's series on the server's /metrics

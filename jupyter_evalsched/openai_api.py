@@ -17,11 +17,14 @@ import sys
 import time
 from typing import Any
 
+from jupyter_server.auth import User
 from jupyter_server.auth.decorator import authorized
 from tornado import web
 from tornado.iostream import StreamClosedError
 
+from .contract import RUNNING
 from .handlers import EvalSchedHandler
+from .openai_keys import PREFIX, run_of_key
 from .openai_shapes import (
     OpenAIError,
     chat_body,
@@ -37,6 +40,7 @@ from .openai_shapes import (
     parse_completion,
     parse_embeddings,
 )
+from .scheduler.errors import SchedulerError
 from .scheduler.shared import ModelUnavailable
 
 MAX_BODY_BYTES = 16 << 20  # a batch of long prompts fits; more is a mistake
@@ -47,8 +51,46 @@ def unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="model_unavailable")
 
 
+class _RunKeys:
+    """Jupyter's identity provider, which also accepts a live run's own API key
+    (``Authorization: Bearer esk-...``, see ``openai_keys``) on these routes only."""
+
+    def __init__(self, inner: Any, handler: OpenAIHandler):
+        self._inner = inner
+        self._handler = handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get_user(self, handler: Any) -> Any:
+        user = self._handler.run_key_user()
+        return user if user is not None else self._inner.get_user(handler)
+
+
 class OpenAIHandler(EvalSchedHandler):
     """Base of the v1 routes: OpenAI-shaped errors for everything, its own 403s included."""
+
+    @property
+    def identity_provider(self) -> Any:
+        return _RunKeys(super().identity_provider, self)
+
+    def run_key_user(self) -> User | None:
+        """The user of a request that carries a live run's key; None for any other request."""
+        scheme, _, key = self.request.headers.get("Authorization", "").partition(" ")
+        host = self.app.model_host
+        if scheme.lower() != "bearer" or not key.startswith(PREFIX) or host is None:
+            return None
+        run_id = run_of_key(host.api_secret, key.strip())
+        if run_id is None:
+            return None
+        try:
+            state = self.scheduler.get(run_id).record["state"]
+        except SchedulerError:
+            return None
+        if state != RUNNING:  # the key lives as long as its run
+            return None
+        self._token_authenticated = True  # like Jupyter's token: no XSRF cookie, no origin check
+        return User(username=f"evalsched-run-{run_id}", name=f"run {run_id}")
 
     def _handle_request_exception(self, e: BaseException) -> None:
         if isinstance(e, OpenAIError):  # the client's mistake or an unavailable model: its own status

@@ -320,17 +320,34 @@ async def test_a_client_gone_mid_stream_leaves_nothing_stuck(v1, jp_serverapp, j
 
 
 SHARED_RUN = """
+import os
+
+import jupyter_evalsched
+
+
 def episode(ctx, index):
     text = ctx.model("tiny-lm")(["The cat sat", "A dog"])
     assert len(text) == 2 and all(isinstance(t, str) for t in text), text
+    # The same model through OpenAI's client, from the run's environment.
+    client = jupyter_evalsched.openai_client(max_retries=0)
+    done = client.completions.create(model="tiny-lm", prompt="The cat", max_tokens=4, temperature=0)
+    assert done.usage.completion_tokens <= 4
+    with open(os.environ["KEY_FILE"], "w") as f:
+        f.write(os.environ["OPENAI_BASE_URL"] + " " + os.environ["OPENAI_API_KEY"])
     return {"ok": 1}
 """
 
 
-async def test_runs_and_the_api_share_one_load(api, v1, wait_for, evalsched):
+async def test_runs_and_the_api_share_one_load(api, v1, wait_for, evalsched, tmp_path):
     ids = []
-    for _ in range(2):
-        code, rec = await api("POST", "runs", {"source": SHARED_RUN, "episodes": 3, "models": ["tiny-lm"]})
+    for number in range(2):
+        spec = {
+            "source": SHARED_RUN,
+            "episodes": 3,
+            "models": ["tiny-lm"],
+            "env": {"KEY_FILE": str(tmp_path / f"key{number}")},
+        }
+        code, rec = await api("POST", "runs", spec)
         assert code == 201, rec
         ids.append(rec["id"])
     answers = await asyncio.gather(
@@ -338,6 +355,16 @@ async def test_runs_and_the_api_share_one_load(api, v1, wait_for, evalsched):
     )
     assert all(code == 200 for code, _ in answers), answers
     for run_id in ids:
-        assert (await wait_for(run_id, timeout=120))["state"] == "succeeded"
+        final = await wait_for(run_id, timeout=120)
+        assert final["state"] == "succeeded", final
     (described,) = [m for m in await evalsched.models.describe() if m["name"] == "tiny-lm"]
-    assert described["load_count"] == 1 and described["requests"] >= 10
+    assert described["load_count"] == 1 and described["requests"] >= 4 + 2 * 3 * 2
+
+    # Each run had its own key, which ends with it.
+    keys = [(tmp_path / f"key{n}").read_text().split()[1] for n in range(2)]
+    assert keys[0] != keys[1] and all(key.startswith("esk-") for key in keys)
+    code, answer = await v1("GET", "models", headers={"Authorization": f"Bearer {keys[0]}"})
+    assert code == 403 and answer["error"]["type"] == "permission_error", answer
+    forged = keys[0][:-4] + "0000"
+    code, answer = await v1("GET", "models", headers={"Authorization": f"Bearer {forged}"})
+    assert code == 403

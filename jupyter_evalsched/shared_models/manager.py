@@ -25,6 +25,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import stat
@@ -35,6 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..openai_keys import run_key
 from ..scheduler.shared import ModelUnavailable
 from ..store import RunFileError, open_log, tail_lines
 from .client import make_url
@@ -138,6 +140,10 @@ class ModelHostManager:
         self._hosts: dict[str, _Host] = {}
         self._stopping = False
         self._started = False
+        # The OpenAI-compatible routes as runs reach them (set by the app once it serves), and the
+        # secret that signs each run's API key (openai_keys).
+        self.api_base: str | None = None
+        self.api_secret = secrets.token_bytes(32)
 
     # -- synchronous queries (no host needed) ---------------------------------------------------
 
@@ -154,6 +160,13 @@ class ModelHostManager:
 
     def pids(self) -> set[int]:
         return {pid for host in self._hosts.values() if (pid := host.pid) is not None}
+
+    def run_env(self, run_id: str) -> dict[str, str]:
+        """``OPENAI_BASE_URL`` and a key for run ``run_id`` (valid while it lives), for a run that
+        names shared models; nothing before the server serves the routes."""
+        if self.api_base is None:
+            return {}
+        return {"OPENAI_BASE_URL": self.api_base, "OPENAI_API_KEY": run_key(self.api_secret, run_id)}
 
     def url(self, name: str) -> str:
         """The URL of a model (stable for the manager's lifetime); ValueError if unknown."""

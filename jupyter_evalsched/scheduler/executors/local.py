@@ -198,6 +198,8 @@ class LocalExecutor(Executor):
             attempt=run.record["attempt"],
             detach=run.record["detach"],
         )
+        if run.record["models"]:
+            env.update(self.models.run_env(run.id))  # the shared models' OpenAI-compatible API
         cgroup = self._make_cgroup(run, made)
         if cgroup is not None:
             env["EVALSCHED_CGROUP_PROCS"] = ":".join(cgroup.procs_files())
