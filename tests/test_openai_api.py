@@ -368,3 +368,28 @@ async def test_runs_and_the_api_share_one_load(api, v1, wait_for, evalsched, tmp
     forged = keys[0][:-4] + "0000"
     code, answer = await v1("GET", "models", headers={"Authorization": f"Bearer {forged}"})
     assert code == 403
+
+
+def test_a_short_request_is_answered_before_the_long_one_it_shares_a_batch_with(tiny_lm_dir):
+    """In the host's model: a batch answers each request as soon as it is done, and what it
+    answers equals that request alone."""
+    from jupyter_evalsched.shared_models.loaders import causal_lm
+
+    lm = causal_lm(model=tiny_lm_dir)
+    requests = [
+        {"prompt": "The cat", "max_tokens": 60, "temperature": 0.0, "logprobs": 1},
+        {"prompt": "The cat sat", "max_tokens": 0, "echo": True, "logprobs": 1},
+        {"prompt": "A dog", "max_tokens": 2, "temperature": 0.0},
+        {"prompt": "the cat " * 400, "max_tokens": 2},
+    ]
+    order: list[int] = []
+    answers = lm.openai_batch([dict(r) for r in requests], on_done=lambda i, answer: order.append(i))
+    assert sorted(order) == [0, 1, 2, 3] and order[-1] == 0, order  # the long one last
+    assert order.index(2) < order.index(0)
+    assert answers[3]["error"]["param"] == "prompt"
+    assert answers[0]["completion_tokens"] == 60  # (this prompt never reaches an end-of-text)
+    for request, answer in zip(requests[:3], answers[:3], strict=True):
+        (alone,) = lm.openai_batch([dict(request)])
+        assert alone["text"] == answer["text"] and alone["completion_tokens"] == answer["completion_tokens"]
+        for a, b in zip(alone["logprobs"] or [], answer["logprobs"] or [], strict=True):
+            assert a["token"] == b["token"] and (a["logprob"] is None or abs(a["logprob"] - b["logprob"]) < 1e-4)

@@ -21,6 +21,7 @@ import functools
 import inspect
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -78,15 +79,23 @@ class CausalLM:
 
     # -- the API's batch ---------------------------------------------------------------------
 
-    def openai_batch(self, requests: list[dict]) -> list[dict]:
-        """Answer every request of a batch (see ``openai_requests.engine_request`` for their keys)."""
+    def openai_batch(self, requests: list[dict], on_done: Callable[[int, dict], None] | None = None) -> list[dict]:
+        """Answer every request of a batch (the keys ``openai_shapes`` gives them). ``on_done(i,
+        answer)`` is called as soon as request ``i`` is answered: a prompt to score, a bad request
+        or a short generation is answered before the batch's longest generation is done."""
         answers: list[dict | None] = [None] * len(requests)
+
+        def settle(index: int, answer: dict) -> None:
+            answers[index] = answer
+            if on_done is not None:
+                on_done(index, answer)
+
         prepared: list[tuple[int, dict, list[int], list[int] | None]] = []
         for index, request in enumerate(requests):
             try:
                 ids, starts = self._prompt_ids(request)
             except RequestError as exc:
-                answers[index] = {"error": {"message": str(exc), "param": exc.param}}
+                settle(index, {"error": {"message": str(exc), "param": exc.param}})
                 continue
             prepared.append((index, request, ids, starts))
         scored = [(i, ids) for i, r, ids, _ in prepared if r.get("echo") and r.get("logprobs") is not None]
@@ -94,11 +103,19 @@ class CausalLM:
             self._score([ids for _, ids in scored], max(self._top(requests[i]) for i, _ in scored)) if scored else []
         )
         score_of = {i: s for (i, _), s in zip(scored, scores, strict=True)}
-        generating = [(i, r, ids) for i, r, ids, _ in prepared if r.get("max_tokens", 16) > 0]
-        generated = self._generate([(r, ids) for _, r, ids in generating]) if generating else []
-        generation_of = {i: g for (i, _, _), g in zip(generating, generated, strict=True)}
+        generating = []
         for index, request, ids, starts in prepared:
-            answers[index] = self._answer(request, ids, starts, score_of.get(index), generation_of.get(index))
+            if request.get("max_tokens", 16) > 0:
+                generating.append((index, request, ids, starts))
+            else:
+                settle(index, self._answer(request, ids, starts, score_of.get(index), None))
+        if generating:
+
+            def finished(position: int, generation: dict) -> None:
+                index, request, ids, starts = generating[position]
+                settle(index, self._answer(request, ids, starts, score_of.get(index), generation))
+
+            self._generate([(r, ids) for _, r, ids, _ in generating], finished)
         return [answer for answer in answers if answer is not None]
 
     @staticmethod
@@ -191,13 +208,14 @@ class CausalLM:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def _generate(self, batch: list[tuple[dict, list[int]]]) -> list[dict]:
+    def _generate(self, batch: list[tuple[dict, list[int]]], finished: Callable[[int, dict], None]) -> None:
         """Generate for every request of ``batch`` together, one token per step for the requests
-        not yet done: ``{"ids", "logprobs", "tops", "text", "finish_reason"}`` each."""
+        not yet done; ``finished(position, generation)`` as each is done, with ``{"ids",
+        "logprobs", "tops", "text", "finish_reason", "pieces"}``."""
         import torch
 
         states = []
-        for request, ids in batch:
+        for position, (request, ids) in enumerate(batch):
             context_ids = ids if ids else ([self.bos_id] if self.bos_id is not None else [self.pad_id])
             room = self.context - len(context_ids)
             wanted = int(request.get("max_tokens", 16))
@@ -221,19 +239,25 @@ class CausalLM:
                     "generator": generator,
                     "top": int(request.get("logprobs") or 0),
                     "stop": list(request.get("stop") or []),
+                    "position": position,
                 }
             )
-        live = [s for s in states if not s["done"]]
-        if live:
-            self._decode(live)
-        for state in states:
-            self._finish_text(state)
-        return [
-            {key: state[key] for key in ("ids", "logprobs", "tops", "text", "finish_reason", "pieces")}
-            for state in states
-        ]
 
-    def _decode(self, live: list[dict]) -> None:
+        def done(state: dict) -> None:
+            self._finish_text(state)
+            keys = ("ids", "logprobs", "tops", "text", "finish_reason", "pieces")
+            finished(state["position"], {key: state[key] for key in keys})
+
+        live = []
+        for state in states:
+            if state["done"]:
+                done(state)
+            else:
+                live.append(state)
+        if live:
+            self._decode(live, done)
+
+    def _decode(self, live: list[dict], done: Callable[[dict], None]) -> None:
         """The step loop: a left-padded prefill, then one token per step with the KV cache; rows
         that are done drop out of the computation (the cache keeps only the live rows)."""
         import torch
@@ -273,6 +297,8 @@ class CausalLM:
                         top = torch.topk(logprobs[row], state["top"])
                         state["tops"].append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
                     self._check_done(state, token)
+                    if state["done"]:
+                        done(state)
                 keep = [row for row, state in enumerate(rows) if not state["done"]]
                 if not keep:
                     break

@@ -308,7 +308,9 @@ class ModelHost:
             self.queue = kept
             return batch
 
-    def _forward(self, entries: list[tuple[_Call, int]]) -> list:
+    def _forward(self, entries: list[tuple[_Call, int]], answered: set[int]) -> list:
+        """The outputs of a batch; ``answered`` collects the positions an API batch answered
+        early (its scoring and short generations, before its longest generation is done)."""
         fn = self.fn
         if fn is None:  # the batcher runs batches only once the model is loaded
             raise RuntimeError("the model is not loaded")
@@ -327,7 +329,20 @@ class ModelHost:
                         f"({self.config.loader or self.config.task}) is not a causal language model "
                         "(use jupyter_evalsched.shared_models.loaders:causal_lm)"
                     )
-                outputs = batch(inputs)
+
+                def on_done(position: int, answer) -> None:
+                    call, index = entries[position]
+                    plain = to_plain(answer)
+                    with self.cond:
+                        if position in answered or call.done.is_set():
+                            return
+                        answered.add(position)
+                        call.outputs[index] = plain
+                        call.remaining -= 1
+                        if call.remaining == 0:
+                            self._finish(call, None)
+
+                outputs = batch(inputs, on_done=on_done)
             else:
                 outputs = fn(inputs, **entries[0][0].kwargs)
             if not isinstance(outputs, list):
@@ -339,10 +354,13 @@ class ModelHost:
             self.forward_seconds += time.perf_counter() - started
 
     def _run(self, entries: list[tuple[_Call, int]]) -> None:
+        answered: set[int] = set()
         try:
-            outputs = self._forward(entries)
+            outputs = self._forward(entries, answered)
         except BaseException as exc:  # a model's sys.exit() must not end the batcher thread
-            calls = list({id(call): call for call, _ in entries}.values())
+            calls = [c for c in {id(call): call for call, _ in entries}.values() if not c.done.is_set()]
+            if not calls:
+                return
             if len(calls) == 1:
                 with self.cond:
                     self._finish(calls[0], self._error(exc, "call"))
@@ -354,7 +372,9 @@ class ModelHost:
                 self._run([entry for entry in entries if entry[0] is call])
             return
         with self.cond:
-            for (call, index), output in zip(entries, outputs, strict=False):
+            for position, ((call, index), output) in enumerate(zip(entries, outputs, strict=False)):
+                if position in answered:
+                    continue
                 call.outputs[index] = output
                 call.remaining -= 1
                 if call.remaining == 0:
