@@ -61,6 +61,11 @@ def evalsched_config(tiny_lm_dir, tiny_bert_dir):
                 "model": tiny_bert_dir,
                 "cpu_threads": 1,
             },
+            {
+                "name": "missing",
+                "loader": "jupyter_evalsched.shared_models.loaders:causal_lm",
+                "model": str(tiny_bert_dir) + "-not-there",
+            },
         ]
     }
 
@@ -149,10 +154,14 @@ async def test_scores_equal_the_models_own_log_softmax_batched_and_alone(v1, ref
         assert_scores(answer["choices"][0], text, expected[text])
 
     code, models = await v1("GET", "models")
-    assert models == {"object": "list", "data": [
-        {"id": "tiny-lm", "object": "model", "created": models["data"][0]["created"], "owned_by": "evalsched"},
-        {"id": "tiny-embed", "object": "model", "created": models["data"][1]["created"], "owned_by": "evalsched"},
-    ]}  # fmt: skip
+    assert code == 200 and models["object"] == "list"
+    assert models["data"][0] == {
+        "id": "tiny-lm",
+        "object": "model",
+        "created": models["data"][0]["created"],
+        "owned_by": "evalsched",
+    }
+    assert [m["id"] for m in models["data"]] == ["tiny-lm", "tiny-embed", "missing"]
 
 
 async def test_greedy_completions_equal_generate(v1, reference):
@@ -213,7 +222,7 @@ async def test_the_openai_client(client, reference):
 
 def use_the_client(client, reference):
     listed = client.models.list()
-    assert [m.id for m in listed.data] == ["tiny-lm", "tiny-embed"]
+    assert [m.id for m in listed.data] == ["tiny-lm", "tiny-embed", "missing"]
 
     done = client.completions.create(model="tiny-lm", prompt="The cat", max_tokens=6, temperature=0)
     assert done.choices[0].text == direct_greedy(reference, "The cat", 6)
@@ -289,6 +298,10 @@ async def test_bad_input_is_an_openai_shaped_4xx(v1, jp_serverapp):
         "POST", "chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}
     )
     assert code == 404 and answer["error"]["code"] == "model_not_found"
+    # A model that cannot load: a 503 in the same shape, the loader's error in the message.
+    code, answer = await v1("POST", "completions", {"model": "missing", "prompt": "x"})
+    assert code == 503 and answer["error"]["code"] == "model_unavailable", answer
+    assert "failed to load" in answer["error"]["message"]
 
     # Jupyter's token as OpenAI's clients send it, and a wrong one: refused in the same shape.
     token = jp_serverapp.identity_provider.token
@@ -300,11 +313,25 @@ async def test_bad_input_is_an_openai_shaped_4xx(v1, jp_serverapp):
 
 async def test_a_client_gone_mid_stream_leaves_nothing_stuck(v1, jp_serverapp, jp_http_port, jp_base_url, evalsched):
     token = jp_serverapp.identity_provider.token
-    body = json.dumps({"model": "tiny-lm", "prompt": "The cat", "max_tokens": 40, "temperature": 0, "stream": True})
-    request = (
-        f"POST {jp_base_url}evalsched/v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
-    ).encode()
+
+    def raw(stream: bool) -> bytes:
+        body = json.dumps(
+            {"model": "tiny-lm", "prompt": "The cat", "max_tokens": 40, "temperature": 0, "stream": stream}
+        )
+        return (
+            f"POST {jp_base_url}evalsched/v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+
+    request = raw(stream=True)
+    # Gone before the answer: the model host still answers the batch, to nobody.
+    for _ in range(3):
+        reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
+        writer.write(raw(stream=False))
+        await writer.drain()
+        writer.transport.abort()
+    # Gone mid-stream.
     for _ in range(3):
         reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
         writer.write(request)
@@ -317,6 +344,7 @@ async def test_a_client_gone_mid_stream_leaves_nothing_stuck(v1, jp_serverapp, j
     assert code == 200 and answer["usage"]["completion_tokens"] <= 3
     (described,) = [m for m in await evalsched.models.describe() if m["name"] == "tiny-lm"]
     assert described["failed_requests"] == 0 and described["load_count"] == 1
+    assert described["requests"] >= 4  # the streams and the last one, at least
 
 
 SHARED_RUN = """
