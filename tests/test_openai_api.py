@@ -301,7 +301,7 @@ async def test_bad_input_is_an_openai_shaped_4xx(v1, jp_serverapp):
     # A model that cannot load: a 503 in the same shape, the loader's error in the message.
     code, answer = await v1("POST", "completions", {"model": "missing", "prompt": "x"})
     assert code == 503 and answer["error"]["code"] == "model_unavailable", answer
-    assert "failed to load" in answer["error"]["message"]
+    assert "failed to load" in answer["error"]["message"] and "is not a directory" in answer["error"]["message"]
 
     # Jupyter's token as OpenAI's clients send it, and a wrong one: refused in the same shape.
     token = jp_serverapp.identity_provider.token

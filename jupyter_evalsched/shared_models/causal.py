@@ -459,8 +459,10 @@ def load_causal_lm(model: str, device: str = "cpu", dtype: str | None = None, **
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    kwargs: dict[str, Any] = dict(options)
+    if not os.path.isdir(model):  # a local directory only: a host never downloads a model
+        raise FileNotFoundError(f"causal_lm: {model!r} is not a directory (a model saved with save_pretrained)")
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    kwargs: dict[str, Any] = {"local_files_only": True, **options}
     if dtype in _DTYPES:
         kwargs["dtype"] = getattr(torch, _DTYPES[dtype])
     network: Any = AutoModelForCausalLM.from_pretrained(model, **kwargs)
