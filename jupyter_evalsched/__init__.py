@@ -6,7 +6,7 @@ heavy (pydantic, tornado, jupyter_server) is imported here. The entry points imp
 
 from ._version import __version__
 
-__all__ = ["__version__", "compare", "lease", "model", "sweep"]
+__all__ = ["__version__", "compare", "lease", "model", "openai_client", "sweep"]
 
 
 def lease(*args, **kwargs):
@@ -21,6 +21,23 @@ def model(name, **kwargs):
     from .client.lease import model as _model
 
     return _model(name, **kwargs)
+
+
+def openai_client(**kwargs):
+    """An ``openai.OpenAI`` client of this host's shared models (``/evalsched/v1``): inside a run
+    that names models, from its ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``; elsewhere (a kernel),
+    for the server ``EvalSchedClient()`` finds, with its token. ``kwargs`` go to ``openai.OpenAI``."""
+    import os
+
+    import openai
+
+    if os.environ.get("EVALSCHED_RUN_ID") and os.environ.get("OPENAI_BASE_URL") and os.environ.get("OPENAI_API_KEY"):
+        return openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], **kwargs)
+    from .client.rest_client import EvalSchedClient
+
+    client = EvalSchedClient()
+    base = client.base_url.rstrip("/") + "/evalsched/v1"
+    return openai.OpenAI(base_url=base, api_key=client.token or "none", **kwargs)
 
 
 def sweep(spec, sweep, **kwargs):

@@ -189,9 +189,7 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         return found
 
     def initialize_handlers(self) -> None:
-        from .handlers import handlers
-
-        self.handlers.extend(handlers())
+        self.handlers.extend(_all_handlers())
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         # Live runs count as activity, so that JupyterHub never culls a server with work in flight.
@@ -255,12 +253,11 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
 
     async def _become_primary(self) -> None:
         if self.model_host is not None:
+            self.model_host.api_base = self._own_url() + "evalsched/v1"
             await self.model_host.start()
         await self.scheduler.start()
         collector().follow(self.scheduler)  # the scheduler's series on the server's /metrics
-        from .handlers import handlers
-
-        self._internal = InternalListener(handlers(), self._server.web_app.settings, new_secret())
+        self._internal = InternalListener(_all_handlers(), self._server.web_app.settings, new_secret())
         self._advertise()
         self.start_error = None
         self.log.info(
@@ -354,3 +351,11 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
 
 
 main = launch_new_instance = EvalSchedApp.launch_instance
+
+
+def _all_handlers() -> list[tuple[str, type]]:
+    """The REST routes under ``/evalsched/`` and the OpenAI-compatible ones under ``/evalsched/v1/``."""
+    from . import openai_api
+    from .handlers import handlers
+
+    return handlers() + openai_api.handlers()

@@ -8,6 +8,7 @@ import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.websocket import websocket_connect
 
+from jupyter_evalsched import openai_api
 from jupyter_evalsched.handlers import AUTH_RESOURCE, handlers
 
 ENDPOINTS = [
@@ -29,6 +30,10 @@ ENDPOINTS = [
     ("POST", "leases"),
     ("GET", "leases/x"),
     ("DELETE", "leases/x"),
+    ("GET", "v1/models"),
+    ("POST", "v1/completions"),
+    ("POST", "v1/chat/completions"),
+    ("POST", "v1/embeddings"),
 ]
 
 
@@ -46,7 +51,7 @@ def jp_server_config(runs_dir):
 
 def test_every_handler_method_is_decorated(jp_serverapp):
     missing = []
-    for pattern, handler in handlers():
+    for pattern, handler in handlers() + openai_api.handlers():
         missing += jp_serverapp.web_app._check_handler_auth(pattern, handler)
         assert handler.auth_resource == AUTH_RESOURCE
     assert missing == []

@@ -33,6 +33,10 @@ class SharedModels(Protocol):
         """The live host processes (their VRAM is the baseline, never unmanaged)."""
         ...
 
+    def run_env(self, run_id: str) -> dict[str, str]:
+        """Variables for a run that names shared models (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``)."""
+        ...
+
 
 class NoSharedModels:
     """A server without shared models."""
@@ -50,3 +54,6 @@ class NoSharedModels:
 
     def pids(self) -> set[int]:
         return set()
+
+    def run_env(self, run_id: str) -> dict[str, str]:
+        return {}

@@ -57,6 +57,7 @@ PER_RUN_VARIABLES = frozenset(
         "EVALSCHED_DEVICES",
         "EVALSCHED_DETACH",
         "EVALSCHED_CGROUP_PROCS",
+        "OPENAI_API_KEY",  # a run's own key for the shared models' API: never a zygote's
         PRELOAD,
         ENV_RESERVE,
         ZYGOTE_FD,

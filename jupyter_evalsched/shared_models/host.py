@@ -20,6 +20,10 @@ gathers queued inputs into batches (up to ``max_batch_size``, waiting at most ``
 for more, and not at all when every connected client already has a request queued) and answers
 each request with its slice of the outputs, in order. The size of every batch run is recorded.
 
+Ops: ``call`` (inputs and keyword arguments for the batch callable), ``openai`` (requests of the
+OpenAI-compatible routes, one dict per prompt, batched with every caller's API requests into
+one call of the model's ``openai_batch``: see ``causal.py``), ``describe`` and ``ping``.
+
 Events for the manager go to the original stdout as JSON lines (``ready``, ``loading``,
 ``loaded``, ``load_failed``); fd 1 is pointed at stderr so that prints of a loader cannot
 corrupt them.
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+OPENAI_KEY = b"\0openai"  # the batching key of API requests (no pickle of kwargs starts with a NUL)
 
 
 # -- output conversion ----------------------------------------------------------------------
@@ -133,13 +138,16 @@ def load_callable(config: ModelConfig):
 class _Call:
     """One client request: its inputs, and the outputs filled in batch by batch."""
 
-    __slots__ = ("inputs", "kwargs", "key", "outputs", "remaining", "error", "done")
+    __slots__ = ("inputs", "kwargs", "key", "openai", "outputs", "remaining", "error", "done")
 
-    def __init__(self, inputs: list, kwargs: dict):
+    def __init__(self, inputs: list, kwargs: dict, openai: bool = False):
         self.inputs = inputs
         self.kwargs = kwargs
+        # An API request (the ``openai`` op) goes to the model's ``openai_batch`` with the other
+        # API requests; each carries its own parameters, so any of them can share a batch.
+        self.openai = openai
         # Only requests with equal keyword arguments can share a forward pass.
-        self.key = pickle.dumps(sorted(kwargs.items()), protocol=5) if kwargs else b""
+        self.key = OPENAI_KEY if openai else pickle.dumps(sorted(kwargs.items()), protocol=5) if kwargs else b""
         self.outputs: list = [None] * len(inputs)
         self.remaining = len(inputs)
         self.error: dict | None = None
@@ -300,7 +308,9 @@ class ModelHost:
             self.queue = kept
             return batch
 
-    def _forward(self, entries: list[tuple[_Call, int]]) -> list:
+    def _forward(self, entries: list[tuple[_Call, int]], answered: set[int]) -> list:
+        """The outputs of a batch; ``answered`` collects the positions an API batch answered
+        early (its scoring and short generations, before its longest generation is done)."""
         fn = self.fn
         if fn is None:  # the batcher runs batches only once the model is loaded
             raise RuntimeError("the model is not loaded")
@@ -311,7 +321,30 @@ class ModelHost:
             self.batch_sizes[len(inputs)] += 1
         started = time.perf_counter()
         try:
-            outputs = fn(inputs, **entries[0][0].kwargs)
+            if entries[0][0].openai:
+                batch = getattr(fn, "openai_batch", None)
+                if batch is None:
+                    raise NotSupported(
+                        f"shared model {self.config.name!r} does not serve completions: its loader "
+                        f"({self.config.loader or self.config.task}) is not a causal language model "
+                        "(use jupyter_evalsched.shared_models.loaders:causal_lm)"
+                    )
+
+                def on_done(position: int, answer) -> None:
+                    call, index = entries[position]
+                    plain = to_plain(answer)
+                    with self.cond:
+                        if position in answered or call.done.is_set():
+                            return
+                        answered.add(position)
+                        call.outputs[index] = plain
+                        call.remaining -= 1
+                        if call.remaining == 0:
+                            self._finish(call, None)
+
+                outputs = batch(inputs, on_done=on_done)
+            else:
+                outputs = fn(inputs, **entries[0][0].kwargs)
             if not isinstance(outputs, list):
                 outputs = list(outputs)
             if len(outputs) != len(inputs):
@@ -321,10 +354,13 @@ class ModelHost:
             self.forward_seconds += time.perf_counter() - started
 
     def _run(self, entries: list[tuple[_Call, int]]) -> None:
+        answered: set[int] = set()
         try:
-            outputs = self._forward(entries)
+            outputs = self._forward(entries, answered)
         except BaseException as exc:  # a model's sys.exit() must not end the batcher thread
-            calls = list({id(call): call for call, _ in entries}.values())
+            calls = [c for c in {id(call): call for call, _ in entries}.values() if not c.done.is_set()]
+            if not calls:
+                return
             if len(calls) == 1:
                 with self.cond:
                     self._finish(calls[0], self._error(exc, "call"))
@@ -336,7 +372,9 @@ class ModelHost:
                 self._run([entry for entry in entries if entry[0] is call])
             return
         with self.cond:
-            for (call, index), output in zip(entries, outputs, strict=False):
+            for position, ((call, index), output) in enumerate(zip(entries, outputs, strict=False)):
+                if position in answered:
+                    continue
                 call.outputs[index] = output
                 call.remaining -= 1
                 if call.remaining == 0:
@@ -357,8 +395,8 @@ class ModelHost:
 
     # -- connections --
 
-    def submit(self, inputs: list, kwargs: dict) -> dict:
-        call = _Call(inputs, kwargs)
+    def submit(self, inputs: list, kwargs: dict, openai: bool = False) -> dict:
+        call = _Call(inputs, kwargs, openai)
         with self.cond:
             failure = self.error if self.state == "failed" else None
             if failure is not None and time.monotonic() < self.failed_at + self.config.load_retry_s:
@@ -389,7 +427,7 @@ class ModelHost:
                     message = recv_message(conn, plain_only=False)
                 except (ProtocolError, OSError):
                     return
-                if message.get("op") == "call" and not is_caller:
+                if message.get("op") in ("call", "openai") and not is_caller:
                     # Only connections that send calls count as callers for the batching wait.
                     is_caller = True
                     with self.cond:
@@ -413,6 +451,11 @@ class ModelHost:
             return {"ok": True, "describe": self.describe()}
         if op == "ping":
             return {"ok": True}
+        if op == "openai":
+            requests = message.get("requests")
+            if not isinstance(requests, list) or not requests or not all(isinstance(r, dict) for r in requests):
+                return _bad_request("'requests' must be a non-empty list of dicts")
+            return self.submit(requests, {}, openai=True)
         if op != "call":
             return _bad_request(f"unknown op {op!r}")
         inputs, kwargs = message.get("inputs"), message.get("kwargs", {})
@@ -429,6 +472,10 @@ class ModelHost:
         while True:
             conn, _ = listener.accept()
             threading.Thread(target=self.serve_connection, args=(conn,), daemon=True).start()
+
+
+class NotSupported(TypeError):
+    """An API request to a model that cannot serve it (an embedding model asked for text)."""
 
 
 def _bad_request(message: str) -> dict:

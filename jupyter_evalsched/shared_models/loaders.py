@@ -78,3 +78,16 @@ def unpad_feature_extraction(pipe, inputs: list, outputs: list, kwargs: dict) ->
         else:
             trimmed.append([seq[-length:] if left else seq[:length] for seq in output])
     return trimmed
+
+
+def causal_lm(model: str | None = None, device: str = "cpu", dtype: str | None = None, **options):
+    """A transformers causal language model and its tokenizer from a local directory, on the
+    host's device, in eval mode, with its chat template when it has one: what the OpenAI-compatible
+    routes serve (``/evalsched/v1/completions`` and ``chat/completions``). Called plainly
+    (``ctx.model(name)(["text"])``), it completes each string greedily (16 tokens). ``options``
+    go to ``from_pretrained``."""
+    if not model:
+        raise ValueError("causal_lm needs 'model': a model directory")
+    from .causal import load_causal_lm
+
+    return load_causal_lm(model, device=device, dtype=dtype, **options)

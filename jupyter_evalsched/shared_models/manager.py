@@ -25,6 +25,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import stat
@@ -35,6 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..openai_keys import run_key
 from ..scheduler.shared import ModelUnavailable
 from ..store import RunFileError, open_log, tail_lines
 from .client import make_url
@@ -138,6 +140,10 @@ class ModelHostManager:
         self._hosts: dict[str, _Host] = {}
         self._stopping = False
         self._started = False
+        # The OpenAI-compatible routes as runs reach them (set by the app once it serves), and the
+        # secret that signs each run's API key (openai_keys).
+        self.api_base: str | None = None
+        self.api_secret = secrets.token_bytes(32)
 
     # -- synchronous queries (no host needed) ---------------------------------------------------
 
@@ -154,6 +160,13 @@ class ModelHostManager:
 
     def pids(self) -> set[int]:
         return {pid for host in self._hosts.values() if (pid := host.pid) is not None}
+
+    def run_env(self, run_id: str) -> dict[str, str]:
+        """``OPENAI_BASE_URL`` and a key for run ``run_id`` (valid while it lives), for a run that
+        names shared models; nothing before the server serves the routes."""
+        if self.api_base is None:
+            return {}
+        return {"OPENAI_BASE_URL": self.api_base, "OPENAI_API_KEY": run_key(self.api_secret, run_id)}
 
     def url(self, name: str) -> str:
         """The URL of a model (stable for the manager's lifetime); ValueError if unknown."""
@@ -216,6 +229,42 @@ class ModelHostManager:
                 )
             # The host listens, dies or is started again: a short poll sees all three.
             await asyncio.sleep(0.05)
+
+    async def ask(self, name: str, message: dict) -> dict:
+        """Send one message to the host of model ``name`` (started if needed) on a connection of
+        its own, and return the host's reply (``{"ok": True, ...}`` or ``{"ok": False, "error"}``).
+
+        For the OpenAI-compatible routes: one connection per request, so that every request in
+        flight counts as a caller and the host never waits for a batch to fill. Cancelling the
+        call (a client that went away) closes the connection; the host finishes the batch, finds
+        nobody to answer and goes on. ValueError for an unknown name; ModelUnavailable when the
+        host cannot start; ConnectionError when it dies before it answers.
+        """
+        host = self._host(name)
+        await self._until_listening(host)
+        try:
+            reader, writer = await asyncio.open_unix_connection(host.socket_path)
+        except OSError as exc:
+            raise ConnectionError(f"the model host of {name!r} is not reachable: {exc}") from None
+
+        async def read_message() -> Any:
+            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+            return PlainUnpickler(io.BytesIO(await reader.readexactly(size))).load()
+
+        try:
+            await read_message()  # the host's greeting
+            writer.write(encode({**message, "model": name}))
+            await writer.drain()
+            reply = await read_message()
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise ConnectionError(
+                f"the model host of {name!r} closed the connection before it answered ({exc})"
+            ) from None
+        finally:
+            writer.close()
+        if not isinstance(reply, dict):
+            raise ConnectionError(f"the model host of {name!r} answered {type(reply).__name__}, not a reply")
+        return reply
 
     async def describe(self) -> list[dict[str, Any]]:
         """One dict per model (JSON-able): name, state, device, vram_mb, requests, batches,

@@ -184,6 +184,8 @@ class LocalExecutor(Executor):
             attempt=run.record["attempt"],
             detach=run.record["detach"],
         )
+        if run.record["models"]:
+            env.update(self.models.run_env(run.id))  # the shared models' OpenAI-compatible API
         cwd = spec.get("cwd") or ctx.config.default_cwd
         try:
             # A run without models has no shared_urls.json (none: no models); a later attempt

@@ -1,0 +1,242 @@
+"""The OpenAI-compatible routes, ``/evalsched/v1/...``: the host's shared models for any tool
+that speaks OpenAI's API (``openai.OpenAI(base_url=<server>/evalsched/v1, api_key=<token>)``).
+
+The server only routes: each request is validated here (``openai_shapes``), sent to the model's
+host process on a connection of its own (``ModelHostManager.ask``), batched there with every
+other caller's requests, and the answer is formatted back. Authentication is Jupyter's: the
+token in ``Authorization: token ...`` or ``Bearer ...`` (what OpenAI's clients send). Every error
+is OpenAI's shape, ``{"error": {"message", "type", "code", "param"}}``, and a client's mistake
+is a 4xx, never a 500. A stream is written once the host has answered, event by event; a client
+that goes away mid-stream ends its own answer only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from jupyter_server.auth import User
+from jupyter_server.auth.decorator import authorized
+from tornado import web
+from tornado.iostream import StreamClosedError
+
+from .contract import RUNNING
+from .handlers import EvalSchedHandler
+from .openai_keys import PREFIX, run_of_key
+from .openai_shapes import (
+    OpenAIError,
+    chat_body,
+    chat_chunks,
+    completion_body,
+    completion_chunks,
+    embedding_vector,
+    embeddings_body,
+    invalid,
+    model_not_found,
+    models_body,
+    parse_chat,
+    parse_completion,
+    parse_embeddings,
+)
+from .scheduler.errors import SchedulerError
+from .scheduler.shared import ModelUnavailable
+
+MAX_BODY_BYTES = 16 << 20  # a batch of long prompts fits; more is a mistake
+_STARTED = int(time.time())
+
+
+def unavailable(message: str) -> OpenAIError:
+    return OpenAIError(503, message, type="server_error", code="model_unavailable")
+
+
+class _RunKeys:
+    """Jupyter's identity provider, which also accepts a live run's own API key
+    (``Authorization: Bearer esk-...``, see ``openai_keys``) on these routes only."""
+
+    def __init__(self, inner: Any, handler: OpenAIHandler):
+        self._inner = inner
+        self._handler = handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get_user(self, handler: Any) -> Any:
+        user = self._handler.run_key_user()
+        return user if user is not None else self._inner.get_user(handler)
+
+
+class OpenAIHandler(EvalSchedHandler):
+    """Base of the v1 routes: OpenAI-shaped errors for everything, its own 403s included."""
+
+    @property
+    def identity_provider(self) -> Any:
+        return _RunKeys(super().identity_provider, self)
+
+    def run_key_user(self) -> User | None:
+        """The user of a request that carries a live run's key; None for any other request."""
+        scheme, _, key = self.request.headers.get("Authorization", "").partition(" ")
+        host = self.app.model_host
+        if scheme.lower() != "bearer" or not key.startswith(PREFIX) or host is None:
+            return None
+        run_id = run_of_key(host.api_secret, key.strip())
+        if run_id is None:
+            return None
+        try:
+            state = self.scheduler.get(run_id).record["state"]
+        except SchedulerError:
+            return None
+        if state != RUNNING:  # the key lives as long as its run
+            return None
+        self._token_authenticated = True  # like Jupyter's token: no XSRF cookie, no origin check
+        return User(username=f"evalsched-run-{run_id}", name=f"run {run_id}")
+
+    def _handle_request_exception(self, e: BaseException) -> None:
+        if isinstance(e, OpenAIError):  # the client's mistake or an unavailable model: its own status
+            if not self._finished:
+                self.send_error(e.status, exc_info=sys.exc_info())
+            return
+        super()._handle_request_exception(e)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        self.set_header("Content-Type", "application/json")
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, OpenAIError):
+            body = exc.body()
+        elif isinstance(exc, web.HTTPError):
+            message = (exc.log_message % exc.args) if exc.log_message else (self._reason or "error")
+            kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(status_code)
+            body = {
+                "error": {
+                    "message": getattr(exc, "message", None) or message,
+                    "type": kind or ("invalid_request_error" if status_code < 500 else "server_error"),
+                    "code": None,
+                    "param": None,
+                }
+            }
+        else:
+            if exc is not None:
+                self.log.error("evalsched v1: unexpected error", exc_info=kwargs["exc_info"])
+            body = {
+                "error": {
+                    "message": f"internal error: {type(exc).__name__}",
+                    "type": "server_error",
+                    "code": None,
+                    "param": None,
+                }
+            }
+        self.finish(json.dumps(body))
+
+    def body_json(self) -> Any:
+        raw = self.request.body or b""
+        if len(raw) > MAX_BODY_BYTES:
+            raise OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", type="invalid_request_error")
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+    def known_model(self, name: str) -> None:
+        host = self.app.model_host
+        known = host.names() if host is not None else []
+        if name not in known:
+            raise model_not_found(name, known)
+
+    async def ask(self, name: str, message: dict) -> Any:
+        """The host's ``outputs`` for ``message``; its failures as OpenAI errors."""
+        host = self.app.model_host
+        assert host is not None  # known_model() came first
+        try:
+            reply = await host.ask(name, message)
+        except ModelUnavailable as exc:
+            raise unavailable(str(exc)) from None
+        except ConnectionError as exc:
+            raise unavailable(f"{exc}; retry: a new host starts and loads the model again") from None
+        if reply.get("ok"):
+            return reply["outputs"]
+        error = reply.get("error") or {}
+        message_text = f"{error.get('type')}: {error.get('message')}"
+        if error.get("type") in ("NotSupported", "BadRequest"):
+            raise invalid(str(error.get("message")), "model")
+        if error.get("phase") == "load":
+            raise unavailable(f"the model {name!r} failed to load: {message_text}")
+        raise OpenAIError(502, f"the model {name!r} failed: {message_text}", type="server_error", code="model_error")
+
+    async def ask_openai(self, name: str, requests: list[dict]) -> list[dict]:
+        answers = await self.ask(name, {"op": "openai", "requests": requests})
+        for answer in answers:
+            if "error" in answer:  # a request the model cannot serve as given (too long a prompt)
+                raise invalid(answer["error"]["message"], answer["error"].get("param"))
+        return answers
+
+    async def stream(self, chunks: list[dict]) -> None:
+        """Server-sent events, one per chunk, then ``data: [DONE]``. A client that has gone away
+        ends the stream here; the model host has already answered, so nothing is left waiting."""
+        self.set_header("Content-Type", "text/event-stream")
+        self.set_header("Cache-Control", "no-cache")
+        try:
+            for chunk in chunks:
+                self.write(f"data: {json.dumps(chunk)}\n\n")
+                await self.flush()
+            self.write("data: [DONE]\n\n")
+            await self.flush()
+        except StreamClosedError:
+            return
+        self.finish()
+
+
+class ModelsHandler(OpenAIHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        host = self.app.model_host
+        self.finish(models_body(host.names() if host is not None else [], _STARTED))
+
+
+class CompletionsHandler(OpenAIHandler):
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        model, stream, requests = parse_completion(self.body_json())
+        self.known_model(model)
+        answers = await self.ask_openai(model, requests)
+        if stream:
+            await self.stream(completion_chunks(model, requests, answers))
+        else:
+            self.finish(completion_body(model, requests, answers))
+
+
+class ChatCompletionsHandler(OpenAIHandler):
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        model, stream, request = parse_chat(self.body_json())
+        self.known_model(model)
+        (answer,) = await self.ask_openai(model, [request])
+        if stream:
+            await self.stream(chat_chunks(model, answer))
+        else:
+            self.finish(chat_body(model, answer))
+
+
+class EmbeddingsHandler(OpenAIHandler):
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        model, inputs, encoding = parse_embeddings(self.body_json())
+        self.known_model(model)
+        outputs = await self.ask(model, {"op": "call", "inputs": inputs, "kwargs": {}})
+        vectors = [embedding_vector(output) for output in outputs]
+        if any(vector is None for vector in vectors):
+            raise invalid(f"the model {model!r} does not produce embeddings (its outputs are not vectors)", "model")
+        self.finish(embeddings_body(model, [v for v in vectors if v is not None], encoding))
+
+
+def handlers() -> list[tuple[str, type]]:
+    return [
+        (r"/evalsched/v1/models/?", ModelsHandler),
+        (r"/evalsched/v1/completions/?", CompletionsHandler),
+        (r"/evalsched/v1/chat/completions/?", ChatCompletionsHandler),
+        (r"/evalsched/v1/embeddings/?", EmbeddingsHandler),
+    ]

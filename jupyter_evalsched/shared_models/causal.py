@@ -1,0 +1,470 @@
+"""A causal language model served to the OpenAI-compatible routes, inside its model host.
+
+``CausalLM`` holds a transformers causal LM and its tokenizer. The host calls
+``openai_batch(requests)`` with every queued request of every caller at once; each request is one
+prompt (a dict made by ``openai_requests``), each answer a dict of token-level results (or
+``{"error": {"message", "param"}}`` for that request alone), formatted into OpenAI's shapes by
+the server.
+
+Scoring (the prompt's own log-probabilities, what loglikelihood evaluations read) runs all the
+batch's prompts through one right-padded forward pass with an attention mask. Generation runs
+the batch's generating requests together, one token per step for all of them (left-padded, with
+a KV cache), each with its own length, stop strings, temperature, top-p and seed; a request that
+is done stops being computed, but it is answered when the batch ends.
+
+Plain calls (``ctx.model(name)(["text"])``, the host's ``call`` op) greedily complete each string.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestError(ValueError):
+    """A request this model cannot serve as given (too long a prompt): a 400 for that request."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class CausalLM:
+    """Serves one causal LM: ``openai_batch`` for the API, ``__call__`` for plain calls."""
+
+    serves_openai = True
+
+    def __init__(self, model: Any, tokenizer: Any, device: str):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        config = model.config
+        self.context = int(
+            getattr(config, "n_positions", None)
+            or getattr(config, "max_position_embeddings", None)
+            or min(int(getattr(tokenizer, "model_max_length", 2048)), 1 << 20)
+        )
+        eos = tokenizer.eos_token_id
+        self.eos_id: int | None = int(eos) if isinstance(eos, int) else None
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos_id
+        self.bos_id: int | None = int(bos) if bos is not None else None
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else (self.eos_id if self.eos_id is not None else 0)
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self._texts: dict[int, str] = {}
+        # transformers 5.x renamed the forward's ``past_key_values`` to ``cache``.
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    # -- plain calls -----------------------------------------------------------------------
+
+    def __call__(self, inputs: list, max_tokens: int = 16, **kwargs) -> list:
+        if kwargs:
+            raise TypeError(f"causal_lm takes only max_tokens as a call option, got {sorted(kwargs)}")
+        if not all(isinstance(text, str) for text in inputs):
+            raise TypeError("causal_lm takes strings (the prompts to complete greedily)")
+        requests = [{"prompt": text, "max_tokens": max_tokens, "temperature": 0.0} for text in inputs]
+        answers = self.openai_batch(requests)
+        for answer in answers:
+            if "error" in answer:
+                raise RequestError(answer["error"]["message"], answer["error"].get("param"))
+        return [answer["text"] for answer in answers]
+
+    # -- the API's batch ---------------------------------------------------------------------
+
+    def openai_batch(self, requests: list[dict], on_done: Callable[[int, dict], None] | None = None) -> list[dict]:
+        """Answer every request of a batch (the keys ``openai_shapes`` gives them). ``on_done(i,
+        answer)`` is called as soon as request ``i`` is answered: a prompt to score, a bad request
+        or a short generation is answered before the batch's longest generation is done."""
+        answers: list[dict | None] = [None] * len(requests)
+
+        def settle(index: int, answer: dict) -> None:
+            answers[index] = answer
+            if on_done is not None:
+                on_done(index, answer)
+
+        prepared: list[tuple[int, dict, list[int], list[int] | None]] = []
+        for index, request in enumerate(requests):
+            try:
+                ids, starts = self._prompt_ids(request)
+            except RequestError as exc:
+                settle(index, {"error": {"message": str(exc), "param": exc.param}})
+                continue
+            prepared.append((index, request, ids, starts))
+        scored = [(i, ids) for i, r, ids, _ in prepared if r.get("echo") and r.get("logprobs") is not None]
+        scores = (
+            self._score([ids for _, ids in scored], max(self._top(requests[i]) for i, _ in scored)) if scored else []
+        )
+        score_of = {i: s for (i, _), s in zip(scored, scores, strict=True)}
+        generating = []
+        for index, request, ids, starts in prepared:
+            if request.get("max_tokens", 16) > 0:
+                generating.append((index, request, ids, starts))
+            else:
+                settle(index, self._answer(request, ids, starts, score_of.get(index), None))
+        if generating:
+
+            def finished(position: int, generation: dict) -> None:
+                index, request, ids, starts = generating[position]
+                settle(index, self._answer(request, ids, starts, score_of.get(index), generation))
+
+            self._generate([(r, ids) for _, r, ids, _ in generating], finished)
+        return [answer for answer in answers if answer is not None]
+
+    @staticmethod
+    def _top(request: dict) -> int:
+        return int(request.get("logprobs") or 0)
+
+    def _prompt_ids(self, request: dict) -> tuple[list[int], list[int] | None]:
+        """The prompt's token ids and each token's character start (None for a token prompt)."""
+        if "messages" in request:
+            if not self.has_chat_template:
+                raise RequestError("this model's tokenizer has no chat template: use /completions", "messages")
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    request["messages"], tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:  # a template that rejects these messages (roles, alternation)
+                raise RequestError(f"the chat template rejects these messages: {exc}", "messages") from None
+            request["prompt"] = text
+        prompt = request.get("prompt", "")
+        if isinstance(prompt, list):
+            ids = [int(token) for token in prompt]
+            if any(token < 0 or token >= len(self.tokenizer) for token in ids):
+                raise RequestError(
+                    f"a token id of the prompt is outside the vocabulary (0..{len(self.tokenizer) - 1})", "prompt"
+                )
+            starts = None
+        else:
+            encoded = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(encoded["input_ids"])
+            starts = [start for start, _ in encoded["offset_mapping"]]
+        if len(ids) > self.context:
+            raise RequestError(
+                f"the prompt is {len(ids)} tokens long; this model's context is {self.context} tokens", "prompt"
+            )
+        return ids, starts
+
+    def _token_text(self, token: int) -> str:
+        """A token's text; a byte-level token that is part of a character is written as OpenAI
+        writes it, ``bytes:\\xe2\\x80``, so that different tokens never read the same."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self.tokenizer.decode([token])
+            if "\ufffd" in text:
+                piece = self.tokenizer.convert_ids_to_tokens(token)
+                decoder = _byte_decoder()
+                if isinstance(piece, str) and piece and all(c in decoder for c in piece):
+                    raw = bytes(decoder[c] for c in piece)
+                    try:
+                        text = raw.decode("utf-8")
+                    except UnicodeDecodeError:
+                        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._texts[token] = text
+        return text
+
+    # -- scoring ---------------------------------------------------------------------------------
+
+    def _score(self, prompts: list[list[int]], top: int) -> list[list[tuple[float, list[tuple[int, float]]] | None]]:
+        """Each prompt token's log-probability given the tokens before it, in one padded forward
+        pass: ``[None, (logprob, [(token, logprob), ...top]), ...]`` per prompt."""
+        import torch
+
+        longest = max((len(ids) for ids in prompts), default=0)
+        if longest == 0:
+            return [[] for _ in prompts]
+        input_ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            if ids:
+                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                mask[row, : len(ids)] = 1
+        with torch.inference_mode():
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        results: list[list[tuple[float, list[tuple[int, float]]] | None]] = []
+        for row, ids in enumerate(prompts):
+            scores: list[tuple[float, list[tuple[int, float]]] | None] = [None] if ids else []
+            if len(ids) > 1:
+                rows = logprobs[row, : len(ids) - 1]
+                chosen = rows.gather(1, torch.tensor(ids[1:], dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+                tops = torch.topk(rows, top, dim=-1) if top else None
+                for position, value in enumerate(chosen):
+                    alternatives = (
+                        list(zip(tops.indices[position].tolist(), tops.values[position].tolist(), strict=True))
+                        if tops is not None
+                        else []
+                    )
+                    scores.append((value, alternatives))
+            results.append(scores)
+        return results
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def _generate(self, batch: list[tuple[dict, list[int]]], finished: Callable[[int, dict], None]) -> None:
+        """Generate for every request of ``batch`` together, one token per step for the requests
+        not yet done; ``finished(position, generation)`` as each is done, with ``{"ids",
+        "logprobs", "tops", "text", "finish_reason", "pieces"}``."""
+        import torch
+
+        states = []
+        for position, (request, ids) in enumerate(batch):
+            context_ids = ids if ids else ([self.bos_id] if self.bos_id is not None else [self.pad_id])
+            room = self.context - len(context_ids)
+            wanted = int(request.get("max_tokens", 16))
+            seed = request.get("seed")
+            generator = None
+            if float(request.get("temperature", 1.0)) > 0:
+                generator = torch.Generator().manual_seed(
+                    int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+                )
+            states.append(
+                {
+                    "request": request,
+                    "context": context_ids,
+                    "limit": max(0, min(wanted, room)),
+                    "ids": [],
+                    "logprobs": [],
+                    "tops": [],
+                    "text": "",
+                    "finish_reason": "length",
+                    "done": room <= 0 or wanted <= 0,
+                    "generator": generator,
+                    "top": int(request.get("logprobs") or 0),
+                    "stop": list(request.get("stop") or []),
+                    "position": position,
+                }
+            )
+
+        def done(state: dict) -> None:
+            self._finish_text(state)
+            keys = ("ids", "logprobs", "tops", "text", "finish_reason", "pieces")
+            finished(state["position"], {key: state[key] for key in keys})
+
+        live = []
+        for state in states:
+            if state["done"]:
+                done(state)
+            else:
+                live.append(state)
+        if live:
+            self._decode(live, done)
+
+    def _decode(self, live: list[dict], done: Callable[[dict], None]) -> None:
+        """The step loop: a left-padded prefill, then one token per step with the KV cache; rows
+        that are done drop out of the computation (the cache keeps only the live rows)."""
+        import torch
+
+        longest = max(len(s["context"]) for s in live)
+        input_ids = torch.full((len(live), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(live), longest), dtype=torch.long)
+        for row, state in enumerate(live):
+            n = len(state["context"])
+            input_ids[row, longest - n :] = torch.tensor(state["context"], dtype=torch.long)
+            mask[row, longest - n :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        rows = list(live)
+        past = None
+        step_input = input_ids
+        step_positions = positions
+        with torch.inference_mode():
+            while rows:
+                out = self.model(
+                    input_ids=step_input,
+                    attention_mask=mask,
+                    position_ids=step_positions,
+                    use_cache=True,
+                    **({self._cache_argument: past} if past is not None else {}),
+                )
+                past = out.get("cache", None) or out.get("past_key_values", None)
+                logits = out.logits[:, -1, :].float()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                chosen: list[int] = []
+                for row, state in enumerate(rows):
+                    token = self._pick(logits[row], state)
+                    chosen.append(token)
+                    state["ids"].append(token)
+                    state["logprobs"].append(float(logprobs[row, token]))
+                    if state["top"]:
+                        top = torch.topk(logprobs[row], state["top"])
+                        state["tops"].append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+                    self._check_done(state, token)
+                    if state["done"]:
+                        done(state)
+                keep = [row for row, state in enumerate(rows) if not state["done"]]
+                if not keep:
+                    break
+                next_tokens = torch.tensor(chosen, dtype=torch.long, device=self.device).unsqueeze(1)
+                next_positions = step_positions[:, -1:] + 1
+                if len(keep) < len(rows):
+                    index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                    past.batch_select_indices(index)
+                    mask, next_tokens, next_positions = mask[index], next_tokens[index], next_positions[index]
+                    rows = [rows[row] for row in keep]
+                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
+                step_input, step_positions = next_tokens, next_positions
+
+    def _pick(self, logits, state: dict) -> int:
+        import torch
+
+        request = state["request"]
+        temperature = float(request.get("temperature", 1.0))
+        if temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        top_p = float(request.get("top_p", 1.0))
+        if top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always).
+            outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+            sorted_probs[outside] = 0.0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        return int(torch.multinomial(probs.cpu(), 1, generator=state["generator"]))
+
+    def _check_done(self, state: dict, token: int) -> None:
+        if self.eos_id is not None and token == self.eos_id:
+            state["done"], state["finish_reason"] = True, "stop"
+            return
+        if state["stop"]:
+            text = self.tokenizer.decode(state["ids"], skip_special_tokens=True)
+            if any(stop in text for stop in state["stop"]):
+                state["done"], state["finish_reason"] = True, "stop"
+                return
+        if len(state["ids"]) >= state["limit"]:
+            state["done"] = True
+
+    def _finish_text(self, state: dict) -> None:
+        """The generated text (cut before the first stop string, without an end-of-text token)
+        and its pieces, one per kept token, that add up to it (what a stream sends)."""
+        ids = state["ids"]
+        if ids and self.eos_id is not None and ids[-1] == self.eos_id:
+            ids, state["logprobs"], state["tops"] = ids[:-1], state["logprobs"][:-1], state["tops"][:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cut = min((text.find(stop) for stop in state["stop"] if stop in text), default=-1)
+        pieces: list[str] = []
+        emitted = ""
+        for count in range(1, len(ids) + 1):
+            prefix = text if count == len(ids) else self.tokenizer.decode(ids[:count], skip_special_tokens=True)
+            # A token that ends inside a character decodes to U+FFFD: hold it back until the
+            # character is complete, so that the pieces always add up to the text.
+            if (count < len(ids) and prefix.endswith("\ufffd")) or not prefix.startswith(emitted):
+                pieces.append("")
+                continue
+            pieces.append(prefix[len(emitted) :])
+            emitted = prefix
+        if cut >= 0:
+            text = text[:cut]
+            kept, length = [], 0
+            for piece in pieces:
+                if length >= cut:
+                    break
+                kept.append(piece[: cut - length])
+                length += len(piece)
+            pieces = kept
+            ids = ids[: len(pieces)]
+        state["ids"], state["text"], state["pieces"] = ids, text, pieces
+        state["logprobs"], state["tops"] = state["logprobs"][: len(ids)], state["tops"][: len(ids)]
+
+    # -- the answer ------------------------------------------------------------------------------
+
+    def _answer(
+        self,
+        request: dict,
+        ids: list[int],
+        starts: list[int] | None,
+        score: list | None,
+        generation: dict | None,
+    ) -> dict:
+        prompt = request.get("prompt", "")
+        prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        gen = generation or {"ids": [], "logprobs": [], "tops": [], "text": "", "finish_reason": "length", "pieces": []}
+        answer: dict[str, Any] = {
+            "prompt_text": prompt_text,
+            "text": gen["text"],
+            "pieces": gen["pieces"],
+            "finish_reason": gen["finish_reason"],
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(gen["ids"]),
+            "logprobs": None,
+        }
+        if request.get("logprobs") is None:
+            return answer
+        tokens: list[dict] = []
+        top = self._top(request)
+        if request.get("echo"):
+            if starts is None:  # a token prompt: offsets in its decoded text
+                starts = self._offsets(ids, 0)
+            for position, token in enumerate(ids):
+                entry = score[position] if score else None
+                tokens.append(
+                    {
+                        "token": self._token_text(token),
+                        "logprob": None if entry is None else entry[0],
+                        "top": None if entry is None else [(self._token_text(t), v) for t, v in entry[1][:top]],
+                        "offset": starts[position],
+                    }
+                )
+        base = len(prompt_text) if request.get("echo") else 0
+        offsets = self._offsets(gen["ids"], base)
+        for position, token in enumerate(gen["ids"]):
+            tops = gen["tops"][position] if gen["tops"] else []
+            tokens.append(
+                {
+                    "token": self._token_text(token),
+                    "logprob": gen["logprobs"][position],
+                    "top": [(self._token_text(t), v) for t, v in tops],
+                    "offset": offsets[position],
+                }
+            )
+        for entry in tokens:  # JSON has no infinities: a -inf log-probability is sent as a very low number
+            if entry["logprob"] is not None and math.isinf(entry["logprob"]):
+                entry["logprob"] = -9999.0
+        answer["logprobs"] = tokens
+        return answer
+
+    def _offsets(self, ids: list[int], base: int) -> list[int]:
+        """Where each token's text starts, for tokens decoded one after another after ``base``."""
+        offsets, previous = [], 0
+        for count in range(len(ids)):
+            offsets.append(base + previous)
+            previous = len(self.tokenizer.decode(ids[: count + 1]))
+        return offsets
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-character table (byte-level BPE tokens are written in it)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=True)}
+
+
+def load_causal_lm(model: str, device: str = "cpu", dtype: str | None = None, **options) -> CausalLM:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isdir(model):  # a local directory only: a host never downloads a model
+        raise FileNotFoundError(f"causal_lm: {model!r} is not a directory (a model saved with save_pretrained)")
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    kwargs: dict[str, Any] = {"local_files_only": True, **options}
+    if dtype in _DTYPES:
+        kwargs["dtype"] = getattr(torch, _DTYPES[dtype])
+    network: Any = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    network = network.to(device).eval()
+    return CausalLM(network, tokenizer, device)
