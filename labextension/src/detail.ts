@@ -452,7 +452,14 @@ export class RunDetailView implements IDisposable {
       ],
       [
         trans.__('Exit code'),
-        record.exit_code !== null && record.exit_code !== undefined
+        // (A 0 of a run that failed says nothing: the runner exits 0 after writing the eval's
+        // failure; the reason tells it.)
+        record.exit_code !== null &&
+        record.exit_code !== undefined &&
+        !(
+          record.exit_code === 0 &&
+          !['succeeded', 'queued', 'running'].includes(record.state)
+        )
           ? String(record.exit_code)
           : null
       ],
