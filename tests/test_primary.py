@@ -384,3 +384,32 @@ async def test_our_own_processes_are_never_counted_as_unmanaged(api, evalsched, 
 async def _then(awaitable, check):
     """``check(await awaitable)``: a predicate over an API answer, for async_wait_until."""
     return check(await awaitable)
+
+
+def test_a_server_restarted_on_the_moved_runs_directory_recovers_its_runs(tmp_path):
+    """What the error says to do works: the server stopped on the moved directory, a server
+    started with ``runs_dir`` set to its new path has its runs; the old path was never made again."""
+    runs, moved = tmp_path / "runs", tmp_path / "moved"
+    server = LocalServer(runs_dir=str(runs), extra_args=["--EvalSchedApp.promotion_interval_s=0.2"])
+    try:
+        c = server.client()
+        rec = c.submit(run(0))
+        wait_until(lambda: c.get(rec["id"])["state"] == "succeeded", timeout=30)
+        os.rename(runs, moved)
+        status = wait_until(
+            lambda: _then_sync(c.request("GET", "status"), lambda s: s["role"] == "unavailable"), timeout=10
+        )
+        assert f"EvalSchedApp.runs_dir={moved}" in status["error"], status
+        with pytest.raises(EvalSchedError) as err:
+            c.get(rec["id"])
+        assert err.value.status == 503 and f"was moved to {moved}" in err.value.message
+        server.stop()
+    finally:
+        server.cleanup()
+    assert not runs.exists()
+    with LocalServer(runs_dir=str(moved)) as again:
+        assert again.client().get(rec["id"])["state"] == "succeeded"
+
+
+def _then_sync(value, check):
+    return value if check(value) else None
