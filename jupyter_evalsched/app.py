@@ -212,13 +212,10 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         advertise again when the advertisement was removed. Otherwise: take over when free."""
         try:
             if self.role.is_primary:
+                if self.start_error is not None:
+                    return  # (suspended: its runs directory was moved; until the server restarts)
                 if not self.role.still_holds():
-                    self.log.error(
-                        "evalsched: the runs directory %s is no longer the directory this server locked "
-                        "(renamed or replaced): this server stops scheduling it",
-                        self.runs_path,
-                    )
-                    await self._step_down()
+                    await self._suspend(self.role.moved_message())
                 elif not self.role.advertises_us() and self._internal is not None:
                     self._advertise()
                 return
@@ -274,6 +271,20 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         self.role.advertise(self._own_url(), self._internal.url, secret)
         primary = self.role.primary()
         self.scheduler.primary_info = primary.public() if primary else None
+
+    async def _suspend(self, why: str) -> None:
+        """The runs directory was moved (or replaced) under this primary: it writes nothing more
+        (every write of the store is refused: a write by path would land in whatever now has that
+        name), admits nothing, and answers 503 with ``why``. It keeps the lock on the moved
+        directory, so that no other server schedules it while this one may still hold runs of it,
+        and never makes a new directory at the old path. A restart ends the suspension (the
+        restarted server recovers the runs from the directory it is given)."""
+        self.log.error("evalsched: %s", why)
+        self.start_error = why
+        self.scheduler.suspend(why)
+        if self._internal is not None:
+            await self._internal.stop()  # (secondaries: nothing to forward to)
+            self._internal = None
 
     async def _step_down(self) -> None:
         """End this tenure as primary: runs stop (aborted), the lock is released, and a fresh

@@ -109,6 +109,8 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         if not self.current_user:
             raise web.HTTPError(403)  # as @web.authenticated would, before anything else is said
         if not is_delegating(self):
+            if self.app.start_error:  # (a primary whose runs directory was moved)
+                raise ApiError(503, no_primary_message(self.app))
             if not self.scheduler.started:
                 # Until recovery has read the runs directory, "no such run" would be a lie.
                 raise ApiError(503, "the scheduler is starting (reading the runs directory); retry in a moment")
@@ -516,13 +518,13 @@ class StatusHandler(EvalSchedHandler):
         """This server's own view: its role, and which server is the host's primary."""
         app = self.app
         primary = app.role.primary()
-        role = "primary" if app.role.is_primary else ("unavailable" if app.start_error else "secondary")
+        role = "unavailable" if app.start_error else ("primary" if app.role.is_primary else "secondary")
         body: dict[str, Any] = {
             "version": __version__,
             "role": role,
             "pid": os.getpid(),
             "primary": primary.public() if primary else None,
-            "error": None if primary or app.role.is_primary else no_primary_message(app),
+            "error": None if role != "unavailable" and (primary or app.role.is_primary) else no_primary_message(app),
         }
         if not is_delegating(self):
             view = self.scheduler.status_view()

@@ -135,6 +135,28 @@ class HostRole:
             return False
         return (st.st_dev, st.st_ino) == self._locked
 
+    def moved_message(self) -> str:
+        """Why the locked directory is no longer the runs directory, where it went (the kernel's
+        name for the locked descriptor), and what to do."""
+        where = None
+        if self._fd is not None:
+            try:
+                where = os.readlink(f"/proc/self/fd/{self._fd}")
+            except OSError:
+                pass
+        if where is None or where.endswith(" (deleted)"):
+            moved = f"the runs directory {self.runs_dir} was removed or moved away while this server scheduled it"
+            target = "its new path"
+        else:
+            moved = f"the runs directory {self.runs_dir} was moved to {where} while this server scheduled it"
+            target = where
+        return (
+            f"{moved}: this server stopped scheduling and writes nothing more, neither there nor at "
+            f"{self.runs_dir} (runs still running write by path too, and end at their next write). "
+            f"Restart the server with EvalSchedApp.runs_dir={target} (or move the directory back and "
+            "restart it): the restarted server recovers every run from the directory"
+        )
+
     def advertise(self, url: str, internal_url: str, secret: str) -> None:
         info = {
             "url": url,

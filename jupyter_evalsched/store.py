@@ -60,6 +60,11 @@ class StoreError(Exception):
     """A run-directory operation failed for a reason worth telling the client (disk full, ...)."""
 
 
+class RunsDirMoved(StoreError, OSError):
+    """Every write refused: the runs directory this server locked was moved or replaced, and a
+    write by path would land wherever that path now leads (``RunStore.refuse_writes``)."""
+
+
 class RunFileError(ValueError):
     """A run file exists but cannot be used; the message says which file and why."""
 
@@ -429,8 +434,19 @@ class RunStore:
         self.cache = FileCache()
         self._pool: ThreadPoolExecutor | None = None  # a batch's directories, assembled at once
         self._pool_lock = threading.Lock()
+        self.refused: str | None = None  # why every write is refused (the directory was moved)
+
+    def refuse_writes(self, why: str) -> None:
+        """From now on every write of this store raises :class:`RunsDirMoved` with ``why``: the
+        directory at ``root`` is no longer the one this server locked, and writes go by path."""
+        self.refused = why
+
+    def _writable(self) -> None:
+        if self.refused is not None:
+            raise RunsDirMoved(errno.EROFS, self.refused)
 
     def ensure(self) -> None:
+        self._writable()
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
 
@@ -458,6 +474,8 @@ class RunStore:
         into place as :meth:`assemble` does (several at once), then, with ``fsync``, one fsync
         of the runs directory for all their renames. One entry per run: None when its directory is in place,
         else the StoreError that failed that run alone (nothing of it is left)."""
+        if self.refused is not None:
+            return [RunsDirMoved(errno.EROFS, self.refused) for _ in runs]
         if len(runs) > 1:
             # Each file's creation (and fsync) waits for the disk: from several threads at once,
             # the filesystem overlaps them, and each thread's wait for the GIL after a system
@@ -538,6 +556,7 @@ class RunStore:
 
     def write_job(self, run_id: str, record: dict[str, Any] | bytes) -> None:
         """``job.json``: the record, or its JSON already made (:func:`dumps`)."""
+        self._writable()
         data = record if isinstance(record, bytes) else dumps(record)
         try:
             atomic_write_bytes(self.file(run_id, contract.JOB_FILE), data, fsync=self.fsync)
@@ -545,10 +564,12 @@ class RunStore:
             raise StoreError(_disk_message(exc, self.root)) from exc
 
     def write_shared_urls(self, run_id: str, urls: dict[str, str]) -> None:
+        self._writable()
         atomic_write_json(self.file(run_id, contract.SHARED_URLS_FILE), {"models": urls}, fsync=self.fsync)
 
     def mark_done(self, run_id: str) -> None:
         """``_DONE`` as the server writes it for a run it finalizes; OSError when it cannot."""
+        self._writable()
         path = self.file(run_id, contract.DONE_FILE)
         try:
             create_run_file(path)
@@ -566,6 +587,7 @@ class RunStore:
     def unmark_done(self, run_id: str) -> None:
         """Remove ``_DONE`` (a run queued again: resumed or retried), durably before the record
         says queued; OSError when it cannot be removed."""
+        self._writable()
         remove_run_entry(self.file(run_id, contract.DONE_FILE))  # (a directory planted there too)
         if self.fsync:
             fsync_dir(self.run_dir(run_id))
@@ -573,9 +595,11 @@ class RunStore:
     def write_stop(self, run_id: str) -> None:
         """``_STOP``: the run stops at its next episode boundary (preemption). UnsafeRunFile when
         the run put something else than a regular file there."""
+        self._writable()
         create_run_file(self.file(run_id, contract.STOP_FILE))
 
     def clear_stop(self, run_id: str) -> None:
+        self._writable()
         remove_run_entry(self.file(run_id, contract.STOP_FILE))
 
     def log_path(self, run_id: str, stream: str) -> Path:
@@ -583,6 +607,7 @@ class RunStore:
         return self.file(run_id, contract.STDOUT_FILE if stream == "stdout" else contract.STDERR_FILE)
 
     def delete(self, run_id: str) -> None:
+        self._writable()
         path = self.run_dir(run_id)
         # Rename first so the directory vanishes from listings atomically, then remove it.
         trash = self.root / f"{STAGING_PREFIX}deleted-{run_id}-{time.monotonic_ns()}"
@@ -597,6 +622,7 @@ class RunStore:
         return self.root / LEASES_DIR / f"{lease_id}.json"
 
     def write_lease(self, lease_id: str, record: dict[str, Any]) -> None:
+        self._writable()
         path = self._lease_path(lease_id)
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
@@ -605,6 +631,8 @@ class RunStore:
             raise StoreError(_disk_message(exc, self.root)) from exc
 
     def delete_lease(self, lease_id: str) -> None:
+        if self.refused is not None:
+            return  # (the lease's file stays, in the moved directory: its next server ends it)
         try:
             remove_run_entry(self._lease_path(lease_id))  # (not through a link at .leases)
         except (OSError, KeyError):

@@ -16,6 +16,7 @@ from rest import spec, submit
 from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched.client import LocalServer
+from jupyter_evalsched.scheduler.gpus import write_process_table
 
 EVALS = str(Path(__file__).with_name("evals_observed.py"))
 
@@ -286,6 +287,42 @@ def test_a_server_killed_mid_run_leaves_nothing_after_its_restart(tmp_path):
         assert parents and all(os.path.isdir(p) for p in parents.values())
     # A server that stops leaves no cgroup behind, not even its (empty) namespace.
     assert not any(os.path.exists(p) for p in parents.values()), parents
+
+
+def test_observed_peaks_reach_job_json_while_the_run_runs_and_survive_a_server_kill(tmp_path):
+    """A peak's rise is written to job.json while the run runs (not only at its next transition):
+    a server killed mid-run leaves it on disk, and the recovered record keeps it."""
+    runs = str(tmp_path / "runs")
+    args = ["--EvalSchedApp.reconcile_interval_s=0.5"]
+    server = LocalServer(virtual_gpus="24000", runs_dir=runs, gpu_processes=True, extra_args=args)
+    try:
+        c = server.client()
+        body, pid_file, _gate = gated(tmp_path, "peaks", 8000)
+        rec = c.submit(body)
+        wait_until(pid_file.exists, timeout=15)
+        pid = int(pid_file.read_text())
+        wait_until(lambda: c.get(rec["id"])["state"] == "running", timeout=15)
+        gpu = c.get(rec["id"])["devices"][0]
+        job = Path(c.get(rec["id"])["run_dir"], "job.json")
+
+        def on_disk(mb: int) -> bool:
+            disk = json.loads(job.read_text())
+            return disk["state"] == "running" and (disk.get("observed") or {}).get("peak_vram_mb") == {str(gpu): mb}
+
+        write_process_table(server.gpu_processes_file, [{"pid": pid, "gpu": gpu, "used_mb": 9000}])
+        wait_until(lambda: on_disk(9000), timeout=15)
+        # A later rise is written again (after the write interval), still while it runs.
+        write_process_table(server.gpu_processes_file, [{"pid": pid, "gpu": gpu, "used_mb": 12000}])
+        wait_until(lambda: on_disk(12000), timeout=30)
+        assert json.loads(job.read_text())["observed"]["peak_rss_mb"] > 0
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+    finally:
+        server.cleanup()
+    with LocalServer(virtual_gpus="24000", runs_dir=runs) as again:
+        final = again.client().get(rec["id"])
+        assert final["state"] == "aborted", final
+        assert final["observed"]["peak_vram_mb"] == {str(gpu): 12000}, final
 
 
 # --------------------------------------------------------------------------- learned declarations

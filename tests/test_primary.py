@@ -3,9 +3,11 @@ secondaries that delegate, failover on kill -9; VRAM held by processes we do not
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -174,28 +176,44 @@ async def test_a_deleted_advertisement_is_written_again(api, evalsched, runs_dir
     assert oct(info.stat().st_mode & 0o777) == "0o600"
 
 
-async def test_a_replaced_runs_directory_ends_the_tenure_of_its_primary(api, evalsched, jp_serverapp, runs_dir):
-    """The directory at the runs path is no longer the one locked (renamed, a new one made in its
-    place): the server stops scheduling the old one (its run ends aborted there) and takes the new
-    one, so that one path never has two schedulers."""
-    code, rec = await api("POST", "runs", run(8000, episodes=1000, sleep_s=0.1))
+async def test_a_moved_runs_directory_suspends_its_primary_which_writes_nothing_at_the_old_path(
+    api, evalsched, jp_serverapp, runs_dir
+):
+    """The runs directory is renamed under its primary: the server stops scheduling (503 and
+    status ``unavailable``, saying where the directory went and what to do); its running run ends
+    (it writes by path too), and nothing is ever written at the old path: neither a new runs
+    directory nor, once someone copies it back there, anything in the copy (not the ended run's
+    record)."""
+    code, rec = await api("POST", "runs", run(8000, episodes=80, sleep_s=0.1))
     assert code == 201
     started = await async_wait_until(lambda: _then(_record(api, rec["id"]), lambda r: r["pid"] and r), timeout=5)
     old = runs_dir.with_name("runs-old")
     os.rename(runs_dir, old)
-    runs_dir.mkdir(mode=0o700)
+
+    async def unavailable():
+        code, status = await api("GET", "status")
+        return status if code == 200 and status["role"] == "unavailable" else None
+
+    status = await async_wait_until(unavailable, timeout=10)
+    assert f"was moved to {old}" in status["error"] and f"EvalSchedApp.runs_dir={old}" in status["error"], status
+    for method, path, body in (("GET", "runs", None), ("POST", "runs", run(0)), ("GET", f"runs/{rec['id']}", None)):
+        code, err = await api(method, path, body)
+        assert code == 503 and f"was moved to {old}" in err["message"], (method, path, code, err)
+    assert not runs_dir.exists()
+    # Someone copies it back to the old path: a write by path would land in the copy.
+    shutil.copytree(old, runs_dir, symlinks=True)
+    copied = sorted(p.name for p in runs_dir.iterdir())
+    job = runs_dir / rec["id"] / "job.json"
+    record_copied = job.read_bytes()
+    # The run ends (its terminal record is a write the server would make) and role checks go by.
+    await async_wait_until(lambda: not psutil_alive(started["pid"]), timeout=30)
     app = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
-
-    async def on_the_new_directory():
-        code, listing = await api("GET", "runs")
-        return code == 200 and listing["total"] == 0 and app.role.is_primary and app.role.still_holds()
-
-    await async_wait_until(on_the_new_directory, timeout=10)
-    # Its run was stopped: no process works on a directory no scheduler follows any more. (Its
-    # record there stays "running": a server that recovers the old directory marks it aborted.)
-    assert not psutil_alive(started["pid"])
+    checks = app._watch.callback_time / 1000
+    await asyncio.sleep(3 * checks + 1)  # (several role checks and reconciles: a negative check)
+    assert sorted(p.name for p in runs_dir.iterdir()) == copied
+    assert job.read_bytes() == record_copied and json.loads(record_copied)["state"] == "running"
     code, status = await api("GET", "status")
-    assert status["role"] == "primary" and status["runs_dir"] == str(runs_dir)
+    assert status["role"] == "unavailable" and app.role.is_primary  # the moved directory stays locked
 
 
 @pytest.fixture
@@ -366,3 +384,32 @@ async def test_our_own_processes_are_never_counted_as_unmanaged(api, evalsched, 
 async def _then(awaitable, check):
     """``check(await awaitable)``: a predicate over an API answer, for async_wait_until."""
     return check(await awaitable)
+
+
+def test_a_server_restarted_on_the_moved_runs_directory_recovers_its_runs(tmp_path):
+    """What the error says to do works: the server stopped on the moved directory, a server
+    started with ``runs_dir`` set to its new path has its runs; the old path was never made again."""
+    runs, moved = tmp_path / "runs", tmp_path / "moved"
+    server = LocalServer(runs_dir=str(runs), extra_args=["--EvalSchedApp.promotion_interval_s=0.2"])
+    try:
+        c = server.client()
+        rec = c.submit(run(0))
+        wait_until(lambda: c.get(rec["id"])["state"] == "succeeded", timeout=30)
+        os.rename(runs, moved)
+        status = wait_until(
+            lambda: _then_sync(c.request("GET", "status"), lambda s: s["role"] == "unavailable"), timeout=10
+        )
+        assert f"EvalSchedApp.runs_dir={moved}" in status["error"], status
+        with pytest.raises(EvalSchedError) as err:
+            c.get(rec["id"])
+        assert err.value.status == 503 and f"was moved to {moved}" in err.value.message
+        server.stop()
+    finally:
+        server.cleanup()
+    assert not runs.exists()
+    with LocalServer(runs_dir=str(moved)) as again:
+        assert again.client().get(rec["id"])["state"] == "succeeded"
+
+
+def _then_sync(value, check):
+    return value if check(value) else None

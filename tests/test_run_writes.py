@@ -22,6 +22,7 @@ import time
 from rest import NOOP, SLEEPY, spec, submit
 from waiting import async_wait_until
 
+from jupyter_evalsched.scheduler import runs as runs_module
 from jupyter_evalsched.scheduler import submission as submission_module
 from jupyter_evalsched.scheduler.attempts import Requeue
 from jupyter_evalsched.scheduler.runs import Run, RunTable, new_record
@@ -247,6 +248,57 @@ async def test_terminal_writes_keep_their_order_per_run(tmp_path, monkeypatch):
     finally:
         release.set()
         table.writer.close()
+
+
+async def test_observed_peaks_of_a_running_run_are_written_bounded_and_never_after_its_end(tmp_path, monkeypatch):
+    """A rise of a running run's peaks is written by the writer's thread; one write waits at a
+    time, a small rise or one within the interval is not written; while a running write is held
+    in the thread, the run's end is written after it, never overtaken by it."""
+    store, table, (run,) = _queued_runs(tmp_path, 1, writer=True)
+    assert table.writer is not None
+    table.writer.bind(asyncio.get_running_loop())
+    table.started(run, pid=os.getpid())
+    entered, release = threading.Event(), threading.Event()
+    write_job = store.write_job
+    order: list[tuple[str, dict | None]] = []
+
+    def held_write_job(run_id, record):
+        record = json.loads(record) if isinstance(record, bytes) else record
+        if record["state"] == "running" and record.get("observed") and not entered.is_set():
+            entered.set()
+            release.wait(30)
+        order.append((record["state"], (record.get("observed") or {}).get("peak_vram_mb")))
+        write_job(run_id, record)
+
+    monkeypatch.setattr(store, "write_job", held_write_job)
+    monkeypatch.setattr(runs_module, "OBSERVED_WRITE_INTERVAL_S", 0.0)
+    try:
+        table.observe(run, {0: 1000}, 10)
+        await async_wait_until(entered.is_set, timeout=10, message="the writer never began")
+        table.observe(run, {0: 5000}, 10)  # (one write at a time: this one waits for the next)
+        assert table.writes_waiting == 1
+        threading.Timer(0.2, release.set).start()
+        table.finish(run, "failed", "failed: by the test")  # settles the running write first
+        await table.all_written()
+        assert order == [("running", {"0": 1000}), ("failed", {"0": 5000})]
+        assert _on_disk(store, run.id) == ("failed", True)
+    finally:
+        release.set()
+        table.writer.close()
+
+    # Bounded: a rise under 64 MB (and 5 %) is not written; within the interval none is.
+    store, table, (run,) = _queued_runs(tmp_path, 1, writer=False)
+    table.started(run, pid=os.getpid())
+    order.clear()
+    monkeypatch.setattr(store, "write_job", held_write_job)
+    entered.set()
+    table.observe(run, {0: 1000}, 10)
+    table.observe(run, {0: 1040}, 10)
+    assert order == [("running", {"0": 1000})]
+    monkeypatch.setattr(runs_module, "OBSERVED_WRITE_INTERVAL_S", 3600.0)
+    table.observe(run, {0: 9000}, 10)
+    assert order == [("running", {"0": 1000})]
+    assert run.record["observed"]["peak_vram_mb"] == {"0": 9000}  # (in memory at once)
 
 
 def test_without_a_writer_every_terminal_record_is_written_at_once(tmp_path):

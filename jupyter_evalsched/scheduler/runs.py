@@ -58,6 +58,32 @@ HEAVY_SPEC_FIELDS = ("params", "source", "env")
 FRESH_SPECS = 256  # whole specs kept from submission to start (RunTable.remember_spec) ...
 FRESH_SPEC_MAX_BYTES = 16 * 1024  # ... of at most this size: 4 MB at most in all
 
+# A running run's ``observed`` peaks reach job.json while it runs (a server killed mid-run keeps
+# them for ``auto`` declarations and for the recovered record), at most once per interval per
+# run, and only for a rise worth a write: a new GPU, or a peak up by the larger of the two below.
+OBSERVED_WRITE_INTERVAL_S = 5.0
+OBSERVED_WRITE_MIN_MB = 64
+OBSERVED_WRITE_MIN_FRACTION = 0.05
+
+
+def _rose(old: int | None, new: int | None) -> bool:
+    if new is None:
+        return False
+    if old is None:
+        return True
+    return new - old >= max(OBSERVED_WRITE_MIN_MB, old * OBSERVED_WRITE_MIN_FRACTION)
+
+
+def observed_worth_writing(written: Mapping[str, Any] | None, now: Mapping[str, Any] | None) -> bool:
+    """Whether the peaks ``now`` rose enough above those last written to be written again."""
+    if not now:
+        return False
+    written = written or {}
+    old_vram, new_vram = written.get("peak_vram_mb") or {}, now.get("peak_vram_mb") or {}
+    if any(_rose(old_vram.get(device), mb) for device, mb in new_vram.items()):
+        return True
+    return _rose(written.get("peak_rss_mb"), now.get("peak_rss_mb"))
+
 
 def slim_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in spec.items() if k not in HEAVY_SPEC_FIELDS}
@@ -117,6 +143,8 @@ class Run:
     requeued_why: contract.Why | None = None  # preempted_by:<id>: ..., kept ahead of admission's reasons
     done_on_disk: bool = False
     summary_stamp: FileStamp | None = None  # of the summary last applied
+    observed_written: dict[str, Any] | None = None  # the ``observed`` last handed to a write
+    observed_written_ts: float = 0.0  # time.monotonic() of that write (RunTable.observe)
     given_scheduling: InitVar[RunScheduling | None] = None  # made at submission, for its record
 
     def __post_init__(self, given_scheduling: RunScheduling | None) -> None:
@@ -486,7 +514,8 @@ class RunTable:
         self, run: Run, vram_mb: dict[int, int], rss_mb: int | None, source: str | None = None, notify: bool = True
     ) -> bool:
         """Fold what the run uses now into its ``observed`` peaks; True (and listeners told, unless
-        not ``notify``) when a peak rose. Not written by itself: the next transition writes it."""
+        not ``notify``) when a peak rose. A running run's rise is written to ``job.json`` by the
+        writer's thread (``_persist_observed``: bounded), the rest by the next transition."""
         old = run.record.get("observed")
         peaks = dict((old or {}).get("peak_vram_mb") or {})
         for device, mb in vram_mb.items():
@@ -501,11 +530,39 @@ class RunTable:
             "source": source or (old or {}).get("source") or "nvml",
         }
         if new == old:
+            self._persist_observed(run)  # (a rise held back by the interval, written now)
             return False
         run.record["observed"] = new
+        self._persist_observed(run)
         if notify:
             self.changed(run)
         return True
+
+    def _persist_observed(self, run: Run) -> None:
+        """The running record, with its new peaks, queued to the writer (at once without one),
+        at most every ``OBSERVED_WRITE_INTERVAL_S`` and for a rise worth it. It is queued as the
+        run's pending write: a later write for the run (a transition, its terminal record, a
+        deletion) settles it first, so a stale running record never lands after a newer one."""
+        if run.state != contract.RUNNING or run.id in self._pending:
+            return  # (a write still waits: the next observation tries again)
+        observed = run.record.get("observed")
+        now = time.monotonic()
+        if now - run.observed_written_ts < OBSERVED_WRITE_INTERVAL_S:
+            return
+        if not observed_worth_writing(run.observed_written, observed):
+            return
+        try:
+            data = dumps(run.record)
+        except Exception:  # a record that cannot be serialized: its next save says so
+            return
+        run.observed_written, run.observed_written_ts = observed, now
+        write = TerminalWrite(run.id, data, False, functools.partial(self._terminal_written, run, True))
+        self._pending[run.id] = write
+        if self.writer is not None:
+            self.writer.terminal([write])
+        else:
+            write.make(self.store)
+            write.complete()
 
     def add_warning(self, run: Run, key: str, warning: str) -> bool:
         """A problem seen while it runs (``over_vram: ...``), recorded once per ``key`` (a code
@@ -753,6 +810,7 @@ class RunTable:
                 log.exception("evalsched: cannot write job.json of %s", run.id)
             return False
         self._unwritten.discard(run.id)
+        run.observed_written = run.record.get("observed")
         return True
 
     def ensure_done(self, run: Run) -> None:

@@ -160,6 +160,13 @@ class Scheduler:
         ]
         self.admission.decide(now=True)
 
+    def suspend(self, why: str) -> None:
+        """Its runs directory was moved: every write refused (``RunStore.refuse_writes``), no
+        admission. It stops no run (a run writes its own files by path, and ends at its next
+        write); what their ends would write is refused too."""
+        self.store.refuse_writes(why)
+        self.admission.stop()
+
     async def stop(self) -> None:
         """Shutdown: running runs are killed and end ``aborted``; queued jobs stay queued, and so
         do runs admitted but not started yet. Admission stops first."""

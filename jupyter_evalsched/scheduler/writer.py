@@ -1,5 +1,6 @@
-"""One thread writes run directories off the event loop: the directories of new submissions and
-the terminal ``job.json``/``_DONE`` of ended runs.
+"""One thread writes run directories off the event loop: the directories of new submissions, the
+terminal ``job.json``/``_DONE`` of ended runs, and the ``job.json`` of running runs whose observed
+peaks rose (a ``TerminalWrite`` without ``_DONE``: ``RunTable._persist_observed``).
 
 Concurrent submissions are written as one batch: the thread takes everything queued when it
 wakes, has each directory assembled and renamed into place, and with ``fsync`` makes all the
@@ -58,7 +59,8 @@ class TerminalWrite:
     """A run's terminal ``job.json`` (its JSON made on the loop, so that later changes to the
     record in memory cannot tear it) and then, unless the run wrote its own, ``_DONE``.
     ``on_done`` is called on the loop once it is made (by the thread or by ``settle``), with
-    ``job_error``/``done_error`` saying what failed."""
+    ``job_error``/``done_error`` saying what failed. Without ``mark_done``, a running record
+    (its observed peaks), kept in the same per-run order."""
 
     __slots__ = (
         "_applied",
