@@ -94,12 +94,19 @@ def build_tiny_bert(directory: str, *, seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = BertModel(config).eval()
 
+    return save_into(directory, ".tiny-bert-", model, fast)
+
+
+def save_into(directory: str, prefix: str, *parts) -> str:
+    """``save_pretrained`` each of ``parts`` into a staging directory beside ``directory``, then
+    rename it into place: several processes may build the same model at once, and the first
+    rename wins (the others find a complete directory)."""
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".tiny-bert-", dir=parent)
+    staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
-        model.save_pretrained(staging)
-        fast.save_pretrained(staging)
+        for part in parts:
+            part.save_pretrained(staging)
         try:
             os.rename(staging, directory)
         except OSError:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 EOS = "<|endoftext|>"
@@ -93,20 +91,9 @@ def build_tiny_gpt2(directory: str | os.PathLike, *, seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()
 
-    parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".tiny-gpt2-", dir=parent)
-    try:
-        model.save_pretrained(staging)
-        fast.save_pretrained(staging)
-        try:
-            os.rename(staging, directory)
-        except OSError:
-            if not os.path.isfile(os.path.join(directory, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return directory
+    from .tiny import save_into
+
+    return save_into(directory, ".tiny-gpt2-", model, fast)
 
 
 def load_tiny_lm(model: str | None = None, device: str = "cpu", dtype: str | None = None, **options):
