@@ -225,7 +225,7 @@ def _real_planned() -> dict[str, str]:
 
 REAL_PLAN = _real_planned()
 IS_ROOT = os.geteuid() == 0
-# This project's machines (and CI) are hybrid hosts where the tests run as root (ENVIRONMENT.md):
+# This project's machines (and CI) are hybrid hosts where the tests run as root:
 # the tests that need it assert it rather than skip, so that a change of host shows.
 HYBRID_HERE = IS_ROOT and "unified" in REAL_PLAN and "memory" in REAL_PLAN
 
@@ -277,7 +277,7 @@ def namespace() -> Iterator[str]:
 @pytest.fixture
 def cgroups(namespace: str) -> Cgroups:
     cg = Cgroups.detect(namespace=namespace)
-    # This project's machines (and CI) have writable cgroups (ENVIRONMENT.md): never a silent skip.
+    # This project's machines (and CI) have writable cgroups: never a silent skip.
     assert cg.enabled, f"cgroups should work on this host: {cg.support.detail}"
     return cg
 

@@ -133,7 +133,7 @@ async def test_with_enforcement_a_run_over_its_declaration_is_stopped(api, tmp_p
 async def test_the_status_says_which_cgroup_mode_is_in_force(api):
     code, status = await api("GET", "status")
     cgroups = status["cgroups"]
-    # These machines have a hybrid hierarchy writable as root (ENVIRONMENT.md).
+    # These machines have a hybrid hierarchy writable as root.
     assert cgroups["mode"] != "none", cgroups
     assert cgroups["memory"] is True and cgroups["kill"] != "none"
     assert status["enforce_vram"] == "warn" and status["gpu_source"] == "virtual"
