@@ -25,7 +25,6 @@ p99 < 30 ms); with ``--old``, the ratios new/old.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import shutil
@@ -34,7 +33,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -43,21 +41,11 @@ from jupyter_core.paths import jupyter_data_dir  # noqa: E402
 
 from jupyter_evalsched.client import LocalServer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rest import Conn  # noqa: E402  (the keep-alive client the REST bench uses)
+
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 NOOP = "jupyter_evalsched.examples.basic:noop"
-
-
-class Conn:
-    def __init__(self, url: str, token: str) -> None:
-        parts = urlsplit(url)
-        self.base = parts.path.rstrip("/")
-        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-        self.headers = {"Authorization": f"token {token}", "Content-Type": "application/json"}
-
-    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        self.conn.request(method, self.base + path, body=body, headers=self.headers)
-        resp = self.conn.getresponse()
-        return resp.status, resp.read()
 
 
 def hammer(

@@ -447,26 +447,18 @@ class Cgroups:
         stale = self.existing(run_id)
         if stale is not None:
             stale.remove()
-        made: dict[str, Path] = {}
-        try:
-            for name, ns_dir in self._support.parents.items():
-                path = Path(ns_dir, run_id)
-                try:
-                    os.mkdir(path)
-                except FileNotFoundError:
-                    self._ensure_namespace(name, ns_dir)
-                    os.mkdir(path)
-                made[name] = path
-            run = self._run_cgroup(run_id, made)
-            if memory_mb is not None and self._memory_kind is not None:
+        made = self._mkdir_everywhere(run_id, f"the cgroup of run {run_id}")
+        run = self._run_cgroup(run_id, made)
+        if memory_mb is not None and self._memory_kind is not None:
+            try:
                 run.set_memory_limit(memory_mb)
-        except (OSError, CgroupError) as exc:
-            for path in made.values():
-                rmdir_tree(path, time.monotonic())
-            if isinstance(exc, CgroupError):
-                raise
-            where = str(exc.filename) if exc.filename else "mkdir"
-            raise CgroupError(f"cannot create the cgroup of run {run_id}: {oserror_text(where, exc)}") from exc
+            except (OSError, CgroupError) as exc:
+                for path in made.values():
+                    rmdir_tree(path, time.monotonic())
+                if isinstance(exc, CgroupError):
+                    raise
+                where = str(exc.filename) if exc.filename else "memory limit"
+                raise CgroupError(f"cannot create the cgroup of run {run_id}: {oserror_text(where, exc)}") from exc
         return run
 
     def new_name(self) -> str:
@@ -478,7 +470,11 @@ class Cgroups:
         CgroupError when it cannot be made."""
         if not self.enabled:
             raise CgroupError(f"no cgroups on this host: {self._support.detail}")
-        name = self.new_name()
+        return self._run_cgroup("", self._mkdir_everywhere(self.new_name(), "a run cgroup"))
+
+    def _mkdir_everywhere(self, name: str, what: str) -> dict[str, Path]:
+        """The directory ``name`` in each hierarchy's namespace (made when missing), or none of
+        them: CgroupError saying why."""
         made: dict[str, Path] = {}
         try:
             for key, ns_dir in self._support.parents.items():
@@ -495,8 +491,8 @@ class Cgroups:
             if isinstance(exc, CgroupError):
                 raise
             where = str(exc.filename) if exc.filename else "mkdir"
-            raise CgroupError(f"cannot create a run cgroup: {oserror_text(where, exc)}") from exc
-        return self._run_cgroup("", made)
+            raise CgroupError(f"cannot create {what}: {oserror_text(where, exc)}") from exc
+        return made
 
     def leaf(self, name: str) -> RunCgroup | None:
         """The cgroup ``name`` (one a process made for itself: a zygote's spare) in each
