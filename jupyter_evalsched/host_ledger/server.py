@@ -220,8 +220,7 @@ class HostLedger:
             with open(self.state_file, encoding="utf-8") as f:
                 saved = json.load(f)
         except FileNotFoundError:
-            # No memory of any tenant: wait the whole window for servers to re-tell their grants.
-            self.reclaim_until = time.monotonic() + self.config.reclaim_window_s
+            # A first start (or the first since a reboot emptied /run): no tenant holds a grant.
             return
         except (OSError, ValueError) as exc:
             log.warning("state file %s unreadable (%s): waiting the reclaim window", self.state_file, exc)
