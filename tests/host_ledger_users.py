@@ -21,6 +21,7 @@ from pathlib import Path
 from waiting import wait_until
 
 from jupyter_evalsched.host_ledger.client import status
+from jupyter_evalsched.scheduler.gpus import write_process_table
 
 REPO = Path(__file__).resolve().parents[1]
 AGENT = REPO / "tests" / "host_ledger_agent.py"
@@ -66,8 +67,9 @@ class Ledger:
         self.socket = os.path.join(self.dir, "ledger.sock")
         self.config = os.path.join(self.dir, "config.json")
         self.state_file = f"{self.socket}.state.json"
+        self.processes_table = os.path.join(self.dir, "gpu_processes.json")  # absent: no processes
         with open(self.config, "w", encoding="utf-8") as f:
-            json.dump(config, f)
+            json.dump({"virtual_gpu_processes": self.processes_table, **config}, f)
         os.chmod(self.config, 0o644)
         self.proc: subprocess.Popen | None = None
         self.log = os.path.join(self.dir, "ledger.log")
@@ -94,6 +96,11 @@ class Ledger:
             except subprocess.TimeoutExpired:
                 self.kill9()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def plant(self, entries: list[dict]) -> None:
+        """What the virtual probe reports from the next sweep on, as NVML would."""
+        write_process_table(self.processes_table, entries)
+        os.chmod(self.processes_table, 0o644)
 
     def view(self) -> dict:
         """The whole view (the tests run as root, an admin)."""

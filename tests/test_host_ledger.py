@@ -19,7 +19,7 @@ from waiting import wait_until
 from jupyter_evalsched.host_ledger.protocol import FRAME_DEADLINE_S, encode
 
 pytestmark = pytest.mark.timeout(120)
-ALICE = PREFIX + "alice"
+ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
 
 
 @pytest.fixture(scope="session")
@@ -261,3 +261,23 @@ def test_a_restarted_ledger_under_load_grants_nothing_twice(users, ledger, agent
     assert_never_over(ledger.view())
     for agent, run in ((alice, a_run), (bob, b_run)):
         agent.ok("kill", pid=run)
+
+
+def test_processes_outside_any_grant_are_unmanaged_and_named_by_user(users, agents, ledger):
+    alice, bob = agents("alice"), agents("bob")
+    bobs_notebook, alices_run = bob.ok("spawn"), alice.ok("spawn")
+    grant = alice.ok("request", key="run", vram_mb=6000)
+    alice.ok("retie", grant=grant["id"], pids=[alices_run])
+    ledger.plant([{"pid": bobs_notebook, "gpu": 0, "used_mb": 9000}, {"pid": alices_run, "gpu": 0, "used_mb": 5000}])
+    view = wait_for_view(ledger, lambda v: v["devices"][0]["unmanaged_mb"])
+    dev = view["devices"][0]
+    # The run's own VRAM is its grant's, not unmanaged; bob's process is, under his name.
+    assert dev["unmanaged_mb"] == 9000 and dev["free_mb"] == 24000 - 6000 - 9000
+    assert dev["unmanaged_processes"] == [{"pid": bobs_notebook, "gpu": 0, "used_mb": 9000, "user": BOB}]
+    tag = alice.send("request", key="more", vram_mb=10000)
+    view = wait_for_view(ledger, lambda v: v["waiting"])
+    assert "processes outside the ledger hold 9000 MB on GPU 0" in view["waiting"][0]["reason"]
+    bob.ok("kill", pid=bobs_notebook)
+    ledger.plant([])
+    assert alice.result(tag)["result"]["devices"] == [0]
+    alice.ok("kill", pid=alices_run)

@@ -190,6 +190,10 @@ def decide(ask: Ask, devices: Mapping[int, HostDevice], holdings: Sequence[Holdi
     chosen = fitting[: ask.gpus]
     if quota.gpus is not None and len(held | {d.index for d in chosen}) > quota.gpus:
         return Decision("waiting", reason=f"quota: user {ask.user} may hold {_plural(quota.gpus, 'GPU')}; holds {len(held)}")
+    if quota.vram_mb is not None and ask.exclusive:  # charged the whole GPUs it takes
+        holds = held_mb(ask.user, devices, holdings)
+        if holds + sum(d.usable_mb for d in chosen) > quota.vram_mb:
+            return Decision("waiting", reason=f"quota: user {ask.user} may hold {quota.vram_mb} MB of VRAM; holds {holds} MB")
     return Decision("granted", devices=tuple(sorted(d.index for d in chosen)))
 
 
