@@ -985,14 +985,19 @@ def format_host_ledger(view: dict) -> str:
     """The host ledger's view (``--status``): per GPU what is held and by whom, then the grants
     and the waiting requests the caller may see."""
     head = f"host ledger: user {view['user']}{' (admin: every user)' if view.get('admin') else ''}"
-    lines = [head + ("; reclaiming: new grants wait for the servers to re-tell theirs" if view.get("reclaiming") else "")]
+    lines = [
+        head + ("; reclaiming: new grants wait for the servers to re-tell theirs" if view.get("reclaiming") else "")
+    ]
     rows = []
     for dev in view["devices"]:
         others = ", ".join(f"{u['user']} {u['allocated_mb']} MB" for u in dev["users"]) or "-"
         rows.append([dev["index"], dev["usable_mb"], dev["allocated_mb"], dev["unmanaged_mb"], dev["free_mb"], others])
     lines.append(format_table(rows, ["GPU", "USABLE_MB", "GRANTED_MB", "UNMANAGED_MB", "FREE_MB", "OTHER USERS"]))
     if view["grants"]:
-        grants = [[g["id"], g["user"], g["kind"], g["key"], ",".join(map(str, g["devices"])), g["vram_mb"]] for g in view["grants"]]
+        grants = [
+            [g["id"], g["user"], g["kind"], g["key"], ",".join(map(str, g["devices"])), g["vram_mb"]]
+            for g in view["grants"]
+        ]
         lines += ["", format_table(grants, ["GRANT", "USER", "KIND", "KEY", "GPUS", "VRAM_MB"])]
     if view["waiting"]:
         waiting = [[w["user"], w["key"], w["vram_mb"], w["reason"]] for w in view["waiting"]]

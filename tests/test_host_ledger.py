@@ -4,15 +4,28 @@ hostile ones. Only the GPUs are virtual."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import time
 
 import pytest
-from host_ledger_users import PREFIX, Agent, Ledger, assert_never_over, grant_ids, make_users, wait_for_view
+from host_ledger_users import (
+    PREFIX,
+    REPO,
+    Agent,
+    Ledger,
+    as_user,
+    assert_never_over,
+    grant_ids,
+    make_users,
+    wait_for_view,
+)
 from proc_status import alive
 from waiting import wait_until
 
@@ -89,7 +102,9 @@ def test_two_users_never_over_usable_and_a_wait_names_the_holder(users, ledger, 
         if held[name] and rng.random() < 0.4:
             agent.ok("release", grant=held[name].pop(rng.randrange(len(held[name]))))
         else:
-            pending.append((name, agent, agent.send("request", key=f"{name}-{step}", vram_mb=rng.choice([2000, 6000, 9000]))))
+            pending.append(
+                (name, agent, agent.send("request", key=f"{name}-{step}", vram_mb=rng.choice([2000, 6000, 9000])))
+            )
         for entry in list(pending):
             if entry[1].done(entry[2]):
                 pending.remove(entry)
@@ -281,3 +296,59 @@ def test_processes_outside_any_grant_are_unmanaged_and_named_by_user(users, agen
     ledger.plant([])
     assert alice.result(tag)["result"]["devices"] == [0]
     alice.ok("kill", pid=alices_run)
+
+
+def test_status_shows_root_every_user_and_a_user_their_own(users, ledger, agents):
+    alice = agents("alice")
+    alice.ok("request", key="alices-eval", vram_mb=7000)
+    cli = [sys.executable, "-m", "jupyter_evalsched.cli", "host-ledger", "--socket", ledger.socket, "--status"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    whole = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=env)
+    assert whole.returncode == 0, whole.stderr
+    assert "admin: every user" in whole.stdout and "alices-eval" in whole.stdout and ALICE in whole.stdout
+    kw = as_user(users["bob"], [*cli, "--json"])
+    own = subprocess.run(kw.pop("args"), capture_output=True, text=True, timeout=60, **kw)
+    assert own.returncode == 0, own.stderr
+    view = json.loads(own.stdout)
+    assert view["user"] == BOB and view["admin"] is False and view["grants"] == []
+    assert view["devices"][0]["users"] == [{"user": ALICE, "allocated_mb": 7000, "leases": 0, "runs": 1}]
+    assert "alices-eval" not in own.stdout
+    missing = subprocess.run(
+        [*cli[:-3], "--socket", ledger.socket + ".nope", "--status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert missing.returncode == 2 and "cannot connect" in missing.stderr
+
+
+def test_a_bad_policy_file_stops_the_ledger_with_the_key_named(tmp_path):
+    config = tmp_path / "policy.json"
+    config.write_text(json.dumps({"quota": {"alice": {"vram": 1}}}))
+    cli = [sys.executable, "-m", "jupyter_evalsched.cli", "host-ledger", "--socket", str(tmp_path / "s.sock")]
+    proc = subprocess.run([*cli, "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "quota.alice: unknown key 'vram'" in proc.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_the_deployment_examples_parse(tmp_path):
+    from jupyter_evalsched.host_ledger.config import load_config
+
+    examples = REPO / "jupyter-config" / "host-ledger"
+    assert load_config(str(examples / "host-ledger.json")).quota("alice").gpus == 2
+    unit = (examples / "evalsched-host-ledger.service").read_text()
+    for line in (
+        "RuntimeDirectory=evalsched",
+        "User=evalsched",
+        "evalsched host-ledger --socket /run/evalsched/ledger.sock",
+    ):
+        assert line in unit
+    namespace = {"get_config": lambda: type("C", (), {"JupyterHub": type("H", (), {})()})()}
+    exec(compile((examples / "jupyterhub_config.py").read_text(), "jupyterhub_config.py", "exec"), namespace)
+    (service,) = namespace["c"].JupyterHub.services
+    assert service["command"][service["command"].index("host-ledger") - 2 :][:3] == [
+        "jupyter",
+        "evalsched",
+        "host-ledger",
+    ]

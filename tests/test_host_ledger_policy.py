@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from jupyter_evalsched.host_ledger.config import ConfigError, parse_config
-from jupyter_evalsched.host_ledger.policy import Ask, HostDevice, Holding, Quota, decide, held_mb, next_grant
+from jupyter_evalsched.host_ledger.policy import Ask, Holding, HostDevice, Quota, decide, held_mb, next_grant
 from jupyter_evalsched.host_ledger.protocol import MAX_FRAME_BYTES, ProtocolError, encode, read_frame
 
 GPU0 = {0: HostDevice(0, 24000)}
@@ -64,6 +64,12 @@ def test_exclusive_takes_a_whole_idle_gpu_and_nothing_shares_it():
     assert decide(Ask("alice", 0, exclusive=True), busy, [], Quota()).state == "waiting"
 
 
+def test_an_exclusive_grant_counts_its_whole_gpu_against_the_quota():
+    d = decide(Ask("alice", 0, exclusive=True), TWO, [Holding("alice", (0,), 10000)], Quota(vram_mb=30000))
+    assert (d.state, d.reason) == ("waiting", "quota: user alice may hold 30000 MB of VRAM; holds 10000 MB")
+    assert decide(Ask("alice", 0, exclusive=True), TWO, [], Quota(vram_mb=30000)).state == "granted"
+
+
 def test_grants_pack_onto_the_fullest_gpu_that_fits():
     d = decide(Ask("alice", 8000), TWO, [Holding("bob", (1,), 10000)], Quota())
     assert d.devices == (1,)
@@ -77,7 +83,9 @@ def test_random_grants_never_pass_usable_or_unmanaged():
         if holdings and rng.random() < 0.3:
             holdings.pop(rng.randrange(len(holdings)))
             continue
-        ask = Ask(rng.choice("abc"), rng.choice([0, 1000, 5000, 9000, 16000]), rng.choice([1, 1, 2]), rng.random() < 0.1)
+        ask = Ask(
+            rng.choice("abc"), rng.choice([0, 1000, 5000, 9000, 16000]), rng.choice([1, 1, 2]), rng.random() < 0.1
+        )
         d = decide(ask, devices, holdings, Quota(vram_mb=30000))
         if d.state == "granted":
             holdings.append(Holding(ask.user, d.devices, ask.vram_mb, ask.exclusive))

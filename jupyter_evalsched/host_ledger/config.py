@@ -108,7 +108,7 @@ def parse_config(raw: Any) -> LedgerConfig:
     try:
         mode = int(mode_raw, 8) if isinstance(mode_raw, str) else int(mode_raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"socket_mode must be an octal string like \"0660\", got {mode_raw!r}") from None
+        raise ConfigError(f'socket_mode must be an octal string like "0660", got {mode_raw!r}') from None
     if not 0 <= mode <= 0o777:
         raise ConfigError(f"socket_mode {mode_raw!r} is not a file mode")
     window = raw.get("reclaim_window_s", DEFAULT_RECLAIM_WINDOW_S)

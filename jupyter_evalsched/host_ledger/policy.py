@@ -115,13 +115,13 @@ def _quota_reason(ask: Ask, devices: Mapping[int, HostDevice], holdings: Sequenc
         if leases + 1 > quota.leases:
             return f"quota: user {ask.user} may hold {_plural(quota.leases, 'lease')}; holds {leases}"
     if quota.gpus is not None:
-        held = {i for h in mine for i in h.devices}
+        gpus = {i for h in mine for i in h.devices}
         wanted = set(ask.devices) if ask.devices is not None else set()
         # Without named devices the policy may place it on GPUs already held: count the new ones
         # it must take at least.
-        new = len(wanted - held) if ask.devices is not None else max(0, ask.gpus - len(held))
-        if len(held) + new > quota.gpus:
-            return f"quota: user {ask.user} may hold {_plural(quota.gpus, 'GPU')}; holds {len(held)}"
+        new = len(wanted - gpus) if ask.devices is not None else max(0, ask.gpus - len(gpus))
+        if len(gpus) + new > quota.gpus:
+            return f"quota: user {ask.user} may hold {_plural(quota.gpus, 'GPU')}; holds {len(gpus)}"
     if quota.vram_mb is not None and not ask.exclusive:
         held = held_mb(ask.user, devices, mine)
         if held + ask.vram_mb * ask.gpus > quota.vram_mb:
@@ -189,11 +189,15 @@ def decide(ask: Ask, devices: Mapping[int, HostDevice], holdings: Sequence[Holdi
     fitting.sort(key=lambda d: (d.index not in held, free_mb(d, load), d.index))
     chosen = fitting[: ask.gpus]
     if quota.gpus is not None and len(held | {d.index for d in chosen}) > quota.gpus:
-        return Decision("waiting", reason=f"quota: user {ask.user} may hold {_plural(quota.gpus, 'GPU')}; holds {len(held)}")
+        return Decision(
+            "waiting", reason=f"quota: user {ask.user} may hold {_plural(quota.gpus, 'GPU')}; holds {len(held)}"
+        )
     if quota.vram_mb is not None and ask.exclusive:  # charged the whole GPUs it takes
         holds = held_mb(ask.user, devices, holdings)
         if holds + sum(d.usable_mb for d in chosen) > quota.vram_mb:
-            return Decision("waiting", reason=f"quota: user {ask.user} may hold {quota.vram_mb} MB of VRAM; holds {holds} MB")
+            return Decision(
+                "waiting", reason=f"quota: user {ask.user} may hold {quota.vram_mb} MB of VRAM; holds {holds} MB"
+            )
     return Decision("granted", devices=tuple(sorted(d.index for d in chosen)))
 
 

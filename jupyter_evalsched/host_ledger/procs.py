@@ -71,7 +71,7 @@ def owned(pid: int, uid: int) -> ProcId | None:
 
 def ancestors(pid: int, limit: int = 64) -> list[int]:
     """``pid`` and its parents up to init (bounded)."""
-    out = []
+    out: list[int] = []
     while pid > 1 and len(out) < limit:
         out.append(pid)
         up = parent(pid)

@@ -31,7 +31,7 @@ from typing import Any
 from ..scheduler.gpus import GpuInfo, GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
 from . import procs
 from .config import LedgerConfig
-from .policy import Ask, Decision, HostDevice, Holding, Quota, decide, next_grant
+from .policy import Ask, Decision, Holding, HostDevice, Quota, decide, next_grant
 from .procs import ProcId
 from .protocol import HELLO_DEADLINE_S, ProtocolError, encode, read_frame
 
@@ -346,7 +346,10 @@ class HostLedger:
         while self.waiting:
             devices = self.devices()
             pick = next_grant(
-                [w.ask for w in self.waiting], devices, self.holdings(), {w.ask.user: self._quota(w) for w in self.waiting}
+                [w.ask for w in self.waiting],
+                devices,
+                self.holdings(),
+                {w.ask.user: self._quota(w) for w in self.waiting},
             )
             if pick is None:
                 break
@@ -390,7 +393,9 @@ class HostLedger:
         )
         self.grants[grant.id] = grant
         w.grant = grant
-        log.info("granted %s to %s (%s): %s MB on GPU %s", grant.id, grant.user, grant.key, grant.vram_mb, grant.devices)
+        log.info(
+            "granted %s to %s (%s): %s MB on GPU %s", grant.id, grant.user, grant.key, grant.vram_mb, grant.devices
+        )
         if w.replied:
             w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": grant.as_json()})
 
@@ -405,9 +410,18 @@ class HostLedger:
         try:
             pid, uid = peer_credentials(writer.get_extra_info("socket"))
             if sum(1 for c in self.conns if c.uid == uid) >= MAX_CONNECTIONS_PER_UID:
-                writer.write(encode(_error(None, "too_many_connections", f"at most {MAX_CONNECTIONS_PER_UID} per user")))
+                writer.write(
+                    encode(_error(None, "too_many_connections", f"at most {MAX_CONNECTIONS_PER_UID} per user"))
+                )
                 return
-            conn = Conn(uid, pid, procs.user_name(uid), procs.identify(pid), procs.in_group(uid, self.config.admin_group), writer)
+            conn = Conn(
+                uid,
+                pid,
+                procs.user_name(uid),
+                procs.identify(pid),
+                procs.in_group(uid, self.config.admin_group),
+                writer,
+            )
             self.conns.add(conn)
             first = True
             while not conn.closed:
@@ -573,12 +587,16 @@ class HostLedger:
                     devices = self.devices()
                     if ask.devices is None or any(i not in devices for i in ask.devices):
                         raise BadRequest("bad_request", "a re-told grant names the GPUs it holds")
-                    known = Grant(item["id"], conn.uid, conn.user, key, ask.kind, ask.devices, ask.vram_mb, ask.exclusive, live)
+                    known = Grant(
+                        item["id"], conn.uid, conn.user, key, ask.kind, ask.devices, ask.vram_mb, ask.exclusive, live
+                    )
                     self.grants[known.id] = known
                 known.procs, known.conn = live, conn
                 kept.append(known.as_json())
             except BadRequest as exc:
-                refused.append({"id": item.get("id") if isinstance(item, dict) else None, "error": exc.code, "reason": exc.reason})
+                refused.append(
+                    {"id": item.get("id") if isinstance(item, dict) else None, "error": exc.code, "reason": exc.reason}
+                )
         self.pending_tenants = {t for t in self.pending_tenants if t != (conn.uid, conn.proc)}
         self._save_state()
         self._schedule()
@@ -591,7 +609,12 @@ class HostLedger:
 
     def _devices_json(self) -> list[dict[str, Any]]:
         return [
-            {"index": g.index, "name": g.name, "total_mb": g.total_mb, "usable_mb": self.config.usable(g.index, g.total_mb)}
+            {
+                "index": g.index,
+                "name": g.name,
+                "total_mb": g.total_mb,
+                "usable_mb": self.config.usable(g.index, g.total_mb),
+            }
             for g in self.view.gpus
         ]
 
