@@ -4,6 +4,7 @@ hostile ones. Only the GPUs are virtual."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -29,6 +30,7 @@ from host_ledger_users import (
 from proc_status import alive
 from waiting import wait_until
 
+from jupyter_evalsched.host_ledger.client import status
 from jupyter_evalsched.host_ledger.protocol import FRAME_DEADLINE_S, encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -352,3 +354,54 @@ def test_the_deployment_examples_parse(tmp_path):
         "evalsched",
         "host-ledger",
     ]
+
+
+def test_a_view_larger_than_a_request_frame_still_reaches_the_client(tmp_path):
+    """Requests are capped at 64 KiB; the ledger's answers are not held to that (a busy host's
+    whole view is larger). In one process, as root, against a ledger in the same loop."""
+    from jupyter_evalsched.host_ledger.client import HostLedgerClient
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.protocol import MAX_FRAME_BYTES
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    async def go() -> None:
+        server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(tmp_path / "ledger.sock"))
+        await server.start()
+        client = HostLedgerClient(server.socket_path)
+        try:
+            await client.connect()
+            for i in range(260):
+                await client.request(f"{i:04d}-" + "k" * 190, 10)
+            view = await client.view()
+            assert len(view["grants"]) == 260 and len(json.dumps(view)) > MAX_FRAME_BYTES
+            assert (await asyncio.to_thread(status, server.socket_path))["grants"] == view["grants"]
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("ledger_config", [{"virtual_gpus": [24000], "reclaim_window_s": 3}])
+def test_with_its_state_file_unreadable_a_restarted_ledger_learns_the_grants_from_the_tenants(users, ledger, agents):
+    """The worst restart: the ledger remembers nothing it can trust, so it waits the whole window
+    (3 s here) for the tenants; alice's re-told grant is then held, and bob's request waits on it."""
+    alice, bob = agents("alice"), agents("bob")
+    run = alice.ok("spawn")
+    a = alice.ok("request", key="a-run", vram_mb=20000)
+    alice.ok("retie", grant=a["id"], pids=[run])
+    ledger.kill9()
+    with open(ledger.state_file, "w") as f:
+        f.write("{not json")
+    ledger.start()
+    assert bob.ok("connect")["reclaiming"] is True
+    tag = bob.send("request", key="b", vram_mb=10000)
+    wait_for_view(ledger, lambda v: v["waiting"])
+    hello = alice.ok("connect")  # re-tells a grant the ledger had forgotten
+    assert hello["grants"] == [] and alice.ok("grants") == [a["id"]]
+    holder = f"user {ALICE} holds 20000 MB on GPU 0"
+    view = wait_for_view(ledger, lambda v: not v["reclaiming"] and holder in v["waiting"][0]["reason"], timeout=15)
+    assert grant_ids(view) == {a["id"]} and view["grants"][0]["pids"][0]["pid"] == run
+    assert not bob.done(tag)
+    alice.ok("kill", pid=run)  # the run ends: its grant with it, and bob's request is granted
+    assert bob.result(tag)["result"]["devices"] == [0]

@@ -157,6 +157,12 @@ def test_frames_round_trip_and_refuse_oversized_or_non_objects():
             with pytest.raises(ProtocolError):
                 await read_frame(_frames(data))
 
+        # An oversized frame is refused on its header, before a byte of it is read or waited for.
+        reader = asyncio.StreamReader()
+        reader.feed_data(struct.pack(">I", MAX_FRAME_BYTES + 1))
+        with pytest.raises(ProtocolError, match=f"over the {MAX_FRAME_BYTES}-byte limit"):
+            await read_frame(reader)
+
     asyncio.run(go())
     with pytest.raises(ProtocolError):
         encode({"x": "y" * MAX_FRAME_BYTES})

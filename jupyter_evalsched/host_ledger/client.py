@@ -17,7 +17,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from .protocol import ProtocolError, encode, read_frame, recv_sync, send_sync
+from .protocol import MAX_ANSWER_BYTES, ProtocolError, encode, read_frame, recv_sync, send_sync
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -105,7 +105,7 @@ class HostLedgerClient:
         why = "the connection was lost"
         try:
             while True:
-                message = await read_frame(reader)
+                message = await read_frame(reader, max_bytes=MAX_ANSWER_BYTES)
                 if "event" in message:
                     self._event(message)
                     continue

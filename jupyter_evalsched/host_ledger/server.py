@@ -33,7 +33,7 @@ from . import procs
 from .config import LedgerConfig
 from .policy import Ask, Decision, Holding, HostDevice, Quota, decide, next_grant
 from .procs import ProcId
-from .protocol import HELLO_DEADLINE_S, ProtocolError, encode, read_frame
+from .protocol import HELLO_DEADLINE_S, MAX_ANSWER_BYTES, ProtocolError, encode, read_frame
 
 log = logging.getLogger("jupyter_evalsched.host_ledger")
 
@@ -67,7 +67,7 @@ class Conn:
     def send(self, message: dict[str, Any]) -> None:
         if self.closed:
             return
-        self.writer.write(encode(message))
+        self.writer.write(encode(message, MAX_ANSWER_BYTES))
         if self.writer.transport.get_write_buffer_size() > MAX_SEND_BUFFER:
             log.warning("closing the connection of %s (pid %s): it reads no answers", self.user, self.pid)
             self.close()
@@ -195,6 +195,8 @@ class HostLedger:
             self._server.close()
         for conn in list(self.conns):
             conn.close()
+        if self._tasks:  # closed connections end their tasks (cancelling them makes asyncio log noise)
+            await asyncio.wait(list(self._tasks), timeout=2.0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
@@ -266,7 +268,7 @@ class HostLedger:
         tmp = f"{self.state_file}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(state, f)
+            f.write(json.dumps(state))  # dumps: the C encoder (dump to a file is pure Python)
         os.replace(tmp, self.state_file)
 
     def reclaim_open(self) -> bool:
@@ -317,6 +319,8 @@ class HostLedger:
         while True:
             await asyncio.sleep(SWEEP_S)
             try:
+                # A saved tenant that died meanwhile will re-tell nothing: stop waiting for it.
+                self.pending_tenants = {t for t in self.pending_tenants if procs.alive(t[1])}
                 ended = [g for g in self.grants.values() if not any(procs.alive(p) for p in g.procs)]
                 for grant in ended:
                     self._end(grant, "its processes are gone")
