@@ -165,6 +165,10 @@ def test_a_client_claiming_another_identity_or_pid_gets_nothing(users, ledger, a
     for pids in ([bobs_run], [1], [ledger.proc.pid]):
         claimed = alice.call("request", key="y", vram_mb=1000, pids=pids)
         assert claimed["error"] == "not_yours", claimed
+    # Re-telling a grant the ledger never made is no way around it (outside a restart's window).
+    made_up = {"id": "f" * 16, "key": "x", "kind": "run", "devices": [0], "vram_mb": 24000, "exclusive": False}
+    told = alice.ok("raw", message={"op": "reclaim", "grants": [{**made_up, "pids": [alice.proc.pid]}]})
+    assert told["kept"] == [] and told["refused"][0]["error"] == "unknown_grant", told
     mine = alice.ok("request", key="z", vram_mb=1000)
     retied = alice.call("retie", grant=mine["id"], pids=[bobs_run])
     assert retied["error"] == "not_yours"
@@ -405,3 +409,33 @@ def test_with_its_state_file_unreadable_a_restarted_ledger_learns_the_grants_fro
     assert not bob.done(tag)
     alice.ok("kill", pid=run)  # the run ends: its grant with it, and bob's request is granted
     assert bob.result(tag)["result"]["devices"] == [0]
+
+
+def test_during_the_reclaim_window_a_re_told_grant_must_fit_beside_the_others(tmp_path):
+    """In one process, as root: after a restart that lost the state, re-told grants are learnt
+    only as far as the GPU holds them; one past it is refused, never kept."""
+    from jupyter_evalsched.host_ledger.client import HostLedgerClient
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    async def go() -> None:
+        path = tmp_path / "ledger.sock"
+        (tmp_path / "ledger.sock.state.json").write_text("{not json")
+        server = HostLedger(parse_config({"virtual_gpus": [24000], "reclaim_window_s": 60}), str(path))
+        await server.start()
+        clients = [HostLedgerClient(str(path)) for _ in range(2)]
+        try:
+            for client, (gid, mb) in zip(clients, (("a" * 16, 20000), ("b" * 16, 10000)), strict=True):
+                client.grants[gid] = {
+                    "id": gid, "key": gid, "kind": "run", "devices": [0], "vram_mb": mb, "exclusive": False,
+                    "pids": [{"pid": os.getpid(), "start": 0}],
+                }  # fmt: skip
+                assert (await client.connect())["reclaiming"] is True
+            assert sorted(clients[0].grants) == ["a" * 16] and clients[1].grants == {}
+            assert [g["id"] for g in (await clients[0].view())["grants"]] == ["a" * 16]
+        finally:
+            for client in clients:
+                await client.close()
+            await server.stop()
+
+    asyncio.run(go())

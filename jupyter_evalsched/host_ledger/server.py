@@ -551,7 +551,7 @@ class HostLedger:
 
     def _op_cancel(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
         key = message.get("key")
-        mine = [w for w in self.waiting if w.conn.uid == conn.uid and w.key == key]
+        mine = [w for w in self.waiting if w.conn is conn and w.key == key]  # its own: the asker waits
         self.waiting = [w for w in self.waiting if w not in mine]
         return {"cancelled": bool(mine)}
 
@@ -587,10 +587,19 @@ class HostLedger:
                 pids = [p.get("pid") if isinstance(p, dict) else p for p in item.get("pids") or []]
                 live = self._owned(conn, pids)
                 if known is None:
+                    # Only a restarted ledger learns grants it does not know, and only ones that
+                    # fit beside those it knows: re-telling is no way around the policy.
+                    if not self.reclaim_open():
+                        raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
                     key, ask = self._ask(conn, item)
                     devices = self.devices()
                     if ask.devices is None or any(i not in devices for i in ask.devices):
                         raise BadRequest("bad_request", "a re-told grant names the GPUs it holds")
+                    # Its processes' VRAM may still show as unmanaged: grants alone are compared.
+                    bare = {i: HostDevice(i, d.usable_mb) for i, d in devices.items()}
+                    fits = decide(ask, bare, self.holdings(), self.config.quota(conn.user))
+                    if fits.state != "granted":
+                        raise BadRequest("does_not_fit", f"re-told grant does not fit: {fits.reason}")
                     known = Grant(
                         item["id"], conn.uid, conn.user, key, ask.kind, ask.devices, ask.vram_mb, ask.exclusive, live
                     )
