@@ -152,8 +152,13 @@ class HostLedgerClient:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[request] = fut
         assert self._writer is not None
-        self._writer.write(encode({"op": op, "id": request, **fields}))
-        await self._writer.drain()
+        try:
+            self._writer.write(encode({"op": op, "id": request, **fields}))
+            await self._writer.drain()
+        except OSError as exc:  # lost between the check and the write
+            self._calls.pop(request, None)
+            fut.cancel()
+            raise HostLedgerUnavailable("unavailable", f"host ledger: the connection was lost ({exc})") from None
         return request, fut
 
     async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -215,6 +220,8 @@ class HostLedgerClient:
         finally:
             self._waits.pop(request, None)
             self._on_waiting.pop(request, None)
+            if granted.done() and not granted.cancelled():
+                granted.exception()  # failed with the connection after the answer: not news
 
     async def retie(self, grant_id: str, pids: list[int]) -> dict[str, Any]:
         """Tie a grant to these processes (a run's, once it exists) instead of its first ones."""
