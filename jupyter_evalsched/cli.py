@@ -1,5 +1,5 @@
 """``jupyter evalsched ...``: submit, list, status, wait, cancel, delete, logs, queue, leases, lease,
-release, doctor, demo.
+release, doctor, demo, host-ledger.
 
 Exit status: 0 on success; 1 when ``wait`` (or ``submit --wait``, ``demo``) sees a run end in any
 state but ``succeeded``, when ``doctor`` finds something degraded, or with the exit status of the
@@ -45,6 +45,7 @@ from .client.sweep import sweep_record
 from .contract import SUCCEEDED, TERMINAL_STATES
 
 PROG = "jupyter evalsched"
+DEFAULT_HOST_LEDGER_SOCKET = "/run/evalsched/ledger.sock"  # host_ledger.config.DEFAULT_SOCKET
 
 
 # --------------------------------------------------------------------------- output helpers
@@ -977,6 +978,64 @@ def cmd_demo(args: argparse.Namespace) -> int:
             server.cleanup()
 
 
+# --------------------------------------------------------------------------- host ledger
+
+
+def format_host_ledger(view: dict) -> str:
+    """The host ledger's view (``--status``): per GPU what is held and by whom, then the grants
+    and the waiting requests the caller may see."""
+    head = f"host ledger: user {view['user']}{' (admin: every user)' if view.get('admin') else ''}"
+    lines = [
+        head + ("; reclaiming: new grants wait for the servers to re-tell theirs" if view.get("reclaiming") else "")
+    ]
+    rows = []
+    for dev in view["devices"]:
+        others = ", ".join(f"{u['user']} {u['allocated_mb']} MB" for u in dev["users"]) or "-"
+        rows.append([dev["index"], dev["usable_mb"], dev["allocated_mb"], dev["unmanaged_mb"], dev["free_mb"], others])
+    lines.append(format_table(rows, ["GPU", "USABLE_MB", "GRANTED_MB", "UNMANAGED_MB", "FREE_MB", "OTHER USERS"]))
+    if view["grants"]:
+        grants = [
+            [g["id"], g["user"], g["kind"], g["key"], ",".join(map(str, g["devices"])), g["vram_mb"]]
+            for g in view["grants"]
+        ]
+        lines += ["", format_table(grants, ["GRANT", "USER", "KIND", "KEY", "GPUS", "VRAM_MB"])]
+    if view["waiting"]:
+        waiting = [[w["user"], w["key"], w["vram_mb"], w["reason"]] for w in view["waiting"]]
+        lines += ["", format_table(waiting, ["WAITING", "KEY", "VRAM_MB", "REASON"], max_width=100)]
+    return "\n".join(lines)
+
+
+def cmd_host_ledger(args: argparse.Namespace) -> int:
+    from .host_ledger.client import HostLedgerError, status
+    from .host_ledger.config import ConfigError, load_config
+
+    if args.status:
+        try:
+            view = status(args.socket)
+        except HostLedgerError as e:
+            print(f"{PROG}: error: {e.reason}", file=sys.stderr)
+            return 2
+        _print_json(view) if args.json else print(format_host_ledger(view))
+        return 0
+    import asyncio
+    import logging
+
+    from .host_ledger.server import serve
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(config, args.socket))
+    except (OSError, RuntimeError) as e:  # the socket's directory, another ledger on it
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -1117,6 +1176,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="give up waiting for the grant after this long")
 
     p = add("doctor", cmd_doctor, "what this host offers and what is in force, each line OK or degraded with the fix")
+
+    p = add(
+        "host-ledger",
+        cmd_host_ledger,
+        "serve the host ledger: one process granting the GPUs to every user's server on this host",
+    )
+    p.add_argument(
+        "--socket",
+        default=DEFAULT_HOST_LEDGER_SOCKET,
+        metavar="PATH",
+        help=f"its Unix socket (default {DEFAULT_HOST_LEDGER_SOCKET})",
+    )
+    p.add_argument("--config", metavar="FILE", help="its policy (JSON): usable VRAM, quotas, admin group, socket mode")
+    p.add_argument(
+        "--status",
+        action="store_true",
+        help="print the running ledger's view (every user's for root or the admin group; else your own)",
+    )
 
     p = add("demo", cmd_demo, "start a private server on two virtual GPUs, queue a few runs and watch them")
     p.add_argument("--sleep", type=float, default=0.5, metavar="SECONDS", help="sleep per episode (default 0.5)")

@@ -1,0 +1,222 @@
+"""May this grant be made now? Pure decisions over the host's devices, the grants held and the
+users' quotas; no I/O.
+
+A grant holds ``vram_mb`` on each of its devices, or a whole device when ``exclusive`` (it is
+then charged the device's usable VRAM). A user's quota caps the VRAM they hold over all devices,
+the GPUs they hold grants on, and their leases. Fair share: among the requests that could be
+granted now, the next grant goes to the user holding least VRAM (then the earliest request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """What one user may hold at once; None is no limit."""
+
+    vram_mb: int | None = None
+    gpus: int | None = None
+    leases: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HostDevice:
+    index: int
+    usable_mb: int
+    unmanaged_mb: int = 0  # held by processes no grant accounts for
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """A grant as the policy sees it."""
+
+    user: str
+    devices: tuple[int, ...]
+    vram_mb: int  # per device
+    exclusive: bool = False
+    kind: str = "run"  # "run" or "lease"
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    user: str
+    vram_mb: int  # per device
+    gpus: int = 1
+    exclusive: bool = False
+    kind: str = "run"
+    devices: tuple[int, ...] | None = None  # these exact devices, or the policy's choice
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """``state``: "granted" (on ``devices``), "waiting" or "never" (can never fit: a 422)."""
+
+    state: str
+    devices: tuple[int, ...] = ()
+    reason: str = ""
+
+
+def charge(holding: Holding, device: HostDevice) -> int:
+    return device.usable_mb if holding.exclusive else holding.vram_mb
+
+
+@dataclass(slots=True)
+class _Load:
+    allocated: dict[int, int] = field(default_factory=dict)
+    exclusive: set[int] = field(default_factory=set)
+    by_user: dict[int, dict[str, int]] = field(default_factory=dict)  # device -> user -> MB
+
+
+def _load(devices: Mapping[int, HostDevice], holdings: Iterable[Holding]) -> _Load:
+    load = _Load()
+    for h in holdings:
+        for index in h.devices:
+            dev = devices.get(index)
+            if dev is None:
+                continue
+            mb = charge(h, dev)
+            load.allocated[index] = load.allocated.get(index, 0) + mb
+            per = load.by_user.setdefault(index, {})
+            per[h.user] = per.get(h.user, 0) + mb
+            if h.exclusive:
+                load.exclusive.add(index)
+    return load
+
+
+def held_mb(user: str, devices: Mapping[int, HostDevice], holdings: Iterable[Holding]) -> int:
+    """The VRAM a user holds over all devices."""
+    return sum(charge(h, devices[i]) for h in holdings if h.user == user for i in h.devices if i in devices)
+
+
+def free_mb(device: HostDevice, load: _Load) -> int:
+    return device.usable_mb - load.allocated.get(device.index, 0) - device.unmanaged_mb
+
+
+def _fits(ask: Ask, device: HostDevice, load: _Load) -> bool:
+    if device.index in load.exclusive:
+        return False
+    if ask.exclusive:
+        return load.allocated.get(device.index, 0) == 0 and device.unmanaged_mb == 0
+    return ask.vram_mb <= free_mb(device, load)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _quota_reason(ask: Ask, devices: Mapping[int, HostDevice], holdings: Sequence[Holding], quota: Quota) -> str:
+    """Why the user's quota stops this ask now, or ""."""
+    mine = [h for h in holdings if h.user == ask.user]
+    if quota.leases is not None and ask.kind == "lease":
+        leases = sum(1 for h in mine if h.kind == "lease")
+        if leases + 1 > quota.leases:
+            return f"quota: user {ask.user} may hold {_plural(quota.leases, 'lease')}; holds {leases}"
+    if quota.gpus is not None:
+        gpus = {i for h in mine for i in h.devices}
+        wanted = set(ask.devices) if ask.devices is not None else set()
+        # Without named devices the policy may place it on GPUs already held: count the new ones
+        # it must take at least.
+        new = len(wanted - gpus) if ask.devices is not None else max(0, ask.gpus - len(gpus))
+        if len(gpus) + new > quota.gpus:
+            return f"quota: user {ask.user} may hold {_plural(quota.gpus, 'GPU')}; holds {len(gpus)}"
+    if quota.vram_mb is not None and not ask.exclusive:
+        held = held_mb(ask.user, devices, mine)
+        if held + ask.vram_mb * ask.gpus > quota.vram_mb:
+            return f"quota: user {ask.user} may hold {quota.vram_mb} MB of VRAM; holds {held} MB"
+    return ""
+
+
+def never_reason(ask: Ask, devices: Mapping[int, HostDevice], quota: Quota) -> str:
+    """Why this ask can never be granted, even on an idle host, or "" when it could be."""
+    if ask.gpus < 1 or ask.vram_mb < 0:
+        return "a grant needs at least 1 GPU and no negative VRAM"
+    if ask.devices is not None:
+        unknown = [i for i in ask.devices if i not in devices]
+        if unknown:
+            return f"no GPU {unknown[0]} on this host (GPUs: {', '.join(map(str, sorted(devices))) or 'none'})"
+        if len(set(ask.devices)) != ask.gpus:
+            return f"{_plural(ask.gpus, 'GPU')} asked but {len(set(ask.devices))} named"
+        candidates = [devices[i] for i in ask.devices]
+    else:
+        candidates = list(devices.values())
+    if ask.gpus > len(candidates):
+        return f"needs {_plural(ask.gpus, 'GPU')}; the host has {len(devices)}"
+    if quota.gpus is not None and ask.gpus > quota.gpus:
+        return f"quota: user {ask.user} may hold {_plural(quota.gpus, 'GPU')}; the request needs {ask.gpus}"
+    if quota.leases is not None and ask.kind == "lease" and quota.leases < 1:
+        return f"quota: user {ask.user} may hold no lease"
+    big_enough = sorted((d.usable_mb for d in candidates), reverse=True)[: ask.gpus]
+    if not ask.exclusive and big_enough[-1] < ask.vram_mb:
+        return f"needs {ask.vram_mb} MB per GPU on {_plural(ask.gpus, 'GPU')}; the largest GPUs have {big_enough[-1]} MB usable"
+    need = sum(big_enough) if ask.exclusive else ask.vram_mb * ask.gpus
+    if quota.vram_mb is not None and need > quota.vram_mb:
+        return f"quota: user {ask.user} may hold {quota.vram_mb} MB of VRAM; the request needs {need} MB"
+    return ""
+
+
+def _capacity_reason(ask: Ask, candidates: Sequence[HostDevice], load: _Load) -> str:
+    """Why no placement fits now, naming the device that comes closest and who holds it."""
+    best = max(candidates, key=lambda d: (free_mb(d, load), -d.index))
+    what = "a whole GPU" if ask.exclusive else f"{ask.vram_mb} MB on {_plural(ask.gpus, 'GPU')}"
+    text = f"needs {what}; GPU {best.index} has {max(0, free_mb(best, load))} MB free of {best.usable_mb} MB usable"
+    others = sorted(load.by_user.get(best.index, {}).items(), key=lambda kv: (-kv[1], kv[0]))
+    for user, mb in others[:2]:
+        text += f"; user {user} holds {mb} MB on GPU {best.index}"
+    if best.unmanaged_mb:
+        text += f"; processes outside the ledger hold {best.unmanaged_mb} MB on GPU {best.index}"
+    return text
+
+
+def decide(ask: Ask, devices: Mapping[int, HostDevice], holdings: Sequence[Holding], quota: Quota) -> Decision:
+    """Whether ``ask`` may be granted now, on which devices (the fullest that fit: packing leaves
+    room for large requests), or why not."""
+    never = never_reason(ask, devices, quota)
+    if never:
+        return Decision("never", reason=never)
+    why = _quota_reason(ask, devices, holdings, quota)
+    if why:
+        return Decision("waiting", reason=why)
+    load = _load(devices, holdings)
+    candidates = [devices[i] for i in ask.devices] if ask.devices is not None else list(devices.values())
+    fitting = [d for d in candidates if _fits(ask, d, load)]
+    if len(fitting) < ask.gpus:
+        return Decision("waiting", reason=_capacity_reason(ask, candidates, load))
+    held = {i for h in holdings if h.user == ask.user for i in h.devices}
+    # GPUs the user already holds first (a GPU quota counts GPUs), then the fullest that fit.
+    fitting.sort(key=lambda d: (d.index not in held, free_mb(d, load), d.index))
+    chosen = fitting[: ask.gpus]
+    if quota.gpus is not None and len(held | {d.index for d in chosen}) > quota.gpus:
+        return Decision(
+            "waiting", reason=f"quota: user {ask.user} may hold {_plural(quota.gpus, 'GPU')}; holds {len(held)}"
+        )
+    if quota.vram_mb is not None and ask.exclusive:  # charged the whole GPUs it takes
+        holds = held_mb(ask.user, devices, holdings)
+        if holds + sum(d.usable_mb for d in chosen) > quota.vram_mb:
+            return Decision(
+                "waiting", reason=f"quota: user {ask.user} may hold {quota.vram_mb} MB of VRAM; holds {holds} MB"
+            )
+    return Decision("granted", devices=tuple(sorted(d.index for d in chosen)))
+
+
+def next_grant(
+    waiting: Sequence[Ask],
+    devices: Mapping[int, HostDevice],
+    holdings: Sequence[Holding],
+    quotas: Mapping[str, Quota],
+) -> tuple[int, Decision] | None:
+    """Fair share: of the waiting asks (in arrival order) that could be granted now, the one of
+    the user holding least VRAM, earliest first. ``(its position, its decision)``, or None."""
+    best: tuple[int, int, Decision] | None = None
+    held: dict[str, int] = {}
+    for position, ask in enumerate(waiting):
+        if ask.user not in held:
+            held[ask.user] = held_mb(ask.user, devices, holdings)
+        if best is not None and held[ask.user] >= best[0]:
+            continue
+        decision = decide(ask, devices, holdings, quotas.get(ask.user, Quota()))
+        if decision.state == "granted":
+            best = (held[ask.user], position, decision)
+    return None if best is None else (best[1], best[2])

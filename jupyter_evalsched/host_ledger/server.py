@@ -1,0 +1,707 @@
+"""The host ledger process: grants GPU capacity to the users' schedulers of one host, and does
+nothing else (it starts no run and reads no user's files).
+
+One asyncio loop owns all state; each connection is served by its own task, so a slow or hostile
+peer holds nobody else (see protocol.py). Who a peer is comes from the kernel (SO_PEERCRED), never
+from what it says. A grant is tied to processes (pid + start time) of its user, checked in /proc;
+it ends when released, or when all its processes are gone (checked every sweep), never because a
+connection closed: a user's server killed with -9 keeps its runs' grants while the runs live.
+
+Restart: the grants and the tenants (the servers connected) are kept in a state file, written
+before each answer that changes them. A restarted ledger keeps the saved grants whose processes
+still live, and grants nothing new until every saved tenant still alive has re-told its grants
+(``reclaim``) or the reclaim window has passed: nothing is granted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import logging
+import os
+import socket
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..scheduler.gpus import GpuInfo, GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
+from . import procs
+from .config import LedgerConfig
+from .policy import Ask, Decision, Holding, HostDevice, Quota, decide, next_grant
+from .procs import ProcId
+from .protocol import HELLO_DEADLINE_S, MAX_ANSWER_BYTES, ProtocolError, encode, read_frame
+
+log = logging.getLogger("jupyter_evalsched.host_ledger")
+
+SWEEP_S = 0.5
+MAX_CONNECTIONS_PER_UID = 64
+MAX_WAITING_PER_UID = 256
+MAX_GRANTS_PER_UID = 1024
+MAX_PIDS = 64
+MAX_KEY_CHARS = 200
+MAX_SEND_BUFFER = 1024 * 1024  # a peer that reads nothing is closed rather than buffered for
+KINDS = ("run", "lease")
+
+
+class BadRequest(Exception):
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+@dataclass(eq=False)
+class Conn:
+    uid: int
+    pid: int
+    user: str
+    proc: ProcId | None
+    admin: bool
+    writer: asyncio.StreamWriter
+    tenant: bool = False  # requested or re-told grants: a restarted ledger waits for it
+    closed: bool = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        self.writer.write(encode(message, MAX_ANSWER_BYTES))
+        if self.writer.transport.get_write_buffer_size() > MAX_SEND_BUFFER:
+            log.warning("closing the connection of %s (pid %s): it reads no answers", self.user, self.pid)
+            self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.writer.close()
+
+
+@dataclass(eq=False)
+class Grant:
+    id: str
+    uid: int
+    user: str
+    key: str
+    kind: str
+    devices: tuple[int, ...]
+    vram_mb: int
+    exclusive: bool
+    procs: list[ProcId]
+    conn: Conn | None = None
+
+    def holding(self) -> Holding:
+        return Holding(self.user, self.devices, self.vram_mb, self.exclusive, self.kind)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "user": self.user,
+            "key": self.key,
+            "kind": self.kind,
+            "devices": list(self.devices),
+            "vram_mb": self.vram_mb,
+            "exclusive": self.exclusive,
+            "pids": [p.as_json() for p in self.procs],
+        }
+
+
+@dataclass(eq=False)
+class Waiter:
+    conn: Conn
+    request: Any  # the request's id, which the granted event repeats
+    key: str
+    ask: Ask
+    procs: list[ProcId]
+    replied: bool = False
+    reason: str = ""
+    grant: Grant | None = None
+
+
+@dataclass
+class View:
+    """The probe's latest reading."""
+
+    gpus: list[GpuInfo] = field(default_factory=list)
+    unmanaged: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # device -> processes
+
+
+def make_probe(config: LedgerConfig) -> GpuProbe:
+    sizes = list(config.virtual_gpus) or parse_sizes(os.environ.get("EVALSCHED_VIRTUAL_GPUS", ""))
+    if sizes:
+        table = config.virtual_gpu_processes or os.environ.get("EVALSCHED_VIRTUAL_GPU_PROCESSES") or None
+        return VirtualProbe(sizes, processes_file=table)
+    return NvmlProbe()
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the peer, from the kernel."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+def _error(request: Any, code: str, reason: str) -> dict[str, Any]:
+    return {"id": request, "ok": False, "error": code, "reason": reason}
+
+
+def _int(message: dict[str, Any], key: str, default: int | None = None, low: int = 0) -> int:
+    value = message.get(key, default)
+    if type(value) is not int or value < low:
+        raise BadRequest("bad_request", f"{key} must be a whole number >= {low}")
+    return value
+
+
+class HostLedger:
+    def __init__(self, config: LedgerConfig, socket_path: str, probe: GpuProbe | None = None) -> None:
+        self.config = config
+        self.socket_path = socket_path
+        self.state_file = config.state_file or f"{socket_path}.state.json"
+        self.probe = probe or make_probe(config)
+        self.grants: dict[str, Grant] = {}
+        self.waiting: list[Waiter] = []
+        self.conns: set[Conn] = set()
+        self.view = View()
+        self.pending_tenants: set[tuple[int, ProcId]] = set()  # saved tenants yet to re-tell
+        self.reclaim_until = 0.0
+        self._state_read = False  # a state file was read: the saved tenants are all to wait for
+        self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ life
+
+    async def start(self) -> None:
+        self.view.gpus = await asyncio.to_thread(self.probe.devices)
+        self._load_state()
+        self._claim_socket_path()
+        self._server = await asyncio.start_unix_server(self._serve, path=self.socket_path, limit=1 << 17)
+        os.chmod(self.socket_path, self.config.socket_mode)
+        if self.config.socket_group:
+            os.chown(self.socket_path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
+        await self._refresh()
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+        log.info(
+            "host ledger on %s: %d GPU(s), %d grant(s) kept from before, reclaim %s",
+            self.socket_path,
+            len(self.view.gpus),
+            len(self.grants),
+            "open" if self.reclaim_open() else "closed",
+        )
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.conns):
+            conn.close()
+        if self._tasks:  # closed connections end their tasks (cancelling them makes asyncio log noise)
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+
+    def _claim_socket_path(self) -> None:
+        """Remove a stale socket; refuse when a live ledger answers on it."""
+        if not os.path.exists(self.socket_path):
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(self.socket_path)
+        except OSError:
+            os.unlink(self.socket_path)
+            return
+        finally:
+            probe.close()
+        raise RuntimeError(f"another host ledger serves {self.socket_path}")
+
+    # ------------------------------------------------------------------ state file
+
+    def _load_state(self) -> None:
+        try:
+            with open(self.state_file, encoding="utf-8") as f:
+                saved = json.load(f)
+        except FileNotFoundError:
+            # A first start (or the first since a reboot emptied /run): no tenant holds a grant.
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("state file %s unreadable (%s): waiting the reclaim window", self.state_file, exc)
+            self.reclaim_until = time.monotonic() + self.config.reclaim_window_s
+            return
+        self._state_read = True
+        for item in saved.get("tenants", []):
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                proc = ProcId(int(item["pid"]), int(item["start"]))
+                if procs.alive(proc) and procs.uid_of(proc.pid) == int(item["uid"]):
+                    self.pending_tenants.add((int(item["uid"]), proc))
+        for item in saved.get("grants", []):
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                uid = int(item["uid"])
+                live = [
+                    ProcId(int(p["pid"]), int(p["start"]))
+                    for p in item["pids"]
+                    if procs.alive(ProcId(int(p["pid"]), int(p["start"]))) and procs.uid_of(int(p["pid"])) == uid
+                ]
+                if live:
+                    grant = Grant(
+                        str(item["id"]),
+                        uid,
+                        procs.user_name(uid),
+                        str(item["key"]),
+                        str(item["kind"]),
+                        tuple(int(i) for i in item["devices"]),
+                        int(item["vram_mb"]),
+                        bool(item["exclusive"]),
+                        live,
+                    )
+                    self.grants[grant.id] = grant
+        if self.pending_tenants:
+            self.reclaim_until = time.monotonic() + self.config.reclaim_window_s
+
+    def _save_state(self) -> None:
+        tenants = {(c.uid, c.proc) for c in self.conns if c.tenant and c.proc is not None}
+        tenants |= self.pending_tenants
+        state = {
+            "tenants": [{"uid": uid, **proc.as_json()} for uid, proc in sorted(tenants, key=str)],
+            "grants": [{**g.as_json(), "uid": g.uid} for g in self.grants.values()],
+        }
+        tmp = f"{self.state_file}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(state))  # dumps: the C encoder (dump to a file is pure Python)
+        os.replace(tmp, self.state_file)
+
+    def reclaim_open(self) -> bool:
+        """Whether new grants still wait for the tenants to re-tell theirs."""
+        if not self.reclaim_until:
+            return False
+        if time.monotonic() >= self.reclaim_until or (self._state_read and not self.pending_tenants):
+            self.reclaim_until = 0.0
+            return False
+        return True
+
+    # ------------------------------------------------------------------ devices and holdings
+
+    def devices(self) -> dict[int, HostDevice]:
+        return {
+            g.index: HostDevice(
+                g.index,
+                self.config.usable(g.index, g.total_mb),
+                sum(p["used_mb"] for p in self.view.unmanaged.get(g.index, [])),
+            )
+            for g in self.view.gpus
+        }
+
+    def holdings(self) -> list[Holding]:
+        return [g.holding() for g in self.grants.values()]
+
+    async def _refresh(self) -> None:
+        """Read the probe's processes: those below no grant are unmanaged, named by user."""
+        found = await asyncio.to_thread(self.probe.processes)
+        managed = {p.pid for g in self.grants.values() for p in g.procs}
+        unmanaged: dict[int, list[dict[str, Any]]] = {}
+        for proc in found:
+            if managed.intersection(procs.ancestors(proc.pid)):
+                continue
+            uid = procs.uid_of(proc.pid)
+            unmanaged.setdefault(proc.device, []).append(
+                {
+                    "pid": proc.pid,
+                    "gpu": proc.device,
+                    "used_mb": proc.used_mb,
+                    "user": procs.user_name(uid) if uid is not None else None,
+                    "uid": uid,
+                }
+            )
+        self.view.unmanaged = unmanaged
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                # A saved tenant that died meanwhile will re-tell nothing: stop waiting for it.
+                self.pending_tenants = {t for t in self.pending_tenants if procs.alive(t[1])}
+                ended = [g for g in self.grants.values() if not any(procs.alive(p) for p in g.procs)]
+                for grant in ended:
+                    self._end(grant, "its processes are gone")
+                await self._refresh()
+                self._schedule()
+                if ended:
+                    self._save_state()
+            except Exception:  # the sweep must go on whatever one pass met
+                log.exception("host ledger sweep failed")
+
+    def _end(self, grant: Grant, why: str) -> None:
+        self.grants.pop(grant.id, None)
+        log.info("grant %s of %s ended: %s", grant.id, grant.user, why)
+        if grant.conn is not None:
+            grant.conn.send({"event": "ended", "grant": grant.id, "reason": why})
+
+    # ------------------------------------------------------------------ granting
+
+    def _schedule(self) -> None:
+        """Grant the waiting requests that fit, fairest first (see policy.next_grant)."""
+        if self.reclaim_open():
+            why = self._reclaim_reason()
+            for w in self.waiting:
+                self._tell_waiting(w, why)
+            return
+        changed = False
+        while self.waiting:
+            devices = self.devices()
+            pick = next_grant(
+                [w.ask for w in self.waiting],
+                devices,
+                self.holdings(),
+                {w.ask.user: self._quota(w) for w in self.waiting},
+            )
+            if pick is None:
+                break
+            position, decision = pick
+            waiter = self.waiting.pop(position)
+            self._grant(waiter, decision)
+            changed = True
+        if changed:
+            self._save_state()
+        # What is left cannot be granted now: each is told why (a quota, or who holds the GPUs).
+        devices, holdings = self.devices(), self.holdings()
+        for w in self.waiting:
+            self._tell_waiting(w, decide(w.ask, devices, holdings, self._quota(w)).reason)
+
+    def _reclaim_reason(self) -> str:
+        left = max(0.0, self.reclaim_until - time.monotonic())
+        return f"the host ledger restarted: waiting up to {left:.0f} s for the users' servers to re-tell their grants"
+
+    def _tell_waiting(self, w: Waiter, reason: str) -> None:
+        if reason == w.reason:
+            return
+        w.reason = reason
+        if w.replied:
+            w.conn.send({"event": "waiting", "request": w.request, "key": w.key, "reason": reason})
+
+    def _quota(self, w: Waiter) -> Quota:
+        return self.config.quota(w.ask.user)
+
+    def _grant(self, w: Waiter, decision: Decision) -> None:
+        grant = Grant(
+            uuid.uuid4().hex[:16],
+            w.conn.uid,
+            w.conn.user,
+            w.key,
+            w.ask.kind,
+            decision.devices,
+            w.ask.vram_mb,
+            w.ask.exclusive,
+            w.procs,
+            w.conn,
+        )
+        self.grants[grant.id] = grant
+        w.grant = grant
+        log.info(
+            "granted %s to %s (%s): %s MB on GPU %s", grant.id, grant.user, grant.key, grant.vram_mb, grant.devices
+        )
+        if w.replied:
+            w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": grant.as_json()})
+
+    # ------------------------------------------------------------------ connections
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        conn: Conn | None = None
+        try:
+            pid, uid = peer_credentials(writer.get_extra_info("socket"))
+            if sum(1 for c in self.conns if c.uid == uid) >= MAX_CONNECTIONS_PER_UID:
+                writer.write(
+                    encode(_error(None, "too_many_connections", f"at most {MAX_CONNECTIONS_PER_UID} per user"))
+                )
+                return
+            conn = Conn(
+                uid,
+                pid,
+                procs.user_name(uid),
+                procs.identify(pid),
+                procs.in_group(uid, self.config.admin_group),
+                writer,
+            )
+            self.conns.add(conn)
+            first = True
+            while not conn.closed:
+                message = await read_frame(reader, HELLO_DEADLINE_S if first else None)
+                if first and message.get("op") != "hello":
+                    conn.send(_error(message.get("id"), "hello_first", "the first message must be hello"))
+                    return
+                first = False
+                conn.send(self._answer(conn, message))
+                await writer.drain()
+        except (ProtocolError, ConnectionError, OSError) as exc:
+            log.debug("connection closed: %s", exc)
+        finally:
+            if conn is not None:
+                self._gone(conn)
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    def _gone(self, conn: Conn) -> None:
+        conn.closed = True
+        self.conns.discard(conn)
+        self.waiting = [w for w in self.waiting if w.conn is not conn]
+        for grant in self.grants.values():
+            if grant.conn is conn:
+                grant.conn = None  # it lives on while its processes do
+        self._schedule()
+
+    def _answer(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
+        request = message.get("id")
+        op = message.get("op")
+        try:
+            for claim in ("uid", "user"):
+                if claim in message and message[claim] not in (conn.uid, conn.user):
+                    raise BadRequest(
+                        "identity", f"this connection is user {conn.user} (uid {conn.uid}), as the kernel says"
+                    )
+            handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+            if handler is None:
+                raise BadRequest("unknown_op", f"unknown op {op!r}")
+            return {"id": request, "ok": True, **handler(conn, message)}
+        except BadRequest as exc:
+            return _error(request, exc.code, exc.reason)
+
+    def _owned(self, conn: Conn, pids: Any) -> list[ProcId]:
+        if pids is None:
+            if conn.proc is None:
+                raise BadRequest("not_yours", "the connecting process is gone")
+            return [conn.proc]
+        if not isinstance(pids, list) or not pids or len(pids) > MAX_PIDS:
+            raise BadRequest("bad_request", f"pids must be a list of 1 to {MAX_PIDS} process ids")
+        out = []
+        for pid in pids:
+            proc = procs.owned(pid, conn.uid)
+            if proc is None:
+                raise BadRequest("not_yours", f"pid {pid!r} is not a live process of user {conn.user}")
+            out.append(proc)
+        return out
+
+    def _grant_of(self, conn: Conn, grant_id: Any) -> Grant:
+        grant = self.grants.get(grant_id) if isinstance(grant_id, str) else None
+        if grant is None or grant.uid != conn.uid:  # another user's grant is as unknown as none
+            raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {grant_id!r}")
+        return grant
+
+    # ------------------------------------------------------------------ ops
+
+    def _op_hello(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "user": conn.user,
+            "uid": conn.uid,
+            "pid": conn.pid,
+            "admin": conn.admin,
+            "reclaiming": self.reclaim_open(),
+            "devices": self._devices_json(),
+            "grants": [g.as_json() for g in self.grants.values() if g.uid == conn.uid],
+        }
+
+    def _ask(self, conn: Conn, message: dict[str, Any]) -> tuple[str, Ask]:
+        key = message.get("key")
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
+            raise BadRequest("bad_request", f"key must be a string of 1 to {MAX_KEY_CHARS} characters")
+        kind = message.get("kind", "run")
+        if kind not in KINDS:
+            raise BadRequest("bad_request", f"kind must be one of {', '.join(KINDS)}")
+        exclusive = message.get("exclusive", False)
+        if not isinstance(exclusive, bool):
+            raise BadRequest("bad_request", "exclusive must be true or false")
+        devices = message.get("devices")
+        if devices is not None and (
+            not isinstance(devices, list) or not all(type(i) is int for i in devices) or len(devices) > 64
+        ):
+            raise BadRequest("bad_request", "devices must be a list of GPU indexes")
+        gpus = _int(message, "gpus", len(devices) if devices else 1, low=1)
+        ask = Ask(conn.user, _int(message, "vram_mb", 0), gpus, exclusive, kind, tuple(devices) if devices else None)
+        return key, ask
+
+    def _op_request(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
+        key, ask = self._ask(conn, message)
+        conn.tenant = True
+        for grant in self.grants.values():
+            if grant.uid == conn.uid and grant.key == key:  # asked again (an answer lost): the same grant
+                grant.conn = conn
+                return {"state": "granted", "grant": grant.as_json()}
+        if any(w.ask.user == conn.user and w.key == key for w in self.waiting):
+            raise BadRequest("duplicate", f"a request {key!r} of user {conn.user} already waits")
+        if sum(1 for g in self.grants.values() if g.uid == conn.uid) >= MAX_GRANTS_PER_UID:
+            raise BadRequest("too_many", f"user {conn.user} holds {MAX_GRANTS_PER_UID} grants")
+        if sum(1 for w in self.waiting if w.conn.uid == conn.uid) >= MAX_WAITING_PER_UID:
+            raise BadRequest("too_many", f"user {conn.user} has {MAX_WAITING_PER_UID} requests waiting")
+        never = decide(ask, self.devices(), [], self.config.quota(conn.user))
+        if never.state == "never":
+            return {"state": "never", "reason": never.reason}
+        waiter = Waiter(conn, message.get("id"), key, ask, self._owned(conn, message.get("pids")))
+        self.waiting.append(waiter)
+        self._schedule()
+        if waiter.grant is not None:
+            return {"state": "granted", "grant": waiter.grant.as_json()}
+        if message.get("wait", True) is False:
+            self.waiting.remove(waiter)
+            return {"state": "busy", "reason": waiter.reason}
+        waiter.replied = True
+        return {"state": "waiting", "reason": waiter.reason}
+
+    def _op_cancel(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
+        key = message.get("key")
+        mine = [w for w in self.waiting if w.conn is conn and w.key == key]  # its own: the asker waits
+        self.waiting = [w for w in self.waiting if w not in mine]
+        return {"cancelled": bool(mine)}
+
+    def _op_retie(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
+        grant = self._grant_of(conn, message.get("grant"))
+        grant.procs = self._owned(conn, message.get("pids"))
+        grant.conn = conn
+        self._save_state()
+        return {"grant": grant.as_json()}
+
+    def _op_release(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
+        grant = self._grant_of(conn, message.get("grant"))
+        self.grants.pop(grant.id, None)
+        self._save_state()
+        self._schedule()
+        return {"released": grant.id}
+
+    def _op_reclaim(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
+        """A tenant re-tells its live grants (after a restart of either side). Each is kept when
+        its processes are the caller's and alive; one the ledger knows is the same grant."""
+        items = message.get("grants", [])
+        if not isinstance(items, list) or len(items) > MAX_GRANTS_PER_UID:
+            raise BadRequest("bad_request", f"grants must be a list of at most {MAX_GRANTS_PER_UID}")
+        conn.tenant = True
+        kept, refused = [], []
+        for item in items:
+            try:
+                if not isinstance(item, dict) or not isinstance(item.get("id"), str) or len(item["id"]) > 64:
+                    raise BadRequest("bad_request", "each grant needs its id")
+                known = self.grants.get(item["id"])
+                if known is not None and known.uid != conn.uid:
+                    raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
+                pids = [p.get("pid") if isinstance(p, dict) else p for p in item.get("pids") or []]
+                live = self._owned(conn, pids)
+                if known is None:
+                    # Only a restarted ledger learns grants it does not know, and only ones that
+                    # fit beside those it knows: re-telling is no way around the policy.
+                    if not self.reclaim_open():
+                        raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
+                    key, ask = self._ask(conn, item)
+                    devices = self.devices()
+                    if ask.devices is None or any(i not in devices for i in ask.devices):
+                        raise BadRequest("bad_request", "a re-told grant names the GPUs it holds")
+                    # Its processes' VRAM may still show as unmanaged: grants alone are compared.
+                    bare = {i: HostDevice(i, d.usable_mb) for i, d in devices.items()}
+                    fits = decide(ask, bare, self.holdings(), self.config.quota(conn.user))
+                    if fits.state != "granted":
+                        raise BadRequest("does_not_fit", f"re-told grant does not fit: {fits.reason}")
+                    known = Grant(
+                        item["id"], conn.uid, conn.user, key, ask.kind, ask.devices, ask.vram_mb, ask.exclusive, live
+                    )
+                    self.grants[known.id] = known
+                known.procs, known.conn = live, conn
+                kept.append(known.as_json())
+            except BadRequest as exc:
+                refused.append(
+                    {"id": item.get("id") if isinstance(item, dict) else None, "error": exc.code, "reason": exc.reason}
+                )
+        self.pending_tenants = {t for t in self.pending_tenants if t != (conn.uid, conn.proc)}
+        self._save_state()
+        self._schedule()
+        return {"kept": kept, "refused": refused, "reclaiming": self.reclaim_open()}
+
+    def _op_view(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
+        return self.view_for(conn.uid, conn.user, conn.admin)
+
+    # ------------------------------------------------------------------ views
+
+    def _devices_json(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "index": g.index,
+                "name": g.name,
+                "total_mb": g.total_mb,
+                "usable_mb": self.config.usable(g.index, g.total_mb),
+            }
+            for g in self.view.gpus
+        ]
+
+    def view_for(self, uid: int, user: str, admin: bool) -> dict[str, Any]:
+        """What one user may see: their own grants in full, the others' by user name only (the
+        whole view for an admin)."""
+        devices = self.devices()
+        out_devices = []
+        for info in self._devices_json():
+            dev = devices[info["index"]]
+            here = [g for g in self.grants.values() if dev.index in g.devices]
+            allocated = sum(dev.usable_mb if g.exclusive else g.vram_mb for g in here)
+            users: dict[str, dict[str, Any]] = {}
+            for g in here:
+                if g.uid == uid:
+                    continue
+                entry = users.setdefault(g.user, {"user": g.user, "allocated_mb": 0, "leases": 0, "runs": 0})
+                entry["allocated_mb"] += dev.usable_mb if g.exclusive else g.vram_mb
+                entry["leases" if g.kind == "lease" else "runs"] += 1
+            unmanaged = [
+                {k: p[k] for k in ("pid", "gpu", "used_mb", "user")} for p in self.view.unmanaged.get(dev.index, [])
+            ]
+            out_devices.append(
+                {
+                    **info,
+                    "allocated_mb": allocated,
+                    "unmanaged_mb": dev.unmanaged_mb,
+                    "free_mb": dev.usable_mb - allocated - dev.unmanaged_mb,
+                    "exclusive": any(g.exclusive for g in here),
+                    "grants": [g.id for g in here if g.uid == uid or admin],
+                    "users": sorted(users.values(), key=lambda e: e["user"]),
+                    "unmanaged_processes": unmanaged,
+                }
+            )
+        visible = [g for g in self.grants.values() if admin or g.uid == uid]
+        waiting = [w for w in self.waiting if admin or w.conn.uid == uid]
+        others_waiting: dict[str, int] = {}
+        for w in self.waiting:
+            if w.conn.uid != uid:
+                others_waiting[w.ask.user] = others_waiting.get(w.ask.user, 0) + 1
+        return {
+            "user": user,
+            "admin": admin,
+            "reclaiming": self.reclaim_open(),
+            "devices": out_devices,
+            "grants": [g.as_json() for g in visible],
+            "waiting": [
+                {
+                    "user": w.ask.user,
+                    "key": w.key,
+                    "kind": w.ask.kind,
+                    "vram_mb": w.ask.vram_mb,
+                    "gpus": w.ask.gpus,
+                    "exclusive": w.ask.exclusive,
+                    "reason": w.reason,
+                }
+                for w in waiting
+            ],
+            "users_waiting": others_waiting,
+        }
+
+
+async def serve(config: LedgerConfig, socket_path: str) -> None:
+    """Run a host ledger until cancelled (or SIGTERM / SIGINT)."""
+    import signal
+
+    ledger = HostLedger(config, socket_path)
+    await ledger.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"event": "ready", "socket": socket_path, "pid": os.getpid()}), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await ledger.stop()

@@ -1,0 +1,160 @@
+"""A user's server as a tenant of the host ledger: one long-lived link that stays connected
+(re-telling its grants whenever it connects again), keeps the host's view fresh, and asks for
+grants without waiting, so that the scheduler's own admission decides and the ledger only says
+yes or why not.
+
+What the scheduler gets: :meth:`TenantLink.status` (``{"socket", "connected", "user", "error"}``
+for ``GET /evalsched/status`` and ``doctor``), :attr:`TenantLink.view` (the host's view for this
+user: each device's usable VRAM and the other users' holdings by name), :meth:`try_grant`
+(a grant, or the reason it is not granted now; :class:`NeverFits` for a 422), :meth:`retie` and
+:meth:`release` (kept and sent after a reconnect while the ledger is down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .client import HostLedgerClient, HostLedgerError, HostLedgerUnavailable, NeverFits
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HostLedgerUnavailable", "NeverFits", "TenantLink"]
+
+
+class TenantLink:
+    def __init__(
+        self,
+        socket_path: str,
+        tenant: str = "",
+        refresh_s: float = 1.0,
+        max_backoff_s: float = 5.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.socket_path = socket_path
+        self.client = HostLedgerClient(socket_path, tenant=tenant, on_event=self._on_event)
+        self.refresh_s = refresh_s
+        self.max_backoff_s = max_backoff_s
+        self.on_change = on_change  # the host changed (a grant ended, the view moved): admit again
+        self.user: str | None = None
+        self.error: str | None = "not connected yet"
+        self.view: dict[str, Any] | None = None
+        self._to_release: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    @property
+    def connected(self) -> bool:
+        return self.client.connected
+
+    def status(self) -> dict[str, Any]:
+        return {"socket": self.socket_path, "connected": self.connected, "user": self.user, "error": self.error}
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._keep_connected())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.client.close()
+
+    async def _keep_connected(self) -> None:
+        backoff = 0.1
+        while True:
+            if not self.connected:
+                try:
+                    hello = await self.client.connect()
+                except HostLedgerError as exc:
+                    self._lost(exc.reason)
+                    await asyncio.sleep(backoff)
+                    backoff = min(self.max_backoff_s, backoff * 2)
+                    continue
+                backoff = 0.1
+                self.user, self.error = hello["user"], None
+                await self._release_pending()
+            try:
+                await self.refresh()
+            except HostLedgerError as exc:
+                self._lost(exc.reason)
+                continue
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.refresh_s)
+
+    def _lost(self, why: str) -> None:
+        changed = self.error != why
+        self.error, self.view = why, None
+        if changed:
+            log.warning("host ledger %s: %s", self.socket_path, why)
+            self._changed()
+
+    async def refresh(self) -> None:
+        view = await self.client.view()
+        if view != self.view:
+            self.view = view
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        self._wake.set()  # a grant ended, a reason moved: refresh the view now
+
+    async def _release_pending(self) -> None:
+        for grant_id in sorted(self._to_release):
+            try:
+                await self.client.release(grant_id)
+            except HostLedgerUnavailable:
+                return  # down again: the next connection tries
+            except HostLedgerError:
+                pass  # unknown_grant: it ended meanwhile
+            self._to_release.discard(grant_id)
+
+    async def try_grant(
+        self,
+        key: str,
+        vram_mb: int,
+        devices: list[int],
+        exclusive: bool = False,
+        kind: str = "run",
+        pids: list[int] | None = None,
+    ) -> dict[str, Any] | str:
+        """The grant for ``key`` on ``devices``, or why it cannot be made now (a reason to show).
+        NeverFits: never on this host under this user's quota. HostLedgerUnavailable: no ledger."""
+        answer = await self.client.request(
+            key, vram_mb, gpus=len(devices), exclusive=exclusive, kind=kind, devices=devices, pids=pids, wait=False
+        )
+        if answer.get("state") == "granted":
+            self._wake.set()
+            return dict(answer["grant"])
+        return str(answer.get("reason") or "the host ledger has no room now")
+
+    async def retie(self, grant_id: str, pids: list[int]) -> dict[str, Any]:
+        return await self.client.retie(grant_id, pids)
+
+    async def release(self, grant_id: str) -> None:
+        """Release now, or as soon as the ledger is back (its grant must not outlive its use)."""
+        self.client.grants.pop(grant_id, None)  # never re-told again
+        if not self.connected:
+            self._to_release.add(grant_id)
+            return
+        try:
+            await self.client.release(grant_id)
+        except HostLedgerUnavailable:
+            self._to_release.add(grant_id)
+        except HostLedgerError:
+            pass  # it ended already (its processes are gone)
+        self._wake.set()
+
+    def others(self, device: int) -> list[dict[str, Any]]:
+        """Other users' holdings on ``device`` by name: ``[{"user", "allocated_mb", "leases", "runs"}]``."""
+        for dev in (self.view or {}).get("devices", []):
+            if dev["index"] == device:
+                return list(dev["users"])
+        return []

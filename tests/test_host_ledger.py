@@ -1,0 +1,441 @@
+"""Issue #32, the host ledger: real system users (useradd), a host ledger served by an
+unprivileged third user on virtual GPUs, tenants started as the two others, raw sockets for the
+hostile ones. Only the GPUs are virtual."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+from host_ledger_users import (
+    PREFIX,
+    REPO,
+    Agent,
+    Ledger,
+    as_user,
+    assert_never_over,
+    grant_ids,
+    make_users,
+    wait_for_view,
+)
+from proc_status import alive
+from waiting import wait_until
+
+from jupyter_evalsched.host_ledger.client import status
+from jupyter_evalsched.host_ledger.protocol import FRAME_DEADLINE_S, encode
+
+pytestmark = pytest.mark.timeout(120)
+ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
+
+
+@pytest.fixture(scope="session")
+def users():
+    return make_users()
+
+
+@pytest.fixture
+def ledger_config():
+    return {"virtual_gpus": [24000], "reclaim_window_s": 0}
+
+
+@pytest.fixture
+def ledger(users, ledger_config):
+    served = Ledger(users["ledger"], ledger_config)
+    served.start()
+    yield served
+    served.stop()
+
+
+@pytest.fixture
+def agents(users, ledger):
+    made: list[Agent] = []
+
+    def make(role: str) -> Agent:
+        agent = Agent(users[role], ledger.socket)
+        made.append(agent)
+        hello = agent.ok("connect")
+        assert hello["user"] == users[role].pw_name and hello["uid"] == users[role].pw_uid
+        return agent
+
+    yield make
+    for agent in made:
+        agent.stop()
+
+
+def test_the_ledger_runs_as_its_own_unprivileged_user(users, ledger):
+    assert os.stat(f"/proc/{ledger.proc.pid}").st_uid == users["ledger"].pw_uid
+    assert os.stat(ledger.socket).st_mode & 0o777 == 0o666
+
+
+def test_two_users_never_over_usable_and_a_wait_names_the_holder(users, ledger, agents):
+    alice, bob = agents("alice"), agents("bob")
+    a = alice.ok("request", key="a1", vram_mb=14000)
+    assert a["devices"] == [0] and a["user"] == users["alice"].pw_name
+    tag = bob.send("request", key="b1", vram_mb=14000)
+    view = wait_for_view(ledger, lambda v: v["waiting"])
+    assert view["waiting"][0]["reason"].endswith(f"; user {users['alice'].pw_name} holds 14000 MB on GPU 0")
+    # Bob sees alice by name only: none of her keys or pids.
+    mine = bob.ok("view")
+    assert mine["grants"] == [] and mine["devices"][0]["users"] == [
+        {"user": users["alice"].pw_name, "allocated_mb": 14000, "leases": 0, "runs": 1}
+    ]
+    assert "a1" not in str(mine)
+    assert not bob.done(tag)
+    alice.ok("release", grant=a["id"])
+    assert bob.result(tag)["result"]["devices"] == [0]
+
+    # Both users at random: the sum of grants on the GPU never passes its usable VRAM.
+    rng = random.Random(32)
+    held: dict[str, list[str]] = {"alice": [], "bob": []}
+    pending: list[tuple[str, Agent, int]] = []
+    tenants = {"alice": alice, "bob": bob}
+    for step in range(40):
+        name = rng.choice(["alice", "bob"])
+        agent = tenants[name]
+        if held[name] and rng.random() < 0.4:
+            agent.ok("release", grant=held[name].pop(rng.randrange(len(held[name]))))
+        else:
+            pending.append(
+                (name, agent, agent.send("request", key=f"{name}-{step}", vram_mb=rng.choice([2000, 6000, 9000])))
+            )
+        for entry in list(pending):
+            if entry[1].done(entry[2]):
+                pending.remove(entry)
+                held[entry[0]].append(entry[1].result(entry[2])["result"]["id"])
+        assert_never_over(ledger.view())
+
+
+@pytest.mark.parametrize(
+    "ledger_config", [{"virtual_gpus": [24000, 24000], "reclaim_window_s": 0, "quota": {ALICE: {"vram_mb": 20000}}}]
+)
+def test_a_quota_waits_with_the_pinned_reason_and_one_it_can_never_meet_is_never(users, ledger, agents):
+    alice = agents("alice")
+    # 16000 MB held under a 20000 MB quota: 8000 more must wait, naming the quota.
+    alice.ok("request", key="a1", vram_mb=16000)
+    tag = alice.send("request", key="a2", vram_mb=8000)
+    view = wait_for_view(ledger, lambda v: v["waiting"])
+    assert view["waiting"][0]["reason"] == f"quota: user {ALICE} may hold 20000 MB of VRAM; holds 16000 MB"
+    assert not alice.done(tag)
+    never = alice.call("request", key="a3", vram_mb=22000)
+    assert never["error"] == "never" and never["reason"].startswith(f"quota: user {ALICE} may hold 20000 MB")
+    # Bob's quota is the default (none): the other GPU is his.
+    bob = agents("bob")
+    assert bob.ok("request", key="b1", vram_mb=24000)["devices"] == [1]
+
+
+def test_fair_share_the_next_grant_goes_to_the_user_holding_least(users, ledger, agents):
+    alice, bob = agents("alice"), agents("bob")
+    first = [alice.ok("request", key=f"a{i}", vram_mb=12000)["id"] for i in range(2)]  # the whole GPU
+    queued: list[tuple[str, Agent, int]] = []
+    for i in range(3):  # alice queues first: arrival order alone would serve her three first
+        queued.append(("alice", alice, alice.send("request", key=f"a-next{i}", vram_mb=12000)))
+    for i in range(3):
+        queued.append(("bob", bob, bob.send("request", key=f"b-next{i}", vram_mb=12000)))
+    wait_for_view(ledger, lambda v: len(v["waiting"]) == 6)
+    order = []
+    holding = [(alice, first[0]), (alice, first[1])]
+    while len(order) < 6:
+        agent, grant = holding.pop(0)
+        agent.ok("release", grant=grant)
+        done = wait_until(lambda: [q for q in queued if q[1].done(q[2])], timeout=10)
+        assert len(done) == 1, done
+        queued.remove(done[0])
+        name, agent, tag = done[0]
+        order.append(name)
+        holding.append((agent, agent.result(tag)["result"]["id"]))
+    assert order == ["bob", "alice", "bob", "alice", "bob", "alice"], order
+
+
+def test_a_client_claiming_another_identity_or_pid_gets_nothing(users, ledger, agents):
+    alice, bob = agents("alice"), agents("bob")
+    bobs_run = bob.ok("spawn")
+    as_bob = alice.ok("raw", message={"op": "request", "key": "x", "vram_mb": 1000, "uid": users["bob"].pw_uid})
+    assert as_bob["ok"] is False and as_bob["error"] == "identity", as_bob
+    as_bob = alice.ok("raw", message={"op": "request", "key": "x", "vram_mb": 1000, "user": users["bob"].pw_name})
+    assert as_bob["ok"] is False and as_bob["error"] == "identity", as_bob
+    for pids in ([bobs_run], [1], [ledger.proc.pid]):
+        claimed = alice.call("request", key="y", vram_mb=1000, pids=pids)
+        assert claimed["error"] == "not_yours", claimed
+    # Re-telling a grant the ledger never made is no way around it (outside a restart's window).
+    made_up = {"id": "f" * 16, "key": "x", "kind": "run", "devices": [0], "vram_mb": 24000, "exclusive": False}
+    told = alice.ok("raw", message={"op": "reclaim", "grants": [{**made_up, "pids": [alice.proc.pid]}]})
+    assert told["kept"] == [] and told["refused"][0]["error"] == "unknown_grant", told
+    mine = alice.ok("request", key="z", vram_mb=1000)
+    retied = alice.call("retie", grant=mine["id"], pids=[bobs_run])
+    assert retied["error"] == "not_yours"
+    view = ledger.view()
+    assert [g["key"] for g in view["grants"]] == ["z"] and view["waiting"] == []
+    assert view["grants"][0]["pids"][0]["pid"] == alice.proc.pid
+    bob.ok("kill", pid=bobs_run)
+
+
+def test_a_user_cannot_release_or_read_another_users_grants(users, ledger, agents):
+    alice, bob = agents("alice"), agents("bob")
+    grant = alice.ok("request", key="secret-run-name", vram_mb=5000)
+    for op, fields in (("release", {"grant": grant["id"]}), ("retie", {"grant": grant["id"], "pids": [bob.proc.pid]})):
+        refused = bob.call(op, **fields)
+        assert refused["error"] == "unknown_grant", refused
+    reclaim = bob.ok("raw", message={"op": "reclaim", "grants": [{**grant, "pids": [bob.proc.pid]}]})
+    assert reclaim["kept"] == [] and reclaim["refused"][0]["error"] == "unknown_grant"
+    seen = bob.ok("view")
+    assert seen["grants"] == [] and "secret-run-name" not in str(seen) and grant["id"] not in str(seen)
+    assert grant_ids(ledger.view()) == {grant["id"]}
+    assert ledger.view()["grants"][0]["pids"][0]["pid"] == alice.proc.pid
+
+
+def _raw(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    return sock
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+    except (TimeoutError, ConnectionResetError):
+        return False
+    return True
+
+
+def test_garbage_oversized_and_half_sent_frames_disturb_nobody(users, ledger, agents):
+    alice = agents("alice")
+    grant = alice.ok("request", key="a1", vram_mb=4000)
+    garbage, oversized, half, silent = (_raw(ledger.socket) for _ in range(4))
+    garbage.sendall(b"\x00\x00\x00\x05hello" + os.urandom(64))
+    oversized.sendall(struct.pack(">I", 64 * 1024 * 1024) + b"x" * 1024)
+    half.sendall(encode({"op": "hello", "id": 1})[:7])  # and nothing more
+    # `silent` connects and never says anything.
+    started = time.monotonic()
+    view = alice.call("view", timeout=1.0)  # answered within a second while those hang about
+    assert "result" in view and time.monotonic() - started < 1.0
+    assert alice.ok("request", key="a2", vram_mb=1000)["devices"] == [0]
+    assert _closed_by_peer(garbage, 5.0) and _closed_by_peer(oversized, 5.0)
+    assert _closed_by_peer(half, FRAME_DEADLINE_S + 5.0)
+    assert _closed_by_peer(silent, 10.0)  # no hello in time
+    assert grant["id"] in grant_ids(ledger.view())
+    assert ledger.proc.poll() is None
+
+
+def test_kill_9_of_a_tenant_frees_its_grants_only_once_their_processes_are_gone(users, ledger, agents):
+    alice = agents("alice")
+    run = alice.ok("spawn")  # a run, in its own session: it outlives its server
+    of_the_run = alice.ok("request", key="run", vram_mb=10000)
+    alice.ok("retie", grant=of_the_run["id"], pids=[run])
+    of_the_server = alice.ok("request", key="lease", vram_mb=5000, kind="lease")  # tied to the tenant itself
+    alice.kill9()
+    view = wait_for_view(ledger, lambda v: of_the_server["id"] not in grant_ids(v))
+    # Sweeps have run since the tenant died (they ended its own grant): the run's is still held.
+    assert grant_ids(view) == {of_the_run["id"]} and alive(run)
+    assert view["devices"][0]["allocated_mb"] == 10000
+    os.kill(run, signal.SIGKILL)
+    wait_for_view(ledger, lambda v: not v["grants"])
+
+
+@pytest.mark.parametrize("ledger_config", [{"virtual_gpus": [24000], "reclaim_window_s": 60}])
+def test_a_restarted_ledger_under_load_grants_nothing_twice(users, ledger, agents):
+    """Killed with -9 while both users hold grants and one waits; restarted, it grants nothing new
+    until both tenants it knew have re-told theirs (the 60 s window is not waited out: this test
+    takes seconds), and each grant is held once, by the same id."""
+    alice, bob = agents("alice"), agents("bob")
+    a_run, b_run = alice.ok("spawn"), bob.ok("spawn")
+    a = alice.ok("request", key="a-run", vram_mb=14000)
+    alice.ok("retie", grant=a["id"], pids=[a_run])
+    b = bob.ok("request", key="b-run", vram_mb=8000)
+    bob.ok("retie", grant=b["id"], pids=[b_run])
+    big = bob.send("request", key="b-big", vram_mb=10000)
+    wait_for_view(ledger, lambda v: v["waiting"])
+    ledger.kill9()
+    assert bob.result(big)["error"] == "unavailable"
+
+    ledger.start()
+    assert bob.ok("connect")["reclaiming"] is True  # alice has not re-told hers yet
+    assert bob.ok("grants") == [b["id"]]
+    small = [bob.send("request", key=f"b-small{i}", vram_mb=1000) for i in range(3)]
+    big = bob.send("request", key="b-big", vram_mb=10000)
+    view = wait_for_view(ledger, lambda v: len(v["waiting"]) == 4)
+    assert view["reclaiming"] and all(w["reason"].startswith("the host ledger restarted") for w in view["waiting"])
+    assert not any(bob.done(t) for t in small)
+    assert_never_over(view)
+
+    hello = alice.ok("connect")
+    assert [g["id"] for g in hello["grants"]] == [a["id"]]  # kept from its state file meanwhile
+    granted = [bob.result(t)["result"] for t in small[:2]]  # 2000 MB were left: two of the three
+    view = wait_for_view(ledger, lambda v: not v["reclaiming"] and len(v["waiting"]) == 2)
+    assert_never_over(view)
+    assert sorted(g["id"] for g in view["grants"]) == sorted([a["id"], b["id"], *(g["id"] for g in granted)])
+    reasons = {w["key"]: w["reason"] for w in view["waiting"]}
+    assert f"user {ALICE} holds 14000 MB on GPU 0" in reasons["b-big"]
+    assert not bob.done(big) and not bob.done(small[2])
+    alice.ok("release", grant=a["id"])
+    assert bob.result(big)["result"]["devices"] == [0]
+    assert_never_over(ledger.view())
+    for agent, run in ((alice, a_run), (bob, b_run)):
+        agent.ok("kill", pid=run)
+
+
+def test_processes_outside_any_grant_are_unmanaged_and_named_by_user(users, agents, ledger):
+    alice, bob = agents("alice"), agents("bob")
+    bobs_notebook, alices_run = bob.ok("spawn"), alice.ok("spawn")
+    grant = alice.ok("request", key="run", vram_mb=6000)
+    alice.ok("retie", grant=grant["id"], pids=[alices_run])
+    ledger.plant([{"pid": bobs_notebook, "gpu": 0, "used_mb": 9000}, {"pid": alices_run, "gpu": 0, "used_mb": 5000}])
+    view = wait_for_view(ledger, lambda v: v["devices"][0]["unmanaged_mb"])
+    dev = view["devices"][0]
+    # The run's own VRAM is its grant's, not unmanaged; bob's process is, under his name.
+    assert dev["unmanaged_mb"] == 9000 and dev["free_mb"] == 24000 - 6000 - 9000
+    assert dev["unmanaged_processes"] == [{"pid": bobs_notebook, "gpu": 0, "used_mb": 9000, "user": BOB}]
+    tag = alice.send("request", key="more", vram_mb=10000)
+    view = wait_for_view(ledger, lambda v: v["waiting"])
+    assert "processes outside the ledger hold 9000 MB on GPU 0" in view["waiting"][0]["reason"]
+    bob.ok("kill", pid=bobs_notebook)
+    ledger.plant([])
+    assert alice.result(tag)["result"]["devices"] == [0]
+    alice.ok("kill", pid=alices_run)
+
+
+def test_status_shows_root_every_user_and_a_user_their_own(users, ledger, agents):
+    alice = agents("alice")
+    alice.ok("request", key="alices-eval", vram_mb=7000)
+    cli = [sys.executable, "-m", "jupyter_evalsched.cli", "host-ledger", "--socket", ledger.socket, "--status"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    whole = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=env)
+    assert whole.returncode == 0, whole.stderr
+    assert "admin: every user" in whole.stdout and "alices-eval" in whole.stdout and ALICE in whole.stdout
+    kw = as_user(users["bob"], [*cli, "--json"])
+    own = subprocess.run(kw.pop("args"), capture_output=True, text=True, timeout=60, **kw)
+    assert own.returncode == 0, own.stderr
+    view = json.loads(own.stdout)
+    assert view["user"] == BOB and view["admin"] is False and view["grants"] == []
+    assert view["devices"][0]["users"] == [{"user": ALICE, "allocated_mb": 7000, "leases": 0, "runs": 1}]
+    assert "alices-eval" not in own.stdout
+    missing = subprocess.run(
+        [*cli[:-3], "--socket", ledger.socket + ".nope", "--status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert missing.returncode == 2 and "cannot connect" in missing.stderr
+
+
+def test_a_bad_policy_file_stops_the_ledger_with_the_key_named(tmp_path):
+    config = tmp_path / "policy.json"
+    config.write_text(json.dumps({"quota": {"alice": {"vram": 1}}}))
+    cli = [sys.executable, "-m", "jupyter_evalsched.cli", "host-ledger", "--socket", str(tmp_path / "s.sock")]
+    proc = subprocess.run([*cli, "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "quota.alice: unknown key 'vram'" in proc.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_the_deployment_examples_parse(tmp_path):
+    from jupyter_evalsched.host_ledger.config import load_config
+
+    examples = REPO / "jupyter-config" / "host-ledger"
+    assert load_config(str(examples / "host-ledger.json")).quota("alice").gpus == 2
+    unit = (examples / "evalsched-host-ledger.service").read_text()
+    for line in (
+        "RuntimeDirectory=evalsched",
+        "User=evalsched",
+        "evalsched host-ledger --socket /run/evalsched/ledger.sock",
+    ):
+        assert line in unit
+    namespace = {"get_config": lambda: type("C", (), {"JupyterHub": type("H", (), {})()})()}
+    exec(compile((examples / "jupyterhub_config.py").read_text(), "jupyterhub_config.py", "exec"), namespace)
+    (service,) = namespace["c"].JupyterHub.services
+    assert service["command"][service["command"].index("host-ledger") - 2 :][:3] == [
+        "jupyter",
+        "evalsched",
+        "host-ledger",
+    ]
+
+
+def test_a_view_larger_than_a_request_frame_still_reaches_the_client(tmp_path):
+    """Requests are capped at 64 KiB; the ledger's answers are not held to that (a busy host's
+    whole view is larger). In one process, as root, against a ledger in the same loop."""
+    from jupyter_evalsched.host_ledger.client import HostLedgerClient
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.protocol import MAX_FRAME_BYTES
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    async def go() -> None:
+        server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(tmp_path / "ledger.sock"))
+        await server.start()
+        client = HostLedgerClient(server.socket_path)
+        try:
+            await client.connect()
+            for i in range(260):
+                await client.request(f"{i:04d}-" + "k" * 190, 10)
+            view = await client.view()
+            assert len(view["grants"]) == 260 and len(json.dumps(view)) > MAX_FRAME_BYTES
+            assert (await asyncio.to_thread(status, server.socket_path))["grants"] == view["grants"]
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("ledger_config", [{"virtual_gpus": [24000], "reclaim_window_s": 3}])
+def test_with_its_state_file_unreadable_a_restarted_ledger_learns_the_grants_from_the_tenants(users, ledger, agents):
+    """The worst restart: the ledger remembers nothing it can trust, so it waits the whole window
+    (3 s here) for the tenants; alice's re-told grant is then held, and bob's request waits on it."""
+    alice, bob = agents("alice"), agents("bob")
+    run = alice.ok("spawn")
+    a = alice.ok("request", key="a-run", vram_mb=20000)
+    alice.ok("retie", grant=a["id"], pids=[run])
+    ledger.kill9()
+    with open(ledger.state_file, "w") as f:
+        f.write("{not json")
+    ledger.start()
+    assert bob.ok("connect")["reclaiming"] is True
+    tag = bob.send("request", key="b", vram_mb=10000)
+    wait_for_view(ledger, lambda v: v["waiting"])
+    hello = alice.ok("connect")  # re-tells a grant the ledger had forgotten
+    assert hello["grants"] == [] and alice.ok("grants") == [a["id"]]
+    holder = f"user {ALICE} holds 20000 MB on GPU 0"
+    view = wait_for_view(ledger, lambda v: not v["reclaiming"] and holder in v["waiting"][0]["reason"], timeout=15)
+    assert grant_ids(view) == {a["id"]} and view["grants"][0]["pids"][0]["pid"] == run
+    assert not bob.done(tag)
+    alice.ok("kill", pid=run)  # the run ends: its grant with it, and bob's request is granted
+    assert bob.result(tag)["result"]["devices"] == [0]
+
+
+def test_during_the_reclaim_window_a_re_told_grant_must_fit_beside_the_others(tmp_path):
+    """In one process, as root: after a restart that lost the state, re-told grants are learnt
+    only as far as the GPU holds them; one past it is refused, never kept."""
+    from jupyter_evalsched.host_ledger.client import HostLedgerClient
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    async def go() -> None:
+        path = tmp_path / "ledger.sock"
+        (tmp_path / "ledger.sock.state.json").write_text("{not json")
+        server = HostLedger(parse_config({"virtual_gpus": [24000], "reclaim_window_s": 60}), str(path))
+        await server.start()
+        clients = [HostLedgerClient(str(path)) for _ in range(2)]
+        try:
+            for client, (gid, mb) in zip(clients, (("a" * 16, 20000), ("b" * 16, 10000)), strict=True):
+                client.grants[gid] = {
+                    "id": gid, "key": gid, "kind": "run", "devices": [0], "vram_mb": mb, "exclusive": False,
+                    "pids": [{"pid": os.getpid(), "start": 0}],
+                }  # fmt: skip
+                assert (await client.connect())["reclaiming"] is True
+            assert sorted(clients[0].grants) == ["a" * 16] and clients[1].grants == {}
+            assert [g["id"] for g in (await clients[0].view())["grants"]] == ["a" * 16]
+        finally:
+            for client in clients:
+                await client.close()
+            await server.stop()
+
+    asyncio.run(go())

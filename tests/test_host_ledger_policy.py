@@ -1,0 +1,169 @@
+"""Issue #32: the host ledger's pure decisions (policy.py), its config file and its frames."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import struct
+
+import pytest
+
+from jupyter_evalsched.host_ledger.config import ConfigError, parse_config
+from jupyter_evalsched.host_ledger.policy import Ask, Holding, HostDevice, Quota, decide, held_mb, next_grant
+from jupyter_evalsched.host_ledger.protocol import MAX_FRAME_BYTES, ProtocolError, encode, read_frame
+
+GPU0 = {0: HostDevice(0, 24000)}
+TWO = {0: HostDevice(0, 24000), 1: HostDevice(1, 24000)}
+
+
+def test_the_quota_reason_is_the_pinned_one():
+    holdings = [Holding("alice", (0,), 16000)]
+    d = decide(Ask("alice", 8000), TWO, holdings, Quota(vram_mb=20000))
+    assert (d.state, d.reason) == ("waiting", "quota: user alice may hold 20000 MB of VRAM; holds 16000 MB")
+    assert decide(Ask("alice", 4000), TWO, holdings, Quota(vram_mb=20000)).state == "granted"
+
+
+def test_a_wait_for_capacity_names_the_other_user_and_the_gpu():
+    d = decide(Ask("alice", 14000), GPU0, [Holding("bob", (0,), 14000)], Quota())
+    assert d.state == "waiting"
+    assert d.reason.endswith("; user bob holds 14000 MB on GPU 0"), d.reason
+
+
+def test_never_fits_is_its_own_answer():
+    assert decide(Ask("alice", 30000), GPU0, [], Quota()).state == "never"
+    assert decide(Ask("alice", 1000, gpus=2), GPU0, [], Quota()).state == "never"
+    assert decide(Ask("alice", 1000, devices=(3,)), GPU0, [], Quota()).state == "never"
+    over = decide(Ask("alice", 15000, gpus=2), TWO, [], Quota(vram_mb=20000))
+    assert over.state == "never" and over.reason.startswith("quota: user alice may hold 20000 MB of VRAM")
+    assert decide(Ask("alice", 1000, kind="lease"), GPU0, [], Quota(leases=0)).state == "never"
+    assert decide(Ask("alice", 1000, gpus=2), TWO, [], Quota(gpus=1)).state == "never"
+    # Held VRAM does not make an ask "never": it waits.
+    assert decide(Ask("alice", 20000), GPU0, [Holding("bob", (0,), 20000)], Quota()).state == "waiting"
+
+
+def test_gpu_and_lease_quotas():
+    held = [Holding("alice", (0,), 1000, kind="lease")]
+    d = decide(Ask("alice", 1000, kind="lease"), TWO, held, Quota(leases=1))
+    assert (d.state, d.reason) == ("waiting", "quota: user alice may hold 1 lease; holds 1")
+    # A one-GPU quota places a second grant on the GPU already held, never on the other.
+    d = decide(Ask("alice", 1000), TWO, held, Quota(gpus=1))
+    assert (d.state, d.devices) == ("granted", (0,))
+    full = [Holding("alice", (0,), 24000)]
+    d = decide(Ask("alice", 1000), TWO, full, Quota(gpus=1))
+    assert d.state == "waiting" and d.reason == "quota: user alice may hold 1 GPU; holds 1"
+
+
+def test_exclusive_takes_a_whole_idle_gpu_and_nothing_shares_it():
+    d = decide(Ask("alice", 0, exclusive=True), TWO, [Holding("bob", (0,), 100)], Quota())
+    assert (d.state, d.devices) == ("granted", (1,))
+    mine = [Holding("alice", (1,), 0, exclusive=True)]
+    assert held_mb("alice", TWO, mine) == 24000
+    assert decide(Ask("bob", 100, devices=(1,)), TWO, mine, Quota()).state == "waiting"
+    busy = {0: HostDevice(0, 24000, unmanaged_mb=10)}
+    assert decide(Ask("alice", 0, exclusive=True), busy, [], Quota()).state == "waiting"
+
+
+def test_an_exclusive_grant_counts_its_whole_gpu_against_the_quota():
+    d = decide(Ask("alice", 0, exclusive=True), TWO, [Holding("alice", (0,), 10000)], Quota(vram_mb=30000))
+    assert (d.state, d.reason) == ("waiting", "quota: user alice may hold 30000 MB of VRAM; holds 10000 MB")
+    assert decide(Ask("alice", 0, exclusive=True), TWO, [], Quota(vram_mb=30000)).state == "granted"
+
+
+def test_grants_pack_onto_the_fullest_gpu_that_fits():
+    d = decide(Ask("alice", 8000), TWO, [Holding("bob", (1,), 10000)], Quota())
+    assert d.devices == (1,)
+
+
+def test_random_grants_never_pass_usable_or_unmanaged():
+    rng = random.Random(7)
+    devices = {0: HostDevice(0, 24000, unmanaged_mb=3000), 1: HostDevice(1, 16000)}
+    holdings: list[Holding] = []
+    for _ in range(2000):
+        if holdings and rng.random() < 0.3:
+            holdings.pop(rng.randrange(len(holdings)))
+            continue
+        ask = Ask(
+            rng.choice("abc"), rng.choice([0, 1000, 5000, 9000, 16000]), rng.choice([1, 1, 2]), rng.random() < 0.1
+        )
+        d = decide(ask, devices, holdings, Quota(vram_mb=30000))
+        if d.state == "granted":
+            holdings.append(Holding(ask.user, d.devices, ask.vram_mb, ask.exclusive))
+        for index, dev in devices.items():
+            here = [h for h in holdings if index in h.devices]
+            used = sum(dev.usable_mb if h.exclusive else h.vram_mb for h in here)
+            assert used + dev.unmanaged_mb <= dev.usable_mb
+            assert not any(h.exclusive for h in here) or len(here) == 1
+        for user in "abc":
+            assert held_mb(user, devices, holdings) <= 30000
+
+
+def test_fair_share_serves_the_user_holding_least_then_the_earliest():
+    holdings = [Holding("alice", (0,), 12000)]
+    waiting = [Ask("alice", 6000), Ask("alice", 6000), Ask("bob", 6000), Ask("carol", 6000)]
+    position, decision = next_grant(waiting, GPU0, holdings, {})
+    assert position == 2 and decision.state == "granted"  # bob and carol hold 0; bob asked first
+    # An ask that does not fit does not block a smaller one of a user holding more.
+    waiting = [Ask("bob", 20000), Ask("alice", 6000)]
+    assert next_grant(waiting, GPU0, holdings, {})[0] == 1
+    assert next_grant([Ask("bob", 20000)], GPU0, holdings, {}) is None
+    # A user over quota is passed over.
+    assert next_grant([Ask("bob", 1000), Ask("alice", 1000)], GPU0, holdings, {"bob": Quota(vram_mb=0)})[0] == 1
+
+
+def test_config_parses_and_names_every_mistake():
+    config = parse_config(
+        {
+            "usable_vram_mb": {"0": 22000},
+            "quota": {"default": {"vram_mb": 40000}, "alice": {"gpus": 1, "leases": 2}},
+            "admin_group": "gpu-admins",
+            "socket_mode": "0660",
+            "reclaim_window_s": 5,
+        }
+    )
+    assert config.usable(0, 24000) == 22000 and config.usable(1, 24000) == 24000
+    assert config.quota("alice") == Quota(gpus=1, leases=2) and config.quota("bob") == Quota(vram_mb=40000)
+    assert config.socket_mode == 0o660 and config.reclaim_window_s == 5
+    assert parse_config({"usable_vram_mb": 30000}).usable(0, 24000) == 24000
+    for bad, words in (
+        ({"quota": {"alice": {"vram": 1}}}, "quota.alice: unknown key 'vram'"),
+        ({"quota": {"default": {"vram_mb": -1}}}, "quota.default.vram_mb must be a whole number"),
+        ({"usable_vram_mb": {"zero": 1}}, "'zero' is not a GPU index"),
+        ({"socket_mode": "rw"}, "socket_mode must be an octal string"),
+        ({"reclaim_window_s": "long"}, "reclaim_window_s must be a number"),
+        ({"sockets": 1}, "unknown key 'sockets'"),
+        ([], "must be a JSON object"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            parse_config(bad)
+
+
+def _frames(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+def test_frames_round_trip_and_refuse_oversized_or_non_objects():
+    async def go() -> None:
+        assert await read_frame(_frames(encode({"op": "view", "id": 3}))) == {"op": "view", "id": 3}
+        for data in (
+            struct.pack(">I", MAX_FRAME_BYTES + 1) + b"{}",
+            struct.pack(">I", 2) + b"[]",
+            struct.pack(">I", 4) + b"\xff\xfe{}",
+            struct.pack(">I", 10) + b"{}",  # cut short
+        ):
+            with pytest.raises(ProtocolError):
+                await read_frame(_frames(data))
+
+        # An oversized frame is refused on its header, before a byte of it is read or waited for.
+        reader = asyncio.StreamReader()
+        reader.feed_data(struct.pack(">I", MAX_FRAME_BYTES + 1))
+        with pytest.raises(ProtocolError, match=f"over the {MAX_FRAME_BYTES}-byte limit"):
+            await read_frame(reader)
+
+    asyncio.run(go())
+    with pytest.raises(ProtocolError):
+        encode({"x": "y" * MAX_FRAME_BYTES})
+    assert json.loads(encode({"a": 1})[4:]) == {"a": 1}
