@@ -421,3 +421,81 @@ def test_a_short_request_is_answered_before_the_long_one_it_shares_a_batch_with(
         assert alone["text"] == answer["text"] and alone["completion_tokens"] == answer["completion_tokens"]
         for a, b in zip(alone["logprobs"] or [], answer["logprobs"] or [], strict=True):
             assert a["token"] == b["token"] and (a["logprob"] is None or abs(a["logprob"] - b["logprob"]) < 1e-4)
+
+
+async def test_prompts_as_strings_and_as_token_ids_score_the_same(v1, reference):
+    """OpenAI's legacy completions take ``prompt`` as a string, a list of strings, a list of token
+    ids or a list of such lists (lm-eval's local-completions sends the last): the same tokens,
+    the same answers, with ``text_offset`` into the decoded text of a token prompt."""
+    _, tokenizer = reference
+    texts = PROMPTS[:2] + PROMPTS[5:]  # "héllo wörld": tokens inside a character
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    score = {"model": "tiny-lm", "echo": True, "max_tokens": 0, "logprobs": 1}
+    as_texts = (await v1("POST", "completions", {**score, "prompt": texts}))[1]["choices"]
+    shapes = {
+        "a string": [(await v1("POST", "completions", {**score, "prompt": text}))[1]["choices"][0] for text in texts],
+        "token ids": [(await v1("POST", "completions", {**score, "prompt": i}))[1]["choices"][0] for i in ids],
+        "lists of token ids": (await v1("POST", "completions", {**score, "prompt": ids}))[1]["choices"],
+    }
+    for shape, choices in shapes.items():
+        assert [c["text"] for c in choices] == texts, shape
+        for choice, expected in zip(choices, as_texts, strict=True):
+            got, want = choice["logprobs"], expected["logprobs"]
+            assert (got["tokens"], got["text_offset"]) == (want["tokens"], want["text_offset"]), shape
+            assert [list(top or {}) for top in got["top_logprobs"]] == [list(top or {}) for top in want["top_logprobs"]]
+            for a, b in zip(got["token_logprobs"][1:], want["token_logprobs"][1:], strict=True):
+                assert abs(a - b) < 1e-4, (shape, a, b)  # alone or padded in a batch: the same to float noise
+    for text, choice in zip(texts, as_texts, strict=True):
+        assert_scores(choice, text, direct_logprobs(reference, text))
+    multibyte = shapes["token ids"][-1]["logprobs"]
+    assert any(t.startswith("bytes:") for t in multibyte["tokens"])  # the case the offsets must get right
+
+    # Generating after token ids: the echoed prompt is their decoded text, offsets continue it.
+    code, answer = await v1(
+        "POST",
+        "completions",
+        {"model": "tiny-lm", "prompt": [ids[0], ids[1]], "max_tokens": 5, "temperature": 0, "echo": True, "logprobs": 0},
+    )
+    assert code == 200, answer
+    for text, choice in zip(texts[:2], answer["choices"], strict=True):
+        assert choice["text"] == text + direct_greedy(reference, text, 5)
+        lp = choice["logprobs"]
+        for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+            assert choice["text"][offset : offset + len(token)] == token, (token, offset)
+    # Token-id prompts that are not: an empty list, a list mixing ids and strings, floats, booleans.
+    for prompt in ([], [[]], [1, "a"], [[1, 2.5]], [True, 2], [[1], []]):
+        code, answer = await v1("POST", "completions", {**score, "prompt": prompt})
+        assert code == 400 and answer["error"]["param"] == "prompt", (prompt, answer)
+
+
+async def test_the_end_of_text_that_ends_a_generation_is_a_token_with_its_logprob(v1, reference):
+    """A generation that ends with the end-of-text token: the text is without it, but the token is
+    counted and has its log-probability, after the echoed prompt's (lm-eval reads an echoed
+    prompt's scores as every entry but the last generated one)."""
+    model, tokenizer = reference
+    eos = tokenizer.eos_token_id
+    # This random model's one sure end of text: after an end of text.
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([[eos]])).logits[0, -1].float(), dim=-1)
+    assert int(logprobs.argmax()) == eos
+    for prompt in ([eos], tokenizer.eos_token):
+        code, answer = await v1(
+            "POST",
+            "completions",
+            {"model": "tiny-lm", "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1},
+        )
+        assert code == 200, answer
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["text"] == tokenizer.eos_token
+        assert answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [tokenizer.eos_token, tokenizer.eos_token]
+        assert lp["token_logprobs"][0] is None and abs(lp["token_logprobs"][1] - float(logprobs[eos])) < 1e-4
+        assert lp["text_offset"] == [0, len(tokenizer.eos_token)]
+    # Without echo: no text, one token.
+    code, answer = await v1(
+        "POST", "completions", {"model": "tiny-lm", "prompt": [eos], "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    )
+    choice = answer["choices"][0]
+    assert (choice["text"], choice["finish_reason"], answer["usage"]["completion_tokens"]) == ("", "stop", 1)
+    assert choice["logprobs"]["tokens"] == [tokenizer.eos_token] and choice["logprobs"]["text_offset"] == [0]
