@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import openai
 import pytest
@@ -349,6 +350,7 @@ async def test_a_client_gone_mid_stream_leaves_nothing_stuck(v1, jp_serverapp, j
 
 SHARED_RUN = """
 import os
+import time
 
 import jupyter_evalsched
 
@@ -362,31 +364,89 @@ def episode(ctx, index):
     assert done.usage.completion_tokens <= 4
     with open(os.environ["KEY_FILE"], "w") as f:
         f.write(os.environ["OPENAI_BASE_URL"] + " " + os.environ["OPENAI_API_KEY"])
+    if index == 0:  # both runs are using the model now: wait until the kernel has used it too
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.environ["KERNEL_DONE"]):
+            assert time.monotonic() < deadline, "the kernel never used the model"
+            time.sleep(0.05)
     return {"ok": 1}
 """
 
+# In a kernel: once both runs are in their first episode, the same model through OpenAI's client
+# (the server found from EVALSCHED_URL and EVALSCHED_TOKEN, as a notebook's kernel finds it).
+KERNEL_CODE = """
+import json, os, time
+import jupyter_evalsched
 
-async def test_runs_and_the_api_share_one_load(api, v1, wait_for, evalsched, tmp_path):
-    ids = []
-    for number in range(2):
-        spec = {
-            "source": SHARED_RUN,
-            "episodes": 3,
-            "models": ["tiny-lm"],
-            "env": {"KEY_FILE": str(tmp_path / f"key{number}")},
-        }
-        code, rec = await api("POST", "runs", spec)
-        assert code == 201, rec
-        ids.append(rec["id"])
-    answers = await asyncio.gather(
-        *(v1("POST", "completions", {"model": "tiny-lm", "prompt": "The cat", "max_tokens": 4}) for _ in range(4))
-    )
-    assert all(code == 200 for code, _ in answers), answers
-    for run_id in ids:
-        final = await wait_for(run_id, timeout=120)
-        assert final["state"] == "succeeded", final
+deadline = time.monotonic() + 120
+while not all(os.path.exists(path) for path in {keys!r}):
+    assert time.monotonic() < deadline, "the runs never started"
+    time.sleep(0.05)
+client = jupyter_evalsched.openai_client(max_retries=0)
+done = client.completions.create(model="tiny-lm", prompt="The cat", max_tokens=4, temperature=0)
+print(json.dumps([str(client.base_url), done.choices[0].text]))
+open({done!r}, "w").close()
+"""
+
+
+async def test_runs_and_the_api_share_one_load(
+    api, v1, wait_for, evalsched, tmp_path, reference, jp_serverapp, jp_http_port, jp_base_url
+):
+    """Two runs and a kernel use the model at once (each run's first episode waits for the
+    kernel, which waits for both runs), and a tool calls the API meanwhile: one load."""
+    from jupyter_client.manager import start_new_async_kernel
+
+    kernel_done = str(tmp_path / "kernel-done")
+    key_files = [str(tmp_path / f"key{number}") for number in range(2)]
+    environment = {
+        **os.environ,
+        "EVALSCHED_URL": f"http://127.0.0.1:{jp_http_port}{jp_base_url}",
+        "EVALSCHED_TOKEN": jp_serverapp.identity_provider.token,
+    }
+    environment.pop("OPENAI_BASE_URL", None), environment.pop("OPENAI_API_KEY", None)
+    kernel, kernel_client = await start_new_async_kernel(kernel_name="python3", env=environment)
+    try:
+        printed: list[str] = []
+
+        def output(message: dict) -> None:
+            if message["msg_type"] == "stream" and message["content"]["name"] == "stdout":
+                printed.append(message["content"]["text"])
+            elif message["msg_type"] == "error":
+                printed.append("\n".join(message["content"]["traceback"]))
+
+        in_kernel = asyncio.ensure_future(
+            kernel_client.execute_interactive(
+                KERNEL_CODE.format(keys=key_files, done=kernel_done), timeout=180, output_hook=output
+            )
+        )
+        ids = []
+        for number in range(2):
+            spec = {
+                "source": SHARED_RUN,
+                "episodes": 3,
+                "models": ["tiny-lm"],
+                "env": {"KEY_FILE": key_files[number], "KERNEL_DONE": kernel_done},
+            }
+            code, rec = await api("POST", "runs", spec)
+            assert code == 201, rec
+            ids.append(rec["id"])
+        answers = await asyncio.gather(
+            *(v1("POST", "completions", {"model": "tiny-lm", "prompt": "The cat", "max_tokens": 4}) for _ in range(4))
+        )
+        assert all(code == 200 for code, _ in answers), answers
+        reply = await in_kernel
+        assert reply["content"]["status"] == "ok", printed
+        base_url, text = json.loads("".join(printed))
+        assert base_url == f"http://127.0.0.1:{jp_http_port}{jp_base_url}evalsched/v1/"
+        assert text == direct_greedy(reference, "The cat", 4)
+        for run_id in ids:
+            final = await wait_for(run_id, timeout=120)
+            assert final["state"] == "succeeded", final
+    finally:
+        kernel_client.stop_channels()
+        await kernel.shutdown_kernel(now=True)
     (described,) = [m for m in await evalsched.models.describe() if m["name"] == "tiny-lm"]
-    assert described["load_count"] == 1 and described["requests"] >= 4 + 2 * 3 * 2
+    assert described["load_count"] == 1 and described["requests"] >= 4 + 2 * 3 * 2 + 1
 
     # Each run had its own key, which ends with it.
     keys = [(tmp_path / f"key{n}").read_text().split()[1] for n in range(2)]
