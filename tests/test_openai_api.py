@@ -514,7 +514,14 @@ async def test_prompts_as_strings_and_as_token_ids_score_the_same(v1, reference)
     code, answer = await v1(
         "POST",
         "completions",
-        {"model": "tiny-lm", "prompt": [ids[0], ids[1]], "max_tokens": 5, "temperature": 0, "echo": True, "logprobs": 0},
+        {
+            "model": "tiny-lm",
+            "prompt": [ids[0], ids[1]],
+            "max_tokens": 5,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": 0,
+        },
     )
     assert code == 200, answer
     for text, choice in zip(texts[:2], answer["choices"], strict=True):
