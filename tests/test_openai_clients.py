@@ -204,6 +204,8 @@ def inspect_eval(base_url: str, api_key: str, log_dir: str):
         log_dir=log_dir,
         temperature=0,
         max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
         display="none",
         max_retries=0,
         fail_on_error=True,
@@ -219,15 +221,24 @@ async def test_an_inspect_eval_through_the_api(base_url, token, tiny_lm_dir, tmp
     assert log.eval.model == "openai-api/evalsched/tiny-lm"
     assert [s.scores for s in log.samples] and all(s.scores for s in log.samples)
     assert any(log_dir.iterdir())  # its log, written here
-    # Each sample's output is the model's own greedy completion of the chat prompt.
+    # Each sample's output is the model's own greedy completion of the chat prompt, with the
+    # model's own log-probabilities (this random model completes every question alike: the
+    # log-probabilities tell the prompts apart).
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_lm_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_lm_dir).eval()
-    outputs = {s.input: s.output.completion for s in log.samples}
-    assert sorted(outputs) == sorted(QUESTIONS) and any(outputs.values())
-    for question, completion in outputs.items():
+    outputs = {s.input: s.output.choices[0] for s in log.samples}
+    assert sorted(outputs) == sorted(QUESTIONS)
+    for question, choice in outputs.items():
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
         encoded = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+        start = encoded["input_ids"].shape[1]
         out = model.generate(**encoded, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        assert completion == tokenizer.decode(out[0, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert choice.message.text == tokenizer.decode(out[0, start:], skip_special_tokens=True)
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(model(out).logits[0].float(), dim=-1)
+        expected = [float(logprobs[i - 1, out[0, i]]) for i in range(start, out.shape[1])]
+        got = [entry.logprob for entry in choice.logprobs.content]
+        assert len(got) == len(expected) and all(abs(a - b) < 1e-4 for a, b in zip(got, expected, strict=True))
+        assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
