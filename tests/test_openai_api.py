@@ -76,7 +76,8 @@ def v1(jp_fetch, evalsched):
     """``await v1("POST", "completions", body)`` -> (status, parsed body)."""
 
     async def call(method: str, path: str, body=None, headers=None):
-        kwargs: dict = {"method": method, "raise_error": False, "headers": headers or {}}
+        # A generous bound (tornado's default is 20 s): the first request starts the model host.
+        kwargs: dict = {"method": method, "raise_error": False, "headers": headers or {}, "request_timeout": 120}
         if body is not None:
             kwargs["body"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
         resp = await jp_fetch("evalsched", "v1", *path.split("/"), **kwargs)
