@@ -281,6 +281,7 @@ async def test_bad_input_is_an_openai_shaped_4xx(v1, jp_serverapp):
         ("completions", {"model": "tiny-lm", "prompt": "x", "logprobs": 6}, "logprobs"),
         ("completions", {"model": "tiny-lm", "prompt": "x", "temperature": -1}, "temperature"),
         ("completions", {"model": "tiny-lm", "prompt": "x", "stop": ["", "y"]}, "stop"),
+        ("completions", {"model": "tiny-lm", "prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop"),
         ("completions", {"model": "tiny-lm", "prompt": {"text": "x"}}, "prompt"),
         ("completions", {"model": "tiny-lm", "prompt": "the cat " * 400}, "prompt"),
         ("completions", {"model": "tiny-lm", "prompt": [999999]}, "prompt"),

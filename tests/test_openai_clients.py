@@ -23,7 +23,8 @@ lm_eval = pytest.importorskip("lm_eval")
 inspect_ai = pytest.importorskip("inspect_ai")
 
 TASK_DIR = Path(__file__).resolve().parent / "data" / "lmeval_task"
-TASK = "evalsched_tiny_mc"
+TASK = "evalsched_tiny_mc"  # multiple choice: loglikelihood requests
+GEN_TASK = "evalsched_tiny_gen"  # the same questions, generate_until
 
 
 @pytest.fixture(autouse=True)
@@ -76,10 +77,10 @@ def token(jp_serverapp):
 # -- lm-evaluation-harness ---------------------------------------------------------------------
 
 
-def task_config() -> dict:
-    """The task's YAML with its data file made absolute (the datasets library reads a relative
+def task_config(name: str) -> dict:
+    """A task's YAML with its data file made absolute (the datasets library reads a relative
     path from the working directory, not from the YAML's)."""
-    config = yaml.safe_load((TASK_DIR / "tiny_mc.yaml").read_text())
+    config = yaml.safe_load((TASK_DIR / name).read_text())
     config["dataset_kwargs"]["data_files"]["test"] = str(TASK_DIR / "items.json")
     return config
 
@@ -90,7 +91,7 @@ def evaluate(model: str, model_args: dict) -> dict:
     return lm_eval.simple_evaluate(
         model=model,
         model_args=model_args,
-        tasks=[task_config()],
+        tasks=[task_config("tiny_mc.yaml"), task_config("tiny_gen.yaml")],
         task_manager=TaskManager(include_defaults=False),
         log_samples=True,
         random_seed=0,
@@ -123,6 +124,19 @@ def per_sample(results: dict) -> dict[int, list[tuple[tuple[str, str], float, bo
         s["doc_id"]: [(tuple(args), float(resp[0][0]), bool(resp[0][1])) for args, resp in zip(s["arguments"], s["resps"], strict=True)]
         for s in samples
     }  # fmt: skip
+
+
+def generations(results: dict) -> dict[int, tuple[str, str]]:
+    """``{doc_id: (context, generated text)}`` of the generate_until task."""
+    return {s["doc_id"]: (s["arguments"][0][0], s["resps"][0][0]) for s in results["samples"][GEN_TASK]}
+
+
+def direct_generation(model, tokenizer, context: str, until: list[str], max_tokens: int) -> str:
+    """The model's own greedy continuation, cut before the first stop string."""
+    encoded = tokenizer(context, return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**encoded, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    text = tokenizer.decode(out[0, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+    return text[: min((text.find(stop) for stop in until if stop in text), default=len(text))]
 
 
 def direct_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
@@ -158,6 +172,15 @@ async def test_lm_eval_through_the_api_scores_what_the_model_computes(base_url, 
     accuracy = results["results"][TASK]["acc,none"]
     assert math.isclose(accuracy, correct / 12), (accuracy, correct)
 
+    # generate_until: six stop strings (the task's five and the end of text), greedy, 8 tokens.
+    generation = task_config("tiny_gen.yaml")["generation_kwargs"]
+    generated = generations(results)
+    assert sorted(generated) == list(range(12))
+    for doc_id, (context, text) in generated.items():
+        want = direct_generation(model, tokenizer, context, generation["until"], generation["max_gen_toks"])
+        assert text == want, (doc_id, context, text, want)
+    assert any(text for _, text in generated.values())
+
 
 async def test_lm_eval_through_the_api_equals_its_own_hf_backend(base_url, token, tiny_lm_dir, monkeypatch):
     if importlib.util.find_spec("accelerate") is None:
@@ -176,6 +199,8 @@ async def test_lm_eval_through_the_api_equals_its_own_hf_backend(base_url, token
             assert args == hf_args
             assert abs(got - want) < 1e-4, (doc_id, args, got, want)
             assert greedy == hf_greedy, (doc_id, args)
+    assert api["results"][GEN_TASK]["exact_match,none"] == hf["results"][GEN_TASK]["exact_match,none"]
+    assert generations(api) == generations(hf)
 
 
 # -- Inspect -----------------------------------------------------------------------------------
