@@ -1,7 +1,7 @@
 """Real evaluation frameworks against the OpenAI-compatible routes (``/evalsched/v1``), offline:
-lm-evaluation-harness's ``local-completions`` on a multiple-choice task defined in this
-repository (tests/data/lmeval_task), checked against the model itself and against lm-eval's own
-``hf`` backend on the same model directory; and an Inspect eval through its ``openai-api``
+lm-evaluation-harness's ``local-completions`` (token-id prompts) on a multiple-choice task and a
+generate_until task defined in this repository (tests/data/lmeval_task), checked against the
+model itself and against lm-eval's own ``hf`` backend on the same model directory; and an Inspect eval through its ``openai-api``
 provider. The server is a real Jupyter server with the tiny causal LM in its model host; the
 frameworks run in a thread (the server runs on the test's event loop)."""
 
