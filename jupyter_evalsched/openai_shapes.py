@@ -18,7 +18,7 @@ from typing import Any
 
 MAX_LOGPROBS = 5  # the legacy completions API's limit
 MAX_TOP_LOGPROBS = 20  # chat's
-MAX_STOP = 4
+MAX_STOP = 16  # OpenAI allows 4; lm-eval sends a task's `until` strings and the end-of-text one
 MAX_PROMPTS = 2048
 
 # Fields OpenAI's clients send that change nothing here when they hold their default (or any

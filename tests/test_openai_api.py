@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import openai
 import pytest
@@ -75,7 +76,8 @@ def v1(jp_fetch, evalsched):
     """``await v1("POST", "completions", body)`` -> (status, parsed body)."""
 
     async def call(method: str, path: str, body=None, headers=None):
-        kwargs: dict = {"method": method, "raise_error": False, "headers": headers or {}}
+        # A generous bound (tornado's default is 20 s): the first request starts the model host.
+        kwargs: dict = {"method": method, "raise_error": False, "headers": headers or {}, "request_timeout": 120}
         if body is not None:
             kwargs["body"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
         resp = await jp_fetch("evalsched", "v1", *path.split("/"), **kwargs)
@@ -279,6 +281,7 @@ async def test_bad_input_is_an_openai_shaped_4xx(v1, jp_serverapp):
         ("completions", {"model": "tiny-lm", "prompt": "x", "logprobs": 6}, "logprobs"),
         ("completions", {"model": "tiny-lm", "prompt": "x", "temperature": -1}, "temperature"),
         ("completions", {"model": "tiny-lm", "prompt": "x", "stop": ["", "y"]}, "stop"),
+        ("completions", {"model": "tiny-lm", "prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop"),
         ("completions", {"model": "tiny-lm", "prompt": {"text": "x"}}, "prompt"),
         ("completions", {"model": "tiny-lm", "prompt": "the cat " * 400}, "prompt"),
         ("completions", {"model": "tiny-lm", "prompt": [999999]}, "prompt"),
@@ -349,6 +352,7 @@ async def test_a_client_gone_mid_stream_leaves_nothing_stuck(v1, jp_serverapp, j
 
 SHARED_RUN = """
 import os
+import time
 
 import jupyter_evalsched
 
@@ -362,31 +366,89 @@ def episode(ctx, index):
     assert done.usage.completion_tokens <= 4
     with open(os.environ["KEY_FILE"], "w") as f:
         f.write(os.environ["OPENAI_BASE_URL"] + " " + os.environ["OPENAI_API_KEY"])
+    if index == 0:  # both runs are using the model now: wait until the kernel has used it too
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.environ["KERNEL_DONE"]):
+            assert time.monotonic() < deadline, "the kernel never used the model"
+            time.sleep(0.05)
     return {"ok": 1}
 """
 
+# In a kernel: once both runs are in their first episode, the same model through OpenAI's client
+# (the server found from EVALSCHED_URL and EVALSCHED_TOKEN, as a notebook's kernel finds it).
+KERNEL_CODE = """
+import json, os, time
+import jupyter_evalsched
 
-async def test_runs_and_the_api_share_one_load(api, v1, wait_for, evalsched, tmp_path):
-    ids = []
-    for number in range(2):
-        spec = {
-            "source": SHARED_RUN,
-            "episodes": 3,
-            "models": ["tiny-lm"],
-            "env": {"KEY_FILE": str(tmp_path / f"key{number}")},
-        }
-        code, rec = await api("POST", "runs", spec)
-        assert code == 201, rec
-        ids.append(rec["id"])
-    answers = await asyncio.gather(
-        *(v1("POST", "completions", {"model": "tiny-lm", "prompt": "The cat", "max_tokens": 4}) for _ in range(4))
-    )
-    assert all(code == 200 for code, _ in answers), answers
-    for run_id in ids:
-        final = await wait_for(run_id, timeout=120)
-        assert final["state"] == "succeeded", final
+deadline = time.monotonic() + 120
+while not all(os.path.exists(path) for path in {keys!r}):
+    assert time.monotonic() < deadline, "the runs never started"
+    time.sleep(0.05)
+client = jupyter_evalsched.openai_client(max_retries=0)
+done = client.completions.create(model="tiny-lm", prompt="The cat", max_tokens=4, temperature=0)
+print(json.dumps([str(client.base_url), done.choices[0].text]))
+open({done!r}, "w").close()
+"""
+
+
+async def test_runs_and_the_api_share_one_load(
+    api, v1, wait_for, evalsched, tmp_path, reference, jp_serverapp, jp_http_port, jp_base_url
+):
+    """Two runs and a kernel use the model at once (each run's first episode waits for the
+    kernel, which waits for both runs), and a tool calls the API meanwhile: one load."""
+    from jupyter_client.manager import start_new_async_kernel
+
+    kernel_done = str(tmp_path / "kernel-done")
+    key_files = [str(tmp_path / f"key{number}") for number in range(2)]
+    environment = {
+        **os.environ,
+        "EVALSCHED_URL": f"http://127.0.0.1:{jp_http_port}{jp_base_url}",
+        "EVALSCHED_TOKEN": jp_serverapp.identity_provider.token,
+    }
+    environment.pop("OPENAI_BASE_URL", None), environment.pop("OPENAI_API_KEY", None)
+    kernel, kernel_client = await start_new_async_kernel(kernel_name="python3", env=environment)
+    try:
+        printed: list[str] = []
+
+        def output(message: dict) -> None:
+            if message["msg_type"] == "stream" and message["content"]["name"] == "stdout":
+                printed.append(message["content"]["text"])
+            elif message["msg_type"] == "error":
+                printed.append("\n".join(message["content"]["traceback"]))
+
+        in_kernel = asyncio.ensure_future(
+            kernel_client.execute_interactive(
+                KERNEL_CODE.format(keys=key_files, done=kernel_done), timeout=180, output_hook=output
+            )
+        )
+        ids = []
+        for number in range(2):
+            spec = {
+                "source": SHARED_RUN,
+                "episodes": 3,
+                "models": ["tiny-lm"],
+                "env": {"KEY_FILE": key_files[number], "KERNEL_DONE": kernel_done},
+            }
+            code, rec = await api("POST", "runs", spec)
+            assert code == 201, rec
+            ids.append(rec["id"])
+        answers = await asyncio.gather(
+            *(v1("POST", "completions", {"model": "tiny-lm", "prompt": "The cat", "max_tokens": 4}) for _ in range(4))
+        )
+        assert all(code == 200 for code, _ in answers), answers
+        reply = await in_kernel
+        assert reply["content"]["status"] == "ok", printed
+        base_url, text = json.loads("".join(printed))
+        assert base_url == f"http://127.0.0.1:{jp_http_port}{jp_base_url}evalsched/v1/"
+        assert text == direct_greedy(reference, "The cat", 4)
+        for run_id in ids:
+            final = await wait_for(run_id, timeout=120)
+            assert final["state"] == "succeeded", final
+    finally:
+        kernel_client.stop_channels()
+        await kernel.shutdown_kernel(now=True)
     (described,) = [m for m in await evalsched.models.describe() if m["name"] == "tiny-lm"]
-    assert described["load_count"] == 1 and described["requests"] >= 4 + 2 * 3 * 2
+    assert described["load_count"] == 1 and described["requests"] >= 4 + 2 * 3 * 2 + 1
 
     # Each run had its own key, which ends with it.
     keys = [(tmp_path / f"key{n}").read_text().split()[1] for n in range(2)]
@@ -421,3 +483,88 @@ def test_a_short_request_is_answered_before_the_long_one_it_shares_a_batch_with(
         assert alone["text"] == answer["text"] and alone["completion_tokens"] == answer["completion_tokens"]
         for a, b in zip(alone["logprobs"] or [], answer["logprobs"] or [], strict=True):
             assert a["token"] == b["token"] and (a["logprob"] is None or abs(a["logprob"] - b["logprob"]) < 1e-4)
+
+
+async def test_prompts_as_strings_and_as_token_ids_score_the_same(v1, reference):
+    """OpenAI's legacy completions take ``prompt`` as a string, a list of strings, a list of token
+    ids or a list of such lists (lm-eval's local-completions sends the last): the same tokens,
+    the same answers, with ``text_offset`` into the decoded text of a token prompt."""
+    _, tokenizer = reference
+    texts = PROMPTS[:2] + PROMPTS[5:]  # "héllo wörld": tokens inside a character
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    score = {"model": "tiny-lm", "echo": True, "max_tokens": 0, "logprobs": 1}
+    as_texts = (await v1("POST", "completions", {**score, "prompt": texts}))[1]["choices"]
+    shapes = {
+        "a string": [(await v1("POST", "completions", {**score, "prompt": text}))[1]["choices"][0] for text in texts],
+        "token ids": [(await v1("POST", "completions", {**score, "prompt": i}))[1]["choices"][0] for i in ids],
+        "lists of token ids": (await v1("POST", "completions", {**score, "prompt": ids}))[1]["choices"],
+    }
+    for shape, choices in shapes.items():
+        assert [c["text"] for c in choices] == texts, shape
+        for choice, expected in zip(choices, as_texts, strict=True):
+            got, want = choice["logprobs"], expected["logprobs"]
+            assert (got["tokens"], got["text_offset"]) == (want["tokens"], want["text_offset"]), shape
+            assert [list(top or {}) for top in got["top_logprobs"]] == [list(top or {}) for top in want["top_logprobs"]]
+            for a, b in zip(got["token_logprobs"][1:], want["token_logprobs"][1:], strict=True):
+                assert abs(a - b) < 1e-4, (shape, a, b)  # alone or padded in a batch: the same to float noise
+    for text, choice in zip(texts, as_texts, strict=True):
+        assert_scores(choice, text, direct_logprobs(reference, text))
+    multibyte = shapes["token ids"][-1]["logprobs"]
+    assert any(t.startswith("bytes:") for t in multibyte["tokens"])  # the case the offsets must get right
+
+    # Generating after token ids: the echoed prompt is their decoded text, offsets continue it.
+    code, answer = await v1(
+        "POST",
+        "completions",
+        {
+            "model": "tiny-lm",
+            "prompt": [ids[0], ids[1]],
+            "max_tokens": 5,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": 0,
+        },
+    )
+    assert code == 200, answer
+    for text, choice in zip(texts[:2], answer["choices"], strict=True):
+        assert choice["text"] == text + direct_greedy(reference, text, 5)
+        lp = choice["logprobs"]
+        for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+            assert choice["text"][offset : offset + len(token)] == token, (token, offset)
+    # Token-id prompts that are not: an empty list, a list mixing ids and strings, floats, booleans.
+    for prompt in ([], [[]], [1, "a"], [[1, 2.5]], [True, 2], [[1], []]):
+        code, answer = await v1("POST", "completions", {**score, "prompt": prompt})
+        assert code == 400 and answer["error"]["param"] == "prompt", (prompt, answer)
+
+
+async def test_the_end_of_text_that_ends_a_generation_is_a_token_with_its_logprob(v1, reference):
+    """A generation that ends with the end-of-text token: the text is without it, but the token is
+    counted and has its log-probability, after the echoed prompt's (lm-eval reads an echoed
+    prompt's scores as every entry but the last generated one)."""
+    model, tokenizer = reference
+    eos = tokenizer.eos_token_id
+    # This random model's one sure end of text: after an end of text.
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([[eos]])).logits[0, -1].float(), dim=-1)
+    assert int(logprobs.argmax()) == eos
+    for prompt in ([eos], tokenizer.eos_token):
+        code, answer = await v1(
+            "POST",
+            "completions",
+            {"model": "tiny-lm", "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1},
+        )
+        assert code == 200, answer
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["text"] == tokenizer.eos_token
+        assert answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [tokenizer.eos_token, tokenizer.eos_token]
+        assert lp["token_logprobs"][0] is None and abs(lp["token_logprobs"][1] - float(logprobs[eos])) < 1e-4
+        assert lp["text_offset"] == [0, len(tokenizer.eos_token)]
+    # Without echo: no text, one token.
+    code, answer = await v1(
+        "POST", "completions", {"model": "tiny-lm", "prompt": [eos], "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    )
+    choice = answer["choices"][0]
+    assert (choice["text"], choice["finish_reason"], answer["usage"]["completion_tokens"]) == ("", "stop", 1)
+    assert choice["logprobs"]["tokens"] == [tokenizer.eos_token] and choice["logprobs"]["text_offset"] == [0]

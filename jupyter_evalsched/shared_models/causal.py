@@ -345,8 +345,12 @@ class CausalLM:
         """The generated text (cut before the first stop string, without an end-of-text token)
         and its pieces, one per kept token, that add up to it (what a stream sends)."""
         ids = state["ids"]
-        if ids and self.eos_id is not None and ids[-1] == self.eos_id:
-            ids, state["logprobs"], state["tops"] = ids[:-1], state["logprobs"][:-1], state["tops"][:-1]
+        # The end-of-text token that ended the text adds nothing to it, but it stays a generated
+        # token (counted, with its log-probability): lm-eval's local-completions reads an echoed
+        # prompt's scores as every entry but the last generated one.
+        ended = bool(ids) and self.eos_id is not None and ids[-1] == self.eos_id
+        if ended:
+            ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         cut = min((text.find(stop) for stop in state["stop"] if stop in text), default=-1)
         pieces: list[str] = []
@@ -370,6 +374,8 @@ class CausalLM:
                 length += len(piece)
             pieces = kept
             ids = ids[: len(pieces)]
+        elif ended:
+            ids, pieces = [*ids, state["ids"][-1]], [*pieces, ""]
         state["ids"], state["text"], state["pieces"] = ids, text, pieces
         state["logprobs"], state["tops"] = state["logprobs"][: len(ids)], state["tops"][: len(ids)]
 
@@ -401,7 +407,7 @@ class CausalLM:
         top = self._top(request)
         if request.get("echo"):
             if starts is None:  # a token prompt: offsets in its decoded text
-                starts = self._offsets(ids, 0)
+                starts = self._offsets(ids, 0, skip_special=False)
             for position, token in enumerate(ids):
                 entry = score[position] if score else None
                 tokens.append(
@@ -413,7 +419,7 @@ class CausalLM:
                     }
                 )
         base = len(prompt_text) if request.get("echo") else 0
-        offsets = self._offsets(gen["ids"], base)
+        offsets = self._offsets(gen["ids"], base, skip_special=True)
         for position, token in enumerate(gen["ids"]):
             tops = gen["tops"][position] if gen["tops"] else []
             tokens.append(
@@ -430,12 +436,16 @@ class CausalLM:
         answer["logprobs"] = tokens
         return answer
 
-    def _offsets(self, ids: list[int], base: int) -> list[int]:
-        """Where each token's text starts, for tokens decoded one after another after ``base``."""
+    def _offsets(self, ids: list[int], base: int, *, skip_special: bool) -> list[int]:
+        """Where each token's text starts, for tokens decoded one after another after ``base``
+        (decoded as their text is: a prompt's with its special tokens, a generation's without).
+        A token that ends inside a character decodes to U+FFFD: the next token starts where
+        that character does, as a text prompt's offset mapping has it."""
         offsets, previous = [], 0
         for count in range(len(ids)):
             offsets.append(base + previous)
-            previous = len(self.tokenizer.decode(ids[: count + 1]))
+            prefix = self.tokenizer.decode(ids[: count + 1], skip_special_tokens=skip_special)
+            previous = len(prefix.rstrip("\ufffd")) if count + 1 < len(ids) else len(prefix)
         return offsets
 
 
