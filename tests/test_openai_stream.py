@@ -216,9 +216,7 @@ async def test_a_client_gone_mid_stream_frees_its_slot_and_the_batch_goes_on(
     chunk = json.loads((await asyncio.wait_for(reader.readuntil(b"\n\n"), 60)).decode())
     assert chunk["choices"][0]["text"]  # its first token
     writer.transport.abort()  # gone, mid-stream
-    await until(
-        lambda: _figure(evalsched, "cancelled_requests", 1), "the host sees the client gone", timeout=10
-    )
+    await until(lambda: _figure(evalsched, "cancelled_requests", 1), "the host sees the client gone", timeout=10)
     (gate / "hold-3").unlink()
 
     code, answer, _ = await other
