@@ -151,6 +151,8 @@ class OpenAIHandler(EvalSchedHandler):
             return json.loads(raw)
         except ValueError as exc:
             raise invalid(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise invalid("the request body is nested too deeply") from None
 
     def known_model(self, name: str) -> None:
         host = self.app.model_host

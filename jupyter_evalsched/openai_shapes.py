@@ -89,9 +89,30 @@ def model_not_found(name: str, known: list[str]) -> OpenAIError:
 # -- field checks ------------------------------------------------------------------------------
 
 
+def _check_text(body: dict) -> None:
+    """Every string of the body (keys too) must be Unicode text: JSON's escapes can spell a lone
+    surrogate (``"\\ud800"``), which no tokenizer takes. Iterative: a body nested as deep as the
+    JSON parser allows must not exhaust the stack here."""
+    for key, value in body.items():
+        pending = [key, value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise invalid(f"{key} holds a string that is not valid Unicode (a lone surrogate)", key) from None
+            elif isinstance(item, list):
+                pending.extend(item)
+            elif isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+
+
 def _check_fields(body: Any, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    _check_text(body)
     for key, value in body.items():
         if key in allowed or key in _IGNORED:
             continue
