@@ -205,9 +205,10 @@ class OpenAIHandler(EvalSchedHandler):
 
     # -- the response cache --
 
-    def cache_for(self, name: str, kind: str, requests: list[dict]) -> tuple[ResponseCache, str] | None:
-        """The cache and the key of a request that may be answered from the cache; None when the
-        cache is off, the request is not deterministic or the model names no files to key on."""
+    def cache_for(self, name: str, kind: str, requests: list[dict]) -> tuple[ResponseCache, list[str]] | None:
+        """The cache and the keys (one per prompt) of a request that may be answered from the
+        cache; None when the cache is off, the request is not deterministic or the model names
+        no files to key on."""
         cache: ResponseCache | None = getattr(self.app, "openai_cache", None)
         host = self.app.model_host
         if cache is None or host is None or not deterministic(requests):
@@ -216,28 +217,38 @@ class OpenAIHandler(EvalSchedHandler):
         files = model_digest(config.model)
         if files is None:
             return None
-        return cache, cache_key(config.as_dict(), files, kind, requests)
+        declaration = config.as_dict()
+        return cache, [cache_key(declaration, files, kind, request) for request in requests]
 
     async def answers(self, name: str, kind: str, requests: list[dict], writer: ChunkWriter | None) -> list[dict]:
-        """The host's answers to ``requests`` (streamed through ``writer`` as they come), or the
-        cache's."""
+        """The answers to ``requests``: the cache's, the host's for the prompts it has none of
+        (all of them for a stream that is not all cached, streamed through ``writer``)."""
         cached = self.cache_for(name, kind, requests)
+        found: list[dict | None] = [None] * len(requests)
         if cached is not None:
-            cache, key = cached
-            answers = await asyncio.to_thread(cache.get, key)
-            self.set_header("X-Evalsched-Cache", "hit" if answers is not None else "miss")
-            if answers is not None:
-                return answers
+            cache, keys = cached
+            found = await asyncio.to_thread(lambda: [cache.get(key) for key in keys])
+            hit = all(answer is not None for answer in found)
+            self.set_header("X-Evalsched-Cache", "hit" if hit else "miss")
+            if hit:
+                return [answer for answer in found if answer is not None]
         on_delta = None
         if writer is not None:
+            found = [None] * len(requests)  # (the host's deltas are numbered by the requests it gets)
 
             async def on_delta(delta: dict) -> None:
                 await self.relay(writer, delta)
 
-        answers = await self.ask_openai(name, requests, on_delta)
+        missing = [index for index, answer in enumerate(found) if answer is None]
+        fresh = await self.ask_openai(name, [requests[index] for index in missing], on_delta)
+        for index, answer in zip(missing, fresh, strict=True):
+            found[index] = answer
         if cached is not None:
-            await asyncio.to_thread(cached[0].put, cached[1], answers)
-        return answers
+            cache, keys = cached
+            await asyncio.to_thread(
+                lambda: [cache.put(keys[i], answer) for i, answer in zip(missing, fresh, strict=True)]
+            )
+        return [answer for answer in found if answer is not None]
 
     # -- streams --
 

@@ -1,13 +1,15 @@
 """The response cache of the OpenAI-compatible routes (``EvalSchedApp.openai_cache_mb``).
 
 A deterministic request (``openai_shapes.deterministic``: greedy, seeded or scoring only) is
-answered from ``<runs_dir>/.openai-cache/<key>.json`` when the same request was answered before by
+answered from ``<runs_dir>/.openai-cache/<key>.json`` when the same prompt was answered before by
 the same model files, so that an interrupted lm-eval or Inspect run resumed against the server
-recomputes nothing it already had. The key (``cache_key``) is a SHA-256 of the model's declaration
-(loader, task, directory, device, dtype, options), a digest of the model directory's files
-(``model_digest``) and the canonical requests (what ``openai_shapes`` parsed, defaults filled in,
-so that two spellings of one request share an entry); a file of the model that changes changes
-the key. What is stored is the host's answers, from which a plain or a streamed answer is made.
+recomputes nothing it already had. One entry per prompt (a request of several prompts sends the
+model only those it has no entry for, however a resumed run batches them). The key
+(``cache_key``) is a SHA-256 of the model's declaration (loader, task, directory, device, dtype,
+options), a digest of the model directory's files (``model_digest``) and the canonical engine
+request of the prompt (what ``openai_shapes`` parsed, defaults filled in, so that two spellings of
+one request share an entry); a file of the model that changes changes the key. What is stored is
+the host's answer, from which a plain or a streamed answer is made.
 
 The runs directory is writable by its users, so every file is reached as ``store`` reaches run
 files: relative to the cache directory opened without following a link, never following a link
@@ -56,12 +58,13 @@ def model_digest(path: str | None) -> str | None:
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()
 
 
-def cache_key(declaration: dict[str, Any], files: str, kind: str, requests: list[dict]) -> str:
-    """The entry of ``requests`` (``kind``: completions or chat) to the declared model."""
+def cache_key(declaration: dict[str, Any], files: str, kind: str, request: dict) -> str:
+    """The entry of one engine ``request`` (one prompt; ``kind``: completions or chat) to the
+    declared model."""
     model = {k: declaration.get(k) for k in ("loader", "task", "model", "device", "dtype", "options")}
-    canonical = [{k: v for k, v in sorted(r.items()) if k != "stream"} for r in requests]
+    canonical = {k: v for k, v in request.items() if k != "stream"}
     text = json.dumps(
-        {"format": FORMAT, "model": model, "files": files, "kind": kind, "requests": canonical},
+        {"format": FORMAT, "model": model, "files": files, "kind": kind, "request": canonical},
         sort_keys=True,
         default=str,
     )
@@ -92,14 +95,14 @@ class ResponseCache:
         finally:
             os.close(dfd)
 
-    def get(self, key: str) -> list[dict] | None:
-        """The answers stored for ``key``; None when there are none (or they are unreadable)."""
+    def get(self, key: str) -> dict | None:
+        """The answer stored for ``key``; None when there is none (or it is unreadable)."""
         path = self.root / f"{key}.json"
         try:
-            answers = parse_json(read_bytes_nofollow(path, self.max_entry_bytes), path.name)
+            entry = parse_json(read_bytes_nofollow(path, self.max_entry_bytes), path.name)
         except (OSError, ValueError):  # absent, a link or a FIFO, too large, not JSON: a miss
             return None
-        if not isinstance(answers, dict) or answers.get("key") != key or not isinstance(answers.get("answers"), list):
+        if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("answer"), dict):
             return None
         with contextlib.suppress(OSError):  # used now: the last to be evicted
             dfd = open_dir(self.root)
@@ -109,11 +112,11 @@ class ResponseCache:
                 os.utime(path.name, ns=(now, now), dir_fd=dfd, follow_symlinks=False)
             finally:
                 os.close(dfd)
-        return answers["answers"]
+        return entry["answer"]
 
-    def put(self, key: str, answers: list[dict]) -> bool:
-        """Store ``answers`` for ``key``; False when it was not stored (too large, no room)."""
-        data = dumps({"key": key, "answers": answers})
+    def put(self, key: str, answer: dict) -> bool:
+        """Store ``answer`` for ``key``; False when it was not stored (too large, no room)."""
+        data = dumps({"key": key, "answer": answer})
         if len(data) > self.max_entry_bytes:
             return False
         try:

@@ -271,13 +271,18 @@ async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched,
     _, rescored, headers = await v1("completions", score)
     assert headers["X-Evalsched-Cache"] == "hit" and rescored["choices"] == scored["choices"]
     assert (await figures(evalsched, "cached"))["requests"] == 2
+    # Batched otherwise (as a resumed run may): only the prompt without an entry reaches the model.
+    inputs = (await figures(evalsched, "cached"))["inputs"]
+    _, mixed, headers = await v1("completions", {**score, "prompt": ["A dog", "A cat"]})
+    assert headers["X-Evalsched-Cache"] == "miss" and mixed["choices"][0] == {**scored["choices"][1], "index": 0}
+    assert (await figures(evalsched, "cached"))["inputs"] == inputs + 1
 
     # Sampled without a seed: never cached (no header), the host answers every time.
     sampled = {"model": "cached", "prompt": "The cat", "max_tokens": 4, "temperature": 1.0}
     for _ in range(2):
         _, _, headers = await v1("completions", sampled)
         assert "X-Evalsched-Cache" not in headers
-    assert (await figures(evalsched, "cached"))["requests"] == 4
+    assert (await figures(evalsched, "cached"))["requests"] == 5
     _, _, headers = await v1("completions", {**sampled, "seed": 3})
     assert headers["X-Evalsched-Cache"] == "miss"
     _, _, headers = await v1("completions", {**sampled, "seed": 3})
@@ -287,10 +292,10 @@ async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched,
     root = runs_dir / CACHE_DIR
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
     entries = sorted(root.iterdir())
-    assert len(entries) == 3 and all(stat.S_IMODE(e.stat().st_mode) == 0o600 for e in entries)
+    assert len(entries) == 5 and all(stat.S_IMODE(e.stat().st_mode) == 0o600 for e in entries)
 
     # A link planted at an entry is never followed: a miss, and the entry is written anew.
-    (entry,) = [e for e in entries if json.loads(e.read_text())["answers"][0]["prompt_text"] == "The cat sat"]
+    (entry,) = [e for e in entries if json.loads(e.read_text())["answer"]["prompt_text"] == "The cat sat"]
     target = runs_dir.parent / "elsewhere.json"
     target.write_text(entry.read_text())
     entry.unlink()
@@ -319,7 +324,7 @@ async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched,
 
 def test_the_cache_stays_within_its_size_evicting_the_least_recently_used(tmp_path):
     cache = ResponseCache(tmp_path, max_bytes=4000)
-    answer = [{"text": "x" * 300}]
+    answer = {"text": "x" * 300}
     keys = [f"{n:064x}" for n in range(12)]
     for number, key in enumerate(keys):
         assert cache.put(key, answer)
@@ -330,7 +335,7 @@ def test_the_cache_stays_within_its_size_evicting_the_least_recently_used(tmp_pa
     assert cache.get(keys[0]) == answer  # used most recently: kept
     assert cache.get(keys[1]) is None  # used least recently: evicted
     assert cache.get(keys[-1]) == answer
-    assert not cache.put("f" * 64, [{"text": "y" * 2000}])  # over a quarter of the cache: not kept
+    assert not cache.put("f" * 64, {"text": "y" * 2000})  # over a quarter of the cache: not kept
     # A runs directory whose cache is a link elsewhere: nothing is written through it.
     other = tmp_path / "other"
     other.mkdir()
