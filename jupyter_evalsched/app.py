@@ -16,6 +16,7 @@ from traitlets import Bool, Dict, Float, Int, Type, Unicode, default, observe
 
 from .internal import InternalListener
 from .metrics import collector
+from .openai_cache import ResponseCache
 from .primary import HostRole, UnsafePath, new_secret
 from .store import MODEL_LOGS_DIR
 
@@ -117,6 +118,14 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         "max_batch_size, max_wait_ms, vram_mb, ...). See the README.",
     ).tag(config=True)
 
+    openai_cache_mb = Int(
+        0,
+        help="The response cache of the OpenAI-compatible routes, in MB (0: off): deterministic requests "
+        "(temperature 0, a seed, or scoring only) answered once are answered again from "
+        "<runs_dir>/.openai-cache without the model, while the model's files are unchanged. "
+        "Past this size, the entries used least recently are removed.",
+    ).tag(config=True)
+
     @property
     def _server(self) -> ServerApp:
         if self.serverapp is None:
@@ -168,6 +177,11 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         self.scheduler = Scheduler(config, probe, models=model_host, executors=executors)
         self.scheduler.own_kernels = self._own_kernels
         self.model_host = model_host
+        self.openai_cache = (
+            ResponseCache(self.runs_path, self.openai_cache_mb * 1024 * 1024)
+            if model_host is not None and self.openai_cache_mb > 0
+            else None
+        )
 
     def _host_cgroups(self) -> Cgroups:
         """What cgroups this host gives runs, found once per server (detection probes the

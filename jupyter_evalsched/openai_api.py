@@ -6,12 +6,16 @@ host process on a connection of its own (``ModelHostManager.ask``), batched ther
 other caller's requests, and the answer is formatted back. Authentication is Jupyter's: the
 token in ``Authorization: token ...`` or ``Bearer ...`` (what OpenAI's clients send). Every error
 is OpenAI's shape, ``{"error": {"message", "type", "code", "param"}}``, and a client's mistake
-is a 4xx, never a 500. A stream is written once the host has answered, event by event; a client
-that goes away mid-stream ends its own answer only.
+is a 4xx, never a 500. A stream is written as the host generates: each delta the host sends is
+relayed at once as OpenAI chunks; a client that goes away (mid-stream or before its answer) closes
+its connection to the host, which cancels its request only. Deterministic requests are answered
+from the response cache when it is on (``openai_cache``), with ``X-Evalsched-Cache: hit`` or
+``miss``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -24,13 +28,14 @@ from tornado.iostream import StreamClosedError
 
 from .contract import RUNNING
 from .handlers import EvalSchedHandler
+from .openai_cache import ResponseCache, cache_key, model_digest
 from .openai_keys import PREFIX, run_of_key
 from .openai_shapes import (
+    ChunkWriter,
     OpenAIError,
     chat_body,
-    chat_chunks,
     completion_body,
-    completion_chunks,
+    deterministic,
     embedding_vector,
     embeddings_body,
     invalid,
@@ -39,12 +44,18 @@ from .openai_shapes import (
     parse_chat,
     parse_completion,
     parse_embeddings,
+    stream_usage,
 )
 from .scheduler.errors import SchedulerError
 from .scheduler.shared import ModelUnavailable
 
 MAX_BODY_BYTES = 16 << 20  # a batch of long prompts fits; more is a mistake
 _STARTED = int(time.time())
+
+
+class ClientGone(Exception):
+    """The HTTP client went away (not an OSError: it must cross ``ModelHostManager.ask``, which
+    reads OSErrors as the host's)."""
 
 
 def unavailable(message: str) -> OpenAIError:
@@ -93,6 +104,10 @@ class OpenAIHandler(EvalSchedHandler):
         return User(username=f"evalsched-run-{run_id}", name=f"run {run_id}")
 
     def _handle_request_exception(self, e: BaseException) -> None:
+        if isinstance(e, (ClientGone, StreamClosedError)):  # nobody to answer: end quietly
+            if not self._finished:
+                self.finish()
+            return
         if isinstance(e, OpenAIError):  # the client's mistake or an unavailable model: its own status
             if not self._finished:
                 self.send_error(e.status, exc_info=sys.exc_info())
@@ -136,6 +151,8 @@ class OpenAIHandler(EvalSchedHandler):
             return json.loads(raw)
         except ValueError as exc:
             raise invalid(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise invalid("the request body is nested too deeply") from None
 
     def known_model(self, name: str) -> None:
         host = self.app.model_host
@@ -143,16 +160,30 @@ class OpenAIHandler(EvalSchedHandler):
         if name not in known:
             raise model_not_found(name, known)
 
-    async def ask(self, name: str, message: dict) -> Any:
+    _task: asyncio.Task | None = None
+
+    def on_connection_close(self) -> None:
+        # A client gone before its answer: stop waiting, which closes the connection to the
+        # model host, which cancels the request there (its slot in the batch is freed).
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        super().on_connection_close()
+
+    async def ask(self, name: str, message: dict, on_delta: Any = None) -> Any:
         """The host's ``outputs`` for ``message``; its failures as OpenAI errors."""
         host = self.app.model_host
         assert host is not None  # known_model() came first
+        self._task = asyncio.ensure_future(host.ask(name, message, on_delta))
         try:
-            reply = await host.ask(name, message)
+            reply = await self._task
+        except asyncio.CancelledError:
+            raise ClientGone() from None  # on_connection_close: nothing to answer
         except ModelUnavailable as exc:
             raise unavailable(str(exc)) from None
         except ConnectionError as exc:
             raise unavailable(f"{exc}; retry: a new host starts and loads the model again") from None
+        finally:
+            self._task = None
         if reply.get("ok"):
             return reply["outputs"]
         error = reply.get("error") or {}
@@ -163,25 +194,106 @@ class OpenAIHandler(EvalSchedHandler):
             raise unavailable(f"the model {name!r} failed to load: {message_text}")
         raise OpenAIError(502, f"the model {name!r} failed: {message_text}", type="server_error", code="model_error")
 
-    async def ask_openai(self, name: str, requests: list[dict]) -> list[dict]:
-        answers = await self.ask(name, {"op": "openai", "requests": requests})
+    async def ask_openai(self, name: str, requests: list[dict], on_delta: Any = None) -> list[dict]:
+        stream = on_delta is not None
+        message = {"op": "openai", "requests": [{**r, "stream": stream} for r in requests], "stream": stream}
+        answers = await self.ask(name, message, on_delta)
         for answer in answers:
             if "error" in answer:  # a request the model cannot serve as given (too long a prompt)
                 raise invalid(answer["error"]["message"], answer["error"].get("param"))
         return answers
 
-    async def stream(self, chunks: list[dict]) -> None:
-        """Server-sent events, one per chunk, then ``data: [DONE]``. A client that has gone away
-        ends the stream here; the model host has already answered, so nothing is left waiting."""
-        self.set_header("Content-Type", "text/event-stream")
-        self.set_header("Cache-Control", "no-cache")
+    # -- the response cache --
+
+    def cache_for(self, name: str, kind: str, requests: list[dict]) -> tuple[ResponseCache, list[str]] | None:
+        """The cache and the keys (one per prompt) of a request that may be answered from the
+        cache; None when the cache is off, the request is not deterministic or the model names
+        no files to key on."""
+        cache: ResponseCache | None = getattr(self.app, "openai_cache", None)
+        host = self.app.model_host
+        if cache is None or host is None or not deterministic(requests):
+            return None
+        (config,) = [c for c in host.configs if c.name == name]
+        files = model_digest(config.model)
+        if files is None:
+            return None
+        declaration = config.as_dict()
+        return cache, [cache_key(declaration, files, kind, request) for request in requests]
+
+    async def answers(self, name: str, kind: str, requests: list[dict], writer: ChunkWriter | None) -> list[dict]:
+        """The answers to ``requests``: the cache's, the host's for the prompts it has none of
+        (all of them for a stream that is not all cached, streamed through ``writer``)."""
+        cached = self.cache_for(name, kind, requests)
+        found: list[dict | None] = [None] * len(requests)
+        if cached is not None:
+            cache, keys = cached
+            found = await asyncio.to_thread(lambda: [cache.get(key) for key in keys])
+            hit = all(answer is not None for answer in found)
+            self.set_header("X-Evalsched-Cache", "hit" if hit else "miss")
+            if hit:
+                return [answer for answer in found if answer is not None]
+        on_delta = None
+        if writer is not None:
+            found = [None] * len(requests)  # (the host's deltas are numbered by the requests it gets)
+
+            async def on_delta(delta: dict) -> None:
+                await self.relay(writer, delta)
+
+        missing = [index for index, answer in enumerate(found) if answer is None]
+        fresh = await self.ask_openai(name, [requests[index] for index in missing], on_delta)
+        for index, answer in zip(missing, fresh, strict=True):
+            found[index] = answer
+        if cached is not None:
+            cache, keys = cached
+            await asyncio.to_thread(
+                lambda: [cache.put(keys[i], answer) for i, answer in zip(missing, fresh, strict=True)]
+            )
+        return [answer for answer in found if answer is not None]
+
+    # -- streams --
+
+    _streaming = False
+
+    async def relay(self, writer: ChunkWriter, delta: dict) -> None:
+        """One delta of the host as chunks, sent at once. An error before anything was sent is the
+        client's 400; a client gone raises ClientGone, which ends the request with the host."""
+        index = delta["index"]
+        if "error" in delta:
+            error = invalid(delta["error"]["message"], delta["error"].get("param"))
+            if not self._streaming:
+                raise error
+            await self.send_events([error.body()])
+            raise ClientGone()  # the rest of the stream cannot be made: end it
+        if "prompt_text" in delta:
+            chunks = writer.start(index, delta)
+        else:
+            chunks = writer.start(index, {}) if writer.chat else []
+            chunks += writer.tokens(index, delta["pieces"], delta.get("logprobs"))
+        await self.send_events(chunks)
+
+    async def send_events(self, chunks: list[dict]) -> None:
+        if not chunks:
+            return
+        if not self._streaming:
+            self._streaming = True
+            self.set_header("Content-Type", "text/event-stream")
+            self.set_header("Cache-Control", "no-cache")
+        self.write("".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks))
         try:
-            for chunk in chunks:
-                self.write(f"data: {json.dumps(chunk)}\n\n")
-                await self.flush()
-            self.write("data: [DONE]\n\n")
             await self.flush()
         except StreamClosedError:
+            raise ClientGone() from None
+
+    async def stream(self, name: str, kind: str, requests: list[dict], include_usage: bool) -> None:
+        """Server-sent events, written as the host makes them, then ``data: [DONE]``. A client
+        that has gone away ends the stream here, and its request in the model host."""
+        writer = ChunkWriter(kind, name, requests, include_usage)
+        try:
+            answers = await self.answers(name, kind, requests, writer)
+            await self.send_events(writer.finish(answers))
+            self.write("data: [DONE]\n\n")
+            await self.flush()
+        except (StreamClosedError, ClientGone):
             return
         self.finish()
 
@@ -198,25 +310,28 @@ class CompletionsHandler(OpenAIHandler):
     @web.authenticated
     @authorized
     async def post(self) -> None:
-        model, stream, requests = parse_completion(self.body_json())
+        body = self.body_json()
+        model, stream, requests = parse_completion(body)
+        include_usage = stream_usage(body)
         self.known_model(model)
-        answers = await self.ask_openai(model, requests)
         if stream:
-            await self.stream(completion_chunks(model, requests, answers))
+            await self.stream(model, "completions", requests, include_usage)
         else:
-            self.finish(completion_body(model, requests, answers))
+            self.finish(completion_body(model, requests, await self.answers(model, "completions", requests, None)))
 
 
 class ChatCompletionsHandler(OpenAIHandler):
     @web.authenticated
     @authorized
     async def post(self) -> None:
-        model, stream, request = parse_chat(self.body_json())
+        body = self.body_json()
+        model, stream, request = parse_chat(body)
+        include_usage = stream_usage(body)
         self.known_model(model)
-        (answer,) = await self.ask_openai(model, [request])
         if stream:
-            await self.stream(chat_chunks(model, answer))
+            await self.stream(model, "chat", [request], include_usage)
         else:
+            (answer,) = await self.answers(model, "chat", [request], None)
             self.finish(chat_body(model, answer))
 
 

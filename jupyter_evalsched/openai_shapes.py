@@ -89,9 +89,30 @@ def model_not_found(name: str, known: list[str]) -> OpenAIError:
 # -- field checks ------------------------------------------------------------------------------
 
 
+def _check_text(body: dict) -> None:
+    """Every string of the body (keys too) must be Unicode text: JSON's escapes can spell a lone
+    surrogate (``"\\ud800"``), which no tokenizer takes. Iterative: a body nested as deep as the
+    JSON parser allows must not exhaust the stack here."""
+    for key, value in body.items():
+        pending = [key, value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise invalid(f"{key} holds a string that is not valid Unicode (a lone surrogate)", key) from None
+            elif isinstance(item, list):
+                pending.extend(item)
+            elif isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+
+
 def _check_fields(body: Any, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    _check_text(body)
     for key, value in body.items():
         if key in allowed or key in _IGNORED:
             continue
@@ -297,36 +318,6 @@ def completion_body(model: str, requests: list[dict], answers: list[dict]) -> di
     }
 
 
-def completion_chunks(model: str, requests: list[dict], answers: list[dict]) -> list[dict]:
-    """A stream's events: the echoed prompt (when asked), then one per generated token, then the
-    finish reasons, in OpenAI's ``text_completion`` chunk shape; the last carries ``usage``."""
-    ident, created = new_id("cmpl"), int(time.time())
-
-    def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {"id": ident, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-
-    chunks = []
-    for index, (request, answer) in enumerate(zip(requests, answers, strict=True)):
-        entries = answer["logprobs"]
-        prompt_count = answer["prompt_tokens"] if (entries is not None and request.get("echo")) else 0
-        if request.get("echo"):
-            chunks.append(
-                chunk(
-                    index,
-                    answer["prompt_text"],
-                    None,
-                    legacy_logprobs(entries[:prompt_count]) if entries is not None else None,
-                )
-            )
-        for position, piece in enumerate(answer["pieces"]):
-            generated = entries[prompt_count + position : prompt_count + position + 1] if entries is not None else None
-            chunks.append(chunk(index, piece, None, legacy_logprobs(generated)))
-        chunks.append(chunk(index, "", answer["finish_reason"]))
-    chunks[-1]["usage"] = usage(answers)
-    return chunks
-
-
 def _utf8(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
@@ -366,26 +357,97 @@ def chat_body(model: str, answer: dict) -> dict:
     }
 
 
-def chat_chunks(model: str, answer: dict) -> list[dict]:
-    ident, created = new_id("chatcmpl"), int(time.time())
+class ChunkWriter:
+    """A stream's chunks, made as the parts of its answers arrive (formatting only, no I/O).
 
-    def chunk(delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    ``start(index, head)`` when the host has the prompt (``{"prompt_text", "prompt_tokens",
+    "logprobs"}``): a completion's echoed prompt, a chat's role delta; ``tokens(index, pieces,
+    entries)`` for tokens whose text is final; ``finish(answers)`` once every answer is in: what
+    was not sent yet (all of it for an answer that was not streamed, or came from the cache),
+    one chunk with each choice's ``finish_reason``, and ``usage`` in a chunk of its own with no
+    choices when the client asked for it (``stream_options.include_usage``), as OpenAI sends it."""
 
-    chunks = [chunk({"role": "assistant", "content": ""}, None)]
-    entries = answer["logprobs"]
-    for position, piece in enumerate(answer["pieces"]):
-        chunks.append(
-            chunk(
-                {"content": piece},
-                None,
-                chat_logprobs(entries[position : position + 1]) if entries is not None else None,
+    def __init__(self, kind: str, model: str, requests: list[dict], include_usage: bool = False):
+        self.chat = kind == "chat"
+        self.model = model
+        self.requests = requests
+        self.include_usage = include_usage
+        self.id = new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = int(time.time())
+        self.started: set[int] = set()
+        self.sent = [0] * len(requests)  # generated tokens sent, per choice
+
+    def _chunk(self, index: int, content: str | dict, finish: str | None, entries: list[dict] | None) -> dict:
+        if self.chat:
+            delta = content if isinstance(content, dict) else {"content": content}
+            choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(entries), "finish_reason": finish}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": content, "logprobs": legacy_logprobs(entries), "finish_reason": finish}
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def start(self, index: int, head: dict) -> list[dict]:
+        if index in self.started:
+            return []
+        self.started.add(index)
+        if self.chat:
+            return [self._chunk(index, {"role": "assistant", "content": ""}, None, None)]
+        if not self.requests[index].get("echo"):
+            return []
+        entries = head.get("logprobs")
+        return [self._chunk(index, head["prompt_text"], None, entries[: head["prompt_tokens"]] if entries else entries)]
+
+    def tokens(self, index: int, pieces: list[str], entries: list[dict] | None) -> list[dict]:
+        chunks = []
+        for position, piece in enumerate(pieces):
+            chunks.append(self._chunk(index, piece, None, entries[position : position + 1] if entries else None))
+        self.sent[index] += len(pieces)
+        return chunks
+
+    def finish(self, answers: list[dict]) -> list[dict]:
+        chunks: list[dict] = []
+        for index, answer in enumerate(answers):
+            chunks += self.start(index, answer)
+            entries = answer["logprobs"]
+            prompt_count = answer["prompt_tokens"] if (entries is not None and self.requests[index].get("echo")) else 0
+            done = self.sent[index]
+            rest = entries[prompt_count + done :] if entries is not None else None
+            chunks += self.tokens(index, answer["pieces"][done:], rest)
+        for index, answer in enumerate(answers):
+            chunks.append(self._chunk(index, {} if self.chat else "", answer["finish_reason"], None))
+        if self.include_usage:
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            chunks.append(
+                {
+                    "id": self.id,
+                    "object": kind,
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage(answers),
+                }
             )
-        )
-    chunks.append(chunk({}, answer["finish_reason"]))
-    chunks[-1]["usage"] = usage([answer])
-    return chunks
+        return chunks
+
+
+def stream_usage(body: dict) -> bool:
+    """Whether a stream ends with a ``usage`` chunk (``stream_options: {"include_usage": true}``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise invalid("stream_options must be an object with include_usage true or false", "stream_options")
+    return bool(options.get("include_usage"))
+
+
+def deterministic(requests: list[dict]) -> bool:
+    """Whether the answers to ``requests`` are a function of the model and the requests alone:
+    greedy (temperature 0), seeded, or scoring only (nothing sampled). Only those are cached."""
+    return all(
+        r.get("max_tokens") == 0 or float(r.get("temperature", 1.0)) == 0.0 or r.get("seed") is not None
+        for r in requests
+    )
 
 
 def embedding_vector(output: Any) -> list[float] | None:

@@ -96,6 +96,312 @@ def _errors(*codes: int, delegated: bool = True) -> dict:
     return {str(c): _json("ErrorBody", text[c]) for c in sorted(wanted)}
 
 
+# -- the OpenAI-compatible routes (/v1): OpenAI's shapes, written out (no pydantic model: they are
+# OpenAI's, as its clients read them) --------------------------------------------------------
+
+_NULLABLE_STR = {"type": ["string", "null"]}
+_V1_SCHEMAS: dict[str, Any] = {
+    "OpenAIError": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "code", "param"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "code": _NULLABLE_STR,
+                    "param": _NULLABLE_STR,
+                },
+            }
+        },
+    },
+    "OpenAIUsage": {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+        "properties": {
+            "prompt_tokens": {"type": "integer", "minimum": 0},
+            "completion_tokens": {"type": "integer", "minimum": 0},
+            "total_tokens": {"type": "integer", "minimum": 0},
+        },
+    },
+    "OpenAIModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "object", "created", "owned_by"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"const": "model"},
+                        "created": {"type": "integer"},
+                        "owned_by": {"type": "string"},
+                    },
+                },
+            },
+        },
+    },
+    "LegacyLogprobs": {
+        "type": "object",
+        "description": "one entry per token: the echoed prompt's, then the generated ones",
+        "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        "properties": {
+            "tokens": {"type": "array", "items": {"type": "string"}},
+            "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+            "top_logprobs": {
+                "type": "array",
+                "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+            },
+            "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        },
+    },
+    "Completion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "text", "logprobs", "finish_reason"],
+                    "properties": {
+                        "index": {"type": "integer", "minimum": 0},
+                        "text": {"type": "string"},
+                        "logprobs": {"anyOf": [{"$ref": "#/components/schemas/LegacyLogprobs"}, {"type": "null"}]},
+                        "finish_reason": {"enum": ["stop", "length"]},
+                    },
+                },
+            },
+            "usage": {"$ref": "#/components/schemas/OpenAIUsage"},
+        },
+    },
+    "ChatTokenLogprob": {
+        "type": "object",
+        "required": ["token", "logprob", "bytes"],
+        "properties": {
+            "token": {"type": "string"},
+            "logprob": {"type": "number"},
+            "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}},
+            "top_logprobs": {"type": "array", "items": {"$ref": "#/components/schemas/ChatTokenLogprob"}},
+        },
+    },
+    "ChatCompletion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "message", "logprobs", "finish_reason"],
+                    "properties": {
+                        "index": {"type": "integer", "minimum": 0},
+                        "message": {
+                            "type": "object",
+                            "required": ["role", "content"],
+                            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                        },
+                        "logprobs": {
+                            "anyOf": [
+                                {
+                                    "type": "object",
+                                    "required": ["content"],
+                                    "properties": {
+                                        "content": {
+                                            "type": "array",
+                                            "items": {"$ref": "#/components/schemas/ChatTokenLogprob"},
+                                        }
+                                    },
+                                },
+                                {"type": "null"},
+                            ]
+                        },
+                        "finish_reason": {"enum": ["stop", "length"]},
+                    },
+                },
+            },
+            "usage": {"$ref": "#/components/schemas/OpenAIUsage"},
+        },
+    },
+    "EmbeddingList": {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["object", "embedding", "index"],
+                    "properties": {
+                        "object": {"const": "embedding"},
+                        "embedding": {
+                            "description": "floats, or base64 of little-endian float32 (encoding_format base64)",
+                            "anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}],
+                        },
+                        "index": {"type": "integer", "minimum": 0},
+                    },
+                },
+            },
+            "model": {"type": "string"},
+            "usage": {
+                "type": "object",
+                "required": ["prompt_tokens", "total_tokens"],
+                "properties": {
+                    "prompt_tokens": {"type": "integer", "minimum": 0},
+                    "total_tokens": {"type": "integer", "minimum": 0},
+                },
+            },
+        },
+    },
+}
+# What clients send (documentation: the server checks bodies itself, answering a 400 that names
+# the field; see docs/reference.md, "OpenAI-compatible API").
+_V1_REQUESTS: dict[str, Any] = {
+    "CompletionRequest": {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {
+                "description": "a string, a list of strings, token ids, or a list of token id lists",
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"type": "string"}},
+                    {"type": "array", "items": {"type": "integer"}},
+                    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                ],
+            },
+            "max_tokens": {"type": "integer", "minimum": 0, "default": 16},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
+            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
+            "seed": {"type": "integer"},
+            "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+            "echo": {"type": "boolean", "default": False},
+            "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
+            "stream": {"type": "boolean", "default": False},
+            "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        },
+    },
+    "ChatCompletionRequest": {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": {
+            "model": {"type": "string"},
+            "messages": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["role"],
+                    "properties": {"role": {"type": "string"}, "content": {}},
+                },
+            },
+            "max_tokens": {"type": "integer", "minimum": 0},
+            "max_completion_tokens": {"type": "integer", "minimum": 0},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
+            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
+            "seed": {"type": "integer"},
+            "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+            "logprobs": {"type": "boolean", "default": False},
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+            "stream": {"type": "boolean", "default": False},
+            "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        },
+    },
+    "EmbeddingRequest": {
+        "type": "object",
+        "required": ["model", "input"],
+        "properties": {
+            "model": {"type": "string"},
+            "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
+            "encoding_format": {"enum": ["float", "base64"], "default": "float"},
+        },
+    },
+}
+
+
+def _v1_errors(*codes: int) -> dict:
+    """The error answers of a /v1 route, in OpenAI's shape."""
+    text = {
+        400: "the body is not JSON or not an object, a field is unknown, missing, of the wrong type or out of range, "
+        "or the model cannot serve the request (param names the field)",
+        403: "not authenticated or not authorized",
+        404: "the model is not a configured shared model (code model_not_found)",
+        413: "the body is over 16 MiB",
+        502: "the model raised while computing the request (code model_error)",
+        503: "the model's host cannot start, failed to load the model or died (code model_unavailable), "
+        "or the scheduler is starting",
+    }
+    return {
+        str(c): {"description": text[c], "content": {"application/json": {"schema": _ref("OpenAIError")}}}
+        for c in sorted({403, 503, *codes})
+    }
+
+
+def _v1_post(summary: str, operation: str, request: str, answer: str, description: str, stream: bool) -> dict:
+    content: dict[str, Any] = {"application/json": {"schema": _ref(answer)}}
+    if stream:
+        # Server-sent events: `data: <chunk JSON>` per chunk, then `data: [DONE]`.
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {
+        "post": {
+            "summary": summary,
+            "operationId": operation,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {"200": {"description": description, "content": content}, **_v1_errors(400, 404, 413, 502)},
+        }
+    }
+
+
+_V1_PATHS: dict[str, Any] = {
+    "/v1/models": {
+        "get": {
+            "summary": "OpenAI-compatible: the shared models",
+            "operationId": "openaiListModels",
+            "responses": {"200": _json("OpenAIModelList", "every configured shared model"), **_v1_errors()},
+        }
+    },
+    "/v1/completions": _v1_post(
+        "OpenAI-compatible: complete or score prompts",
+        "openaiCompletions",
+        "CompletionRequest",
+        "Completion",
+        "one choice per prompt; with stream, text_completion chunks as server-sent events",
+        True,
+    ),
+    "/v1/chat/completions": _v1_post(
+        "OpenAI-compatible: chat through the model's chat template",
+        "openaiChatCompletions",
+        "ChatCompletionRequest",
+        "ChatCompletion",
+        "the assistant's message; with stream, chat.completion.chunk objects as server-sent events",
+        True,
+    ),
+    "/v1/embeddings": _v1_post(
+        "OpenAI-compatible: embeddings",
+        "openaiEmbeddings",
+        "EmbeddingRequest",
+        "EmbeddingList",
+        "one vector per input",
+        False,
+    ),
+}
+
+
 RUN_ID_PARAM = {
     "name": "run_id",
     "in": "path",
@@ -413,17 +719,18 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 },
             }
         },
+        **_V1_PATHS,
     }
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "jupyter_evalsched",
             "version": __version__,
-            "description": "The per-host evaluation scheduler of this Jupyter server. Authenticate as for any Jupyter API (Authorization: token ...).",
+            "description": "The per-host evaluation scheduler of this Jupyter server. Authenticate as for any Jupyter API (Authorization: token ...). The /v1 routes are OpenAI's API for the shared models (Authorization: Bearer <token> works too).",
         },
         "servers": [{"url": prefix}],
         "components": {
-            "schemas": _components(),
+            "schemas": {**_components(), **_V1_SCHEMAS, **_V1_REQUESTS},
             "securitySchemes": {"token": {"type": "apiKey", "in": "header", "name": "Authorization"}},
         },
         "security": [{"token": []}],

@@ -76,8 +76,8 @@ def v1(jp_fetch, evalsched):
     """``await v1("POST", "completions", body)`` -> (status, parsed body)."""
 
     async def call(method: str, path: str, body=None, headers=None):
-        # A generous bound (tornado's default is 20 s): the first request starts the model host.
-        kwargs: dict = {"method": method, "raise_error": False, "headers": headers or {}, "request_timeout": 120}
+        # (request_timeout: the first request waits for the model's load, slow on a busy host)
+        kwargs: dict = {"method": method, "raise_error": False, "headers": headers or {}, "request_timeout": 300}
         if body is not None:
             kwargs["body"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
         resp = await jp_fetch("evalsched", "v1", *path.split("/"), **kwargs)
@@ -95,7 +95,7 @@ def client(jp_serverapp, jp_http_port, jp_base_url, jp_fetch, evalsched):  # jp_
         base_url=f"http://127.0.0.1:{jp_http_port}{jp_base_url}evalsched/v1",
         api_key=jp_serverapp.identity_provider.token,
         max_retries=0,
-        timeout=60,
+        timeout=300,
     )
 
 
@@ -328,7 +328,7 @@ async def test_a_client_gone_mid_stream_leaves_nothing_stuck(v1, jp_serverapp, j
         ).encode()
 
     request = raw(stream=True)
-    # Gone before the answer: the model host still answers the batch, to nobody.
+    # Gone before the answer: the request is cancelled in the model host (or answered to nobody).
     for _ in range(3):
         reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
         writer.write(raw(stream=False))
@@ -347,7 +347,11 @@ async def test_a_client_gone_mid_stream_leaves_nothing_stuck(v1, jp_serverapp, j
     assert code == 200 and answer["usage"]["completion_tokens"] <= 3
     (described,) = [m for m in await evalsched.models.describe() if m["name"] == "tiny-lm"]
     assert described["failed_requests"] == 0 and described["load_count"] == 1
-    assert described["requests"] >= 4  # the streams and the last one, at least
+    # Each request the host saw was answered or, its client gone first, cancelled; nothing is
+    # left queued. (Which of the two depends on timing: test_openai_stream holds the model.)
+    figures = (await evalsched.models.ask("tiny-lm", {"op": "describe"}))["describe"]
+    assert figures["requests"] >= 1 and figures["requests"] + figures["cancelled_requests"] >= 4
+    assert figures["queued"] == 0
 
 
 SHARED_RUN = """

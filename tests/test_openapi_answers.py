@@ -23,14 +23,37 @@ from openapi_spec_validator import validate as validate_openapi
 from rest import CRASH, NOOP, SLEEPY, spec
 
 from jupyter_evalsched.openapi import openapi_document
+from jupyter_evalsched.shared_models.tiny import build_tiny_bert
+from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 
 METHODS = ("get", "post", "put", "patch", "delete")
 TESTING = "jupyter_evalsched.shared_models.testing:"
+LOADERS = "jupyter_evalsched.shared_models.loaders:"
 
 
 @pytest.fixture
-def evalsched_config():
-    return {"models": [{"name": "upper", "loader": TESTING + "upper"}], "warm_start": False, "max_leases": 2}
+def evalsched_config(request):
+    config = {"models": [{"name": "upper", "loader": TESTING + "upper"}], "warm_start": False, "max_leases": 2}
+    if "tiny_lm_dir" in request.fixturenames:  # the /v1 routes' answers, from real models
+        config["models"] += [
+            {"name": "lm", "loader": LOADERS + "causal_lm", "model": request.getfixturevalue("tiny_lm_dir")},
+            {
+                "name": "embed",
+                "loader": LOADERS + "sentence_embeddings",
+                "model": request.getfixturevalue("tiny_bert_dir"),
+            },
+        ]
+    return config
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tmp_path_factory):
+    return build_tiny_gpt2(tmp_path_factory.getbasetemp() / "models" / "tiny-gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    return build_tiny_bert(str(tmp_path_factory.getbasetemp() / "models" / "tiny-bert"))
 
 
 def closed(schema: Any) -> Any:
@@ -115,7 +138,13 @@ def call(jp_fetch, evalsched, contract_checker):
     answer checked against the document; returns the parsed body."""
 
     async def fetch(method: str, path: str, body: Any = None, params=None, headers=None, expect: int | None = None):
-        kwargs: dict[str, Any] = {"method": method, "raise_error": False, "headers": headers or {}}
+        # (request_timeout: the first request to a model waits for its load)
+        kwargs: dict[str, Any] = {
+            "method": method,
+            "raise_error": False,
+            "headers": headers or {},
+            "request_timeout": 300,
+        }
         if body is not None:
             kwargs["body"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
         elif method in ("POST", "PUT", "PATCH"):
@@ -245,6 +274,18 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
     assert connected["name"] == "upper" and connected["url"]
     assert (await call("GET", "models", expect=200))["models"][0]["pid"]  # its host was started
 
+    # --- the OpenAI-compatible routes, with a model that is not a language model (their 200s from
+    # real ones: the test below)
+    assert (await call("GET", "v1/models", expect=200))["data"][0]["id"] == "upper"
+    await call("POST", "v1/completions", {"model": "upper", "prompt": "x"}, expect=400)
+    await call("POST", "v1/completions", {"model": "nope", "prompt": "x"}, expect=404)
+    await call("POST", "v1/completions", "{not json", expect=400)
+    await call("POST", "v1/completions", b" " * (17 << 20), expect=413)
+    await call("POST", "v1/chat/completions", {"model": "upper", "messages": [{"role": "user"}]}, expect=400)
+    await call("POST", "v1/chat/completions", {"model": "upper", "messages": []}, expect=400)
+    await call("POST", "v1/embeddings", {"model": "upper", "input": "x"}, expect=400)
+    await call("POST", "v1/embeddings", {"model": "upper", "input": 3}, expect=400)
+
     # --- what this server says of itself
     assert (await call("GET", "status", expect=200))["role"] == "primary"
     assert (await call("GET", "doctor", expect=200))["checks"]
@@ -294,7 +335,7 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
     await call("DELETE", "leases/lease-nope", expect=404)
     await call("POST", "models/nope/connect", expect=404)
     await call("GET", "events", expect=400)  # not a WebSocket upgrade
-    for method, path in (("GET", "queue"), ("POST", "runs"), ("DELETE", f"runs/{first['id']}")):
+    for method, path in (("GET", "queue"), ("POST", "runs"), ("DELETE", f"runs/{first['id']}"), ("GET", "v1/models")):
         await call(method, path, headers={"Authorization": "token not-the-token"}, expect=403)
 
     # --- run files that cannot be served (user code wrote them): 409, never a 500
@@ -328,6 +369,37 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
     # --- every operation of the document was exercised
     missing = sorted(checker.operations() - set(checker.exercised))
     assert not missing, f"operations of the OpenAPI document never exercised: {missing}"
+
+
+async def test_the_v1_routes_answer_as_the_openapi_document_says(call, contract_checker, tiny_lm_dir, tiny_bert_dir):
+    """The 200s of the OpenAI-compatible routes, from real models, in every shape they take."""
+    lm = {"model": "lm", "temperature": 0}
+    await call("POST", "v1/completions", {**lm, "prompt": "The cat", "max_tokens": 4}, expect=200)
+    scored = await call(
+        "POST", "v1/completions", {**lm, "prompt": ["The cat", "A"], "max_tokens": 0, "echo": True, "logprobs": 2},
+        expect=200,
+    )  # fmt: skip
+    assert scored["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    await call("POST", "v1/completions", {**lm, "prompt": [[5, 6, 7]], "max_tokens": 3, "logprobs": 1}, expect=200)
+    text = await call(
+        "POST", "v1/completions", {**lm, "prompt": "The cat", "max_tokens": 3, "stream": True}, expect=200
+    )
+    assert text.startswith("data: ") and text.endswith("data: [DONE]\n\n")
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = await call(
+        "POST", "v1/chat/completions", {**lm, "messages": messages, "max_tokens": 3, "logprobs": True, "top_logprobs": 2},
+        expect=200,
+    )  # fmt: skip
+    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    await call("POST", "v1/chat/completions", {**lm, "messages": messages, "max_tokens": 2}, expect=200)
+    await call("POST", "v1/chat/completions", {**lm, "messages": messages, "max_tokens": 2, "stream": True}, expect=200)
+    await call("POST", "v1/embeddings", {"model": "embed", "input": ["the cat", "a dog"]}, expect=200)
+    await call("POST", "v1/embeddings", {"model": "embed", "input": "x", "encoding_format": "base64"}, expect=200)
+    await call("POST", "v1/completions", {**lm, "prompt": "the cat " * 400}, expect=400)  # longer than its context
+    await call("POST", "v1/embeddings", {"model": "lm", "input": "x"}, expect=400)
+    assert [m["id"] for m in (await call("GET", "v1/models", expect=200))["data"]] == ["upper", "lm", "embed"]
+    v1 = {(m, t) for m, t in contract_checker.operations() if t.startswith("/v1/")}
+    assert len(v1) == 4 and v1 <= set(contract_checker.exercised)
 
 
 def test_the_checker_refuses_an_answer_its_model_does_not_describe(contract_checker):

@@ -10,7 +10,15 @@ Scoring (the prompt's own log-probabilities, what loglikelihood evaluations read
 batch's prompts through one right-padded forward pass with an attention mask. Generation runs
 the batch's generating requests together, one token per step for all of them (left-padded, with
 a KV cache), each with its own length, stop strings, temperature, top-p and seed; a request that
-is done stops being computed, but it is answered when the batch ends.
+is done stops being computed, and is answered at once.
+
+Streaming: a request with ``"stream": true`` also has its text sent as it is generated, through
+``on_delta``: first ``{"prompt_text", "prompt_tokens", "logprobs"}`` (the prompt's entries, when
+echoed with logprobs), then ``{"pieces", "logprobs"}`` for each run of tokens whose text is
+final (text that could still be cut by a stop string, or half a character, is held back), so
+the pieces sent add up to the answer's. ``cancelled(i)`` is asked at every step: a request
+whose caller went away stops generating (``finish_reason: "cancelled"``) and its row leaves
+the batch, while the others go on.
 
 Plain calls (``ctx.model(name)(["text"])``, the host's ``call`` op) greedily complete each string.
 """
@@ -79,14 +87,28 @@ class CausalLM:
 
     # -- the API's batch ---------------------------------------------------------------------
 
-    def openai_batch(self, requests: list[dict], on_done: Callable[[int, dict], None] | None = None) -> list[dict]:
+    def openai_batch(
+        self,
+        requests: list[dict],
+        on_done: Callable[[int, dict], None] | None = None,
+        on_delta: Callable[[int, dict], None] | None = None,
+        cancelled: Callable[[int], bool] | None = None,
+    ) -> list[dict]:
         """Answer every request of a batch (the keys ``openai_shapes`` gives them). ``on_done(i,
         answer)`` is called as soon as request ``i`` is answered: a prompt to score, a bad request
-        or a short generation is answered before the batch's longest generation is done."""
+        or a short generation is answered before the batch's longest generation is done.
+        ``on_delta(i, delta)``: the parts of a streamed request as they are made (see the module
+        docstring); ``cancelled(i)``: whether request ``i``'s caller has gone away."""
         answers: list[dict | None] = [None] * len(requests)
+
+        def streams(index: int) -> bool:
+            return on_delta is not None and bool(requests[index].get("stream"))
 
         def settle(index: int, answer: dict) -> None:
             answers[index] = answer
+            if "error" in answer and streams(index):
+                assert on_delta is not None
+                on_delta(index, answer)  # before any text of the batch: the server can still answer a 400
             if on_done is not None:
                 on_done(index, answer)
 
@@ -110,13 +132,33 @@ class CausalLM:
             else:
                 settle(index, self._answer(request, ids, starts, score_of.get(index), None))
         if generating:
+            emitters: list[Callable[[dict], None] | None] = []
+            bases: list[int] = []
+            for index, request, ids, starts in generating:
+                emitter = None
+                if streams(index):
+                    assert on_delta is not None
+                    emitter = functools.partial(on_delta, index)
+                    head = self._answer(request, ids, starts, score_of.get(index), None)
+                    emitter({key: head[key] for key in ("prompt_text", "prompt_tokens", "logprobs")})
+                emitters.append(emitter)
+                bases.append(len(self._prompt_text(request, ids)) if request.get("echo") else 0)
 
             def finished(position: int, generation: dict) -> None:
                 index, request, ids, starts = generating[position]
                 settle(index, self._answer(request, ids, starts, score_of.get(index), generation))
 
-            self._generate([(r, ids) for _, r, ids, _ in generating], finished)
+            def gone(position: int) -> bool:
+                return cancelled is not None and cancelled(generating[position][0])
+
+            self._generate(
+                [(r, ids) for _, r, ids, _ in generating], finished, emitters=emitters, bases=bases, gone=gone
+            )
         return [answer for answer in answers if answer is not None]
+
+    def _prompt_text(self, request: dict, ids: list[int]) -> str:
+        prompt = request.get("prompt", "")
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
     @staticmethod
     def _top(request: dict) -> int:
@@ -208,10 +250,19 @@ class CausalLM:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def _generate(self, batch: list[tuple[dict, list[int]]], finished: Callable[[int, dict], None]) -> None:
+    def _generate(
+        self,
+        batch: list[tuple[dict, list[int]]],
+        finished: Callable[[int, dict], None],
+        emitters: list[Callable[[dict], None] | None] | None = None,
+        bases: list[int] | None = None,
+        gone: Callable[[int], bool] | None = None,
+    ) -> None:
         """Generate for every request of ``batch`` together, one token per step for the requests
         not yet done; ``finished(position, generation)`` as each is done, with ``{"ids",
-        "logprobs", "tops", "text", "finish_reason", "pieces"}``."""
+        "logprobs", "tops", "text", "finish_reason", "pieces"}``. ``emitters[position]``: where a
+        streamed request's final tokens go as they are made (``bases``: where its generated text
+        starts in the choice's text); ``gone(position)``: its caller has gone away."""
         import torch
 
         states = []
@@ -240,13 +291,30 @@ class CausalLM:
                     "top": int(request.get("logprobs") or 0),
                     "stop": list(request.get("stop") or []),
                     "position": position,
+                    # Streaming: the pieces of the tokens so far, the text they add up to, how
+                    # many tokens were sent and how many characters those hold.
+                    "emit": emitters[position] if emitters else None,
+                    "base": bases[position] if bases else 0,
+                    "live_pieces": [],
+                    "emitted": "",
+                    "sent": 0,
+                    "sent_chars": 0,
                 }
             )
 
         def done(state: dict) -> None:
             self._finish_text(state)
+            if state["emit"] is not None:
+                self._send(state, len(state["ids"]), state["pieces"])
             keys = ("ids", "logprobs", "tops", "text", "finish_reason", "pieces")
             finished(state["position"], {key: state[key] for key in keys})
+
+        def step(state: dict) -> None:
+            """After a token of a live request: stop it if its caller went away; stream what is final."""
+            if gone is not None and gone(state["position"]):
+                state["done"], state["finish_reason"] = True, "cancelled"
+            elif state["emit"] is not None:
+                self._advance_stream(state)
 
         live = []
         for state in states:
@@ -255,9 +323,60 @@ class CausalLM:
             else:
                 live.append(state)
         if live:
-            self._decode(live, done)
+            self._decode(live, done, step)
 
-    def _decode(self, live: list[dict], done: Callable[[dict], None]) -> None:
+    def _advance_stream(self, state: dict) -> None:
+        """Add the newest token's piece (as ``_finish_text`` would cut it) and send every token
+        whose text can no longer change: not after the start of a possible stop string."""
+        prefix = self.tokenizer.decode(state["ids"], skip_special_tokens=True)
+        emitted = state["emitted"]
+        if prefix.endswith("\ufffd") or not prefix.startswith(emitted):
+            state["live_pieces"].append("")
+        else:
+            state["live_pieces"].append(prefix[len(emitted) :])
+            state["emitted"] = emitted = prefix
+        safe = len(emitted) - held_back(emitted, state["stop"])
+        count, chars = state["sent"], state["sent_chars"]
+        while count < len(state["live_pieces"]):
+            piece = state["live_pieces"][count]
+            # A token is final when it starts before the safe end and ends within it: a stop
+            # string found later starts at or after the safe end, and cuts no sent token.
+            if not (chars < safe and chars + len(piece) <= safe):
+                break
+            chars += len(piece)
+            count += 1
+        self._send(state, count, state["live_pieces"])
+
+    def _send(self, state: dict, upto: int, pieces: list[str]) -> None:
+        """Stream the tokens ``state["sent"]:upto`` (their ``pieces`` and, when asked, entries)."""
+        start = state["sent"]
+        if upto <= start:
+            return
+        entries = None
+        if state["request"].get("logprobs") is not None:
+            entries = [
+                self._entry(
+                    state["ids"][j],
+                    state["logprobs"][j],
+                    state["tops"][j] if state["tops"] else [],
+                    state["base"] + len(self.tokenizer.decode(state["ids"][:j])),
+                )
+                for j in range(start, upto)
+            ]
+        sent = pieces[start:upto]
+        state["sent"], state["sent_chars"] = upto, state["sent_chars"] + sum(len(p) for p in sent)
+        state["emit"]({"pieces": sent, "logprobs": entries})
+
+    def _entry(self, token: int, logprob: float, tops: list, offset: int) -> dict:
+        """A generated token's ``logprobs`` entry (JSON has no infinities: -inf is sent as -9999)."""
+        return {
+            "token": self._token_text(token),
+            "logprob": -9999.0 if math.isinf(logprob) else logprob,
+            "top": [(self._token_text(t), v) for t, v in tops],
+            "offset": offset,
+        }
+
+    def _decode(self, live: list[dict], done: Callable[[dict], None], step: Callable[[dict], None]) -> None:
         """The step loop: a left-padded prefill, then one token per step with the KV cache; rows
         that are done drop out of the computation (the cache keeps only the live rows)."""
         import torch
@@ -297,6 +416,8 @@ class CausalLM:
                         top = torch.topk(logprobs[row], state["top"])
                         state["tops"].append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
                     self._check_done(state, token)
+                    if not state["done"]:
+                        step(state)
                     if state["done"]:
                         done(state)
                 keep = [row for row, state in enumerate(rows) if not state["done"]]
@@ -389,8 +510,7 @@ class CausalLM:
         score: list | None,
         generation: dict | None,
     ) -> dict:
-        prompt = request.get("prompt", "")
-        prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        prompt_text = self._prompt_text(request, ids)
         gen = generation or {"ids": [], "logprobs": [], "tops": [], "text": "", "finish_reason": "length", "pieces": []}
         answer: dict[str, Any] = {
             "prompt_text": prompt_text,
@@ -422,14 +542,7 @@ class CausalLM:
         offsets = self._offsets(gen["ids"], base, skip_special=True)
         for position, token in enumerate(gen["ids"]):
             tops = gen["tops"][position] if gen["tops"] else []
-            tokens.append(
-                {
-                    "token": self._token_text(token),
-                    "logprob": gen["logprobs"][position],
-                    "top": [(self._token_text(t), v) for t, v in tops],
-                    "offset": offsets[position],
-                }
-            )
+            tokens.append(self._entry(token, gen["logprobs"][position], tops, offsets[position]))
         for entry in tokens:  # JSON has no infinities: a -inf log-probability is sent as a very low number
             if entry["logprob"] is not None and math.isinf(entry["logprob"]):
                 entry["logprob"] = -9999.0
@@ -447,6 +560,17 @@ class CausalLM:
             prefix = self.tokenizer.decode(ids[: count + 1], skip_special_tokens=skip_special)
             previous = len(prefix.rstrip("\ufffd")) if count + 1 < len(ids) else len(prefix)
         return offsets
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
 
 
 @functools.cache

@@ -22,7 +22,11 @@ each request with its slice of the outputs, in order. The size of every batch ru
 
 Ops: ``call`` (inputs and keyword arguments for the batch callable), ``openai`` (requests of the
 OpenAI-compatible routes, one dict per prompt, batched with every caller's API requests into
-one call of the model's ``openai_batch``: see ``causal.py``), ``describe`` and ``ping``.
+one call of the model's ``openai_batch``: see ``causal.py``), ``describe`` and ``ping``. An
+``openai`` request with ``"stream": true`` gets ``{"ok": true, "delta": {"index", ...}}``
+messages as its text is made, before its reply. While an ``openai`` request waits, its connection
+is watched: a caller that closes it (a client gone) cancels the request, which leaves the queue or
+stops generating in its batch (``cancelled_requests``).
 
 Events for the manager go to the original stdout as JSON lines (``ready``, ``loading``,
 ``loaded``, ``load_failed``); fd 1 is pointed at stderr so that prints of a loader cannot
@@ -32,12 +36,14 @@ corrupt them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import importlib
 import json
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -138,7 +144,10 @@ def load_callable(config: ModelConfig):
 class _Call:
     """One client request: its inputs, and the outputs filled in batch by batch."""
 
-    __slots__ = ("inputs", "kwargs", "key", "openai", "outputs", "remaining", "error", "done")
+    __slots__ = (
+        "inputs", "kwargs", "key", "openai", "outputs", "remaining", "error", "done",
+        "cancelled", "deltas", "wake_r", "wake_w",
+    )  # fmt: skip
 
     def __init__(self, inputs: list, kwargs: dict, openai: bool = False):
         self.inputs = inputs
@@ -152,6 +161,25 @@ class _Call:
         self.remaining = len(inputs)
         self.error: dict | None = None
         self.done = threading.Event()
+        self.cancelled = False  # its caller went away: compute nothing more for it
+        self.deltas: list[dict] = []  # streamed parts not yet sent to the caller
+        # Wakes the connection thread (which also watches its socket) when a delta or the end
+        # comes; a socket pair, not a pipe: a write after close raises, never hits a reused fd.
+        self.wake_r: socket.socket | None = None
+        self.wake_w: socket.socket | None = None
+        if openai:
+            self.wake_r, self.wake_w = socket.socketpair()
+            self.wake_w.setblocking(False)
+
+    def wake(self) -> None:
+        if self.wake_w is not None:
+            with contextlib.suppress(OSError):  # full (the reader is awake anyway) or closed
+                self.wake_w.send(b"\0")
+
+    def close(self) -> None:
+        for end in (self.wake_r, self.wake_w):
+            if end is not None:
+                end.close()
 
 
 class ModelHost:
@@ -171,6 +199,7 @@ class ModelHost:
         self.callers = 0  # open connections that have sent a call
         self.requests = 0
         self.failed_requests = 0
+        self.cancelled_requests = 0  # callers that went away before their answer
         self.batches = 0
         self.inputs = 0
         self.batch_sizes: Counter[int] = Counter()
@@ -199,6 +228,7 @@ class ModelHost:
                 "pid": os.getpid(),
                 "requests": self.requests,
                 "failed_requests": self.failed_requests,
+                "cancelled_requests": self.cancelled_requests,
                 "batches": self.batches,
                 "inputs": self.inputs,
                 "mean_batch_size": round(self.inputs / self.batches, 3) if self.batches else 0.0,
@@ -278,13 +308,15 @@ class ModelHost:
         deadline = time.monotonic() + self.config.max_wait_ms / 1000.0
         with self.cond:
             while True:
-                # Drop entries of requests that already failed.
-                while self.queue and self.queue[0][0].error is not None:
-                    self.queue.popleft()
+                # Drop entries of requests that already failed, or whose caller went away.
+                while self.queue and (self.queue[0][0].error is not None or self.queue[0][0].cancelled):
+                    self._finish(self.queue.popleft()[0], None)
                 if not self.queue:
                     return []
                 key = self.queue[0][0].key
-                compatible = sum(1 for call, _ in self.queue if call.key == key and call.error is None)
+                compatible = sum(
+                    1 for call, _ in self.queue if call.key == key and call.error is None and not call.cancelled
+                )
                 if compatible >= limit:
                     break
                 # Waiting helps only if some connected client could still send: when every caller
@@ -299,7 +331,8 @@ class ModelHost:
             kept: deque[tuple[_Call, int]] = deque()
             for entry in self.queue:
                 call = entry[0]
-                if call.error is not None:
+                if call.error is not None or call.cancelled:
+                    self._finish(call, None)
                     continue
                 if call.key == key and len(batch) < limit:
                     batch.append(entry)
@@ -342,7 +375,19 @@ class ModelHost:
                         if call.remaining == 0:
                             self._finish(call, None)
 
-                outputs = batch(inputs, on_done=on_done)
+                def on_delta(position: int, delta) -> None:
+                    call, index = entries[position]
+                    plain = to_plain(delta)
+                    with self.cond:
+                        if call.done.is_set() or call.cancelled:
+                            return
+                        call.deltas.append({"index": index, **plain})
+                    call.wake()
+
+                def cancelled(position: int) -> bool:
+                    return entries[position][0].cancelled
+
+                outputs = batch(inputs, on_done=on_done, on_delta=on_delta, cancelled=cancelled)
             else:
                 outputs = fn(inputs, **entries[0][0].kwargs)
             if not isinstance(outputs, list):
@@ -386,17 +431,40 @@ class ModelHost:
             return
         call.error = error
         self.outstanding -= 1
-        if error is None:
+        if call.cancelled:
+            pass  # counted when its caller went away
+        elif error is None:
             self.requests += 1
         else:
             self.failed_requests += 1
         call.done.set()
+        call.wake()
         self.cond.notify_all()
+
+    def _cancel(self, call: _Call) -> None:
+        """The caller of ``call`` went away: its queued entries are dropped at the next gather,
+        its rows in a running batch stop at the next step (``openai_batch``'s ``cancelled``)."""
+        with self.cond:
+            if call.done.is_set() or call.cancelled:
+                return
+            call.cancelled = True
+            self.cancelled_requests += 1
+            self.cond.notify_all()
 
     # -- connections --
 
-    def submit(self, inputs: list, kwargs: dict, openai: bool = False) -> dict:
+    def submit(
+        self, inputs: list, kwargs: dict, openai: bool = False, conn: socket.socket | None = None, stream: bool = False
+    ) -> dict | None:
+        """Queue a request and wait for its answer (None: its caller went away). For an API
+        request, ``conn`` is watched meanwhile, and its deltas are sent there when ``stream``."""
         call = _Call(inputs, kwargs, openai)
+        try:
+            return self._submit(call, conn, stream)
+        finally:
+            call.close()
+
+    def _submit(self, call: _Call, conn: socket.socket | None, stream: bool) -> dict | None:
         with self.cond:
             failure = self.error if self.state == "failed" else None
             if failure is not None and time.monotonic() < self.failed_at + self.config.load_retry_s:
@@ -407,12 +475,46 @@ class ModelHost:
                 self.failed_requests += 1
                 return {"ok": False, "error": error}
             self.outstanding += 1
-            self.queue.extend((call, index) for index in range(len(inputs)))
+            self.queue.extend((call, index) for index in range(len(call.inputs)))
             self.cond.notify_all()
-        call.done.wait()
+        if conn is None or call.wake_r is None:
+            call.done.wait()
+        elif not self._await(call, conn, stream):
+            return None
         if call.error is not None:
             return {"ok": False, "error": call.error}
         return {"ok": True, "outputs": call.outputs}
+
+    def _await(self, call: _Call, conn: socket.socket, stream: bool) -> bool:
+        """Wait for ``call`` to be done, sending its deltas when ``stream``, and watching ``conn``:
+        False (the call cancelled) when its caller closed the connection or cannot be written."""
+        assert call.wake_r is not None
+        watched: list[socket.socket] = [conn, call.wake_r]
+        while True:
+            with self.cond:
+                deltas, call.deltas = call.deltas, []
+                finished = call.done.is_set()
+            try:
+                for delta in deltas if stream else ():
+                    send_message(conn, {"ok": True, "delta": delta})
+            except OSError:
+                self._cancel(call)
+                return False
+            if finished:
+                return True
+            readable, _, _ = select.select(watched, [], [])
+            if call.wake_r in readable:
+                with contextlib.suppress(OSError):
+                    call.wake_r.recv(4096)
+            if conn in readable:
+                try:
+                    gone = conn.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    gone = True
+                if gone:
+                    self._cancel(call)
+                    return False
+                watched = [call.wake_r]  # a caller that sends before its answer: no longer watched
 
     def serve_connection(self, conn: socket.socket) -> None:
         is_caller = False
@@ -433,7 +535,10 @@ class ModelHost:
                     with self.cond:
                         self.callers += 1
                         self.cond.notify_all()
-                send_message(conn, self._handle(message))
+                reply = self._handle(message, conn)
+                if reply is None:  # the caller went away
+                    return
+                send_message(conn, reply)
         except OSError:
             return
         finally:
@@ -443,7 +548,7 @@ class ModelHost:
                     self.cond.notify_all()
             conn.close()
 
-    def _handle(self, message: dict) -> dict:
+    def _handle(self, message: dict, conn: socket.socket | None = None) -> dict | None:
         op = message.get("op")
         if message.get("model") != self.config.name:
             return _bad_request(f"this host serves {self.config.name!r}, not {message.get('model')!r}")
@@ -455,7 +560,8 @@ class ModelHost:
             requests = message.get("requests")
             if not isinstance(requests, list) or not requests or not all(isinstance(r, dict) for r in requests):
                 return _bad_request("'requests' must be a non-empty list of dicts")
-            return self.submit(requests, {}, openai=True)
+            stream = bool(message.get("stream"))
+            return self.submit(requests, {}, openai=True, conn=conn, stream=stream)
         if op != "call":
             return _bad_request(f"unknown op {op!r}")
         inputs, kwargs = message.get("inputs"), message.get("kwargs", {})

@@ -32,7 +32,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -230,14 +230,15 @@ class ModelHostManager:
             # The host listens, dies or is started again: a short poll sees all three.
             await asyncio.sleep(0.05)
 
-    async def ask(self, name: str, message: dict) -> dict:
+    async def ask(self, name: str, message: dict, on_delta: Callable[[dict], Awaitable[None]] | None = None) -> dict:
         """Send one message to the host of model ``name`` (started if needed) on a connection of
         its own, and return the host's reply (``{"ok": True, ...}`` or ``{"ok": False, "error"}``).
 
         For the OpenAI-compatible routes: one connection per request, so that every request in
         flight counts as a caller and the host never waits for a batch to fill. Cancelling the
-        call (a client that went away) closes the connection; the host finishes the batch, finds
-        nobody to answer and goes on. ValueError for an unknown name; ModelUnavailable when the
+        call (a client that went away) closes the connection; the host sees it closed and cancels
+        the request (it leaves its batch; the others go on). ``on_delta``: awaited with each delta
+        of a streamed request (``"stream": True``) before the reply. ValueError for an unknown name; ModelUnavailable when the
         host cannot start; ConnectionError when it dies before it answers.
         """
         host = self._host(name)
@@ -256,6 +257,9 @@ class ModelHostManager:
             writer.write(encode({**message, "model": name}))
             await writer.drain()
             reply = await read_message()
+            while isinstance(reply, dict) and "delta" in reply and on_delta is not None:
+                await on_delta(reply["delta"])
+                reply = await read_message()
         except (asyncio.IncompleteReadError, OSError) as exc:
             raise ConnectionError(
                 f"the model host of {name!r} closed the connection before it answered ({exc})"

@@ -62,3 +62,29 @@ def crash_on_load(model=None, device="cpu", dtype=None):
     """A loader that kills its own process (SIGKILL), like the kernel's OOM killer would."""
     os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(10)  # not reached
+
+
+def gated_causal_lm(model=None, device="cpu", dtype=None, gate: str = "", **options):
+    """``loaders:causal_lm`` whose forward passes can be held, so that a test sees what happens
+    between two tokens by events, not by timing: before its n-th forward pass (1: the first
+    batch's prefill) the model waits while the file ``<gate>/hold-<n>`` exists, and it appends a
+    line to ``<gate>/calls`` at every pass."""
+    from .causal import load_causal_lm
+
+    lm = load_causal_lm(model, device=device, dtype=dtype, **options)
+    network = lm.model
+    forward = network.forward
+    count = 0
+
+    def gated(*args, **kwargs):
+        nonlocal count
+        count += 1
+        hold = os.path.join(gate, f"hold-{count}")
+        while os.path.exists(hold):
+            time.sleep(0.01)
+        with open(os.path.join(gate, "calls"), "a") as calls:
+            calls.write(f"{count}\n")
+        return forward(*args, **kwargs)
+
+    network.forward = gated
+    return lm
