@@ -580,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     emit = _event_writer()
     _limit_memory(config.max_memory_mb)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # Before torch is imported (OpenMP reads it once): idle intra-op threads sleep instead of
+    # spinning. The host shares its cores with runs; spinning workers that wait for a preempted
+    # peer made a forward pass of the tiny LM 50x slower on a busy 2-core host (docs/performance.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if config.cpu_threads:
         # Before torch is imported: its OpenMP/MKL pools read these once. On a busy host, fewer
         # threads than cores avoids the OpenMP barrier stalls of preempted workers.
