@@ -164,7 +164,10 @@ class OpenAIHandler(EvalSchedHandler):
         raise OpenAIError(502, f"the model {name!r} failed: {message_text}", type="server_error", code="model_error")
 
     async def ask_openai(self, name: str, requests: list[dict]) -> list[dict]:
-        answers = await self.ask(name, {"op": "openai", "requests": requests})
+        # The client is this HTTP connection (keep-alive: one per concurrent caller): the host
+        # waits a little for the next request of a client it answered recently.
+        client = f"{id(self.request.connection):x}"
+        answers = await self.ask(name, {"op": "openai", "requests": requests, "client": client})
         for answer in answers:
             if "error" in answer:  # a request the model cannot serve as given (too long a prompt)
                 raise invalid(answer["error"]["message"], answer["error"].get("param"))
