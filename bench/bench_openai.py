@@ -20,8 +20,9 @@ shapes' cost grows with the batch's tokens). The server also declares one model 
    in alternating rounds of ``--seconds`` each; the ratio of each round pair, its median and
    spread. Target (scoring): >= 3x. The host's batch sizes are read from ``GET /evalsched/models``.
 2. The API's overhead per request: one scoring request through the API against the same request
-   to the same model loaded in this process (``CausalLM.openai_batch`` at batch 1), interleaved;
-   ``GET /api/status`` beside it as the bare HTTP round trip.
+   to the same model loaded in this process (``CausalLM.openai_batch`` at batch 1, the host's
+   OpenMP settings), interleaved, each kind first in turn; ``GET /api/status`` beside it as the
+   bare HTTP round trip.
 3. Memory: 4 runs (``models: [<name>]``, each scoring through ``jupyter_evalsched.openai_client()``
    and then waiting) and 2 real ipykernel kernels doing the same, against one process that loaded
    the model and scored once: the sum of PSS (``/proc/<pid>/smaps_rollup``) of the model host,
@@ -105,8 +106,22 @@ class BenchFailure(RuntimeError):
 # ---------------------------------------------------------------------------- the model
 
 
+def build_models(kinds: list[str], folder: str) -> dict[str, tuple[str, str]]:
+    """Each kind's model directory and a description of its configuration. Built in a child
+    process: this one stays as a user's process that loads a model (after building one here,
+    tokenizer training and all, a forward pass of the in-process baseline took 4x as long)."""
+    import subprocess
+
+    script = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_openai as b; "
+    script += "[b.build_model(kind, sys.argv[1]) for kind in sys.argv[2:]]"
+    subprocess.run(
+        [sys.executable, "-c", script, folder, *kinds], check=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    return {kind: build_model(kind, folder) for kind in kinds}  # built: only their paths now
+
+
 def build_model(kind: str, folder: str) -> tuple[str, str]:
-    """The model directory and a description of its configuration."""
+    """The model directory (built unless it is there) and a description of its configuration."""
     from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 
     tiny = build_tiny_gpt2(os.path.join(folder, "tiny-gpt2"))
@@ -287,18 +302,24 @@ def part2(server: LocalServer, model_dir: str, calls: int) -> dict:
     request = {"prompt": PROMPTS[2], "echo": True, "max_tokens": 0, "logprobs": 1}
     body = score_body(PROMPTS[2])
     api, local, bare = [], [], []
+
+    def timed(fn) -> float:
+        began = time.perf_counter()
+        fn()
+        return time.perf_counter() - began
+
     for i in range(calls + 10):
-        t0 = time.perf_counter()
-        post(conn, body)
-        t1 = time.perf_counter()
-        lm.openai_batch([dict(request)])
-        t2 = time.perf_counter()
-        status.call("GET", "/api/status")
-        t3 = time.perf_counter()
-        if i >= 10:
-            api.append(t1 - t0)
-            local.append(t2 - t1)
-            bare.append(t3 - t2)
+        # Each kind first in turn: what the one before leaves running (the server finishing a
+        # request, the host's threads) slows the next one down on a busy machine.
+        kinds = [
+            (api, lambda: post(conn, body)),
+            (local, lambda: lm.openai_batch([dict(request)])),
+            (bare, lambda: status.call("GET", "/api/status")),
+        ]
+        for samples, fn in kinds[i % 3 :] + kinds[: i % 3]:
+            seconds = timed(fn)
+            if i >= 10:
+                samples.append(seconds)
     figures = {"api_ms": med(api) * 1000, "local_ms": med(local) * 1000, "status_ms": med(bare) * 1000}
     figures["overhead_ms"] = figures["api_ms"] - figures["local_ms"]
     print(
@@ -483,18 +504,23 @@ def main() -> int:
         args.rounds, args.seconds, args.calls = 3, 1.0, 50
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The in-process baseline as the host runs its model (host.py sets it there): OpenMP threads
-    # that sleep, not spin, while they wait.
+    # that sleep, not spin, while they wait. Read once, when torch is first imported (below); the
+    # server and its hosts get the environment this bench was given.
+    given_policy = os.environ.get("OMP_WAIT_POLICY")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     folder = tempfile.mkdtemp(prefix="bench-openai-")
-    model_dir, model_text = build_model(args.model, folder)
+    memory_kinds = args.memory_models.split(",") if "3" in args.parts else []
+    built = build_models(sorted({args.model, *memory_kinds}), folder)
+    model_dir, model_text = built[args.model]
     models = [{"name": MODEL, "loader": LOADER, "model": model_dir}]  # the defaults for everything else
-    memory_models = {}
-    if "3" in args.parts:
-        for kind in args.memory_models.split(","):
-            memory_models[f"memory-{kind}"] = build_model(kind, folder)
-            models.append({"name": f"memory-{kind}", "loader": LOADER, "model": memory_models[f"memory-{kind}"][0]})
+    memory_models = {f"memory-{kind}": built[kind] for kind in memory_kinds}
+    models += [{"name": name, "loader": LOADER, "model": path} for name, (path, _) in memory_models.items()]
     started = time.perf_counter()
-    with LocalServer(virtual_gpus=None, cpu_slots=None, models=models) as server:
+    if given_policy is None:
+        del os.environ["OMP_WAIT_POLICY"]
+    local = LocalServer(virtual_gpus=None, cpu_slots=None, models=models)
+    os.environ["OMP_WAIT_POLICY"] = given_policy or "PASSIVE"  # for the subprocesses of part 3
+    with local as server:
         post(Conn(server.url, server.token), score_body(PROMPTS[0]))  # load the model outside the timing
         described = host_figures(server)
         configuration = (
