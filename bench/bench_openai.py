@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -545,6 +546,7 @@ def main() -> int:
         final = host_figures(server)
         print(f"   model loads in the host: {final['load_count']}; batch sizes {final['batch_sizes']}")
     print(f"   ({time.perf_counter() - started:.0f} s)")
+    shutil.rmtree(folder, ignore_errors=True)  # the models: up to 340 MB
     if args.markdown:
         print()
         print(markdown(configuration, results))
