@@ -196,7 +196,15 @@ class OpenAIHandler(EvalSchedHandler):
 
     async def ask_openai(self, name: str, requests: list[dict], on_delta: Any = None) -> list[dict]:
         stream = on_delta is not None
-        message = {"op": "openai", "requests": [{**r, "stream": stream} for r in requests], "stream": stream}
+        # The client is this HTTP connection (keep-alive: one per concurrent caller): the host
+        # waits a little for the next request of a client it answered recently.
+        client = f"{id(self.request.connection):x}"
+        message = {
+            "op": "openai",
+            "requests": [{**r, "stream": stream} for r in requests],
+            "stream": stream,
+            "client": client,
+        }
         answers = await self.ask(name, message, on_delta)
         for answer in answers:
             if "error" in answer:  # a request the model cannot serve as given (too long a prompt)

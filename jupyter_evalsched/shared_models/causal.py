@@ -112,10 +112,11 @@ class CausalLM:
             if on_done is not None:
                 on_done(index, answer)
 
+        encoded = self._encode_batch(requests)
         prepared: list[tuple[int, dict, list[int], list[int] | None]] = []
         for index, request in enumerate(requests):
             try:
-                ids, starts = self._prompt_ids(request)
+                ids, starts = self._prompt_ids(request, encoded.get(index))
             except RequestError as exc:
                 settle(index, {"error": {"message": str(exc), "param": exc.param}})
                 continue
@@ -164,8 +165,28 @@ class CausalLM:
     def _top(request: dict) -> int:
         return int(request.get("logprobs") or 0)
 
-    def _prompt_ids(self, request: dict) -> tuple[list[int], list[int] | None]:
-        """The prompt's token ids and each token's character start (None for a token prompt)."""
+    def _encode_batch(self, requests: list[dict]) -> dict[int, tuple[list[int], list[int]]]:
+        """The token ids and character starts of every plain string prompt of the batch, in one
+        call of the tokenizer (one call per prompt cost more than the forward pass of a small
+        model). Chat requests are left to ``_prompt_ids``: their template comes first."""
+        texts = {
+            index: request.get("prompt", "")
+            for index, request in enumerate(requests)
+            if "messages" not in request and isinstance(request.get("prompt", ""), str)
+        }
+        if not texts:
+            return {}
+        encoded = self.tokenizer(list(texts.values()), add_special_tokens=False, return_offsets_mapping=True)
+        return {
+            index: (list(ids), [start for start, _ in offsets])
+            for index, ids, offsets in zip(texts, encoded["input_ids"], encoded["offset_mapping"], strict=True)
+        }
+
+    def _prompt_ids(
+        self, request: dict, encoded: tuple[list[int], list[int]] | None = None
+    ) -> tuple[list[int], list[int] | None]:
+        """The prompt's token ids and each token's character start (None for a token prompt);
+        ``encoded``: what ``_encode_batch`` made of its string prompt."""
         if "messages" in request:
             if not self.has_chat_template:
                 raise RequestError("this model's tokenizer has no chat template: use /completions", "messages")
@@ -177,7 +198,9 @@ class CausalLM:
                 raise RequestError(f"the chat template rejects these messages: {exc}", "messages") from None
             request["prompt"] = text
         prompt = request.get("prompt", "")
-        if isinstance(prompt, list):
+        if encoded is not None:
+            ids, starts = encoded
+        elif isinstance(prompt, list):
             ids = [int(token) for token in prompt]
             if any(token < 0 or token >= len(self.tokenizer) for token in ids):
                 raise RequestError(
@@ -185,9 +208,9 @@ class CausalLM:
                 )
             starts = None
         else:
-            encoded = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
-            ids = list(encoded["input_ids"])
-            starts = [start for start, _ in encoded["offset_mapping"]]
+            alone = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(alone["input_ids"])
+            starts = [start for start, _ in alone["offset_mapping"]]
         if len(ids) > self.context:
             raise RequestError(
                 f"the prompt is {len(ids)} tokens long; this model's context is {self.context} tokens", "prompt"
@@ -229,22 +252,21 @@ class CausalLM:
                 input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
                 mask[row, : len(ids)] = 1
         with torch.inference_mode():
-            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+            input_ids = input_ids.to(self.device)
+            logits = self.model(input_ids=input_ids, attention_mask=mask.to(self.device)).logits[:, :-1].float()
+            # The whole batch at once, on the model's device; only the figures asked for are copied
+            # back (not the batch's full log-probabilities over the vocabulary).
+            logprobs = torch.log_softmax(logits, dim=-1)
+            chosen = logprobs.gather(2, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+            if top:
+                best = torch.topk(logprobs, top, dim=-1)
+                top_ids, top_values = best.indices.tolist(), best.values.tolist()
         results: list[list[tuple[float, list[tuple[int, float]]] | None]] = []
         for row, ids in enumerate(prompts):
             scores: list[tuple[float, list[tuple[int, float]]] | None] = [None] if ids else []
-            if len(ids) > 1:
-                rows = logprobs[row, : len(ids) - 1]
-                chosen = rows.gather(1, torch.tensor(ids[1:], dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
-                tops = torch.topk(rows, top, dim=-1) if top else None
-                for position, value in enumerate(chosen):
-                    alternatives = (
-                        list(zip(tops.indices[position].tolist(), tops.values[position].tolist(), strict=True))
-                        if tops is not None
-                        else []
-                    )
-                    scores.append((value, alternatives))
+            for position in range(len(ids) - 1):
+                alternatives = list(zip(top_ids[row][position], top_values[row][position], strict=True)) if top else []
+                scores.append((chosen[row][position], alternatives))
             results.append(scores)
         return results
 

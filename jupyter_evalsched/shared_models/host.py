@@ -17,8 +17,10 @@ server, its scheduler and the other models' hosts go on, and the manager starts 
 Threads: the main thread accepts connections; one thread per connection reads requests (one at a
 time per connection) and waits for their answers; one batcher thread owns the model, loads it,
 gathers queued inputs into batches (up to ``max_batch_size``, waiting at most ``max_wait_ms``
-for more, and not at all when every connected client already has a request queued) and answers
-each request with its slice of the outputs, in order. The size of every batch run is recorded.
+for more, and not at all when every connected client already has a request queued; an API
+request names its client, the server's HTTP connection, and the wait also covers API clients
+answered in the last API_CLIENT_RECENT_WAITS x max_wait_ms that have not sent again) and answers each request with
+its slice of the outputs, in order. The size of every batch run is recorded.
 
 Ops: ``call`` (inputs and keyword arguments for the batch callable), ``openai`` (requests of the
 OpenAI-compatible routes, one dict per prompt, batched with every caller's API requests into
@@ -63,6 +65,11 @@ if TYPE_CHECKING:
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
 OPENAI_KEY = b"\0openai"  # the batching key of API requests (no pickle of kwargs starts with a NUL)
+# An API client (one HTTP connection of the server's) answered within this many max_wait_ms and
+# not yet back is expected to send again: the batcher waits for it (up to max_wait_ms). With the
+# default 5 ms: 0.2 s, longer than a client's turnaround between two requests, short enough that
+# a client that stopped costs little.
+API_CLIENT_RECENT_WAITS = 40
 
 
 # -- output conversion ----------------------------------------------------------------------
@@ -145,13 +152,15 @@ class _Call:
     """One client request: its inputs, and the outputs filled in batch by batch."""
 
     __slots__ = (
-        "inputs", "kwargs", "key", "openai", "outputs", "remaining", "error", "done",
+        "inputs", "kwargs", "key", "openai", "client", "outputs", "remaining", "error", "done",
         "cancelled", "deltas", "wake_r", "wake_w",
     )  # fmt: skip
 
-    def __init__(self, inputs: list, kwargs: dict, openai: bool = False):
+    def __init__(self, inputs: list, kwargs: dict, openai: bool = False, client: str | None = None):
         self.inputs = inputs
         self.kwargs = kwargs
+        # The API client the server received it from (its HTTP connection): see ``api_waiting``.
+        self.client = client
         # An API request (the ``openai`` op) goes to the model's ``openai_batch`` with the other
         # API requests; each carries its own parameters, so any of them can share a batch.
         self.openai = openai
@@ -197,6 +206,12 @@ class ModelHost:
         self.load_seconds: float | None = None
         self.outstanding = 0  # requests queued or being computed
         self.callers = 0  # open connections that have sent a call
+        # API clients: each request comes on a connection of its own, so ``callers`` cannot tell
+        # whether more are coming. Per client key: requests outstanding, and when it was last
+        # answered (a client with nothing outstanding, answered recently, is expected back).
+        self.api_busy: Counter[str] = Counter()
+        self.api_answered: dict[str, float] = {}
+        self.api_recent_s = API_CLIENT_RECENT_WAITS * config.max_wait_ms / 1000.0
         self.requests = 0
         self.failed_requests = 0
         self.cancelled_requests = 0  # callers that went away before their answer
@@ -321,7 +336,10 @@ class ModelHost:
                     break
                 # Waiting helps only if some connected client could still send: when every caller
                 # already has a request queued, nobody else can join this batch.
-                if self.outstanding >= self.callers:
+                if self.outstanding >= self.callers and not (
+                    key == OPENAI_KEY
+                    and api_waiting(self.api_busy, self.api_answered, time.monotonic(), self.api_recent_s)
+                ):
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -431,6 +449,11 @@ class ModelHost:
             return
         call.error = error
         self.outstanding -= 1
+        if call.client is not None:
+            self.api_busy[call.client] -= 1
+            if self.api_busy[call.client] <= 0:
+                del self.api_busy[call.client]
+            self.api_answered[call.client] = time.monotonic()
         if call.cancelled:
             pass  # counted when its caller went away
         elif error is None:
@@ -454,11 +477,18 @@ class ModelHost:
     # -- connections --
 
     def submit(
-        self, inputs: list, kwargs: dict, openai: bool = False, conn: socket.socket | None = None, stream: bool = False
+        self,
+        inputs: list,
+        kwargs: dict,
+        openai: bool = False,
+        conn: socket.socket | None = None,
+        stream: bool = False,
+        client: str | None = None,
     ) -> dict | None:
         """Queue a request and wait for its answer (None: its caller went away). For an API
-        request, ``conn`` is watched meanwhile, and its deltas are sent there when ``stream``."""
-        call = _Call(inputs, kwargs, openai)
+        request, ``conn`` is watched meanwhile, and its deltas are sent there when ``stream``;
+        ``client`` names the API client it came from (see ``api_waiting``)."""
+        call = _Call(inputs, kwargs, openai, client)
         try:
             return self._submit(call, conn, stream)
         finally:
@@ -475,6 +505,8 @@ class ModelHost:
                 self.failed_requests += 1
                 return {"ok": False, "error": error}
             self.outstanding += 1
+            if call.client is not None:
+                self.api_busy[call.client] += 1
             self.queue.extend((call, index) for index in range(len(call.inputs)))
             self.cond.notify_all()
         if conn is None or call.wake_r is None:
@@ -561,7 +593,10 @@ class ModelHost:
             if not isinstance(requests, list) or not requests or not all(isinstance(r, dict) for r in requests):
                 return _bad_request("'requests' must be a non-empty list of dicts")
             stream = bool(message.get("stream"))
-            return self.submit(requests, {}, openai=True, conn=conn, stream=stream)
+            client = message.get("client")
+            return self.submit(
+                requests, {}, openai=True, conn=conn, stream=stream, client=client if isinstance(client, str) else None
+            )
         if op != "call":
             return _bad_request(f"unknown op {op!r}")
         inputs, kwargs = message.get("inputs"), message.get("kwargs", {})
@@ -578,6 +613,18 @@ class ModelHost:
         while True:
             conn, _ = listener.accept()
             threading.Thread(target=self.serve_connection, args=(conn,), daemon=True).start()
+
+
+def api_waiting(busy: Counter[str], answered: dict[str, float], now: float, recent_s: float) -> bool:
+    """Whether an API client is expected to send soon: answered within ``recent_s`` and nothing
+    outstanding. Forgets clients answered longer ago (so ``answered`` stays small)."""
+    waiting = False
+    for client, at in list(answered.items()):
+        if now - at >= recent_s:
+            del answered[client]
+        elif not busy.get(client):
+            waiting = True
+    return waiting
 
 
 class NotSupported(TypeError):
@@ -686,6 +733,10 @@ def main(argv: list[str] | None = None) -> int:
     emit = _event_writer()
     _limit_memory(config.max_memory_mb)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # Before torch is imported (OpenMP reads it once): idle intra-op threads sleep instead of
+    # spinning. The host shares its cores with runs; spinning workers that wait for a preempted
+    # peer made a forward pass of the tiny LM 50x slower on a busy 2-core host (docs/performance.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if config.cpu_threads:
         # Before torch is imported: its OpenMP/MKL pools read these once. On a busy host, fewer
         # threads than cores avoids the OpenMP barrier stalls of preempted workers.
