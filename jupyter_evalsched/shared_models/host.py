@@ -25,7 +25,8 @@ OpenAI-compatible routes, one dict per prompt, batched with every caller's API r
 one call of the model's ``openai_batch``: see ``causal.py``), ``describe`` and ``ping``.
 
 Events for the manager go to the original stdout as JSON lines (``ready``, ``loading``,
-``loaded``, ``load_failed``); fd 1 is pointed at stderr so that prints of a loader cannot
+``loaded``, ``load_failed``, and ``busy``/``idle`` when requests start or stop being in flight,
+which tell the manager when the model was last used); fd 1 is pointed at stderr so that prints of a loader cannot
 corrupt them.
 """
 
@@ -386,6 +387,8 @@ class ModelHost:
             return
         call.error = error
         self.outstanding -= 1
+        if self.outstanding == 0:
+            self.emit("idle")
         if error is None:
             self.requests += 1
         else:
@@ -407,6 +410,8 @@ class ModelHost:
                 self.failed_requests += 1
                 return {"ok": False, "error": error}
             self.outstanding += 1
+            if self.outstanding == 1:
+                self.emit("busy")
             self.queue.extend((call, index) for index in range(len(inputs)))
             self.cond.notify_all()
         call.done.wait()
