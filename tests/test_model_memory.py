@@ -4,6 +4,12 @@ room. First the pure decision (``policy.decide``), then a real server with virtu
 
 from __future__ import annotations
 
+import asyncio
+
+import openai
+import pytest
+from waiting import async_wait_until
+
 from jupyter_evalsched import contract
 from jupyter_evalsched.scheduler.policy import (
     Capacity,
@@ -14,6 +20,7 @@ from jupyter_evalsched.scheduler.policy import (
     RunningJob,
     decide,
 )
+from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 
 ONE_GPU = Capacity(devices=(Device(0, 24000),), cpu_slots=8)
 
@@ -153,3 +160,179 @@ def test_one_unload_serves_one_job_the_next_waits():
         {},
     )
     assert d.unload == {"llm": "r"}
+
+
+# --------------------------------------------------------------------------- a real server
+
+# One virtual GPU; a real (tiny, offline) causal LM declared on it with 14000 MB, loaded on the
+# CPU (the GPU is the probe's fiction), unloaded once idle 1 s when something waits for its room.
+IDLE_UNLOAD_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory):
+    return build_tiny_gpt2(tmp_path_factory.mktemp("models") / "tiny-gpt2")
+
+
+@pytest.fixture
+def evalsched_config(tiny_lm_dir):
+    return {
+        "virtual_gpus": [24000],
+        "models": [
+            {
+                "name": "llm",
+                "loader": "jupyter_evalsched.shared_models.testing:causal_lm_on_cpu",
+                "model": tiny_lm_dir,
+                "device": 0,
+                "vram_mb": 14000,
+                "idle_unload_s": IDLE_UNLOAD_S,
+                "cpu_threads": 1,
+            }
+        ],
+    }
+
+
+@pytest.fixture
+def client(jp_serverapp, jp_http_port, jp_base_url, jp_fetch, evalsched):  # jp_fetch: the server listens
+    """OpenAI's client, called in a thread (the server runs on this test's event loop)."""
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{jp_http_port}{jp_base_url}evalsched/v1",
+        api_key=jp_serverapp.identity_provider.token,
+        max_retries=0,
+        timeout=120,
+    )
+
+
+def complete(client) -> str:
+    answer = client.completions.create(model="llm", prompt="The cat", max_tokens=2, temperature=0)
+    return answer.choices[0].text
+
+
+async def model_entry(api) -> dict | None:
+    """The model's entry in the ledger's GPU 0 (``None`` when it holds nothing and waits for nothing)."""
+    code, ledger = await api("GET", "ledger")
+    assert code == 200, ledger
+    return next((m for m in ledger["devices"][0]["models"] if m["name"] == "llm"), None)
+
+
+async def described(api) -> dict:
+    code, body = await api("GET", "models")
+    return next(m for m in body["models"] if m["name"] == "llm")
+
+
+async def lease(api, holder, vram_mb: int, label: str) -> dict:
+    code, rec = await api("POST", "leases", {"vram_mb": vram_mb, "pid": holder().pid, "label": label})
+    assert code == 201, rec
+    return rec
+
+
+async def lease_state(api, lease_id: str, state: str) -> dict:
+    async def reached():
+        code, rec = await api("GET", f"leases/{lease_id}")
+        return rec if rec["state"] == state else None
+
+    return await async_wait_until(reached, timeout=30, message=f"lease {lease_id} never {state}")
+
+
+async def test_a_load_waits_for_room_and_an_idle_model_makes_room_for_a_lease(api, client, holder):
+    # Nothing loaded: the model holds nothing.
+    assert await model_entry(api) is None
+    first = await lease(api, holder, 16000, "first")
+    assert first["state"] == "granted"
+
+    # A request for the model: its load waits (14000 MB do not fit beside the lease's 16000).
+    request = asyncio.ensure_future(asyncio.to_thread(complete, client))
+
+    async def load_waits():
+        entry = await model_entry(api)
+        return entry if entry is not None and entry["state"] == "waiting" else None
+
+    entry = await async_wait_until(load_waits, timeout=30, message="the model's load never waited in the ledger")
+    assert entry["why"]["code"] == contract.WAITING_MODEL_VRAM
+    assert entry["why"]["detail"] == "shared model llm needs 14000 MB on GPU 0; 8000 MB free"
+    assert [(h["kind"], h["id"]) for h in entry["why"]["holders"]] == [("lease", first["id"])]
+    assert not request.done() and (await described(api))["load_count"] == 0
+
+    # The lease ends: the model is admitted, loads, answers.
+    assert (await api("DELETE", f"leases/{first['id']}"))[0] == 204
+    assert isinstance(await asyncio.wait_for(request, 120), str)
+    entry = await model_entry(api)
+    assert (entry["state"], entry["vram_mb"], entry["idle_unload_s"]) == ("held", 14000, IDLE_UNLOAD_S)
+    code, ledger = await api("GET", "ledger")
+    assert (ledger["devices"][0]["baseline_mb"], ledger["devices"][0]["free_mb"]) == (14000, 10000)
+    assert (await described(api))["load_count"] == 1
+
+    # Idle, but nothing waits for its room: it stays loaded.
+    await asyncio.sleep(3 * IDLE_UNLOAD_S)
+    assert (await model_entry(api))["state"] == "held" and (await described(api))["state"] == "loaded"
+
+    # A lease that needs its room waits (the model named as what holds it), then gets it: the
+    # idle model is unloaded, its host stopped.
+    second = await lease(api, holder, 16000, "second")
+    assert second["state"] == "queued" and second["why"]["code"] == contract.WAITING_VRAM
+    assert ("model", "llm") in [(h["kind"], h["id"]) for h in second["why"]["holders"]]
+    await lease_state(api, second["id"], "granted")
+    assert await model_entry(api) is None
+    model = await described(api)
+    assert model["state"] == "not_loaded" and model["pid"] is None
+
+    # The next caller loads it again, once there is room.
+    assert (await api("DELETE", f"leases/{second['id']}"))[0] == 204
+    assert isinstance(await asyncio.to_thread(complete, client), str)
+    assert (await described(api))["load_count"] == 2
+    assert (await model_entry(api))["state"] == "held"
+
+
+RUN_USING_THE_MODEL = """
+import os, time
+
+def episode(ctx, index):
+    # Declared: the model is in use while this run lives, whatever it does.
+    while not os.path.exists(os.environ["RELEASE_FILE"]):
+        time.sleep(0.05)
+    return {"ok": 1}
+"""
+
+
+async def test_a_model_a_live_run_declared_is_never_unloaded(api, holder, wait_for, tmp_path):
+    release = tmp_path / "release"
+    spec = {"source": RUN_USING_THE_MODEL, "episodes": 1, "models": ["llm"], "env": {"RELEASE_FILE": str(release)}}
+    code, run = await api("POST", "runs", spec)
+    assert code == 201, run
+    await wait_for(run["id"], states=("running",), timeout=60)
+    entry = await model_entry(api)
+    assert entry["state"] == "held" and entry["idle_s"] == 0  # admitted with the run, in use
+
+    waiting = await lease(api, holder, 16000, "waits")
+    assert waiting["state"] == "queued" and waiting["why"]["code"] == contract.WAITING_VRAM
+    assert ("model", "llm") in [(h["kind"], h["id"]) for h in waiting["why"]["holders"]]
+    # Well past its idle_unload_s, with a lease waiting: the run's model stays.
+    await asyncio.sleep(3 * IDLE_UNLOAD_S)
+    entry = await model_entry(api)
+    assert entry is not None and entry["state"] == "held", "the live run's model was unloaded"
+    code, rec = await api("GET", f"leases/{waiting['id']}")
+    assert rec["state"] == "queued"
+
+    # The run ends: the model is idle, unloaded for the lease.
+    release.write_text("")
+    assert (await wait_for(run["id"], timeout=60))["state"] == "succeeded"
+    await lease_state(api, waiting["id"], "granted")
+    assert await model_entry(api) is None
+
+
+async def test_a_run_whose_model_has_no_room_waits_queued_with_the_reason(api, holder, wait_for):
+    first = await lease(api, holder, 16000, "big")
+    code, run = await api("POST", "runs", {"source": RUN_USING_THE_MODEL, "episodes": 1, "models": ["llm"]})
+    assert code == 201, run
+
+    async def reason():
+        code, rec = await api("GET", f"runs/{run['id']}")
+        return rec if (rec.get("why") or {}).get("code") == contract.WAITING_MODEL_VRAM else None
+
+    rec = await async_wait_until(reason, timeout=30, message="the run never said it waits for its model's room")
+    assert rec["state"] == "queued"
+    assert rec["reason"] == "waiting_model_vram: shared model llm needs 14000 MB on GPU 0; 8000 MB free"
+    assert [(h["kind"], h["id"]) for h in rec["why"]["holders"]] == [("lease", first["id"])]
+    assert (await described(api))["load_count"] == 0
+    code, _ = await api("POST", f"runs/{run['id']}/cancel")
+    assert (await wait_for(run["id"]))["state"] == "cancelled"

@@ -62,3 +62,11 @@ def crash_on_load(model=None, device="cpu", dtype=None):
     """A loader that kills its own process (SIGKILL), like the kernel's OOM killer would."""
     os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(10)  # not reached
+
+
+def causal_lm_on_cpu(model=None, device="cpu", dtype=None, **options):
+    """The causal-LM loader on the CPU whatever device is declared: a model declared on a
+    (virtual) GPU, so that the ledger holds its ``vram_mb`` there, on a host without one."""
+    from .loaders import causal_lm
+
+    return causal_lm(model, device="cpu", dtype=dtype, **options)
