@@ -336,3 +336,28 @@ async def test_a_run_whose_model_has_no_room_waits_queued_with_the_reason(api, h
     assert (await described(api))["load_count"] == 0
     code, _ = await api("POST", f"runs/{run['id']}/cancel")
     assert (await wait_for(run["id"]))["state"] == "cancelled"
+
+
+def test_the_widget_draws_each_loaded_model_as_its_share_of_the_bar():
+    from jupyter_evalsched.widget import ledger_html
+
+    dev = {
+        "index": 0,
+        "name": "virtual",
+        "total_mb": 24000,
+        "baseline_mb": 14000,
+        "usable_mb": 24000,
+        "allocated_mb": 18000,
+        "free_mb": 6000,
+        "runs": [{"id": "r1", "marginal_vram_mb": 4000}],
+        "leases": [],
+        "models": [
+            {"name": "llm", "vram_mb": 14000, "state": "held", "idle_s": 3.0, "idle_unload_s": 300.0, "why": None},
+            {"name": "other", "vram_mb": 9000, "state": "waiting", "idle_s": None, "idle_unload_s": None, "why": None},
+        ],
+    }
+    html = ledger_html({"devices": [dev], "cpu_slots": {"total": 8, "allocated": 1}})
+    assert html.count("data-seg-kind='model'") == 1 and "data-model='llm'" in html  # a waiting one holds nothing
+    assert "data-seg-kind='baseline'" not in html  # drawn once, as the model
+    # The bar is the GPU: the model's 14000 of 24000 MB.
+    assert "width:58.33%" in html and "model llm 14000 MB" in html
