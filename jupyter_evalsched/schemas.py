@@ -659,7 +659,8 @@ class LedgerModel(BaseModel):
     name: str
     vram_mb: int
     state: str = Field(
-        description="held: the ledger holds its VRAM (admitted, loading or loaded); waiting: its load waits for room"
+        description="held: the ledger holds its VRAM (admitted, loading or loaded); unloading: its host is "
+        "being stopped for a waiting job (it holds its VRAM until it is gone); waiting: its load waits for room"
     )
     idle_s: float | None = Field(None, description="since a caller last used it (0 while in use); null while waiting")
     idle_unload_s: float | None = Field(None, description="unloaded for a waiting job once idle this long; null: never")

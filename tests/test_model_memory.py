@@ -5,6 +5,7 @@ room. First the pure decision (``policy.decide``), then a real server with virtu
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import openai
 import pytest
@@ -150,6 +151,13 @@ def test_an_idle_unload_comes_before_any_preemption():
     job = QueuedJob("r", 1, marginal_vram_mb=16000, priority="high")
     d = decide([job], [victim, loaded("llm", 14000, idle_s=61)], ONE_GPU, {}, PolicyConfig())
     assert d.unload == {"llm": "r"} and d.preempt == {}
+
+
+def test_a_model_being_unloaded_makes_its_room_and_no_other_is_unloaded_for_it():
+    unloading = replace(loaded("a", 14000, idle_s=61), stopping=True)
+    # 2000 MB free; a's 14000 are on their way: b (8000, idle longer) would be enough, and stays.
+    d = decide([QueuedJob("r", 1, marginal_vram_mb=10000)], [unloading, loaded("b", 8000, idle_s=500)], ONE_GPU, {})
+    assert d.unload == {} and d.preempt == {} and d.starts == []
 
 
 def test_one_unload_serves_one_job_the_next_waits():

@@ -532,7 +532,8 @@ class Admission:
                 kind="model",
                 name=m.name,
                 idle_s=0.0 if (m.busy or m.name in in_use) else m.idle_s,
-                idle_unload_s=None if m.unloading else m.idle_unload_s,
+                idle_unload_s=m.idle_unload_s,
+                stopping=m.unloading,  # its room is about to be free
             )
             for m in self.model_memory()
             if m.resident
@@ -563,6 +564,8 @@ class Admission:
         """A caller needs the model loaded: done once its VRAM is admitted (at once when it is
         already, or when it has none on a GPU); ModelUnavailable when it can never fit."""
         loop = self._loop or asyncio.get_running_loop()
+        if self.stopping:
+            raise ModelUnavailable(name, "the scheduler stopped")
         memory = self._resident().get(name)
         if memory is None or memory.resident:
             done: asyncio.Future[None] = loop.create_future()

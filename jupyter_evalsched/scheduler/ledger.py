@@ -216,7 +216,7 @@ def ledger_view(
                     {
                         "name": run.id,
                         "vram_mb": taken,
-                        "state": "held",
+                        "state": "unloading" if run.stopping else "held",
                         "idle_s": round(run.idle_s, 1),
                         "idle_unload_s": run.idle_unload_s,
                         "why": None,

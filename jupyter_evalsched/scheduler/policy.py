@@ -459,10 +459,13 @@ _MAX_TRIALS = 2000
 def _plan_unloads(ordered: Sequence[QueuedJob], decision: Decision, book: _Book, running: Sequence[RunningJob]) -> None:
     """Fill ``decision.unload``: for each job waiting for room, in admission order, the fewest
     idle models (longest idle first) whose unloading lets it fit. Nothing is unloaded otherwise."""
-    idle = sorted((r for r in running if r.unloadable), key=lambda r: (-r.idle_s, r.id))
+    idle = sorted((r for r in running if r.unloadable and not r.stopping), key=lambda r: (-r.idle_s, r.id))
     if not idle:
         return
     future = book.copy()  # each job that gets room claims it
+    for run in running:
+        if run.kind == "model" and run.stopping:
+            future.release(run)  # being unloaded already: its room is claimed first, never unloaded twice
     for job in ordered:
         job = _without_loaded(job, decision.loads)
         why = decision.why.get(job.id)

@@ -217,7 +217,7 @@ export interface ILedgerLease {
 export interface ILedgerModel {
   name: string;
   vram_mb: number;
-  /** held: the ledger holds its VRAM (admitted, loading or loaded); waiting: its load waits for room */
+  /** held: the ledger holds its VRAM (admitted, loading or loaded); unloading: its host is being stopped for a waiting job (it holds its VRAM until it is gone); waiting: its load waits for room */
   state: string;
   /** since a caller last used it (0 while in use); null while waiting */
   idle_s: number | null;
