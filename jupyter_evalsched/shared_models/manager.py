@@ -545,6 +545,7 @@ class ModelHostManager:
     def _on_death(self, host: _Host, pid: int, returncode: int) -> None:
         now = time.monotonic()
         host.deaths += 1
+        host.busy = False  # its requests failed with it
         lived = now - host.started_at
         host.early_deaths = host.early_deaths + 1 if lived < EARLY_DEATH_S else 1
         hold = restart_hold_s(host.early_deaths)
