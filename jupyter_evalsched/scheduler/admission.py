@@ -572,9 +572,8 @@ class Admission:
             done.set_result(None)
             return done
         waiting = self._model_loads.get(name)
-        if waiting is not None and not waiting.done.done():
+        if waiting is not None:
             return waiting.done
-        self._model_loads.pop(name, None)  # (its caller went away)
         done = loop.create_future()
         capacity = self.capacity()
         usable = next((d.usable_mb for d in capacity.devices if d.index == memory.gpu), None)

@@ -201,8 +201,9 @@ class Scheduler:
         )
 
     async def _admit_model(self, name: str) -> None:
-        """A model host's load waits here until the ledger admits the model's VRAM."""
-        await self.admission.load_model(name)
+        """A model host's load waits here until the ledger admits the model's VRAM. Its callers
+        share one load: one that goes away (a client that disconnects) cancels nobody else's."""
+        await asyncio.shield(self.admission.load_model(name))
 
     def _capacity(self) -> Capacity:
         return capacity(self._budgets, self.config.cpu_slots, self.observer.unmanaged)
