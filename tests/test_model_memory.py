@@ -20,6 +20,7 @@ from jupyter_evalsched.scheduler.policy import (
     QueuedJob,
     RunningJob,
     decide,
+    never_fits,
 )
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 
@@ -102,6 +103,20 @@ def test_two_jobs_needing_one_model_load_it_once():
 def test_a_model_on_a_gpu_the_host_does_not_have_accounts_nothing():
     d = decide([load("far", 14000, gpu=5)], [], ONE_GPU, {})
     assert d.loads == ["far"] and d.starts == []  # a load is no run: it starts nothing
+
+
+def test_a_run_that_can_never_fit_beside_its_models_never_fits():
+    llm = ModelNeed("llm", 0, 14000)
+    assert never_fits(QueuedJob("r", 1, marginal_vram_mb=10000, models=(llm,)), ONE_GPU) is None
+    assert never_fits(QueuedJob("r", 1, marginal_vram_mb=16000, models=(llm,)), ONE_GPU) == (
+        "marginal_vram_mb",
+        "needs 16000 MB on 1 GPU beside its shared models (llm: 14000 MB on GPU 0)",
+    )
+    huge = ModelNeed("huge", 0, 30000)
+    assert never_fits(QueuedJob("r", 1, models=(huge,)), ONE_GPU) == (
+        "models",
+        "shared model huge needs 30000 MB on GPU 0; its usable VRAM is 24000 MB",
+    )
 
 
 # --------------------------------------------------------------------------- idle unload
@@ -326,6 +341,14 @@ async def test_a_model_a_live_run_declared_is_never_unloaded(api, holder, wait_f
     assert (await wait_for(run["id"], timeout=60))["state"] == "succeeded"
     await lease_state(api, waiting["id"], "granted")
     assert await model_entry(api) is None
+
+
+async def test_a_run_that_can_never_fit_beside_its_model_is_refused(api):
+    code, err = await api(
+        "POST", "runs", {"entrypoint": "a:b", "models": ["llm"], "scheduling": {"marginal_vram_mb": 16000}}
+    )
+    assert code == 422, err
+    assert "needs 16000 MB on 1 GPU beside its shared models (llm: 14000 MB on GPU 0)" in err["message"]
 
 
 async def test_a_run_whose_model_has_no_room_waits_queued_with_the_reason(api, holder, wait_for):

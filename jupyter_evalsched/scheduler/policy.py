@@ -198,6 +198,22 @@ def never_fits(job: QueuedJob, capacity: Capacity) -> tuple[str, str] | None:
     None when it could."""
     if job.cpus > capacity.cpu_slots:
         return "cpus", f"needs {job.cpus} CPU slots; the host has {capacity.cpu_slots}"
+    if job.models:
+        # Admitted together with the shared models it names that are not loaded.
+        idle = _Book(capacity, ())
+        for model in job.models:
+            if not idle.models_fit((model,)):
+                usable = idle.usable[model.gpu]
+                return (
+                    "models",
+                    f"shared model {model.name} needs {model.vram_mb} MB on GPU {model.gpu}; its usable VRAM is {usable} MB",
+                )
+        if _place(job, idle, frozenset()) is None:
+            named = ", ".join(f"{m.name}: {m.vram_mb} MB on GPU {m.gpu}" for m in job.models)
+            return (
+                "marginal_vram_mb",
+                f"needs {job.marginal_vram_mb} MB on {_gpus(job.gpus)} beside its shared models ({named})",
+            )
     if not job.uses_gpu:
         return None
     if job.gpus > len(capacity.devices):
