@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import openai
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from waiting import async_wait_until
 
 from jupyter_evalsched import contract
@@ -392,3 +394,55 @@ def test_the_widget_draws_each_loaded_model_as_its_share_of_the_bar():
     assert "data-seg-kind='baseline'" not in html  # drawn once, as the model
     # The bar is the GPU: the model's 14000 of 24000 MB.
     assert "width:58.33%" in html and "model llm 14000 MB" in html
+
+
+# --------------------------------------------------------------------------- properties
+
+TWO_GPUS = Capacity(devices=(Device(0, 24000), Device(1, 16000)), cpu_slots=8)
+_sizes = st.sampled_from([0, 2000, 6000, 10000, 14000])
+
+
+@st.composite
+def model_mixes(draw):
+    names = ["m0", "m1", "m2", "m3"]
+    gpu_of = {name: draw(st.sampled_from([0, 1])) for name in names}
+    mb_of = {name: draw(st.sampled_from([2000, 6000, 10000])) for name in names}
+    resident = draw(st.lists(st.sampled_from(names), unique=True, max_size=3))
+    running = [
+        loaded(n, mb_of[n], gpu=gpu_of[n], idle_s=draw(st.sampled_from([0.0, 30.0, 100.0])), idle_unload_s=60.0)
+        for n in resident
+    ]
+    for index, usable in ((0, 24000), (1, 16000)):
+        assume(sum(m.marginal_vram_mb for m in running if m.devices == (index,)) <= usable)  # a state the ledger allows
+    queued = []
+    for i in range(draw(st.integers(0, 5))):
+        needs = draw(st.lists(st.sampled_from(names), unique=True, max_size=2))
+        models = tuple(ModelNeed(n, gpu_of[n], mb_of[n]) for n in needs if n not in resident)
+        queued.append(QueuedJob(f"r{i}", i + 1, marginal_vram_mb=draw(_sizes), models=models, cpus=0))
+    for n in draw(st.lists(st.sampled_from(names), unique=True, max_size=2)):
+        if n not in resident:
+            queued.append(load(n, mb_of[n], gpu=gpu_of[n], seq=-10 - len(queued)))
+    return queued, running, mb_of, gpu_of
+
+
+@settings(max_examples=300, deadline=None)
+@given(model_mixes())
+def test_models_and_runs_never_overcommit_a_gpu_and_only_idle_models_unload(mix):
+    queued, running, mb_of, gpu_of = mix
+    d = decide(queued, running, TWO_GPUS, {})
+    used = {0: 0, 1: 0}
+    for model in running:
+        used[model.devices[0]] += model.marginal_vram_mb
+    for name in d.loads:
+        used[gpu_of[name]] += mb_of[name]
+    by_id = {job.id: job for job in queued}
+    for start in d.starts:
+        for index in start.devices:
+            used[index] += by_id[start.id].marginal_vram_mb
+    assert used[0] <= 24000 and used[1] <= 16000  # models held, admitted and runs started together
+    assert len(d.loads) == len(set(d.loads))  # a model is loaded once
+    for name, job_id in d.unload.items():
+        model = next(m for m in running if m.id == name)
+        assert model.unloadable and job_id in d.why  # only idle models, only for a waiting job
+    if not d.why:
+        assert d.unload == {}
