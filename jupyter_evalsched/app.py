@@ -115,7 +115,14 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
     models = CliList(
         Dict(),
         help="Shared models: a list of dicts (name, task or loader, model, device, dtype, "
-        "max_batch_size, max_wait_ms, vram_mb, ...). See the README.",
+        "max_batch_size, max_wait_ms, vram_mb, idle_unload_s, ...). See the README.",
+    ).tag(config=True)
+
+    model_idle_unload_s = Float(
+        300.0,
+        allow_none=True,
+        help="A shared model on a GPU that no caller used for this many seconds is unloaded when a run "
+        "or lease waits for its room (never otherwise); None: never. A model's own idle_unload_s wins.",
     ).tag(config=True)
 
     openai_cache_mb = Int(
@@ -162,6 +169,7 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
                 # Beside the runs, where a user finds them after the host (and its sockets) are gone.
                 log_dir=str(self.runs_path / MODEL_LOGS_DIR),
                 log=self.log,
+                idle_unload_s=self.model_idle_unload_s,
             )
         config = SchedulerConfig.from_settings(
             self, runs_dir=self.runs_path, default_cwd=str(Path(self._server.root_dir).expanduser())

@@ -41,6 +41,8 @@ LANES = ("high", "normal", "low")  # highest first
 WAITING_VRAM = "waiting_vram"
 WAITING_CPU = "waiting_cpu"
 WAITING_GPU_EXCLUSIVE = "waiting_gpu_exclusive"
+# waiting_model_vram: a shared model the job needs (or a model's load itself) waits for room on its GPU
+WAITING_MODEL_VRAM = "waiting_model_vram"
 WAITING_DEPENDENCY = "waiting_dependency"
 RESERVED_FOR = "reserved_for"  # reserved_for:<id>
 DEPENDENCY_FAILED = "dependency_failed"  # dependency_failed:<id>

@@ -655,11 +655,23 @@ class UnmanagedProcess(BaseModel):
     lease_id: str | None = Field(None, description="the lease that covers it: charged max(lease, observed)")
 
 
+class LedgerModel(BaseModel):
+    name: str
+    vram_mb: int
+    state: str = Field(
+        description="held: the ledger holds its VRAM (admitted, loading or loaded); unloading: its host is "
+        "being stopped for a waiting job (it holds its VRAM until it is gone); waiting: its load waits for room"
+    )
+    idle_s: float | None = Field(None, description="since a caller last used it (0 while in use); null while waiting")
+    idle_unload_s: float | None = Field(None, description="unloaded for a waiting job once idle this long; null: never")
+    why: Why | None = Field(None, description="why its load waits (waiting only)")
+
+
 class LedgerDevice(BaseModel):
     index: int
     name: str
     total_mb: int
-    baseline_mb: int
+    baseline_mb: int = Field(description="VRAM the loaded shared models hold (part of allocated_mb)")
     usable_mb: int
     allocated_mb: int
     free_mb: int
@@ -668,6 +680,9 @@ class LedgerDevice(BaseModel):
     exclusive: str | None = Field(None, description="id of the exclusive run or lease holding the device")
     runs: list[LedgerRun] = Field(default_factory=list)
     leases: list[LedgerLease] = Field(default_factory=list)
+    models: list[LedgerModel] = Field(
+        default_factory=list, description="shared models holding VRAM here, or waiting to"
+    )
 
 
 class CpuSlots(BaseModel):

@@ -198,7 +198,10 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
         usable = int(dev.get("usable_mb") or 0)
         allocated = int(dev.get("allocated_mb") or 0)
         free = int(dev.get("free_mb") or 0)
-        scale = max(total, baseline + unmanaged + usable, 1)
+        # Shared models are holders in the ledger (each its own segment, in allocated_mb); a
+        # ledger without ``models`` took their VRAM off usable_mb instead.
+        models = [m for m in dev.get("models") or [] if m.get("state") == "held"]
+        scale = max(total, unmanaged + usable if "models" in dev else baseline + unmanaged + usable, 1)
         segs: list[str] = []
         legend: list[str] = []
 
@@ -216,7 +219,12 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
                 shown = label if mb / scale >= _LABEL_MIN_SHARE else ""
                 segs.append(_segment(kind, 100.0 * mb / scale, background, title, shown, attrs))
 
-        if baseline:
+        for model in models:
+            mb = int(model.get("vram_mb") or 0)
+            title = f"shared model {model.get('name')}: {mb} MB"
+            seg("model", mb, "#7f7f7f", title, str(model.get("name")), f"data-model='{_esc(model.get('name'))}'")
+            legend.append(_legend_item("#7f7f7f", f"model {model.get('name')} {mb} MB", title))
+        if baseline and "models" not in dev:
             seg("baseline", baseline, "#7f7f7f", f"shared models: {baseline} MB", "models")
             legend.append(_legend_item("#7f7f7f", f"models {baseline} MB", f"shared models: {baseline} MB"))
         # VRAM outside the scheduler, by who holds it (a notebook, through its kernel, else a pid);

@@ -1,5 +1,5 @@
 """Shared models through the server: runs name a model in their spec and reach the one copy
-the server's model host loaded (#4), the ledger counts the model's VRAM as baseline."""
+the server's model host loaded (#4), the ledger holds a loaded model's VRAM (#31)."""
 
 from __future__ import annotations
 
@@ -61,12 +61,21 @@ async def test_four_runs_share_one_load(api, wait_for, jp_fetch):
     assert value(samples, "evalsched_model_batch_size_sum", model="shout") == shout["inputs"] == 40  # 2 per call
 
 
-async def test_model_vram_is_the_ledger_baseline(api):
+async def test_a_model_holds_its_vram_only_once_loaded(api, wait_for):
+    """Not loaded, the model holds nothing; a run that names it admits its VRAM with the run's."""
     code, ledger = await api("GET", "ledger")
     dev = ledger["devices"][0]
-    assert (dev["total_mb"], dev["baseline_mb"], dev["usable_mb"], dev["free_mb"]) == (24000, 6000, 18000, 18000)
-    code, err = await api("POST", "runs", {"entrypoint": "a:b", "scheduling": {"marginal_vram_mb": 20000}})
-    assert code == 422 and "18000" in err["message"]
+    assert (dev["total_mb"], dev["baseline_mb"], dev["usable_mb"], dev["free_mb"]) == (24000, 0, 24000, 24000)
+    assert dev["models"] == []
+    code, err = await api("POST", "runs", {"entrypoint": "a:b", "scheduling": {"marginal_vram_mb": 30000}})
+    assert code == 422 and "24000" in err["message"]
+    source = EVAL.replace('"shout"', '"on-gpu"')
+    code, rec = await api("POST", "runs", {"source": source, "episodes": 1, "models": ["on-gpu"]})
+    assert (await wait_for(rec["id"], timeout=60))["state"] == "succeeded"
+    code, ledger = await api("GET", "ledger")
+    dev = ledger["devices"][0]
+    assert (dev["baseline_mb"], dev["allocated_mb"], dev["free_mb"]) == (6000, 6000, 18000)
+    assert [(m["name"], m["vram_mb"], m["state"]) for m in dev["models"]] == [("on-gpu", 6000, "held")]
 
 
 async def test_a_killed_model_host_fails_only_its_callers(api, wait_for, evalsched):

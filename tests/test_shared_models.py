@@ -87,7 +87,7 @@ def _in_threads(count: int, work) -> list:
 # -- configuration (no processes) ----------------------------------------------------------------
 
 
-def test_config_defaults_and_baseline():
+def test_config_defaults_and_model_memory():
     configs = parse_models(
         [
             {"name": "a", "task": "feature-extraction", "model": "/m", "device": "cuda:1", "vram_mb": 900},
@@ -107,7 +107,11 @@ def test_config_defaults_and_baseline():
         ]
     )
     assert manager.names() == ["a", "b", "c", "d"]
-    assert manager.baseline_mb_by_device() == {1: 1000, 0: 300}
+    # The models with VRAM on a GPU, as the ledger sees them: nothing resident before a load.
+    memory = {m.name: m for m in manager.memory()}
+    assert sorted(memory) == ["a", "b", "c"]  # d is a CPU model
+    assert (memory["a"].gpu, memory["a"].vram_mb, memory["b"].gpu, memory["c"].vram_mb) == (1, 900, 0, 100)
+    assert not any(m.resident for m in memory.values())
 
 
 @pytest.mark.parametrize(

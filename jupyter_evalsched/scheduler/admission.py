@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .. import contract
@@ -28,6 +29,9 @@ from .executors import Executor
 from .leases import Lease, LeaseTable
 from .ledger import Capacity
 from .runs import Run, RunNames, RunTable, parse_timestamp
+from .shared import ModelMemory, ModelUnavailable
+
+MODEL_LOAD_SEQ = -(1 << 40)  # a model's load goes ahead of the runs of its lane: its callers wait
 
 
 class Carrier(Protocol):
@@ -45,6 +49,23 @@ class Carrier(Protocol):
 
     def waiting(self, job: Run | Lease, why: contract.Why) -> None:
         """Why a queued run or lease waits (news, not a transition)."""
+
+    def load(self, name: str) -> None:
+        """The shared model's VRAM is admitted (its host may load it now)."""
+
+    def unload(self, name: str, by: str) -> None:
+        """Unload the idle shared model so that job ``by`` gets its room; decide again once it is gone."""
+
+
+@dataclass(slots=True)
+class ModelLoad:
+    """A shared model's load waiting for room: its caller awaits ``done``."""
+
+    need: policy.ModelNeed
+    seq: int
+    requested_ts: float
+    done: asyncio.Future[None]
+    why: contract.Why | None = None
 
 
 class Admission:
@@ -84,6 +105,11 @@ class Admission:
         self._head_lane = len(policy.LANES)
         # Retries waiting out their back-off: queued, not yet admissible (run id -> its timer).
         self._backoff: dict[str, asyncio.TimerHandle] = {}
+        # The shared models with VRAM on a GPU, as their host sees them (set by the scheduler),
+        # and the loads waiting for room (model name -> its load).
+        self.model_memory: Callable[[], list[ModelMemory]] = list
+        self._model_loads: dict[str, ModelLoad] = {}
+        self._model_load_seq = 0
         table.requeue_policy = self._retry_policy
         table.on_exit(self._on_run_exited)
         table.on_end(self._on_run_ended)
@@ -100,6 +126,10 @@ class Admission:
         for timer in self._backoff.values():
             timer.cancel()
         self._backoff.clear()
+        for load in self._model_loads.values():
+            if not load.done.done():
+                load.done.set_exception(ModelUnavailable(load.need.name, "the scheduler stopped"))
+        self._model_loads.clear()
 
     # ----------------------------------------------------------------- when to decide
 
@@ -300,7 +330,7 @@ class Admission:
         """Admission for one newly submitted job: O(running), not O(queue). With 10,000 jobs
         queued, a full decision per submission would make a burst of submissions quadratic."""
         decision = policy.decide(
-            [self._as_queued(run, time.time())],
+            [self._as_queued(run, time.time(), self._resident())],
             self.running_jobs(),
             self.capacity(),
             self._dependency_states([run]),
@@ -327,7 +357,7 @@ class Admission:
         try:
             for _ in range(100):  # dependency failures can cascade down a chain
                 self._decide_again = False
-                if not self._queued and not self.leases.queued():
+                if not self._queued and not self.leases.queued() and not self._model_loads:
                     self._settled, self._reservation, self._head_lane = True, None, len(policy.LANES)
                     return
                 decision = self._decide()
@@ -345,8 +375,10 @@ class Admission:
         # Runs held by a dependency cannot start and take nothing from the others: a decision
         # costs O(the runs that could start), not O(the queue), however many wait on others.
         eligible = list(self._eligible.values())
-        queued = [self._as_queued(run, now) for run in eligible]
+        resident = self._resident()
+        queued = [self._as_queued(run, now, resident) for run in eligible]
         queued += [self._lease_as_queued(lease, now) for lease in self.leases.queued()]
+        queued += [self._load_as_queued(load, now) for load in self._model_loads.values()]
         policy_config = self.config.policy
         self._head_lane = min((policy.effective_lane(q, policy_config) for q in queued), default=len(policy.LANES))
         deps = self._dependency_states(eligible)
@@ -355,6 +387,13 @@ class Admission:
         )
 
     def _carry_out(self, decision: policy.Decision) -> None:
+        # The models first: a run admitted with its models finds them admitted when it starts.
+        for name in decision.loads:
+            self.carrier.load(name)
+        if decision.loads or self._model_loads:
+            self._answer_loads()
+        for name, job_id in decision.unload.items():
+            self.carrier.unload(name, job_id)
         with self.table.deferring_writes():  # thousands of dependents can fail at once
             for run_id, dep in decision.dependency_failed.items():
                 run = self._queued[run_id]
@@ -390,6 +429,10 @@ class Admission:
             lease = self.leases.get(job_id)
             if lease is not None and lease.live:
                 self.carrier.waiting(lease, why)
+                continue
+            load = self._model_loads.get(job_id)
+            if load is not None:
+                load.why = why
 
     def _launch(self, run: Run, devices: tuple[int, ...]) -> None:
         """Take the resources now (the ledger changes in this very decision), then start the run."""
@@ -401,9 +444,11 @@ class Admission:
 
     # ----------------------------------------------------------------- jobs as the policy sees them
 
-    def _as_queued(self, run: Run, now: float) -> policy.QueuedJob:
+    def _as_queued(self, run: Run, now: float, resident: Mapping[str, ModelMemory] | None = None) -> policy.QueuedJob:
+        """The run as the policy sees it; its models' needs with ``resident`` (for a decision)."""
         sched = run.scheduling
         return policy.QueuedJob(
+            models=self._needs(run, resident) if resident else (),
             id=run.id,
             seq=run.record["seq"],
             name=run.record["name"],
@@ -415,6 +460,18 @@ class Admission:
             depends_on=tuple(run.depends_on),
             waited_s=now - run.submitted_ts,
             passed_over=run.passed_over,
+        )
+
+    def _load_as_queued(self, load: ModelLoad, now: float) -> policy.QueuedJob:
+        return policy.QueuedJob(
+            id=load.need.name,
+            seq=load.seq,
+            name=load.need.name,
+            priority="high",
+            cpus=0,
+            waited_s=now - load.requested_ts,
+            kind="model",
+            models=(load.need,),
         )
 
     def _lease_as_queued(self, lease: Lease, now: float) -> policy.QueuedJob:
@@ -465,7 +522,87 @@ class Admission:
             )
             for lease in self.leases.granted()
         ]
+        in_use = self._models_of_runs()
+        jobs += [
+            policy.RunningJob(
+                id=m.name,
+                devices=(m.gpu,),
+                marginal_vram_mb=m.vram_mb,
+                cpus=0,
+                kind="model",
+                name=m.name,
+                idle_s=0.0 if (m.busy or m.name in in_use) else m.idle_s,
+                idle_unload_s=m.idle_unload_s,
+                stopping=m.unloading,  # its room is about to be free
+            )
+            for m in self.model_memory()
+            if m.resident
+        ]
         return jobs
+
+    # ----------------------------------------------------------------- shared models' memory
+
+    def _resident(self) -> dict[str, ModelMemory]:
+        """The shared models with VRAM on a GPU, by name (resident or not)."""
+        return {m.name: m for m in self.model_memory()}
+
+    @staticmethod
+    def _needs(run: Run, memory: Mapping[str, ModelMemory]) -> tuple[policy.ModelNeed, ...]:
+        """The models the run declares that are not loaded: they are admitted with it."""
+        names = run.record.get("models") or ()
+        return tuple(
+            policy.ModelNeed(m.name, m.gpu, m.vram_mb)
+            for name in names
+            if (m := memory.get(name)) is not None and not m.resident
+        )
+
+    def _models_of_runs(self) -> set[str]:
+        """The models the live runs (started or starting) declare: in use, never unloaded."""
+        return {name for run in self._running.values() for name in run.record.get("models") or ()}
+
+    def load_model(self, name: str) -> asyncio.Future[None]:
+        """A caller needs the model loaded: done once its VRAM is admitted (at once when it is
+        already, or when it has none on a GPU); ModelUnavailable when it can never fit."""
+        loop = self._loop or asyncio.get_running_loop()
+        if self.stopping:
+            raise ModelUnavailable(name, "the scheduler stopped")
+        memory = self._resident().get(name)
+        if memory is None or memory.resident:
+            done: asyncio.Future[None] = loop.create_future()
+            done.set_result(None)
+            return done
+        waiting = self._model_loads.get(name)
+        if waiting is not None:
+            return waiting.done
+        done = loop.create_future()
+        capacity = self.capacity()
+        usable = next((d.usable_mb for d in capacity.devices if d.index == memory.gpu), None)
+        if usable is not None and memory.vram_mb > usable:
+            done.set_exception(
+                ModelUnavailable(
+                    name, f"needs {memory.vram_mb} MB on GPU {memory.gpu}, whose usable VRAM is {usable} MB"
+                )
+            )
+            return done
+        self._model_load_seq += 1
+        need = policy.ModelNeed(name, memory.gpu, memory.vram_mb)
+        self._model_loads[name] = ModelLoad(need, MODEL_LOAD_SEQ + self._model_load_seq, time.time(), done)
+        self.decide()
+        return done
+
+    def _answer_loads(self) -> None:
+        """The waiting loads whose model is admitted now (for them, or with a run) are done."""
+        memory = self._resident()
+        for name, load in list(self._model_loads.items()):
+            m = memory.get(name)
+            if m is None or m.resident or load.done.done():
+                del self._model_loads[name]
+                if not load.done.done():
+                    load.done.set_result(None)
+
+    def model_loads(self) -> list[ModelLoad]:
+        """The loads waiting for room, in the order they came."""
+        return sorted(self._model_loads.values(), key=lambda load: load.seq)
 
     def _dependency_states(self, runs: list[Run]) -> dict[str, str]:
         states = {}

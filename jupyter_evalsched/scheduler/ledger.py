@@ -1,13 +1,14 @@
 """Per-device VRAM and CPU-slot accounting: what each GPU may give to runs, and who holds it.
 
 ``usable`` per device, first that is set: the per-device override, ``EVALSCHED_USABLE_VRAM_MB``,
-else ``total - reserve - baseline`` (baseline = the shared models placed on it; virtual GPUs have
-no reserve). Free = usable - Σ marginal of the runs and leases on it - VRAM held by unmanaged
-processes.
+else ``total - reserve`` (virtual GPUs have no reserve). Free = usable - Σ marginal of the runs,
+leases and loaded shared models on it - VRAM held by unmanaged processes. A shared model holds
+its declared ``vram_mb`` from its load's admission until it is unloaded (``baseline_mb``).
 
 What the probe reports per process is sorted out by :func:`account`: our runs' VRAM is observed
-(never charged twice: their declaration is what admission counts), the model hosts' is the
-baseline, a lease holder's is charged ``max(lease, observed)``, and everything else is unmanaged.
+(never charged twice: their declaration is what admission counts), the model hosts' is their
+models' declaration, a lease holder's is charged ``max(lease, observed)``, and everything else is
+unmanaged.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ class DeviceBudget:
     index: int
     name: str
     total_mb: int
-    baseline_mb: int
     usable_mb: int
 
 
@@ -44,20 +44,18 @@ def device_budgets(
     reserve_mb: int,
     usable_override: Mapping[int, int],
     env_usable_mb: int | None,
-    baseline_mb: Mapping[int, int],
 ) -> list[DeviceBudget]:
     out = []
     for gpu in gpus:
-        baseline = int(baseline_mb.get(gpu.index, 0))
         if gpu.index in usable_override:
             usable = int(usable_override[gpu.index])
         elif env_usable_mb is not None:
             usable = int(env_usable_mb)
         else:
             reserve = 0 if gpu.virtual else reserve_mb
-            usable = gpu.total_mb - reserve - baseline
+            usable = gpu.total_mb - reserve
         usable = max(0, min(usable, gpu.total_mb))
-        out.append(DeviceBudget(gpu.index, gpu.name, gpu.total_mb, baseline, usable))
+        out.append(DeviceBudget(gpu.index, gpu.name, gpu.total_mb, usable))
     return out
 
 
@@ -82,7 +80,7 @@ def account(
 ) -> Observation:
     """Sort the probe's processes out (pure).
 
-    ``baseline_pids``: the model hosts (their VRAM is the baseline). ``run_pids``: each running
+    ``baseline_pids``: the model hosts (their VRAM is their models' declaration). ``run_pids``: each running
     run's processes (its VRAM is observed, its declaration charged). ``lease_pids``: each live
     lease's process tree; ``lease_charges``: what each lease holds per device (nothing while it
     waits). A lease holder is charged ``max(lease, observed)``: only what it uses beyond its lease
@@ -165,15 +163,17 @@ def ledger_view(
     running: Iterable[RunningJob],
     unmanaged: Mapping[int, Unmanaged],
     leases: Mapping[str, Mapping[str, Any]] | None = None,
+    model_loads: Iterable[Any] = (),
 ) -> dict[str, Any]:
     """The ledger as the contract shapes it (plain dicts: this is on the hot path of GET /queue).
-    ``running`` holds runs and granted leases; ``leases`` the lease records by id."""
+    ``running`` holds runs, granted leases and admitted shared models; ``leases`` the lease
+    records by id; ``model_loads`` the models' loads waiting for room (``admission.ModelLoad``)."""
     devices: dict[int, dict[str, Any]] = {
         b.index: {
             "index": b.index,
             "name": b.name,
             "total_mb": b.total_mb,
-            "baseline_mb": b.baseline_mb,
+            "baseline_mb": 0,
             "usable_mb": b.usable_mb,
             "allocated_mb": 0,
             "free_mb": b.usable_mb,
@@ -182,6 +182,7 @@ def ledger_view(
             "exclusive": None,
             "runs": [],
             "leases": [],
+            "models": [],
         }
         for b in budgets
     }
@@ -209,10 +210,35 @@ def ledger_view(
                         "over_lease_mb": max(0, used - taken),
                     }
                 )
+            elif run.kind == "model":
+                dev["baseline_mb"] += taken
+                dev["models"].append(
+                    {
+                        "name": run.id,
+                        "vram_mb": taken,
+                        "state": "unloading" if run.stopping else "held",
+                        "idle_s": round(run.idle_s, 1),
+                        "idle_unload_s": run.idle_unload_s,
+                        "why": None,
+                    }
+                )
             else:
                 dev["runs"].append({"id": run.id, "marginal_vram_mb": taken})
             if run.exclusive:
                 dev["exclusive"] = run.id
+    for load in model_loads:
+        dev = devices.get(load.need.gpu)
+        if dev is not None:
+            dev["models"].append(
+                {
+                    "name": load.need.name,
+                    "vram_mb": load.need.vram_mb,
+                    "state": "waiting",
+                    "idle_s": None,
+                    "idle_unload_s": None,
+                    "why": load.why.as_dict() if load.why is not None else None,
+                }
+            )
     for index, dev in devices.items():
         foreign = unmanaged.get(index)
         if foreign is not None:

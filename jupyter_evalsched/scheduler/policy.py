@@ -26,6 +26,13 @@ model before asking for its lease) is charged ``max(lease, observed)``, never bo
 ``held`` figures are the VRAM of its own process already counted as unmanaged on each device,
 which its placement absorbs.
 
+Shared models are jobs too (``kind`` "model"): a loaded model holds its declared VRAM on its GPU
+like a run (a ``RunningJob``), and nothing while unloaded. A job that needs models not loaded yet
+(``QueuedJob.models``: a run that declares them, or a model's own load) starts only when they fit
+on their GPUs too, and they are admitted with it (``Decision.loads``). A model idle for its
+``idle_unload_s`` is unloaded for a job waiting for room (``Decision.unload``) before any run is
+preempted for it; a model in use never is.
+
 Every waiting job gets a ``contract.Why``: its reason as data, with the holders that stand in its
 way (the runs and leases on the GPUs it needs, the kernels and other processes holding VRAM there,
 the job a reservation is for, the dependencies it waits on). Its ``reason`` string is derived
@@ -35,7 +42,7 @@ from it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 from typing import Protocol
 
@@ -44,6 +51,15 @@ from ..contract import Holder, Why
 
 LANES = contract.LANES
 LANE_INDEX = {name: i for i, name in enumerate(LANES)}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelNeed:
+    """A shared model a job needs loaded: its declared VRAM on its GPU."""
+
+    name: str
+    gpu: int
+    vram_mb: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +74,11 @@ class QueuedJob:
     depends_on: tuple[str, ...] = ()
     waited_s: float = 0.0
     passed_over: int = 0
-    kind: str = "run"  # "run" or "lease"
+    kind: str = "run"  # "run", "lease" or "model" (a model's load)
     # (device, MB): VRAM this job's own process already holds there, counted as unmanaged.
     held: tuple[tuple[int, int], ...] = ()
     name: str = ""  # named as a holder in the reasons of the jobs it holds back
+    models: tuple[ModelNeed, ...] = ()  # shared models it needs that are not loaded: admitted with it
 
     @property
     def uses_gpu(self) -> bool:
@@ -83,6 +100,14 @@ class RunningJob:
     preemptions: int = 0
     stopping: bool = False  # told to stop (preempted): its resources are about to be freed
     name: str = ""  # a run's name, named as a holder in the reasons of jobs it holds back (a lease's is its label)
+    # A loaded model ("model"): unloadable for a waiting job once idle_s >= idle_unload_s (None:
+    # never). The caller gives idle_s 0 while the model is in use (a request, a live run).
+    idle_s: float = 0.0
+    idle_unload_s: float | None = None
+
+    @property
+    def unloadable(self) -> bool:
+        return self.kind == "model" and self.idle_unload_s is not None and self.idle_s >= self.idle_unload_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +157,10 @@ class Decision:
     reserved_holder: Holder | None = None  # the job reserved for, as the reasons of the others name it
     # running run id -> the waiting job it is stopped for (it resumes later)
     preempt: dict[str, str] = field(default_factory=dict)
+    # shared models admitted in this decision (their loads, or with a run that needs them)
+    loads: list[str] = field(default_factory=list)
+    # idle loaded model -> the waiting job it is unloaded for
+    unload: dict[str, str] = field(default_factory=dict)
 
     def reservation(self) -> Reservation | None:
         """What a starving job holds, carried over to a decision about new jobs alone."""
@@ -169,6 +198,22 @@ def never_fits(job: QueuedJob, capacity: Capacity) -> tuple[str, str] | None:
     None when it could."""
     if job.cpus > capacity.cpu_slots:
         return "cpus", f"needs {job.cpus} CPU slots; the host has {capacity.cpu_slots}"
+    if job.models:
+        # Admitted together with the shared models it names that are not loaded.
+        idle = _Book(capacity, ())
+        for model in job.models:
+            if not idle.models_fit((model,)):
+                usable = idle.usable[model.gpu]
+                return (
+                    "models",
+                    f"shared model {model.name} needs {model.vram_mb} MB on GPU {model.gpu}; its usable VRAM is {usable} MB",
+                )
+        if _place(job, idle, frozenset()) is None:
+            named = ", ".join(f"{m.name}: {m.vram_mb} MB on GPU {m.gpu}" for m in job.models)
+            return (
+                "marginal_vram_mb",
+                f"needs {job.marginal_vram_mb} MB on {_gpus(job.gpus)} beside its shared models ({named})",
+            )
     if not job.uses_gpu:
         return None
     if job.gpus > len(capacity.devices):
@@ -229,6 +274,20 @@ class _Book:
         if run.cpus:
             self.cpu_users = [u for u in self.cpu_users if u.id != run.id]
         self.cpu_free += run.cpus
+
+    def models_fit(self, models: Sequence[ModelNeed]) -> bool:
+        """Whether these models fit on their GPUs now (a GPU not on the host accounts nothing)."""
+        need: dict[int, int] = {}
+        for model in models:
+            need[model.gpu] = need.get(model.gpu, 0) + model.vram_mb
+        return all(
+            index not in self.free or (index not in self.exclusive and self.free[index] >= mb)
+            for index, mb in need.items()
+        )
+
+    def take_models(self, models: Sequence[ModelNeed]) -> None:
+        for model in models:
+            self.take(model.name, (model.gpu,), model.vram_mb, False, 0, kind="model", name=model.name)
 
     def __init__(self, capacity: Capacity, running: Sequence[RunningJob]):
         self.usable = {d.index: d.usable_mb for d in capacity.devices}
@@ -355,12 +414,16 @@ def decide(
     waiting_ahead: list[str] = []
 
     for position, job in enumerate(ordered):
+        job = _without_loaded(job, decision.loads)
         blocked = reserved_devices
         placement = _place(job, book, blocked)
         cpu_ok = job.cpus <= book.cpu_free - (reserved_cpus if decision.reserved_for else 0)
 
         if placement is not None and cpu_ok:
-            decision.starts.append(Start(job.id, placement))
+            book.take_models(job.models)
+            decision.loads.extend(m.name for m in job.models)
+            if job.kind != "model":
+                decision.starts.append(Start(job.id, placement))
             book.take(
                 job.id,
                 placement,
@@ -395,6 +458,7 @@ def decide(
             reserved_cpus = job.cpus
             decision.reserved_devices = tuple(sorted(reserved_devices))
             decision.reserved_cpus = reserved_cpus
+    _plan_unloads(ordered, decision, book, running)
     if config.preemption:
         _plan_preemptions(ordered, decision, book, running, config)
     return decision
@@ -402,10 +466,39 @@ def decide(
 
 # Resource reasons: only a job waiting for room may preempt (not one held back by a dependency or
 # an older job's reservation).
-_ROOM_CODES = (contract.WAITING_VRAM, contract.WAITING_GPU_EXCLUSIVE, contract.WAITING_CPU)
+_ROOM_CODES = (contract.WAITING_VRAM, contract.WAITING_GPU_EXCLUSIVE, contract.WAITING_CPU, contract.WAITING_MODEL_VRAM)
 PREEMPTION_PLANS_PER_DECISION = 16  # waiting jobs considered per decision: bounds its cost
 _MAX_VICTIMS = 8
 _MAX_TRIALS = 2000
+
+
+def _plan_unloads(ordered: Sequence[QueuedJob], decision: Decision, book: _Book, running: Sequence[RunningJob]) -> None:
+    """Fill ``decision.unload``: for each job waiting for room, in admission order, the fewest
+    idle models (longest idle first) whose unloading lets it fit. Nothing is unloaded otherwise."""
+    idle = sorted((r for r in running if r.unloadable and not r.stopping), key=lambda r: (-r.idle_s, r.id))
+    if not idle:
+        return
+    future = book.copy()  # each job that gets room claims it
+    for run in running:
+        if run.kind == "model" and run.stopping:
+            future.release(run)  # being unloaded already: its room is claimed first, never unloaded twice
+    for job in ordered:
+        job = _without_loaded(job, decision.loads)
+        why = decision.why.get(job.id)
+        if why is None or why.code not in _ROOM_CODES:
+            continue
+        if _fits(job, future):
+            _claim(job, future)
+            continue
+        own = {m.name for m in job.models}
+        candidates = [r for r in idle if r.id not in decision.unload and r.id not in own]
+        victims = _fewest_newest(job, future, candidates) if candidates else None
+        if victims is None:
+            continue
+        for victim in victims:
+            decision.unload[victim.id] = job.id
+            future.release(victim)
+        _claim(job, future)
 
 
 def _plan_preemptions(
@@ -424,6 +517,7 @@ def _plan_preemptions(
     stopping = [r for r in running if r.stopping]
     if not movable and not stopping:
         return
+    unloaded_for = set(decision.unload.values())  # idle models make their room: no run is stopped
     lowest_movable = max((LANE_INDEX.get(r.priority, 1) for r in movable), default=-1)
     # The book as it will be once the stopping runs are gone; each job that gets room claims it.
     future = book.copy()
@@ -431,10 +525,11 @@ def _plan_preemptions(
         future.release(run)
     planned = 0
     for job in ordered:
+        job = _without_loaded(job, decision.loads)
         if planned >= PREEMPTION_PLANS_PER_DECISION:
             break
         why = decision.why.get(job.id)
-        if why is None or why.code not in _ROOM_CODES:
+        if why is None or why.code not in _ROOM_CODES or job.id in unloaded_for:
             continue
         lane = LANE_INDEX.get(job.priority, 1)
         if _fits(job, future):
@@ -457,12 +552,20 @@ def _plan_preemptions(
         _claim(job, future)
 
 
+def _without_loaded(job: QueuedJob, loads: Sequence[str]) -> QueuedJob:
+    """The job without the models admitted earlier in this decision (loaded for another job)."""
+    if not job.models or not loads:
+        return job
+    return replace(job, models=tuple(m for m in job.models if m.name not in loads))
+
+
 def _fits(job: QueuedJob, book: _Book) -> bool:
     return job.cpus <= book.cpu_free and _place(job, book, frozenset()) is not None
 
 
 def _claim(job: QueuedJob, book: _Book) -> None:
     placement = _place(job, book, frozenset()) or ()
+    book.take_models(job.models)
     book.take(job.id, placement, job.marginal_vram_mb, job.exclusive, job.cpus, dict(job.held))
 
 
@@ -518,6 +621,14 @@ def dependency_verdict(
 
 
 def _place(job: QueuedJob, book: _Book, blocked: frozenset[int]) -> tuple[int, ...] | None:
+    if job.models:
+        # Its models first, on their GPUs; then the job, on what they leave.
+        if not book.models_fit(job.models):
+            return None
+        if not job.uses_gpu:
+            return ()
+        book = book.copy()
+        book.take_models(job.models)
     if not job.uses_gpu:
         return ()
     candidates = book.candidates(job, blocked)
@@ -563,6 +674,8 @@ def _why(code: str, detail: str, holders: Iterable[Holder] = ()) -> Why:
 
 
 def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[int]) -> Why:
+    if not placed and job.models and not book.models_fit(job.models):
+        return _why_model_room(job, book)
     if not placed:
         if job.exclusive:
             busy = ", ".join(_device_users(book, i) for i in sorted(book.runs) if book.runs[i])
@@ -604,6 +717,21 @@ def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[i
         f"needs {job.cpus} CPU slot{'s' if job.cpus != 1 else ''}; {max(book.cpu_free, 0)} of {book.cpu_total} free",
         book.cpu_users[:MAX_HOLDERS],
     )
+
+
+def _why_model_room(job: QueuedJob, book: _Book) -> Why:
+    """``waiting_model_vram``: a shared model the job needs (or loads) does not fit on its GPU;
+    what holds that GPU (other models among them) stands in its way."""
+    need: dict[int, list[ModelNeed]] = {}
+    for model in job.models:
+        need.setdefault(model.gpu, []).append(model)
+    short = [i for i, models in sorted(need.items()) if not book.models_fit(models)] or sorted(need)
+    parts = []
+    for index in short:
+        for model in need[index]:
+            free = "held by an exclusive run" if index in book.exclusive else f"{max(book.free[index], 0)} MB free"
+            parts.append(f"shared model {model.name} needs {model.vram_mb} MB on GPU {index}; {free}")
+    return _why(contract.WAITING_MODEL_VRAM, "; ".join(parts), _holders(book, short))
 
 
 def _nearest_devices(gpus: int, book: _Book) -> list[int]:
@@ -649,13 +777,15 @@ def _device_users(book: _Book, index: int, limit: int = 3) -> str:
     """``GPU 0: run train (2026...-a9b770), lease lease-... (analysis.ipynb)``: who holds a device,
     its runs by name and id (the first ``limit``, then how many more)."""
     leases = book.leases.get(index, [])
-    runs = book.runs[index] - len(leases)
+    models = [h for h in book.users.get(index, ()) if h.kind == "model"]
+    runs = book.runs[index] - len(leases) - len(models)
     named = [h for h in book.users.get(index, ()) if h.kind == "run" and h.id][: min(runs, limit)]
     parts = [contract.run_named(h.id or "", h.name) for h in named]
     if runs > len(named):
         more = runs - len(named)
         parts.append(f"{more} {'more ' if named else ''}run{'s' if more != 1 else ''}")
     parts += [f"lease {lease.id} ({lease.label})" if lease.label else f"lease {lease.id}" for lease in leases]
+    parts += [f"model {h.id}" for h in models]
     return f"GPU {index}: " + ", ".join(parts)
 
 

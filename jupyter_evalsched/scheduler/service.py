@@ -98,6 +98,9 @@ class Scheduler:
         self.broken: dict[str, str] = {}  # run directories recovery could not read: id -> why
         # Admission first: its run-table listeners come before the executors' (bound at start).
         self.admission = Admission(config, self.table, self.leases, self.executors, _Carrier(self), self._capacity)
+        # The shared models' VRAM is the ledger's: a model loads once admitted (Admission.load_model).
+        self.admission.model_memory = self.models.memory
+        self.models.bind_ledger(self._admit_model)
         self.observer = Observer(
             config,
             probe,
@@ -195,8 +198,12 @@ class Scheduler:
             reserve_mb=self.config.reserve_vram_mb,
             usable_override={int(k): int(v) for k, v in self.config.usable_vram_mb.items()},
             env_usable_mb=self.config.default_usable_vram_mb,
-            baseline_mb=self.models.baseline_mb_by_device(),
         )
+
+    async def _admit_model(self, name: str) -> None:
+        """A model host's load waits here until the ledger admits the model's VRAM. Its callers
+        share one load: one that goes away (a client that disconnects) cancels nobody else's."""
+        await asyncio.shield(self.admission.load_model(name))
 
     def _capacity(self) -> Capacity:
         return capacity(self._budgets, self.config.cpu_slots, self.observer.unmanaged)
@@ -542,7 +549,12 @@ class Scheduler:
     def ledger(self) -> dict:
         leases = {lease.id: lease.record for lease in self.leases.granted()}
         return ledger_view(
-            self._budgets, self.config.cpu_slots, self.admission.running_jobs(), self.observer.unmanaged, leases
+            self._budgets,
+            self.config.cpu_slots,
+            self.admission.running_jobs(),
+            self.observer.unmanaged,
+            leases,
+            self.admission.model_loads(),
         )
 
     def leases_in_order(self) -> list[Lease]:
@@ -726,3 +738,19 @@ class _Carrier:
             s.table.set_reason(job, why)
         else:
             s.leases.set_reason(job, why)
+
+    def load(self, name: str) -> None:
+        self._scheduler.models.admitted(name)
+
+    def unload(self, name: str, by: str) -> None:
+        s = self._scheduler
+        log.info("evalsched: unloading the idle shared model %s for %s", name, by)
+
+        async def unload() -> None:
+            try:
+                await s.models.unload(name)
+            except Exception:
+                log.exception("evalsched: cannot unload the shared model %s", name)
+            s.admission.decide()  # its room (or, when it was used meanwhile, another decision)
+
+        asyncio.ensure_future(unload())

@@ -63,6 +63,13 @@ class Submissions:
 
     # ----------------------------------------------------------------- checks
 
+    def _model_needs(self, names: list[str]) -> tuple[policy.ModelNeed, ...]:
+        """The VRAM of the named shared models on their GPUs: admitted with the run when not loaded."""
+        memory = {m.name: m for m in self.models.memory()}
+        return tuple(
+            policy.ModelNeed(m.name, m.gpu, m.vram_mb) for name in names if (m := memory.get(name)) is not None
+        )
+
     def validate_for_host(self, spec: EvalSpec) -> None:
         """Checks that need the host: never-fits, unknown models and dependencies, the cwd and
         the entrypoint's file."""
@@ -107,12 +114,13 @@ class Submissions:
                 gpus=sched.gpus,
                 exclusive=sched.exclusive_gpu,
                 cpus=sched.cpus,
+                models=self._model_needs(spec.models),
             )
             why = policy.never_fits(probe_job, self.empty_capacity())
             if why:
                 errors.append(
                     {
-                        "loc": ["scheduling", why[0]],
+                        "loc": ["models"] if why[0] == "models" else ["scheduling", why[0]],
                         "msg": f"can never fit on this host: {why[1]}",
                         "type": "never_fits",
                     }

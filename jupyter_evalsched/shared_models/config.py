@@ -31,6 +31,7 @@ KNOWN_KEYS = frozenset(
         "options",
         "load_retry_s",
         "cpu_threads",
+        "idle_unload_s",
     }
 )
 
@@ -50,12 +51,15 @@ class ModelConfig:
     dtype: str | None = None  # None or one of DTYPES
     max_batch_size: int = 8
     max_wait_ms: float = 5.0
-    vram_mb: int = 0  # declared VRAM the loaded model holds: the ledger's baseline on its GPU
+    vram_mb: int = 0  # declared VRAM the loaded model holds on its GPU: admitted by the ledger at its load
     max_memory_mb: int | None = None  # RLIMIT_AS of the host process (CPU models only)
     preload: bool = False  # load when the host starts instead of at the first request
     load_retry_s: float = 30.0  # after a failed load, requests fail fast for this long
     cpu_threads: int | None = None  # intra-op threads of the host (OMP/MKL); None: the library default
     options: dict[str, Any] = field(default_factory=dict)  # extra kwargs for pipeline()/the loader
+    # Unloaded for a run or lease waiting for its room once no caller used it this long (None:
+    # the server's EvalSchedApp.model_idle_unload_s).
+    idle_unload_s: float | None = None
 
     @property
     def gpu_index(self) -> int | None:
@@ -159,6 +163,7 @@ def parse_model(raw: Any, position: int = 0) -> ModelConfig:
         preload=preload,
         load_retry_s=_number(name, raw, "load_retry_s", 30.0, 0.0, 86_400.0),
         cpu_threads=_int(name, raw, "cpu_threads", None, 1, 1024),
+        idle_unload_s=None if raw.get("idle_unload_s") is None else _number(name, raw, "idle_unload_s", 0.0, 0.0, 1e9),
         options=dict(options),
     )
 

@@ -31,7 +31,8 @@ is watched: a caller that closes it (a client gone) cancels the request, which l
 stops generating in its batch (``cancelled_requests``).
 
 Events for the manager go to the original stdout as JSON lines (``ready``, ``loading``,
-``loaded``, ``load_failed``); fd 1 is pointed at stderr so that prints of a loader cannot
+``loaded``, ``load_failed``, and ``busy``/``idle`` when requests start or stop being in flight,
+which tell the manager when the model was last used); fd 1 is pointed at stderr so that prints of a loader cannot
 corrupt them.
 """
 
@@ -449,6 +450,8 @@ class ModelHost:
             return
         call.error = error
         self.outstanding -= 1
+        if self.outstanding == 0:
+            self.emit("idle")
         if call.client is not None:
             self.api_busy[call.client] -= 1
             if self.api_busy[call.client] <= 0:
@@ -505,6 +508,8 @@ class ModelHost:
                 self.failed_requests += 1
                 return {"ok": False, "error": error}
             self.outstanding += 1
+            if self.outstanding == 1:
+                self.emit("busy")
             if call.client is not None:
                 self.api_busy[call.client] += 1
             self.queue.extend((call, index) for index in range(len(call.inputs)))

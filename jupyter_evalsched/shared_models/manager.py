@@ -16,6 +16,11 @@ and the manager starts a new host after a hold (backoff: 0.5 s, doubling per con
 death, at most 60 s) so that a crash-looping model cannot spin. The new host loads the model at
 the next request. A host that died while loading tells the next host, which answers requests
 with that error for the model's ``load_retry_s`` instead of loading again at once.
+
+The ledger owns the memory of a model with ``vram_mb`` on a GPU (``bind_ledger``): its host starts
+only once the ledger admitted that VRAM (a caller waits meanwhile), and holds it until the model
+is unloaded (``unload``: the host stopped, when the scheduler needs the room of a model idle for
+its ``idle_unload_s``); a host that dies keeps its model's room for the new one.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..openai_keys import run_key
-from ..scheduler.shared import ModelUnavailable
+from ..scheduler.shared import LoadGate, ModelMemory, ModelUnavailable
 from ..store import RunFileError, open_log, tail_lines
 from .client import make_url
 from .config import ModelConfig, parse_models
@@ -96,6 +101,17 @@ class _Host:
         self.lock = asyncio.Lock()
         self.inherited_failure: dict | None = None  # a load failure to hand to the next host
         self.last_figures: dict = {}
+        # The ledger's side: its VRAM admitted (until unloaded), callers in flight through the
+        # manager, requests in flight in the host (its busy/idle events), when it was last used.
+        self.resident = False
+        self.unloading = False
+        self.in_flight = 0
+        self.busy = False
+        self.last_used = time.monotonic()
+
+    @property
+    def in_use(self) -> bool:
+        return self.in_flight > 0 or self.busy
 
     @property
     def alive(self) -> bool:
@@ -127,8 +143,10 @@ class ModelHostManager:
         log_dir: str | None = None,
         env: dict[str, str] | None = None,
         log: logging.Logger | None = None,
+        idle_unload_s: float | None = None,
     ):
         self.configs: list[ModelConfig] = parse_models(list(models) if models is not None else [])
+        self.idle_unload_s = idle_unload_s  # for the models that do not declare their own
         self.requested_socket_dir = os.fspath(socket_dir) if socket_dir is not None else None
         self.socket_parent = os.fspath(socket_parent) if socket_parent is not None else None
         self.log_dir = log_dir
@@ -144,19 +162,81 @@ class ModelHostManager:
         # secret that signs each run's API key (openai_keys).
         self.api_base: str | None = None
         self.api_secret = secrets.token_bytes(32)
+        self._gate: LoadGate | None = None  # the ledger, once bound: loads wait for their VRAM
+        self._preloads: list[asyncio.Task] = []
 
     # -- synchronous queries (no host needed) ---------------------------------------------------
 
     def names(self) -> list[str]:
         return [config.name for config in self.configs]
 
-    def baseline_mb_by_device(self) -> dict[int, int]:
-        """Declared VRAM of the shared models per GPU index (the ledger's baseline)."""
-        baseline: dict[int, int] = {}
+    def memory(self) -> list[ModelMemory]:
+        """The models with VRAM on a GPU, as the ledger sees them (see ``ModelMemory``)."""
+        now = time.monotonic()
+        out = []
         for config in self.configs:
-            if config.gpu_index is not None and config.vram_mb:
-                baseline[config.gpu_index] = baseline.get(config.gpu_index, 0) + config.vram_mb
-        return baseline
+            if config.gpu_index is None or not config.vram_mb:
+                continue
+            host = self._hosts.get(config.name)
+            idle = config.idle_unload_s if config.idle_unload_s is not None else self.idle_unload_s
+            out.append(
+                ModelMemory(
+                    config.name,
+                    config.gpu_index,
+                    config.vram_mb,
+                    idle,
+                    resident=host is not None and host.resident,
+                    busy=host is not None and host.in_use,
+                    idle_s=max(0.0, now - host.last_used) if host is not None else 0.0,
+                    unloading=host is not None and host.unloading,
+                )
+            )
+        return out
+
+    def bind_ledger(self, gate: LoadGate) -> None:
+        self._gate = gate
+
+    def admitted(self, name: str) -> None:
+        host = self._hosts.get(name)
+        if host is not None:
+            host.resident = True
+            host.last_used = time.monotonic()  # a fresh load is not idle
+
+    async def unload(self, name: str) -> bool:
+        """Stop the host of an idle model (its VRAM is free once it is gone); False, doing
+        nothing, when it is in use or not resident. The next caller loads it again."""
+        host = self._hosts.get(name)
+        if host is None or not host.resident or host.in_use or host.unloading:
+            return False
+        host.unloading = True
+        try:
+            async with host.lock:
+                if host.in_use or not host.resident:  # a caller came meanwhile
+                    return False
+                if host.respawn is not None:
+                    host.respawn.cancel()
+                proc, host.proc = host.proc, None  # its watcher sees a stop, not a death
+                if proc is not None:
+                    await _terminate_proc(proc)
+                host.ready = asyncio.Event()
+                host.state = "not_loaded" if host.state != "failed" else host.state
+                host.last_figures = {}
+                host.resident = False
+            self.log.info("shared model %s: unloaded (idle; its VRAM was needed)", name)
+            return True
+        finally:
+            host.unloading = False
+
+    def _needs_ledger(self, host: _Host) -> bool:
+        return self._gate is not None and host.config.gpu_index is not None and bool(host.config.vram_mb)
+
+    async def _admit(self, host: _Host) -> None:
+        """Wait until the ledger admitted the model's VRAM (at once when it is resident, or has
+        none on a GPU). ModelUnavailable when it can never fit."""
+        if self._gate is None or host.resident or not self._needs_ledger(host):
+            return
+        await self._gate(host.config.name)
+        host.resident = True
 
     def pids(self) -> set[int]:
         return {pid for host in self._hosts.values() if (pid := host.pid) is not None}
@@ -188,11 +268,23 @@ class ModelHostManager:
                 self.log.warning("shared models: cannot keep the hosts' logs in %s: %s", self.log_dir, exc)
         for index, config in enumerate(self.configs):
             self._hosts[config.name] = _Host(config, os.path.join(self.socket_dir, f"m{index}.sock"))
-        await asyncio.gather(*(self._ensure_running(h) for h in self._hosts.values() if h.config.preload))
+        preload = [h for h in self._hosts.values() if h.config.preload]
+        await asyncio.gather(*(self._ensure_running(h) for h in preload if not self._needs_ledger(h)))
+        # A model on a GPU waits for the ledger, which starts after us: its preload goes on meanwhile.
+        self._preloads = [asyncio.ensure_future(self._preload(h)) for h in preload if self._needs_ledger(h)]
+
+    async def _preload(self, host: _Host) -> None:
+        try:
+            await self._admit(host)
+            await self._ensure_running(host)
+        except ModelUnavailable as exc:
+            self.log.error("shared model %s: cannot preload: %s", host.config.name, exc.detail)
 
     async def stop(self) -> None:
         """Stop every host (SIGTERM, then SIGKILL after a grace period) and remove the sockets."""
         self._stopping = True
+        for task in self._preloads:
+            task.cancel()
         hosts = list(self._hosts.values())
         for host in hosts:
             if host.respawn is not None:
@@ -211,12 +303,21 @@ class ModelHostManager:
         when a host dies ``start_attempts`` times in a row before listening, or does not listen
         within ``start_timeout_s``: a run must not wait on a model that cannot come."""
         hosts = [self._host(name) for name in names]
-        await asyncio.gather(*(self._until_listening(host) for host in hosts))
+        for host in hosts:
+            host.in_flight += 1
+        try:
+            await asyncio.gather(*(self._until_listening(host) for host in hosts))
+        finally:
+            for host in hosts:
+                host.in_flight -= 1
+                host.last_used = time.monotonic()
         return {host.config.name: host.url for host in hosts}
 
     async def _until_listening(self, host: _Host) -> None:
+        await self._admit(host)  # (waiting for room counts nothing against start_timeout_s)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
+            await self._admit(host)  # again if it was unloaded meanwhile
             await self._ensure_running(host)
             if host.alive and host.ready.is_set():
                 return
@@ -242,6 +343,14 @@ class ModelHostManager:
         host cannot start; ConnectionError when it dies before it answers.
         """
         host = self._host(name)
+        host.in_flight += 1  # in use from here: never unloaded under a request
+        try:
+            return await self._ask(host, name, message)
+        finally:
+            host.in_flight -= 1
+            host.last_used = time.monotonic()
+
+    async def _ask(self, host: _Host, name: str, message: dict) -> dict:
         await self._until_listening(host)
         try:
             reader, writer = await asyncio.open_unix_connection(host.socket_path)
@@ -328,6 +437,8 @@ class ModelHostManager:
 
     async def _ensure_running(self, host: _Host) -> None:
         async with host.lock:
+            if self._needs_ledger(host) and not host.resident:
+                return  # unloaded meanwhile: admitted again first (_until_listening)
             if not (self._stopping or host.alive or (host.respawn is not None and not host.respawn.done())):
                 await self._spawn_or_hold(host)
 
@@ -414,7 +525,10 @@ class ModelHostManager:
 
     def _on_event(self, host: _Host, event: dict) -> None:
         kind = event.get("event")
-        if kind == "ready":
+        if kind == "busy" or kind == "idle":
+            host.busy = kind == "busy"
+            host.last_used = time.monotonic()
+        elif kind == "ready":
             host.ready.set()
             host.failed_starts = 0
         elif kind == "loading":
@@ -435,6 +549,7 @@ class ModelHostManager:
     def _on_death(self, host: _Host, pid: int, returncode: int) -> None:
         now = time.monotonic()
         host.deaths += 1
+        host.busy = False  # its requests failed with it
         lived = now - host.started_at
         host.early_deaths = host.early_deaths + 1 if lived < EARLY_DEATH_S else 1
         hold = restart_hold_s(host.early_deaths)
@@ -471,7 +586,7 @@ class ModelHostManager:
     async def _respawn_after(self, host: _Host, hold: float) -> None:
         await asyncio.sleep(hold)
         async with host.lock:
-            if not self._stopping and not host.alive:
+            if not self._stopping and not host.alive and (host.resident or not self._needs_ledger(host)):
                 await self._spawn_or_hold(host)
 
     async def _spawn_or_hold(self, host: _Host) -> None:
@@ -491,20 +606,8 @@ class ModelHostManager:
             host.respawn = asyncio.get_running_loop().create_task(self._respawn_after(host, hold))
 
     async def _terminate(self, host: _Host) -> None:
-        proc = host.proc
-        if proc is None or proc.returncode is not None:
-            return
-        try:
-            proc.terminate()
-            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
-        except ProcessLookupError:
-            return
-        except TimeoutError:
-            try:
-                proc.kill()
-            except ProcessLookupError:
-                return
-            await proc.wait()
+        if host.proc is not None:
+            await _terminate_proc(host.proc)
 
     async def _fetch_figures(self, host: _Host) -> dict:
         """The live figures of a running host, over its socket (non-blocking)."""
@@ -556,3 +659,20 @@ class ModelHostManager:
             "restarts": max(0, host.starts - 1) if host else 0,
             "held_s": round(max(0.0, host.held_until - now), 3) if host and not host.alive else 0.0,
         }
+
+
+async def _terminate_proc(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM, then SIGKILL after a grace period."""
+    if proc.returncode is not None:
+        return
+    try:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+    except ProcessLookupError:
+        return
+    except TimeoutError:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            return
+        await proc.wait()

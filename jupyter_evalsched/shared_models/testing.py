@@ -88,3 +88,11 @@ def gated_causal_lm(model=None, device="cpu", dtype=None, gate: str = "", **opti
 
     network.forward = gated
     return lm
+
+
+def causal_lm_on_cpu(model=None, device="cpu", dtype=None, **options):
+    """The causal-LM loader on the CPU whatever device is declared: a model declared on a
+    (virtual) GPU, so that the ledger holds its ``vram_mb`` there, on a host without one."""
+    from .loaders import causal_lm
+
+    return causal_lm(model, device="cpu", dtype=dtype, **options)

@@ -125,8 +125,15 @@ export function deviceGeometry(device: ILedgerDevice): IDeviceGeometry {
   const leases = Array.isArray(device.leases) ? device.leases : [];
   const runsSum = runs.reduce((a, r) => a + Math.max(0, r.marginal_vram_mb), 0);
   const leaseSum = leases.reduce((a, l) => a + Math.max(0, l.vram_mb), 0);
+  // A ledger that lists `models` counts the loaded shared models (baseline_mb) in allocated_mb,
+  // not off usable_mb: they are drawn as the baseline segment, once.
+  const modelsHeld = Array.isArray(device.models);
   // An exclusive holder allocates the whole usable memory, more than it declared.
-  const allocated = Math.max(0, device.allocated_mb, runsSum + leaseSum);
+  const allocated = Math.max(
+    0,
+    device.allocated_mb - (modelsHeld ? baseline : 0),
+    runsSum + leaseSum
+  );
   const exclusiveExtra = Math.max(0, allocated - runsSum - leaseSum);
   // Unmanaged VRAM, per holder: what leases' processes use beyond their lease (drawn beside
   // each lease), processes without a lease grouped by notebook (kernels) or by pid, and any
@@ -150,7 +157,7 @@ export function deviceGeometry(device: ILedgerDevice): IDeviceGeometry {
   const unmanaged = Math.max(reported, overSum + groupSum);
   const scale = Math.max(
     device.total_mb,
-    baseline + usable,
+    (modelsHeld ? 0 : baseline) + usable,
     baseline + allocated + unmanaged + free,
     1
   );

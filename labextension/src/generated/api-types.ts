@@ -184,6 +184,7 @@ export interface ILedgerDevice {
   index: number;
   name: string;
   total_mb: number;
+  /** VRAM the loaded shared models hold (part of allocated_mb) */
   baseline_mb: number;
   usable_mb: number;
   allocated_mb: number;
@@ -195,6 +196,8 @@ export interface ILedgerDevice {
   exclusive: string | null;
   runs?: ILedgerRun[];
   leases?: ILedgerLease[];
+  /** shared models holding VRAM here, or waiting to */
+  models?: ILedgerModel[];
 }
 
 export interface ILedgerLease {
@@ -209,6 +212,19 @@ export interface ILedgerLease {
   observed_mb: number;
   /** observed beyond the lease: charged as unmanaged */
   over_lease_mb: number;
+}
+
+export interface ILedgerModel {
+  name: string;
+  vram_mb: number;
+  /** held: the ledger holds its VRAM (admitted, loading or loaded); unloading: its host is being stopped for a waiting job (it holds its VRAM until it is gone); waiting: its load waits for room */
+  state: string;
+  /** since a caller last used it (0 while in use); null while waiting */
+  idle_s: number | null;
+  /** unloaded for a waiting job once idle this long; null: never */
+  idle_unload_s: number | null;
+  /** why its load waits (waiting only) */
+  why: IWhy | null;
 }
 
 export interface ILedgerRun {
