@@ -59,6 +59,8 @@ class CausalLM:
         self.pad_id = int(pad) if pad is not None else (self.eos_id if self.eos_id is not None else 0)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._texts: dict[int, str] = {}
+        # Tokens served so far (every answered request, API or plain call): the host's figures.
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0}
         # transformers 5.x renamed the forward's ``past_key_values`` to ``cache``.
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -87,6 +89,9 @@ class CausalLM:
 
         def settle(index: int, answer: dict) -> None:
             answers[index] = answer
+            if "error" not in answer:
+                self.usage["prompt_tokens"] += answer["prompt_tokens"]
+                self.usage["completion_tokens"] += answer["completion_tokens"]
             if on_done is not None:
                 on_done(index, answer)
 

@@ -273,6 +273,18 @@ export interface IModelInfo {
   restarts: number;
   /** how long before a dead host may be started again (back-off) */
   held_s: number;
+  /** the OpenAI-compatible base URL of the shared models (<server>/evalsched/v1); the model's id there is its name */
+  endpoint: string | null;
+  /** prompt tokens its host has read (API requests and plain calls) */
+  prompt_tokens: number;
+  /** tokens its host has generated */
+  completion_tokens: number;
+  /** prompt and generated tokens per second over the last 60 s (or since the load, if later) */
+  tokens_per_s: number;
+  /** prompt and generated tokens per second since the model loaded */
+  tokens_per_s_since_load: number;
+  /** when a caller last sent a request or got an answer (UTC, ISO 8601) */
+  last_used_at: string | null;
 }
 
 export interface IModelList {
