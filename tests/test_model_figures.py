@@ -40,9 +40,9 @@ def test_the_widgets_model_lines():
         "mean_batch_size": 2.5,
     }
     assert model_figures(model) == ["1 request", "1235 tok/s", "batch 2.5"]
-    assert model_figures({"requests": 10, "tokens_per_s": 8.25, "mean_batch_size": 10.0}) == [
+    assert model_figures({"requests": 10, "tokens_per_s": 8.26, "mean_batch_size": 10.0}) == [
         "10 requests",
-        "8.2 tok/s",
+        "8.3 tok/s",
         "batch 10",
     ]
     assert format_rate(0) == "0" and format_rate(None) == "0"
