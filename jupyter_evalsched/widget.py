@@ -39,7 +39,7 @@ from .client import (
     parse_time,
     register_notebook_progress,
 )
-from .client.formatting import ending_line, pending_text
+from .client.formatting import ending_line, model_figures, pending_text
 from .contract import (
     ABORTED,
     CANCELLED,
@@ -389,24 +389,6 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
 
 _MODEL_STATE_COLORS = {"not_loaded": "#888", "loading": "#1f77b4", "loaded": "#2ca02c", "failed": "#d62728"}
 MODELS_POLL_S = 2.0  # how often the widget re-reads the models' figures (no event says they changed)
-
-
-def format_rate(value: float | None) -> str:
-    """Tokens per second as the panel writes them: ``0``, ``8.5``, ``1234``."""
-    value = float(value or 0.0)
-    if value == 0:
-        return "0"
-    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
-
-
-def model_figures(model: dict) -> list[str]:
-    """``["12 requests", "340 tok/s", "batch 3.5"]``: a shared model's figures, short."""
-    requests = int(model.get("requests") or 0)
-    return [
-        f"{requests} request{'' if requests == 1 else 's'}",
-        f"{format_rate(model.get('tokens_per_s'))} tok/s",
-        f"batch {float(model.get('mean_batch_size') or 0.0):.2f}".rstrip("0").rstrip("."),
-    ]
 
 
 def models_html(models: list[dict]) -> str:

@@ -13,7 +13,8 @@ import pytest
 from jupyter_evalsched.shared_models.client import ModelClient
 from jupyter_evalsched.shared_models.host import tokens_per_s
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
-from jupyter_evalsched.widget import format_rate, model_figures, models_html
+from jupyter_evalsched.client.formatting import format_rate, model_figures
+from jupyter_evalsched.widget import models_html
 
 pytest.importorskip("transformers")
 
@@ -126,3 +127,25 @@ async def test_the_models_view_counts_requests_tokens_and_batches(api, jp_fetch,
     used = datetime.fromisoformat(after["last_used_at"])
     assert started <= used <= datetime.now(UTC)
     assert after["endpoint"] == before["endpoint"] and after["state"] == "loaded"
+
+
+async def test_the_demos_openai_run_with_the_client_and_without(api, jp_serverapp, monkeypatch, caplog):
+    """``examples.shared:openai_completion`` (the demo's run that uses the model) answers the same
+    through the ``openai`` client and, when that is not installed, through plain HTTP, saying so."""
+    import logging
+    import sys
+    from types import SimpleNamespace
+
+    from jupyter_evalsched.examples.shared import openai_completion
+
+    code, answer = await api("GET", "models")
+    monkeypatch.setenv("OPENAI_BASE_URL", answer["models"][0]["endpoint"])
+    monkeypatch.setenv("OPENAI_API_KEY", jp_serverapp.identity_provider.token)
+    ctx = SimpleNamespace(params={"model": "tiny-lm", "max_tokens": 3}, log=logging.getLogger("demo-run"))
+    with_client = await asyncio.to_thread(openai_completion, ctx, 1)
+    assert with_client["openai_client"] == 1.0 and with_client["prompt_tokens"] > 0
+    monkeypatch.setitem(sys.modules, "openai", None)  # `import openai` raises ImportError
+    with caplog.at_level(logging.WARNING, logger="demo-run"):
+        without = await asyncio.to_thread(openai_completion, ctx, 1)
+    assert without == {**with_client, "openai_client": 0.0}
+    assert "the openai package is not installed" in caplog.text
