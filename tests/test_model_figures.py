@@ -10,10 +10,10 @@ from datetime import UTC, datetime
 
 import pytest
 
+from jupyter_evalsched.client.formatting import format_rate, model_figures
 from jupyter_evalsched.shared_models.client import ModelClient
 from jupyter_evalsched.shared_models.host import tokens_per_s
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
-from jupyter_evalsched.client.formatting import format_rate, model_figures
 from jupyter_evalsched.widget import models_html
 
 pytest.importorskip("transformers")
@@ -149,3 +149,26 @@ async def test_the_demos_openai_run_with_the_client_and_without(api, jp_serverap
         without = await asyncio.to_thread(openai_completion, ctx, 1)
     assert without == {**with_client, "openai_client": 0.0}
     assert "the openai package is not installed" in caplog.text
+
+
+def test_the_widget_follows_the_models_figures(tiny_lm_dir):
+    """A live QueueWidget re-reads the models' figures by itself: a request made elsewhere shows
+    in its model line within seconds."""
+    import openai
+    from waiting import wait_until
+
+    from jupyter_evalsched.client.local_server import LocalServer
+    from jupyter_evalsched.widget import QueueWidget
+
+    declaration = {"name": "tiny-lm", "loader": "jupyter_evalsched.shared_models.loaders:causal_lm"}
+    with LocalServer(models=[{**declaration, "model": tiny_lm_dir, "cpu_threads": 1}]) as server:
+        widget = QueueWidget(server.client(), poll_s=0.3)
+        try:
+            line = wait_until(lambda: "tiny-lm" in widget._models_box.value and widget._models_box.value, timeout=10)
+            assert "0 requests" in line and f"{server.url}evalsched/v1</code>" in line, line
+            assert widget._models_box.layout.display != "none"
+            api = openai.OpenAI(base_url=f"{server.url}evalsched/v1", api_key=server.token, max_retries=0, timeout=120)
+            api.completions.create(model="tiny-lm", prompt="The cat", max_tokens=2, temperature=0)
+            wait_until(lambda: "1 request ·" in widget._models_box.value, timeout=10, message=widget._models_box.value)
+        finally:
+            widget.close()
