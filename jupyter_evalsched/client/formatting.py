@@ -62,7 +62,7 @@ def format_metrics(source: dict | None, limit: int = 4) -> str:
 
 
 def format_rate(value: float | None) -> str:
-    """Tokens per second as the panel writes them (sharedModels.ts): ``0``, ``8.5``, ``1234``."""
+    """Tokens per second as the panel writes them (modelFigures.ts): ``0``, ``8.5``, ``1234``."""
     value = float(value or 0.0)
     if value <= 0:
         return "0"

@@ -35,7 +35,7 @@ import {
 } from './api';
 import { attemptOf } from './format';
 import { hasMetrics, runWarnings, sameAttempt, sameUsage } from './records';
-import { modelsOf, sameModels } from './sharedModels';
+import { modelsOf, sameModels } from './modelFigures';
 import { SweepBook } from './sweepBook';
 
 /** How the model currently gets its data. */

@@ -7,7 +7,7 @@ import { TranslationBundle } from '@jupyterlab/translation';
 
 import { IModelInfo } from './api';
 import { h } from './format';
-import { formatBatch, formatRate, modelEndpoint } from './sharedModels';
+import { formatBatch, formatRate, modelEndpoint } from './modelFigures';
 
 export class ModelRow {
   constructor(

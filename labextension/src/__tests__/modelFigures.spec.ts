@@ -4,9 +4,9 @@ import {
   modelEndpoint,
   modelsOf,
   sameModels
-} from '../sharedModels';
+} from '../modelFigures';
 
-describe('sharedModels', () => {
+describe('modelFigures', () => {
   it('writes tokens per second and batch sizes short', () => {
     expect(formatRate(0)).toBe('0');
     expect(formatRate(null)).toBe('0');
