@@ -89,8 +89,10 @@ async def test_the_models_view_counts_requests_tokens_and_batches(api, jp_fetch,
     started = datetime.now(UTC)
 
     async def complete(body: dict) -> dict:
+        # The first request loads the model: on a busy machine that takes more than jp_fetch's 20 s.
+        body = {"model": "tiny-lm", **body}
         resp = await jp_fetch(
-            "evalsched", "v1", "completions", method="POST", body=json.dumps({"model": "tiny-lm", **body})
+            "evalsched", "v1", "completions", method="POST", body=json.dumps(body), request_timeout=120
         )
         return json.loads(resp.body)
 
