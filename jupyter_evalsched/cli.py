@@ -39,7 +39,7 @@ from .client import (
     load_spec_file,
     sweep_from_options,
 )
-from .client.formatting import compare_table, holder_text, pending_text
+from .client.formatting import compare_table, holder_text, model_figures, pending_text
 from .client.spec import did_you_mean
 from .client.sweep import sweep_record
 from .contract import SUCCEEDED, TERMINAL_STATES
@@ -822,6 +822,63 @@ def demo_plan(sleep_s: float, episodes: int) -> list[tuple[str, dict]]:
     ]
 
 
+DEMO_MODEL = "tiny-lm"
+
+
+def demo_model_dir() -> str:
+    """Where the demo builds its tiny causal LM (offline, once: later demos reuse it)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "jupyter_evalsched", "tiny-gpt2")
+
+
+def demo_models() -> list[dict]:
+    """The demo's shared model: the tiny GPT-2 (``shared_models.tiny_lm``), built and loaded by
+    its model host as the server starts (without waiting for it); none without the libraries it
+    needs."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(name) is None for name in ("torch", "transformers", "tokenizers")):
+        return []
+    return [
+        {
+            "name": DEMO_MODEL,
+            "loader": "jupyter_evalsched.shared_models.tiny_lm:load_tiny_lm",
+            "model": demo_model_dir(),
+            "max_batch_size": 16,
+            "cpu_threads": 1,
+            "preload": True,  # built and loaded while the first runs queue, not when its run asks
+        }
+    ]
+
+
+def demo_model_run(episodes: int) -> tuple[str, dict]:
+    """The demo's run that uses the shared model through ``OPENAI_BASE_URL`` (on the CPU)."""
+    return (
+        "openai",
+        {
+            "name": "openai",
+            "entrypoint": "jupyter_evalsched.examples.shared:openai_completion",
+            "episodes": episodes,
+            "params": {"model": DEMO_MODEL, "max_tokens": 8},
+            "seed": 7,
+            "models": [DEMO_MODEL],
+            "scheduling": {"marginal_vram_mb": 0},
+        },
+    )
+
+
+def format_demo_models(models: Sequence[dict], width: int) -> str:
+    """``shared model tiny-lm (loaded) at http://…/evalsched/v1: 4 requests · 52.1 tok/s ·
+    batch 1``, wrapped to ``width`` (the URL whole)."""
+    lines: list[str] = []
+    for m in models:
+        text = f"shared model {m.get('name')} ({m.get('state')}) at {m.get('endpoint') or '-'}: " + " · ".join(
+            model_figures(m)
+        )
+        lines += wrap_lines(text, width, indent="    ")
+    return "\n".join(lines)
+
+
 def demo_frame(
     view: dict, ids: dict[str, str], records: dict[str, dict], elapsed: float, width: int
 ) -> tuple[str, Any]:
@@ -896,25 +953,31 @@ def _follow_demo(client: EvalSchedClient, ids: dict[str, str], args: argparse.Na
 
 
 def format_demo_final(ids: dict[str, str], final: Sequence[dict], width: int) -> str:
-    """The demo's last table: each run's id, state, time, GPUs and metrics; a reason (a run that
-    did not succeed) whole under its row."""
-    table = format_table(
-        [
+    """The demo's last table: each run's id, state, time, GPUs and metrics (under its row, whole,
+    when they do not fit beside it); a reason (a run that did not succeed) whole under its row."""
+    metrics = [format_metrics(rec) for rec in final]
+
+    def table(beside: Sequence[bool]) -> list[str]:
+        rows = [
             (
                 label,
                 rec.get("id"),
                 rec.get("state"),
                 format_duration(elapsed_s(rec)),
                 format_where(rec),
-                format_metrics(rec),
+                text if keep else "",
             )
-            for label, rec in zip(ids, final, strict=False)
-        ],
-        ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS"],
-    ).split("\n")
-    lines = [table[0]]
-    for row, rec in zip(table[1:], final, strict=False):
-        lines.append(row)
+            for label, rec, text, keep in zip(ids, final, metrics, beside, strict=False)
+        ]
+        return format_table(rows, ["RUN", "ID", "STATE", "RAN", "GPUS", "METRICS"]).split("\n")
+
+    # METRICS is the last column: a row's metrics moved under it leave the other rows as they were.
+    beside = [len(line) <= width for line in table([True] * len(final))[1:]]
+    lines = [*table(beside)[:1]]
+    for row, rec, text, keep in zip(table(beside)[1:], final, metrics, beside, strict=False):
+        lines.append(row.rstrip())
+        if not keep:
+            lines += wrap_lines(text, width, indent="    ", first_indent="    ")
         if rec.get("reason"):
             lines += wrap_lines(rec["reason"], width, indent="      ", first_indent="    ")
     return "\n".join(lines)
@@ -928,9 +991,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"using the server at {client.base_url}", file=sys.stderr)
         else:
             print("starting a private Jupyter server with two virtual 24000 MB GPUs …", file=sys.stderr)
-            server = LocalServer(virtual_gpus="24000,24000", cpu_slots=8)
+            models = demo_models()
+            server = LocalServer(virtual_gpus="24000,24000", cpu_slots=8, models=models)
             client = server.client()
             print(f"server at {client.base_url} (runs in {server.runs_dir})", file=sys.stderr)
+            if not models:
+                print("(torch, transformers or tokenizers is missing: no shared model this time)", file=sys.stderr)
+        served = DEMO_MODEL in {m.get("name") for m in client.models()}
+        if served and not args.json:
+            print(
+                f"shared model {DEMO_MODEL}: a tiny causal LM (built offline in {demo_model_dir()}), "
+                f"at {client.base_url.rstrip('/')}/evalsched/v1; run 'openai' calls it with the openai client",
+                file=sys.stderr,
+            )
 
         # A notebook holding VRAM for interactive work: a lease, for as long as the first runs take.
         lease = client.request(
@@ -950,7 +1023,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         ids: dict[str, str] = {}
-        for label, spec in demo_plan(args.sleep, args.episodes):
+        plan = demo_plan(args.sleep, args.episodes) + ([demo_model_run(args.episodes)] if served else [])
+        for label, spec in plan:
             spec = dict(spec)
             spec["depends_on"] = [ids[d[1:]] if d.startswith("@") else d for d in spec.get("depends_on", [])]
             spec.setdefault("cwd", os.getcwd())
@@ -963,11 +1037,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
+        models = [m for m in client.models() if m.get("name") == DEMO_MODEL] if served else []
         if args.json:
-            _print_json({"runs": final})
+            _print_json({"runs": final, "models": models})
         else:
             print("\nfinal:")
             print(format_demo_final(ids, final, output_width() - 1))
+            if models:
+                print(format_demo_models(models, output_width() - 1))
         ok = all(r.get("state") == SUCCEEDED for r in final)
         return 0 if ok else 1
     except KeyboardInterrupt:

@@ -736,6 +736,21 @@ class ModelInfo(BaseModel):
     pid: int | None = Field(None, description="the model host's process")
     restarts: int = Field(0, description="times its host was started again")
     held_s: float = Field(0.0, description="how long before a dead host may be started again (back-off)")
+    endpoint: str | None = Field(
+        None,
+        description="the OpenAI-compatible base URL of the shared models (<server>/evalsched/v1); the model's id there is its name",
+    )
+    prompt_tokens: int = Field(0, description="prompt tokens its host has read (API requests and plain calls)")
+    completion_tokens: int = Field(0, description="tokens its host has generated")
+    tokens_per_s: float = Field(
+        0.0, description="prompt and generated tokens per second over the last 60 s (or since the load, if later)"
+    )
+    tokens_per_s_since_load: float = Field(
+        0.0, description="prompt and generated tokens per second since the model loaded"
+    )
+    last_used_at: str | None = Field(
+        None, description="when a caller last sent a request or got an answer (UTC, ISO 8601)"
+    )
 
 
 class ModelList(BaseModel):

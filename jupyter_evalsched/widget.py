@@ -39,7 +39,7 @@ from .client import (
     parse_time,
     register_notebook_progress,
 )
-from .client.formatting import ending_line, pending_text
+from .client.formatting import ending_line, model_figures, pending_text
 from .contract import (
     ABORTED,
     CANCELLED,
@@ -52,7 +52,15 @@ from .contract import (
     TERMINAL_STATES,
 )
 
-__all__ = ["QueueWidget", "RunProgress", "RunProgressReporter", "ledger_html", "run_row_html", "slurm_badge"]
+__all__ = [
+    "QueueWidget",
+    "RunProgress",
+    "RunProgressReporter",
+    "ledger_html",
+    "models_html",
+    "run_row_html",
+    "slurm_badge",
+]
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -387,6 +395,44 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
     )
 
 
+_MODEL_STATE_COLORS = {"not_loaded": "#888", "loading": "#1f77b4", "loaded": "#2ca02c", "failed": "#d62728"}
+MODELS_POLL_S = 2.0  # how often the widget re-reads the models' figures (no event says they changed)
+
+
+def models_html(models: list[dict]) -> str:
+    """The shared models of the host, one line each: name, state, its OpenAI endpoint and model
+    id (selected whole with one click, to copy), requests, tokens/s and mean batch size."""
+    if not models:
+        return ""
+    lines = [f"<b>Shared models ({len(models)})</b>"]
+    for model in models:
+        state = str(model.get("state") or "?")
+        color = _MODEL_STATE_COLORS.get(state, "#555")
+        badge = (
+            f"<span style='background:{color};color:white;border-radius:3px;padding:0 4px;"
+            f"font-size:85%'>{_esc(state)}</span>"
+        )
+        endpoint = model.get("endpoint")
+        where = (
+            f" · <code class='jupyter-evalsched-endpoint' style='user-select:all;font-size:80%' "
+            f"title='OpenAI base URL; the model id is {_esc(model.get('name'))}'>{_esc(endpoint)}</code>"
+            if endpoint
+            else ""
+        )
+        error = model.get("error") or {}
+        failure = (
+            f" · <span style='color:#d62728'>{_esc(error.get('type'))}: {_esc(error.get('message'))}</span>"
+            if state == "failed" and error
+            else ""
+        )
+        lines.append(
+            f"<div class='jupyter-evalsched-model' data-model='{_esc(model.get('name'))}' style='line-height:1.5'>"
+            f"{badge} <b>{_esc(model.get('name'))}</b>{where}"
+            f" · <span style='color:#555'>{_esc(' · '.join(model_figures(model)))}</span>{failure}</div>"
+        )
+    return "".join(lines)
+
+
 class _RunRow(widgets.HBox):
     """One run in the queue widget: label, progress bar, cancel button."""
 
@@ -460,15 +506,20 @@ class QueueWidget(widgets.VBox):
         self._dirty = False
         self._closed = False
         self._action_error: str | None = None
+        self._models: list[dict] = []
+        self._models_read_at = -MODELS_POLL_S  # monotonic; the first tick reads them
 
         self._header = widgets.HTML()
         self._ledger = widgets.HTML()
+        self._models_box = widgets.HTML()
         self._running_title = widgets.HTML()
         self._queued_title = widgets.HTML()
         self._finished_title = widgets.HTML()
         self._more = widgets.HTML()
         self._rows_box = widgets.VBox(layout=widgets.Layout(width="100%"))
-        super().__init__(children=[self._header, self._ledger, self._rows_box], layout=widgets.Layout(width="100%"))
+        super().__init__(
+            children=[self._header, self._ledger, self._models_box, self._rows_box], layout=widgets.Layout(width="100%")
+        )
         self.add_class("jupyter-evalsched-queue")
 
         self._tracker = QueueTracker(_weakly(self._on_change), finished_limit=finished_limit)
@@ -482,6 +533,8 @@ class QueueWidget(widgets.VBox):
             name="evalsched-widget",
         )
         self._feed.read_now()  # filled the moment it is displayed
+        if live:
+            self._read_models()
         self._render()
         if live:
             self._feed.start()
@@ -495,6 +548,11 @@ class QueueWidget(widgets.VBox):
     def finished(self) -> list[dict]:
         """The runs that finished most recently, latest first."""
         return self._tracker.finished
+
+    @property
+    def models(self) -> list[dict]:
+        """The shared models and their figures, as last read (``GET /evalsched/models``)."""
+        return self._models
 
     @property
     def error(self) -> str | None:
@@ -511,6 +569,8 @@ class QueueWidget(widgets.VBox):
             return False
         if self._fetch_running_summaries():
             self._dirty = True
+        if time.monotonic() - self._models_read_at >= MODELS_POLL_S and self._read_models():
+            self._dirty = True
         # Re-render at most 4 times a second, and once a second anyway for the elapsed clocks.
         since = time.monotonic() - self._last_render
         if (self._dirty and since >= 0.25) or since >= 1.0:
@@ -519,12 +579,28 @@ class QueueWidget(widgets.VBox):
 
     # ---- data
 
-    def show_view(self, view: dict, finished: list[dict] | None = None) -> None:
+    def show_view(self, view: dict, finished: list[dict] | None = None, models: list[dict] | None = None) -> None:
         """Render ``view`` (a ``GET /evalsched/queue`` answer: queued, running, ledger) and, when
-        given, ``finished`` records, as if they had just been read; for programs and tests, with
-        ``live=False`` (a live widget replaces them at its next refresh)."""
+        given, ``finished`` records and ``models`` (``GET /evalsched/models``' list), as if they
+        had just been read; for programs and tests, with ``live=False`` (a live widget replaces
+        them at its next refresh)."""
         self._tracker.set_view(view, finished)
+        if models is not None:
+            self._models = list(models)
         self._render()
+
+    def _read_models(self) -> bool:
+        """Re-read the shared models' figures (they change with no event); True when they changed.
+        A server without shared models (or too old to list them) shows none."""
+        self._models_read_at = time.monotonic()
+        try:
+            models = self.client.models()
+        except (EvalSchedClientError, KeyError, TypeError):
+            models = []
+        if models == self._models:
+            return False
+        self._models = models
+        return True
 
     def _fetch_running_summaries(self, budget: int = 8) -> bool:
         """Latest metrics of running runs whose records do not carry them (older servers):
@@ -598,6 +674,10 @@ class QueueWidget(widgets.VBox):
 
         self._header.value = self._header_html(len(running), len(queued))
         self._ledger.value = ledger_html(view.get("ledger"), self._names())
+        models = models_html(self._models)
+        if models != self._models_box.value:
+            self._models_box.value = models
+        self._models_box.layout.display = "" if models else "none"
 
         children: list[widgets.Widget] = []
         self._running_title.value = f"<b>Running ({len(running)})</b>"
@@ -663,6 +743,7 @@ class QueueWidget(widgets.VBox):
         for w in (
             self._header,
             self._ledger,
+            self._models_box,
             self._running_title,
             self._queued_title,
             self._finished_title,

@@ -612,12 +612,20 @@ def test_cli_demo(tmp_path):
         "3",
         with_server=False,
         cwd=str(tmp_path),
-        timeout=90,
-        env={"COLUMNS": "80"},
+        timeout=180,
+        # The tiny causal LM the demo serves is built here (offline), not in the user's cache.
+        env={"COLUMNS": "80", "XDG_CACHE_HOME": str(tmp_path / "cache")},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     frames, final = proc.stdout.split("final:")
-    assert final.count("succeeded") == 6
+    assert final.count("succeeded") == 7
+    # The demo serves the tiny model: its run called it with the openai client, through the
+    # run's OPENAI_BASE_URL, and the model's endpoint and figures close the demo.
+    row = final.split("\nopenai ", 1)[1].split("\nshared model", 1)[0]  # its metrics may be under it
+    assert "succeeded" in row and "openai_client=1" in row and "completion_tokens=" in row, final
+    assert (tmp_path / "cache" / "jupyter_evalsched" / "tiny-gpt2" / "config.json").is_file()
+    assert "shared model tiny-lm (loaded) at http://" in _words(final), final
+    assert "/evalsched/v1: 3 requests · " in _words(final) and " tok/s · batch " in _words(final), final
     # Queueing really happened: the log shows VRAM and exclusive waits and the dependency.
     assert "waiting_vram" in proc.stdout and "waiting_gpu_exclusive" in proc.stdout
     assert "waiting_dependency: run big-a (" in _words(proc.stdout)

@@ -2018,3 +2018,56 @@ def test_panel_sweep_notification(lab: LabServer, browser: Any) -> None:
     finally:
         context.close()
         _write_user_settings(lab, {})
+
+
+def test_panel_shared_models(tmp_path: Path, browser: Any) -> None:
+    """A host with a shared model (the tiny causal LM, built offline): the panel's Shared models
+    section shows its row with its state, its OpenAI endpoint (and a Copy button), requests,
+    tokens/s and mean batch size, and follows a request made through the API by itself."""
+    from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
+
+    model_dir = build_tiny_gpt2(tmp_path / "tiny-gpt2")
+    config = tmp_path / "config"
+    config.mkdir(parents=True, exist_ok=True)
+    declaration = {"name": "tiny-lm", "loader": "jupyter_evalsched.shared_models.loaders:causal_lm"}
+    (config / "jupyter_server_config.json").write_text(
+        json.dumps({"EvalSchedApp": {"models": [{**declaration, "model": model_dir, "cpu_threads": 1}]}})
+    )
+    server = _start(tmp_path)
+    context = page = None
+    try:
+        with failure_report(server, "lab-panel-models-failure.png", lambda: page):
+            context, page, errors = _open_lab(browser, server)
+            row = page.locator(f'{PANEL} [data-testid="evalsched-model-row"][data-model="tiny-lm"]')
+            row.wait_for(state="visible")
+            assert page.locator(f'{PANEL} section[data-section="models"]').is_visible()
+            endpoint = row.locator('[data-testid="evalsched-model-endpoint"]').inner_text()
+            assert endpoint.startswith("http://") and endpoint.endswith(f":{server.port}{BASE_URL}evalsched/v1"), (
+                endpoint
+            )
+            assert row.locator('[data-testid="evalsched-model-copy"]').is_visible()
+            figures = row.locator('[data-testid="evalsched-model-figures"]')
+            assert "0 requests" in figures.inner_text() and "tok/s" in figures.inner_text()
+            assert "batch" in figures.inner_text()
+
+            # The first request loads the model: on a busy machine longer than server.request waits.
+            request = urllib.request.Request(
+                f"{server.url}evalsched/v1/completions",
+                data=json.dumps({"model": "tiny-lm", "prompt": "The cat", "max_tokens": 2}).encode(),
+                method="POST",
+                headers={"Authorization": f"Bearer {server.token}", "Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=180) as response:
+                assert response.status == 200
+            # Read again by the panel on its own (no event says a model's figures changed).
+            page.wait_for_selector(
+                f'{PANEL} [data-testid="evalsched-model-row"][data-model="tiny-lm"][data-state="loaded"][data-requests="1"]'
+            )
+            text = figures.inner_text()
+            assert "1 request" in text and "batch 1" in text, text
+            assert row.locator('[data-testid="evalsched-model-state"]').inner_text() == "loaded"
+            assert errors.errors == []
+    finally:
+        if context is not None:
+            context.close()
+        server.stop()

@@ -15,7 +15,7 @@ from jupyter_evalsched import contract
 from jupyter_evalsched.app import EvalSchedApp
 from jupyter_evalsched.openapi import openapi_document
 from jupyter_evalsched.scheduler.config import SchedulerConfig
-from jupyter_evalsched.schemas import EvalSpec, LeaseRecord, RunRecord, Scheduling
+from jupyter_evalsched.schemas import EvalSpec, LeaseRecord, ModelInfo, RunRecord, Scheduling
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference.md"
@@ -92,6 +92,7 @@ def test_every_state_and_reason_code_is_in_the_reference():
     [
         (RunRecord, "Run record"),
         (LeaseRecord, "Lease record"),
+        (ModelInfo, "Models view"),
         (EvalSpec, "Eval spec"),
         (Scheduling, "Eval spec"),
     ],
@@ -114,7 +115,12 @@ def table_names(text: str) -> set[str]:
 
 @pytest.mark.parametrize(
     ("models", "title"),
-    [((RunRecord,), "Run record"), ((LeaseRecord,), "Lease record"), ((EvalSpec, Scheduling), "Eval spec")],
+    [
+        ((RunRecord,), "Run record"),
+        ((LeaseRecord,), "Lease record"),
+        ((EvalSpec, Scheduling), "Eval spec"),
+        ((ModelInfo,), "Models view"),
+    ],
 )
 def test_the_reference_documents_no_field_the_models_lack(models, title):
     documented = table_names(section(title))

@@ -61,6 +61,26 @@ def format_metrics(source: dict | None, limit: int = 4) -> str:
     return " ".join(items)
 
 
+def format_rate(value: float | None) -> str:
+    """Tokens per second as the panel writes them (modelFigures.ts): ``0``, ``8.5``, ``1234``."""
+    value = float(value or 0.0)
+    if value <= 0:
+        return "0"
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def model_figures(model: dict) -> list[str]:
+    """``["12 requests", "340 tok/s", "batch 3.5"]``: a shared model's figures (``GET
+    /evalsched/models``), short, as the widget, the panel and the demo write them."""
+    requests = int(model.get("requests") or 0)
+    batch = f"{float(model.get('mean_batch_size') or 0.0):.2f}".rstrip("0").rstrip(".")
+    return [
+        f"{requests} request{'' if requests == 1 else 's'}",
+        f"{format_rate(model.get('tokens_per_s'))} tok/s",
+        f"batch {batch}",
+    ]
+
+
 def _num(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 

@@ -6,12 +6,20 @@
   (default 0.6). Metrics: ``accuracy`` and the mean cosine of each class.
 * ``retrieval`` — for each ``similar`` pair in the shard, is ``b`` the nearest neighbour of ``a``
   among the ``b`` sentences of all the similar pairs? Metric: ``recall_at_1``.
+* ``openai_completion`` — a causal LM through OpenAI's API, as any tool would reach it: episode
+  ``i`` completes the ``a`` sentence of pair ``i`` greedily through ``OPENAI_BASE_URL`` (the run's
+  own key in ``OPENAI_API_KEY``) with the ``openai`` client, or with plain HTTP when ``openai``
+  is not installed (it says so in the run's log). Metrics: ``prompt_tokens``,
+  ``completion_tokens`` (the API's ``usage``) and ``openai_client`` (1 with the client, 0 without).
+  The demo runs it on the tiny causal LM it serves.
 
-Both take ``params["model"]`` (default ``"minilm"``), the name of a shared model that returns,
-per input string, either a sentence vector (the ``loaders:sentence_embeddings`` loader) or token
-vectors (a ``feature-extraction`` pipeline: ``[1][tokens][hidden]``, mean-pooled here). Episodes
+``similarity`` and ``retrieval`` take ``params["model"]`` (default ``"minilm"``), the name of a
+shared model that returns, per input string, either a sentence vector (the
+``loaders:sentence_embeddings`` loader) or token vectors (a ``feature-extraction`` pipeline:
+``[1][tokens][hidden]``, mean-pooled here). Episodes
 split the dataset evenly (``ctx.episodes`` of them), so the run's mean is the dataset's figure.
-Standard library only: the model runs in the server's model host, not in the run.
+Standard library only (``openai`` when it is there): the model runs in the server's model host,
+not in the run.
 
 A spec: ``{"entrypoint": "jupyter_evalsched.examples.shared:similarity", "episodes": 4,
 "models": ["minilm"]}`` with the server configured with, for example::
@@ -107,3 +115,50 @@ def retrieval(ctx, index):
         best = max(range(len(candidates)), key=lambda i: cosine(vector, candidate_vectors[i]))
         hits += candidates[best] == query["b"]
     return {"recall_at_1": hits / len(queries)}
+
+
+def openai_completion(ctx, index):
+    model = ctx.params.get("model", "tiny-lm")
+    base, key = os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY")
+    if not base or not key:
+        raise RuntimeError("no OPENAI_BASE_URL/OPENAI_API_KEY: name a shared model in the spec's 'models'")
+    pairs = load_pairs()
+    prompt = pairs[index % len(pairs)]["a"]
+    max_tokens = int(ctx.params.get("max_tokens", 8))
+    try:
+        import openai
+    except ImportError:
+        openai = None
+    if openai is not None:
+        client = openai.OpenAI(base_url=base, api_key=key, max_retries=2, timeout=120)
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        text, usage = answer.choices[0].text, answer.usage
+        prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
+    else:
+        ctx.log.warning("the openai package is not installed: calling %s/completions with plain HTTP", base)
+        answer = _post_json(
+            base.rstrip("/") + "/completions",
+            key,
+            {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        )
+        text = answer["choices"][0]["text"]
+        prompt_tokens, completion_tokens = answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]
+    ctx.log.info("episode %d: %r -> %r", index, prompt, text)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "openai_client": 1.0 if openai is not None else 0.0,
+    }
+
+
+def _post_json(url: str, key: str, body: dict) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())

@@ -67,6 +67,8 @@ class CausalLM:
         self.pad_id = int(pad) if pad is not None else (self.eos_id if self.eos_id is not None else 0)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._texts: dict[int, str] = {}
+        # Tokens served so far (every answered request, API or plain call): the host's figures.
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0}
         # transformers 5.x renamed the forward's ``past_key_values`` to ``cache``.
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -109,6 +111,9 @@ class CausalLM:
             if "error" in answer and streams(index):
                 assert on_delta is not None
                 on_delta(index, answer)  # before any text of the batch: the server can still answer a 400
+            if "error" not in answer:
+                self.usage["prompt_tokens"] += answer.get("prompt_tokens", 0)
+                self.usage["completion_tokens"] += answer.get("completion_tokens", 0)
             if on_done is not None:
                 on_done(index, answer)
 

@@ -55,16 +55,18 @@ import threading
 import time
 import traceback
 from collections import Counter, deque
+from datetime import UTC, datetime
 
 from .config import ModelConfig, parse_model
 from .protocol import ProtocolError, recv_message, send_message
 
 TYPE_CHECKING = False  # mypy knows this name; nothing more is imported at run time
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
     from typing import Any
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+RATE_WINDOW_S = 60.0  # tokens_per_s is over the batches that ended this recently
 OPENAI_KEY = b"\0openai"  # the batching key of API requests (no pickle of kwargs starts with a NUL)
 # An API client (one HTTP connection of the server's) answered within this many max_wait_ms and
 # not yet back is expected to send again: the batcher waits for it (up to max_wait_ms). With the
@@ -106,6 +108,33 @@ def _error_dict(exc: BaseException, phase: str) -> dict:
         "traceback": "".join(traceback.format_exception(exc)),
         "phase": phase,
     }
+
+
+# -- figures --------------------------------------------------------------------------------
+
+
+def token_counts(fn) -> tuple[int, int]:
+    """The (prompt, completion) tokens a model callable has served so far: what its ``usage``
+    dict says (``CausalLM`` keeps one), else (0, 0) for models that do not count tokens."""
+    usage = getattr(fn, "usage", None)
+    if not isinstance(usage, dict):
+        return 0, 0
+    return int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+
+
+def tokens_per_s(samples: Iterable[tuple[float, int]], now: float, since: float | None, window_s: float) -> float:
+    """Tokens per second over the last ``window_s`` (or since ``since``, the load, when that is
+    more recent): the tokens of the ``(ended_at, tokens)`` batch samples in that span over its
+    length, at least one second (a first batch must not read as millions a second)."""
+    if since is None:
+        return 0.0
+    start = max(now - window_s, since)
+    total = sum(tokens for ended, tokens in samples if ended >= start)
+    return round(total / max(1.0, now - start), 3)
+
+
+def iso_time(epoch: float | None) -> str | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, UTC).isoformat(timespec="microseconds")
 
 
 # -- the served model -----------------------------------------------------------------------
@@ -220,6 +249,12 @@ class ModelHost:
         self.inputs = 0
         self.batch_sizes: Counter[int] = Counter()
         self.forward_seconds = 0.0  # time spent in the model (and output conversion)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.loaded_at: float | None = None  # monotonic time of the last load
+        self.tokens_since_load = 0
+        self.recent: deque[tuple[float, int]] = deque()  # (ended_at, tokens) of recent batches
+        self.last_used: float | None = None  # wall-clock time a caller last sent or got a request
 
     # -- figures --
 
@@ -236,6 +271,8 @@ class ModelHost:
 
     def describe(self) -> dict:
         with self.cond:
+            now = time.monotonic()
+            loaded_for = now - self.loaded_at if self.loaded_at is not None else 0.0
             return {
                 "name": self.config.name,
                 "state": self.state,
@@ -257,6 +294,13 @@ class ModelHost:
                 "error": self.error and {k: self.error[k] for k in ("type", "message")},
                 "queued": len(self.queue),
                 "callers": self.callers,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "tokens_per_s": tokens_per_s(self.recent, now, self.loaded_at, RATE_WINDOW_S),
+                "tokens_per_s_since_load": (
+                    round(self.tokens_since_load / max(1.0, loaded_for), 3) if self.loaded_at is not None else 0.0
+                ),
+                "last_used_at": iso_time(self.last_used),
             }
 
     # -- the batcher thread --
@@ -308,6 +352,8 @@ class ModelHost:
         with self.cond:
             self.fn, self.state, self.error = fn, "loaded", None
             self.load_seconds = round(time.monotonic() - started, 3)
+            self.loaded_at, self.tokens_since_load = time.monotonic(), 0
+            self.recent.clear()
         self.emit("loaded", seconds=self.load_seconds, load_count=self.load_count)
         return None
 
@@ -372,6 +418,7 @@ class ModelHost:
             self.inputs += len(inputs)
             self.batch_sizes[len(inputs)] += 1
         started = time.perf_counter()
+        tokens_before = token_counts(fn)
         try:
             if entries[0][0].openai:
                 batch = getattr(fn, "openai_batch", None)
@@ -416,6 +463,20 @@ class ModelHost:
             return [to_plain(output) for output in outputs]
         finally:
             self.forward_seconds += time.perf_counter() - started
+            self._count_tokens(tokens_before, token_counts(fn))
+
+    def _count_tokens(self, before: tuple[int, int], after: tuple[int, int]) -> None:
+        """Add a batch's tokens (what the model's counters moved by) to the figures."""
+        prompt, completion = after[0] - before[0], after[1] - before[1]
+        now = time.monotonic()
+        with self.cond:
+            self.prompt_tokens += prompt
+            self.completion_tokens += completion
+            self.tokens_since_load += prompt + completion
+            if prompt + completion:
+                self.recent.append((now, prompt + completion))
+            while self.recent and self.recent[0][0] < now - RATE_WINDOW_S:
+                self.recent.popleft()
 
     def _run(self, entries: list[tuple[_Call, int]]) -> None:
         answered: set[int] = set()
@@ -450,6 +511,7 @@ class ModelHost:
             return
         call.error = error
         self.outstanding -= 1
+        self.last_used = time.time()
         if self.outstanding == 0:
             self.emit("idle")
         if call.client is not None:
@@ -508,6 +570,7 @@ class ModelHost:
                 self.failed_requests += 1
                 return {"ok": False, "error": error}
             self.outstanding += 1
+            self.last_used = time.time()
             if self.outstanding == 1:
                 self.emit("busy")
             if call.client is not None:

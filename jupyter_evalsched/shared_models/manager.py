@@ -345,12 +345,14 @@ class ModelHostManager:
         host = self._host(name)
         host.in_flight += 1  # in use from here: never unloaded under a request
         try:
-            return await self._ask(host, name, message)
+            return await self._ask(host, name, message, on_delta)
         finally:
             host.in_flight -= 1
             host.last_used = time.monotonic()
 
-    async def _ask(self, host: _Host, name: str, message: dict) -> dict:
+    async def _ask(
+        self, host: _Host, name: str, message: dict, on_delta: Callable[[dict], Awaitable[None]] | None
+    ) -> dict:
         await self._until_listening(host)
         try:
             reader, writer = await asyncio.open_unix_connection(host.socket_path)
@@ -381,7 +383,8 @@ class ModelHostManager:
 
     async def describe(self) -> list[dict[str, Any]]:
         """One dict per model (JSON-able): name, state, device, vram_mb, requests, batches,
-        mean_batch_size, load_count, error, plus pid, restarts, batch_sizes and more."""
+        mean_batch_size, load_count, error, endpoint, tokens and tokens_per_s, plus pid,
+        restarts, batch_sizes and more."""
         return list(await asyncio.gather(*(self._describe_one(self._hosts.get(c.name), c) for c in self.configs)))
 
     # -- internals ------------------------------------------------------------------------------
@@ -658,6 +661,13 @@ class ModelHostManager:
             "pid": host.pid if host else None,
             "restarts": max(0, host.starts - 1) if host else 0,
             "held_s": round(max(0.0, host.held_until - now), 3) if host and not host.alive else 0.0,
+            # Where OpenAI's clients reach it (the model's id there is its name); None until served.
+            "endpoint": self.api_base,
+            "prompt_tokens": figures.get("prompt_tokens", 0),
+            "completion_tokens": figures.get("completion_tokens", 0),
+            "tokens_per_s": figures.get("tokens_per_s", 0.0),
+            "tokens_per_s_since_load": figures.get("tokens_per_s_since_load", 0.0),
+            "last_used_at": figures.get("last_used_at"),
         }
 
 

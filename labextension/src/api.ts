@@ -13,6 +13,7 @@ import {
   ILeaseList,
   ILeaseRecord,
   ILedger,
+  IModelList,
   IQueueView,
   IRunDetail,
   IRunList,
@@ -117,6 +118,11 @@ export class EvalSchedAPI {
 
   getLedger(): Promise<ILedger> {
     return this._json<ILedger>(['ledger'], undefined, {}, true);
+  }
+
+  /** The shared models and their figures (`GET /evalsched/models`). */
+  getModels(): Promise<IModelList> {
+    return this._json<IModelList>(['models']);
   }
 
   listRuns(

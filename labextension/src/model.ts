@@ -8,7 +8,8 @@
  * unavailable, and only as a slow resynchronisation while the socket is live. While the socket is
  * live a second, light `Poll` reads the ledger (GET /evalsched/ledger) every few seconds: the VRAM
  * of processes the scheduler does not manage is observed, and no event says when it changes. Both
- * stand by while the page is hidden.
+ * stand by while the page is hidden. A third reads the shared models' figures
+ * (GET /evalsched/models) as often, live or not: requests and tokens/s change with no event.
  */
 import { ServerConnection } from '@jupyterlab/services';
 import { IDisposable } from '@lumino/disposable';
@@ -22,6 +23,7 @@ import {
   ExtensionMissingError,
   ILeaseRecord,
   ILedger,
+  IModelInfo,
   IQueueView,
   IRunRecord,
   ISummary,
@@ -33,6 +35,7 @@ import {
 } from './api';
 import { attemptOf } from './format';
 import { hasMetrics, runWarnings, sameAttempt, sameUsage } from './records';
+import { modelsOf, sameModels } from './modelFigures';
 import { SweepBook } from './sweepBook';
 
 /** How the model currently gets its data. */
@@ -110,6 +113,13 @@ export class EvalSchedModel implements IDisposable {
       name: 'jupyter-evalsched:ledger',
       standby: 'when-hidden'
     });
+    this._modelsPoll = new Poll({
+      auto: false,
+      factory: () => this._modelsTick(),
+      frequency: this._ledgerFrequency(),
+      name: 'jupyter-evalsched:models',
+      standby: 'when-hidden'
+    });
   }
 
   readonly api: EvalSchedAPI;
@@ -161,6 +171,11 @@ export class EvalSchedModel implements IDisposable {
   /** True once the server showed that it knows leases (an older one does not). */
   get leasesSupported(): boolean {
     return this._leasesSupported;
+  }
+
+  /** The shared models of the host and their figures, as last read (empty: none configured). */
+  get models(): ReadonlyArray<IModelInfo> {
+    return this._models;
   }
 
   /** A live lease by id. */
@@ -259,6 +274,7 @@ export class EvalSchedModel implements IDisposable {
     this._setMode(this._options.useWebSocket ? 'connecting' : 'polling');
     void this._poll.start();
     void this._ledgerPoll.start();
+    void this._modelsPoll.start();
     if (this._options.useWebSocket) {
       this._connect();
     }
@@ -270,6 +286,7 @@ export class EvalSchedModel implements IDisposable {
     this._options = { ...this._options, ...options };
     this._poll.frequency = this._frequency();
     this._ledgerPoll.frequency = this._ledgerFrequency();
+    this._modelsPoll.frequency = this._ledgerFrequency();
     if (this._options.finishedLimit !== before.finishedLimit) {
       this._trimFinished();
       this._changed.emit();
@@ -389,6 +406,7 @@ export class EvalSchedModel implements IDisposable {
     this._sweepTimers.clear();
     this._poll.dispose();
     this._ledgerPoll.dispose();
+    this._modelsPoll.dispose();
     Signal.clearData(this);
   }
 
@@ -623,6 +641,27 @@ export class EvalSchedModel implements IDisposable {
       JSON.stringify(ledger) !== JSON.stringify(this._ledger)
     ) {
       this._setLedger(ledger);
+      this._changed.emit();
+    }
+  }
+
+  /**
+   * The shared models' figures. A server that cannot list them (an older one: 404) shows none;
+   * other failures make the poll back off (the queue poll reports the server's errors).
+   */
+  private async _modelsTick(): Promise<void> {
+    let models: IModelInfo[];
+    try {
+      models = modelsOf(await this.api.getModels()) ?? [];
+    } catch (reason) {
+      if (reason instanceof EvalSchedError && reason.status === 404) {
+        models = [];
+      } else {
+        throw reason;
+      }
+    }
+    if (!sameModels(models, this._models)) {
+      this._models = models;
       this._changed.emit();
     }
   }
@@ -1042,6 +1081,8 @@ export class EvalSchedModel implements IDisposable {
   private _options: IModelOptions;
   private _poll: Poll;
   private _ledgerPoll: Poll;
+  private _modelsPoll: Poll;
+  private _models: IModelInfo[] = [];
   private _socket: WebSocket | null = null;
   private _reconnectTimer: ReturnType<typeof setTimeout> | null = null;
   private _reconnectDelay = RECONNECT_MIN_MS;

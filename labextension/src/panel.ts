@@ -20,6 +20,7 @@ import { LeaseRow } from './leaseRow';
 import { assignColors } from './ledgerGeometry';
 import { LedgerView } from './ledgerView';
 import { EvalSchedModel } from './model';
+import { ModelRow } from './modelRow';
 import { IRowHost } from './rowHost';
 import { RunRow } from './runRow';
 import { SubmitForm } from './submitForm';
@@ -140,6 +141,23 @@ export class EvalSchedPanel extends Widget implements IRowHost {
       this._ledger.cpu
     ]);
 
+    // Shared models: shown when the host has some.
+    this._modelList = h('div', {
+      className: 'jp-EvalSched-list',
+      attrs: { 'data-section': 'models', 'data-testid': 'evalsched-models' }
+    });
+    this._modelCount = h('span', { className: 'jp-EvalSched-count' });
+    this._modelSection = this._section(
+      trans.__('Shared models'),
+      'models',
+      [this._modelList],
+      this._modelCount
+    );
+    this._modelSection.title = trans.__(
+      'Models loaded once for the whole host, behind an OpenAI-compatible API'
+    );
+    this._modelSection.hidden = true;
+
     // Leases: shown once the server says it knows them (an older one does not).
     this._leaseList = h('div', {
       className: 'jp-EvalSched-list',
@@ -218,6 +236,7 @@ export class EvalSchedPanel extends Widget implements IRowHost {
 
     const body = h('div', { className: 'jp-EvalSched-body' }, [
       ledgerSection,
+      this._modelSection,
       this._leaseSection,
       running,
       queued,
@@ -320,6 +339,10 @@ export class EvalSchedPanel extends Widget implements IRowHost {
       row.dispose();
     }
     this._leaseRows.clear();
+    for (const row of this._modelRows.values()) {
+      row.dispose();
+    }
+    this._modelRows.clear();
     this.model.changed.disconnect(this._onModelChanged, this);
     this.model.summaryChanged.disconnect(this._onSummaryChanged, this);
     super.dispose();
@@ -435,8 +458,37 @@ export class EvalSchedPanel extends Widget implements IRowHost {
 
     assignColors(this._colors, model.ledger);
     this._ledger.render(model.ledger);
+    this._renderModels();
     this._renderLeases();
     this._renderRuns();
+  }
+
+  /** The shared models, keyed by name, in the server's order. */
+  private _renderModels(): void {
+    const models = this.model.models;
+    this._modelSection.hidden = models.length === 0;
+    const names = new Set(models.map(m => m.name));
+    for (const [name, row] of this._modelRows) {
+      if (!names.has(name)) {
+        row.dispose();
+        this._modelRows.delete(name);
+      }
+    }
+    const nodes = models.map(info => {
+      let row = this._modelRows.get(info.name);
+      if (!row) {
+        row = new ModelRow(
+          info.name,
+          this._trans,
+          this.model.api.serverSettings.baseUrl
+        );
+        this._modelRows.set(info.name, row);
+      }
+      row.update(info);
+      return row.node;
+    });
+    reconcile(this._modelList, nodes);
+    this._modelCount.textContent = String(models.length);
   }
 
   /** The live leases, keyed by id (granted first, then queued in admission order). */
@@ -701,6 +753,10 @@ export class EvalSchedPanel extends Widget implements IRowHost {
   private _leaseEmpty: HTMLElement;
   private _leaseCount: HTMLElement;
   private _leaseRows = new Map<string, LeaseRow>();
+  private _modelSection: HTMLElement;
+  private _modelList: HTMLElement;
+  private _modelCount: HTMLElement;
+  private _modelRows = new Map<string, ModelRow>();
   private _colors = new Map<string, number>();
   private _ticker: ReturnType<typeof setInterval> | null = null;
 }

@@ -16,6 +16,8 @@ export type {
   ILedgerLease,
   ILedgerRun,
   IMetricDelta as ICompareDelta,
+  IModelInfo,
+  IModelList,
   IMetricStat as ICompareStat,
   IObserved,
   IProgress,

@@ -22,6 +22,52 @@ export interface IBrokenRun {
   problem: string;
 }
 
+export interface IChatCompletion {
+  id: string;
+  object: 'chat.completion';
+  created: number;
+  model: string;
+  choices: {
+    index: number;
+    message: {
+      role: 'assistant';
+      content: string;
+    };
+    logprobs: {
+      content: IChatTokenLogprob[];
+    } | null;
+    finish_reason: 'stop' | 'length';
+  }[];
+  usage: IOpenAIUsage;
+}
+
+export interface IChatCompletionRequest {
+  model: string;
+  messages: {
+    role: string;
+    content?: unknown;
+  }[];
+  max_tokens?: number;
+  max_completion_tokens?: number;
+  temperature?: number;
+  top_p?: number;
+  seed?: number;
+  stop?: string | string[];
+  logprobs?: boolean;
+  top_logprobs?: number;
+  stream?: boolean;
+  stream_options?: {
+    include_usage?: boolean;
+  };
+}
+
+export interface IChatTokenLogprob {
+  token: string;
+  logprob: number;
+  bytes: number[];
+  top_logprobs?: IChatTokenLogprob[];
+}
+
 export interface ICompareRow {
   id: string;
   name: string | null;
@@ -50,6 +96,37 @@ export interface IComparison {
   rows: ICompareRow[];
 }
 
+export interface ICompletion {
+  id: string;
+  object: 'text_completion';
+  created: number;
+  model: string;
+  choices: {
+    index: number;
+    text: string;
+    logprobs: ILegacyLogprobs | null;
+    finish_reason: 'stop' | 'length';
+  }[];
+  usage: IOpenAIUsage;
+}
+
+export interface ICompletionRequest {
+  model: string;
+  /** a string, a list of strings, token ids, or a list of token id lists */
+  prompt: string | string[] | number[] | number[][];
+  max_tokens?: number;
+  temperature?: number;
+  top_p?: number;
+  seed?: number;
+  stop?: string | string[];
+  echo?: boolean;
+  logprobs?: number | null;
+  stream?: boolean;
+  stream_options?: {
+    include_usage?: boolean;
+  };
+}
+
 export interface ICpuSlots {
   total: number;
   allocated: number;
@@ -66,6 +143,27 @@ export interface IDoctorCheck {
 /** ``GET /evalsched/doctor``: what this host offers and what is in force. */
 export interface IDoctorReport {
   checks: IDoctorCheck[];
+}
+
+export interface IEmbeddingList {
+  object: 'list';
+  data: {
+    object: 'embedding';
+    /** floats, or base64 of little-endian float32 (encoding_format base64) */
+    embedding: number[] | string;
+    index: number;
+  }[];
+  model: string;
+  usage: {
+    prompt_tokens: number;
+    total_tokens: number;
+  };
+}
+
+export interface IEmbeddingRequest {
+  model: string;
+  input: string | string[];
+  encoding_format?: 'float' | 'base64';
 }
 
 export interface IEpisodeList {
@@ -232,6 +330,14 @@ export interface ILedgerRun {
   marginal_vram_mb: number;
 }
 
+/** one entry per token: the echoed prompt's, then the generated ones */
+export interface ILegacyLogprobs {
+  tokens: string[];
+  token_logprobs: (number | null)[];
+  top_logprobs: { [key: string]: number } | null[];
+  text_offset: number[];
+}
+
 export interface IMetricDelta {
   /** mean paired difference against the baseline; null without pairs */
   mean: number | null;
@@ -289,6 +395,18 @@ export interface IModelInfo {
   restarts: number;
   /** how long before a dead host may be started again (back-off) */
   held_s: number;
+  /** the OpenAI-compatible base URL of the shared models (<server>/evalsched/v1); the model's id there is its name */
+  endpoint: string | null;
+  /** prompt tokens its host has read (API requests and plain calls) */
+  prompt_tokens: number;
+  /** tokens its host has generated */
+  completion_tokens: number;
+  /** prompt and generated tokens per second over the last 60 s (or since the load, if later) */
+  tokens_per_s: number;
+  /** prompt and generated tokens per second since the model loaded */
+  tokens_per_s_since_load: number;
+  /** when a caller last sent a request or got an answer (UTC, ISO 8601) */
+  last_used_at: string | null;
 }
 
 export interface IModelList {
@@ -303,6 +421,31 @@ export interface IObserved {
   peak_rss_mb: number | null;
   /** where the VRAM figures come from */
   source: 'nvml' | 'virtual';
+}
+
+export interface IOpenAIError {
+  error: {
+    message: string;
+    type: string;
+    code: string | null;
+    param: string | null;
+  };
+}
+
+export interface IOpenAIModelList {
+  object: 'list';
+  data: {
+    id: string;
+    object: 'model';
+    created: number;
+    owned_by: string;
+  }[];
+}
+
+export interface IOpenAIUsage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  total_tokens: number;
 }
 
 export interface IPrimaryServer {
