@@ -64,7 +64,7 @@ CASES = [
     ("completions", {**C, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
     ("completions", {**C, "stream": True, "stream_options": []}, "stream_options"),
     ("completions", {**C, "stop": ""}, "stop"),
-    ("completions", {**C, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("completions", {**C, "stop": [str(i) for i in range(17)]}, "stop"),  # at most 16
     ("completions", {**C, "stop": [1]}, "stop"),
     ("completions", {**C, "prompt": None}, "prompt"),
     ("completions", {**C, "prompt": []}, "prompt"),
