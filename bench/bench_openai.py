@@ -9,7 +9,8 @@ port, token, runtime and runs directories) and the shared models, each declared 
 (``max_batch_size`` 8, ``max_wait_ms`` 5, the library's intra-op threads): a random GPT-2 built
 offline (``tiny``: ``shared_models/tiny_lm.py``'s 2 layers of 64; ``small``: the
 same tokenizer with 4 layers of 256 and 8 heads; ``gpt2s``: GPT-2 small's shape, 12 layers of 768,
-85M parameters, 340 MB). Parts 1 and 2 use ``--model`` (``tiny`` by default: on CPU a forward
+85M parameters, 340 MB; ``gpt2m``: GPT-2 medium's shape, 24 layers of 1024, 303M parameters,
+1.2 GB). Parts 1 and 2 use ``--model`` (``tiny`` by default: on CPU a forward
 pass of the tiny model is mostly per-operation overhead, which a batch shares; the larger
 shapes' cost grows with the batch's tokens). The server also declares one model per
 ``--memory-models`` kind for part 3.
@@ -56,8 +57,15 @@ from jupyter_evalsched.client import LocalServer  # noqa: E402
 MODEL = "bench-lm"
 LOADER = "jupyter_evalsched.shared_models.loaders:causal_lm"
 CLIENTS = 8
-SHAPES = {"small": {"n_embd": 256, "n_layer": 4, "n_head": 8}, "gpt2s": {"n_embd": 768, "n_layer": 12, "n_head": 12}}
-SIZES = {"gpt2s": " (GPT-2 small's shape: 85M parameters, 340 MB in float32)"}
+SHAPES = {
+    "small": {"n_embd": 256, "n_layer": 4, "n_head": 8},
+    "gpt2s": {"n_embd": 768, "n_layer": 12, "n_head": 12},
+    "gpt2m": {"n_embd": 1024, "n_layer": 24, "n_head": 16},
+}
+SIZES = {
+    "gpt2s": " (GPT-2 small's shape: 85M parameters, 340 MB in float32)",
+    "gpt2m": " (GPT-2 medium's shape: 303M parameters, 1.2 GB in float32)",
+}
 
 # lm-eval-like scoring requests: a context and its continuation, 10 to 30 tokens.
 PROMPTS = [
@@ -494,7 +502,9 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true", help="also print the figures as a markdown table")
     parser.add_argument("--model", choices=("tiny", "small"), default="tiny", help="the model of parts 1 and 2")
     parser.add_argument(
-        "--memory-models", default="tiny,gpt2s", help="the models of part 3, comma-separated (tiny, small, gpt2s)"
+        "--memory-models",
+        default="tiny,gpt2s",
+        help="the models of part 3, comma-separated (tiny, small, gpt2s, gpt2m)",
     )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=2.0)

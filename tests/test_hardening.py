@@ -769,8 +769,22 @@ async def test_run_directory_removed_while_queued_or_running(api, wait_for, runs
     code, rec = await api("GET", f"runs/{queued['id']}")
     assert rec["state"] == "queued"
 
-    shutil.rmtree(runs_dir / queued["id"])
-    shutil.rmtree(runs_dir / running["id"])
+    def remove(path):
+        # The running run writes into its directory meanwhile: a file made between rmtree's
+        # listing and its rmdir is ENOTEMPTY, so remove again, as `rm -rf` would be run again.
+        for _ in range(100):
+            try:
+                shutil.rmtree(path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                if exc.errno != errno.ENOTEMPTY:
+                    raise
+        raise AssertionError(f"{path} could not be removed")
+
+    remove(runs_dir / queued["id"])
+    remove(runs_dir / running["id"])
 
     q = await wait_for(queued["id"], timeout=20)
     r = await wait_for(running["id"], timeout=20)

@@ -297,8 +297,17 @@ def _open_lab(
     # then make it visible through its tab in the side bar.
     page.wait_for_selector(PANEL, state="attached", timeout=60_000)
     page.wait_for_selector(PANEL_TAB, state="visible", timeout=60_000)
-    if not page.locator(PANEL).is_visible():
+    # The restorer can also act after our click (a loaded host: seen once), closing the side bar
+    # the click opened: click again until the panel stays shown.
+    for _ in range(5):
+        if page.locator(PANEL).is_visible():
+            break
         page.click(PANEL_TAB)
+        try:
+            page.wait_for_selector(PANEL, state="visible", timeout=5_000)
+        except Exception:  # playwright's TimeoutError: look again
+            continue
+        page.wait_for_timeout(300)  # then look again: still shown, or closed by the restorer
     page.wait_for_selector(PANEL, state="visible")
     return context, page, errors
 
