@@ -61,6 +61,10 @@ RETRYING = "retrying"  # queued, waiting out the back-off before an automatic re
 # queued: admitted (its resources held), its process not started yet (a model host, a cgroup, a zygote)
 STARTING = "starting"
 RUN_FILE = "run_file"  # run_file: _DONE is a FIFO, not a regular file; the server does not open it
+# queued, GPU work only: the host ledger (c.EvalSchedApp.host_ledger) is not connected
+HOST_LEDGER_UNAVAILABLE = "host_ledger_unavailable"
+HOST_LEDGER = "host_ledger"  # host_ledger: <the host ledger's reason>: it did not grant the run's GPUs
+QUOTA = "quota"  # quota: user alice may hold 20000 MB of VRAM; holds 16000 MB (the host ledger's)
 # The reason codes of a failure that ``retry_on`` may name, and its default.
 RETRYABLE_CODES = (EXCEPTION, EXIT_CODE, SIGNAL, OOM, TIMEOUT, OVER_VRAM, MODEL_UNAVAILABLE)
 DEFAULT_RETRY_ON = (EXIT_CODE, SIGNAL, OOM)

@@ -226,6 +226,18 @@ def zygote_check(preload: list[str] | None = None, timeout_s: float = DOCTOR_ZYG
     return warm_start_check(warm)
 
 
+def host_ledger_check(status: dict[str, Any]) -> dict[str, Any]:
+    """The link to the host ledger (EvalSchedApp.host_ledger): GPU work waits while it is down."""
+    if status["connected"]:
+        return check("host ledger", OK, f"connected to {status['socket']} as user {status['user']}")
+    return check(
+        "host ledger",
+        ERROR,
+        f"not connected to {status['socket']}: {status['error']}; GPU work waits, CPU-only runs go on",
+        "start it (jupyter evalsched host-ledger, or its systemd unit) or correct EvalSchedApp.host_ledger",
+    )
+
+
 def host_checks(probe: GpuProbe, cgroups: Cgroups | None) -> list[dict[str, Any]]:
     """What the host offers, whether or not a server runs."""
     return [gpu_check(probe), cgroup_check(cgroups), runner_bytecode_check()]
@@ -242,6 +254,8 @@ def server_checks(app: EvalSchedApp, models: list[dict[str, Any]]) -> list[dict[
         out.append(check("ledger", OK, f"usable {usable}; {ledger['cpu_slots']['total']} CPU slots"))
     else:
         out.append(check("ledger", OK, f"no GPU: CPU-only runs on {ledger['cpu_slots']['total']} CPU slots"))
+    if view.host_ledger is not None:
+        out.append(host_ledger_check(view.host_ledger))
     if view.enforce_vram == "off":
         out.append(
             check("enforcement", DEGRADED, "enforce_vram = off: runs over their declared VRAM go unnoticed", "warn")

@@ -535,6 +535,8 @@ class StatusHandler(EvalSchedHandler):
                 body["warm_start"] = view.local_mode.get("warm_start")
             body["enforce_vram"] = view.enforce_vram
             body["gpu_source"] = view.gpu_source
+            if view.host_ledger is not None:
+                body["host_ledger"] = view.host_ledger
             body["broken_runs"] = [{"id": k, "problem": v} for k, v in sorted(view.broken.items())]
         self.send_json(body)
 

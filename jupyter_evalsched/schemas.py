@@ -782,6 +782,15 @@ class BrokenRun(BaseModel):
     problem: str = Field(description="why its directory cannot be used")
 
 
+class HostLedgerStatus(BaseModel):
+    """The link to the host ledger of a host shared by several users."""
+
+    socket: str = Field(description="its Unix socket")
+    connected: bool
+    user: str | None = Field(description="this server's user, as the host ledger knows it (from the kernel)")
+    error: str | None = Field(description="why it is not connected, when it is not")
+
+
 class ServerStatus(BaseModel):
     """``GET /evalsched/status``: this server's own view. The fields from ``runs_dir`` on are
     sent by the server that schedules the runs directory (the primary) only."""
@@ -802,6 +811,9 @@ class ServerStatus(BaseModel):
     warm_start: dict[str, Any] | None = Field(None, description="the zygotes, or why warm starts are refused")
     enforce_vram: Literal["off", "warn", "kill"] | None = None
     gpu_source: str | None = Field(None, description="nvml, virtual, or the configured probe's")
+    host_ledger: HostLedgerStatus | None = Field(
+        None, description="the host ledger this server is a tenant of (EvalSchedApp.host_ledger), when set"
+    )
     broken_runs: list[BrokenRun] = Field(default_factory=list, description="run directories that cannot be used")
 
 

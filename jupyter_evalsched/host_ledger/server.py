@@ -668,10 +668,13 @@ class HostLedger:
         for w in self.waiting:
             if w.conn.uid != uid:
                 others_waiting[w.ask.user] = others_waiting.get(w.ask.user, 0) + 1
+        quota = self.config.quota(user)
         return {
             "user": user,
             "admin": admin,
             "reclaiming": self.reclaim_open(),
+            # The caller's own quota: its server tells a request that can never fit (a 422) alone.
+            "quota": {"vram_mb": quota.vram_mb, "gpus": quota.gpus, "leases": quota.leases},
             "devices": out_devices,
             "grants": [g.as_json() for g in visible],
             "waiting": [

@@ -51,7 +51,10 @@ class TenantLink:
         return self.client.connected
 
     def status(self) -> dict[str, Any]:
-        return {"socket": self.socket_path, "connected": self.connected, "user": self.user, "error": self.error}
+        connected = self.connected
+        # Lost between two of the keeper's passes: not connected, and says so before it notices.
+        error = None if connected else (self.error or "the connection to the host ledger was lost")
+        return {"socket": self.socket_path, "connected": connected, "user": self.user, "error": error}
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._keep_connected())

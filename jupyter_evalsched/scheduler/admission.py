@@ -110,6 +110,10 @@ class Admission:
         self.model_memory: Callable[[], list[ModelMemory]] = list
         self._model_loads: dict[str, ModelLoad] = {}
         self._model_load_seq = 0
+        # With a host ledger (host_tenant.py): why GPU work waits now (None: it may start), and
+        # the runs it refused, kept out of decisions until its view moves.
+        self.host_gate: Callable[[], contract.Why | None] | None = None
+        self._host_held: dict[str, Run] = {}
         table.requeue_policy = self._retry_policy
         table.on_exit(self._on_run_exited)
         table.on_end(self._on_run_ended)
@@ -329,6 +333,10 @@ class Admission:
     def _admit_new(self, run: Run) -> None:
         """Admission for one newly submitted job: O(running), not O(queue). With 10,000 jobs
         queued, a full decision per submission would make a burst of submissions quadratic."""
+        gate = self.host_gate() if self.host_gate is not None else None
+        if gate is not None and run.scheduling.uses_gpu:
+            self.carrier.waiting(run, _waiting_why(run, gate))
+            return
         decision = policy.decide(
             [self._as_queued(run, time.time(), self._resident())],
             self.running_jobs(),
@@ -382,9 +390,39 @@ class Admission:
         policy_config = self.config.policy
         self._head_lane = min((policy.effective_lane(q, policy_config) for q in queued), default=len(policy.LANES))
         deps = self._dependency_states(eligible)
-        return policy.decide(
+        gate = self.host_gate() if self.host_gate is not None else None
+        gated = [q for q in queued if q.uses_gpu] if gate is not None else []
+        if gated:  # no host ledger to grant GPUs: GPU work waits, CPU-only runs go on
+            queued = [q for q in queued if not q.uses_gpu]
+        decision = policy.decide(
             queued, self.running_jobs(), self.capacity(), deps, policy_config, dependency_names=RunNames(self.table)
         )
+        for job in gated:
+            assert gate is not None
+            decision.why[job.id] = gate
+        return decision
+
+    # ----------------------------------------------------------------- the host ledger
+
+    def host_refused(self, run: Run, why: contract.Why) -> None:
+        """The host ledger did not grant the run admitted here: queued again with its reason,
+        out of decisions until the host ledger's view moves (``host_changed``)."""
+        self._running.pop(run.id, None)
+        run.started_ts = None
+        self.table.update(run, save=False, devices=[], why=_waiting_why(run, why))
+        self.enqueue(run)
+        if run.id in self._eligible:
+            del self._eligible[run.id]
+            self._host_held[run.id] = run
+        self.decide()  # what it took here is free again for the others
+
+    def host_changed(self) -> None:
+        """The host ledger's view or connection changed: the runs it refused may fit now."""
+        for run_id, run in list(self._host_held.items()):
+            del self._host_held[run_id]
+            if run_id in self._queued and run_id not in self._blocked:
+                self._eligible[run_id] = run
+        self.decide()
 
     def _carry_out(self, decision: policy.Decision) -> None:
         # The models first: a run admitted with its models finds them admitted when it starts.
@@ -640,6 +678,7 @@ class Admission:
         self._check_dependencies(run)
 
     def dequeue(self, run_id: str) -> None:
+        self._host_held.pop(run_id, None)
         self._queued.pop(run_id, None)
         self._eligible.pop(run_id, None)
         self._unblock(run_id)

@@ -111,6 +111,16 @@ class SchedulerConfig(Configurable):
     def _default_usable(self) -> int | None:
         return env_int("EVALSCHED_USABLE_VRAM_MB")
 
+    host_ledger = Unicode(
+        help="The Unix socket of the host ledger (jupyter evalsched host-ledger) that grants the GPUs of a host "
+        "shared by several users: devices and usable VRAM then come from it, and each run's start and lease's "
+        "grant is granted there first. Default: $EVALSCHED_HOST_LEDGER. Empty: this server alone holds the GPUs."
+    ).tag(config=True)
+
+    @default("host_ledger")
+    def _default_host_ledger(self) -> str:
+        return os.environ.get("EVALSCHED_HOST_LEDGER", "").strip()
+
     cpu_slots = Int(help="CPU slots runs may take. Default: $EVALSCHED_CPU_SLOTS, else the host's cores.").tag(
         config=True
     )

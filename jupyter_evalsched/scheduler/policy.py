@@ -702,10 +702,13 @@ def _why_waiting(job: QueuedJob, book: _Book, placed: bool, blocked: frozenset[i
             text += "; " + leases
         unmanaged = sum(book.unmanaged.values())
         if unmanaged:
+            users = _user_charges(book)[:3]  # other users of a host ledger's host, by name only
+            for name, index, mb in users:
+                text += f"; user {name} holds {mb} MB on GPU {index}"
             kernels = _kernel_charges(book)[:3]
             for name, mb in kernels:
                 text += f"; {mb} MB held by kernel of {name}"
-            rest = unmanaged - sum(mb for _, mb in kernels)
+            rest = unmanaged - sum(mb for _, mb in kernels) - sum(mb for _, _, mb in users)
             if rest > 0:
                 text += f"; {rest} MB held by processes outside the scheduler"
         holders = book.nearest.get(job.gpus)
@@ -771,6 +774,17 @@ def _kernel_charges(book: _Book) -> list[tuple[str, int]]:
             if holder.kind == "kernel" and holder.name:
                 charges[holder.name] = charges.get(holder.name, 0) + (holder.mb or 0)
     return sorted(charges.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def _user_charges(book: _Book) -> list[tuple[str, int, int]]:
+    """(user, GPU, MB) of the other users' holdings (holders of kind ``user``), largest first."""
+    found = [
+        (holder.name or holder.id or "", index, holder.mb or 0)
+        for index in book.foreign
+        for holder in _foreign(book, index)
+        if holder.kind == "user"
+    ]
+    return sorted(found, key=lambda t: (-t[2], t[1], t[0]))
 
 
 def _device_users(book: _Book, index: int, limit: int = 3) -> str:

@@ -35,6 +35,7 @@ from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun
 from .executors import Executor, ExecutorContext
 from .executors.local import LocalExecutor
 from .gpus import GpuProbe
+from .host_tenant import HostTenant
 from .kernels import KernelInfo, OwnKernel
 from .leases import Lease, LeaseTable, refused_holder
 from .ledger import Capacity, DeviceBudget, capacity, device_budgets, ledger_view
@@ -66,6 +67,7 @@ class StatusView:
     probe: GpuProbe  # the doctor's host checks ask it again
     local_mode: dict[str, object] | None  # the local executor's (cgroups, warm starts), if enabled
     local_cgroups: Cgroups | None  # the local executor's, if any
+    host_ledger: dict[str, Any] | None  # the host ledger link's status, when host_ledger is set
 
 
 class Scheduler:
@@ -123,6 +125,16 @@ class Scheduler:
             self.writer,
         )
         self.leases.on_end(self._on_lease_ended)
+        # A host shared by several users: the host ledger grants every GPU placement first.
+        self.host: HostTenant | None = None
+        if config.host_ledger:
+            self.host = HostTenant(config.host_ledger, self._host_changed)
+            self.admission.host_gate = self.host.gate
+            self.submissions.host_never = self.host.never
+            self.table.subscribe(self._host_run_changed)
+            for hook in (self.table.on_exit, self.table.on_end):
+                hook(self._host_release_run)
+            self.table.on_requeue(lambda run, plan: self._host_release_run(run))
 
     @property
     def own_kernels(self) -> Callable[[], Awaitable[list[OwnKernel]]] | None:
@@ -140,6 +152,8 @@ class Scheduler:
         self.admission.bind(self._loop)
         self.store.ensure()
         self.writer.bind(self._loop)
+        if self.host is not None:
+            await self.host.start()
         self._budgets = self._compute_budgets()
         self.context = ExecutorContext(
             table=self.table, store=self.store, config=self.config, loop=self._loop, io=self._io
@@ -186,6 +200,8 @@ class Scheduler:
         if self._loop is not None:
             for executor in self.executors.values():
                 await executor.stop()
+        if self.host is not None:
+            await self.host.stop()
         self.table.flush_writes()  # the terminal records still waiting (a large cascade's)
         self.writer.close()
         self._started = False
@@ -193,6 +209,12 @@ class Scheduler:
         self.comparisons.close()
 
     def _compute_budgets(self) -> list[DeviceBudget]:
+        if self.host is not None:
+            # The host ledger's devices and usable VRAM (the last seen while it is away; the
+            # probe's until it was first seen: GPU work waits meanwhile).
+            budgets = self.host.budgets()
+            if budgets is not None:
+                return budgets
         return device_budgets(
             self.probe.devices(),
             reserve_mb=self.config.reserve_vram_mb,
@@ -206,6 +228,8 @@ class Scheduler:
         await asyncio.shield(self.admission.load_model(name))
 
     def _capacity(self) -> Capacity:
+        if self.host is not None:
+            return self.host.capacity(self._budgets, self.config.cpu_slots, self.observer.unmanaged)
         return capacity(self._budgets, self.config.cpu_slots, self.observer.unmanaged)
 
     def _empty_capacity(self) -> Capacity:
@@ -398,6 +422,9 @@ class Scheduler:
             id="-", seq=0, marginal_vram_mb=request.vram_mb, gpus=request.gpus, exclusive=request.exclusive_gpu, cpus=0
         )
         why = policy.never_fits(probe_job, self._empty_capacity())
+        if not why and self.host is not None and probe_job.uses_gpu:
+            host_why = self.host.never(request.vram_mb, request.gpus, request.exclusive_gpu, "lease")
+            why = ("marginal_vram_mb", host_why) if host_why else None
         if why:
             field_name = {"marginal_vram_mb": "vram_mb"}.get(why[0], why[0])
             raise SpecRejected(
@@ -548,6 +575,10 @@ class Scheduler:
 
     def ledger(self) -> dict:
         leases = {lease.id: lease.record for lease in self.leases.granted()}
+        if self.host is not None:  # a shared host: the other users' holdings by user name only
+            own = self.host.own(self.observer.unmanaged)
+            view = ledger_view(self._budgets, self.config.cpu_slots, self.admission.running_jobs(), own, leases)
+            return self.host.ledger(view)
         return ledger_view(
             self._budgets,
             self.config.cpu_slots,
@@ -627,6 +658,7 @@ class Scheduler:
             probe=self.probe,
             local_mode=local.mode if local is not None else None,
             local_cgroups=getattr(local, "cgroups", None),
+            host_ledger=self.host.status() if self.host is not None else None,
         )
 
     @property
@@ -666,6 +698,28 @@ class Scheduler:
         if self._loop is None:
             raise Unavailable("the scheduler is not running")
         return self._loop
+
+    # ----------------------------------------------------------------- the host ledger (host_tenant.py)
+
+    def _host_changed(self) -> None:
+        """The host ledger's view moved (a grant, a user, the connection): capacity and budgets
+        with it, the jobs it refused looked at again."""
+        self._budgets = self._compute_budgets()
+        if self._started:
+            self.admission.host_changed()
+            self._unmanaged_changed()
+
+    def _host_run_changed(self, event: dict[str, Any]) -> None:
+        """A run's process exists: its grant is tied to it (no longer to this server's)."""
+        if event.get("type") != "run" or self.host is None:
+            return
+        record = event["run"]
+        if record["state"] == RUNNING and record.get("pid") and record["id"] in self.host.grants:
+            self.host.retie(record["id"], int(record["pid"]))
+
+    def _host_release_run(self, run: Run) -> None:
+        if self.host is not None:
+            self.host.release(run.id)
 
     def _unmanaged_changed(self) -> None:
         # VRAM outside the scheduler changed: no run or lease did, so say it on its own.
@@ -707,6 +761,35 @@ class _Carrier:
         self._scheduler = scheduler
 
     def launch(self, run: Run, devices: tuple[int, ...]) -> None:
+        s = self._scheduler
+        if s.host is not None and devices:
+            s.host._spawn(self._launch_granted(run, devices))
+            return
+        self._launch(run, devices)
+
+    async def _launch_granted(self, run: Run, devices: tuple[int, ...]) -> None:
+        """Granted by the host ledger first (admission took the devices already, so that nothing
+        else is admitted on them meanwhile); refused, the run is queued again with the reason."""
+        s = self._scheduler
+        assert s.host is not None
+        sched = run.scheduling
+        s.table.update(
+            run,
+            save=False,
+            notify=False,
+            why=contract.Why(contract.STARTING, "admitted; being granted its GPUs by the host ledger"),
+            devices=list(devices),
+        )
+        got = await s.host.grant(run.id, sched.marginal_vram_mb, devices, sched.exclusive_gpu, "run")
+        if run.terminal or not run.starting:  # cancelled meanwhile
+            s.host.release(run.id)
+            return
+        if isinstance(got, contract.Why):
+            s.admission.host_refused(run, got)
+            return
+        self._launch(run, devices)
+
+    def _launch(self, run: Run, devices: tuple[int, ...]) -> None:
         s = self._scheduler
         # Still queued (``starting``) until its process exists and job.json says so (the
         # executor's ``RunTable.started``); the ledger counts what it holds from now on. Not

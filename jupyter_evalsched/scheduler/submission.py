@@ -60,6 +60,9 @@ class Submissions:
         self._sweep_keys_in_flight: dict[str, asyncio.Future[None]] = {}
         self._sweeps_in_progress = 0
         self._creating: set[str] = set()
+        # With a host ledger: why a GPU request can never be granted under this user's quota
+        # (vram_mb, gpus, exclusive, kind) -> "" when it could (host_tenant.HostTenant.never).
+        self.host_never: Callable[[int, int, bool, str], str] | None = None
 
     # ----------------------------------------------------------------- checks
 
@@ -117,6 +120,9 @@ class Submissions:
                 models=self._model_needs(spec.models),
             )
             why = policy.never_fits(probe_job, self.empty_capacity())
+            if not why and self.host_never is not None and probe_job.uses_gpu:
+                host_why = self.host_never(probe_job.marginal_vram_mb, probe_job.gpus, probe_job.exclusive, "run")
+                why = ("marginal_vram_mb", host_why) if host_why else None
             if why:
                 errors.append(
                     {

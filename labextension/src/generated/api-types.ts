@@ -218,6 +218,17 @@ export interface IHolder {
   mb: number | null;
 }
 
+/** The link to the host ledger of a host shared by several users. */
+export interface IHostLedgerStatus {
+  /** its Unix socket */
+  socket: string;
+  connected: boolean;
+  /** this server's user, as the host ledger knows it (from the kernel) */
+  user: string | null;
+  /** why it is not connected, when it is not */
+  error: string | null;
+}
+
 export interface ILeaseList {
   leases: ILeaseRecord[];
 }
@@ -678,6 +689,8 @@ export interface IServerStatus {
   enforce_vram: 'off' | 'warn' | 'kill' | null;
   /** nvml, virtual, or the configured probe's */
   gpu_source: string | null;
+  /** the host ledger this server is a tenant of (EvalSchedApp.host_ledger), when set */
+  host_ledger: IHostLedgerStatus | null;
   /** run directories that cannot be used */
   broken_runs?: IBrokenRun[];
 }
