@@ -203,7 +203,7 @@ VIEW = {
 def test_other_users_are_foreign_holders_by_name_and_this_users_processes_are_its_own():
     others = others_by_device(VIEW, "alice")
     assert others == {0: [Holder("user", "bob", "bob", 0, 9000), Holder("user", "carol", "carol", 0, 700)]}
-    budgets = [DeviceBudget(0, "virtual", 24000, 0, 23000), DeviceBudget(1, "virtual", 24000, 0, 24000)]
+    budgets = [DeviceBudget(0, "virtual", 24000, 23000), DeviceBudget(1, "virtual", 24000, 24000)]
     seen = {
         0: Unmanaged(
             1700, [{"pid": 11, "used_mb": 500, "lease_id": None}, {"pid": 12, "used_mb": 1200, "lease_id": None}]
