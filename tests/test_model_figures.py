@@ -16,8 +16,6 @@ from jupyter_evalsched.shared_models.host import tokens_per_s
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 from jupyter_evalsched.widget import models_html
 
-pytest.importorskip("transformers")
-
 
 def test_tokens_per_s_is_over_the_window_or_since_the_load():
     samples = [(10.0, 500), (95.0, 100), (100.0, 200)]

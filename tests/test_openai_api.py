@@ -10,12 +10,11 @@ import os
 
 import openai
 import pytest
+import torch
+import transformers
 
 from jupyter_evalsched.shared_models.tiny import build_tiny_bert
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 PROMPTS = [
     "The cat sat on the mat.",

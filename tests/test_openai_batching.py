@@ -17,9 +17,6 @@ from jupyter_evalsched.shared_models.host import api_waiting
 from jupyter_evalsched.shared_models.manager import ModelHostManager
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
 SCORE = {"prompt": "The cat sat on the mat.", "echo": True, "max_tokens": 0, "logprobs": 1}
 
 

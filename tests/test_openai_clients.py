@@ -8,19 +8,16 @@ frameworks run in a thread (the server runs on the test's event loop)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
 from pathlib import Path
 
+import lm_eval
 import pytest
+import torch
+import transformers
 import yaml
 
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-lm_eval = pytest.importorskip("lm_eval")
-inspect_ai = pytest.importorskip("inspect_ai")
 
 TASK_DIR = Path(__file__).resolve().parent / "data" / "lmeval_task"
 TASK = "evalsched_tiny_mc"  # multiple choice: loglikelihood requests
@@ -183,8 +180,6 @@ async def test_lm_eval_through_the_api_scores_what_the_model_computes(base_url, 
 
 
 async def test_lm_eval_through_the_api_equals_its_own_hf_backend(base_url, token, tiny_lm_dir, monkeypatch):
-    if importlib.util.find_spec("accelerate") is None:
-        pytest.skip("lm-eval's hf backend needs accelerate (in the test extra)")
     monkeypatch.setenv("OPENAI_API_KEY", token)
     api = await asyncio.to_thread(through_the_api, base_url, tiny_lm_dir)
     hf = await asyncio.to_thread(evaluate, "hf", {"pretrained": tiny_lm_dir, "device": "cpu", "batch_size": 4})

@@ -14,12 +14,10 @@ import time
 
 import openai
 import pytest
+import transformers
 
 from jupyter_evalsched.openai_cache import CACHE_DIR, ResponseCache
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 CAUSAL = "jupyter_evalsched.shared_models.loaders:causal_lm"
 
