@@ -151,6 +151,7 @@ async def test_the_demos_openai_run_with_the_client_and_without(api, jp_serverap
     assert "the openai package is not installed" in caplog.text
 
 
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 def test_the_widget_follows_the_models_figures(tiny_lm_dir):
     """A live QueueWidget re-reads the models' figures by itself: a request made elsewhere shows
     in its model line within seconds."""

@@ -259,6 +259,7 @@ async def lease_state(api, lease_id: str, state: str) -> dict:
     return await async_wait_until(reached, timeout=30, message=f"lease {lease_id} never {state}")
 
 
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 async def test_a_load_waits_for_room_and_an_idle_model_makes_room_for_a_lease(api, client, holder):
     # Nothing loaded: the model holds nothing.
     assert await model_entry(api) is None

@@ -263,6 +263,7 @@ async def test_without_cgroups_runs_work_and_a_memory_limit_is_said_to_be_unenfo
     assert final["warnings"] and final["warnings"][0].startswith("memory_limit_not_enforced: memory_mb=100")
 
 
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 def test_a_server_killed_mid_run_leaves_nothing_after_its_restart(tmp_path):
     """Server death: the run dies with the server (PDEATHSIG), its escaped grandchild with the
     run's cgroup when the next server recovers the runs directory."""
@@ -289,6 +290,7 @@ def test_a_server_killed_mid_run_leaves_nothing_after_its_restart(tmp_path):
     assert not any(os.path.exists(p) for p in parents.values()), parents
 
 
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 def test_observed_peaks_reach_job_json_while_the_run_runs_and_survive_a_server_kill(tmp_path):
     """A peak's rise is written to job.json while the run runs (not only at its next transition):
     a server killed mid-run leaves it on disk, and the recovered record keeps it."""

@@ -217,6 +217,7 @@ async def test_greedy_completions_equal_generate(v1, reference):
     assert first[1]["choices"][0]["text"] == second[1]["choices"][0]["text"]
 
 
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 async def test_the_openai_client(client, reference):
     await asyncio.to_thread(use_the_client, client, reference)
 
@@ -268,6 +269,7 @@ def use_the_client(client, reference):
     assert bad.value.body["param"] == "n"
 
 
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 async def test_bad_input_is_an_openai_shaped_4xx(v1, jp_serverapp):
     cases = [
         ("completions", b"{not json", None),
@@ -394,6 +396,7 @@ open({done!r}, "w").close()
 """
 
 
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 async def test_runs_and_the_api_share_one_load(
     api, v1, wait_for, evalsched, tmp_path, reference, jp_serverapp, jp_http_port, jp_base_url
 ):

@@ -23,6 +23,9 @@ TASK_DIR = Path(__file__).resolve().parent / "data" / "lmeval_task"
 TASK = "evalsched_tiny_mc"  # multiple choice: loglikelihood requests
 GEN_TASK = "evalsched_tiny_gen"  # the same questions, generate_until
 
+# Real lm-eval and Inspect runs, a minute and a half in all: CI runs them with -m slow.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch, tmp_path):

@@ -371,6 +371,7 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
     assert not missing, f"operations of the OpenAPI document never exercised: {missing}"
 
 
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 async def test_the_v1_routes_answer_as_the_openapi_document_says(call, contract_checker, tiny_lm_dir, tiny_bert_dir):
     """The 200s of the OpenAI-compatible routes, from real models, in every shape they take."""
     lm = {"model": "lm", "temperature": 0}

@@ -263,6 +263,7 @@ def _python(code: str, *args: str, stdin: int | None = None):
     )  # fmt: skip
 
 
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 @module_loop
 async def test_four_processes_share_one_load_with_correct_batched_outputs(manager, tiny_dir):
     url = await _url(manager, "tiny")
