@@ -28,11 +28,26 @@ from waiting import wait_until
 
 from jupyter_evalsched.host_ledger.client import status as ledger_status
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(600)]
 ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
 PASSWORD = "correct horse battery staple"
 EXAMPLE = REPO / "jupyter-config" / "host-ledger" / "jupyterhub_config.py"
 BIN = Path(sys.executable).parent
+# The browser, as tests/test_lab_panel.py drives it (Debian's Chromium through Playwright).
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+PANEL = "#jupyter-evalsched-panel"
+PANEL_TAB = '.lm-TabBar-tab[data-id="jupyter-evalsched-panel"]'
+UI_TIMEOUT_MS = 60_000
 
 
 def free_port() -> int:
@@ -222,7 +237,9 @@ class HubUser:
             code, body = self.api("GET", "status")
         except requests.RequestException:
             return False
-        return code == 200 and bool(body["host_ledger"]["connected"]) and body["host_ledger"]["user"] == self.name
+        if code != 200 or not isinstance(body, dict):  # not routed yet: the Hub's own pages answer
+            return False
+        return bool(body["host_ledger"]["connected"]) and body["host_ledger"]["user"] == self.name
 
     def api(self, method: str, path: str, body=None):
         """``/user/<name>/evalsched/<path>`` through the Hub's proxy."""
@@ -238,6 +255,35 @@ class HubUser:
         code, answer = self.api(method, path, body)
         assert code == expect, (self.name, method, path, code, answer)
         return answer
+
+
+def panel_holder(chromium, hub: Hub, name: str, run_id: str) -> dict:
+    """Log in as ``name`` in a fresh browser context, open Lab at /user/<name>/lab and the
+    evalsched panel, and read the holder of the run's waiting reason of kind ``user``."""
+    context = chromium.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(UI_TIMEOUT_MS)
+        page.goto(f"{hub.url}/hub/login", wait_until="domcontentloaded", timeout=60_000)
+        page.fill("#username_input", name)
+        page.fill("#password_input", PASSWORD)
+        page.click("#login_submit")
+        page.wait_for_url(re.compile(r".*/(hub|user)/.*"), timeout=60_000)
+        page.goto(f"{hub.url}/user/{name}/lab", wait_until="domcontentloaded", timeout=120_000)
+        page.wait_for_selector(PANEL, state="attached", timeout=120_000)
+        page.wait_for_selector(PANEL_TAB, state="visible", timeout=60_000)
+        for _ in range(5):  # the layout restorer may close the side bar our click opened
+            if page.locator(PANEL).is_visible():
+                break
+            page.click(PANEL_TAB)
+            page.wait_for_timeout(500)
+        page.wait_for_selector(PANEL, state="visible")
+        selector = f'{PANEL} .jp-EvalSched-run[data-run-id="{run_id}"] .jp-EvalSched-reasonHolder[data-kind="user"]'
+        page.wait_for_selector(selector, state="attached", timeout=60_000)
+        holder = page.locator(selector).first
+        return {"text": holder.inner_text().strip(), "title": holder.get_attribute("title")}
+    finally:
+        context.close()
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +347,31 @@ def test_two_users_behind_a_real_jupyterhub_share_the_host_ledger_and_see_each_o
         return rec if f"user {ALICE} holds 14000 MB on GPU 0" in (rec["reason"] or "") else None
 
     wait_until(named, timeout=60, interval=0.2, message="bob's run never named alice")
+    # And alice's next one (8000 MB; 4000 MB are left) names bob.
+    more = alice.ok("POST", "runs", sleepy(8000, 0.1), expect=201)
+    wait_until(
+        lambda: f"user {BOB} holds 6000 MB on GPU 0" in (alice.ok("GET", f"runs/{more['id']}")["reason"] or ""),
+        timeout=60,
+        interval=0.2,
+        message="alice's run never named bob",
+    )
+
+    # Each user's panel, in Chromium, logged in through the Hub's form and served through its
+    # proxy: the waiting run is held by the other user, by name.
+    assert Path(CHROMIUM).exists(), f"{CHROMIUM} is not installed: run scripts/setup.sh"
+    from playwright import sync_api
+
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            for me, run, other, mb in ((bob, big, ALICE, 14000), (alice, more, BOB, 6000)):
+                holder = panel_holder(chromium, hub, me.name, run["id"])
+                assert holder["text"] == other and holder["title"].replace(",", "") == f"user {other} on GPU 0: {mb} MB", holder
+        finally:
+            chromium.close()
+
     alice.ok("POST", f"runs/{a['id']}/cancel")
-    wait_until(lambda: bob.ok("GET", f"runs/{big['id']}")["state"] == "succeeded", timeout=90, interval=0.2)
+    for user, run in ((bob, big), (alice, more)):
+        wait_until(lambda: user.ok("GET", f"runs/{run['id']}")["state"] == "succeeded", timeout=90, interval=0.2)
     bob.ok("POST", f"runs/{b['id']}/cancel")
     wait_until(lambda: not ledger_status(hub.socket)["grants"], timeout=60, message="grants outlived their runs")
