@@ -366,7 +366,9 @@ def test_two_users_behind_a_real_jupyterhub_share_the_host_ledger_and_see_each_o
         try:
             for me, run, other, mb in ((bob, big, ALICE, 14000), (alice, more, BOB, 6000)):
                 holder = panel_holder(chromium, hub, me.name, run["id"])
-                assert holder["text"] == other and holder["title"].replace(",", "") == f"user {other} on GPU 0: {mb} MB", holder
+                assert (
+                    holder["text"] == other and holder["title"].replace(",", "") == f"user {other} on GPU 0: {mb} MB"
+                ), holder
         finally:
             chromium.close()
 
