@@ -146,12 +146,6 @@ def test_two_users_at_random_never_over_usable_and_a_wait_names_the_other_user(h
     wait_until(lambda: not ledger.view()["grants"], timeout=60, message="grants outlived their runs")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product gap: each user's server asks the host ledger without waiting (wait: false), and "
-    "only for runs its own view says fit; the ledger's fair share orders waiting requests only, so "
-    "the server whose run just ended is granted its own next run before the other server asks",
-)
 def test_with_both_users_queueing_grants_alternate_by_holdings(host):
     """One 24000 MB GPU, alice holding all of it with two runs, three more of hers queued before
     bob's three: each time a run ends, the next grant goes to the user holding less."""
@@ -169,6 +163,13 @@ def test_with_both_users_queueing_grants_alternate_by_holdings(host):
         return all(state(s, rid)["state"] == "queued" for rid, (s, _) in queued.items())
 
     wait_until(waiting_on_the_other, timeout=30, interval=0.1)
+    # Each server has told the host ledger what it has queued (its demand).
+    wait_until(
+        lambda: sorted(d["user"] for d in ledger.view()["demand"]) == [ALICE] * 3 + [BOB] * 3,
+        timeout=30,
+        interval=0.1,
+        message="the servers never told their queued work",
+    )
     holding: list[tuple[UserServer, str]] = [(alice, r["id"]) for r in first]
     order: list[str] = []
     while len(order) < 6:

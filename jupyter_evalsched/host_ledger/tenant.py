@@ -43,6 +43,8 @@ class TenantLink:
         self.error: str | None = "not connected yet"
         self.view: dict[str, Any] | None = None
         self._to_release: set[str] = set()
+        self._demand: list[dict[str, Any]] = []  # this server's queued GPU work, as asks
+        self._demand_told: list[dict[str, Any]] | None = None  # what the ledger was last told
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -79,8 +81,10 @@ class TenantLink:
                     continue
                 backoff = 0.1
                 self.user, self.error = hello["user"], None
+                self._demand_told = None  # a new connection knows nothing of it
                 await self._release_pending()
             try:
+                await self._tell_demand()
                 await self.refresh()
             except HostLedgerError as exc:
                 self._lost(exc.reason)
@@ -108,6 +112,28 @@ class TenantLink:
 
     def _on_event(self, event: dict[str, Any]) -> None:
         self._wake.set()  # a grant ended, a reason moved: refresh the view now
+        if event.get("event") in ("turn", "retry"):
+            # Fair share: this user's turn (room kept for its queued work), or its deferred ask
+            # may go again. The scheduler looks again even if the view did not move.
+            self._changed()
+
+    def set_demand(self, asks: list[dict[str, Any]]) -> None:
+        """The GPU work queued at this server now (told to the ledger when it changed)."""
+        asks = asks[:16]
+        if asks != self._demand:
+            self._demand = asks
+            self._wake.set()
+
+    async def _tell_demand(self) -> None:
+        if self._demand != self._demand_told:
+            demand = list(self._demand)
+            try:
+                await self.client.demand(demand)
+            except HostLedgerUnavailable:
+                raise
+            except HostLedgerError as exc:  # refused (an older ledger): fair share without it
+                log.info("host ledger %s: demand not told: %s", self.socket_path, exc.reason)
+            self._demand_told = demand
 
     async def _release_pending(self) -> None:
         for grant_id in sorted(self._to_release):
