@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,9 @@ from .client import HostLedgerClient, HostLedgerError, HostLedgerUnavailable, Ne
 log = logging.getLogger(__name__)
 
 __all__ = ["HostLedgerUnavailable", "NeverFits", "TenantLink"]
+
+# A demand the ledger set aside (its turn not taken) is told again after this long, if still queued.
+DEMAND_RETELL_S = 30.0
 
 
 class TenantLink:
@@ -45,6 +49,7 @@ class TenantLink:
         self._to_release: set[str] = set()
         self._demand: list[dict[str, Any]] = []  # this server's queued GPU work, as asks
         self._demand_told: list[dict[str, Any]] | None = None  # what the ledger was last told
+        self._demand_told_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -102,6 +107,11 @@ class TenantLink:
 
     async def refresh(self) -> None:
         view = await self.client.view()
+        told = [d for d in view.get("demand", []) if d.get("user") == self.user]
+        if self._demand and not told and time.monotonic() - self._demand_told_at >= DEMAND_RETELL_S:
+            # Set aside by the ledger (a turn this server did not take), and still queued: tell it
+            # again, now and then, so that a queue that does not change keeps its fair share.
+            self._demand_told = None
         if view != self.view:
             self.view = view
             self._changed()
@@ -133,7 +143,7 @@ class TenantLink:
                 raise
             except HostLedgerError as exc:  # refused (an older ledger): fair share without it
                 log.info("host ledger %s: demand not told: %s", self.socket_path, exc.reason)
-            self._demand_told = demand
+            self._demand_told, self._demand_told_at = demand, time.monotonic()
 
     async def _release_pending(self) -> None:
         for grant_id in sorted(self._to_release):
