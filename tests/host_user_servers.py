@@ -124,7 +124,7 @@ class UserServer:
     def connected(self) -> dict:
         def up():
             status = self.ok("GET", "status")["host_ledger"]
-            return status if status["connected"] and status["user"] else None
+            return status if status["connected"] else None
 
         return wait_until(up, timeout=30, message=f"{self.name}'s server never joined the host ledger")
 

@@ -58,7 +58,8 @@ class TenantLink:
         return self.client.connected
 
     def status(self) -> dict[str, Any]:
-        connected = self.connected
+        # Connected once the hello is answered (the socket alone, a moment earlier, has no user yet).
+        connected = self.connected and self.error is None
         # Lost between two of the keeper's passes: not connected, and says so before it notices.
         error = None if connected else (self.error or "the connection to the host ledger was lost")
         return {"socket": self.socket_path, "connected": connected, "user": self.user, "error": error}
