@@ -28,6 +28,11 @@ export PATH="$PWD/.venv/bin:$PATH"
 # The extras: shared models, the tests (and `build` for scripts/check_packaging.sh), the user guide.
 .venv/bin/python -m pip install -q -e ".[models,test,docs]" --no-build-isolation
 .venv/bin/jupyter labextension develop --overwrite . >/dev/null 2>&1
+# JupyterHub's proxy (npm), into the venv's bin/ next to jupyterhub: tests/test_jupyterhub.py runs a
+# real Hub. (Skipped when it is there already: the set-up stays idempotent.)
+if [ ! -x .venv/bin/configurable-http-proxy ]; then
+  npm install -g --silent --no-fund --no-audit --prefix "$PWD/.venv" "configurable-http-proxy@^5" >/dev/null
+fi
 # Byte-compile the package even where PYTHONDONTWRITEBYTECODE is set (it is on these machines):
 # otherwise every run process compiles the runner from source again (~6 ms of a ~20 ms start).
 env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -m compileall -q jupyter_evalsched >/dev/null

@@ -3,7 +3,7 @@ JSON lines on stdin and answers each (its ``tag`` repeated) on stdout when it is
 request that waits is answered when granted while other commands go on.
 
 Commands (``do``): connect (hello, re-telling the grants held), request, retie, release, cancel,
-view, raw (send one message as it is, the answer as it is), spawn (a ``sleep`` in its own session:
+view, demand (the queued work a server tells), events (the names of the events received), raw (send one message as it is, the answer as it is), spawn (a ``sleep`` in its own session:
 what a run is to the ledger; it outlives this process), kill (one of the spawned).
 """
 
@@ -20,7 +20,8 @@ from jupyter_evalsched.host_ledger.client import HostLedgerClient, HostLedgerErr
 
 
 async def main(socket_path: str) -> None:
-    client = HostLedgerClient(socket_path, tenant="test agent")
+    events: list[str] = []  # the names of the events the ledger sent unasked, in order
+    client = HostLedgerClient(socket_path, tenant="test agent", on_event=lambda e: events.append(e["event"]))
     out = sys.stdout
     spawned: dict[int, subprocess.Popen] = {}
 
@@ -46,6 +47,10 @@ async def main(socket_path: str) -> None:
                 result = await client.view()
             elif do == "grants":
                 result = sorted(client.grants)
+            elif do == "events":
+                result = list(events)
+            elif do == "demand":
+                result = await client.demand(command["asks"])
             elif do == "raw":
                 _, fut = await client._send(**command["message"])
                 result = await fut

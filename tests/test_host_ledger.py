@@ -32,6 +32,7 @@ from waiting import wait_until
 
 from jupyter_evalsched.host_ledger.client import status
 from jupyter_evalsched.host_ledger.protocol import FRAME_DEADLINE_S, encode
+from jupyter_evalsched.host_ledger.server import TURN_S
 
 pytestmark = pytest.mark.timeout(120)
 ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
@@ -153,6 +154,40 @@ def test_fair_share_the_next_grant_goes_to_the_user_holding_least(users, ledger,
         order.append(name)
         holding.append((agent, agent.result(tag)["result"]["id"]))
     assert order == ["bob", "alice", "bob", "alice", "bob", "alice"], order
+
+
+def test_fair_share_between_servers_that_ask_without_waiting_keeps_room_for_the_told_demand(users, ledger, agents):
+    """Users' servers ask without waiting (their own admission decides) and tell their queued
+    GPU work as ``demand``: room freed by alice, who holds more, goes to bob's demand first; alice
+    is told to retry once bob has it, or once bob let TURN_S pass without asking."""
+    alice, bob = agents("alice"), agents("bob")
+    held = [alice.ok("request", key=f"a{i}", vram_mb=12000) for i in range(2)]  # the whole GPU
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}, {"vram_mb": 12000}]) == 2
+    assert [d["user"] for d in ledger.view()["demand"]] == [BOB, BOB]
+    alice.ok("release", grant=held[0]["id"])
+    refused = alice.ok("request", key="a-next", vram_mb=12000, wait=False)
+    assert refused["state"] == "busy", refused
+    assert refused["reason"] == f"fair share: user {BOB} holds less (0 MB) and waits for this room"
+    wait_until(lambda: "turn" in bob.ok("events"), timeout=10, message="bob was never told his turn")
+    assert bob.ok("request", key="b1", vram_mb=12000, wait=False)["state"] == "granted"
+    wait_until(lambda: "retry" in alice.ok("events"), timeout=10, message="alice was never told to retry")
+    # Holding the same as bob now, alice is not held back by his demand: arrival decides.
+    alice.ok("release", grant=held[1]["id"])
+    assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "granted"
+
+    # A turn not taken: bob frees his, holding less than alice, but never asks; alice goes on
+    # after TURN_S, and bob's demand is set aside until he tells it anew.
+    bob.ok("release", grant=[g for g in ledger.view()["grants"] if g["user"] == BOB][0]["id"])
+    assert alice.ok("request", key="a-again", vram_mb=12000, wait=False)["state"] == "busy"
+    retries = alice.ok("events").count("retry")
+    wait_until(lambda: alice.ok("events").count("retry") > retries, timeout=TURN_S + 10)
+    assert ledger.view()["demand"] == []
+    assert alice.ok("request", key="a-again", vram_mb=12000, wait=False)["state"] == "granted"
+    # Bad demand: a precise error, and the connection goes on.
+    for asks in ("x", [{"vram_mb": "a lot"}], [{"vram_mb": 1}] * 17, [{"vram_mb": 1, "kind": "job"}]):
+        bad = alice.call("demand", asks=asks)
+        assert bad["error"] == "bad_request", bad
+    assert alice.ok("view")["user"] == ALICE
 
 
 def test_a_client_claiming_another_identity_or_pid_gets_nothing(users, ledger, agents):

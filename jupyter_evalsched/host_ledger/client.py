@@ -241,6 +241,11 @@ class HostLedgerClient:
     async def view(self) -> dict[str, Any]:
         return await self._call("view")
 
+    async def demand(self, asks: list[dict[str, Any]]) -> int:
+        """Tell the GPU work queued at this tenant (``vram_mb``, ``gpus``, ``exclusive``,
+        ``kind`` each): the ledger's fair share keeps room for it against users holding more."""
+        return int((await self._call("demand", asks=asks))["demand"])
+
 
 def status(socket_path: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """The host ledger's view for the calling user (the whole view for root or an admin); blocking."""

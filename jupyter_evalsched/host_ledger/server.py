@@ -31,7 +31,7 @@ from typing import Any
 from ..scheduler.gpus import GpuInfo, GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
 from . import procs
 from .config import LedgerConfig
-from .policy import Ask, Decision, Holding, HostDevice, Quota, decide, next_grant
+from .policy import Ask, Decision, Holding, HostDevice, Quota, decide, held_mb, next_grant
 from .procs import ProcId
 from .protocol import HELLO_DEADLINE_S, MAX_ANSWER_BYTES, ProtocolError, encode, read_frame
 
@@ -45,6 +45,8 @@ MAX_PIDS = 64
 MAX_KEY_CHARS = 200
 MAX_SEND_BUFFER = 1024 * 1024  # a peer that reads nothing is closed rather than buffered for
 KINDS = ("run", "lease")
+MAX_DEMAND = 16  # asks a tenant may tell as its demand (its queued GPU work)
+TURN_S = 5.0  # how long room kept for a user holding less (its demand) waits for that user to ask
 
 
 class BadRequest(Exception):
@@ -63,6 +65,11 @@ class Conn:
     writer: asyncio.StreamWriter
     tenant: bool = False  # requested or re-told grants: a restarted ledger waits for it
     closed: bool = False
+    # Fair share between servers that ask without waiting: the GPU work this tenant has queued
+    # (op ``demand``), and, when one of its own asks was deferred to another user's demand, until
+    # when (then it is told ``retry`` and that demand is set aside until told anew).
+    demand: list[Ask] = field(default_factory=list)
+    deferred_for: list[tuple[float, Conn]] = field(default_factory=list)
 
     def send(self, message: dict[str, Any]) -> None:
         if self.closed:
@@ -324,6 +331,7 @@ class HostLedger:
                 ended = [g for g in self.grants.values() if not any(procs.alive(p) for p in g.procs)]
                 for grant in ended:
                     self._end(grant, "its processes are gone")
+                self._expire_turns()
                 await self._refresh()
                 self._schedule()
                 if ended:
@@ -402,6 +410,7 @@ class HostLedger:
         )
         if w.replied:
             w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": grant.as_json()})
+        self._turn_taken(w.conn)
 
     # ------------------------------------------------------------------ connections
 
@@ -539,6 +548,10 @@ class HostLedger:
         if never.state == "never":
             return {"state": "never", "reason": never.reason}
         waiter = Waiter(conn, message.get("id"), key, ask, self._owned(conn, message.get("pids")))
+        if message.get("wait", True) is False and not self.reclaim_open():
+            turn = self._turn_of_another(conn, ask)
+            if turn:
+                return {"state": "busy", "reason": turn}
         self.waiting.append(waiter)
         self._schedule()
         if waiter.grant is not None:
@@ -548,6 +561,74 @@ class HostLedger:
             return {"state": "busy", "reason": waiter.reason}
         waiter.replied = True
         return {"state": "waiting", "reason": waiter.reason}
+
+    def _turn_of_another(self, conn: Conn, ask: Ask) -> str:
+        """Fair share for an ask that does not wait (a user's server admits its own runs and asks
+        without waiting): when it could be granted now, but another user holding less has told
+        demand that could be granted now too, that user goes first. The ask is refused with the
+        reason; the other user is told (``turn``) and its server asks; the refused one is told
+        ``retry`` once that has happened or TURN_S has passed."""
+        devices, holdings = self.devices(), self.holdings()
+        quota = self.config.quota(conn.user)
+        if decide(ask, devices, holdings, quota).state != "granted":
+            return ""
+        others = [(c, a) for c in self.conns if c.uid != conn.uid and not c.closed for a in c.demand]
+        if not others:
+            return ""
+        asks = [ask, *(a for _, a in others)]
+        quotas = {a.user: self.config.quota(a.user) for a in asks}
+        pick = next_grant(asks, devices, holdings, quotas)
+        if pick is None or pick[0] == 0:
+            return ""
+        first, _ = others[pick[0] - 1]
+        deadline = time.monotonic() + TURN_S
+        if not any(c is first for _, c in conn.deferred_for):
+            conn.deferred_for.append((deadline, first))
+        first.send({"event": "turn"})
+        held = held_mb(first.user, devices, holdings)
+        return f"fair share: user {first.user} holds less ({held} MB) and waits for this room"
+
+    def _expire_turns(self) -> None:
+        """Tell each deferred tenant to ask again once the user it was deferred to has been
+        granted what it waited for, or has not asked within TURN_S (its demand is set aside)."""
+        now = time.monotonic()
+        for conn in list(self.conns):
+            if not conn.deferred_for:
+                continue
+            keep = []
+            for deadline, first in conn.deferred_for:
+                if first.closed or not first.demand:
+                    continue
+                if now >= deadline:
+                    first.demand = []  # it did not take its turn: not in the way again until told anew
+                    continue
+                keep.append((deadline, first))
+            done = len(keep) < len(conn.deferred_for)
+            conn.deferred_for = keep
+            if done and not keep:
+                conn.send({"event": "retry"})
+
+    def _turn_taken(self, first: Conn) -> None:
+        """``first`` was granted something: the tenants deferred to it may ask again."""
+        for conn in list(self.conns):
+            if any(c is first for _, c in conn.deferred_for):
+                conn.deferred_for = [(d, c) for d, c in conn.deferred_for if c is not first]
+                if not conn.deferred_for:
+                    conn.send({"event": "retry"})
+
+    def _op_demand(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
+        """The GPU work this tenant has queued, as asks (``vram_mb``, ``gpus``, ``exclusive``,
+        ``kind``; at most MAX_DEMAND): replaces what it told before."""
+        asks = message.get("asks")
+        if not isinstance(asks, list) or len(asks) > MAX_DEMAND or not all(isinstance(a, dict) for a in asks):
+            raise BadRequest("bad_request", f"asks must be a list of at most {MAX_DEMAND} objects")
+        demand = []
+        for item in asks:
+            _, ask = self._ask(conn, {**item, "key": "demand"})
+            if decide(ask, self.devices(), [], self.config.quota(conn.user)).state != "never":
+                demand.append(ask)
+        conn.demand = demand
+        return {"demand": len(demand)}
 
     def _op_cancel(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
         key = message.get("key")
@@ -690,6 +771,13 @@ class HostLedger:
                 for w in waiting
             ],
             "users_waiting": others_waiting,
+            # The queued GPU work the tenants told (``demand``): the caller's own, or everyone's.
+            "demand": [
+                {"user": a.user, "vram_mb": a.vram_mb, "gpus": a.gpus, "exclusive": a.exclusive, "kind": a.kind}
+                for c in self.conns
+                if admin or c.uid == uid
+                for a in c.demand
+            ],
         }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,9 @@ from .client import HostLedgerClient, HostLedgerError, HostLedgerUnavailable, Ne
 log = logging.getLogger(__name__)
 
 __all__ = ["HostLedgerUnavailable", "NeverFits", "TenantLink"]
+
+# A demand the ledger set aside (its turn not taken) is told again after this long, if still queued.
+DEMAND_RETELL_S = 30.0
 
 
 class TenantLink:
@@ -43,6 +47,9 @@ class TenantLink:
         self.error: str | None = "not connected yet"
         self.view: dict[str, Any] | None = None
         self._to_release: set[str] = set()
+        self._demand: list[dict[str, Any]] = []  # this server's queued GPU work, as asks
+        self._demand_told: list[dict[str, Any]] | None = None  # what the ledger was last told
+        self._demand_told_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -51,7 +58,8 @@ class TenantLink:
         return self.client.connected
 
     def status(self) -> dict[str, Any]:
-        connected = self.connected
+        # Connected once the hello is answered (the socket alone, a moment earlier, has no user yet).
+        connected = self.connected and self.error is None
         # Lost between two of the keeper's passes: not connected, and says so before it notices.
         error = None if connected else (self.error or "the connection to the host ledger was lost")
         return {"socket": self.socket_path, "connected": connected, "user": self.user, "error": error}
@@ -79,8 +87,10 @@ class TenantLink:
                     continue
                 backoff = 0.1
                 self.user, self.error = hello["user"], None
+                self._demand_told = None  # a new connection knows nothing of it
                 await self._release_pending()
             try:
+                await self._tell_demand()
                 await self.refresh()
             except HostLedgerError as exc:
                 self._lost(exc.reason)
@@ -98,6 +108,11 @@ class TenantLink:
 
     async def refresh(self) -> None:
         view = await self.client.view()
+        told = [d for d in view.get("demand", []) if d.get("user") == self.user]
+        if self._demand and not told and time.monotonic() - self._demand_told_at >= DEMAND_RETELL_S:
+            # Set aside by the ledger (a turn this server did not take), and still queued: tell it
+            # again, now and then, so that a queue that does not change keeps its fair share.
+            self._demand_told = None
         if view != self.view:
             self.view = view
             self._changed()
@@ -108,6 +123,28 @@ class TenantLink:
 
     def _on_event(self, event: dict[str, Any]) -> None:
         self._wake.set()  # a grant ended, a reason moved: refresh the view now
+        if event.get("event") in ("turn", "retry"):
+            # Fair share: this user's turn (room kept for its queued work), or its deferred ask
+            # may go again. The scheduler looks again even if the view did not move.
+            self._changed()
+
+    def set_demand(self, asks: list[dict[str, Any]]) -> None:
+        """The GPU work queued at this server now (told to the ledger when it changed)."""
+        asks = asks[:16]
+        if asks != self._demand:
+            self._demand = asks
+            self._wake.set()
+
+    async def _tell_demand(self) -> None:
+        if self._demand != self._demand_told:
+            demand = list(self._demand)
+            try:
+                await self.client.demand(demand)
+            except HostLedgerUnavailable:
+                raise
+            except HostLedgerError as exc:  # refused (an older ledger): fair share without it
+                log.info("host ledger %s: demand not told: %s", self.socket_path, exc.reason)
+            self._demand_told, self._demand_told_at = demand, time.monotonic()
 
     async def _release_pending(self) -> None:
         for grant_id in sorted(self._to_release):

@@ -114,6 +114,8 @@ class Admission:
         # the runs it refused, kept out of decisions until its view moves.
         self.host_gate: Callable[[], contract.Why | None] | None = None
         self._host_held: dict[str, Run] = {}
+        # And the GPU work queued here, told to it (its fair share keeps room for it).
+        self.host_demand: Callable[[list[dict[str, Any]]], None] | None = None
         table.requeue_policy = self._retry_policy
         table.on_exit(self._on_run_exited)
         table.on_end(self._on_run_ended)
@@ -356,6 +358,7 @@ class Admission:
             return
         for why in decision.why.values():
             self.carrier.waiting(run, _waiting_why(run, why))
+        self._tell_host_demand()
 
     def _admit(self) -> None:
         self._admit_scheduled = False
@@ -377,6 +380,27 @@ class Admission:
                     return
         finally:
             self._admitting = False
+            self._tell_host_demand()
+
+    def _tell_host_demand(self) -> None:
+        """The queued GPU runs not held by a dependency, oldest first, as the host ledger's asks."""
+        if self.host_demand is None:
+            return
+        runs = sorted(
+            (r for r in self._queued.values() if r.id not in self._blocked and r.scheduling.uses_gpu),
+            key=lambda r: int(r.record["seq"]),
+        )[:16]
+        self.host_demand(
+            [
+                {
+                    "vram_mb": r.scheduling.marginal_vram_mb,
+                    "gpus": r.scheduling.gpus,
+                    "exclusive": r.scheduling.exclusive_gpu,
+                    "kind": "run",
+                }
+                for r in runs
+            ]
+        )
 
     def _decide(self) -> policy.Decision:
         now = time.time()
@@ -682,6 +706,7 @@ class Admission:
         self._queued.pop(run_id, None)
         self._eligible.pop(run_id, None)
         self._unblock(run_id)
+        self._tell_host_demand()
 
     def _check_dependencies(self, run: Run) -> bool:
         """Whether the queued ``run`` is held by a dependency still queued or running (then it

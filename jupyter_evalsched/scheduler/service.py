@@ -130,6 +130,7 @@ class Scheduler:
         if config.host_ledger:
             self.host = HostTenant(config.host_ledger, self._host_changed)
             self.admission.host_gate = self.host.gate
+            self.admission.host_demand = self.host.link.set_demand  # the ledger's fair share
             self.submissions.host_never = self.host.never
             self.table.subscribe(self._host_run_changed)
             for hook in (self.table.on_exit, self.table.on_end):
