@@ -66,6 +66,11 @@ def utcnow_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
+def iso_from_timestamp(at: float) -> str:
+    """``at`` (``time.time()``) as :func:`utcnow_iso` writes it."""
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="microseconds")
+
+
 class _Strict(BaseModel):
     # Strict types: a boolean is not a number, "100" is not a number, 1 is not a boolean. (An
     # integer is still a valid float: JSON does not tell 10 from 10.0.)

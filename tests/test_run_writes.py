@@ -301,6 +301,61 @@ async def test_observed_peaks_of_a_running_run_are_written_bounded_and_never_aft
     assert run.record["observed"]["peak_vram_mb"] == {"0": 9000}  # (in memory at once)
 
 
+async def test_a_queued_running_record_is_replaced_by_the_runs_next_whole_write(tmp_path, monkeypatch):
+    """A rise of the peaks queues a running record; while it still waits in the writer's queue
+    (the thread is held in another run's write), the run's end, or a save of its whole record,
+    takes it back unmade instead of writing it on the loop: what it said is in the newer write.
+    The end is still job.json, then _DONE; a running record under way is still waited for."""
+    store, table, (busy, run, saved) = _queued_runs(tmp_path, 3, writer=True)
+    assert table.writer is not None
+    table.writer.bind(asyncio.get_running_loop())
+    for r in (run, saved):
+        table.started(r, pid=os.getpid())
+    entered, release = threading.Event(), threading.Event()
+    write_job = store.write_job
+    order: list[tuple[str, str, dict | None]] = []
+    loop_thread = threading.get_ident()
+
+    def held_write_job(run_id, record):
+        record = json.loads(record) if isinstance(record, bytes) else record
+        if run_id == busy.id and not entered.is_set():
+            entered.set()
+            release.wait(30)
+        where = "loop" if threading.get_ident() == loop_thread else "thread"
+        order.append((run_id, f"{record['state']}@{where}", (record.get("observed") or {}).get("peak_vram_mb")))
+        write_job(run_id, record)
+
+    mark_done = store.mark_done
+
+    def recorded_mark_done(run_id):
+        order.append((run_id, "_DONE", None))
+        mark_done(run_id)
+
+    monkeypatch.setattr(store, "write_job", held_write_job)
+    monkeypatch.setattr(store, "mark_done", recorded_mark_done)
+    monkeypatch.setattr(runs_module, "OBSERVED_WRITE_INTERVAL_S", 0.0)
+    try:
+        table.finish(busy, "failed", "failed: by the test")
+        await async_wait_until(entered.is_set, timeout=10, message="the writer never began")
+        table.observe(run, {0: 1000}, 10)
+        table.observe(saved, {0: 2000}, 10)
+        assert table.writes_waiting == 3  # busy's (under way), and the two running records queued
+        table.finish(run, "failed", "failed: by the test")
+        table.save(saved)
+        assert [(r, w) for r, w, _ in order if r != busy.id] == [(saved.id, "running@loop")]
+        release.set()
+        await table.all_written()
+        assert table.writes_waiting == 0
+        mine = [(w, peaks) for r, w, peaks in order if r == run.id]
+        assert mine == [("failed@thread", {"0": 1000}), ("_DONE", None)]  # the running record was never made
+        assert [(w, peaks) for r, w, peaks in order if r == saved.id] == [("running@loop", {"0": 2000})]
+        assert _on_disk(store, run.id) == ("failed", True)
+        assert _on_disk(store, saved.id) == ("running", False)
+    finally:
+        release.set()
+        table.writer.close()
+
+
 def test_without_a_writer_every_terminal_record_is_written_at_once(tmp_path):
     store, table, runs = _queued_runs(tmp_path, 5, writer=False)
     with table.deferring_writes():

@@ -19,7 +19,7 @@ from waiting import async_wait_until
 
 from jupyter_evalsched.doctor import server_checks
 from jupyter_evalsched.scheduler import launcher as launcher_module
-from jupyter_evalsched.scheduler.zygotes import cold_reason, incompatible, zygote_environment
+from jupyter_evalsched.scheduler.zygotes import ZygoteClient, cold_reason, incompatible, zygote_environment
 
 HERE = Path(__file__).resolve().parent
 FINGERPRINT = f"{HERE / 'evals_warm.py'}:fingerprint"
@@ -382,6 +382,26 @@ async def test_what_a_run_frees_goes_to_the_next_before_its_verdict_is_read(api,
     # verdict was recorded.
     assert finals["a"]["finished_at"] <= finals["b"]["started_at"], finals
     assert finals["a"]["finished_at"] <= finals["c"]["started_at"], finals
+
+
+async def test_a_warm_runs_started_at_is_its_hand_over_not_when_the_loop_read_it(api, wait_for, runs_dir, monkeypatch):
+    """A warm run's ``started_at`` is the moment its spare became the run (the spare's own stamp,
+    in its answer), not when the server's loop read that answer: a loop that reads it late (held a
+    second here) does not move it past the runner's own start, as its summary says."""
+    await ready_zygote(api)
+    answered = ZygoteClient._answered
+
+    def late(self, pid: int) -> None:
+        time.sleep(1.0)
+        answered(self, pid)
+
+    monkeypatch.setattr(ZygoteClient, "_answered", late)
+    rec = await submit(api, spec(entry=NOOP))
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded" and final["start"] == "warm", final
+    summary = json.loads((runs_dir / rec["id"] / "summary.json").read_text())
+    assert final["submitted_at"] <= final["started_at"] <= summary["started_at"], (final, summary)
+    assert final["started_at"] <= final["finished_at"], final
 
 
 async def test_done_is_the_runs_last_act_after_its_atexit_handlers(api, wait_for, tmp_path, runs_dir):

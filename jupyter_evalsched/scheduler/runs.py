@@ -36,7 +36,7 @@ from typing import Any
 
 from .. import contract
 from ..contract import ACTIVE_STATES, FAILED, SUCCEEDED, TERMINAL_STATES
-from ..schemas import RECORD_FIELDS, RunRecord, utcnow_iso
+from ..schemas import RECORD_FIELDS, RunRecord, iso_from_timestamp, utcnow_iso
 from ..store import FileStamp, RunFileError, RunStore, StoreError, UnsafeRunFile, dumps
 from .attempts import Requeue
 from .writer import RunWriter, TerminalWrite
@@ -427,12 +427,17 @@ class RunTable:
         if notify:
             self.changed(run)
 
-    def started(self, run: Run, **fields: Any) -> None:
+    def started(self, run: Run, at: float | None = None, **fields: Any) -> None:
         """The run's process exists (``fields``: its pid and how it started): ``running`` from
         now on, written to ``job.json`` before any listener is told. Until then a run stays
         ``queued`` (``starting``), so that no client sees ``running`` without a process on disk,
-        and a server killed before this write finds the run queued, as its clients last saw it."""
-        self.update(run, state=contract.RUNNING, reason=None, started_at=utcnow_iso(), **fields)
+        and a server killed before this write finds the run queued, as its clients last saw it.
+        ``at`` (wall clock): when the process became the run, where it said so itself (a warm
+        start's spare stamps its hand-over); the record's ``started_at`` is that moment, not when
+        its answer reached this loop (never later than now)."""
+        now = time.time()
+        stamp = utcnow_iso() if at is None or not at < now else iso_from_timestamp(at)
+        self.update(run, state=contract.RUNNING, reason=None, started_at=stamp, **fields)
 
     def set_reason(self, run: Run, why: contract.Why | None) -> bool:
         """Why a run waits (its ``reason`` and ``why``, from one fact): news to the widget and
@@ -511,7 +516,13 @@ class RunTable:
         return True
 
     def observe(
-        self, run: Run, vram_mb: dict[int, int], rss_mb: int | None, source: str | None = None, notify: bool = True
+        self,
+        run: Run,
+        vram_mb: dict[int, int],
+        rss_mb: int | None,
+        source: str | None = None,
+        notify: bool = True,
+        persist: bool = True,
     ) -> bool:
         """Fold what the run uses now into its ``observed`` peaks; True (and listeners told, unless
         not ``notify``) when a peak rose. A running run's rise is written to ``job.json`` by the
@@ -533,7 +544,8 @@ class RunTable:
             self._persist_observed(run)  # (a rise held back by the interval, written now)
             return False
         run.record["observed"] = new
-        self._persist_observed(run)
+        if persist:  # (not: a write of the whole record follows at once, its terminal one)
+            self._persist_observed(run)
         if notify:
             self.changed(run)
         return True
@@ -556,7 +568,9 @@ class RunTable:
         except Exception:  # a record that cannot be serialized: its next save says so
             return
         run.observed_written, run.observed_written_ts = observed, now
-        write = TerminalWrite(run.id, data, False, functools.partial(self._terminal_written, run, True))
+        write = TerminalWrite(
+            run.id, data, False, functools.partial(self._terminal_written, run, True), replaceable=True
+        )
         self._pending[run.id] = write
         if self.writer is not None:
             self.writer.terminal([write])
@@ -705,7 +719,7 @@ class RunTable:
         the writer in this order (written here when there is none)."""
         writes: list[TerminalWrite] = []
         for run in runs:
-            self._settle(run.id)  # (an earlier one for the run, still waiting, goes first)
+            self._settle(run.id, superseded=True)  # (an earlier one for the run, still waiting, goes first)
             try:
                 data = dumps(run.record)
             except Exception:  # a record that cannot be serialized: that run's problem
@@ -748,13 +762,18 @@ class RunTable:
             run.done_on_disk = True
         self._unwritten.discard(run.id)
 
-    def _settle(self, run_id: str) -> None:
+    def _settle(self, run_id: str, superseded: bool = False) -> None:
         """The run's terminal write, if one waits, made and applied now: before any other write
-        for that run."""
+        for that run. ``superseded``: the caller writes the whole record next, so a running
+        record still queued (its observed peaks, no ``_DONE``) is dropped from the writer's queue
+        rather than written here, on the loop (what it says is in the next write)."""
         write = self._pending.pop(run_id, None)
         if write is None:
             return
         if self.writer is not None:
+            if superseded and self.writer.withdraw(write):
+                write.complete()
+                return
             self.writer.settle(write)
         else:
             write.make(self.store)
@@ -793,7 +812,7 @@ class RunTable:
     def save(self, run: Run, quiet: bool = False) -> bool:
         """Write ``job.json``. A refused write keeps the state right in memory; the reconciliation retries
         it (``retry_unwritten``)."""
-        self._settle(run.id)
+        self._settle(run.id, superseded=True)
         return self._save(run, quiet)
 
     def _save(self, run: Run, quiet: bool = False) -> bool:

@@ -72,11 +72,22 @@ class TerminalWrite:
         "job_error",
         "mark_done",
         "on_done",
+        "replaceable",
         "run_id",
     )
 
-    def __init__(self, run_id: str, data: bytes, mark_done: bool, on_done: Callable[[TerminalWrite], None]) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        data: bytes,
+        mark_done: bool,
+        on_done: Callable[[TerminalWrite], None],
+        replaceable: bool = False,
+    ) -> None:
         self.run_id = run_id
+        # A running record (its observed peaks) that the run's next write of its whole record
+        # may take back from the queue unmade (``RunWriter.withdraw``); nothing awaits it.
+        self.replaceable = replaceable
         self.data = data
         self.mark_done = mark_done
         self.on_done = on_done
@@ -197,6 +208,21 @@ class RunWriter:
         else:
             write.finished.wait()
         write.complete()
+
+    def withdraw(self, write: TerminalWrite) -> bool:
+        """On the loop: ``write`` taken back from the queue unmade, if the thread has not taken it
+        yet (True; the caller completes it). Only a ``replaceable`` one: a running record, which
+        the next write of the whole record replaces."""
+        with self._lock:
+            if not write.replaceable or write._state != _QUEUED:
+                return False
+            write._state = _TAKEN
+            try:
+                self._queue.remove(write)
+            except ValueError:  # (never queued: the writer was not running)
+                pass
+        write.finished.set()
+        return True
 
     def _put(self, items: tuple[_Create, ...] | list[TerminalWrite]) -> bool:
         with self._lock:

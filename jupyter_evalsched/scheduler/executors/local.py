@@ -330,6 +330,7 @@ class LocalExecutor(Executor):
             run,
             pid=proc.pid,
             pid_create_time=proc.create_time if proc.create_time is not None else process_create_time(proc.pid),
+            at=proc.spawned_at if proc.zygote is not None else None,
             start=start,
             start_detail=detail,
         )
@@ -367,7 +368,7 @@ class LocalExecutor(Executor):
         if run.terminal:
             return
         if peak is not None:
-            table.observe(run, {}, peak, notify=False)
+            table.observe(run, {}, peak, notify=False, persist=False)  # (in the terminal record)
         with table.deferring_writes():
             table.set_exit_code(run, code)
             verdict = table.conclude(run, code)
