@@ -39,7 +39,16 @@ from .client import (
     load_spec_file,
     sweep_from_options,
 )
-from .client.formatting import compare_table, holder_text, model_figures, pending_text
+from .client.formatting import (
+    compare_table,
+    holder_text,
+    is_other_users,
+    model_figures,
+    other_user_text,
+    other_users,
+    outside_text,
+    pending_text,
+)
 from .client.spec import did_you_mean
 from .client.sweep import sweep_record
 from .contract import SUCCEEDED, TERMINAL_STATES
@@ -132,9 +141,12 @@ def _bar(fraction: float, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | None = None) -> str:
+def format_ledger(
+    ledger: dict | None, width: int = 24, names: dict[str, str] | None = None, me: str | None = None
+) -> str:
     """One text bar per GPU (allocated out of usable), then the CPU slots. ``names`` maps run ids
-    to shorter labels."""
+    to shorter labels. On a host shared through a host ledger, a line per other user under each
+    GPU, by user name only; ``me`` is this server's user (``host_ledger.user`` of the status)."""
     names = names or {}
     if not ledger:
         return "ledger: unavailable"
@@ -146,7 +158,7 @@ def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | 
         if dev.get("baseline_mb"):
             extra.append(f"models {dev['baseline_mb']} MB")
         if dev.get("unmanaged_mb"):
-            holders = _unmanaged_holders(dev)
+            holders = _unmanaged_holders(dev, me)
             extra.append(f"other {dev['unmanaged_mb']} MB" + (f": {holders}" if holders else ""))
         if dev.get("exclusive"):
             extra.append(f"held whole by {names.get(dev['exclusive'], dev['exclusive'])}")
@@ -165,6 +177,13 @@ def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | 
             + (f"  runs: {runs}" if runs else "")
             + (f"  leases: {leases}" if leases else "")
         )
+        for entry in other_users(dev, me):  # a line per other user: what they hold, nothing more
+            pieces = [other_user_text(entry)] if entry["mb"] > 0 else []
+            if entry["outside_mb"] > 0:
+                pieces.append(
+                    outside_text(entry) if not pieces else f"{entry['outside_mb']:,} MB outside the scheduler"
+                )
+            lines.append("  user " + "; ".join(pieces))
     if not lines:
         lines.append("no GPUs (CPU-only runs)")
     cpu = ledger.get("cpu_slots") or {}
@@ -182,13 +201,19 @@ def lease_holder(lease: dict) -> str:
     return f"pid {lease['pid']}" if lease.get("pid") else str(lease.get("id"))
 
 
-def _unmanaged_holders(dev: dict) -> str:
-    """VRAM outside the scheduler by who holds it: a notebook (its kernel), else a pid."""
+def _unmanaged_holders(dev: dict, me: str | None = None) -> str:
+    """VRAM outside the scheduler by who holds it: another user of a shared host (by name), a
+    notebook (its kernel), else a pid."""
     by_holder: dict[str, int] = {}
     for proc in dev.get("unmanaged_processes") or []:
         if proc.get("lease_id"):
             continue  # within its lease (only what exceeds it is unmanaged, shown with the lease)
-        who = os.path.basename(proc["session_path"]) if proc.get("session_path") else f"pid {proc.get('pid')}"
+        if is_other_users(proc, me):
+            who = f"user {proc['user']}"
+        elif proc.get("session_path"):
+            who = os.path.basename(proc["session_path"])
+        else:
+            who = f"pid {proc.get('pid')}"
         by_holder[who] = by_holder.get(who, 0) + int(proc.get("used_mb") or 0)
     return ", ".join(f"{who} {mb} MB" for who, mb in sorted(by_holder.items(), key=lambda kv: -kv[1]))
 
@@ -212,10 +237,11 @@ def format_leases(leases: Sequence[dict]) -> str:
     )
 
 
-def format_queue(view: dict) -> str:
+def format_queue(view: dict, me: str | None = None) -> str:
+    """``me``: this server's user on a host shared through a host ledger (see format_ledger)."""
     running = view.get("running") or []
     queued = view.get("queued") or []
-    out = [format_ledger(view.get("ledger")), "", f"RUNNING ({len(running)})"]
+    out = [format_ledger(view.get("ledger"), me=me), "", f"RUNNING ({len(running)})"]
     if running:
         out.append(
             format_table(
@@ -751,12 +777,25 @@ class _LogFollower:
         self._printed = len(text)
 
 
+def host_user(client: EvalSchedClient, view: dict) -> str | None:
+    """This server's user on a host shared through a host ledger (the ledger's devices list
+    ``users``), from ``GET /evalsched/status``; None without one, or while the link has not said."""
+    if not any("users" in dev for dev in (view.get("ledger") or {}).get("devices") or []):
+        return None
+    try:
+        user = (client.request("GET", "status").get("host_ledger") or {}).get("user")
+    except EvalSchedClientError:
+        return None
+    return user if isinstance(user, str) and user else None
+
+
 def cmd_queue(args: argparse.Namespace) -> int:
     client = _client(args)
     if not args.watch:
         view = client.queue()
-        _print_json(view) if args.json else print(format_queue(view))
+        _print_json(view) if args.json else print(format_queue(view, host_user(client, view)))
         return 0
+    me: list[str | None] = [None]
     screen = _Screen()
     tracker = QueueTracker()
 
@@ -765,8 +804,10 @@ def cmd_queue(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(view), flush=True)
         else:
+            if me[0] is None:
+                me[0] = host_user(client, view)
             screen.draw(
-                time.strftime("%H:%M:%S  ") + client.base_url + "\n\n" + format_queue(view),
+                time.strftime("%H:%M:%S  ") + client.base_url + "\n\n" + format_queue(view, me[0]),
                 key=json.dumps(view, sort_keys=True, default=str),
             )
 

@@ -658,6 +658,11 @@ class UnmanagedProcess(BaseModel):
     kernel_id: str | None = Field(None, description="the notebook kernel this process is (or runs under)")
     session_path: str | None = Field(None, description="that kernel's notebook")
     lease_id: str | None = Field(None, description="the lease that covers it: charged max(lease, observed)")
+    user: str | None = Field(
+        None,
+        description="on a host shared through a host ledger: the user whose process it is (another user's "
+        "carries nothing more than pid, gpu, used_mb and user)",
+    )
 
 
 class LedgerModel(BaseModel):
@@ -670,6 +675,15 @@ class LedgerModel(BaseModel):
     idle_s: float | None = Field(None, description="since a caller last used it (0 while in use); null while waiting")
     idle_unload_s: float | None = Field(None, description="unloaded for a waiting job once idle this long; null: never")
     why: Why | None = Field(None, description="why its load waits (waiting only)")
+
+
+class LedgerUser(BaseModel):
+    """Another user's grants on a device of a host shared through a host ledger: by user name only."""
+
+    user: str
+    allocated_mb: int = Field(description="VRAM their grants hold on this device (not in allocated_mb)")
+    leases: int = Field(description="their leases holding it")
+    runs: int = Field(description="their runs holding it")
 
 
 class LedgerDevice(BaseModel):
@@ -687,6 +701,11 @@ class LedgerDevice(BaseModel):
     leases: list[LedgerLease] = Field(default_factory=list)
     models: list[LedgerModel] = Field(
         default_factory=list, description="shared models holding VRAM here, or waiting to"
+    )
+    users: list[LedgerUser] = Field(
+        default_factory=list,
+        description="on a host shared through a host ledger: the other users' grants here, by user name only "
+        "(free_mb is net of them)",
     )
 
 

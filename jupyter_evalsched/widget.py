@@ -39,7 +39,15 @@ from .client import (
     parse_time,
     register_notebook_progress,
 )
-from .client.formatting import ending_line, model_figures, pending_text
+from .client.formatting import (
+    ending_line,
+    is_other_users,
+    model_figures,
+    other_user_text,
+    other_users,
+    outside_text,
+    pending_text,
+)
 from .contract import (
     ABORTED,
     CANCELLED,
@@ -165,6 +173,10 @@ def slurm_badge(rec: dict) -> str:
 _LABEL_MIN_SHARE = 0.12
 _BAR_PX = 18  # the bar's height, one line of its 11 px labels
 _LEASE_BG = "repeating-linear-gradient(45deg,#6a3d9a,#6a3d9a 6px,#8e63b5 6px,#8e63b5 12px)"
+# Other users of a shared host (a host ledger), as in the panel: their grants solid, their
+# processes outside them striped.
+_USER_BG = "#37474f"
+_USER_OUTSIDE_BG = "repeating-linear-gradient(135deg,#37474f,#37474f 3px,#9ba3a7 3px,#9ba3a7 6px)"
 
 
 def _segment(kind: str, pct: float, background: str, title: str, label: str, attrs: str = "") -> str:
@@ -192,9 +204,11 @@ def _legend_item(background: str, text: str, title: str, attrs: str = "") -> str
     )
 
 
-def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str:
+def ledger_html(ledger: dict | None, names: dict[str, str] | None = None, me: str | None = None) -> str:
     """One bar per GPU: shared-model baseline, each run's allocation, unmanaged VRAM, free; a
-    legend under it names every run, lease and holder with its colour and MB."""
+    legend under it names every run, lease and holder with its colour and MB. On a host shared
+    through a host ledger, each other user's grants and processes are their own segments, by user
+    name only; ``me`` is this server's user (``host_ledger.user`` of ``GET /evalsched/status``)."""
     if not ledger:
         return "<i>no ledger yet</i>"
     names = names or {}
@@ -238,7 +252,20 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
         # VRAM outside the scheduler, by who holds it (a notebook, through its kernel, else a pid);
         # what a lease holder uses beyond its lease is drawn beside its lease.
         named = 0
-        for who, title, mb in unmanaged_by_holder(dev):
+        # Other users of a shared host: their grants, then their processes outside them.
+        theirs = other_users(dev, me)
+        for entry in theirs:
+            attrs = f"data-user='{_esc(entry['user'])}'"
+            seg("user", entry["mb"], _USER_BG, other_user_text(entry), entry["user"], attrs)
+            if entry["mb"] > 0:
+                legend.append(_legend_item(_USER_BG, other_user_text(entry), other_user_text(entry), attrs))
+        for entry in theirs:
+            attrs = f"data-user='{_esc(entry['user'])}'"
+            seg("user-process", entry["outside_mb"], _USER_OUTSIDE_BG, outside_text(entry), entry["user"], attrs)
+            if entry["outside_mb"] > 0:
+                legend.append(_legend_item(_USER_OUTSIDE_BG, outside_text(entry), outside_text(entry), attrs))
+            named += entry["outside_mb"]
+        for who, title, mb in unmanaged_by_holder(dev, me):
             full = f"{title}: {mb} MB (not managed by the scheduler)"
             seg("unmanaged", mb, "#bcbd22", full, who)
             legend.append(_legend_item("#bcbd22", f"{who} {mb} MB", full))
@@ -274,11 +301,13 @@ def ledger_html(ledger: dict | None, names: dict[str, str] | None = None) -> str
             legend.append(_legend_item(color, f"{label} {mb} MB", title, f"data-legend-run-id='{_esc(rid)}'"))
         seg("free", free, "#e8f4e8", f"free: {free} MB")
         used_pct = 100.0 * allocated / usable if usable else 0.0
+        others_mb = sum(e["mb"] for e in theirs)
         excl = f" · exclusive: {_esc(names.get(exclusive, exclusive))}" if exclusive else ""
         parts.append(
             f"<div class='jupyter-evalsched-gpu' data-index='{_esc(dev.get('index'))}' style='margin:2px 0'>"
             f"<div><b>GPU {_esc(dev.get('index'))}</b> {_esc(dev.get('name', ''))} · "
             f"allocated {allocated} / usable {usable} MB ({used_pct:.0f}%) · free {free} MB"
+            f"{f' · other users {others_mb} MB' if others_mb else ''}"
             f"{f' · models {baseline} MB' if baseline else ''}"
             f"{f' · other {unmanaged} MB' if unmanaged else ''}{excl}</div>"
             f"<div style='display:flex;height:{_BAR_PX}px;border:1px solid #999;border-radius:2px;"
@@ -303,13 +332,14 @@ def lease_label(item: dict) -> str:
     return f"pid {item['pid']}" if item.get("pid") else str(item.get("id", "lease"))
 
 
-def unmanaged_by_holder(dev: dict) -> list[tuple[str, str, int]]:
+def unmanaged_by_holder(dev: dict, me: str | None = None) -> list[tuple[str, str, int]]:
     """``(label, title, MB)`` of a device's unmanaged VRAM not covered by a lease, by notebook
-    (kernel) or process, largest first."""
+    (kernel) or process, largest first; other users' processes (see :func:`other_users`) are not
+    among them."""
     titles: dict[str, str] = {}
     sizes: dict[str, int] = {}
     for proc in dev.get("unmanaged_processes") or []:
-        if proc.get("lease_id"):
+        if proc.get("lease_id") or is_other_users(proc, me):
             continue
         if proc.get("session_path"):
             label = os.path.basename(str(proc["session_path"]))
@@ -397,6 +427,7 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
 
 _MODEL_STATE_COLORS = {"not_loaded": "#888", "loading": "#1f77b4", "loaded": "#2ca02c", "failed": "#d62728"}
 MODELS_POLL_S = 2.0  # how often the widget re-reads the models' figures (no event says they changed)
+HOST_USER_POLL_S = 5.0  # how often the widget asks who this server's user is, until the host ledger says
 
 
 def models_html(models: list[dict]) -> str:
@@ -508,6 +539,9 @@ class QueueWidget(widgets.VBox):
         self._action_error: str | None = None
         self._models: list[dict] = []
         self._models_read_at = -MODELS_POLL_S  # monotonic; the first tick reads them
+        # This server's user on a host shared through a host ledger (other users are shown by name).
+        self._host_user: str | None = None
+        self._host_user_read_at = -HOST_USER_POLL_S
 
         self._header = widgets.HTML()
         self._ledger = widgets.HTML()
@@ -535,6 +569,7 @@ class QueueWidget(widgets.VBox):
         self._feed.read_now()  # filled the moment it is displayed
         if live:
             self._read_models()
+            self._read_host_user()
         self._render()
         if live:
             self._feed.start()
@@ -571,6 +606,8 @@ class QueueWidget(widgets.VBox):
             self._dirty = True
         if time.monotonic() - self._models_read_at >= MODELS_POLL_S and self._read_models():
             self._dirty = True
+        if self._read_host_user():
+            self._dirty = True
         # Re-render at most 4 times a second, and once a second anyway for the elapsed clocks.
         since = time.monotonic() - self._last_render
         if (self._dirty and since >= 0.25) or since >= 1.0:
@@ -579,15 +616,42 @@ class QueueWidget(widgets.VBox):
 
     # ---- data
 
-    def show_view(self, view: dict, finished: list[dict] | None = None, models: list[dict] | None = None) -> None:
+    def show_view(
+        self,
+        view: dict,
+        finished: list[dict] | None = None,
+        models: list[dict] | None = None,
+        host_user: str | None = None,
+    ) -> None:
         """Render ``view`` (a ``GET /evalsched/queue`` answer: queued, running, ledger) and, when
-        given, ``finished`` records and ``models`` (``GET /evalsched/models``' list), as if they
-        had just been read; for programs and tests, with ``live=False`` (a live widget replaces
-        them at its next refresh)."""
+        given, ``finished`` records, ``models`` (``GET /evalsched/models``' list) and ``host_user``
+        (this server's user on a shared host), as if they had just been read; for programs and
+        tests, with ``live=False`` (a live widget replaces them at its next refresh)."""
         self._tracker.set_view(view, finished)
         if models is not None:
             self._models = list(models)
+        if host_user is not None:
+            self._host_user = host_user
         self._render()
+
+    def _read_host_user(self) -> bool:
+        """On a host shared through a host ledger (the ledger's devices list ``users``), read this
+        server's user from ``GET /evalsched/status`` once (again every few seconds until the link
+        says it); True when it was learnt."""
+        if self._host_user is not None or time.monotonic() - self._host_user_read_at < HOST_USER_POLL_S:
+            return False
+        ledger = self.queue_view.get("ledger") or {}
+        if not any("users" in dev for dev in ledger.get("devices") or []):
+            return False
+        self._host_user_read_at = time.monotonic()
+        try:
+            user = (self.client.request("GET", "status").get("host_ledger") or {}).get("user")
+        except (EvalSchedClientError, AttributeError, TypeError):
+            return False
+        if not isinstance(user, str) or not user:
+            return False
+        self._host_user = user
+        return True
 
     def _read_models(self) -> bool:
         """Re-read the shared models' figures (they change with no event); True when they changed.
@@ -673,7 +737,7 @@ class QueueWidget(widgets.VBox):
         finished = [f for f in self.finished if f.get("id") not in active_ids][: self.finished_limit]
 
         self._header.value = self._header_html(len(running), len(queued))
-        self._ledger.value = ledger_html(view.get("ledger"), self._names())
+        self._ledger.value = ledger_html(view.get("ledger"), self._names(), self._host_user)
         models = models_html(self._models)
         if models != self._models_box.value:
             self._models_box.value = models

@@ -820,3 +820,36 @@ def test_cli_attempt_flags_and_resume(live_server, client, clean_queue):
     assert again.returncode != 0 and "succeeded" in again.stderr and "Traceback" not in again.stderr
     bad = cli(live_server, "submit", crash, "--retry-on", "bogus")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_queue_ledger_has_a_line_per_other_user_of_a_shared_host():
+    from jupyter_evalsched.cli import format_ledger
+
+    dev = {
+        "index": 0,
+        "usable_mb": 24000,
+        "allocated_mb": 4000,
+        "free_mb": 3000,
+        "unmanaged_mb": 3000,
+        "runs": [{"id": "r1", "marginal_vram_mb": 4000}],
+        "users": [
+            {"user": "bob", "allocated_mb": 14000, "runs": 2, "leases": 1},
+            {"user": "carol", "allocated_mb": 0, "runs": 0, "leases": 0},
+        ],
+        "unmanaged_processes": [
+            {"pid": 11, "gpu": 0, "used_mb": 1000, "session_path": "w/mine.ipynb", "user": "root"},
+            {"pid": 77, "gpu": 0, "used_mb": 1500, "user": "bob"},
+            {"pid": 78, "gpu": 0, "used_mb": 500, "user": "carol"},
+        ],
+    }
+    lines = format_ledger({"devices": [dev]}, me="root").splitlines()
+    assert lines[1:3] == [
+        "  user bob: 14,000 MB (2 runs, 1 lease); 1,500 MB outside the scheduler",
+        "  user carol: 500 MB outside the scheduler",
+    ]
+    assert "other 3000 MB: user bob 1500 MB, mine.ipynb 1000 MB, user carol 500 MB" in lines[0]
+    assert "pid 7" not in "\n".join(lines)
+    # Without a host ledger: the same text as before, no user lines.
+    plain = {k: v for k, v in dev.items() if k != "users"}
+    plain["unmanaged_processes"] = [{"pid": 11, "gpu": 0, "used_mb": 1000, "session_path": "w/mine.ipynb"}]
+    assert [line for line in format_ledger({"devices": [plain]}, me="root").splitlines() if "user" in line] == []

@@ -431,3 +431,45 @@ def test_run_row_names_ids_short_in_reasons():
     assert f"lease <span title='{lease}'>3eda47</span> (exploration)" in html
     assert html.count(lease) == 1  # only in the tooltip
     assert ">20261203T063806.448589-41dfab</code>" in html  # the row's own id stays whole
+
+
+def _shared_host_device(**extra) -> dict:
+    """A GPU of a server that is a tenant of a host ledger: bob holds grants and a process outside
+    them; the server's own notebook is root's."""
+    return {
+        "index": 0,
+        "name": "virtual",
+        "total_mb": 24000,
+        "baseline_mb": 0,
+        "usable_mb": 24000,
+        "allocated_mb": 4000,
+        "free_mb": 24000 - 4000 - 3000 - 14000,
+        "unmanaged_mb": 3000,
+        "exclusive": None,
+        "runs": [{"id": "r1", "marginal_vram_mb": 4000}],
+        "leases": [],
+        "users": [{"user": "bob", "allocated_mb": 14000, "runs": 2, "leases": 1}],
+        "unmanaged_processes": [
+            {"pid": 11, "gpu": 0, "used_mb": 1000, "name": "python", "session_path": "w/mine.ipynb", "user": "root"},
+            {"pid": 77, "gpu": 0, "used_mb": 2000, "user": "bob"},
+        ],
+        **extra,
+    }
+
+
+def test_ledger_html_draws_other_users_by_name_and_a_ledger_without_them_as_before():
+    ledger = {"devices": [_shared_host_device()], "cpu_slots": {"total": 4, "allocated": 0}}
+    html = ledger_html(ledger, {"r1": "mine"}, me="root")
+    assert "data-seg-kind='user' data-user='bob'" in html
+    assert "bob: 14,000 MB (2 runs, 1 lease)" in html
+    assert "data-seg-kind='user-process' data-user='bob'" in html
+    assert "bob: 2,000 MB outside the scheduler" in html and "pid 77" not in html
+    assert "mine.ipynb 1000 MB" in html  # this user's own notebook, as before
+    assert "other users 14000 MB" in html and ">other 0" not in html
+    # Before the server's user is known: bob's grants by name, his process by pid.
+    html = ledger_html(ledger, {"r1": "mine"})
+    assert "bob: 14,000 MB (2 runs, 1 lease)" in html and "pid 77 2000 MB" in html
+    # Without a host ledger (no users, no process of another user): exactly as before.
+    plain = _shared_host_device(users=[], unmanaged_processes=[], free_mb=17000, unmanaged_mb=3000)
+    assert ledger_html({"devices": [plain]}, me="root") == ledger_html({"devices": [dict(plain, users=None)]})
+    assert "data-user" not in ledger_html({"devices": [plain]}, me="root")

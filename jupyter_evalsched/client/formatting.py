@@ -201,3 +201,49 @@ def pending_head(record: dict) -> str:
         return (record.get("reason") or "").split(": ")[0]
     first = (why.get("holders") or [None])[0]
     return _why_head(why) + (f", {_preposition(why)} {holder_name(first)}" if first else "")
+
+
+def other_users(device: dict, me: str | None) -> list[dict]:
+    """What the other users of a host shared through a host ledger hold on a ledger ``device``, by
+    user name only: ``{"user", "mb"`` (their grants), ``"runs", "leases", "outside_mb"`` (their
+    processes outside any grant)``}``, largest first. ``me`` is this server's user
+    (``host_ledger.user`` of ``GET /evalsched/status``); unknown, no process counts as another
+    user's. Empty without a host ledger (no ``users``)."""
+    per: dict[str, dict] = {}
+
+    def entry(user: str) -> dict:
+        return per.setdefault(user, {"user": user, "mb": 0, "runs": 0, "leases": 0, "outside_mb": 0})
+
+    for item in device.get("users") or []:
+        if not isinstance(item, dict) or not item.get("user") or item["user"] == me:
+            continue
+        e = entry(str(item["user"]))
+        e["mb"] += max(0, int(item.get("allocated_mb") or 0))
+        e["runs"] += max(0, int(item.get("runs") or 0))
+        e["leases"] += max(0, int(item.get("leases") or 0))
+    for proc in device.get("unmanaged_processes") or []:
+        if is_other_users(proc, me):
+            entry(str(proc["user"]))["outside_mb"] += max(0, int(proc.get("used_mb") or 0))
+    held = [e for e in per.values() if e["mb"] > 0 or e["outside_mb"] > 0]
+    return sorted(held, key=lambda e: (-(e["mb"] + e["outside_mb"]), e["user"]))
+
+
+def is_other_users(proc: dict, me: str | None) -> bool:
+    """Whether an unmanaged process belongs to another user of a shared host (it carries a
+    ``user`` that is not ``me``; nobody's is when ``me`` is unknown)."""
+    return bool(me) and bool(proc.get("user")) and proc.get("user") != me
+
+
+def other_user_text(entry: dict) -> str:
+    """``bob: 14,000 MB (2 runs, 1 lease)``: another user's grants on one GPU, by name only."""
+    what = [
+        f"{n} {word}{'' if n == 1 else 's'}"
+        for n, word in ((entry["runs"], "run"), (entry["leases"], "lease"))
+        if n > 0
+    ]
+    return f"{entry['user']}: {entry['mb']:,} MB" + (f" ({', '.join(what)})" if what else "")
+
+
+def outside_text(entry: dict) -> str:
+    """``bob: 2,000 MB outside the scheduler``: another user's processes outside their grants."""
+    return f"{entry['user']}: {entry['outside_mb']:,} MB outside the scheduler"

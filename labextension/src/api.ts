@@ -18,6 +18,7 @@ import {
   IRunDetail,
   IRunList,
   IRunRecord,
+  IServerStatus,
   ISweepSummary,
   ISweepView,
   IComparison,
@@ -118,6 +119,11 @@ export class EvalSchedAPI {
 
   getLedger(): Promise<ILedger> {
     return this._json<ILedger>(['ledger'], undefined, {}, true);
+  }
+
+  /** This server's own view (`GET /evalsched/status`): its role, its host ledger link. */
+  getStatus(): Promise<IServerStatus> {
+    return this._json<IServerStatus>(['status'], undefined, {}, true);
   }
 
   /** The shared models and their figures (`GET /evalsched/models`). */

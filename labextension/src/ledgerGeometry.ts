@@ -16,9 +16,12 @@ import { colorSlot } from './format';
 /** Colour slots of runs (CSS classes jp-EvalSched-c0 … c7). */
 export const COLOR_SLOTS = 8;
 
-/** VRAM of processes without a lease, by holder: one notebook (kernel) or one process. */
+/**
+ * VRAM of processes without a lease, by holder: one notebook (kernel), one process, or (on a host
+ * shared through a host ledger) another user's processes outside their grants, by user name.
+ */
 export interface IUnmanagedGroup {
-  kind: 'kernel' | 'process';
+  kind: 'kernel' | 'process' | 'user';
   holder: string;
   mb: number;
   pids: number[];
@@ -30,31 +33,50 @@ export interface IUnmanagedGroup {
 }
 
 /**
- * Group a device's unmanaged processes by who holds them: a notebook kernel's processes by its
- * notebook (the basename of session_path; by kernel id when there is no path), every other
- * process by its pid. Notebooks first, then the largest holders.
+ * Whether a process belongs to another user of a host shared through a host ledger: it carries
+ * a `user` that is not `me` (this server's user, from `GET /evalsched/status`'s
+ * `host_ledger.user`). Unknown `me` (no host ledger, or not yet read): nobody is another user.
+ */
+export function isOtherUsers(
+  p: IUnmanagedProcess,
+  me: string | null | undefined
+): p is IUnmanagedProcess & { user: string } {
+  return !!me && typeof p.user === 'string' && !!p.user && p.user !== me;
+}
+
+/**
+ * Group a device's unmanaged processes by who holds them: another user's processes by that
+ * user's name (nothing else of them is shown), a notebook kernel's processes by its notebook
+ * (the basename of session_path; by kernel id when there is no path), every other process by
+ * its pid. Notebooks first, then the largest holders.
  */
 export function unmanagedGroups(
-  processes: ReadonlyArray<IUnmanagedProcess>
+  processes: ReadonlyArray<IUnmanagedProcess>,
+  me: string | null = null
 ): IUnmanagedGroup[] {
   const groups = new Map<string, IUnmanagedGroup>();
   for (const p of processes) {
     const used = Math.max(0, Number(p.used_mb) || 0);
-    const kernel = !!(p.session_path || p.kernel_id);
-    const key = p.session_path
-      ? `notebook:${p.session_path}`
-      : p.kernel_id
-        ? `kernel:${p.kernel_id}`
-        : `pid:${p.pid}`;
+    const other = isOtherUsers(p, me);
+    const kernel = !other && !!(p.session_path || p.kernel_id);
+    const key = other
+      ? `user:${p.user}`
+      : p.session_path
+        ? `notebook:${p.session_path}`
+        : p.kernel_id
+          ? `kernel:${p.kernel_id}`
+          : `pid:${p.pid}`;
     let group = groups.get(key);
     if (!group) {
       group = {
-        kind: kernel ? 'kernel' : 'process',
-        holder: p.session_path
-          ? basename(p.session_path)
-          : p.kernel_id
-            ? `kernel ${p.kernel_id.slice(0, 8)}`
-            : `pid ${p.pid}`,
+        kind: other ? 'user' : kernel ? 'kernel' : 'process',
+        holder: other
+          ? (p.user as string)
+          : p.session_path
+            ? basename(p.session_path)
+            : p.kernel_id
+              ? `kernel ${p.kernel_id.slice(0, 8)}`
+              : `pid ${p.pid}`,
         mb: 0,
         pids: [],
         names: [],
@@ -68,7 +90,7 @@ export function unmanagedGroups(
     if (!group.pids.includes(p.pid)) {
       group.pids.push(p.pid);
     }
-    if (p.name && !group.names.includes(p.name)) {
+    if (!other && p.name && !group.names.includes(p.name)) {
       group.names.push(p.name);
     }
     if (p.kernel_id && !group.kernelIds.includes(p.kernel_id)) {
@@ -78,13 +100,68 @@ export function unmanagedGroups(
       group.leaseIds.push(p.lease_id);
     }
   }
+  const rank = { kernel: 0, process: 1, user: 2 };
   return [...groups.values()]
     .filter(g => g.mb > 0)
     .sort(
       (a, b) =>
-        (a.kind === 'kernel' ? 0 : 1) - (b.kind === 'kernel' ? 0 : 1) ||
+        rank[a.kind] - rank[b.kind] ||
         b.mb - a.mb ||
         (a.holder < b.holder ? -1 : a.holder > b.holder ? 1 : 0)
+    );
+}
+
+/** What another user of a shared host holds on a GPU, by user name only. */
+export interface IOtherUser {
+  user: string;
+  /** Their grants (runs and leases) on this GPU. */
+  mb: number;
+  runs: number;
+  leases: number;
+  /** What their processes outside any grant use here (also in `groups`, kind `user`). */
+  outsideMb: number;
+}
+
+/**
+ * The other users' holdings on a device (a server that is a tenant of a host ledger): their
+ * grants from `users`, and what their processes outside any grant use, per user, largest first.
+ * Empty without a host ledger (no `users`, no process of another user).
+ */
+export function otherUsers(
+  device: ILedgerDevice,
+  me: string | null = null
+): IOtherUser[] {
+  const per = new Map<string, IOtherUser>();
+  const entry = (user: string) => {
+    let e = per.get(user);
+    if (!e) {
+      e = { user, mb: 0, runs: 0, leases: 0, outsideMb: 0 };
+      per.set(user, e);
+    }
+    return e;
+  };
+  for (const u of Array.isArray(device.users) ? device.users : []) {
+    if (!u || typeof u.user !== 'string' || u.user === me) {
+      continue;
+    }
+    const e = entry(u.user);
+    e.mb += Math.max(0, Number(u.allocated_mb) || 0);
+    e.runs += Math.max(0, Number(u.runs) || 0);
+    e.leases += Math.max(0, Number(u.leases) || 0);
+  }
+  for (const p of Array.isArray(device.unmanaged_processes)
+    ? device.unmanaged_processes
+    : []) {
+    if (isOtherUsers(p, me)) {
+      entry(p.user).outsideMb += Math.max(0, Number(p.used_mb) || 0);
+    }
+  }
+  return [...per.values()]
+    .filter(e => e.mb > 0 || e.outsideMb > 0)
+    .sort(
+      (a, b) =>
+        b.mb + b.outsideMb - (a.mb + a.outsideMb) ||
+        (a.user < b.user ? -1 : a.user > b.user ? 1 : 0)
     );
 }
 
@@ -101,15 +178,20 @@ export interface IDeviceGeometry {
   exclusiveExtra: number;
   /** What lease holders use beyond their leases. */
   overSum: number;
-  /** Processes outside the scheduler, per holder. */
+  /** Other users of a shared host: their grants and processes, by user name. */
+  others: IOtherUser[];
+  /** Their grants on this GPU, all together. */
+  othersMb: number;
+  /** Processes outside the scheduler, per holder (other users' by user name). */
   groups: IUnmanagedGroup[];
   /** The server's unmanaged_mb. */
   reported: number;
   /** Unmanaged VRAM the server does not itemise (an older server). */
   unmanagedRest: number;
   unmanaged: number;
-  /** Unmanaged VRAM of notebook kernels, and of every other process. */
+  /** Unmanaged VRAM of notebook kernels, of other users' processes, and of every other process. */
   kernelMb: number;
+  userMb: number;
   otherMb: number;
   /** The bar's full width. */
   scale: number;
@@ -117,7 +199,14 @@ export interface IDeviceGeometry {
   reserved: number;
 }
 
-export function deviceGeometry(device: ILedgerDevice): IDeviceGeometry {
+/**
+ * `me`: this server's user on a host shared through a host ledger (`host_ledger.user` of
+ * `GET /evalsched/status`); null without one.
+ */
+export function deviceGeometry(
+  device: ILedgerDevice,
+  me: string | null = null
+): IDeviceGeometry {
   const baseline = Math.max(0, device.baseline_mb);
   const usable = Math.max(0, device.usable_mb);
   const free = Math.max(0, device.free_mb);
@@ -149,8 +238,12 @@ export function deviceGeometry(device: ILedgerDevice): IDeviceGeometry {
     (Array.isArray(device.unmanaged_processes)
       ? device.unmanaged_processes
       : []
-    ).filter(p => !p.lease_id || !leased.has(p.lease_id))
+    ).filter(p => !p.lease_id || !leased.has(p.lease_id)),
+    me
   );
+  // Other users' grants: not in allocated_mb (this user's own), taken off free_mb.
+  const others = otherUsers(device, me);
+  const othersMb = others.reduce((a, u) => a + u.mb, 0);
   const groupSum = groups.reduce((a, g) => a + g.mb, 0);
   const reported = Math.max(0, device.unmanaged_mb ?? 0);
   const unmanagedRest = Math.max(0, reported - overSum - groupSum);
@@ -158,12 +251,13 @@ export function deviceGeometry(device: ILedgerDevice): IDeviceGeometry {
   const scale = Math.max(
     device.total_mb,
     (modelsHeld ? 0 : baseline) + usable,
-    baseline + allocated + unmanaged + free,
+    baseline + allocated + othersMb + unmanaged + free,
     1
   );
-  const kernelMb = groups
-    .filter(g => g.kind === 'kernel')
-    .reduce((a, g) => a + g.mb, 0);
+  const sumOf = (kind: IUnmanagedGroup['kind']) =>
+    groups.filter(g => g.kind === kind).reduce((a, g) => a + g.mb, 0);
+  const kernelMb = sumOf('kernel');
+  const userMb = sumOf('user');
   return {
     baseline,
     usable,
@@ -173,14 +267,17 @@ export function deviceGeometry(device: ILedgerDevice): IDeviceGeometry {
     allocated,
     exclusiveExtra,
     overSum,
+    others,
+    othersMb,
     groups,
     reported,
     unmanagedRest,
     unmanaged,
     kernelMb,
-    otherMb: unmanaged - overSum - kernelMb,
+    userMb,
+    otherMb: unmanaged - overSum - kernelMb - userMb,
     scale,
-    reserved: scale - baseline - allocated - unmanaged - free
+    reserved: scale - baseline - allocated - othersMb - unmanaged - free
   };
 }
 

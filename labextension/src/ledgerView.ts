@@ -7,7 +7,12 @@ import { TranslationBundle } from '@jupyterlab/translation';
 
 import { ILedger, ILedgerDevice, ILedgerLease, leaseHolder } from './api';
 import { colorSlot, formatMB, h, shortId } from './format';
-import { COLOR_SLOTS, deviceGeometry, IUnmanagedGroup } from './ledgerGeometry';
+import {
+  COLOR_SLOTS,
+  deviceGeometry,
+  IOtherUser,
+  IUnmanagedGroup
+} from './ledgerGeometry';
 
 /** A bar segment is labelled with its holder when it is at least this share of the bar. */
 const LABEL_MIN_SHARE = 0.12;
@@ -22,6 +27,11 @@ export interface ILedgerViewOptions {
   colorOf: (id: string) => number | undefined;
   /** What the colours are now (part of what the view shows). */
   colorKey: () => unknown;
+  /**
+   * This server's user on a host shared through a host ledger (`host_ledger.user` of
+   * `GET /evalsched/status`), null without one: other users' processes are shown by user name.
+   */
+  me?: () => string | null;
 }
 
 export class LedgerView {
@@ -30,6 +40,7 @@ export class LedgerView {
     this._runName = options.runName;
     this._colorOf = options.colorOf;
     this._colorKey = options.colorKey;
+    this._me = options.me ?? (() => null);
     this.gpus = h('div', {
       className: 'jp-EvalSched-gpus',
       attrs: { 'data-testid': 'evalsched-ledger' }
@@ -48,6 +59,7 @@ export class LedgerView {
     const key = JSON.stringify([
       ledger,
       this._colorKey(),
+      this._me(),
       (ledger?.devices ?? []).flatMap(d =>
         (d.runs ?? []).map(r => this._runName(r.id))
       )
@@ -113,6 +125,7 @@ export class LedgerView {
       allocated,
       exclusiveExtra,
       overSum,
+      others,
       groups,
       reported,
       unmanagedRest,
@@ -120,7 +133,7 @@ export class LedgerView {
       otherMb,
       scale,
       reserved
-    } = deviceGeometry(device);
+    } = deviceGeometry(device, this._me());
     const pct = (mb: number) => `${(100 * mb) / scale}%`;
 
     const bar = h('div', {
@@ -214,7 +227,32 @@ export class LedgerView {
     if (!runs.length && !leases.length && allocated > 0) {
       seg('run', allocated, trans.__('Allocated: %1', formatMB(allocated)));
     }
+    // Other users of a shared host: their grants, one segment each, by user name only.
+    for (const other of others) {
+      seg(
+        'user',
+        other.mb,
+        this._userTitle(other),
+        {
+          'data-user': other.user,
+          'data-user-runs': String(other.runs),
+          'data-user-leases': String(other.leases)
+        },
+        other.user
+      );
+    }
     for (const group of groups) {
+      if (group.kind === 'user') {
+        // Another user's processes outside their grants: by user name only.
+        seg(
+          'userProcess',
+          group.mb,
+          this._userOutsideTitle(group.holder, group.mb),
+          { 'data-user': group.holder, 'data-unmanaged': 'true' },
+          group.holder
+        );
+        continue;
+      }
       const attrs: Record<string, string> = {
         'data-holder': group.holder,
         'data-holder-kind': group.kind,
@@ -289,6 +327,24 @@ export class LedgerView {
           this._leaseTitle(lease, lease.vram_mb, device.exclusive === lease.id)
         )
       ),
+      ...others
+        .filter(o => o.mb > 0)
+        .map(o =>
+          legendItem('user', this._userTitle(o), { 'data-user': o.user })
+        ),
+      ...groups
+        .filter(g => g.kind === 'user')
+        .map(g =>
+          legendItem(
+            'userProcess',
+            this._userOutsideTitle(g.holder, g.mb),
+            { 'data-user': g.holder },
+            trans.__(
+              'Processes of user %1 holding VRAM outside the grants of the host ledger',
+              g.holder
+            )
+          )
+        ),
       overSum > 0
         ? legendItem(
             'over',
@@ -430,6 +486,23 @@ export class LedgerView {
     return items;
   }
 
+  /** Another user's grants: "bob: 14,000 MB (2 runs, 1 lease)", by user name only. */
+  private _userTitle(other: IOtherUser): string {
+    const trans = this._trans;
+    const what = [
+      other.runs > 0 ? trans._n('%1 run', '%1 runs', other.runs) : null,
+      other.leases > 0 ? trans._n('%1 lease', '%1 leases', other.leases) : null
+    ].filter(x => x !== null);
+    return what.length
+      ? trans.__('%1: %2 (%3)', other.user, formatMB(other.mb), what.join(', '))
+      : trans.__('%1: %2', other.user, formatMB(other.mb));
+  }
+
+  /** Another user's processes outside their grants. */
+  private _userOutsideTitle(user: string, mb: number): string {
+    return this._trans.__('%1: %2 outside the scheduler', user, formatMB(mb));
+  }
+
   /** A run's colour class: the slot of its id, as in its row and the notebook widget. */
   private _runColor(id: string): string {
     return `jp-EvalSched-c${this._colorOf(id) ?? colorSlot(id, COLOR_SLOTS)}`;
@@ -518,6 +591,7 @@ export class LedgerView {
   private _runName: (id: string) => string | undefined;
   private _colorOf: (id: string) => number | undefined;
   private _colorKey: () => unknown;
+  private _me: () => string | null;
   private _ledgerKey = '';
 }
 

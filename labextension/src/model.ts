@@ -163,6 +163,15 @@ export class EvalSchedModel implements IDisposable {
     return this._ledger;
   }
 
+  /**
+   * This server's user on a host shared through a host ledger (`host_ledger.user` of
+   * `GET /evalsched/status`), read once the ledger shows other users' holdings; null until then
+   * and without a host ledger.
+   */
+  get hostUser(): string | null {
+    return this._hostUser;
+  }
+
   /** The live leases: granted first, then queued in admission order. */
   get leases(): ReadonlyArray<ILeaseRecord> {
     return this._leases;
@@ -674,6 +683,38 @@ export class EvalSchedModel implements IDisposable {
   private _setLedger(ledger: ILedger): void {
     this._ledger = ledger;
     this._ledgerEpoch++;
+    this._readHostUser(ledger);
+  }
+
+  /**
+   * A ledger of a host shared through a host ledger (its devices list `users`) tells other users'
+   * processes apart from this user's by this server's user: read it from the status once (again
+   * every few seconds while the link has not said it yet).
+   */
+  private _readHostUser(ledger: ILedger): void {
+    if (
+      this._hostUser !== null ||
+      this._hostUserReading ||
+      Date.now() - this._hostUserReadAt < 5000 ||
+      !ledger.devices.some(d => Array.isArray(d.users))
+    ) {
+      return;
+    }
+    this._hostUserReading = true;
+    this._hostUserReadAt = Date.now();
+    this.api
+      .getStatus()
+      .then(status => {
+        const user = status?.host_ledger?.user;
+        if (typeof user === 'string' && user && !this.isDisposed) {
+          this._hostUser = user;
+          this._changed.emit();
+        }
+      })
+      .catch(() => undefined) // an older server, or a moment without it: read again later
+      .finally(() => {
+        this._hostUserReading = false;
+      });
   }
 
   /** Read the recently finished runs (the event stream's snapshot holds the queue only). */
@@ -1099,6 +1140,9 @@ export class EvalSchedModel implements IDisposable {
   private _finished: IRunRecord[] = [];
   private _ledger: ILedger | null = null;
   private _ledgerEpoch = 0;
+  private _hostUser: string | null = null;
+  private _hostUserReading = false;
+  private _hostUserReadAt = 0;
   private _leases: ILeaseRecord[] = [];
   private _leasesSupported = false;
   private _mode: ConnectionMode = 'connecting';

@@ -134,7 +134,8 @@ export class EvalSchedPanel extends Widget implements IRowHost {
       trans,
       runName: id => this.model.getRun(id)?.name,
       colorOf: id => this.colorOf(id),
-      colorKey: () => [...this._colors]
+      colorKey: () => [...this._colors],
+      me: () => this.model.hostUser
     });
     const ledgerSection = this._section(trans.__('Resources'), 'ledger', [
       this._ledger.gpus,

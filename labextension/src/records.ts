@@ -21,6 +21,7 @@ export type {
   IMetricStat as ICompareStat,
   IObserved,
   IProgress,
+  IServerStatus,
   IUnmanagedProcess
 } from './generated/api-types';
 

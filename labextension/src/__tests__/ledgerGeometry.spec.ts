@@ -2,6 +2,7 @@ import {
   assignColors,
   COLOR_SLOTS,
   deviceGeometry,
+  otherUsers,
   unmanagedGroups
 } from '../ledgerGeometry';
 import { colorSlot } from '../format';
@@ -16,6 +17,7 @@ function proc(fields: Partial<IUnmanagedProcess> & { pid: number }) {
     kernel_id: null,
     session_path: null,
     lease_id: null,
+    user: null,
     ...fields
   };
 }
@@ -120,6 +122,103 @@ describe('unmanagedGroups', () => {
       ['process', 'pid 1', 100, [1]]
     ]);
     expect(groups[2].names).toEqual(['python']);
+  });
+});
+
+describe('other users of a shared host (a host ledger)', () => {
+  // alice's server: her run and notebook; bob and carol hold grants, and processes outside them.
+  const shared = () =>
+    device({
+      total_mb: 48000,
+      usable_mb: 48000,
+      allocated_mb: 5000,
+      unmanaged_mb: 3500,
+      free_mb: 48000 - 5000 - 3500 - 17000,
+      runs: [{ id: 'r1', marginal_vram_mb: 5000 }],
+      users: [
+        { user: 'bob', allocated_mb: 14000, runs: 2, leases: 1 },
+        { user: 'carol', allocated_mb: 3000, runs: 1, leases: 0 }
+      ],
+      unmanaged_processes: [
+        proc({
+          pid: 1,
+          used_mb: 1000,
+          session_path: 'w/x.ipynb',
+          user: 'alice'
+        }),
+        proc({ pid: 50, used_mb: 1500, user: 'bob' }),
+        proc({ pid: 51, used_mb: 500, user: 'bob' }),
+        proc({ pid: 60, used_mb: 500, user: 'carol' })
+      ]
+    });
+
+  it("gives each other user's grants and processes their own share, by user name", () => {
+    const g = deviceGeometry(shared(), 'alice');
+    expect(
+      g.others.map(o => [o.user, o.mb, o.runs, o.leases, o.outsideMb])
+    ).toEqual([
+      ['bob', 14000, 2, 1, 2000],
+      ['carol', 3000, 1, 0, 500]
+    ]);
+    expect(g.othersMb).toBe(17000);
+    expect(g.groups.map(x => [x.kind, x.holder, x.mb])).toEqual([
+      ['kernel', 'x.ipynb', 1000],
+      ['user', 'bob', 2000],
+      ['user', 'carol', 500]
+    ]);
+    // Nothing of another user's process but its user and size: no command.
+    expect(g.groups[1].names).toEqual([]);
+    expect(g.kernelMb).toBe(1000);
+    expect(g.userMb).toBe(2500);
+    expect(g.otherMb).toBe(0);
+    expect(g.allocated).toBe(5000);
+    expect(g.free).toBe(22500);
+    // The bar adds up: nothing of theirs is lumped into reserved.
+    expect(g.scale).toBe(48000);
+    expect(g.reserved).toBe(0);
+  });
+
+  it("shows other users' grants before this server's user is known, their processes by pid", () => {
+    const g = deviceGeometry(shared(), null);
+    expect(g.others.map(o => [o.user, o.mb, o.outsideMb])).toEqual([
+      ['bob', 14000, 0],
+      ['carol', 3000, 0]
+    ]);
+    expect(g.groups.map(x => [x.kind, x.holder])).toEqual([
+      ['kernel', 'x.ipynb'],
+      ['process', 'pid 50'],
+      ['process', 'pid 51'],
+      ['process', 'pid 60']
+    ]);
+    expect(g.reserved).toBe(0);
+  });
+
+  it('never counts this user as another, even when the ledger lists them', () => {
+    const d = shared();
+    d.users = [
+      ...(d.users ?? []),
+      { user: 'alice', allocated_mb: 9, runs: 1, leases: 0 }
+    ];
+    expect(otherUsers(d, 'alice').map(o => o.user)).toEqual(['bob', 'carol']);
+  });
+
+  it('draws a ledger without a host ledger as before (no users, or none)', () => {
+    const plain = {
+      total_mb: 24000,
+      usable_mb: 22000,
+      allocated_mb: 8000,
+      unmanaged_mb: 700,
+      free_mb: 13300,
+      runs: [{ id: 'r1', marginal_vram_mb: 8000 }],
+      unmanaged_processes: [proc({ pid: 7, used_mb: 700 })]
+    };
+    const before = deviceGeometry(device(plain));
+    expect(before.others).toEqual([]);
+    expect(before.othersMb).toBe(0);
+    expect(before.reserved).toBe(2000);
+    expect(deviceGeometry(device({ ...plain, users: [] }), 'alice')).toEqual(
+      before
+    );
   });
 });
 

@@ -307,6 +307,8 @@ export interface ILedgerDevice {
   leases?: ILedgerLease[];
   /** shared models holding VRAM here, or waiting to */
   models?: ILedgerModel[];
+  /** on a host shared through a host ledger: the other users' grants here, by user name only (free_mb is net of them) */
+  users?: ILedgerUser[];
 }
 
 export interface ILedgerLease {
@@ -339,6 +341,17 @@ export interface ILedgerModel {
 export interface ILedgerRun {
   id: string;
   marginal_vram_mb: number;
+}
+
+/** Another user's grants on a device of a host shared through a host ledger: by user name only. */
+export interface ILedgerUser {
+  user: string;
+  /** VRAM their grants hold on this device (not in allocated_mb) */
+  allocated_mb: number;
+  /** their leases holding it */
+  leases: number;
+  /** their runs holding it */
+  runs: number;
 }
 
 /** one entry per token: the echoed prompt's, then the generated ones */
@@ -763,6 +776,8 @@ export interface IUnmanagedProcess {
   session_path: string | null;
   /** the lease that covers it: charged max(lease, observed) */
   lease_id: string | null;
+  /** on a host shared through a host ledger: the user whose process it is (another user's carries nothing more than pid, gpu, used_mb and user) */
+  user: string | null;
 }
 
 /** A pending reason as data (contract.Why): the record's ``reason`` is derived from it. */
