@@ -1,0 +1,155 @@
+"""Issue #32, the grants a user's server asks the host ledger for besides a run's start: a
+lease's (tied to its holder), a detached run's across a restart of its server (and of the host
+ledger), a shared model's VRAM. Real processes throughout: a host ledger served by an unprivileged
+system user on virtual GPUs, another system user's tenant (tests/host_ledger_agent.py), the
+user's Jupyter server (pytest-jupyter in this process, or a real ``jupyter server`` subprocess
+where it is killed with -9)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from host_ledger_users import PREFIX, Agent, Ledger, make_users
+from waiting import async_wait_until
+
+from jupyter_evalsched import contract
+
+pytestmark = pytest.mark.timeout(180)
+BOB = PREFIX + "bob"
+GATE = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:gate"
+FAST = [
+    "--EvalSchedApp.cancel_grace_s=2.0",
+    "--EvalSchedApp.reconcile_interval_s=0.5",
+    "--EvalSchedApp.progress_interval_s=0.05",
+]
+
+
+@pytest.fixture(scope="session")
+def users():
+    return make_users()
+
+
+@pytest.fixture
+def ledger_config():
+    return {"virtual_gpus": [24000], "reclaim_window_s": 0}
+
+
+@pytest.fixture
+def ledger(users, ledger_config):
+    served = Ledger(users["ledger"], ledger_config)
+    served.start()
+    yield served
+    served.stop()
+
+
+@pytest.fixture
+def evalsched_config(ledger):
+    return {"host_ledger": ledger.socket, "virtual_gpus": [24000]}
+
+
+@pytest.fixture
+def bob(users, ledger):
+    agent = Agent(users["bob"], ledger.socket)
+    yield agent
+    agent.stop()
+
+
+async def connected(api) -> dict:
+    async def up():
+        code, body = await api("GET", "status")
+        return body["host_ledger"] if code == 200 and body["host_ledger"]["connected"] else None
+
+    return await async_wait_until(up, timeout=15, message="the server never joined the host ledger")
+
+
+async def lease_until(api, lease_id: str, predicate, what: str) -> dict:
+    async def now():
+        code, rec = await api("GET", f"leases/{lease_id}")
+        return rec if code == 200 and predicate(rec) else None
+
+    return await async_wait_until(now, timeout=30, message=f"lease {lease_id} never {what}")
+
+
+def grants_of(ledger: Ledger, user: str = "root") -> list[dict]:
+    return [g for g in ledger.view()["grants"] if g["user"] == user]
+
+
+async def grants_until(ledger: Ledger, predicate, what: str) -> list[dict]:
+    """This user's grants at the host ledger, once ``predicate`` holds of them (within 30 s)."""
+
+    async def now():
+        grants = await asyncio.to_thread(grants_of, ledger)
+        return (grants,) if predicate(grants) else None
+
+    return (await async_wait_until(now, timeout=30, message=what))[0]
+
+
+# ----------------------------------------------------------------------------- leases
+
+
+@pytest.mark.parametrize(
+    "ledger_config", [{"virtual_gpus": [24000], "reclaim_window_s": 0, "quota": {"root": {"leases": 1}}}]
+)
+async def test_a_lease_is_granted_by_the_host_ledger_tied_to_its_holder_and_released_at_its_end(api, ledger, holder):
+    await connected(api)
+    first_holder = holder()
+    code, first = await api("POST", "leases", {"vram_mb": 4000, "pid": first_holder.pid, "label": "first"})
+    assert code == 201, first
+    rec = await lease_until(api, first["id"], lambda r: r["state"] == "granted", "granted")
+    [grant] = await grants_until(ledger, lambda g: len(g) == 1, "the lease was never granted at the host ledger")
+    assert (grant["key"], grant["kind"], grant["vram_mb"], grant["devices"]) == (first["id"], "lease", 4000, [0])
+    assert rec["devices"] == [0]
+    assert [p["pid"] for p in grant["pids"]] == [first_holder.pid]  # tied to its holder, not to the server
+
+    # A second lease is over this user's lease quota at the host ledger: it waits with its reason.
+    second_holder = holder()
+    code, second = await api("POST", "leases", {"vram_mb": 4000, "pid": second_holder.pid, "label": "second"})
+    assert code == 201, second
+    rec = await lease_until(api, second["id"], lambda r: (r["why"] or {}).get("code") == contract.QUOTA, "waited")
+    assert rec["state"] == "queued" and rec["reason"] == "quota: user root may hold 1 lease; holds 1"
+    # Refused, it holds nothing here: the GPU's room is the first lease's alone.
+    code, view = await api("GET", "ledger")
+    assert view["devices"][0]["allocated_mb"] == 4000, view["devices"][0]
+
+    # The first is released: its grant goes back, and the second is granted in its place.
+    assert (await api("DELETE", f"leases/{first['id']}"))[0] == 204
+    await lease_until(api, second["id"], lambda r: r["state"] == "granted", "granted")
+    [grant] = await grants_until(
+        ledger, lambda g: [x["key"] for x in g] == [second["id"]], "the first lease's grant outlived it"
+    )
+    assert [p["pid"] for p in grant["pids"]] == [second_holder.pid]
+
+    # Its holder exits: the lease ends, and its grant with it.
+    second_holder.kill()
+    second_holder.wait()
+    rec = await lease_until(api, second["id"], lambda r: r["state"] == "ended", "ended")
+    assert rec["reason"].startswith(contract.PROCESS_EXITED)
+    await grants_until(ledger, lambda g: g == [], "the ended lease's grant outlived it")
+
+
+async def test_a_lease_without_a_holder_is_released_at_its_ttl_and_another_users_holding_is_named(api, ledger, bob):
+    await connected(api)
+    code, short = await api("POST", "leases", {"vram_mb": 2000, "ttl_s": 2, "label": "short"})
+    assert code == 201, short
+    await lease_until(api, short["id"], lambda r: r["state"] == "granted", "granted")
+    [grant] = await grants_until(ledger, lambda g: len(g) == 1, "the lease was never granted at the host ledger")
+    assert grant["key"] == short["id"] and grant["kind"] == "lease"
+    await lease_until(api, short["id"], lambda r: r["state"] == "ended", "expired")
+    await grants_until(ledger, lambda g: g == [], "the expired lease's grant outlived it")
+
+    # Bob holds 20000 MB: a lease of 8000 waits, naming him.
+    assert "result" in bob.call("connect")
+    bob.ok("request", key="bob-1", vram_mb=20000)
+
+    async def bob_seen():
+        code, view = await api("GET", "ledger")
+        return view if view["devices"][0]["users"] else None
+
+    await async_wait_until(bob_seen, timeout=15)
+    code, big = await api("POST", "leases", {"vram_mb": 8000, "ttl_s": 60, "label": "big"})
+    assert code == 201, big
+    rec = await lease_until(api, big["id"], lambda r: (r["why"] or {}).get("holders"), "waited")
+    assert rec["state"] == "queued" and f"user {BOB} holds 20000 MB on GPU 0" in rec["reason"]
+    assert grants_of(ledger) == []
