@@ -8,13 +8,16 @@ where it is killed with -9)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 import pytest
 from host_ledger_users import PREFIX, Agent, Ledger, make_users
-from waiting import async_wait_until
+from proc_status import alive
+from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched import contract
+from jupyter_evalsched.client import LocalServer
 
 pytestmark = pytest.mark.timeout(180)
 BOB = PREFIX + "bob"
@@ -153,3 +156,77 @@ async def test_a_lease_without_a_holder_is_released_at_its_ttl_and_another_users
     rec = await lease_until(api, big["id"], lambda r: (r["why"] or {}).get("holders"), "waited")
     assert rec["state"] == "queued" and f"user {BOB} holds 20000 MB on GPU 0" in rec["reason"]
     assert grants_of(ledger) == []
+
+
+# ----------------------------------------------------------------------------- a detached run across restarts
+
+
+def kill9(server: LocalServer) -> None:
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    server.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ledger_config", [{"virtual_gpus": [24000], "reclaim_window_s": 4}])
+def test_a_detached_run_keeps_its_grant_across_a_restart_of_its_server_and_of_the_host_ledger(tmp_path, ledger, bob):
+    runs = tmp_path / "runs"
+    pid_file, gate = tmp_path / "run.pid", tmp_path / "open"
+    body = {
+        "entrypoint": GATE,
+        "episodes": 1,
+        "params": {"pid_file": str(pid_file), "gate": str(gate)},
+        "cwd": "/",
+        "scheduling": {"marginal_vram_mb": 8000},
+        "detach": True,
+    }
+    args = [*FAST, f"--EvalSchedApp.host_ledger={ledger.socket}"]
+    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=args)
+    try:
+        c = server.client()
+        wait_until(lambda: c.request("GET", "status")["host_ledger"]["connected"], timeout=15)
+        rec = c.submit(body)
+        wait_until(pid_file.exists, timeout=30, message="the detached run never started")
+        pid = int(pid_file.read_text())
+
+        def tied():
+            grants = grants_of(ledger)
+            return grants if grants and [p["pid"] for p in grants[0]["pids"]] == [pid] else None
+
+        [grant] = wait_until(tied, timeout=20, message="the run's grant was never tied to its pid")
+        assert grant["key"] == rec["id"] and grant["vram_mb"] == 8000
+    finally:
+        kill9(server)
+    assert alive(pid)
+
+    restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=args)
+    try:
+        c = restarted.client()
+        wait_until(lambda: c.request("GET", "status")["host_ledger"]["connected"], timeout=15)
+        assert c.get(rec["id"])["state"] == "running"
+        # The same grant, never a second one, never released while its run lives.
+        assert [g["id"] for g in grants_of(ledger)] == [grant["id"]]
+
+        # The host ledger restarts and has lost its state: the restarted server re-tells the
+        # grant it learned (it never saw it granted), so bob's 20000 MB wait behind it.
+        ledger.kill9()
+        Path(ledger.state_file).write_text("not json")
+        ledger.start()
+        wait_until(lambda: [g["id"] for g in grants_of(ledger)] == [grant["id"]], timeout=20)
+        assert "result" in bob.call("connect", timeout=20)
+        tag = bob.send("request", key="bob-big", vram_mb=20000)
+
+        def bob_waits():
+            waiting = ledger.view()["waiting"]
+            return waiting if waiting and "user root holds 8000 MB on GPU 0" in waiting[0]["reason"] else None
+
+        wait_until(bob_waits, timeout=20, message="bob's request was not held back by the re-told grant")
+        assert not bob.done(tag)
+        assert [g["id"] for g in grants_of(ledger)] == [grant["id"]]
+
+        gate.touch()  # the run ends: its grant goes back, and bob gets the room
+        wait_until(lambda: c.get(rec["id"])["state"] == "succeeded", timeout=60)
+        wait_until(lambda: grants_of(ledger) == [] and bob.done(tag), timeout=20, message="the grant outlived its run")
+        assert bob.result(tag)["result"]["vram_mb"] == 20000
+    finally:
+        restarted.cleanup()
