@@ -11,6 +11,7 @@ import asyncio
 import signal
 from pathlib import Path
 
+import openai
 import pytest
 from host_ledger_users import PREFIX, Agent, Ledger, make_users
 from proc_status import alive
@@ -18,6 +19,7 @@ from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched import contract
 from jupyter_evalsched.client import LocalServer
+from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 
 pytestmark = pytest.mark.timeout(180)
 BOB = PREFIX + "bob"
@@ -45,11 +47,6 @@ def ledger(users, ledger_config):
     served.start()
     yield served
     served.stop()
-
-
-@pytest.fixture
-def evalsched_config(ledger):
-    return {"host_ledger": ledger.socket, "virtual_gpus": [24000]}
 
 
 @pytest.fixture
@@ -230,3 +227,87 @@ def test_a_detached_run_keeps_its_grant_across_a_restart_of_its_server_and_of_th
         assert bob.result(tag)["result"]["vram_mb"] == 20000
     finally:
         restarted.cleanup()
+
+
+# ----------------------------------------------------------------------------- shared models
+
+MODEL_QUOTA = {"virtual_gpus": [24000], "reclaim_window_s": 0, "quota": {"root": {"vram_mb": 20000}}}
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory):
+    return build_tiny_gpt2(tmp_path_factory.mktemp("models") / "tiny-gpt2")
+
+
+@pytest.fixture
+def evalsched_config(request, ledger):
+    if "tiny_lm_dir" not in request.fixturenames:
+        return {"host_ledger": ledger.socket, "virtual_gpus": [24000]}
+    return {
+        "host_ledger": ledger.socket,
+        "virtual_gpus": [24000],
+        "models": [
+            {
+                "name": "llm",
+                "loader": "jupyter_evalsched.shared_models.testing:causal_lm_on_cpu",
+                "model": request.getfixturevalue("tiny_lm_dir"),
+                "device": 0,
+                "vram_mb": 14000,
+                "idle_unload_s": 1.0,
+                "cpu_threads": 1,
+            }
+        ],
+    }
+
+
+def complete(client) -> str:
+    answer = client.completions.create(model="llm", prompt="The cat", max_tokens=2, temperature=0)
+    return answer.choices[0].text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ledger_config", [MODEL_QUOTA])
+async def test_a_shared_models_vram_is_granted_by_the_host_ledger_and_released_when_unloaded(
+    tiny_lm_dir, api, ledger, bob, jp_serverapp, jp_http_port, jp_base_url
+):
+    await connected(api)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{jp_http_port}{jp_base_url}evalsched/v1",
+        api_key=jp_serverapp.identity_provider.token,
+        max_retries=0,
+        timeout=120,
+    )
+    code, first = await api("POST", "leases", {"vram_mb": 8000, "ttl_s": 120, "label": "first"})
+    assert code == 201, first
+    await lease_until(api, first["id"], lambda r: r["state"] == "granted", "granted")
+
+    # The model's 14000 MB fit the GPU beside the lease, but not this user's quota at the host
+    # ledger (8000 + 14000 > 20000): its load waits with the ledger's reason.
+    request = asyncio.ensure_future(asyncio.to_thread(complete, client))
+
+    async def load_waits():
+        code, view = await api("GET", "ledger")
+        entry = next((m for m in view["devices"][0]["models"] if m["name"] == "llm"), None)
+        return entry if entry and (entry.get("why") or {}).get("code") == contract.QUOTA else None
+
+    entry = await async_wait_until(load_waits, timeout=30, message="the model's load never waited for the quota")
+    assert entry["why"]["detail"] == "user root may hold 20000 MB of VRAM; holds 8000 MB"
+    assert not request.done() and [g["kind"] for g in grants_of(ledger)] == ["lease"]
+
+    # The lease ends: the model is granted there, loads and answers.
+    assert (await api("DELETE", f"leases/{first['id']}"))[0] == 204
+    assert isinstance(await asyncio.wait_for(request, 120), str)
+    [grant] = await grants_until(ledger, lambda g: [x["kind"] for x in g] == ["model"], "the model was never granted")
+    assert (grant["vram_mb"], grant["devices"]) == (14000, [0])
+    assert "result" in bob.call("connect")
+    assert bob.ok("view")["devices"][0]["users"] == [
+        {"user": "root", "allocated_mb": 14000, "leases": 0, "runs": 0, "models": 1}
+    ]
+
+    # A lease that needs its room: the idle model is unloaded, its grant released, the lease granted.
+    code, second = await api("POST", "leases", {"vram_mb": 16000, "ttl_s": 120, "label": "second"})
+    assert code == 201, second
+    await lease_until(api, second["id"], lambda r: r["state"] == "granted", "granted")
+    await grants_until(
+        ledger, lambda g: [x["key"] for x in g] == [second["id"]], "the unloaded model's grant outlived it"
+    )

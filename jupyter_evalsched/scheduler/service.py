@@ -583,7 +583,14 @@ class Scheduler:
         leases = {lease.id: lease.record for lease in self.leases.granted()}
         if self.host is not None:  # a shared host: the other users' holdings by user name only
             own = self.host.own(self.observer.unmanaged)
-            view = ledger_view(self._budgets, self.config.cpu_slots, self.admission.running_jobs(), own, leases)
+            view = ledger_view(
+                self._budgets,
+                self.config.cpu_slots,
+                self.admission.running_jobs(),
+                own,
+                leases,
+                self.admission.model_loads(),
+            )
             return self.host.ledger(view)
         return ledger_view(
             self._budgets,
