@@ -150,6 +150,8 @@ def format_ledger(ledger: dict | None, width: int = 24, names: dict[str, str] | 
             extra.append(f"other {dev['unmanaged_mb']} MB" + (f": {holders}" if holders else ""))
         if dev.get("exclusive"):
             extra.append(f"held whole by {names.get(dev['exclusive'], dev['exclusive'])}")
+        if dev.get("users"):  # a shared host: the other users' grants, by user name only
+            extra.append("users: " + ", ".join(f"{u.get('user')} {u.get('allocated_mb')} MB" for u in dev["users"]))
         runs = ", ".join(
             f"{names.get(r.get('id'), r.get('id'))}:{r.get('marginal_vram_mb')}" for r in dev.get("runs") or []
         )

@@ -18,6 +18,7 @@ from proc_status import alive
 from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched import contract
+from jupyter_evalsched.cli import format_ledger
 from jupyter_evalsched.client import LocalServer
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 
@@ -311,3 +312,27 @@ async def test_a_shared_models_vram_is_granted_by_the_host_ledger_and_released_w
     await grants_until(
         ledger, lambda g: [x["key"] for x in g] == [second["id"]], "the unloaded model's grant outlived it"
     )
+
+
+# ----------------------------------------------------------------------------- `jupyter evalsched queue`
+
+
+def test_the_queue_shows_the_other_users_holdings_per_gpu_by_name():
+    ledger = {
+        "devices": [
+            {
+                "index": 0,
+                "usable_mb": 24000,
+                "allocated_mb": 4000,
+                "free_mb": 6000,
+                "users": [
+                    {"user": "bob", "allocated_mb": 9000, "leases": 1, "runs": 1, "models": 0},
+                    {"user": "carol", "allocated_mb": 5000, "leases": 0, "runs": 0, "models": 1},
+                ],
+            },
+            {"index": 1, "usable_mb": 24000, "allocated_mb": 0, "free_mb": 24000, "users": []},
+        ]
+    }
+    gpu0, gpu1 = format_ledger(ledger).split("\n")
+    assert "users: bob 9000 MB, carol 5000 MB" in gpu0
+    assert "users" not in gpu1
