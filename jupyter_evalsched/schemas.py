@@ -684,6 +684,7 @@ class LedgerUser(BaseModel):
     allocated_mb: int = Field(description="VRAM their grants hold on this device (not in allocated_mb)")
     leases: int = Field(description="their leases holding it")
     runs: int = Field(description="their runs holding it")
+    models: int = Field(0, description="their servers' shared models holding it")
 
 
 class LedgerDevice(BaseModel):

@@ -87,7 +87,7 @@ def test_two_users_never_over_usable_and_a_wait_names_the_holder(users, ledger, 
     # Bob sees alice by name only: none of her keys or pids.
     mine = bob.ok("view")
     assert mine["grants"] == [] and mine["devices"][0]["users"] == [
-        {"user": users["alice"].pw_name, "allocated_mb": 14000, "leases": 0, "runs": 1}
+        {"user": users["alice"].pw_name, "allocated_mb": 14000, "leases": 0, "runs": 1, "models": 0}
     ]
     assert "a1" not in str(mine)
     assert not bob.done(tag)
@@ -352,7 +352,7 @@ def test_status_shows_root_every_user_and_a_user_their_own(users, ledger, agents
     assert own.returncode == 0, own.stderr
     view = json.loads(own.stdout)
     assert view["user"] == BOB and view["admin"] is False and view["grants"] == []
-    assert view["devices"][0]["users"] == [{"user": ALICE, "allocated_mb": 7000, "leases": 0, "runs": 1}]
+    assert view["devices"][0]["users"] == [{"user": ALICE, "allocated_mb": 7000, "leases": 0, "runs": 1, "models": 0}]
     assert "alices-eval" not in own.stdout
     missing = subprocess.run(
         [*cli[:-3], "--socket", ledger.socket + ".nope", "--status"],

@@ -94,7 +94,7 @@ async def test_a_run_is_granted_by_the_host_ledger_waits_for_another_user_and_is
     view = await async_wait_until(bob_seen, timeout=15)
     dev = view["devices"][0]
     assert dev["usable_mb"] == 24000 and dev["free_mb"] == 10000
-    assert dev["users"] == [{"user": BOB, "allocated_mb": 14000, "leases": 0, "runs": 1}]
+    assert dev["users"] == [{"user": BOB, "allocated_mb": 14000, "leases": 0, "runs": 1, "models": 0}]
     assert "bob-1" not in str(view)  # another user's keys are never shown
 
     # A run that does not fit beside bob's grant waits, naming bob (and him alone).

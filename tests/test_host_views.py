@@ -89,7 +89,7 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 def test_the_tenant_ledger_names_bob_and_nothing_else_of_his(host: dict[str, Any]) -> None:
     dev = host["view"]["devices"][0]
-    assert dev["users"] == [{"user": BOB, "allocated_mb": 14000, "leases": 1, "runs": 1}]
+    assert dev["users"] == [{"user": BOB, "allocated_mb": 14000, "leases": 1, "runs": 1, "models": 0}]
     assert dev["free_mb"] == 24000 - 14000 - 2000
     assert "bob-secret" not in str(host["view"])
     code, status = host["lab"].request("GET", "evalsched/status")

@@ -328,7 +328,9 @@ def test_two_users_behind_a_real_jupyterhub_share_the_host_ledger_and_see_each_o
     def sees(user: HubUser, other: str, mb: int):
         ledger = user.ok("GET", "ledger")
         users_seen = ledger["devices"][0]["users"]
-        return ledger if users_seen == [{"user": other, "allocated_mb": mb, "leases": 0, "runs": 1}] else None
+        return (
+            ledger if users_seen == [{"user": other, "allocated_mb": mb, "leases": 0, "runs": 1, "models": 0}] else None
+        )
 
     seen_by_alice = wait_until(lambda: sees(alice, BOB, 6000), timeout=60, interval=0.2)
     seen_by_bob = wait_until(lambda: sees(bob, ALICE, 14000), timeout=60, interval=0.2)

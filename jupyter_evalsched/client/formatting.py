@@ -205,14 +205,14 @@ def pending_head(record: dict) -> str:
 
 def other_users(device: dict, me: str | None) -> list[dict]:
     """What the other users of a host shared through a host ledger hold on a ledger ``device``, by
-    user name only: ``{"user", "mb"`` (their grants), ``"runs", "leases", "outside_mb"`` (their
+    user name only: ``{"user", "mb"`` (their grants), ``"runs", "leases", "models", "outside_mb"`` (their
     processes outside any grant)``}``, largest first. ``me`` is this server's user
     (``host_ledger.user`` of ``GET /evalsched/status``); unknown, no process counts as another
     user's. Empty without a host ledger (no ``users``)."""
     per: dict[str, dict] = {}
 
     def entry(user: str) -> dict:
-        return per.setdefault(user, {"user": user, "mb": 0, "runs": 0, "leases": 0, "outside_mb": 0})
+        return per.setdefault(user, {"user": user, "mb": 0, "runs": 0, "leases": 0, "models": 0, "outside_mb": 0})
 
     for item in device.get("users") or []:
         if not isinstance(item, dict) or not item.get("user") or item["user"] == me:
@@ -221,6 +221,7 @@ def other_users(device: dict, me: str | None) -> list[dict]:
         e["mb"] += max(0, int(item.get("allocated_mb") or 0))
         e["runs"] += max(0, int(item.get("runs") or 0))
         e["leases"] += max(0, int(item.get("leases") or 0))
+        e["models"] += max(0, int(item.get("models") or 0))
     for proc in device.get("unmanaged_processes") or []:
         if is_other_users(proc, me):
             entry(str(proc["user"]))["outside_mb"] += max(0, int(proc.get("used_mb") or 0))
@@ -235,10 +236,10 @@ def is_other_users(proc: dict, me: str | None) -> bool:
 
 
 def other_user_text(entry: dict) -> str:
-    """``bob: 14,000 MB (2 runs, 1 lease)``: another user's grants on one GPU, by name only."""
+    """``bob: 14,000 MB (2 runs, 1 lease, 1 model)``: another user's grants on one GPU, by name only."""
     what = [
         f"{n} {word}{'' if n == 1 else 's'}"
-        for n, word in ((entry["runs"], "run"), (entry["leases"], "lease"))
+        for n, word in ((entry["runs"], "run"), (entry["leases"], "lease"), (entry.get("models", 0), "model"))
         if n > 0
     ]
     return f"{entry['user']}: {entry['mb']:,} MB" + (f" ({', '.join(what)})" if what else "")

@@ -37,7 +37,7 @@ class Holding:
     devices: tuple[int, ...]
     vram_mb: int  # per device
     exclusive: bool = False
-    kind: str = "run"  # "run" or "lease"
+    kind: str = "run"  # "run", "lease" or "model"
 
 
 @dataclass(frozen=True, slots=True)

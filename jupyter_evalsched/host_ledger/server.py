@@ -44,7 +44,7 @@ MAX_GRANTS_PER_UID = 1024
 MAX_PIDS = 64
 MAX_KEY_CHARS = 200
 MAX_SEND_BUFFER = 1024 * 1024  # a peer that reads nothing is closed rather than buffered for
-KINDS = ("run", "lease")
+KINDS = ("run", "lease", "model")  # model: a shared model's VRAM, held by a user's server
 MAX_DEMAND = 16  # asks a tenant may tell as its demand (its queued GPU work)
 TURN_S = 5.0  # how long room kept for a user holding less (its demand) waits for that user to ask
 
@@ -725,9 +725,11 @@ class HostLedger:
             for g in here:
                 if g.uid == uid:
                     continue
-                entry = users.setdefault(g.user, {"user": g.user, "allocated_mb": 0, "leases": 0, "runs": 0})
+                entry = users.setdefault(
+                    g.user, {"user": g.user, "allocated_mb": 0, "leases": 0, "runs": 0, "models": 0}
+                )
                 entry["allocated_mb"] += dev.usable_mb if g.exclusive else g.vram_mb
-                entry["leases" if g.kind == "lease" else "runs"] += 1
+                entry[{"lease": "leases", "model": "models"}.get(g.kind, "runs")] += 1
             unmanaged = [
                 {k: p[k] for k in ("pid", "gpu", "used_mb", "user")} for p in self.view.unmanaged.get(dev.index, [])
             ]

@@ -15,6 +15,7 @@ All of it runs on the event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -116,6 +117,12 @@ class Admission:
         self._host_held: dict[str, Run] = {}
         # And the GPU work queued here, told to it (its fair share keeps room for it).
         self.host_demand: Callable[[list[dict[str, Any]]], None] | None = None
+        # Leases and shared models' loads being granted by the host ledger (a lease holds its
+        # devices here meanwhile), and those it refused, out of decisions until its view moves.
+        self._lease_granting: dict[str, tuple[int, ...]] = {}
+        self._host_held_leases: set[str] = set()
+        self._model_granting: set[str] = set()
+        self._host_held_models: set[str] = set()
         table.requeue_policy = self._retry_policy
         table.on_exit(self._on_run_exited)
         table.on_end(self._on_run_ended)
@@ -261,6 +268,8 @@ class Admission:
 
     def lease_ended(self, lease: Lease) -> None:
         """What the lease held goes to the next in line at once."""
+        self._lease_granting.pop(lease.id, None)
+        self._host_held_leases.discard(lease.id)
         self.decide(now=bool(lease.record["devices"]))
 
     def _run_changed(self, event: dict[str, Any]) -> None:
@@ -409,8 +418,12 @@ class Admission:
         eligible = list(self._eligible.values())
         resident = self._resident()
         queued = [self._as_queued(run, now, resident) for run in eligible]
-        queued += [self._lease_as_queued(lease, now) for lease in self.leases.queued()]
-        queued += [self._load_as_queued(load, now) for load in self._model_loads.values()]
+        queued += [self._lease_as_queued(lease, now) for lease in self._leases_to_decide()]
+        queued += [
+            self._load_as_queued(load, now)
+            for name, load in self._model_loads.items()
+            if name not in self._model_granting and name not in self._host_held_models
+        ]
         policy_config = self.config.policy
         self._head_lane = min((policy.effective_lane(q, policy_config) for q in queued), default=len(policy.LANES))
         deps = self._dependency_states(eligible)
@@ -441,11 +454,65 @@ class Admission:
         self.decide()  # what it took here is free again for the others
 
     def host_changed(self) -> None:
-        """The host ledger's view or connection changed: the runs it refused may fit now."""
+        """The host ledger's view or connection changed: the runs, leases and model loads it
+        refused may fit now."""
         for run_id, run in list(self._host_held.items()):
             del self._host_held[run_id]
             if run_id in self._queued and run_id not in self._blocked:
                 self._eligible[run_id] = run
+        self._host_held_leases.clear()
+        self._host_held_models.clear()
+        self.decide()
+
+    def _leases_to_decide(self) -> list[Lease]:
+        """The queued leases a decision may grant: not those being granted by the host ledger
+        (they hold their devices, ``running_jobs``), nor those it refused until its view moves."""
+        return [
+            lease
+            for lease in self.leases.queued()
+            if lease.id not in self._lease_granting and lease.id not in self._host_held_leases
+        ]
+
+    def lease_granting(self, lease: Lease, devices: tuple[int, ...]) -> None:
+        """The lease is admitted here on ``devices``; the host ledger grants it next."""
+        self._lease_granting[lease.id] = devices
+
+    def lease_host_answered(self, lease: Lease, why: contract.Why | None) -> None:
+        """The host ledger answered for the lease: granted (None), or why it waits, out of
+        decisions until the host ledger's view moves (``host_changed``)."""
+        self._lease_granting.pop(lease.id, None)
+        if why is not None and lease.live:
+            self._host_held_leases.add(lease.id)
+            self.carrier.waiting(lease, why)
+        self.decide()  # what it took here is free again, or the lease is counted as granted now
+
+    def model_granting(self, name: str) -> bool:
+        """A model's load is admitted here; True when the host ledger is to grant it now (not
+        when a grant is on its way already, nor while the ledger refused it)."""
+        if name in self._model_granting or name in self._host_held_models:
+            return False
+        self._model_granting.add(name)
+        return True
+
+    def model_host_never(self, name: str, reason: str) -> None:
+        """The host ledger can never grant the model's VRAM (this user's quota): its waiting
+        callers fail (ModelUnavailable); the next caller asks again once its view moves."""
+        self._model_granting.discard(name)
+        self._host_held_models.add(name)
+        load = self._model_loads.pop(name, None)
+        if load is not None and not load.done.done():
+            load.done.set_exception(ModelUnavailable(name, f"can never be granted on this host: {reason}"))
+        self.decide()
+
+    def model_host_answered(self, name: str, why: contract.Why | None) -> None:
+        """The host ledger answered for a model's load: granted (None: the model is resident
+        now), or why its load waits (until the host ledger's view moves)."""
+        self._model_granting.discard(name)
+        if why is not None:
+            self._host_held_models.add(name)
+            load = self._model_loads.get(name)
+            if load is not None:
+                load.why = why
         self.decide()
 
     def _carry_out(self, decision: policy.Decision) -> None:
@@ -584,6 +651,19 @@ class Admission:
             )
             for lease in self.leases.granted()
         ]
+        jobs += [  # admitted here, being granted by the host ledger: they hold their devices
+            policy.RunningJob(
+                id=lease.id,
+                devices=self._lease_granting[lease.id],
+                marginal_vram_mb=lease.record["vram_mb"],
+                exclusive=lease.record["exclusive_gpu"],
+                cpus=0,
+                kind="lease",
+                label=lease.holder,
+            )
+            for lease in self.leases.queued()
+            if lease.id in self._lease_granting
+        ]
         in_use = self._models_of_runs()
         jobs += [
             policy.RunningJob(
@@ -598,14 +678,23 @@ class Admission:
                 stopping=m.unloading,  # its room is about to be free
             )
             for m in self.model_memory()
-            if m.resident
+            if m.resident or m.name in self._model_granting
         ]
         return jobs
 
     # ----------------------------------------------------------------- shared models' memory
 
     def _resident(self) -> dict[str, ModelMemory]:
-        """The shared models with VRAM on a GPU, by name (resident or not)."""
+        """The shared models with VRAM on a GPU, by name (resident or not), as decisions see
+        them: one being granted by the host ledger holds its VRAM already."""
+        granting = self._model_granting
+        return {
+            m.name: dataclasses.replace(m, resident=True) if m.name in granting and not m.resident else m
+            for m in self.model_memory()
+        }
+
+    def _memory(self) -> dict[str, ModelMemory]:
+        """The shared models with VRAM on a GPU, by name, as their host sees them."""
         return {m.name: m for m in self.model_memory()}
 
     @staticmethod
@@ -628,7 +717,7 @@ class Admission:
         loop = self._loop or asyncio.get_running_loop()
         if self.stopping:
             raise ModelUnavailable(name, "the scheduler stopped")
-        memory = self._resident().get(name)
+        memory = self._memory().get(name)
         if memory is None or memory.resident:
             done: asyncio.Future[None] = loop.create_future()
             done.set_result(None)
@@ -654,7 +743,7 @@ class Admission:
 
     def _answer_loads(self) -> None:
         """The waiting loads whose model is admitted now (for them, or with a run) are done."""
-        memory = self._resident()
+        memory = self._memory()
         for name, load in list(self._model_loads.items()):
             m = memory.get(name)
             if m is None or m.resident or load.done.done():

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .. import contract
@@ -170,6 +171,17 @@ def never_reason(
 # ----------------------------------------------------------------------------- the link's owner
 
 
+@dataclass(frozen=True, slots=True)
+class _Adopt:
+    """What a job found live at start holds (to learn its grant again)."""
+
+    vram_mb: int
+    devices: tuple[int, ...]
+    exclusive: bool
+    kind: str
+    pid: int | None
+
+
 def _own_process(pid: int) -> bool:
     try:
         return os.stat(f"/proc/{pid}").st_uid == os.getuid()
@@ -190,6 +202,10 @@ class HostTenant:
         self._last_view: dict[str, Any] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.is_own: Callable[[int], bool] = _own_process
+        # Jobs an earlier server was granted for, found live at start (a detached run, a lease):
+        # their grants are learned again from the host ledger, never asked for twice.
+        self.adopting: dict[str, _Adopt] = {}
+        self._adopting_now = False
 
     async def start(self) -> None:
         await self.link.start()
@@ -202,6 +218,9 @@ class HostTenant:
     def _changed(self) -> None:
         if self.link.view is not None:
             self._last_view = self.link.view
+        if self.adopting and self.link.connected and not self._adopting_now:
+            self._adopting_now = True
+            self._spawn(self._adopt_all())
         self._on_change()
 
     # ------------------------------------------------------------------ what admission sees
@@ -241,14 +260,23 @@ class HostTenant:
     # ------------------------------------------------------------------ grants
 
     async def grant(
-        self, job_id: str, vram_mb: int, devices: tuple[int, ...], exclusive: bool, kind: str
+        self,
+        job_id: str,
+        vram_mb: int,
+        devices: tuple[int, ...],
+        exclusive: bool,
+        kind: str,
+        pids: list[int] | None = None,
     ) -> dict[str, Any] | Why:
-        """The grant for a job on ``devices``, or why it waits."""
+        """The grant for a job on ``devices``, or why it waits. ``pids``: the processes it is
+        for, when they exist already (a lease's holder); else this server's, re-tied later."""
         held = self.grants.get(job_id)
         if held is not None and tuple(held["devices"]) == tuple(devices):
             return held
         try:
-            answer = await self.link.try_grant(job_id, vram_mb, list(devices), exclusive=exclusive, kind=kind)
+            answer = await self.link.try_grant(
+                job_id, vram_mb, list(devices), exclusive=exclusive, kind=kind, pids=pids
+            )
         except NeverFits as exc:
             return refusal_why(exc.reason, [])
         except HostLedgerUnavailable as exc:
@@ -283,8 +311,62 @@ class HostTenant:
         """The job no longer holds its GPUs: its grant goes back now (or once the ledger is back)."""
         grant = self.grants.pop(job_id, None)
         self.retied.pop(job_id, None)
+        self.adopting.pop(job_id, None)
         if grant is not None:
             self._spawn(self.link.release(grant["id"]))
+
+    # ------------------------------------------------------------------ after a restart
+
+    def adopt(
+        self, job_id: str, vram_mb: int, devices: tuple[int, ...], exclusive: bool, kind: str, pid: int | None
+    ) -> None:
+        """A job an earlier server placed, found live at start (a detached run re-attached, a
+        granted lease kept): its grant (key = the job's id) is learned from the host ledger and
+        kept tied to ``pid``; one that ended meanwhile (tied to the earlier server alone) is
+        asked for again for ``pid``. Until then the job holds its devices here as before."""
+        self.adopting[job_id] = _Adopt(vram_mb, tuple(devices), exclusive, kind, pid)
+        if self.link.connected and not self._adopting_now:
+            self._adopting_now = True
+            self._spawn(self._adopt_all())
+
+    async def _adopt_all(self) -> None:
+        try:
+            for job_id, want in list(self.adopting.items()):
+                if not self.link.connected:
+                    return  # the next connection tries again (_changed)
+                if self.adopting.get(job_id) is not want:
+                    continue  # released (the job ended) meanwhile
+                await self._adopt(job_id, want)
+        finally:
+            self._adopting_now = False
+
+    async def _adopt(self, job_id: str, want: _Adopt) -> None:
+        pids = [want.pid] if want.pid is not None else None
+        try:
+            # The same key: the ledger answers with the grant it holds under it, if any.
+            answer = await self.link.try_grant(
+                job_id, want.vram_mb, list(want.devices), exclusive=want.exclusive, kind=want.kind, pids=pids
+            )
+        except NeverFits as exc:
+            log.warning("evalsched: host ledger refuses %s %s for good: %s", want.kind, job_id, exc.reason)
+            self.adopting.pop(job_id, None)
+            return
+        except Exception as exc:  # the ledger away, the process gone: the next connection tries
+            log.info("evalsched: host ledger grant of %s %s not learned yet: %s", want.kind, job_id, exc)
+            return
+        if isinstance(answer, str):  # no room for it now (its grant ended with the earlier server)
+            log.warning("evalsched: %s %s runs without a host ledger grant for now: %s", want.kind, job_id, answer)
+            return
+        if self.adopting.get(job_id) is not want:  # it ended while the answer was on its way
+            self._spawn(self.link.release(answer["id"]))
+            return
+        del self.adopting[job_id]
+        self.grants[job_id] = answer
+        tied = [p["pid"] for p in answer.get("pids", [])]
+        if want.pid is not None and tied != [want.pid]:
+            self.retie(job_id, want.pid)
+        elif want.pid is not None:
+            self.retied[job_id] = want.pid
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

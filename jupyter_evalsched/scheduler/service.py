@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import contract
-from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, TERMINAL_STATES
+from ..contract import ABORTED, CANCELLED, FAILED, LEASE_QUEUED, QUEUED, RUNNING, TERMINAL_STATES
 from ..schemas import EvalSpec, LeaseRequest
 from ..store import FoundRun, RunFileError, RunStore, StoreError
 from . import attempts, policy
@@ -127,6 +128,7 @@ class Scheduler:
         self.leases.on_end(self._on_lease_ended)
         # A host shared by several users: the host ledger grants every GPU placement first.
         self.host: HostTenant | None = None
+        self._model_keys: dict[str, str] = {}  # shared model -> the key of its host ledger grant
         if config.host_ledger:
             self.host = HostTenant(config.host_ledger, self._host_changed)
             self.admission.host_gate = self.host.gate
@@ -171,6 +173,8 @@ class Scheduler:
             await self._loop.run_in_executor(None, self.store.read_leases), max_ttl_s=self.config.max_lease_ttl_s
         )
         self.table.note_seq(max((lease.record["seq"] for lease in self.leases), default=0))
+        if self.host is not None:
+            self._host_adopt()
         self._started = self.admission.started = True
         self._tasks = [
             asyncio.ensure_future(self._reconcile_forever()),
@@ -395,6 +399,8 @@ class Scheduler:
         return run.record
 
     def _on_lease_ended(self, lease: Lease) -> None:
+        if self.host is not None:
+            self.host.release(lease.id)  # its grant at the host ledger ends with it
         if not self._started or self.admission.stopping:
             return
         self.observer.account()  # what its process still holds is unmanaged again
@@ -578,7 +584,14 @@ class Scheduler:
         leases = {lease.id: lease.record for lease in self.leases.granted()}
         if self.host is not None:  # a shared host: the other users' holdings by user name only
             own = self.host.own(self.observer.unmanaged)
-            view = ledger_view(self._budgets, self.config.cpu_slots, self.admission.running_jobs(), own, leases)
+            view = ledger_view(
+                self._budgets,
+                self.config.cpu_slots,
+                self.admission.running_jobs(),
+                own,
+                leases,
+                self.admission.model_loads(),
+            )
             return self.host.ledger(view)
         return ledger_view(
             self._budgets,
@@ -722,6 +735,37 @@ class Scheduler:
         if self.host is not None:
             self.host.release(run.id)
 
+    def model_grant_key(self, name: str) -> str:
+        """The host ledger's key of the shared model's grant: one per load, so that a release
+        still on its way (the ledger away) never meets the next load's grant."""
+        if name not in self._model_keys:
+            self._model_keys[name] = f"model-{secrets.token_hex(4)}-{name}"[:200]
+        return self._model_keys[name]
+
+    def release_model_grant(self, name: str) -> None:
+        """The model holds no VRAM any more (unloaded, or never granted): its grant goes back."""
+        key = self._model_keys.pop(name, None)
+        if key is not None and self.host is not None:
+            self.host.release(key)
+
+    def _host_adopt(self) -> None:
+        """After a restart: the detached runs re-attached and the granted leases kept hold
+        grants an earlier server was given; they are learned again (HostTenant.adopt)."""
+        assert self.host is not None
+        for run in self.table.active():
+            devices = tuple(run.record.get("devices") or ())
+            if run.state == RUNNING and devices and run.record.get("pid"):
+                sched = run.scheduling
+                self.host.adopt(
+                    run.id, sched.marginal_vram_mb, devices, sched.exclusive_gpu, "run", int(run.record["pid"])
+                )
+        for lease in self.leases.granted():
+            rec = lease.record
+            if rec["devices"]:
+                self.host.adopt(
+                    lease.id, int(rec["vram_mb"]), tuple(rec["devices"]), bool(rec["exclusive_gpu"]), "lease", lease.pid
+                )
+
     def _unmanaged_changed(self) -> None:
         # VRAM outside the scheduler changed: no run or lease did, so say it on its own.
         self.table.emit({"type": "ledger", "ledger": self.ledger()})
@@ -808,8 +852,34 @@ class _Carrier:
     def grant(self, grants: list[tuple[Lease, tuple[int, ...]]]) -> None:
         s = self._scheduler
         for lease, devices in grants:
+            if s.host is not None and devices:
+                s.admission.lease_granting(lease, devices)  # its devices are held here meanwhile
+                s.leases.set_reason(
+                    lease, contract.Why(contract.STARTING, "admitted; being granted its GPUs by the host ledger")
+                )
+                s.host._spawn(self._grant_lease(lease, devices))
+                continue
             s.leases.grant(lease, devices)
         s.observer.account()  # what a granted lease's process holds is the lease's now
+
+    async def _grant_lease(self, lease: Lease, devices: tuple[int, ...]) -> None:
+        """Granted by the host ledger first, tied to the lease's process when it has one (the
+        grant ends with it there too); refused, the lease waits with the ledger's reason."""
+        s = self._scheduler
+        assert s.host is not None
+        rec = lease.record
+        pids = [lease.pid] if lease.pid is not None else None
+        got = await s.host.grant(lease.id, int(rec["vram_mb"]), devices, bool(rec["exclusive_gpu"]), "lease", pids)
+        if not lease.live or lease.state != LEASE_QUEUED or s.admission.stopping:  # ended meanwhile
+            s.host.release(lease.id)
+            s.admission.lease_host_answered(lease, None)
+            return
+        if isinstance(got, contract.Why):
+            s.admission.lease_host_answered(lease, got)
+            return
+        s.leases.grant(lease, devices)
+        s.admission.lease_host_answered(lease, None)
+        s.observer.account()
 
     def preempt(self, run: Run, by: str) -> None:
         executor = self._scheduler.executors.get(run.executor)
@@ -824,7 +894,37 @@ class _Carrier:
             s.leases.set_reason(job, why)
 
     def load(self, name: str) -> None:
-        self._scheduler.models.admitted(name)
+        s = self._scheduler
+        if s.host is None:
+            s.models.admitted(name)
+        elif s.admission.model_granting(name):
+            s.host._spawn(self._grant_model(name))
+
+    async def _grant_model(self, name: str) -> None:
+        """A shared model's VRAM is granted by the host ledger before its host may load it
+        (kind ``model``, held by this server until the model is unloaded)."""
+        s = self._scheduler
+        assert s.host is not None
+        memory = next((m for m in s.models.memory() if m.name == name), None)
+        if memory is None:  # not on a GPU: nothing to grant
+            s.models.admitted(name)
+            s.admission.model_host_answered(name, None)
+            return
+        never = s.host.never(memory.vram_mb, 1, False, "model")
+        if never:  # this user's quota can never hold it: its callers fail rather than wait
+            s.admission.model_host_never(name, never)
+            return
+        key = s.model_grant_key(name)
+        got = await s.host.grant(key, memory.vram_mb, (memory.gpu,), False, "model")
+        if s.admission.stopping:
+            s.release_model_grant(name)
+            return
+        if isinstance(got, contract.Why):
+            s.release_model_grant(name)  # (nothing held; a new key next time)
+            s.admission.model_host_answered(name, got)
+            return
+        s.models.admitted(name)
+        s.admission.model_host_answered(name, None)
 
     def unload(self, name: str, by: str) -> None:
         s = self._scheduler
@@ -832,7 +932,8 @@ class _Carrier:
 
         async def unload() -> None:
             try:
-                await s.models.unload(name)
+                if await s.models.unload(name):
+                    s.release_model_grant(name)  # its VRAM is free: granted no more
             except Exception:
                 log.exception("evalsched: cannot unload the shared model %s", name)
             s.admission.decide()  # its room (or, when it was used meanwhile, another decision)

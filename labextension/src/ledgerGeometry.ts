@@ -118,6 +118,8 @@ export interface IOtherUser {
   mb: number;
   runs: number;
   leases: number;
+  /** Their servers' shared models. */
+  models: number;
   /** What their processes outside any grant use here (also in `groups`, kind `user`). */
   outsideMb: number;
 }
@@ -135,7 +137,7 @@ export function otherUsers(
   const entry = (user: string) => {
     let e = per.get(user);
     if (!e) {
-      e = { user, mb: 0, runs: 0, leases: 0, outsideMb: 0 };
+      e = { user, mb: 0, runs: 0, leases: 0, models: 0, outsideMb: 0 };
       per.set(user, e);
     }
     return e;
@@ -148,6 +150,7 @@ export function otherUsers(
     e.mb += Math.max(0, Number(u.allocated_mb) || 0);
     e.runs += Math.max(0, Number(u.runs) || 0);
     e.leases += Math.max(0, Number(u.leases) || 0);
+    e.models += Math.max(0, Number(u.models) || 0);
   }
   for (const p of Array.isArray(device.unmanaged_processes)
     ? device.unmanaged_processes

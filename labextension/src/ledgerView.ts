@@ -491,7 +491,8 @@ export class LedgerView {
     const trans = this._trans;
     const what = [
       other.runs > 0 ? trans._n('%1 run', '%1 runs', other.runs) : null,
-      other.leases > 0 ? trans._n('%1 lease', '%1 leases', other.leases) : null
+      other.leases > 0 ? trans._n('%1 lease', '%1 leases', other.leases) : null,
+      other.models > 0 ? trans._n('%1 model', '%1 models', other.models) : null
     ].filter(x => x !== null);
     return what.length
       ? trans.__('%1: %2 (%3)', other.user, formatMB(other.mb), what.join(', '))

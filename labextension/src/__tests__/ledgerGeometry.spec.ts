@@ -136,8 +136,8 @@ describe('other users of a shared host (a host ledger)', () => {
       free_mb: 48000 - 5000 - 3500 - 17000,
       runs: [{ id: 'r1', marginal_vram_mb: 5000 }],
       users: [
-        { user: 'bob', allocated_mb: 14000, runs: 2, leases: 1 },
-        { user: 'carol', allocated_mb: 3000, runs: 1, leases: 0 }
+        { user: 'bob', allocated_mb: 14000, runs: 2, leases: 1, models: 0 },
+        { user: 'carol', allocated_mb: 3000, runs: 1, leases: 0, models: 1 }
       ],
       unmanaged_processes: [
         proc({
@@ -197,7 +197,7 @@ describe('other users of a shared host (a host ledger)', () => {
     const d = shared();
     d.users = [
       ...(d.users ?? []),
-      { user: 'alice', allocated_mb: 9, runs: 1, leases: 0 }
+      { user: 'alice', allocated_mb: 9, runs: 1, leases: 0, models: 0 }
     ];
     expect(otherUsers(d, 'alice').map(o => o.user)).toEqual(['bob', 'carol']);
   });

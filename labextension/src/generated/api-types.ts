@@ -352,6 +352,8 @@ export interface ILedgerUser {
   leases: number;
   /** their runs holding it */
   runs: number;
+  /** their servers' shared models holding it */
+  models: number;
 }
 
 /** one entry per token: the echoed prompt's, then the generated ones */
