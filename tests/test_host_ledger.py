@@ -474,3 +474,22 @@ def test_during_the_reclaim_window_a_re_told_grant_must_fit_beside_the_others(tm
             await server.stop()
 
     asyncio.run(go())
+
+
+def test_a_user_who_lets_a_turn_pass_cannot_hold_others_back_by_telling_demand_again(users, ledger, agents):
+    """Hostile demand: bob tells demand, never asks when told his turn, and tells it again each
+    time it is set aside. Once a turn is let pass, bob's demand holds nobody back until he asks."""
+    alice, bob = agents("alice"), agents("bob")
+    held = [alice.ok("request", key=f"a{i}", vram_mb=12000) for i in range(2)]  # the whole GPU
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
+    alice.ok("release", grant=held[0]["id"])
+    assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "busy"
+    wait_until(lambda: "retry" in alice.ok("events"), timeout=TURN_S + 10, message="alice was never told to retry")
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1  # told anew, still never asking
+    assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "granted"
+    # Once bob asks, his demand counts again.
+    alice.ok("release", grant=held[1]["id"])
+    assert bob.ok("request", key="b0", vram_mb=1000, wait=False)["state"] == "granted"
+    assert bob.ok("demand", asks=[{"vram_mb": 11000}]) == 1
+    refused = alice.ok("request", key="a-third", vram_mb=11000, wait=False)
+    assert refused["state"] == "busy" and refused["reason"].startswith(f"fair share: user {BOB}"), refused

@@ -67,7 +67,8 @@ class Conn:
     closed: bool = False
     # Fair share between servers that ask without waiting: the GPU work this tenant has queued
     # (op ``demand``), and, when one of its own asks was deferred to another user's demand, until
-    # when (then it is told ``retry`` and that demand is set aside until told anew).
+    # when (then it is told ``retry`` and that demand is set aside; the user's demand holds nobody
+    # back until it asks again).
     demand: list[Ask] = field(default_factory=list)
     deferred_for: list[tuple[float, Conn]] = field(default_factory=list)
 
@@ -169,6 +170,9 @@ class HostLedger:
         self.conns: set[Conn] = set()
         self.view = View()
         self.pending_tenants: set[tuple[int, ProcId]] = set()  # saved tenants yet to re-tell
+        # Users who let a turn pass: their told demand holds nobody back until they ask again
+        # (else re-telling it each time it is set aside would hold the others back for ever).
+        self.forfeited: set[int] = set()
         self.reclaim_until = 0.0
         self._state_read = False  # a state file was read: the saved tenants are all to wait for
         self._server: asyncio.base_events.Server | None = None
@@ -534,6 +538,7 @@ class HostLedger:
     def _op_request(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
         key, ask = self._ask(conn, message)
         conn.tenant = True
+        self.forfeited.discard(conn.uid)
         for grant in self.grants.values():
             if grant.uid == conn.uid and grant.key == key:  # asked again (an answer lost): the same grant
                 grant.conn = conn
@@ -572,7 +577,12 @@ class HostLedger:
         quota = self.config.quota(conn.user)
         if decide(ask, devices, holdings, quota).state != "granted":
             return ""
-        others = [(c, a) for c in self.conns if c.uid != conn.uid and not c.closed for a in c.demand]
+        others = [
+            (c, a)
+            for c in self.conns
+            if c.uid != conn.uid and not c.closed and c.uid not in self.forfeited
+            for a in c.demand
+        ]
         if not others:
             return ""
         asks = [ask, *(a for _, a in others)]
@@ -600,7 +610,9 @@ class HostLedger:
                 if first.closed or not first.demand:
                     continue
                 if now >= deadline:
-                    first.demand = []  # it did not take its turn: not in the way again until told anew
+                    # It did not take its turn: not in the way again until it asks.
+                    first.demand = []
+                    self.forfeited.add(first.uid)
                     continue
                 keep.append((deadline, first))
             done = len(keep) < len(conn.deferred_for)
