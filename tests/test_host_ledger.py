@@ -493,3 +493,25 @@ def test_a_user_who_lets_a_turn_pass_cannot_hold_others_back_by_telling_demand_a
     assert bob.ok("demand", asks=[{"vram_mb": 11000}]) == 1
     refused = alice.ok("request", key="a-third", vram_mb=11000, wait=False)
     assert refused["state"] == "busy" and refused["reason"].startswith(f"fair share: user {BOB}"), refused
+
+
+def test_a_grants_processes_using_more_than_granted_count_the_rest_as_unmanaged(users, agents, ledger):
+    """A grant of 1000 MB is no cover: what its processes use beyond it is counted, under the
+    user's name, so the other users are not granted VRAM that is in use."""
+    alice, bob = agents("alice"), agents("bob")
+    alices_run = alice.ok("spawn")
+    grant = alice.ok("request", key="small", vram_mb=1000)
+    alice.ok("retie", grant=grant["id"], pids=[alices_run])
+    ledger.plant([{"pid": alices_run, "gpu": 0, "used_mb": 20000}])
+    view = wait_for_view(ledger, lambda v: v["devices"][0]["unmanaged_mb"])
+    dev = view["devices"][0]
+    assert dev["unmanaged_mb"] == 19000 and dev["free_mb"] == 24000 - 1000 - 19000
+    assert dev["unmanaged_processes"] == [{"pid": alices_run, "gpu": 0, "used_mb": 19000, "user": ALICE}]
+    assert bob.ok("view")["devices"][0]["unmanaged_processes"][0]["user"] == ALICE
+    tag = bob.send("request", key="b1", vram_mb=14000)
+    view = wait_for_view(ledger, lambda v: v["waiting"])
+    assert "processes outside the ledger hold 19000 MB on GPU 0" in view["waiting"][0]["reason"]
+    assert not bob.done(tag)
+    ledger.plant([{"pid": alices_run, "gpu": 0, "used_mb": 900}])  # back within its grant
+    assert bob.result(tag)["result"]["devices"] == [0]
+    alice.ok("kill", pid=alices_run)

@@ -309,10 +309,17 @@ class HostLedger:
     async def _refresh(self) -> None:
         """Read the probe's processes: those below no grant are unmanaged, named by user."""
         found = await asyncio.to_thread(self.probe.processes)
-        managed = {p.pid for g in self.grants.values() for p in g.procs}
+        by_pid = {p.pid: g for g in self.grants.values() for p in g.procs}
         unmanaged: dict[int, list[dict[str, Any]]] = {}
+        # A grant's processes may use up to its grant on its devices; what they use beyond it (or
+        # on a device it does not hold) counts as unmanaged, under their user's name: a grant of
+        # 1 MB is no cover for 20 GB that the other users would not see.
+        used: dict[tuple[str, int], tuple[Grant, int, int]] = {}  # (grant, device) -> MB, a pid
         for proc in found:
-            if managed.intersection(procs.ancestors(proc.pid)):
+            grant = next((by_pid[a] for a in procs.ancestors(proc.pid) if a in by_pid), None)
+            if grant is not None:
+                _, mb, pid = used.get((grant.id, proc.device), (grant, 0, proc.pid))
+                used[(grant.id, proc.device)] = (grant, mb + proc.used_mb, pid)
                 continue
             uid = procs.uid_of(proc.pid)
             unmanaged.setdefault(proc.device, []).append(
@@ -324,7 +331,18 @@ class HostLedger:
                     "uid": uid,
                 }
             )
+        for (_, device), (grant, mb, pid) in used.items():
+            allowed = 0
+            if device in grant.devices:
+                allowed = self.config.usable(device, self._total(device)) if grant.exclusive else grant.vram_mb
+            if mb > allowed:
+                unmanaged.setdefault(device, []).append(
+                    {"pid": pid, "gpu": device, "used_mb": mb - allowed, "user": grant.user, "uid": grant.uid}
+                )
         self.view.unmanaged = unmanaged
+
+    def _total(self, device: int) -> int:
+        return next((g.total_mb for g in self.view.gpus if g.index == device), 0)
 
     async def _sweep_forever(self) -> None:
         while True:
