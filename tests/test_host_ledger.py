@@ -515,3 +515,26 @@ def test_a_grants_processes_using_more_than_granted_count_the_rest_as_unmanaged(
     ledger.plant([{"pid": alices_run, "gpu": 0, "used_mb": 900}])  # back within its grant
     assert bob.result(tag)["result"]["devices"] == [0]
     alice.ok("kill", pid=alices_run)
+
+
+@pytest.mark.parametrize("ledger_config", [{"virtual_gpus": [24000], "reclaim_window_s": 60}])
+def test_a_restarted_ledger_with_its_state_learns_no_grant_it_never_made(users, ledger, agents):
+    """Restarted with its state file, the ledger knows every grant it made: during the reclaim
+    window, a grant re-told that it never made (bob's, fabricated to jump the queue while the
+    others wait) is refused, and the known ones are kept."""
+    alice, bob = agents("alice"), agents("bob")
+    a_run, b_run = alice.ok("spawn"), bob.ok("spawn")
+    a = alice.ok("request", key="a-run", vram_mb=14000)
+    alice.ok("retie", grant=a["id"], pids=[a_run])
+    ledger.kill9()
+    ledger.start()
+    assert bob.ok("connect")["reclaiming"] is True  # alice has not re-told hers yet
+    made_up = {"id": "f" * 16, "key": "b-made-up", "devices": [0], "vram_mb": 10000, "pids": [b_run]}
+    answer = bob.ok("raw", message={"op": "reclaim", "grants": [made_up]})
+    assert answer["kept"] == [] and answer["refused"][0]["error"] == "unknown_grant", answer
+    assert grant_ids(ledger.view()) == {a["id"]}
+    assert [g["id"] for g in alice.ok("connect")["grants"]] == [a["id"]]
+    view = wait_for_view(ledger, lambda v: not v["reclaiming"])
+    assert grant_ids(view) == {a["id"]}
+    for agent, run in ((alice, a_run), (bob, b_run)):
+        agent.ok("kill", pid=run)

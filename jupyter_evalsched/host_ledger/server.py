@@ -8,7 +8,7 @@ it ends when released, or when all its processes are gone (checked every sweep),
 connection closed: a user's server killed with -9 keeps its runs' grants while the runs live.
 
 Restart: the grants and the tenants (the servers connected) are kept in a state file, written
-before each answer that changes them. A restarted ledger keeps the saved grants whose processes
+before each answer or event that changes them. A restarted ledger keeps the saved grants whose processes
 still live, and grants nothing new until every saved tenant still alive has re-told its grants
 (``reclaim``) or the reclaim window has passed: nothing is granted twice.
 """
@@ -376,7 +376,7 @@ class HostLedger:
             for w in self.waiting:
                 self._tell_waiting(w, why)
             return
-        changed = False
+        granted: list[Waiter] = []
         while self.waiting:
             devices = self.devices()
             pick = next_grant(
@@ -390,9 +390,11 @@ class HostLedger:
             position, decision = pick
             waiter = self.waiting.pop(position)
             self._grant(waiter, decision)
-            changed = True
-        if changed:
-            self._save_state()
+            granted.append(waiter)
+        if granted:
+            self._save_state()  # before anyone is told: a restarted ledger knows what it told
+        for waiter in granted:
+            self._told_granted(waiter)
         # What is left cannot be granted now: each is told why (a quota, or who holds the GPUs).
         devices, holdings = self.devices(), self.holdings()
         for w in self.waiting:
@@ -430,8 +432,11 @@ class HostLedger:
         log.info(
             "granted %s to %s (%s): %s MB on GPU %s", grant.id, grant.user, grant.key, grant.vram_mb, grant.devices
         )
+
+    def _told_granted(self, w: Waiter) -> None:
+        assert w.grant is not None
         if w.replied:
-            w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": grant.as_json()})
+            w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": w.grant.as_json()})
         self._turn_taken(w.conn)
 
     # ------------------------------------------------------------------ connections
@@ -698,9 +703,10 @@ class HostLedger:
                 pids = [p.get("pid") if isinstance(p, dict) else p for p in item.get("pids") or []]
                 live = self._owned(conn, pids)
                 if known is None:
-                    # Only a restarted ledger learns grants it does not know, and only ones that
-                    # fit beside those it knows: re-telling is no way around the policy.
-                    if not self.reclaim_open():
+                    # Only a restarted ledger that lost its state learns grants it does not know
+                    # (with its state file read, it knows every grant it made), and only ones
+                    # that fit beside those it knows: re-telling is no way around the policy.
+                    if self._state_read or not self.reclaim_open():
                         raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
                     key, ask = self._ask(conn, item)
                     devices = self.devices()
