@@ -538,3 +538,14 @@ def test_a_restarted_ledger_with_its_state_learns_no_grant_it_never_made(users, 
     assert grant_ids(view) == {a["id"]}
     for agent, run in ((alice, a_run), (bob, b_run)):
         agent.ok("kill", pid=run)
+
+
+def test_a_malformed_reclaim_is_a_precise_error_and_the_connection_goes_on(users, ledger, agents):
+    alice, bob = agents("alice"), agents("bob")
+    held = bob.ok("request", key="b1", vram_mb=1000)
+    for pids in (5, True, 2.5, {"pid": 1}):
+        item = {"id": "a" * 16, "key": "x", "devices": [0], "vram_mb": 1, "pids": pids}
+        answer = alice.ok("raw", message={"op": "reclaim", "grants": [item]})
+        assert answer["kept"] == [] and answer["refused"][0]["id"] == "a" * 16, answer
+    assert alice.ok("view")["user"] == ALICE  # the same connection answers on
+    assert grant_ids(ledger.view()) == {held["id"]}

@@ -700,7 +700,10 @@ class HostLedger:
                 known = self.grants.get(item["id"])
                 if known is not None and known.uid != conn.uid:
                     raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
-                pids = [p.get("pid") if isinstance(p, dict) else p for p in item.get("pids") or []]
+                told = item.get("pids") or []
+                if not isinstance(told, list):
+                    raise BadRequest("bad_request", f"pids must be a list of 1 to {MAX_PIDS} process ids")
+                pids = [p.get("pid") if isinstance(p, dict) else p for p in told]
                 live = self._owned(conn, pids)
                 if known is None:
                     # Only a restarted ledger that lost its state learns grants it does not know
