@@ -549,3 +549,20 @@ def test_a_malformed_reclaim_is_a_precise_error_and_the_connection_goes_on(users
         assert answer["kept"] == [] and answer["refused"][0]["id"] == "a" * 16, answer
     assert alice.ok("view")["user"] == ALICE  # the same connection answers on
     assert grant_ids(ledger.view()) == {held["id"]}
+
+
+def test_the_processes_below_a_server_share_all_the_grants_tied_to_it(users, agents, ledger):
+    """Leases stay tied to the user's server: its kernels' VRAM is within the sum of those grants,
+    not over the one grant that happens to be looked up first."""
+    alice, bob = agents("alice"), agents("bob")
+    for i in range(2):
+        alice.ok("request", key=f"lease{i}", kind="lease", vram_mb=6000)  # tied to alice's server
+    kernel, bobs_notebook = alice.ok("spawn"), bob.ok("spawn")  # the kernel: below alice's server
+    ledger.plant([{"pid": kernel, "gpu": 0, "used_mb": 11000}, {"pid": bobs_notebook, "gpu": 0, "used_mb": 1}])
+    dev = wait_for_view(ledger, lambda v: v["devices"][0]["unmanaged_mb"])["devices"][0]
+    assert dev["unmanaged_processes"] == [{"pid": bobs_notebook, "gpu": 0, "used_mb": 1, "user": BOB}]
+    ledger.plant([{"pid": kernel, "gpu": 0, "used_mb": 13000}])  # over both grants: 1000 MB
+    dev = wait_for_view(ledger, lambda v: v["devices"][0]["unmanaged_mb"] == 1000)["devices"][0]
+    assert dev["unmanaged_processes"] == [{"pid": kernel, "gpu": 0, "used_mb": 1000, "user": ALICE}]
+    alice.ok("kill", pid=kernel)
+    bob.ok("kill", pid=bobs_notebook)

@@ -309,17 +309,22 @@ class HostLedger:
     async def _refresh(self) -> None:
         """Read the probe's processes: those below no grant are unmanaged, named by user."""
         found = await asyncio.to_thread(self.probe.processes)
-        by_pid = {p.pid: g for g in self.grants.values() for p in g.procs}
+        by_pid: dict[int, list[Grant]] = {}
+        for g in self.grants.values():
+            for p in g.procs:
+                by_pid.setdefault(p.pid, []).append(g)
         unmanaged: dict[int, list[dict[str, Any]]] = {}
         # A grant's processes may use up to its grant on its devices; what they use beyond it (or
         # on a device it does not hold) counts as unmanaged, under their user's name: a grant of
-        # 1 MB is no cover for 20 GB that the other users would not see.
-        used: dict[tuple[str, int], tuple[Grant, int, int]] = {}  # (grant, device) -> MB, a pid
+        # 1 MB is no cover for 20 GB that the other users would not see. The processes below one
+        # pid share the grants tied to it (a server's leases are all tied to the server).
+        used: dict[tuple[tuple[str, ...], int], tuple[list[Grant], int, int]] = {}  # -> (grants, MB, a pid)
         for proc in found:
-            grant = next((by_pid[a] for a in procs.ancestors(proc.pid) if a in by_pid), None)
-            if grant is not None:
-                _, mb, pid = used.get((grant.id, proc.device), (grant, 0, proc.pid))
-                used[(grant.id, proc.device)] = (grant, mb + proc.used_mb, pid)
+            tied = next((by_pid[a] for a in procs.ancestors(proc.pid) if a in by_pid), None)
+            if tied is not None:
+                key = (tuple(sorted(g.id for g in tied)), proc.device)
+                _, mb, pid = used.get(key, (tied, 0, proc.pid))
+                used[key] = (tied, mb + proc.used_mb, pid)
                 continue
             uid = procs.uid_of(proc.pid)
             unmanaged.setdefault(proc.device, []).append(
@@ -331,13 +336,15 @@ class HostLedger:
                     "uid": uid,
                 }
             )
-        for (_, device), (grant, mb, pid) in used.items():
-            allowed = 0
-            if device in grant.devices:
-                allowed = self.config.usable(device, self._total(device)) if grant.exclusive else grant.vram_mb
+        for (_, device), (tied, mb, pid) in used.items():
+            allowed = sum(
+                self.config.usable(device, self._total(device)) if g.exclusive else g.vram_mb
+                for g in tied
+                if device in g.devices
+            )
             if mb > allowed:
                 unmanaged.setdefault(device, []).append(
-                    {"pid": pid, "gpu": device, "used_mb": mb - allowed, "user": grant.user, "uid": grant.uid}
+                    {"pid": pid, "gpu": device, "used_mb": mb - allowed, "user": tied[0].user, "uid": tied[0].uid}
                 )
         self.view.unmanaged = unmanaged
 
