@@ -566,3 +566,27 @@ def test_the_processes_below_a_server_share_all_the_grants_tied_to_it(users, age
     assert dev["unmanaged_processes"] == [{"pid": kernel, "gpu": 0, "used_mb": 1000, "user": ALICE}]
     alice.ok("kill", pid=kernel)
     bob.ok("kill", pid=bobs_notebook)
+
+
+def test_a_turn_is_not_taken_by_a_grant_smaller_than_the_room_kept(users, ledger, agents):
+    """Hostile demand: bob tells 12000 MB of demand and, each time he is told his turn, takes a
+    0 MB grant (holding nothing, he stays the one holding least). That is no turn taken: alice
+    is granted the room once bob's turn has passed."""
+    alice, bob = agents("alice"), agents("bob")
+    held = [alice.ok("request", key=f"a{i}", vram_mb=12000) for i in range(2)]  # the whole GPU
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
+    alice.ok("release", grant=held[0]["id"])
+    turns, tiny = 0, 0
+    deadline = time.monotonic() + 3 * TURN_S + 20
+    while True:
+        answer = alice.ok("request", key="a-next", vram_mb=12000, wait=False)
+        if answer["state"] == "granted":
+            break
+        assert time.monotonic() < deadline, f"alice was held back for ever: {answer}"
+        told = bob.ok("events").count("turn")
+        if told > turns:
+            turns, tiny = told, tiny + 1
+            assert bob.ok("request", key=f"tiny{tiny}", vram_mb=0, wait=False)["state"] == "granted"
+            bob.ok("demand", asks=[{"vram_mb": 12000}])
+        time.sleep(0.2)
+    assert tiny >= 1

@@ -70,7 +70,8 @@ class Conn:
     # when (then it is told ``retry`` and that demand is set aside; the user's demand holds nobody
     # back until it asks again).
     demand: list[Ask] = field(default_factory=list)
-    deferred_for: list[tuple[float, Conn]] = field(default_factory=list)
+    # (until when, the tenant deferred to, the demanded ask it was deferred for)
+    deferred_for: list[tuple[float, Conn, Ask]] = field(default_factory=list)
 
     def send(self, message: dict[str, Any]) -> None:
         if self.closed:
@@ -444,7 +445,7 @@ class HostLedger:
         assert w.grant is not None
         if w.replied:
             w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": w.grant.as_json()})
-        self._turn_taken(w.conn)
+        self._turn_taken(w.conn, w.grant)
 
     # ------------------------------------------------------------------ connections
 
@@ -620,10 +621,10 @@ class HostLedger:
         pick = next_grant(asks, devices, holdings, quotas)
         if pick is None or pick[0] == 0:
             return ""
-        first, _ = others[pick[0] - 1]
+        first, kept_for = others[pick[0] - 1]
         deadline = time.monotonic() + TURN_S
-        if not any(c is first for _, c in conn.deferred_for):
-            conn.deferred_for.append((deadline, first))
+        if not any(c is first for _, c, _ in conn.deferred_for):
+            conn.deferred_for.append((deadline, first, kept_for))
         first.send({"event": "turn"})
         held = held_mb(first.user, devices, holdings)
         return f"fair share: user {first.user} holds less ({held} MB) and waits for this room"
@@ -636,7 +637,7 @@ class HostLedger:
             if not conn.deferred_for:
                 continue
             keep = []
-            for deadline, first in conn.deferred_for:
+            for deadline, first, kept_for in conn.deferred_for:
                 if first.closed or not first.demand:
                     continue
                 if now >= deadline:
@@ -644,17 +645,25 @@ class HostLedger:
                     first.demand = []
                     self.forfeited.add(first.uid)
                     continue
-                keep.append((deadline, first))
+                keep.append((deadline, first, kept_for))
             done = len(keep) < len(conn.deferred_for)
             conn.deferred_for = keep
             if done and not keep:
                 conn.send({"event": "retry"})
 
-    def _turn_taken(self, first: Conn) -> None:
-        """``first`` was granted something: the tenants deferred to it may ask again."""
+    def _turn_taken(self, first: Conn, grant: Grant) -> None:
+        """``first`` was granted ``grant``: the tenants deferred to it for no more room than that
+        may ask again. A smaller grant (0 MB, say, to stay the user holding least) takes no turn:
+        they wait for TURN_S, and then ``first`` forfeits it."""
+
+        def taken(kept_for: Ask) -> bool:
+            if grant.exclusive:
+                return True
+            return not kept_for.exclusive and grant.vram_mb * len(grant.devices) >= kept_for.vram_mb * kept_for.gpus
+
         for conn in list(self.conns):
-            if any(c is first for _, c in conn.deferred_for):
-                conn.deferred_for = [(d, c) for d, c in conn.deferred_for if c is not first]
+            if any(c is first and taken(a) for _, c, a in conn.deferred_for):
+                conn.deferred_for = [(d, c, a) for d, c, a in conn.deferred_for if not (c is first and taken(a))]
                 if not conn.deferred_for:
                     conn.send({"event": "retry"})
 
