@@ -487,9 +487,10 @@ def test_a_user_who_lets_a_turn_pass_cannot_hold_others_back_by_telling_demand_a
     wait_until(lambda: "retry" in alice.ok("events"), timeout=TURN_S + 10, message="alice was never told to retry")
     assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1  # told anew, still never asking
     assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "granted"
-    # Once bob asks, his demand counts again.
+    # Once bob is granted the room he let pass, his demand counts again.
     alice.ok("release", grant=held[1]["id"])
-    assert bob.ok("request", key="b0", vram_mb=1000, wait=False)["state"] == "granted"
+    b0 = bob.ok("request", key="b0", vram_mb=12000, wait=False)
+    bob.ok("release", grant=b0["grant"]["id"])
     assert bob.ok("demand", asks=[{"vram_mb": 11000}]) == 1
     refused = alice.ok("request", key="a-third", vram_mb=11000, wait=False)
     assert refused["state"] == "busy" and refused["reason"].startswith(f"fair share: user {BOB}"), refused
@@ -590,3 +591,17 @@ def test_a_turn_is_not_taken_by_a_grant_smaller_than_the_room_kept(users, ledger
             bob.ok("demand", asks=[{"vram_mb": 12000}])
         time.sleep(0.2)
     assert tiny >= 1
+
+
+def test_a_forfeited_turn_is_not_won_back_by_a_tiny_grant(users, ledger, agents):
+    """Bob lets his turn pass, then takes a 0 MB grant and tells his demand again before alice
+    asks: only a grant of the room he let pass counts his demand again."""
+    alice, bob = agents("alice"), agents("bob")
+    held = [alice.ok("request", key=f"a{i}", vram_mb=12000) for i in range(2)]  # the whole GPU
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
+    alice.ok("release", grant=held[0]["id"])
+    assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "busy"
+    wait_until(lambda: "retry" in alice.ok("events"), timeout=TURN_S + 10, message="alice was never told to retry")
+    assert bob.ok("request", key="tiny", vram_mb=0, wait=False)["state"] == "granted"
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
+    assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "granted"

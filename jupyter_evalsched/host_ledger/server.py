@@ -153,6 +153,13 @@ def _error(request: Any, code: str, reason: str) -> dict[str, Any]:
     return {"id": request, "ok": False, "error": code, "reason": reason}
 
 
+def _covers(grant: Grant, ask: Ask) -> bool:
+    """Whether ``grant`` is at least the room ``ask`` wants."""
+    if grant.exclusive:
+        return True
+    return not ask.exclusive and grant.vram_mb * len(grant.devices) >= ask.vram_mb * ask.gpus
+
+
 def _int(message: dict[str, Any], key: str, default: int | None = None, low: int = 0) -> int:
     value = message.get(key, default)
     if type(value) is not int or value < low:
@@ -171,9 +178,10 @@ class HostLedger:
         self.conns: set[Conn] = set()
         self.view = View()
         self.pending_tenants: set[tuple[int, ProcId]] = set()  # saved tenants yet to re-tell
-        # Users who let a turn pass: their told demand holds nobody back until they ask again
-        # (else re-telling it each time it is set aside would hold the others back for ever).
-        self.forfeited: set[int] = set()
+        # Users who let a turn pass, and the room they let pass: their told demand holds nobody
+        # back until they are granted that much (else re-telling it each time it is set aside, or
+        # taking a 0 MB grant now and then, would hold the others back for ever).
+        self.forfeited: dict[int, Ask] = {}
         self.reclaim_until = 0.0
         self._state_read = False  # a state file was read: the saved tenants are all to wait for
         self._server: asyncio.base_events.Server | None = None
@@ -569,7 +577,6 @@ class HostLedger:
     def _op_request(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
         key, ask = self._ask(conn, message)
         conn.tenant = True
-        self.forfeited.discard(conn.uid)
         for grant in self.grants.values():
             if grant.uid == conn.uid and grant.key == key:  # asked again (an answer lost): the same grant
                 grant.conn = conn
@@ -643,7 +650,7 @@ class HostLedger:
                 if now >= deadline:
                     # It did not take its turn: not in the way again until it asks.
                     first.demand = []
-                    self.forfeited.add(first.uid)
+                    self.forfeited[first.uid] = kept_for
                     continue
                 keep.append((deadline, first, kept_for))
             done = len(keep) < len(conn.deferred_for)
@@ -657,10 +664,11 @@ class HostLedger:
         they wait for TURN_S, and then ``first`` forfeits it."""
 
         def taken(kept_for: Ask) -> bool:
-            if grant.exclusive:
-                return True
-            return not kept_for.exclusive and grant.vram_mb * len(grant.devices) >= kept_for.vram_mb * kept_for.gpus
+            return _covers(grant, kept_for)
 
+        let_pass = self.forfeited.get(grant.uid)
+        if let_pass is not None and taken(let_pass):
+            del self.forfeited[grant.uid]
         for conn in list(self.conns):
             if any(c is first and taken(a) for _, c, a in conn.deferred_for):
                 conn.deferred_for = [(d, c, a) for d, c, a in conn.deferred_for if not (c is first and taken(a))]
