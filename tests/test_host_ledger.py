@@ -474,3 +474,134 @@ def test_during_the_reclaim_window_a_re_told_grant_must_fit_beside_the_others(tm
             await server.stop()
 
     asyncio.run(go())
+
+
+def test_a_user_who_lets_a_turn_pass_cannot_hold_others_back_by_telling_demand_again(users, ledger, agents):
+    """Hostile demand: bob tells demand, never asks when told his turn, and tells it again each
+    time it is set aside. Once a turn is let pass, bob's demand holds nobody back until he asks."""
+    alice, bob = agents("alice"), agents("bob")
+    held = [alice.ok("request", key=f"a{i}", vram_mb=12000) for i in range(2)]  # the whole GPU
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
+    alice.ok("release", grant=held[0]["id"])
+    assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "busy"
+    wait_until(lambda: "retry" in alice.ok("events"), timeout=TURN_S + 10, message="alice was never told to retry")
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1  # told anew, still never asking
+    assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "granted"
+    # Once bob is granted the room he let pass, his demand counts again.
+    alice.ok("release", grant=held[1]["id"])
+    b0 = bob.ok("request", key="b0", vram_mb=12000, wait=False)
+    bob.ok("release", grant=b0["grant"]["id"])
+    assert bob.ok("demand", asks=[{"vram_mb": 11000}]) == 1
+    refused = alice.ok("request", key="a-third", vram_mb=11000, wait=False)
+    assert refused["state"] == "busy" and refused["reason"].startswith(f"fair share: user {BOB}"), refused
+
+
+def test_a_grants_processes_using_more_than_granted_count_the_rest_as_unmanaged(users, agents, ledger):
+    """A grant of 1000 MB is no cover: what its processes use beyond it is counted, under the
+    user's name, so the other users are not granted VRAM that is in use."""
+    alice, bob = agents("alice"), agents("bob")
+    alices_run = alice.ok("spawn")
+    grant = alice.ok("request", key="small", vram_mb=1000)
+    alice.ok("retie", grant=grant["id"], pids=[alices_run])
+    ledger.plant([{"pid": alices_run, "gpu": 0, "used_mb": 20000}])
+    view = wait_for_view(ledger, lambda v: v["devices"][0]["unmanaged_mb"])
+    dev = view["devices"][0]
+    assert dev["unmanaged_mb"] == 19000 and dev["free_mb"] == 24000 - 1000 - 19000
+    assert dev["unmanaged_processes"] == [{"pid": alices_run, "gpu": 0, "used_mb": 19000, "user": ALICE}]
+    assert bob.ok("view")["devices"][0]["unmanaged_processes"][0]["user"] == ALICE
+    tag = bob.send("request", key="b1", vram_mb=14000)
+    view = wait_for_view(ledger, lambda v: v["waiting"])
+    assert "processes outside the ledger hold 19000 MB on GPU 0" in view["waiting"][0]["reason"]
+    assert not bob.done(tag)
+    ledger.plant([{"pid": alices_run, "gpu": 0, "used_mb": 900}])  # back within its grant
+    assert bob.result(tag)["result"]["devices"] == [0]
+    alice.ok("kill", pid=alices_run)
+
+
+@pytest.mark.parametrize("ledger_config", [{"virtual_gpus": [24000], "reclaim_window_s": 60}])
+def test_a_restarted_ledger_with_its_state_learns_no_grant_it_never_made(users, ledger, agents):
+    """Restarted with its state file, the ledger knows every grant it made: during the reclaim
+    window, a grant re-told that it never made (bob's, fabricated to jump the queue while the
+    others wait) is refused, and the known ones are kept."""
+    alice, bob = agents("alice"), agents("bob")
+    a_run, b_run = alice.ok("spawn"), bob.ok("spawn")
+    a = alice.ok("request", key="a-run", vram_mb=14000)
+    alice.ok("retie", grant=a["id"], pids=[a_run])
+    ledger.kill9()
+    ledger.start()
+    assert bob.ok("connect")["reclaiming"] is True  # alice has not re-told hers yet
+    made_up = {"id": "f" * 16, "key": "b-made-up", "devices": [0], "vram_mb": 10000, "pids": [b_run]}
+    answer = bob.ok("raw", message={"op": "reclaim", "grants": [made_up]})
+    assert answer["kept"] == [] and answer["refused"][0]["error"] == "unknown_grant", answer
+    assert grant_ids(ledger.view()) == {a["id"]}
+    assert [g["id"] for g in alice.ok("connect")["grants"]] == [a["id"]]
+    view = wait_for_view(ledger, lambda v: not v["reclaiming"])
+    assert grant_ids(view) == {a["id"]}
+    for agent, run in ((alice, a_run), (bob, b_run)):
+        agent.ok("kill", pid=run)
+
+
+def test_a_malformed_reclaim_is_a_precise_error_and_the_connection_goes_on(users, ledger, agents):
+    alice, bob = agents("alice"), agents("bob")
+    held = bob.ok("request", key="b1", vram_mb=1000)
+    for pids in (5, True, 2.5, {"pid": 1}):
+        item = {"id": "a" * 16, "key": "x", "devices": [0], "vram_mb": 1, "pids": pids}
+        answer = alice.ok("raw", message={"op": "reclaim", "grants": [item]})
+        assert answer["kept"] == [] and answer["refused"][0]["id"] == "a" * 16, answer
+    assert alice.ok("view")["user"] == ALICE  # the same connection answers on
+    assert grant_ids(ledger.view()) == {held["id"]}
+
+
+def test_the_processes_below_a_server_share_all_the_grants_tied_to_it(users, agents, ledger):
+    """Leases stay tied to the user's server: its kernels' VRAM is within the sum of those grants,
+    not over the one grant that happens to be looked up first."""
+    alice, bob = agents("alice"), agents("bob")
+    for i in range(2):
+        alice.ok("request", key=f"lease{i}", kind="lease", vram_mb=6000)  # tied to alice's server
+    kernel, bobs_notebook = alice.ok("spawn"), bob.ok("spawn")  # the kernel: below alice's server
+    ledger.plant([{"pid": kernel, "gpu": 0, "used_mb": 11000}, {"pid": bobs_notebook, "gpu": 0, "used_mb": 1}])
+    dev = wait_for_view(ledger, lambda v: v["devices"][0]["unmanaged_mb"])["devices"][0]
+    assert dev["unmanaged_processes"] == [{"pid": bobs_notebook, "gpu": 0, "used_mb": 1, "user": BOB}]
+    ledger.plant([{"pid": kernel, "gpu": 0, "used_mb": 13000}])  # over both grants: 1000 MB
+    dev = wait_for_view(ledger, lambda v: v["devices"][0]["unmanaged_mb"] == 1000)["devices"][0]
+    assert dev["unmanaged_processes"] == [{"pid": kernel, "gpu": 0, "used_mb": 1000, "user": ALICE}]
+    alice.ok("kill", pid=kernel)
+    bob.ok("kill", pid=bobs_notebook)
+
+
+def test_a_turn_is_not_taken_by_a_grant_smaller_than_the_room_kept(users, ledger, agents):
+    """Hostile demand: bob tells 12000 MB of demand and, each time he is told his turn, takes a
+    0 MB grant (holding nothing, he stays the one holding least). That is no turn taken: alice
+    is granted the room once bob's turn has passed."""
+    alice, bob = agents("alice"), agents("bob")
+    held = [alice.ok("request", key=f"a{i}", vram_mb=12000) for i in range(2)]  # the whole GPU
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
+    alice.ok("release", grant=held[0]["id"])
+    turns, tiny = 0, 0
+    deadline = time.monotonic() + 3 * TURN_S + 20
+    while True:
+        answer = alice.ok("request", key="a-next", vram_mb=12000, wait=False)
+        if answer["state"] == "granted":
+            break
+        assert time.monotonic() < deadline, f"alice was held back for ever: {answer}"
+        told = bob.ok("events").count("turn")
+        if told > turns:
+            turns, tiny = told, tiny + 1
+            assert bob.ok("request", key=f"tiny{tiny}", vram_mb=0, wait=False)["state"] == "granted"
+            bob.ok("demand", asks=[{"vram_mb": 12000}])
+        time.sleep(0.2)
+    assert tiny >= 1
+
+
+def test_a_forfeited_turn_is_not_won_back_by_a_tiny_grant(users, ledger, agents):
+    """Bob lets his turn pass, then takes a 0 MB grant and tells his demand again before alice
+    asks: only a grant of the room he let pass counts his demand again."""
+    alice, bob = agents("alice"), agents("bob")
+    held = [alice.ok("request", key=f"a{i}", vram_mb=12000) for i in range(2)]  # the whole GPU
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
+    alice.ok("release", grant=held[0]["id"])
+    assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "busy"
+    wait_until(lambda: "retry" in alice.ok("events"), timeout=TURN_S + 10, message="alice was never told to retry")
+    assert bob.ok("request", key="tiny", vram_mb=0, wait=False)["state"] == "granted"
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
+    assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "granted"

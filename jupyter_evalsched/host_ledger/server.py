@@ -8,7 +8,7 @@ it ends when released, or when all its processes are gone (checked every sweep),
 connection closed: a user's server killed with -9 keeps its runs' grants while the runs live.
 
 Restart: the grants and the tenants (the servers connected) are kept in a state file, written
-before each answer that changes them. A restarted ledger keeps the saved grants whose processes
+before each answer or event that changes them. A restarted ledger keeps the saved grants whose processes
 still live, and grants nothing new until every saved tenant still alive has re-told its grants
 (``reclaim``) or the reclaim window has passed: nothing is granted twice.
 """
@@ -67,9 +67,11 @@ class Conn:
     closed: bool = False
     # Fair share between servers that ask without waiting: the GPU work this tenant has queued
     # (op ``demand``), and, when one of its own asks was deferred to another user's demand, until
-    # when (then it is told ``retry`` and that demand is set aside until told anew).
+    # when (then it is told ``retry`` and that demand is set aside; the user's demand holds nobody
+    # back until it asks again).
     demand: list[Ask] = field(default_factory=list)
-    deferred_for: list[tuple[float, Conn]] = field(default_factory=list)
+    # (until when, the tenant deferred to, the demanded ask it was deferred for)
+    deferred_for: list[tuple[float, Conn, Ask]] = field(default_factory=list)
 
     def send(self, message: dict[str, Any]) -> None:
         if self.closed:
@@ -151,6 +153,13 @@ def _error(request: Any, code: str, reason: str) -> dict[str, Any]:
     return {"id": request, "ok": False, "error": code, "reason": reason}
 
 
+def _covers(grant: Grant, ask: Ask) -> bool:
+    """Whether ``grant`` is at least the room ``ask`` wants."""
+    if grant.exclusive:
+        return True
+    return not ask.exclusive and grant.vram_mb * len(grant.devices) >= ask.vram_mb * ask.gpus
+
+
 def _int(message: dict[str, Any], key: str, default: int | None = None, low: int = 0) -> int:
     value = message.get(key, default)
     if type(value) is not int or value < low:
@@ -169,6 +178,10 @@ class HostLedger:
         self.conns: set[Conn] = set()
         self.view = View()
         self.pending_tenants: set[tuple[int, ProcId]] = set()  # saved tenants yet to re-tell
+        # Users who let a turn pass, and the room they let pass: their told demand holds nobody
+        # back until they are granted that much (else re-telling it each time it is set aside, or
+        # taking a 0 MB grant now and then, would hold the others back for ever).
+        self.forfeited: dict[int, Ask] = {}
         self.reclaim_until = 0.0
         self._state_read = False  # a state file was read: the saved tenants are all to wait for
         self._server: asyncio.base_events.Server | None = None
@@ -305,10 +318,22 @@ class HostLedger:
     async def _refresh(self) -> None:
         """Read the probe's processes: those below no grant are unmanaged, named by user."""
         found = await asyncio.to_thread(self.probe.processes)
-        managed = {p.pid for g in self.grants.values() for p in g.procs}
+        by_pid: dict[int, list[Grant]] = {}
+        for g in self.grants.values():
+            for p in g.procs:
+                by_pid.setdefault(p.pid, []).append(g)
         unmanaged: dict[int, list[dict[str, Any]]] = {}
+        # A grant's processes may use up to its grant on its devices; what they use beyond it (or
+        # on a device it does not hold) counts as unmanaged, under their user's name: a grant of
+        # 1 MB is no cover for 20 GB that the other users would not see. The processes below one
+        # pid share the grants tied to it (a server's leases are all tied to the server).
+        used: dict[tuple[tuple[str, ...], int], tuple[list[Grant], int, int]] = {}  # -> (grants, MB, a pid)
         for proc in found:
-            if managed.intersection(procs.ancestors(proc.pid)):
+            tied = next((by_pid[a] for a in procs.ancestors(proc.pid) if a in by_pid), None)
+            if tied is not None:
+                key = (tuple(sorted(g.id for g in tied)), proc.device)
+                _, mb, pid = used.get(key, (tied, 0, proc.pid))
+                used[key] = (tied, mb + proc.used_mb, pid)
                 continue
             uid = procs.uid_of(proc.pid)
             unmanaged.setdefault(proc.device, []).append(
@@ -320,7 +345,20 @@ class HostLedger:
                     "uid": uid,
                 }
             )
+        for (_, device), (tied, mb, pid) in used.items():
+            allowed = sum(
+                self.config.usable(device, self._total(device)) if g.exclusive else g.vram_mb
+                for g in tied
+                if device in g.devices
+            )
+            if mb > allowed:
+                unmanaged.setdefault(device, []).append(
+                    {"pid": pid, "gpu": device, "used_mb": mb - allowed, "user": tied[0].user, "uid": tied[0].uid}
+                )
         self.view.unmanaged = unmanaged
+
+    def _total(self, device: int) -> int:
+        return next((g.total_mb for g in self.view.gpus if g.index == device), 0)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -354,7 +392,7 @@ class HostLedger:
             for w in self.waiting:
                 self._tell_waiting(w, why)
             return
-        changed = False
+        granted: list[Waiter] = []
         while self.waiting:
             devices = self.devices()
             pick = next_grant(
@@ -368,9 +406,11 @@ class HostLedger:
             position, decision = pick
             waiter = self.waiting.pop(position)
             self._grant(waiter, decision)
-            changed = True
-        if changed:
-            self._save_state()
+            granted.append(waiter)
+        if granted:
+            self._save_state()  # before anyone is told: a restarted ledger knows what it told
+        for waiter in granted:
+            self._told_granted(waiter)
         # What is left cannot be granted now: each is told why (a quota, or who holds the GPUs).
         devices, holdings = self.devices(), self.holdings()
         for w in self.waiting:
@@ -408,9 +448,12 @@ class HostLedger:
         log.info(
             "granted %s to %s (%s): %s MB on GPU %s", grant.id, grant.user, grant.key, grant.vram_mb, grant.devices
         )
+
+    def _told_granted(self, w: Waiter) -> None:
+        assert w.grant is not None
         if w.replied:
-            w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": grant.as_json()})
-        self._turn_taken(w.conn)
+            w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": w.grant.as_json()})
+        self._turn_taken(w.conn, w.grant)
 
     # ------------------------------------------------------------------ connections
 
@@ -572,7 +615,12 @@ class HostLedger:
         quota = self.config.quota(conn.user)
         if decide(ask, devices, holdings, quota).state != "granted":
             return ""
-        others = [(c, a) for c in self.conns if c.uid != conn.uid and not c.closed for a in c.demand]
+        others = [
+            (c, a)
+            for c in self.conns
+            if c.uid != conn.uid and not c.closed and c.uid not in self.forfeited
+            for a in c.demand
+        ]
         if not others:
             return ""
         asks = [ask, *(a for _, a in others)]
@@ -580,10 +628,10 @@ class HostLedger:
         pick = next_grant(asks, devices, holdings, quotas)
         if pick is None or pick[0] == 0:
             return ""
-        first, _ = others[pick[0] - 1]
+        first, kept_for = others[pick[0] - 1]
         deadline = time.monotonic() + TURN_S
-        if not any(c is first for _, c in conn.deferred_for):
-            conn.deferred_for.append((deadline, first))
+        if not any(c is first for _, c, _ in conn.deferred_for):
+            conn.deferred_for.append((deadline, first, kept_for))
         first.send({"event": "turn"})
         held = held_mb(first.user, devices, holdings)
         return f"fair share: user {first.user} holds less ({held} MB) and waits for this room"
@@ -596,23 +644,34 @@ class HostLedger:
             if not conn.deferred_for:
                 continue
             keep = []
-            for deadline, first in conn.deferred_for:
+            for deadline, first, kept_for in conn.deferred_for:
                 if first.closed or not first.demand:
                     continue
                 if now >= deadline:
-                    first.demand = []  # it did not take its turn: not in the way again until told anew
+                    # It did not take its turn: not in the way again until it asks.
+                    first.demand = []
+                    self.forfeited[first.uid] = kept_for
                     continue
-                keep.append((deadline, first))
+                keep.append((deadline, first, kept_for))
             done = len(keep) < len(conn.deferred_for)
             conn.deferred_for = keep
             if done and not keep:
                 conn.send({"event": "retry"})
 
-    def _turn_taken(self, first: Conn) -> None:
-        """``first`` was granted something: the tenants deferred to it may ask again."""
+    def _turn_taken(self, first: Conn, grant: Grant) -> None:
+        """``first`` was granted ``grant``: the tenants deferred to it for no more room than that
+        may ask again. A smaller grant (0 MB, say, to stay the user holding least) takes no turn:
+        they wait for TURN_S, and then ``first`` forfeits it."""
+
+        def taken(kept_for: Ask) -> bool:
+            return _covers(grant, kept_for)
+
+        let_pass = self.forfeited.get(grant.uid)
+        if let_pass is not None and taken(let_pass):
+            del self.forfeited[grant.uid]
         for conn in list(self.conns):
-            if any(c is first for _, c in conn.deferred_for):
-                conn.deferred_for = [(d, c) for d, c in conn.deferred_for if c is not first]
+            if any(c is first and taken(a) for _, c, a in conn.deferred_for):
+                conn.deferred_for = [(d, c, a) for d, c, a in conn.deferred_for if not (c is first and taken(a))]
                 if not conn.deferred_for:
                     conn.send({"event": "retry"})
 
@@ -665,12 +724,16 @@ class HostLedger:
                 known = self.grants.get(item["id"])
                 if known is not None and known.uid != conn.uid:
                     raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
-                pids = [p.get("pid") if isinstance(p, dict) else p for p in item.get("pids") or []]
+                told = item.get("pids") or []
+                if not isinstance(told, list):
+                    raise BadRequest("bad_request", f"pids must be a list of 1 to {MAX_PIDS} process ids")
+                pids = [p.get("pid") if isinstance(p, dict) else p for p in told]
                 live = self._owned(conn, pids)
                 if known is None:
-                    # Only a restarted ledger learns grants it does not know, and only ones that
-                    # fit beside those it knows: re-telling is no way around the policy.
-                    if not self.reclaim_open():
+                    # Only a restarted ledger that lost its state learns grants it does not know
+                    # (with its state file read, it knows every grant it made), and only ones
+                    # that fit beside those it knows: re-telling is no way around the policy.
+                    if self._state_read or not self.reclaim_open():
                         raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
                     key, ask = self._ask(conn, item)
                     devices = self.devices()
