@@ -32,7 +32,7 @@ from waiting import wait_until
 
 from jupyter_evalsched.host_ledger.client import status
 from jupyter_evalsched.host_ledger.protocol import FRAME_DEADLINE_S, encode
-from jupyter_evalsched.host_ledger.server import TURN_S
+from jupyter_evalsched.host_ledger.server import SEND_DEADLINE_S, TURN_S
 
 pytestmark = pytest.mark.timeout(120)
 ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
@@ -605,3 +605,42 @@ def test_a_forfeited_turn_is_not_won_back_by_a_tiny_grant(users, ledger, agents)
     assert bob.ok("request", key="tiny", vram_mb=0, wait=False)["state"] == "granted"
     assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
     assert alice.ok("request", key="a-next", vram_mb=12000, wait=False)["state"] == "granted"
+
+
+@pytest.mark.slow  # waits out the send deadline
+def test_a_client_that_takes_no_answers_is_dropped(users, ledger, agents):
+    """Requests sent without ever reading the answers: the ledger stops reading them, drops the
+    connection once its answers sit unread past the send deadline (its handler would otherwise
+    wait for ever, holding one of the user's connections), and answers everyone else meanwhile."""
+    alice = agents("alice")
+    greedy = _raw(ledger.socket)
+    greedy.setblocking(False)
+    # Whole frames only, one send each (a small send on a Unix stream is all or nothing): a half
+    # frame would be dropped by the frame deadline instead, whatever this test is about. Sent
+    # until the ledger has read nothing for 3 s: its answers fill the socket, and it stops.
+    frames = [encode({"op": "hello", "id": 0}), *(encode({"op": "view", "id": i}) for i in range(1, 50000))]
+    sent, progress = 0, time.monotonic()
+    while sent < len(frames) and time.monotonic() - progress < 3.0:
+        try:
+            assert greedy.send(frames[sent]) == len(frames[sent])
+        except BlockingIOError:
+            time.sleep(0.05)
+            continue
+        sent, progress = sent + 1, time.monotonic()
+    assert sent < len(frames), "the ledger read every request although no answer was taken"
+    assert "result" in alice.call("view", timeout=5.0)
+    time.sleep(SEND_DEADLINE_S + 10.0)  # nothing read from this side meanwhile
+    # Now read what reached this side: a dropped connection ends (end of stream or reset); one
+    # still open would go on being answered, then fall silent.
+    greedy.setblocking(True)
+    greedy.settimeout(10.0)
+    try:
+        while greedy.recv(1 << 20):
+            pass
+        gone = True
+    except ConnectionResetError:
+        gone = True
+    except TimeoutError:
+        gone = False
+    assert gone, "the connection that took no answers is still open"
+    assert ledger.proc.poll() is None and "result" in alice.call("view", timeout=5.0)

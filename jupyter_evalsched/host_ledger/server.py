@@ -43,6 +43,7 @@ MAX_WAITING_PER_UID = 256
 MAX_GRANTS_PER_UID = 1024
 MAX_PIDS = 64
 MAX_KEY_CHARS = 200
+SEND_DEADLINE_S = 10.0  # a peer that takes none of its answers for this long is dropped
 MAX_SEND_BUFFER = 1024 * 1024  # a peer that reads nothing is closed rather than buffered for
 KINDS = ("run", "lease", "model")  # model: a shared model's VRAM, held by a user's server
 MAX_DEMAND = 16  # asks a tenant may tell as its demand (its queued GPU work)
@@ -82,8 +83,10 @@ class Conn:
             self.close()
 
     def close(self) -> None:
+        # Aborted, not closed: a close waits to flush what a client that reads nothing never
+        # takes, and its handler would stay blocked in drain() holding one of its user's slots.
         self.closed = True
-        self.writer.close()
+        self.writer.transport.abort()
 
 
 @dataclass(eq=False)
@@ -474,7 +477,7 @@ class HostLedger:
                 uid,
                 pid,
                 procs.user_name(uid),
-                procs.identify(pid),
+                procs.owned(pid, uid),  # the peer's process, checked to be the peer's user's still
                 procs.in_group(uid, self.config.admin_group),
                 writer,
             )
@@ -487,7 +490,11 @@ class HostLedger:
                     return
                 first = False
                 conn.send(self._answer(conn, message))
-                await writer.drain()
+                try:  # its answers taken, or the connection goes: it must not hold a slot for ever
+                    await asyncio.wait_for(writer.drain(), SEND_DEADLINE_S)
+                except TimeoutError:
+                    log.warning("closing the connection of %s (pid %s): it takes no answers", conn.user, conn.pid)
+                    conn.close()
         except (ProtocolError, ConnectionError, OSError) as exc:
             log.debug("connection closed: %s", exc)
         finally:
@@ -520,6 +527,9 @@ class HostLedger:
             return {"id": request, "ok": True, **handler(conn, message)}
         except BadRequest as exc:
             return _error(request, exc.code, exc.reason)
+        except Exception as exc:  # a bug or a full disk: this caller hears why, the others go on
+            log.exception("host ledger: %s from user %s failed", op, conn.user)
+            return _error(request, "internal", f"the host ledger could not answer {op!r}: {exc}")
 
     def _owned(self, conn: Conn, pids: Any) -> list[ProcId]:
         if pids is None:

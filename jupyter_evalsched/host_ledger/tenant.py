@@ -167,6 +167,10 @@ class TenantLink:
     ) -> dict[str, Any] | str:
         """The grant for ``key`` on ``devices``, or why it cannot be made now (a reason to show).
         NeverFits: never on this host under this user's quota. HostLedgerUnavailable: no ledger."""
+        if self._to_release:
+            # Released while the ledger was away, and not yet told: told first, or a retry asking
+            # under the same key (a run's next attempt) would get that grant back, then lose it.
+            await self._release_pending()
         answer = await self.client.request(
             key, vram_mb, gpus=len(devices), exclusive=exclusive, kind=kind, devices=devices, pids=pids, wait=False
         )
