@@ -141,3 +141,31 @@ def holder():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ----------------------------------------------------------------------------- the host ledger
+# (tests/test_host_*.py, test_jupyterhub.py): real system users, made once per session (CI runs
+# as root), and a host ledger served by its own unprivileged user on virtual GPUs. A test module
+# parametrizes ``ledger_config`` for another policy.
+
+
+@pytest.fixture(scope="session")
+def users():
+    from host_ledger_users import make_users
+
+    return make_users()
+
+
+@pytest.fixture
+def ledger_config():
+    return {"virtual_gpus": [24000], "reclaim_window_s": 0}
+
+
+@pytest.fixture
+def ledger(users, ledger_config):
+    from host_ledger_users import Ledger
+
+    served = Ledger(users["ledger"], ledger_config)
+    served.start()
+    yield served
+    served.stop()

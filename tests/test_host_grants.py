@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from host_ledger_users import PREFIX, Agent, Ledger, make_users
+from host_ledger_users import PREFIX, Agent, Ledger
 from proc_status import alive
 from waiting import async_wait_until, wait_until
 
@@ -30,24 +30,6 @@ FAST = [
     "--EvalSchedApp.reconcile_interval_s=0.5",
     "--EvalSchedApp.progress_interval_s=0.05",
 ]
-
-
-@pytest.fixture(scope="session")
-def users():
-    return make_users()
-
-
-@pytest.fixture
-def ledger_config():
-    return {"virtual_gpus": [24000], "reclaim_window_s": 0}
-
-
-@pytest.fixture
-def ledger(users, ledger_config):
-    served = Ledger(users["ledger"], ledger_config)
-    served.start()
-    yield served
-    served.stop()
 
 
 @pytest.fixture

@@ -20,11 +20,9 @@ from host_ledger_users import (
     PREFIX,
     REPO,
     Agent,
-    Ledger,
     as_user,
     assert_never_over,
     grant_ids,
-    make_users,
     wait_for_view,
 )
 from proc_status import alive
@@ -36,24 +34,6 @@ from jupyter_evalsched.host_ledger.server import SEND_DEADLINE_S, TURN_S
 
 pytestmark = pytest.mark.timeout(120)
 ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
-
-
-@pytest.fixture(scope="session")
-def users():
-    return make_users()
-
-
-@pytest.fixture
-def ledger_config():
-    return {"virtual_gpus": [24000], "reclaim_window_s": 0}
-
-
-@pytest.fixture
-def ledger(users, ledger_config):
-    served = Ledger(users["ledger"], ledger_config)
-    served.start()
-    yield served
-    served.stop()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ are awaited by polling, never by blocking the loop)."""
 from __future__ import annotations
 
 import pytest
-from host_ledger_users import PREFIX, Agent, Ledger, make_users
+from host_ledger_users import PREFIX, Agent
 from rest import spec, submit
 from waiting import async_wait_until
 
@@ -27,24 +27,6 @@ from jupyter_evalsched.scheduler.ledger import DeviceBudget, Unmanaged
 
 pytestmark = pytest.mark.timeout(120)
 BOB = PREFIX + "bob"
-
-
-@pytest.fixture(scope="session")
-def users():
-    return make_users()
-
-
-@pytest.fixture
-def ledger_config():
-    return {"virtual_gpus": [24000], "reclaim_window_s": 0}
-
-
-@pytest.fixture
-def ledger(users, ledger_config):
-    served = Ledger(users["ledger"], ledger_config)
-    served.start()
-    yield served
-    served.stop()
 
 
 @pytest.fixture

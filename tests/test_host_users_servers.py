@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from host_ledger_users import PREFIX, Ledger, assert_never_over, make_users
+from host_ledger_users import PREFIX, Ledger, assert_never_over
 from host_user_servers import UserServer, sleepy
 from proc_status import alive
 from waiting import wait_until
@@ -24,11 +24,6 @@ from jupyter_evalsched import contract
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
 TERMINAL = {"succeeded", "failed", "cancelled", "interrupted", "timed_out"}
-
-
-@pytest.fixture(scope="module")
-def users():
-    return make_users()
 
 
 @pytest.fixture

@@ -98,16 +98,29 @@ def test_the_tenant_ledger_names_bob_and_nothing_else_of_his(host: dict[str, Any
 
 def test_queue_cli_has_a_line_per_other_user(host: dict[str, Any]) -> None:
     lab = host["lab"]
-    out = subprocess.run(
-        [_bin("jupyter-evalsched"), "queue", "--url", lab.url, "--token", lab.token],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert out.returncode == 0, out.stderr
+    line = f"  user {BOB}: 14,000 MB (1 run, 1 lease); 2,000 MB outside the scheduler"
+
+    def queue() -> subprocess.CompletedProcess | None:
+        out = subprocess.run(
+            [_bin("jupyter-evalsched"), "queue", "--url", lab.url, "--token", lab.token],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert out.returncode == 0, out.stderr
+        return out if line in out.stdout.splitlines() else None
+
+    # The view is the host ledger's as last refreshed (every second, and at each event): one
+    # refreshed as the command ran may say a moment later what it says.
+    try:
+        out = wait_until(queue, timeout=30, message="the queue never showed bob's line")
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}: {lab.request('GET', 'evalsched/status')} {host['ledger'].view()}\n{lab.log_tail()}\n"
+            f"host ledger's log: {Path(host['ledger'].log).read_text()[-3000:]}"
+        ) from None
     lines = out.stdout.splitlines()
-    assert f"  user {BOB}: 14,000 MB (1 run, 1 lease); 2,000 MB outside the scheduler" in lines
     assert f"user {BOB} 2000 MB" in lines[0]  # the GPU's "other" VRAM is bob's, not a bare pid
     assert "bob-secret" not in out.stdout and "pid " not in out.stdout
 

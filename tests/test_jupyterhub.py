@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from host_ledger_users import PREFIX, REPO, assert_never_over, make_users
+from host_ledger_users import PREFIX, REPO, assert_never_over
 from host_user_servers import sleepy
 from waiting import wait_until
 
@@ -284,11 +284,6 @@ def panel_holder(chromium, hub: Hub, name: str, run_id: str) -> dict:
         return {"text": holder.inner_text().strip(), "title": holder.get_attribute("title")}
     finally:
         context.close()
-
-
-@pytest.fixture(scope="module")
-def users():
-    return make_users()
 
 
 @pytest.fixture

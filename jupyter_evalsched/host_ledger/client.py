@@ -84,8 +84,10 @@ class HostLedgerClient:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            try:  # a ledger that reads nothing more must not hold this close (a server's stop)
+                await asyncio.wait_for(writer.wait_closed(), 2.0)
+            except Exception:
+                writer.transport.abort()
         if self._reader_task is not None:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HostLedgerUnavailable", "NeverFits", "TenantLink"]
 
+STOP_S = 6.0  # the keeper's longest wait (its backoff) and then some
+
 # A demand the ledger set aside (its turn not taken) is told again after this long, if still queued.
 DEMAND_RETELL_S = 30.0
 
@@ -52,6 +54,7 @@ class TenantLink:
         self._demand_told_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._stopping = False
 
     @property
     def connected(self) -> bool:
@@ -68,15 +71,18 @@ class TenantLink:
         self._task = asyncio.create_task(self._keep_connected())
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: Python 3.11's wait_for can lose a cancel that lands as a
+        # connect attempt ends, and the keeper would go on for ever (a server that never stops).
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task}, timeout=STOP_S)
         await self.client.close()
 
     async def _keep_connected(self) -> None:
         backoff = 0.1
-        while True:
+        while not self._stopping:
             if not self.connected:
                 try:
                     hello = await self.client.connect()
