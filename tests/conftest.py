@@ -83,8 +83,10 @@ def evalsched(jp_serverapp, jp_asyncio_loop):
 def api(jp_fetch, evalsched):
     """JSON helper over jp_fetch: ``await api("POST", "runs", body)`` -> (status, parsed body)."""
 
-    async def call(method: str, path: str, body=None, params=None, raw: bool = False):
+    async def call(method: str, path: str, body=None, params=None, raw: bool = False, timeout: float | None = None):
         kwargs = {"method": method, "raise_error": False}
+        if timeout is not None:  # the client's own limit (tornado's default: 20 s)
+            kwargs["request_timeout"] = timeout
         if body is not None:
             kwargs["body"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
         elif method in ("POST", "PUT", "PATCH"):

@@ -153,7 +153,9 @@ async def test_a_plain_read_of_a_run_never_waits_on_compares(api, wait_for):
     ids = ",".join(r["id"] for r in heavy)
 
     async def one_compare():
-        return await api("GET", "compare", params={"runs": ids})
+        # The server's own limit (60 s: a 503) answers a compare that takes too long on a slow
+        # machine, not the client's default of 20 s (a timeout here, seen in CI on 2 cores).
+        return await api("GET", "compare", params={"runs": ids}, timeout=180)
 
     compares = [asyncio.ensure_future(one_compare()) for _ in range(8)]
     await asyncio.sleep(0.05)
@@ -166,5 +168,5 @@ async def test_a_plain_read_of_a_run_never_waits_on_compares(api, wait_for):
         await asyncio.sleep(0.05)
     answers = [c.result() for c in compares]
     codes = sorted(code for code, _ in answers)
-    assert set(codes) <= {200, 429} and 200 in codes, codes
+    assert set(codes) <= {200, 429, 503} and 200 in codes, codes
     assert waits and max(waits) < 1.0, waits  # a liveness bound, generous
