@@ -10,11 +10,16 @@ import statistics
 from pathlib import Path
 
 import psutil
+import pytest
 from live_server import wait_until
 from proc_status import alive
 
 from jupyter_evalsched.client import LocalServer
 from jupyter_evalsched.examples.basic import _unit_float
+
+# Each test starts, kills and restarts real servers (about 10 s each): CI runs them with -m slow
+# (docs/install.md: the default suite stays within ten minutes).
+pytestmark = pytest.mark.slow
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 GATE = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:gate"

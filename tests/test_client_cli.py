@@ -601,6 +601,7 @@ def _words(text: str) -> str:
     return " ".join(text.split())
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_cli_demo(tmp_path):
     # Piped, in an 80-column terminal's environment: every line fits, nothing is cut.
     proc = cli(

@@ -77,6 +77,7 @@ async def test_a_repeated_idempotency_key_answers_with_the_first_run(jp_fetch, e
         assert code == 400 and "Idempotency-Key" in err["message"], (bad, err)
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_an_idempotency_key_survives_a_server_killed_mid_flight(tmp_path):
     """The retry reaches the server that took over (here: the same runs directory, another server
     with another root directory: a spec without ``cwd`` still matches)."""

@@ -136,6 +136,7 @@ def test_fair_share_the_next_grant_goes_to_the_user_holding_least(users, ledger,
     assert order == ["bob", "alice", "bob", "alice", "bob", "alice"], order
 
 
+@pytest.mark.slow  # real users' agents through several turns: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_fair_share_between_servers_that_ask_without_waiting_keeps_room_for_the_told_demand(users, ledger, agents):
     """Users' servers ask without waiting (their own admission decides) and tell their queued
     GPU work as ``demand``: room freed by alice, who holds more, goes to bob's demand first; alice
@@ -456,6 +457,7 @@ def test_during_the_reclaim_window_a_re_told_grant_must_fit_beside_the_others(tm
     asyncio.run(go())
 
 
+@pytest.mark.slow  # real users' agents through several turns: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_a_user_who_lets_a_turn_pass_cannot_hold_others_back_by_telling_demand_again(users, ledger, agents):
     """Hostile demand: bob tells demand, never asks when told his turn, and tells it again each
     time it is set aside. Once a turn is let pass, bob's demand holds nobody back until he asks."""
@@ -549,6 +551,7 @@ def test_the_processes_below_a_server_share_all_the_grants_tied_to_it(users, age
     bob.ok("kill", pid=bobs_notebook)
 
 
+@pytest.mark.slow  # real users' agents through several turns: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_a_turn_is_not_taken_by_a_grant_smaller_than_the_room_kept(users, ledger, agents):
     """Hostile demand: bob tells 12000 MB of demand and, each time he is told his turn, takes a
     0 MB grant (holding nothing, he stays the one holding least). That is no turn taken: alice
@@ -573,6 +576,7 @@ def test_a_turn_is_not_taken_by_a_grant_smaller_than_the_room_kept(users, ledger
     assert tiny >= 1
 
 
+@pytest.mark.slow  # real users' agents through several turns: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_a_forfeited_turn_is_not_won_back_by_a_tiny_grant(users, ledger, agents):
     """Bob lets his turn pass, then takes a 0 MB grant and tells his demand again before alice
     asks: only a grant of the room he let pass counts his demand again."""

@@ -45,7 +45,9 @@ from test_lab_panel import (
 )
 from waiting import wait_until
 
-pytestmark = pytest.mark.browser
+# Chromium pages on JupyterLab, about 15 s each: CI runs them with -m slow (docs/install.md: the
+# default suite stays within ten minutes).
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
 @pytest.fixture

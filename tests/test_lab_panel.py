@@ -554,6 +554,7 @@ def test_panel_live(lab: LabServer, browser: Any) -> None:
         _write_user_settings(lab, {})
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_polling_fallback(lab: LabServer, browser: Any) -> None:
     """Without the event socket the panel polls GET /evalsched/queue and still follows runs."""
     _wait_idle(lab)
@@ -652,6 +653,7 @@ def _lease_row(page: Any, lease_id: str) -> Any:
     return page.locator(f'{PANEL} [data-testid="evalsched-lease-row"][data-lease-id="{lease_id}"]')
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_leases(lab: LabServer, browser: Any) -> None:
     """A lease is drawn in the ledger and listed; a run that cannot fit beside it waits naming it;
     Release asks first, then ends the lease, and the run starts."""
@@ -758,6 +760,7 @@ def test_panel_leases(lab: LabServer, browser: Any) -> None:
         _kill(holder)
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_unmanaged_by_holder(lab: LabServer, browser: Any) -> None:
     """VRAM the scheduler does not manage, per holder: a notebook kernel (by its notebook), another
     process (by pid), and what a lease holder uses beyond its lease (beside the lease). No event
@@ -867,6 +870,7 @@ def test_panel_unmanaged_by_holder(lab: LabServer, browser: Any) -> None:
         _write_user_settings(lab, {})
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_run_warning(lab: LabServer, browser: Any) -> None:
     """A run seen using more VRAM than it declared shows a warning badge at once; its detail shows
     the observed peaks, their source, its host memory limit and the warning."""
@@ -955,6 +959,7 @@ def _seen(page: Any, run_id: str) -> list[dict]:
     return page.evaluate("(id) => window.__evalschedSeen[id]", run_id)
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_resume(lab: LabServer, browser: Any) -> None:
     """A run that failed (exit code 3 in episode 2 of its first attempt) has a Resume button; a
     refusal shows the server's message; resumed (no dialog), it is queued again under the same id,
@@ -1088,6 +1093,7 @@ def test_panel_resume(lab: LabServer, browser: Any) -> None:
             context.close()
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_preemption_and_retry(tmp_path: Path, browser: Any) -> None:
     """A preemptible low-lane run is told to stop at its next episode boundary for a high-lane run
     that cannot fit beside it: its running row says so (`preempting:<id>`, in words); it is queued
@@ -1268,6 +1274,7 @@ def _as_older_server(route: Any) -> None:
     route.fulfill(response=response, json=body)
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_older_server(lab: LabServer, browser: Any) -> None:
     """Against a server that predates leases, observed usage and attempts (their fields stripped
     from its answers, polling), the panel shows what it is told: no Leases section, a lease's VRAM
@@ -1361,6 +1368,7 @@ def _with_why(why: dict) -> Callable[[Any], None]:
     return handle
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_reasons_from_why(lab: LabServer, browser: Any) -> None:
     """A queued run's reason comes from its ``why`` (here added to the server's answers, polling):
     the code as the head, the holders by name (a lease by its label, a kernel by its notebook),
@@ -1431,6 +1439,7 @@ def test_panel_reasons_from_why(lab: LabServer, browser: Any) -> None:
         _write_user_settings(lab, {})
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_without_server_extension(tmp_path: Path, browser: Any) -> None:
     """The server extension disabled: /evalsched/ answers 404 and the panel says so."""
     server = _start(tmp_path, evalsched=False)
@@ -1666,6 +1675,7 @@ def _shown(x: float | None) -> str:
     return repr(float(f"{x:.4g}"))
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_sweep_rows(lab: LabServer, browser: Any) -> None:
     """A sweep is one row (its name, runs per state, episodes over all its runs) that expands to
     its runs as ordinary run rows labelled with their points; its runs are not listed on their
@@ -1757,6 +1767,7 @@ def test_panel_sweep_rows(lab: LabServer, browser: Any) -> None:
         context.close()
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_compare(lab: LabServer, browser: Any) -> None:
     """Compare on a finished sweep opens a tab: one row per run whose means, standard errors and
     deltas are the server's (GET /evalsched/compare), the baseline marked and selectable (the
@@ -1945,6 +1956,7 @@ def _toast(page: Any, text: str) -> Any:
     return page.locator(".Toastify__toast", has=page.locator(".jp-toast-message", has_text=text))
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_failure_notification(lab: LabServer, browser: Any) -> None:
     """With the default setting a run that fails while the page watches is an error notification
     naming it, whose Open opens the run's tab; with notifications off, none."""
@@ -1992,6 +2004,7 @@ def test_panel_failure_notification(lab: LabServer, browser: Any) -> None:
         _write_user_settings(lab, {})
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_sweep_notification(lab: LabServer, browser: Any) -> None:
     """Under `all`, a sweep's runs do not notify on their own: the sweep does, once, when its last
     run ends; its Open shows the sweep's row in the panel, expanded."""
@@ -2029,6 +2042,7 @@ def test_panel_sweep_notification(lab: LabServer, browser: Any) -> None:
         _write_user_settings(lab, {})
 
 
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_shared_models(tmp_path: Path, browser: Any) -> None:
     """A host with a shared model (the tiny causal LM, built offline): the panel's Shared models
     section shows its row with its state, its OpenAI endpoint (and a Copy button), requests,

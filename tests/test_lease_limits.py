@@ -93,13 +93,14 @@ async def test_a_process_of_another_user_cannot_hold_a_lease(api):
         proc.wait()
 
 
-async def test_a_process_of_the_servers_user_and_the_servers_parent_may(api, holder):
-    for pid in (holder().pid, os.getppid()):
-        code, rec = await api("POST", "leases", {"vram_mb": 1000, "pid": pid, "ttl_s": 7200})
-        assert code == 201 and rec["state"] == "granted", rec
-        assert rec["ttl_s"] == 7200, "a lease with a pid is not held to max_lease_ttl_s"
-        code, _ = await api("DELETE", f"leases/{rec['id']}")
-        assert code == 204
+async def test_a_process_of_the_servers_user_may(api, holder):
+    # The server's parent may hold one too: checked in a grandchild above, since this process's
+    # own parent is whatever started the suite (init, when it was started detached).
+    code, rec = await api("POST", "leases", {"vram_mb": 1000, "pid": holder().pid, "ttl_s": 7200})
+    assert code == 201 and rec["state"] == "granted", rec
+    assert rec["ttl_s"] == 7200, "a lease with a pid is not held to max_lease_ttl_s"
+    code, _ = await api("DELETE", f"leases/{rec['id']}")
+    assert code == 204
 
 
 async def test_a_pid_that_is_gone_is_still_no_such_process(api, holder):

@@ -355,6 +355,7 @@ async def test_a_kernel_of_another_server_is_named_from_its_process(api, holder,
 # --------------------------------------------------------------------------- restarts
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_leases_survive_a_restart_while_their_process_lives(tmp_path, holder):
     runs = str(tmp_path / "runs")
     living, dying = holder(), holder()

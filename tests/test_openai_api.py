@@ -126,6 +126,7 @@ def assert_scores(choice: dict, text: str, expected: list[float | None]) -> None
     assert lp["text_offset"] == sorted(lp["text_offset"])
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_scores_equal_the_models_own_log_softmax_batched_and_alone(v1, reference, evalsched):
     expected = {text: direct_logprobs(reference, text) for text in PROMPTS}
     score = {"model": "tiny-lm", "echo": True, "max_tokens": 0, "logprobs": 2}
@@ -165,6 +166,7 @@ async def test_scores_equal_the_models_own_log_softmax_batched_and_alone(v1, ref
     assert [m["id"] for m in models["data"]] == ["tiny-lm", "tiny-embed", "missing"]
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_greedy_completions_equal_generate(v1, reference):
     lengths = [5, 12, 1, 20, 7, 3]
     bodies = [
@@ -315,6 +317,7 @@ async def test_bad_input_is_an_openai_shaped_4xx(v1, jp_serverapp):
     assert code in (401, 403) and answer["error"]["type"] in ("authentication_error", "permission_error"), answer
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_a_client_gone_mid_stream_leaves_nothing_stuck(v1, jp_serverapp, jp_http_port, jp_base_url, evalsched):
     token = jp_serverapp.identity_provider.token
 
@@ -491,6 +494,7 @@ def test_a_short_request_is_answered_before_the_long_one_it_shares_a_batch_with(
             assert a["token"] == b["token"] and (a["logprob"] is None or abs(a["logprob"] - b["logprob"]) < 1e-4)
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_prompts_as_strings_and_as_token_ids_score_the_same(v1, reference):
     """OpenAI's legacy completions take ``prompt`` as a string, a list of strings, a list of token
     ids or a list of such lists (lm-eval's local-completions sends the last): the same tokens,
@@ -543,6 +547,7 @@ async def test_prompts_as_strings_and_as_token_ids_score_the_same(v1, reference)
         assert code == 400 and answer["error"]["param"] == "prompt", (prompt, answer)
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_the_end_of_text_that_ends_a_generation_is_a_token_with_its_logprob(v1, reference):
     """A generation that ends with the end-of-text token: the text is without it, but the token is
     counted and has its log-probability, after the echoed prompt's (lm-eval reads an echoed

@@ -135,6 +135,7 @@ async def loaded(evalsched, name: str = "gated") -> None:
     await until(lambda: _figure(evalsched, "state", "loaded", name), f"{name} is loaded", timeout=300)
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_a_stream_is_sent_while_the_host_still_generates(client, evalsched, gate, reference):
     """The openai client's iterator gets the first token while the model is held before its
     second forward pass: that token is the only one that exists. The rest follows once released,
@@ -183,6 +184,7 @@ async def test_a_stream_is_sent_while_the_host_still_generates(client, evalsched
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_a_client_gone_mid_stream_frees_its_slot_and_the_batch_goes_on(
     v1, evalsched, gate, reference, jp_serverapp, jp_http_port, jp_base_url
 ):
@@ -243,6 +245,7 @@ async def _queued(evalsched, count: int) -> bool:
     return (await figures(evalsched, "gated"))["queued"] == count
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched, model_copy, runs_dir):
     greedy = {"model": "cached", "prompt": "The cat", "max_tokens": 8, "temperature": 0}
     code, answer, headers = await v1("completions", greedy)

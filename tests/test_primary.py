@@ -54,6 +54,7 @@ def final(client, run_id, timeout=30):
     )
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_two_servers_one_queue_and_failover(tmp_path):
     # Each LocalServer has its own runtime directory: the runs directory alone binds them.
     runs = str(tmp_path / "runs")
@@ -98,6 +99,7 @@ def test_two_servers_one_queue_and_failover(tmp_path):
         second.cleanup()
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_secondary_forwards_errors_and_logs(tmp_path):
     runs = str(tmp_path / "runs")
     with (
@@ -134,6 +136,7 @@ class PasswordOnlyServer(LocalServer):
         return normalize_base_url(info["url"])
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_a_secondary_reaches_a_primary_whose_users_log_in_with_a_password(tmp_path):
     from jupyter_server.auth import passwd
 
@@ -386,6 +389,7 @@ async def _then(awaitable, check):
     return check(await awaitable)
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_a_server_restarted_on_the_moved_runs_directory_recovers_its_runs(tmp_path):
     """What the error says to do works: the server stopped on the moved directory, a server
     started with ``runs_dir`` set to its new path has its runs; the old path was never made again."""

@@ -85,6 +85,7 @@ def test_sigkill_of_the_server_aborts_running_and_requeues_queued(tmp_path, star
         restarted.cleanup()
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_clean_shutdown_keeps_queued_runs_in_order(tmp_path):
     runs = tmp_path / "runs"
     server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)

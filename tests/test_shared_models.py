@@ -525,6 +525,7 @@ class _Ctx:
 
 
 @module_loop
+@pytest.mark.slow  # a model host: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_example_evals_run_on_a_shared_model(manager):
     from jupyter_evalsched.examples import shared
 

@@ -120,6 +120,7 @@ async def test_a_run_is_running_only_once_its_process_and_its_record_exist(api, 
         assert final["start"] == "warm" and final["attempt"] == 1, final
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_a_server_killed_while_a_run_starts_finds_it_queued(tmp_path, preload_dir):
     runs = tmp_path / "runs"
     args = [

@@ -8,6 +8,7 @@ import json
 import sys
 import uuid
 
+import pytest
 from rest import NOOP, SLEEPY, spec, submit
 from run_dirs import write_run_dir
 from waiting import async_wait_until
@@ -159,6 +160,7 @@ async def test_a_preempted_runs_why_is_rebuilt_from_its_record_at_a_restart(jp_s
     assert rec["reason"] == Why.from_dict(why).reason
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_a_queued_runs_why_is_there_again_after_a_restart(tmp_path):
     """Across a restart of the server the run still waits, and its record says why as data: the
     lease of a notebook whose process lives holds the GPUs."""
