@@ -604,12 +604,50 @@ def part2(servers: list[Server], tsp: Tsp, eval_path: Path, rounds: int, watch: 
 # ---------------------------------------------------------------------------- part 3
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_sample(server_pid: int) -> tuple[float, float, float, float]:
+    """(wall, the machine's busy CPU seconds, the server process's, this process's): differences of
+    two samples say who took the CPU during a window. Busy excludes idle, iowait and steal."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(fields[:3]) + sum(fields[5:7])  # user nice system, irq softirq
+    try:
+        with open(f"/proc/{server_pid}/stat") as f:
+            stat = f.read().rsplit(")", 1)[1].split()
+        server = int(stat[11]) + int(stat[12])  # utime stime (fields 14 and 15)
+    except (OSError, IndexError, ValueError):
+        server = 0
+    me = os.times()
+    return time.monotonic(), busy / CLK_TCK, server / CLK_TCK, me.user + me.system
+
+
+def cpu_split(before: tuple[float, float, float, float], after: tuple[float, float, float, float]) -> dict:
+    """Cores used during the window, by whom: the server, the bench (its client threads and the
+    churn's thread) and everything else on the machine (the runs, the zygote, the kernel's work
+    for them, any other process)."""
+    wall = after[0] - before[0]
+    busy, server, bench = ((after[i] - before[i]) / wall for i in (1, 2, 3))
+    return {"busy": busy, "server": server, "bench": bench, "rest": max(0.0, busy - server - bench)}
+
+
+def cpu_text(split: dict) -> str:
+    n = os.cpu_count() or 1
+    return (
+        f"CPU used {split['busy']:.2f} of {n} cores: server {split['server']:.2f}, bench clients"
+        f" {split['bench']:.2f}, everything else {split['rest']:.2f}"
+    )
+
+
 def rest_phase(srv: Server, kind: str, submissions: int, eval_path: Path) -> dict:
     per_client = max(1, submissions // CLIENTS)
     local = srv.local
+    pid = local.process.pid
     if kind == "status":
+        c0 = cpu_sample(pid)
         rate, lat, _, errors = hammer(local.url, local.token, CLIENTS, per_client, "GET", "/api/status", None)
-        return {"rate": rate, "lat": lat, "errors": errors}
+        return {"rate": rate, "lat": lat, "errors": errors, "cpu": cpu_split(c0, cpu_sample(pid))}
     settle()
     c = srv.client
     blocker = c.submit(
@@ -626,15 +664,15 @@ def rest_phase(srv: Server, kind: str, submissions: int, eval_path: Path) -> dic
         if kind == "churn":
             churner = Churn(local.url, local.token)
             time.sleep(0.5)  # the churn in its steady state first
-        w0 = time.time()
+        w0, c0 = time.time(), cpu_sample(pid)
         rate, lat, ids, errors = hammer(local.url, local.token, CLIENTS, per_client, "POST", "/evalsched/runs", body)
-        w1 = time.time()
+        w1, c1 = time.time(), cpu_sample(pid)
     finally:
         if churner is not None:
             churner.stop()
         c.cancel(blocker["id"])  # its dependents fail: the next phase starts on an idle server
     wait_idle(srv, timeout=120)
-    out = {"rate": rate, "lat": lat, "errors": errors, "accepted": len(ids)}
+    out = {"rate": rate, "lat": lat, "errors": errors, "accepted": len(ids), "cpu": cpu_split(c0, c1)}
     if churner is not None:
         recs = [c.get(i) for i in churner.ids]
 
@@ -950,6 +988,10 @@ def main() -> int:
                 print(
                     f"   {label:<32} {rate:7.0f} /s   p50 {pct(lat, 0.5) * 1000:6.2f} ms   p99 {pct(lat, 0.99) * 1000:6.2f} ms"
                 )
+            for kind, label in (("status", "GET /api/status"), ("quiet", "quiet"), ("churn", "churn")):
+                splits = r3[kind]
+                mean = {k: statistics.fmean(p["cpu"][k] for p in splits) for k in splits[0]["cpu"]}
+                print(f"   {label}: {cpu_text(mean)}")
             churn = r3["churn"]
             print(
                 "   the churn during the window: "

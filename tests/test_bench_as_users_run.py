@@ -4,6 +4,7 @@ the figures say. The bench itself is run by hand (``--quick`` to check that it w
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,12 @@ def test_tables_say_pass_miss_and_reference(bench):
     assert "cgroups hybrid" in md[0]
     assert md[4] == "| 1. a ratio | 0.40x | tsp 10 ms | <= 0.6x | PASS |"
     assert md[5].endswith("| MISS |") and md[6].endswith("| - |")
+
+
+def test_cpu_split_says_who_took_the_cpu(bench):
+    # 2 s of wall: the machine busy 3 CPU s, the server 1, the bench 0.5, the rest 1.5.
+    split = bench.cpu_split((10.0, 100.0, 20.0, 5.0), (12.0, 103.0, 21.0, 5.5))
+    assert split == {"busy": 1.5, "server": 0.5, "bench": 0.25, "rest": 0.75}
+    assert "server 0.50" in bench.cpu_text(split) and "everything else 0.75" in bench.cpu_text(split)
+    wall, busy, server, me = bench.cpu_sample(os.getpid())
+    assert busy > 0 and me > 0 and server > 0  # this process is its own 'server' here

@@ -423,3 +423,29 @@ async def test_a_run_read_as_ended_is_ended_on_disk(api, wait_for, evalsched, ru
 
     await async_wait_until(listed_as_ended, timeout=30, message="the run never ended")
     assert json.loads((runs_dir / other["id"] / "job.json").read_text())["state"] == "succeeded"
+
+
+async def test_a_runs_final_summary_is_read_off_the_loop_and_its_verdict_rests_on_it(api, evalsched, monkeypatch):
+    """A run with a cgroup (this host has them): its final summary.json is read in a thread once
+    its process is gone, with its figures, and the verdict on the loop reads nothing more."""
+    store, loop_thread = evalsched.store, threading.get_ident()
+    reads: list[tuple[str, bool, bool]] = []  # (run id, fresh, on the loop)
+    summary = store.summary
+
+    def recorded(run_id, fresh=False):
+        reads.append((run_id, fresh, threading.get_ident() == loop_thread))
+        return summary(run_id, fresh=fresh)
+
+    monkeypatch.setattr(store, "summary", recorded)
+    rec = await submit(api, spec(entry=NOOP, episodes=2))
+    run_id = rec["id"]
+
+    async def ended():
+        code, now = await api("GET", f"runs/{run_id}")
+        return now if now["state"] not in ("queued", "running") else None
+
+    final = await async_wait_until(ended, timeout=60)
+    assert final["state"] == "succeeded", final
+    assert final["progress"]["done"] == 2, final
+    fresh = [(fresh_, on_loop) for rid, fresh_, on_loop in reads if rid == run_id and fresh_]
+    assert fresh == [(True, False)], f"the final summary was not read once, off the loop: {reads}"

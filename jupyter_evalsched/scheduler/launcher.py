@@ -31,6 +31,7 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -150,6 +151,7 @@ class Launcher:
         # Where ended runs' clean-up (cgroup removal) runs: one thread for all of it (None: the
         # loop's default executor).
         self.janitor: Executor | None = None
+        self.clean_ups = CleanUps()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -426,10 +428,11 @@ class Launcher:
             self._clean_up(proc, cleaned)
 
     def _clean_up(self, proc: RunProcess, cleaned: asyncio.Future[None]) -> None:
+        done = self.clean_ups.add(proc)
         try:
-            work = self.loop.run_in_executor(self.janitor, clean_up_after, proc)
+            work = self.loop.run_in_executor(self.janitor, self.clean_ups.run, done)
         except RuntimeError:  # the janitor is closed (shutdown): done here
-            clean_up_after(proc)
+            self.clean_ups.run(done)
             self._cleaned(proc.run_id, cleaned, None)
             return
         work.add_done_callback(functools.partial(self._cleaned, proc.run_id, cleaned))
@@ -516,9 +519,49 @@ def clean_up_after(proc: RunProcess) -> None:
     """Kill whatever the run left behind and remove its cgroup (blocking: a thread's work). The
     environment is searched even with a cgroup: a process of the run can move itself out of it
     (it has the server's uid; docs/reference.md, "What the host cannot guarantee")."""
-    if proc.cgroup is not None:
-        proc.cgroup.remove()
-    kill_escaped(proc.run_id, proc.spawned_at)
+    clean_up_after_all([proc])
+
+
+def clean_up_after_all(procs: list[RunProcess]) -> None:
+    """``clean_up_after`` for runs that ended together: every cgroup emptied and removed first
+    (nothing of those runs runs any more, so nothing can leave a cgroup during the search), then
+    one search of the process table for all of them."""
+    for proc in procs:
+        if proc.cgroup is not None:
+            proc.cgroup.remove()
+    try:
+        kill_escaped_all({proc.run_id: proc.spawned_at for proc in procs})
+    except Exception:  # a surprise in /proc must not leave the other runs' clean-ups waiting
+        log.exception("searching for what runs %s left behind failed", [p.run_id for p in procs])
+
+
+class CleanUps:
+    """Clean-ups after runs' ends, done in a thread, by batches: the search of the process table
+    (every process of the host looked at) is the costly part, and one search serves every run
+    that ended before it began. ``add`` (on the loop) queues a run; ``run`` (in a thread, once per
+    added run) cleans up after all the runs queued so far, or, where an earlier call took this
+    run's batch, waits until that batch is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queued: list[tuple[RunProcess, threading.Event]] = []
+
+    def add(self, proc: RunProcess) -> threading.Event:
+        done = threading.Event()
+        with self._lock:
+            self._queued.append((proc, done))
+        return done
+
+    def run(self, done: threading.Event) -> None:
+        with self._lock:
+            batch, self._queued = self._queued, []
+        if batch:
+            try:
+                clean_up_after_all([proc for proc, _ in batch])
+            finally:
+                for _, event in batch:
+                    event.set()
+        done.wait()
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -534,25 +577,84 @@ def kill_escaped(run_id: str, since: float) -> list[int]:
     server's uid may): they still carry ``EVALSCHED_RUN_ID=<run_id>`` in their environment. Only
     processes of the server's uid started after ``since`` (the run's spawn) are looked at. Best
     effort: a process that both leaves the run's cgroup and clears its environment escapes it."""
-    needle = b"EVALSCHED_RUN_ID=" + run_id.encode()
+    return kill_escaped_all({run_id: since}).get(run_id, [])
+
+
+def kill_escaped_all(runs: dict[str, float]) -> dict[str, list[int]]:
+    """``kill_escaped`` for several runs (run id: its spawn) in one pass over ``/proc``. Each
+    process costs one read of its ``stat`` (when it started); only the few started since the
+    earliest spawn are read further (``status`` for the uid, ``environ`` for the run id), and each
+    is killed through a pidfd once its start is read again, so a recycled pid is never hit."""
+    if not runs:
+        return {}
+    needles = {b"EVALSCHED_RUN_ID=" + run_id.encode(): run_id for run_id in runs}
+    boot, tick = psutil.boot_time(), 1.0 / os.sysconf("SC_CLK_TCK")
+    # In clock ticks since boot, as /proc/<pid>/stat says when each process started.
+    since = {run_id: (at - 1.0 - boot) / tick for run_id, at in runs.items()}
+    earliest = min(since.values())
     me, uid = os.getpid(), os.getuid()
-    killed = []
-    for p in psutil.process_iter(["create_time", "uids"]):
-        try:
-            if p.pid == me or (p.info["create_time"] or 0.0) < since - 1.0:
+    killed: dict[str, list[int]] = {}
+    try:
+        entries = os.scandir("/proc")
+    except OSError:
+        return {}
+    with entries:
+        for entry in entries:
+            if not entry.name.isdigit() or int(entry.name) == me:
                 continue
-            if p.info["uids"] is not None and p.info["uids"].real != uid:
-                continue  # not the server's uid: not a process of its runs, whatever it says
-            with open(f"/proc/{p.pid}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            p.kill()
-            killed.append(p.pid)
-        except (OSError, psutil.Error):
-            continue
-    if killed:
-        log.warning("run %s left %d process(es) outside its process group; killed %s", run_id, len(killed), killed)
+            pid = int(entry.name)
+            started = _start_ticks(pid)
+            if started is None or started < earliest or _real_uid(pid) != uid:
+                continue  # gone, older than every run, or not the server's uid (not a run's, whatever it says)
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    names = [needles[v] for v in f.read().split(b"\0") if v in needles]
+            except OSError:
+                continue
+            if not names or started < since[names[0]]:
+                continue
+            if _kill_if_started(pid, started):
+                killed.setdefault(names[0], []).append(pid)
+    for run_id, pids in killed.items():
+        log.warning("run %s left %d process(es) outside its process group; killed %s", run_id, len(pids), pids)
     return killed
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (None: gone)."""
+    fields = stat_fields(pid)
+    try:
+        return None if fields is None else int(fields[19])  # starttime (field 22)
+    except (ValueError, IndexError):
+        return None
+
+
+def _real_uid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _kill_if_started(pid: int, started: int) -> bool:
+    """SIGKILL to ``pid`` if it is still the process that started at ``started`` (ticks)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False  # gone
+    try:
+        if _start_ticks(pid) != started:
+            return False  # another process now has the pid
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def kill_stale_group(pid: int, create_time: float | None) -> None:

@@ -248,6 +248,22 @@ def record_from_disk(raw: dict[str, Any], run_id: str, run_dir: str) -> dict[str
     return record
 
 
+@dataclass(frozen=True, slots=True)
+class FinalSummary:
+    """A run's ``summary.json`` as read once its process ended, in a thread (``read``): the
+    verdict on the loop then reads nothing. ``error``: why it cannot be used."""
+
+    value: Any = None
+    error: Exception | None = None
+
+    @classmethod
+    def read(cls, store: RunStore, run_id: str) -> FinalSummary:
+        try:
+            return cls(store.summary(run_id, fresh=True))
+        except Exception as exc:  # judged where the verdict is made, as a read there would be
+            return cls(error=exc)
+
+
 def runner_verdict(summary: Any) -> tuple[str, str | None] | None:
     """How a run that finalized itself (its ``_DONE`` exists) ended, from its ``summary.json``:
     ``(state, reason)``, or None when the summary does not say (the caller then judges by the
@@ -660,14 +676,16 @@ class RunTable:
                 log.exception("evalsched: requeue listener failed for run %s", run.id)
         return True
 
-    def conclude(self, run: Run, exit_code: int | None = None) -> tuple[str, str | None] | None:
+    def conclude(
+        self, run: Run, exit_code: int | None = None, summary: FinalSummary | None = None
+    ) -> tuple[str, str | None] | None:
         """The verdict of a run that finalized itself (its ``_DONE`` exists and its summary says
         how it ended), else None: the caller judges by how the process ended. A summary that
         cannot be read is a failure whose reason says what is wrong with it; a ``_DONE`` or
         summary that is not a regular file fails the run ``run_file``. Never raises: whatever
-        goes wrong judging one run fails that run."""
+        goes wrong judging one run fails that run. ``summary``: read already, after the exit."""
         try:
-            return self._conclude(run, exit_code)
+            return self._conclude(run, exit_code, summary)
         except UnsafeRunFile as exc:
             return FAILED, contract.reason(contract.RUN_FILE, f"{exc}; the server does not open it")
         except Exception as exc:
@@ -676,11 +694,16 @@ class RunTable:
                 contract.EXCEPTION, f"the server could not judge the run: {type(exc).__name__}: {exc}"
             )
 
-    def _conclude(self, run: Run, exit_code: int | None) -> tuple[str, str | None] | None:
+    def _conclude(self, run: Run, exit_code: int | None, final: FinalSummary | None) -> tuple[str, str | None] | None:
         rid = run.id
         done = self.store.done_marked(rid)
         try:
-            summary = self.store.summary(rid, fresh=True)  # the last version, whatever its stamp
+            if final is None:
+                summary = self.store.summary(rid, fresh=True)  # the last version, whatever its stamp
+            elif final.error is not None:
+                raise final.error
+            else:
+                summary = final.value
         except UnsafeRunFile:
             raise
         except RunFileError as exc:

@@ -23,10 +23,11 @@ import logging
 import os
 import sys
 import time
+from typing import NamedTuple
 
 from ... import contract
 from ...contract import ABORTED, CANCELLED, FAILED, QUEUED, SUCCEEDED
-from ...store import RunFileError, UnsafeRunFile
+from ...store import RunFileError, RunStore, UnsafeRunFile
 from ..attempts import Requeue, preempted_plan, restart_plan
 from ..cgroup_pool import CgroupPool
 from ..cgroups import CgroupError, Cgroups, RunCgroup
@@ -41,7 +42,7 @@ from ..launcher import (
     process_create_time,
     signal_name,
 )
-from ..runs import Run, parse_timestamp
+from ..runs import FinalSummary, Run, parse_timestamp
 from ..shared import ModelUnavailable, NoSharedModels, SharedModels
 from ..zygotes import WarmStartConfig, ZygotePool, cold_reason
 from . import Executor, ExecutorContext, ObservedTarget
@@ -71,7 +72,7 @@ class LocalExecutor(Executor):
         # Cgroups made ahead (cold starts) and removed afterwards, in a thread of their own.
         self.pool: CgroupPool | None = CgroupPool(cgroups) if cgroups is not None and cgroups.enabled else None
         self._handover: dict[str, RunCgroup] = {}  # warm starts asked of a spare: the run's cgroup
-        self._concluding: dict[str, asyncio.Future[tuple[int | None, int]]] = {}  # exits whose figures are read
+        self._concluding: dict[str, asyncio.Future[ExitReads]] = {}  # exits whose figures are read
         self._preempt_timers: dict[str, asyncio.TimerHandle] = {}
         self._stopping = False
 
@@ -337,7 +338,7 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ end
 
-    def _on_exit(self, run_id: str, code: int | None) -> asyncio.Future[tuple[int | None, int]] | None:
+    def _on_exit(self, run_id: str, code: int | None) -> asyncio.Future[ExitReads] | None:
         table = self.ctx.table
         run = table.get(run_id)
         cgroup = self._cgroups.pop(run_id, None)
@@ -348,22 +349,29 @@ class LocalExecutor(Executor):
             self._conclude(run, code, None, None, 0)
             return None
         # Read in a thread, before clean-up removes the cgroup (the launcher waits for this): the
-        # last figures, and whether the kernel killed something of the run for its memory limit.
-        figures = self.ctx.loop.run_in_executor(self.ctx.io, _exit_figures, cgroup)
+        # last figures, whether the kernel killed something of the run for its memory limit, and
+        # the final summary the verdict rests on.
+        figures = self.ctx.loop.run_in_executor(self.ctx.io, _exit_reads, cgroup, self.ctx.table.store, run_id)
         self._concluding[run_id] = figures
         figures.add_done_callback(functools.partial(self._figures_read, run, code, cgroup))
         return figures
 
-    def _figures_read(
-        self, run: Run, code: int | None, cgroup: RunCgroup, figures: asyncio.Future[tuple[int | None, int]]
-    ) -> None:
+    def _figures_read(self, run: Run, code: int | None, cgroup: RunCgroup, figures: asyncio.Future[ExitReads]) -> None:
         self._concluding.pop(run.id, None)
-        peak, oom_kills = None, 0
+        peak, oom_kills, summary = None, 0, None
         if not figures.cancelled() and figures.exception() is None:
-            peak, oom_kills = figures.result()
-        self._conclude(run, code, cgroup, peak, oom_kills)
+            peak, oom_kills, summary = figures.result()
+        self._conclude(run, code, cgroup, peak, oom_kills, summary)
 
-    def _conclude(self, run: Run, code: int | None, cgroup: RunCgroup | None, peak: int | None, oom_kills: int) -> None:
+    def _conclude(
+        self,
+        run: Run,
+        code: int | None,
+        cgroup: RunCgroup | None,
+        peak: int | None,
+        oom_kills: int,
+        summary: FinalSummary | None = None,
+    ) -> None:
         table = self.ctx.table
         if run.terminal:
             return
@@ -371,7 +379,7 @@ class LocalExecutor(Executor):
             table.observe(run, {}, peak, notify=False, persist=False)  # (in the terminal record)
         with table.deferring_writes():
             table.set_exit_code(run, code)
-            verdict = table.conclude(run, code)
+            verdict = table.conclude(run, code, summary)
             done = verdict is not None
             if run.preempted_by is not None:
                 if verdict is None and not (run.kill_reason or run.cancel_requested or run.timed_out):
@@ -677,9 +685,15 @@ def _detached(run: Run | None) -> bool:
     return run is not None and bool(run.record["detach"])
 
 
-def _exit_figures(cgroup: RunCgroup) -> tuple[int | None, int]:
-    """(the run's memory peak in MiB or None, how many of its processes the kernel OOM-killed)."""
-    return cgroup.memory_peak_mb(), cgroup.oom_kills()
+class ExitReads(NamedTuple):
+    peak_mb: int | None  # the run's memory peak, None where not known
+    oom_kills: int  # how many of its processes the kernel OOM-killed
+    summary: FinalSummary
+
+
+def _exit_reads(cgroup: RunCgroup, store: RunStore, run_id: str) -> ExitReads:
+    """What a run's end is judged on, read off the loop once its process is gone."""
+    return ExitReads(cgroup.memory_peak_mb(), cgroup.oom_kills(), FinalSummary.read(store, run_id))
 
 
 def _remove_stale_cgroups(cgroups: Cgroups, names: list[str]) -> None:
