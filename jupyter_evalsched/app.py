@@ -202,7 +202,8 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             digest = hashlib.sha256(os.path.realpath(self.runs_path).encode()).hexdigest()[:10]
             prefix = f"evalsched-{os.getuid()}-"
             found = self._cgroups_found = Cgroups.detect(setting, namespace=prefix + digest)
-            found.remove_empty_siblings(prefix)  # left by killed servers of other runs directories
+            found.hold_namespace()  # this server's, while it lives
+            found.remove_empty_siblings(prefix)  # left by servers of other runs directories that are gone
             support = found.support
             if found.enabled:
                 self.log.info("evalsched: each run gets a cgroup (%s)", support.detail)

@@ -8,6 +8,7 @@ which this host does not have, against a directory laid out like the kernel's.""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -272,3 +273,28 @@ def test_a_spare_that_cannot_make_its_cgroup_says_so_and_leaves_nothing(tmp_path
     there.mkdir()
     answer = place_in_cgroup([str(there), str(missing)], "c+x+2")
     assert answer["made"] is False and not (there / "c+x+2").exists()  # what it made is removed
+
+
+async def test_a_live_servers_namespace_is_never_taken_for_a_gone_ones(api):
+    """The server holds its namespace (a shared flock on each hierarchy's directory) while it
+    lives, so another server of the user, starting, leaves its cgroups made ahead alone; only a
+    namespace whose lock is free is removed (tests/test_cgroups.py: after a kill -9)."""
+    parents = await cgroup_parents(api)
+    prefix = os.path.basename(next(iter(parents.values())))[: -len("0123456789")]
+    assert prefix.startswith("evalsched-"), parents
+    other = Cgroups.detect("auto", namespace=prefix + "x" * 10)  # another runs directory's server
+    other.hold_namespace()
+    try:
+        other.remove_empty_siblings(prefix)
+        for ns in parents.values():
+            assert os.path.isdir(ns), f"a live server's namespace was removed: {ns}"
+            fd = os.open(ns, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by the server
+            finally:
+                os.close(fd)
+        code, status = await api("GET", "status")
+        assert status["cgroups"]["mode"] != "none"
+    finally:
+        other.remove_namespace()

@@ -545,20 +545,57 @@ def test_explicit_v2_parent(namespace: str, procs: list[subprocess.Popen[bytes]]
     assert _gone(run)
 
 
-def test_empty_sibling_namespaces_are_removed_and_busy_ones_kept():
+DEAD_SERVER = """
+import sys
+from jupyter_evalsched.scheduler.cgroups import Cgroups
+cg = Cgroups.detect("auto", namespace=sys.argv[1])
+cg.hold_namespace()
+made = [cg.make() for _ in range(3)]  # a pool of cgroups made ahead, as a server keeps
+cg.create("20260101T000000.000000-0e0e0e")  # and an ended run's, never removed
+print(" ".join(str(p) for m in made for p in m.paths.values()), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_namespaces_of_servers_that_are_gone_are_removed_and_live_ones_kept(procs):
+    """A server killed with ``kill -9`` leaves its namespace with cgroups in it (made ahead, of
+    ended runs): the next server of the user removes them, memory reclaimed, once the dead
+    server's lock is free; a live server's namespace is never touched, empty cgroups and all; a
+    dead server's cgroup that still holds a process (a detached run) stays."""
     prefix = f"evalsched-test-sib-{uuid.uuid4().hex[:8]}-"
+    live = Cgroups.detect("auto", namespace=prefix + "live")
+    live.hold_namespace()
+    live_pool = live.make()  # empty, as a live server's pool is
+    dead = _spawn(procs, [sys.executable, "-c", DEAD_SERVER, prefix + "dead"])
+    dead_pool = dead.stdout.readline().decode().split()
+    assert dead_pool and all(os.path.isdir(p) for p in dead_pool)
+    detached_ns = Cgroups.detect("auto", namespace=prefix + "detached")  # a dead server's detached run
+    detached = detached_ns.create("20260101T000000.000000-abcdef")
+    sleeper = _spawn(procs, ["sleep", "300"])
+    detached.add(sleeper.pid)
+    detached_pool = detached_ns.make()
     ours = Cgroups.detect("auto", namespace=prefix + "ours")
-    left = Cgroups.detect("auto", namespace=prefix + "left")  # a killed server's, empty
-    busy = Cgroups.detect("auto", namespace=prefix + "busy")  # a live server's, with a run
-    run = busy.create("20260101T000000.000000-abcdef")
+    ours.hold_namespace()
+    dead_dirs = [os.path.join(os.path.dirname(p), prefix + "dead") for p in ours.support.parents.values()]
     try:
-        assert ours.remove_empty_siblings(prefix) == len(left.support.parents)
-        assert not any(os.path.exists(p) for p in left.support.parents.values())
-        assert all(os.path.isdir(p) for p in busy.support.parents.values())
+        assert ours.remove_empty_siblings(prefix) == 0, "a live server's namespace was removed"
+        assert all(os.path.isdir(p) for p in dead_pool)
+        dead.kill()
+        dead.wait(timeout=10)
+        detached_ns.release_namespace()  # (never held: as a server that is gone)
+        removed = ours.remove_empty_siblings(prefix)
+        assert not any(os.path.exists(p) for p in dead_dirs + dead_pool), "a dead server's namespace is left"
+        assert removed == len(dead_dirs)
+        assert all(os.path.isdir(p) for p in live_pool.paths.values()), "a live server's empty cgroup was removed"
+        assert all(os.path.isdir(p) for p in detached.paths.values()) and detached.pids() == {sleeper.pid}
+        assert not any(os.path.exists(p) for p in detached_pool.paths.values()), "its empty cgroup is left"
         assert all(os.path.isdir(p) for p in ours.support.parents.values())
-        again = busy.create("20260101T000000.000000-abcde0")  # a live server's namespace survives
-        again.remove()
     finally:
-        run.remove()
-        for cgroups in (ours, left, busy):
+        detached.remove()
+        for cg in (live_pool, detached_pool):
+            cg.remove()
+        for cgroups in (ours, live, detached_ns):
             cgroups.remove_namespace()
+        for d in dead_dirs:
+            if os.path.isdir(d):
+                _kill_tree(d)

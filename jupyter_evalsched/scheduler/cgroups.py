@@ -35,6 +35,7 @@ host offers is found by :mod:`.cgroup_detect`, and the files are read and writte
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import secrets
@@ -371,6 +372,51 @@ class RunCgroup:
             pass  # (no such file on this kernel, a task still exiting, or less could be reclaimed)
 
 
+def _remove_abandoned(ns_dir: str) -> bool:
+    """Remove a namespace directory and the cgroups in it if no live server holds it (its lock is
+    free) and none of them holds a process. True when it is gone."""
+    try:
+        fd = os.open(ns_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its server lives
+        with os.scandir(ns_dir) as it:
+            leaves = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+        for leaf in leaves:
+            name = os.path.basename(leaf)
+            if not (name.startswith(LEAF_PREFIX) or contract.is_valid_run_id(name)):
+                continue
+            for control, value in (("memory.force_empty", "0"), ("memory.reclaim", None)):
+                _give_back_memory(Path(leaf), control, value)
+            try:
+                os.rmdir(leaf)
+            except OSError:
+                pass  # a process in it (a detached run), or not a cgroup of ours
+        os.rmdir(ns_dir)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _give_back_memory(leaf: Path, control: str, value: str | None) -> None:
+    """Reclaim what is still charged to an empty cgroup before its removal (v1 ``force_empty``,
+    v2 ``reclaim`` of ``memory.current``), so that it does not stay behind as a dying cgroup."""
+    try:
+        if value is None:
+            value = read_file(leaf / "memory.current").strip()
+            if value in ("", "0"):
+                return
+        write_file(leaf / control, value)
+    except OSError:
+        pass  # no such file here, or nothing more to reclaim
+
+
 # --------------------------------------------------------------------------- the host's cgroups
 
 
@@ -382,6 +428,7 @@ class Cgroups:
         # The names of the cgroups this instance makes ahead start with this: a restarted server
         # removes the ones of earlier instances (their runs are gone) and never its own.
         self.leaf_prefix = f"{LEAF_PREFIX}{secrets.token_hex(4)}+"
+        self._held: list[int] = []  # the namespace directories, flock'ed while this server lives
         if "memory" in support.parents:
             self._memory_kind: str | None = "v1"
         elif support.memory and any(k in support.parents for k in V2_KEYS):
@@ -574,11 +621,46 @@ class Cgroups:
                 continue
         return sorted(i for i in ids if contract.is_valid_run_id(i))
 
+    def hold_namespace(self) -> None:
+        """Mark the namespace directories as a live server's: a shared ``flock`` on each, held
+        until ``release_namespace`` or this process's end, however it ends (a ``kill -9`` too).
+        Another server removes what a namespace holds only when it can take that lock exclusively
+        (``remove_empty_siblings``). Waits out such a removal under way, then makes the namespace
+        again if it went."""
+        for key, ns_dir in self._support.parents.items():
+            for _ in range(3):
+                try:
+                    fd = os.open(ns_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    fd = -1
+                except OSError:
+                    break  # not ours to hold: siblings' clean-ups then leave it alone too
+                if fd >= 0:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_SH)
+                        if os.fstat(fd).st_ino == os.stat(ns_dir).st_ino:
+                            self._held.append(fd)
+                            break
+                    except OSError:
+                        pass
+                    os.close(fd)  # removed by a sibling's clean-up before the lock was ours
+                try:
+                    self._ensure_namespace(key, ns_dir)
+                except (OSError, CgroupError):
+                    break
+
+    def release_namespace(self) -> None:
+        for fd in self._held:
+            os.close(fd)
+        self._held.clear()
+
     def remove_empty_siblings(self, prefix: str) -> int:
-        """rmdir the *empty* namespaces beside ours whose names start with ``prefix`` (other runs
-        directories' schedulers of this user, left by servers that were killed). Safe while their
-        servers live: rmdir refuses a namespace that holds a run, and ``create`` makes a missing one
-        again. Returns how many were removed."""
+        """Remove the namespaces beside ours whose names start with ``prefix`` (other runs
+        directories' schedulers of this user) and whose server is gone: no one holds their lock
+        (``hold_namespace``). Their cgroups made ahead and those of ended runs go with them (memory
+        reclaimed first, as a run's own clean-up does, so none lingers as a dying cgroup); a cgroup
+        that still holds a process (a detached run) stays, and so does its namespace. A namespace
+        whose server lives is never touched. Returns how many namespaces were removed."""
         removed = 0
         for ns_dir in self._support.parents.values():
             parent, own = os.path.split(ns_dir)
@@ -590,16 +672,16 @@ class Cgroups:
                 if entry.name == own or not entry.name.startswith(prefix):
                     continue
                 try:
-                    if entry.is_dir(follow_symlinks=False):
-                        os.rmdir(entry.path)
+                    if entry.is_dir(follow_symlinks=False) and _remove_abandoned(entry.path):
                         removed += 1
                 except OSError:
-                    pass  # not empty (a live scheduler's runs), or not ours to remove
+                    pass
         return removed
 
     def remove_namespace(self) -> bool:
         """rmdir the namespace directories if no run cgroup is left in them (server shutdown,
-        tests). True when all are gone."""
+        tests), and let go of their lock. True when all are gone."""
+        self.release_namespace()
         gone = True
         for ns_dir in self._support.parents.values():
             try:
