@@ -106,3 +106,19 @@ def test_runs_that_end_together_share_one_search(spawn, monkeypatch):
     clean_ups.run(clean_ups.add(RunProcess("run-late", None, spawned_at=since)))
     assert searches[-1] == ["run-late"]
     wait_until(lambda: gone(late), timeout=10)
+
+
+@pytest.mark.parametrize(
+    "environ, ids",
+    [
+        (b"EVALSCHED_RUN_ID=a\0X=1\0EVALSCHED_RUN_ID=b", ["a", "b"]),
+        (b"X=1\0EVALSCHED_RUN_ID=c\0", ["c"]),
+        (b"EVALSCHED_RUN_ID=e", ["e"]),
+        (b"X=1\0Y=2\0", []),
+        (b"", []),
+        (b"XEVALSCHED_RUN_ID=d\0Y=EVALSCHED_RUN_ID=f\0", []),  # a longer name, a value that says it
+        (b"EVALSCHED_RUN_ID=\0", [""]),
+    ],
+)
+def test_the_run_ids_in_an_environment(environ, ids):
+    assert list(launcher._run_ids_in(environ)) == ids

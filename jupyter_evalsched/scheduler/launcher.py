@@ -33,7 +33,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -587,7 +587,6 @@ def kill_escaped_all(runs: dict[str, float]) -> dict[str, list[int]]:
     is killed through a pidfd once its start is read again, so a recycled pid is never hit."""
     if not runs:
         return {}
-    needles = {b"EVALSCHED_RUN_ID=" + run_id.encode(): run_id for run_id in runs}
     boot, tick = psutil.boot_time(), 1.0 / os.sysconf("SC_CLK_TCK")
     # In clock ticks since boot, as /proc/<pid>/stat says when each process started.
     since = {run_id: (at - 1.0 - boot) / tick for run_id, at in runs.items()}
@@ -608,16 +607,36 @@ def kill_escaped_all(runs: dict[str, float]) -> dict[str, list[int]]:
                 continue  # gone, older than every run, or not the server's uid (not a run's, whatever it says)
             try:
                 with open(f"/proc/{pid}/environ", "rb") as f:
-                    names = [needles[v] for v in f.read().split(b"\0") if v in needles]
+                    environ = f.read()
             except OSError:
                 continue
-            if not names or started < since[names[0]]:
+            run_id = next((r for r in _run_ids_in(environ) if r in since), None)
+            if run_id is None or started < since[run_id]:
                 continue
             if _kill_if_started(pid, started):
-                killed.setdefault(names[0], []).append(pid)
+                killed.setdefault(run_id, []).append(pid)
     for run_id, pids in killed.items():
         log.warning("run %s left %d process(es) outside its process group; killed %s", run_id, len(pids), pids)
     return killed
+
+
+RUN_ID_VARIABLE = b"EVALSCHED_RUN_ID="
+
+
+def _run_ids_in(environ: bytes) -> Iterator[str]:
+    """The values of ``EVALSCHED_RUN_ID`` in a process's ``/proc/<pid>/environ`` (NUL-separated;
+    found with ``bytes.find``, not a split of the whole environment: a run's may be large)."""
+    at = 0 if environ.startswith(RUN_ID_VARIABLE) else environ.find(b"\0" + RUN_ID_VARIABLE) + 1
+    while at >= 0 and (at > 0 or environ.startswith(RUN_ID_VARIABLE)):
+        start = at + len(RUN_ID_VARIABLE)
+        end = environ.find(b"\0", start)
+        yield environ[start : end if end >= 0 else len(environ)].decode("utf-8", "replace")
+        if end < 0:
+            return
+        found = environ.find(b"\0" + RUN_ID_VARIABLE, end)
+        if found < 0:
+            return
+        at = found + 1
 
 
 def _start_ticks(pid: int) -> int | None:
