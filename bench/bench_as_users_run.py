@@ -551,6 +551,7 @@ def part1(servers: list[Server], tsp: Tsp, eval_path: Path, rounds: int, watch: 
     order = [kinds[0], "tsp", "popen", *kinds[1:-2]]  # default, tsp, Popen, cgroups off
     out: dict[str, list] = {k: [] for k in kinds}
     by_label = {"server:" + s.label: s for s in servers}
+    cpu0 = {s.label: cpu_sample(s.local.process.pid)[2] for s in servers}
     for i in range(-WARMUP_ROUNDS, rounds):
         turn = order[i % len(order) :] + order[: i % len(order)]
         for kind in turn:
@@ -564,6 +565,10 @@ def part1(servers: list[Server], tsp: Tsp, eval_path: Path, rounds: int, watch: 
                 out[kind].append(row)
         if i % 10 == 9:
             tsp.clear()
+    time.sleep(0.5)  # the last runs' clean-ups done
+    for srv in servers:  # each server's whole CPU (its threads, its idle ticks) over its runs of part 1
+        runs = WARMUP_ROUNDS + rounds
+        out["cpu:" + srv.label] = [(cpu_sample(srv.local.process.pid)[2] - cpu0[srv.label]) / runs]
     return out
 
 
@@ -834,6 +839,11 @@ def main() -> int:
                     f" POST answered {med(col(r1[key], 'answer')) * 1000:.2f}; started"
                     f" {', '.join(f'{starts.count(s)} {s}' for s in sorted(set(starts)))}"
                 )
+            print(
+                "   the server's CPU per run (all its threads, over part 1, idle ticks included; the zygote and"
+                " the runs not counted): "
+                + ", ".join(f"{s.label} {r1['cpu:' + s.label][0] * 1000:.2f} ms" for s in servers)
+            )
             m_srv, m_nocg, m_tsp, m_popen = med(srv_t), med(nocg_t), med(tsp_t), med(popen_t)
             print(
                 f"   ratios (medians): default/tsp {m_srv / m_tsp:.2f}x, default/Popen {m_srv / m_popen:.2f}x;"
