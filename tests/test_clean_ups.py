@@ -1,6 +1,6 @@
-"""What runs leave behind, found in one pass over /proc (issue #29: the search of the process
-table was a third of the server's CPU under churn): each run's escaped processes killed, nobody
-else's, and runs that end together share one search."""
+"""What runs leave behind, found in one pass over /proc (issue #29: psutil's search of the
+process table, once per run, held the GIL for a third of a server's profile samples): each run's
+escaped processes killed, nobody else's, and runs that end together share one search."""
 
 from __future__ import annotations
 
