@@ -626,17 +626,13 @@ RUN_ID_VARIABLE = b"EVALSCHED_RUN_ID="
 def _run_ids_in(environ: bytes) -> Iterator[str]:
     """The values of ``EVALSCHED_RUN_ID`` in a process's ``/proc/<pid>/environ`` (NUL-separated;
     found with ``bytes.find``, not a split of the whole environment: a run's may be large)."""
-    at = 0 if environ.startswith(RUN_ID_VARIABLE) else environ.find(b"\0" + RUN_ID_VARIABLE) + 1
-    while at >= 0 and (at > 0 or environ.startswith(RUN_ID_VARIABLE)):
-        start = at + len(RUN_ID_VARIABLE)
-        end = environ.find(b"\0", start)
-        yield environ[start : end if end >= 0 else len(environ)].decode("utf-8", "replace")
-        if end < 0:
-            return
-        found = environ.find(b"\0" + RUN_ID_VARIABLE, end)
-        if found < 0:
-            return
-        at = found + 1
+    padded, key = b"\0" + environ, b"\0" + RUN_ID_VARIABLE
+    at = padded.find(key)
+    while at >= 0:
+        start = at + len(key)
+        end = padded.find(b"\0", start)
+        yield padded[start : end if end >= 0 else None].decode("utf-8", "replace")
+        at = padded.find(key, end) if end >= 0 else -1
 
 
 def _start_ticks(pid: int) -> int | None:
