@@ -97,7 +97,9 @@ class UserServer:
             return None
         url = info["url"].rstrip("/") + "/"
         try:
-            code, _ = _call(url, self.token, "GET", "evalsched/status")
+            # Not /status, which answers while the scheduler still reads its runs directory: a
+            # request that recovery holds back (503 until then), so that the first submission is taken.
+            code, _ = _call(url, self.token, "GET", "evalsched/runs")
         except OSError:
             return None
         return url if code == 200 else None
