@@ -43,12 +43,25 @@ def children_of(pid: int) -> list[int]:
         return [int(p) for p in f.read().split()]
 
 
+def started_below(pid: int) -> bool:
+    """A child is there and has exec'd its own program: between fork and exec, a child's command
+    line is still its parent's, kernel file and all, and it would be named as a kernel itself."""
+    try:
+        children = children_of(pid)
+        if not children:
+            return False
+        with open(f"/proc/{children[0]}/cmdline", "rb") as f:
+            return b"kernel-" not in f.read()
+    except OSError:
+        return False
+
+
 def test_another_users_process_is_not_our_kernel(other_user):
     theirs_id, ours_id = str(uuid.uuid4()), str(uuid.uuid4())
     theirs = fake_kernel(theirs_id, user=other_user.pw_uid, group=other_user.pw_gid, extra_groups=[], cwd="/")
     ours = fake_kernel(ours_id)
     try:
-        wait_until(lambda: children_of(theirs.pid) and children_of(ours.pid), timeout=10)
+        wait_until(lambda: started_below(theirs.pid) and started_below(ours.pid), timeout=10)
         assert kernel_of_process(ours.pid).kernel_id == ours_id
         assert kernel_of_process(theirs.pid) is None
         below_theirs, below_ours = children_of(theirs.pid)[0], children_of(ours.pid)[0]
