@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -679,3 +681,53 @@ def zygote_processes() -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+# A zygote's preloads in a fresh interpreter, then one forked run of a no-op eval: the modules the
+# run's process imported that its zygote had not (its eval's own aside), as JSON on stdout.
+_IMPORTED_AFTER_THE_FORK = """
+import json, os, sys
+from jupyter_evalsched.runner import run, zygote
+
+zygote.preload([])
+run_dir = sys.argv[1]
+before = set(sys.modules)
+pid = os.fork()
+if pid == 0:
+    os.chdir(os.path.dirname(run_dir))
+    code = run.finish(run.main_checked(["--run-dir", run_dir]))
+    with open(os.path.join(run_dir, "imported.json"), "w") as f:
+        json.dump(sorted(set(sys.modules) - before), f)
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+print(open(os.path.join(run_dir, "imported.json")).read())
+"""
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "eval_module"),
+    [("noop_file.py:episode", "_evalsched_entry_noop_file"), ("noop_module:episode", "noop_module")],
+)
+def test_a_warm_run_imports_nothing_its_zygote_has_not_but_its_eval(tmp_path, entrypoint, eval_module):
+    """Whatever a run's start path imports is paid by every warm run after its fork (a forked
+    process imports a module at several times a fresh interpreter's cost: its pages are the
+    zygote's, copied on write). Python 3.11 starts without ``importlib`` (its frozen
+    ``_bootstrap`` serves imports): loading an eval by file or module name needs it."""
+    for name in ("noop_file.py", "noop_module.py"):
+        (tmp_path / name).write_text("def episode(ctx, index):\n    return {}\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "spec.json").write_text(json.dumps({"entrypoint": entrypoint, "episodes": 1, "cwd": str(tmp_path)}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EVALSCHED_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_AFTER_THE_FORK, str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    code, imported = proc.stdout.split("\n", 1)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded", proc.stderr
+    assert json.loads(imported) == [eval_module]
