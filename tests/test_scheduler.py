@@ -70,6 +70,26 @@ async def test_two_big_runs_share_one_gpu_in_turn(api, wait_for, evalsched, runs
     evalsched.unsubscribe(watch)
 
 
+async def test_a_submission_to_an_idle_scheduler_starts_before_it_is_answered(api, wait_for, evalsched):
+    """Nothing queued: the newcomer outranks nobody, so it is decided alone inside its own
+    submission, and its start begins before the answer is written (not a loop iteration later,
+    behind the answer). Then again while runs are queued behind a dependency: they are not
+    candidates either."""
+    code, rec = await api("POST", "runs", spec(entry=NOOP))
+    assert code == 201
+    assert (rec["state"], (rec["why"] or {}).get("code")) == ("queued", "starting"), rec
+    assert (await wait_for(rec["id"]))["state"] == "succeeded"
+
+    hold = await submit(api, spec(entry="jupyter_evalsched.examples.basic:sleepy", params={"sleep_s": 30}))
+    await wait_for(hold["id"], states=("running",))
+    held = await submit(api, {**spec(entry=NOOP), "depends_on": [hold["id"]]})
+    assert held["why"]["code"] != "starting"
+    code, rec = await api("POST", "runs", spec(entry=NOOP))
+    assert (rec["state"], (rec["why"] or {}).get("code")) == ("queued", "starting"), rec
+    assert (await wait_for(rec["id"]))["state"] == "succeeded"
+    await api("POST", f"runs/{hold['id']}/cancel")
+
+
 async def test_run_directory_contract(api, wait_for, runs_dir):
     rec = await submit(api, spec(entry="jupyter_evalsched.examples.basic:accuracy_toy", episodes=5))
     final = await wait_for(rec["id"])

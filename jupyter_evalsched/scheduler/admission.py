@@ -103,7 +103,9 @@ class Admission:
         # Set after a full decision that changed nothing: a new job may then be decided alone.
         self._settled = False
         self._reservation: policy.Reservation | None = None
-        self._head_lane = len(policy.LANES)
+        # The lane of the head of the queue at the last full decision; None: nothing was queued
+        # that could start (a newcomer outranks nobody).
+        self._head_lane: int | None = None
         # Retries waiting out their back-off: queued, not yet admissible (run id -> its timer).
         self._backoff: dict[str, asyncio.TimerHandle] = {}
         # The shared models with VRAM on a GPU, as their host sees them (set by the scheduler),
@@ -339,7 +341,7 @@ class Admission:
                 for dep in map(self.table.get, run.depends_on)
                 if dep is not None
             )
-        return policy.LANE_INDEX[run.scheduling.priority] >= self._head_lane
+        return self._head_lane is None or policy.LANE_INDEX[run.scheduling.priority] >= self._head_lane
 
     def _admit_new(self, run: Run) -> None:
         """Admission for one newly submitted job: O(running), not O(queue). With 10,000 jobs
@@ -378,7 +380,7 @@ class Admission:
             for _ in range(100):  # dependency failures can cascade down a chain
                 self._decide_again = False
                 if not self._queued and not self.leases.queued() and not self._model_loads:
-                    self._settled, self._reservation, self._head_lane = True, None, len(policy.LANES)
+                    self._settled, self._reservation, self._head_lane = True, None, None
                     return
                 decision = self._decide()
                 self._reservation = decision.reservation()
@@ -425,7 +427,7 @@ class Admission:
             if name not in self._model_granting and name not in self._host_held_models
         ]
         policy_config = self.config.policy
-        self._head_lane = min((policy.effective_lane(q, policy_config) for q in queued), default=len(policy.LANES))
+        self._head_lane = min((policy.effective_lane(q, policy_config) for q in queued), default=None)
         deps = self._dependency_states(eligible)
         gate = self.host_gate() if self.host_gate is not None else None
         gated = [q for q in queued if q.uses_gpu] if gate is not None else []
