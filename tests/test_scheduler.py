@@ -90,6 +90,40 @@ async def test_a_submission_to_an_idle_scheduler_starts_before_it_is_answered(ap
     await api("POST", f"runs/{hold['id']}/cancel")
 
 
+async def test_a_newcomer_that_waits_becomes_the_head_that_others_may_outrank(api, wait_for, evalsched, monkeypatch):
+    """Decided alone, a newcomer that cannot start waits at the head of an otherwise empty
+    queue: a later newcomer of a higher lane outranks it and goes to a full decision (which may
+    reserve for the head), one of its lane or lower is still decided alone."""
+    slots = evalsched.config.cpu_slots
+    hold = await submit(api, spec(entry="jupyter_evalsched.examples.basic:sleepy", params={"sleep_s": 30}))
+    await wait_for(hold["id"], states=("running",))
+    admission = evalsched.admission
+    alone: list[str] = []
+    full: list[bool] = []
+    decide_alone, ask_for_a_decision = admission._admit_new, admission.request_admission
+
+    def admit_new(run):
+        alone.append(run.id)
+        decide_alone(run)
+
+    def request_admission():
+        full.append(True)
+        ask_for_a_decision()
+
+    monkeypatch.setattr(admission, "_admit_new", admit_new)
+    monkeypatch.setattr(admission, "request_admission", request_admission)
+    # Each takes every CPU slot: none can start while the sleeper holds one.
+    waiting = await submit(api, spec(entry=NOOP, scheduling={"cpus": slots}))
+    assert waiting["state"] == "queued" and alone == [waiting["id"]] and not full
+    low = await submit(api, spec(entry=NOOP, scheduling={"cpus": slots, "priority": "low"}))
+    assert alone == [waiting["id"], low["id"]] and not full
+    high = await submit(api, spec(entry=NOOP, scheduling={"cpus": slots, "priority": "high"}))
+    assert high["id"] not in alone and full
+    await api("POST", f"runs/{hold['id']}/cancel")
+    for rec in (waiting, low, high):
+        assert (await wait_for(rec["id"]))["state"] == "succeeded"
+
+
 async def test_run_directory_contract(api, wait_for, runs_dir):
     rec = await submit(api, spec(entry="jupyter_evalsched.examples.basic:accuracy_toy", episodes=5))
     final = await wait_for(rec["id"])

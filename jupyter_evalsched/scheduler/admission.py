@@ -347,11 +347,13 @@ class Admission:
         """Admission for one newly submitted job: O(running), not O(queue). With 10,000 jobs
         queued, a full decision per submission would make a burst of submissions quadratic."""
         gate = self.host_gate() if self.host_gate is not None else None
+        queued = self._as_queued(run, time.time(), self._resident())
         if gate is not None and run.scheduling.uses_gpu:
             self.carrier.waiting(run, _waiting_why(run, gate))
+            self._waits_in_queue(run, queued)
             return
         decision = policy.decide(
-            [self._as_queued(run, time.time(), self._resident())],
+            [queued],
             self.running_jobs(),
             self.capacity(),
             self._dependency_states([run]),
@@ -369,7 +371,17 @@ class Admission:
             return
         for why in decision.why.values():
             self.carrier.waiting(run, _waiting_why(run, why))
+        self._waits_in_queue(run, queued)
         self._tell_host_demand()
+
+    def _waits_in_queue(self, run: Run, queued: policy.QueuedJob) -> None:
+        """A newcomer decided alone that waits: the head of the queue is now at least as high as
+        its lane (the next newcomer that outranks it goes to a full decision), unless a
+        dependency holds it (a decision does not look at it)."""
+        if run.id in self._eligible:
+            lane = policy.effective_lane(queued, self.config.policy)
+            if self._head_lane is None or lane < self._head_lane:
+                self._head_lane = lane
 
     def _admit(self) -> None:
         self._admit_scheduled = False
