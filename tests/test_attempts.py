@@ -187,6 +187,21 @@ async def preempting(api, run_id: str):
     return r if r["progress"]["done"] >= 2 else None
 
 
+async def test_a_high_run_submitted_to_an_empty_queue_preempts_in_its_submission(api, wait_for, evalsched, monkeypatch):
+    """Nothing queued: the high run is decided alone in its own submission, and the room it needs
+    is made by a full decision at once, not left to the periodic reconciliation (switched off
+    here: without it, the high run would wait for the low one's 30 s)."""
+    monkeypatch.setattr(evalsched.admission, "reconcile", lambda: None)
+    low = await submit(api, spec(vram=8000, episodes=300, sleep_s=0.1, scheduling={"priority": "low"}))
+    await async_wait_until(lambda: preempting(api, low["id"]))
+    high = await submit(api, spec(vram=8000, episodes=1, sleep_s=0.01, scheduling={"priority": "high"}))
+    assert (await wait_for(high["id"], timeout=20))["state"] == "succeeded"
+    code, rec = await api("GET", f"runs/{low['id']}")
+    assert rec["preemptions"] == 1, rec
+    await api("POST", f"runs/{low['id']}/cancel")
+    assert (await wait_for(low["id"]))["state"] == "cancelled"
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_a_high_run_preempts_a_low_one_which_resumes(api, wait_for, evalsched, runs_dir, workers):
     low = await submit(

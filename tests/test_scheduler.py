@@ -124,6 +124,44 @@ async def test_a_newcomer_that_waits_becomes_the_head_that_others_may_outrank(ap
         assert (await wait_for(rec["id"]))["state"] == "succeeded"
 
 
+async def test_a_newcomer_started_alone_passes_over_only_the_runs_ahead_of_it(api, wait_for, evalsched):
+    """What anti-starvation counts when a newcomer decided alone starts: the waiting runs a full
+    decision would count as passed over (ahead of it in admission order), not one of a lower
+    lane (behind it) nor one a dependency holds (not a candidate)."""
+    slots = evalsched.config.cpu_slots
+    hold = await submit(api, spec(entry="jupyter_evalsched.examples.basic:sleepy", params={"sleep_s": 30}))
+    await wait_for(hold["id"], states=("running",))
+    held = await submit(api, {**spec(entry=NOOP), "depends_on": [hold["id"]]})
+    # Each takes every CPU slot: neither can start while the sleeper holds one.
+    ahead = await submit(api, spec(entry=NOOP, scheduling={"cpus": slots}))
+    behind = await submit(api, spec(entry=NOOP, scheduling={"cpus": slots, "priority": "low"}))
+    newcomer = await submit(api, spec(entry=NOOP, scheduling={"cpus": 0}))  # (takes no slot: starts)
+    assert newcomer["why"]["code"] == "starting", newcomer
+    passes = {
+        name: evalsched.table.get(rec["id"]).passed_over
+        for name, rec in [("ahead", ahead), ("behind", behind), ("held", held)]
+    }
+    assert passes == {"ahead": 1, "behind": 0, "held": 0}
+    await api("POST", f"runs/{hold['id']}/cancel")
+    for rec in (newcomer, ahead, behind, held):
+        await wait_for(rec["id"])
+
+
+async def test_a_bug_in_starting_a_run_does_not_fail_its_submission(api, wait_for, evalsched, monkeypatch):
+    """The start of a run decided in its own submission begins inside the request: a bug of ours
+    there is logged, and the submission, on disk already, is answered 201 and stays queued."""
+
+    def broken(run, devices):
+        raise RuntimeError("a bug in the start")
+
+    monkeypatch.setattr(evalsched.admission, "_launch", broken)
+    code, rec = await api("POST", "runs", spec(entry=NOOP))
+    assert code == 201 and rec["state"] == "queued", rec
+    monkeypatch.undo()
+    evalsched.admission.reconcile()  # (the periodic backstop's decision)
+    assert (await wait_for(rec["id"]))["state"] == "succeeded"
+
+
 async def test_run_directory_contract(api, wait_for, runs_dir):
     rec = await submit(api, spec(entry="jupyter_evalsched.examples.basic:accuracy_toy", episodes=5))
     final = await wait_for(rec["id"])

@@ -361,18 +361,32 @@ class Admission:
             reservation=self._reservation,
             dependency_names=RunNames(self.table),
         )
+        if decision.preempt or decision.unload:
+            # Making room (stopping preemptible runs, unloading idle models) is for a full
+            # decision to do: it knows every waiting job, and the room may be for another.
+            self.request_admission()
+            return
         if decision.dependency_failed or decision.starts:
             if decision.starts:
-                # Everything already waiting was overtaken by this newcomer.
-                for waiting in self._queued.values():
-                    if waiting is not run:
-                        waiting.passed_over += 1
+                self._overtaken_by(run, queued)
             self._carry_out(decision)
             return
         for why in decision.why.values():
             self.carrier.waiting(run, _waiting_why(run, why))
         self._waits_in_queue(run, queued)
         self._tell_host_demand()
+
+    def _overtaken_by(self, run: Run, queued: policy.QueuedJob) -> None:
+        """A newcomer decided alone starts: what a full decision would count as passed over, the
+        waiting runs ahead of it in admission order (a run held by a dependency was not a
+        candidate, and one in a lower lane was behind it)."""
+        if len(self._eligible) <= 1:
+            return
+        now, config = time.time(), self.config.policy
+        lane = policy.effective_lane(queued, config)
+        for waiting in self._eligible.values():
+            if waiting is not run and policy.effective_lane(self._as_queued(waiting, now), config) <= lane:
+                waiting.passed_over += 1
 
     def _waits_in_queue(self, run: Run, queued: policy.QueuedJob) -> None:
         """A newcomer decided alone that waits: the head of the queue is now at least as high as

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import time
@@ -31,6 +32,8 @@ from .ledger import Capacity
 from .runs import Run, RunScheduling, RunTable, new_record, source_digest
 from .shared import SharedModels
 from .writer import RunWriter
+
+log = logging.getLogger("jupyter_evalsched")
 
 
 class Submissions:
@@ -316,7 +319,13 @@ class Submissions:
         if not executor.uses_ledger:
             executor.submit(run)
             return record
-        self.admission.submitted(run)
+        try:
+            # (Decided at once when nothing outranks it: its start may begin right here.)
+            self.admission.submitted(run)
+        except Exception:  # a bug of ours: the run is on disk and stays queued; answered all the same
+            log.exception("evalsched: admitting run %s failed", run_id)
+        if run.terminal:  # its start failed at once: answered with the record on disk
+            await self.table.written(run_id)
         return record
 
     # ----------------------------------------------------------------- sweeps
