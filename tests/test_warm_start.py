@@ -683,8 +683,8 @@ def zygote_processes() -> list[psutil.Process]:
     return found
 
 
-# A zygote's preloads in a fresh interpreter, then one forked run of a no-op eval: the modules the
-# run's process imported that its zygote had not (its eval's own aside), as JSON on stdout.
+# Started as the zygote is (``python -m``), its preloads, then one forked run of a no-op eval:
+# the modules the run's process imported that the zygote had not (its eval's own aside), as JSON.
 _IMPORTED_AFTER_THE_FORK = """
 import json, os, sys
 from jupyter_evalsched.runner import run, zygote
@@ -710,10 +710,12 @@ print(open(os.path.join(run_dir, "imported.json")).read())
     [("noop_file.py:episode", "_evalsched_entry_noop_file"), ("noop_module:episode", "noop_module")],
 )
 def test_a_warm_run_imports_nothing_its_zygote_has_not_but_its_eval(tmp_path, entrypoint, eval_module):
-    """Whatever a run's start path imports is paid by every warm run after its fork (a forked
-    process imports a module at several times a fresh interpreter's cost: its pages are the
-    zygote's, copied on write). Python 3.11 starts without ``importlib`` (its frozen
-    ``_bootstrap`` serves imports): loading an eval by file or module name needs it."""
+    """Whatever a run's start path imports lazily is paid by every warm run after its fork (at
+    several times a fresh interpreter's cost: its pages are the zygote's, copied on write). The
+    zygote runs with ``-m``, so runpy's imports (``importlib.util``, ``contextlib``) are there."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "warm_imports_probe.py").write_text(_IMPORTED_AFTER_THE_FORK)
     for name in ("noop_file.py", "noop_module.py"):
         (tmp_path / name).write_text("def episode(ctx, index):\n    return {}\n")
     run_dir = tmp_path / "run"
@@ -721,7 +723,8 @@ def test_a_warm_run_imports_nothing_its_zygote_has_not_but_its_eval(tmp_path, en
     (run_dir / "spec.json").write_text(json.dumps({"entrypoint": entrypoint, "episodes": 1, "cwd": str(tmp_path)}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("EVALSCHED_")}
     proc = subprocess.run(
-        [sys.executable, "-c", _IMPORTED_AFTER_THE_FORK, str(run_dir)],
+        [sys.executable, "-m", "warm_imports_probe", str(run_dir)],
+        cwd=probe,
         env=env,
         capture_output=True,
         text=True,

@@ -10,17 +10,11 @@ name, so their ``if __name__ == "__main__":`` blocks do not run.
 from __future__ import annotations
 
 import errno
-import importlib.util  # (with importlib and contextlib; see below)
 import os
 import sys
-from importlib import import_module
 
 from ..contract import EVAL_SOURCE_FILE, is_file_target, split_entrypoint
 
-# importlib is imported here, not where an eval is loaded: the zygote imports this module, and
-# Python 3.11 starts without importlib (its frozen bootstrap serves imports), so every warm run
-# imported it (with contextlib) after its fork, 1 to 3 ms in a forked process. A cold start's
-# ``python -m`` has imported it already.
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
 if TYPE_CHECKING:
     from types import ModuleType
@@ -60,6 +54,8 @@ def load_episode_function(entrypoint: str, run_dir: str, cwd: str | None = None)
     if path is not None:
         module = _load_file(path)
     else:
+        from importlib import import_module
+
         if cwd not in sys.path:  # `python -m` puts it first; make sure, whatever the flags
             sys.path.insert(0, cwd)
         try:
@@ -82,6 +78,8 @@ def load_episode_function(entrypoint: str, run_dir: str, cwd: str | None = None)
 
 
 def _load_file(path: str) -> ModuleType:
+    import importlib.util
+
     if not os.path.isfile(path):
         raise FileNotFoundError(errno.ENOENT, "entrypoint file not found", path)
     # As `python path/to/file.py` would, let the file import its neighbours.
