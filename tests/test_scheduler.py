@@ -162,6 +162,31 @@ async def test_a_bug_in_starting_a_run_does_not_fail_its_submission(api, wait_fo
     assert (await wait_for(rec["id"]))["state"] == "succeeded"
 
 
+async def test_a_bug_in_launching_a_run_fails_it_with_the_reason_and_frees_what_it_took(
+    api, wait_for, evalsched, monkeypatch
+):
+    """Past admission (the run taken off the queue, its resources counted), a bug of ours in the
+    launch fails the run with what went wrong, and what it took goes to the next."""
+    carrier = type(evalsched.admission.carrier)
+    real = carrier.launch
+
+    def broken(self, run, devices):
+        raise RuntimeError("a bug in the launch")
+
+    monkeypatch.setattr(carrier, "launch", broken)
+    everything = {"cpus": evalsched.config.cpu_slots}
+    code, rec = await api("POST", "runs", spec(entry=NOOP, scheduling=everything))
+    assert code == 201, rec
+    failed = await wait_for(rec["id"])
+    assert failed["state"] == "failed", failed
+    assert failed["reason"].startswith(
+        "exception: the server could not start the run: RuntimeError: a bug in the launch"
+    )
+    monkeypatch.setattr(carrier, "launch", real)
+    after = await submit(api, spec(entry=NOOP, scheduling=everything))
+    assert (await wait_for(after["id"]))["state"] == "succeeded"
+
+
 async def test_run_directory_contract(api, wait_for, runs_dir):
     rec = await submit(api, spec(entry="jupyter_evalsched.examples.basic:accuracy_toy", episodes=5))
     final = await wait_for(rec["id"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from .leases import Lease, LeaseTable
 from .ledger import Capacity
 from .runs import Run, RunNames, RunTable, parse_timestamp
 from .shared import ModelMemory, ModelUnavailable
+
+log = logging.getLogger("jupyter_evalsched")
 
 MODEL_LOAD_SEQ = -(1 << 40)  # a model's load goes ahead of the runs of its lane: its callers wait
 
@@ -361,9 +364,11 @@ class Admission:
             reservation=self._reservation,
             dependency_names=RunNames(self.table),
         )
-        if decision.preempt or decision.unload:
-            # Making room (stopping preemptible runs, unloading idle models) is for a full
-            # decision to do: it knows every waiting job, and the room may be for another.
+        if (decision.preempt or decision.unload) and len(self._eligible) <= 1:
+            # Making room (stopping preemptible runs, unloading idle models) is a full decision's
+            # to do, now, when nothing else waits (it is then as cheap as this one). Behind
+            # other waiting runs the room may be for another, and a full decision per
+            # submission would make a burst quadratic: the periodic one makes it.
             self.request_admission()
             return
         if decision.dependency_failed or decision.starts:
@@ -380,13 +385,17 @@ class Admission:
         """A newcomer decided alone starts: what a full decision would count as passed over, the
         waiting runs ahead of it in admission order (a run held by a dependency was not a
         candidate, and one in a lower lane was behind it)."""
-        if len(self._eligible) <= 1:
-            return
         now, config = time.time(), self.config.policy
-        lane = policy.effective_lane(queued, config)
+        mine = policy.admission_key(queued, config)
+        gated = self.host_gate is not None and self.host_gate() is not None  # (GPU runs: not candidates)
         for waiting in self._eligible.values():
-            if waiting is not run and policy.effective_lane(self._as_queued(waiting, now), config) <= lane:
+            if waiting is run or (gated and waiting.scheduling.uses_gpu):
+                continue
+            if policy.admission_key(self._as_queued(waiting, now), config) < mine:
                 waiting.passed_over += 1
+        for lease in self._leases_to_decide():
+            if policy.admission_key(self._lease_as_queued(lease, now), config) < mine:
+                lease.passed_over += 1
 
     def _waits_in_queue(self, run: Run, queued: policy.QueuedJob) -> None:
         """A newcomer decided alone that waits: the head of the queue is now at least as high as
@@ -597,7 +606,13 @@ class Admission:
         self._running[run.id] = run
         run.started_ts = time.time()
         run.requeued_why = None
-        self.carrier.launch(run, devices)
+        try:
+            self.carrier.launch(run, devices)
+        except Exception as exc:  # a bug of ours: the run fails with it, and what it took is free
+            log.exception("evalsched: starting run %s failed", run.id)
+            if not run.terminal:
+                reason = f"the server could not start the run: {type(exc).__name__}: {exc}"
+                self.table.finish(run, FAILED, contract.reason(contract.EXCEPTION, reason))
 
     # ----------------------------------------------------------------- jobs as the policy sees them
 

@@ -188,9 +188,14 @@ def effective_lane(job: QueuedJob, config: PolicyConfig) -> int:
     return max(lane, 0)
 
 
+def admission_key(job: QueuedJob, config: PolicyConfig) -> tuple[int, int]:
+    """Where a job stands in admission order: its effective lane, then its submission."""
+    return effective_lane(job, config), job.seq
+
+
 def admission_order(jobs: Iterable[QueuedJob], config: PolicyConfig) -> list[QueuedJob]:
     """Highest effective lane first, then submission order."""
-    return sorted(jobs, key=lambda j: (effective_lane(j, config), j.seq))
+    return sorted(jobs, key=lambda j: admission_key(j, config))
 
 
 def never_fits(job: QueuedJob, capacity: Capacity) -> tuple[str, str] | None:
