@@ -373,7 +373,7 @@ class Admission:
             return
         if decision.dependency_failed or decision.starts:
             if decision.starts:
-                self._overtaken_by(run, queued)
+                self._overtaken_by(run, queued, gated=gate is not None)
             self._carry_out(decision)
             return
         for why in decision.why.values():
@@ -381,13 +381,13 @@ class Admission:
         self._waits_in_queue(run, queued)
         self._tell_host_demand()
 
-    def _overtaken_by(self, run: Run, queued: policy.QueuedJob) -> None:
+    def _overtaken_by(self, run: Run, queued: policy.QueuedJob, *, gated: bool) -> None:
         """A newcomer decided alone starts: what a full decision would count as passed over, the
         waiting runs ahead of it in admission order (a run held by a dependency was not a
-        candidate, and one in a lower lane was behind it)."""
+        candidate, nor a GPU run while the host gate is closed (``gated``), and one in a lower
+        lane was behind it)."""
         now, config = time.time(), self.config.policy
         mine = policy.admission_key(queued, config)
-        gated = self.host_gate is not None and self.host_gate() is not None  # (GPU runs: not candidates)
         for waiting in self._eligible.values():
             if waiting is run or (gated and waiting.scheduling.uses_gpu):
                 continue
