@@ -41,6 +41,7 @@ from ..contract import (
 )
 from . import fastjson
 from ._proc import (
+    DONE_NOTICE,
     EXIT_PARENT_GONE,
     ensure_in_cgroup,
     expected_parent_pid,
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     if parent_is_gone(expected):
         _say(f"the parent process {expected} is gone (parent is now {os.getppid()}); not starting")
         return EXIT_PARENT_GONE
+    if argv is None:
+        _take_notice_argument()
     return main_checked(argv)
 
 
@@ -189,6 +192,62 @@ def main_checked(argv: list[str] | None = None) -> int:
 
 
 _finalized: RunFiles | None = None  # a run whose summary is final: _DONE is due at the exit
+# The run's socket to the server, told DONE_NOTICE once _DONE exists: (descriptor, the socket's
+# device and inode, the run's pid) as ``set_done_notice`` found them.
+_done_notice: tuple[int, int, int, int] | None = None
+NOTICE_FLAG = "--notice-fd"  # a cold run's: the descriptor of that socket (last on its command line)
+
+
+def set_done_notice(fd: int) -> None:
+    """Keep the server's socket ``fd`` for ``finish``, moved to the lowest free descriptor
+    (close-on-exec: a subprocess does not inherit it), so that warm and cold runs show the eval
+    the same descriptors."""
+    global _done_notice
+    low = os.dup(fd)  # the lowest free one
+    if low > fd:  # every one below fd is taken: fd is the lowest
+        os.close(low)
+        low = fd
+        os.set_inheritable(fd, False)
+    else:
+        os.close(fd)
+    st = os.fstat(low)
+    _done_notice = (low, st.st_dev, st.st_ino, os.getpid())
+
+
+def _tell_done() -> None:
+    """The word, from the run's own process only (not a child the eval forked that ends through
+    the runner), and on that socket only: the eval may have closed it and reused its number."""
+    notice = _done_notice
+    if notice is None:
+        return
+    fd, dev, ino, pid = notice
+    if os.getpid() != pid:
+        return
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            # (A closed peer answers EPIPE on this kind of socket, never SIGPIPE.)
+            os.write(fd, DONE_NOTICE)
+    except OSError:
+        pass  # the server is gone, or the eval closed the descriptor: the exit tells it
+
+
+def _take_notice_argument() -> None:
+    """A cold run's ``--notice-fd N``: kept, and taken out of ``sys.argv`` (and ``orig_argv``) so
+    that the eval sees the arguments a warm run has."""
+    args = sys.argv
+    if len(args) < 3 or args[-2] != NOTICE_FLAG:
+        return
+    value = args[-1]
+    del args[-2:]
+    orig = sys.orig_argv
+    if len(orig) >= 2 and orig[-2] == NOTICE_FLAG:
+        del orig[-2:]
+    if value.isdigit() and int(value) > 2:
+        try:
+            set_done_notice(int(value))
+        except OSError:
+            pass  # not open: the run's exit alone tells the server
 
 
 def finish(code: int) -> int:
@@ -204,6 +263,9 @@ def finish(code: int) -> int:
     except OSError as exc:
         _say(f"cannot write the run files in {files.run_dir}: {exc}; the run is not finalized")
         return EXIT_IO_ERROR
+    # The server may hand a CPU slot on now, rather than once the kernel has torn this process
+    # down (which takes longer than a no-op run's whole episode).
+    _tell_done()
     return code
 
 

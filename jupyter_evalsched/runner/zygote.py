@@ -35,6 +35,10 @@ JSON message each:
   in a fresh interpreter), ``{"op": "stale", "why"}`` (a preloaded module's file was edited: cold,
   and the server retires this zygote) or ``{"op": "error", "why"}`` (it cannot start at all: its
   cwd is gone), and leaves.
+* run -> server, last: ``DONE_NOTICE`` once the run's ``_DONE`` exists, right before its process
+  exits (the socket stays open in the run for that alone). The server may give a CPU-only run's
+  slot to the next run then, rather than after the kernel has torn the process down; it checks
+  ``_DONE`` first, and a process still there a while later is killed.
 
 A forked run must be indistinguishable from a fresh interpreter for the eval: its own session, the
 death signal tied to the zygote (which dies with the server: rule 2), its environment, cwd,
@@ -682,12 +686,12 @@ def spare_main(zygote: Zygote, zygote_pid: int, sock: socket.socket, cgroup: str
         sock.send(json.dumps(answer, separators=(",", ":")).encode())
     except OSError:
         answer = {"op": "gone"}  # the server is gone, or gave up on this start
-    sock.close()
     if answer["op"] != "started":
+        sock.close()
         for fd in fds:
             os.close(fd)
         return 0
-    return become_run(zygote, request, fds)
+    return become_run(zygote, request, fds, sock.detach())
 
 
 def rehearse(zygote: Zygote) -> None:
@@ -735,13 +739,17 @@ def refusal(zygote: Zygote, request: Any, fds: list[int]) -> dict[str, object] |
     return None
 
 
-def become_run(zygote: Zygote, request: dict[str, Any], fds: list[int]) -> int:
-    """In the spare, once asked: turn into the run's process, then run it. Returns the exit code."""
+def become_run(zygote: Zygote, request: dict[str, Any], fds: list[int], notice: int) -> int:
+    """In the spare, once asked: turn into the run's process, then run it. Returns the exit code.
+    ``notice``: the socket to the server, kept to tell it ``done`` (``run.finish``)."""
+    from . import run
+
     try:
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
         for fd in fds:
             os.close(fd)
+        run.set_done_notice(notice)  # (now: where a cold run's is)
         os.chdir(request["cwd"])
         set_environment(request["env"])
         show_environment(request["env"])

@@ -25,11 +25,14 @@ is not our child, so its exit status cannot be known: its own files say how it e
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import logging
 import os
 import select
 import signal
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -42,7 +45,7 @@ from typing import Any
 import psutil
 
 from .. import contract
-from ..runner._proc import process_start_time, stat_fields
+from ..runner._proc import DONE_NOTICE, process_start_time, stat_fields
 from ..store import UnsafeRunFile, open_log
 from .cgroups import CgroupError, RunCgroup
 from .zygotes import ForkRequest, ZygoteClient
@@ -52,6 +55,15 @@ log = logging.getLogger(__name__)
 # run id, exit code (None: not known) -> None, or a future the clean-up (the removal of the run's
 # cgroup) waits for: the handler's reads of the cgroup's figures, off the loop.
 ExitCallback = Callable[[str, "int | None"], "asyncio.Future[Any] | None"]
+# run id -> whether what the run held went to other runs at its word that it is done (its process
+# is then given DONE_EXIT_GRACE_S to be gone).
+DoneCallback = Callable[[str], bool]
+
+# A run that said it is done exits at once (``runner.run.finish``); a process still there this
+# much later lingers on purpose (an eval that delays its exit), holding a slot it gave back.
+# (A process whose teardown is slow, tens of GB of memory, is not hurt: it is leaving already.)
+DONE_EXIT_GRACE_S = 2.0
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid (SCM_CREDENTIALS)
 
 
 class SpawnError(Exception):
@@ -78,6 +90,8 @@ class RunProcess:
     pending_signal: tuple[str, float] | None = None  # ("term", grace) or ("kill", 0): sent once it has a pid
     exit_code: int | None = None  # a forked run's, as its zygote reported it or read from /proc
     zombie: bool = False  # a forked run whose exit code was read before its zygote reaped it
+    notice: socket.socket | None = field(default=None, repr=False)  # where the run says it is done
+    linger_timer: asyncio.TimerHandle | None = field(default=None, repr=False)  # armed at that word
 
     @property
     def pid(self) -> int:
@@ -103,6 +117,33 @@ def process_create_time(pid: int) -> float | None:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
+
+
+def _notice_pair() -> tuple[socket.socket, socket.socket]:
+    """A cold run's notice socket pair: (ours, non-blocking, told who sends; the run's, at 3 or
+    above: a server started with a standard descriptor closed would hand out 0, 1 or 2, which
+    the child's own stdin, stdout and stderr take)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        ours.setblocking(False)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        if theirs.fileno() < 3:
+            high = socket.socket(fileno=fcntl.fcntl(theirs.fileno(), fcntl.F_DUPFD_CLOEXEC, 3))
+            theirs.close()
+            theirs = high
+    except BaseException:
+        ours.close()
+        theirs.close()
+        raise
+    return ours, theirs
+
+
+def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    """The sender's pid in a message's SCM_CREDENTIALS, as the kernel vouches for it."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            return int(_UCRED.unpack_from(data)[0])
+    return None
 
 
 def zombie_exit_code(pid: int, pidfd: int) -> int | None:
@@ -139,8 +180,9 @@ def is_same_process(pid: int | None, create_time: float | None, alive_only: bool
 
 
 class Launcher:
-    def __init__(self, on_exit: ExitCallback, notify_exits: bool = True) -> None:
+    def __init__(self, on_exit: ExitCallback, notify_exits: bool = True, on_done: DoneCallback | None = None) -> None:
         self._on_exit = on_exit
+        self._on_done = on_done
         # False: exits are noticed by poll() alone (the reconciliation), as on a host without pidfd.
         self.notify_exits = notify_exits
         self._procs: dict[str, RunProcess] = {}
@@ -207,11 +249,12 @@ class Launcher:
         proc = RunProcess(run_id, None, cgroup, zygote=zygote, pending=True)
         self._procs[run_id] = proc
 
-        def forked(pid: int, at: float, create_time: float | None, pidfd: int | None) -> bool:
+        def forked(pid: int, at: float, create_time: float | None, pidfd: int | None, notice: socket.socket) -> bool:
             if self._procs.get(run_id) is not proc:  # given up meanwhile (shutdown)
                 _killpg(pid, signal.SIGKILL)
                 if pidfd is not None:
                     os.close(pidfd)
+                notice.close()
                 return False
             proc.adopted_pid = pid
             proc.pending = False
@@ -223,6 +266,11 @@ class Launcher:
                 self.loop.add_reader(pidfd, self._exited, run_id)
             elif pidfd is not None:
                 os.close(pidfd)
+            if watched and self._on_done is not None:
+                proc.notice = notice
+                self.loop.add_reader(notice.fileno(), self._noticed, run_id)
+            else:
+                notice.close()
             # (No move into its cgroup from here: a forked run is running already, and its runner
             # joins the cgroup itself before any user code: ``runner._proc.ensure_in_cgroup``. A
             # thread per run for it would only cost the loop a hand-over.)
@@ -295,14 +343,27 @@ class Launcher:
         stderr: Path,
         cgroup: RunCgroup | None = None,
         detached: bool = False,
+        notice_flag: str | None = None,
     ) -> RunProcess:
         """Start ``argv`` in a new session, its output appended to ``stdout``/``stderr`` (never
         through a symbolic link); SpawnError says why it could not start. With ``cgroup``, the
         process is moved into it right away, off the event loop (the runner checks, before any
-        user code, that it is there: see ``runner._proc.ensure_in_cgroup``)."""
+        user code, that it is there: see ``runner._proc.ensure_in_cgroup``). With
+        ``notice_flag``, the process gets a socket to say it is done on (``DONE_NOTICE``), named
+        by ``notice_flag`` and its descriptor at the end of its command line."""
         if self._loop is None:
             raise RuntimeError("Launcher.bind(loop) first")
-        out, err = self._open_logs(stdout, stderr)
+        ours = theirs = None
+        if notice_flag is not None and self.notify_exits and self._on_done is not None:
+            ours, theirs = _notice_pair()
+            argv = [*argv, notice_flag, str(theirs.fileno())]
+        try:
+            out, err = self._open_logs(stdout, stderr)
+        except BaseException:
+            for end in (ours, theirs):
+                if end is not None:
+                    end.close()
+            raise
         try:
             popen = subprocess.Popen(
                 argv,
@@ -313,17 +374,30 @@ class Launcher:
                 stderr=err,
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=() if theirs is None else (theirs.fileno(),),
             )
-        except OSError as exc:
-            raise SpawnError(f"{type(exc).__name__}: {exc.strerror or exc} (cwd {cwd!r})") from exc
+        except BaseException as exc:
+            if ours is not None:
+                ours.close()
+            if isinstance(exc, OSError):
+                raise SpawnError(f"{type(exc).__name__}: {exc.strerror or exc} (cwd {cwd!r})") from exc
+            raise
         finally:
             os.close(out)
             os.close(err)
+            if theirs is not None:
+                theirs.close()
         proc = RunProcess(run_id, popen, cgroup, detached=detached)
         self._procs[run_id] = proc
         if cgroup is not None:
             self.loop.run_in_executor(None, _join_cgroup, cgroup, popen.pid)
         self._watch(proc)
+        if ours is not None:
+            if proc.pidfd is not None:
+                proc.notice = ours
+                self.loop.add_reader(ours.fileno(), self._noticed, run_id)
+            else:
+                ours.close()  # no pidfd: exits are polled, and so is everything else
         return proc
 
     def adopt(self, run_id: str, pid: int, create_time: float | None, cgroup: RunCgroup | None) -> RunProcess:
@@ -371,7 +445,51 @@ class Launcher:
             return
         # Not readable here (or reaped already): the zygote reaps it and reports the exit code.
         self._unwatch(proc)
+        if proc.linger_timer is not None:  # gone: its pid is not its own any more once reaped
+            proc.linger_timer.cancel()
+            proc.linger_timer = None
         proc.zygote.release_child(proc.pid)
+
+    def _noticed(self, run_id: str) -> None:
+        """A run's socket is readable: its word that it is done (its ``_DONE`` exists and
+        its process is leaving), or its end (the exit comes through the pidfd)."""
+        proc = self._procs.get(run_id)
+        if proc is None or proc.notice is None:
+            return
+        try:
+            data, ancillary, _flags, _addr = proc.notice.recvmsg(len(DONE_NOTICE) + 1, socket.CMSG_SPACE(_UCRED.size))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, ancillary = b"", []
+        self._unnotice(proc)
+        if data != DONE_NOTICE or self._on_done is None or _sender_pid(ancillary) != proc.pid:
+            return  # not the word, or not from the run's own process (a child it forked)
+        try:
+            released = self._on_done(run_id)
+        except Exception:
+            log.exception("done handler failed for run %s", run_id)
+            return
+        if released and self._procs.get(run_id) is proc:
+            proc.linger_timer = self.loop.call_later(DONE_EXIT_GRACE_S, self._lingered, proc)
+
+    def _lingered(self, proc: RunProcess) -> None:
+        proc.linger_timer = None
+        if self._procs.get(proc.run_id) is not proc:
+            return
+        log.warning(
+            "evalsched: run %s said it was done %g s ago and its process %d is still there: killed",
+            proc.run_id,
+            DONE_EXIT_GRACE_S,
+            proc.pid,
+        )
+        self._kill_hard(proc)
+
+    def _unnotice(self, proc: RunProcess) -> None:
+        if proc.notice is not None:
+            self.loop.remove_reader(proc.notice.fileno())
+            proc.notice.close()
+            proc.notice = None
 
     def poll(self) -> None:
         """Backstop for hosts without pidfd (and for missed wake-ups)."""
@@ -394,8 +512,12 @@ class Launcher:
 
     def _stop_watching(self, proc: RunProcess) -> None:
         self._unwatch(proc)
+        self._unnotice(proc)
         if proc.kill_timer is not None:
             proc.kill_timer.cancel()
+        if proc.linger_timer is not None:
+            proc.linger_timer.cancel()
+            proc.linger_timer = None
 
     def _finish(self, proc: RunProcess, code: int | None) -> None:
         self._procs.pop(proc.run_id, None)

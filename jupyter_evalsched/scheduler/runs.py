@@ -398,10 +398,14 @@ class RunTable:
         self._exit_listeners.append(listener)
 
     def exited(self, run: Run) -> None:
-        """The running ``run``'s process is gone, before its verdict is known (an executor calls
-        this, then ``finish`` or ``requeue`` in the same loop iteration): what it held on this
-        host is free now, so admission need not wait for its files to be read. Its
-        ``finished_at`` is this moment: before the start of a run admitted in its place."""
+        """The running ``run``'s process is gone, or said it is done and is leaving (a warm run on
+        the CPU alone), before its verdict is known (an executor calls this, then ``finish`` or
+        ``requeue`` once the process is gone): what it held on this host is free now, so
+        admission need not wait for its files to be read. Its ``finished_at`` is this moment:
+        before the start of a run admitted in its place. Once per attempt: the exit after the
+        word changes nothing here."""
+        if run.exited_at is not None:
+            return
         run.exited_at = utcnow_iso()
         for listener in list(self._exit_listeners):
             try:

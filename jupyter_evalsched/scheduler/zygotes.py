@@ -167,9 +167,10 @@ class ForkRequest:
     env: dict[str, str]
     fds: tuple[int, int]  # the run's stdout and stderr, closed once sent (or given up)
     # (pid, when the run's process got its request: wall clock, its create time or None, a pidfd
-    # of it or None: the callee owns it) -> whether the callee watches that pidfd for the run's
-    # exit (then it reads the exit code itself, and asks the zygote to reap: ``release_child``)
-    on_forked: Callable[[int, float, float | None, int | None], bool]
+    # of it or None, the socket the run tells its end on (``DONE_NOTICE``): the callee owns both)
+    # -> whether the callee watches that pidfd for the run's exit (then it reads the exit code
+    # itself, and asks the zygote to reap: ``release_child``)
+    on_forked: Callable[[int, float, float | None, int | None, socket.socket], bool]
     on_cold: Callable[[str], None]  # the reason: start it in a fresh interpreter
     on_error: Callable[[str], None]  # it cannot start at all
     # Given the cgroup the spare waits in (None: it has none), at the hand-over: the run's cgroup
@@ -437,14 +438,17 @@ class ZygoteClient:
         op = answer.get("op") if isinstance(answer, dict) else None
         pidfd, spare.pidfd = spare.pidfd, None
         if op == "started":
-            spare.close()
             self.children[request.run_id] = pid
             self.forks += 1
             at = answer.get("at")
             reaps = False
             try:
                 reaps = request.on_forked(
-                    pid, float(at) if isinstance(at, (int, float)) else time.time(), spare.create_time, pidfd
+                    pid,
+                    float(at) if isinstance(at, (int, float)) else time.time(),
+                    spare.create_time,
+                    pidfd,
+                    spare.sock,
                 )
             finally:  # (the zygote forks the next spare on it, whatever happened here)
                 self._taken(pid, request.run_id, reaps)
@@ -635,6 +639,9 @@ class ZygoteClient:
         self._no_spare = None
         sock = socket.socket(fileno=fds[0])
         sock.setblocking(False)
+        # The kernel's word of who sends each message: the run's ``done`` counts from the run's
+        # own process only (Launcher._noticed). Set now, long before that message is sent.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         spare = Spare(
             pid,
             sock,

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 from ... import contract
 from ...contract import ABORTED, CANCELLED, FAILED, QUEUED, SUCCEEDED
+from ...runner.run import NOTICE_FLAG
 from ...store import RunFileError, RunStore, UnsafeRunFile
 from ..attempts import Requeue, preempted_plan, restart_plan
 from ..cgroup_pool import CgroupPool
@@ -64,7 +65,7 @@ class LocalExecutor(Executor):
         self.models: SharedModels = models if models is not None else NoSharedModels()
         self.python = python
         self.cgroups = cgroups  # None or mode "none": process groups only
-        self.launcher = Launcher(self._on_exit, notify_exits=notify_exits)
+        self.launcher = Launcher(self._on_exit, notify_exits=notify_exits, on_done=self._on_done)
         self.zygotes: ZygotePool | None = None  # warm starts (set up at bind when they are on)
         self._timeouts: dict[str, asyncio.TimerHandle] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}  # admitted runs waiting for their model host
@@ -302,6 +303,7 @@ class LocalExecutor(Executor):
                 stderr=ctx.store.log_path(run.id, "stderr"),
                 cgroup=cgroup,
                 detached=run.record["detach"],
+                notice_flag=NOTICE_FLAG,
             )
         except (SpawnError, OSError) as exc:
             self._start_failed(run, cgroup, str(exc), exc.code if isinstance(exc, SpawnError) else contract.EXCEPTION)
@@ -337,6 +339,20 @@ class LocalExecutor(Executor):
         )
 
     # ------------------------------------------------------------------ end
+
+    def _on_done(self, run_id: str) -> bool:
+        """A run said it is done: its ``_DONE`` exists and its process is leaving. A run on
+        the CPU alone gives its slot to the next run now, rather than once the kernel has torn its
+        process down; one on GPUs keeps them until its process is gone (its memory there is freed
+        only then). Its verdict still waits for the exit. True when it gave its slot."""
+        table = self.ctx.table
+        run = table.get(run_id)
+        if run is None or run.terminal or run.exited_at is not None or run.record["devices"]:
+            return False
+        if not os.path.exists(os.path.join(self.ctx.store.run_dir(run_id), contract.DONE_FILE)):
+            return False  # the word without the file: not the runner's
+        table.exited(run)
+        return True
 
     def _on_exit(self, run_id: str, code: int | None) -> asyncio.Future[ExitReads] | None:
         table = self.ctx.table
