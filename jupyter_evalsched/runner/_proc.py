@@ -14,8 +14,8 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # Exit status when the expected parent died before we could tie our life to it (EX_SOFTWARE).
 EXIT_PARENT_GONE = 70
-# A warm run's last word to the server, on the socket its spare was asked on, once its _DONE
-# exists (runner.zygote's protocol).
+# A run's last word to the server, once its _DONE exists (runner.run.finish): on the socket a
+# warm run's spare was asked on (runner.zygote's protocol), or a cold run's --notice-fd.
 DONE_NOTICE = b'{"op":"done"}'
 
 _prctl: Callable[..., int] | None = None
