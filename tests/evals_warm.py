@@ -21,9 +21,16 @@ def fingerprint(ctx, index):
     os.umask(umask)
     with open("/proc/self/environ", "rb") as f:
         block = f.read()
+    import ctypes
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    getenv.argtypes = [ctypes.c_char_p]
     out = {
         "environ": dict(os.environ),
         "proc_environ": dict(e.decode().split("=", 1) for e in block.split(b"\0") if e),
+        # What C code reads (getenv) where it differs from os.environ: nothing, warm or cold.
+        "c_getenv_differs": sorted(os.fsdecode(k) for k, v in os.environb.items() if getenv(k) != v),
         "cwd": os.getcwd(),
         "argv": list(sys.argv),
         "path": list(sys.path),

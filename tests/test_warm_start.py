@@ -133,7 +133,11 @@ def comparable(fp: dict, run_id: str) -> dict:
 
 
 async def test_warm_and_cold_runs_look_alike_to_the_eval(api, wait_for, tmp_path):
-    await ready_zygote(api)
+    warm = await ready_zygote(api)
+    # The zygote's environment block: its variables, then its reserve's name and NULs.
+    zygote_pid = next(z["pid"] for z in warm["zygotes"] if z["state"] == "ready")
+    block = Path(f"/proc/{zygote_pid}/environ").read_bytes()
+    assert block.rstrip(b"\0").endswith(b"\0EVALSCHED_ENV_RESERVE=") and len(block) > 64 * 1024
     env = {"EVAL_FLAVOUR": "salty"}  # a variable nothing preloaded read: the same zygote serves it
     warm1, fp1 = await run_fingerprint(api, wait_for, tmp_path / "w1.json", env=env)
     warm2, fp2 = await run_fingerprint(api, wait_for, tmp_path / "w2.json", env=env)
@@ -146,6 +150,7 @@ async def test_warm_and_cold_runs_look_alike_to_the_eval(api, wait_for, tmp_path
     assert comparable(fp2, warm2["id"]) == comparable(fpc, cold["id"])
     assert fp1["environ"]["EVAL_FLAVOUR"] == "salty"
     assert fp1["proc_environ"] == fp1["environ"]  # /proc shows the run's environment, as for a cold run
+    assert fp1["c_getenv_differs"] == fp2["c_getenv_differs"] == fpc["c_getenv_differs"] == []
     assert fp1["environ"]["EVALSCHED_RUN_ID"] == warm1["id"]
     assert fp1["fds"] == fpc["fds"]  # 0, 1, 2, the listing's own and the runner's episodes file
     assert fp1["tasks"] == 1 and fp1["threads"] == 1
@@ -734,3 +739,57 @@ def test_a_warm_run_imports_nothing_its_zygote_has_not_but_its_eval(tmp_path, en
     code, imported = proc.stdout.split("\n", 1)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded", proc.stderr
     assert json.loads(imported) == [eval_module]
+
+
+ENV_BLOCK_CHILD = r"""
+import json, os, sys
+from jupyter_evalsched.runner import zygote
+
+def shown():
+    with open("/proc/self/environ", "rb") as f:
+        block = f.read()
+    return block, [e.decode() for e in block.split(b"\0") if e]
+
+zygote.clear_env_reserve()
+block, entries = shown()
+out = {"zygote": entries, "in_use": zygote._env_in_use, "size": len(block),
+       "rest_nul": not block[zygote._env_in_use:].strip(b"\0"), "in_os_environ": zygote.ENV_RESERVE in os.environ}
+for name, env in (("shorter", {"C": "1"}), ("longer", {"D": "y" * 20000, "E": "2"}), ("too_big", {"F": "z" * 200000})):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        written = []
+        pwrite = os.pwrite
+        os.pwrite = lambda fd, data, at: written.append(len(data)) or pwrite(fd, data, at)
+        ok = zygote.show_environment(env)
+        os.write(w, json.dumps([ok, shown()[1], written]).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out[name] = json.loads(f.read())  # (before the wait: the child may write more than a pipe holds)
+    os.waitpid(pid, 0)
+print(json.dumps(out))
+"""
+
+
+def test_the_zygote_clears_its_environment_reserve_and_a_run_rewrites_only_what_is_in_use():
+    """The zygote turns the reserve's value into NULs once; each forked run then writes its own
+    variables and NULs over what the zygote's used, not the whole reserve, and /proc shows
+    exactly the run's environment, shorter or longer than the zygote's."""
+    from jupyter_evalsched.runner.zygote import ENV_RESERVE
+
+    env = {"PATH": os.environ["PATH"], "LONG_ONE": "q" * 3000, ENV_RESERVE: "x" * 100_000}
+    proc = subprocess.run(
+        [sys.executable, "-c", ENV_BLOCK_CHILD], env=env, capture_output=True, text=True, check=True, timeout=60
+    )
+    out = json.loads(proc.stdout)
+    assert out["zygote"][:2] == [f"PATH={env['PATH']}", "LONG_ONE=" + "q" * 3000]
+    assert out["zygote"][2:] == [f"{ENV_RESERVE}="]  # the value gone, the room kept
+    assert not out["in_os_environ"]
+    assert 3000 < out["in_use"] < 4000 + len(env["PATH"]) < out["size"]
+    assert out["rest_nul"]
+    # Shorter than the zygote's: nothing of the zygote's variables is left behind, and no more
+    # is written than the zygote's part (the rest of the block stays the zygote's page).
+    assert out["shorter"] == [True, ["C=1"], [out["in_use"]]]
+    assert out["longer"] == [True, ["D=" + "y" * 20000, "E=2"], [len("D=" + "y" * 20000 + "E=2") + 2]]
+    assert out["too_big"][:2] == [False, out["zygote"]]

@@ -716,6 +716,12 @@ def rehearse(zygote: Zygote) -> None:
         aggregator.add(validate_metrics({"m": 1.0}, 0))
         summary: dict[str, object] = {"status": "", "metrics": aggregator.summary(), "at": utc_now_iso(), "error": None}
         dumps(summary).encode()
+        if sys.version_info < (3, 13) or "importlib.metadata" in sys.modules:
+            import importlib
+
+            # The start's own call then finds each finder's page copied. (From 3.13 it imports
+            # importlib.metadata, dozens of modules, from the zygote's path: not in a rehearsal.)
+            importlib.invalidate_caches()
     except Exception:  # a rehearsal: whatever goes wrong here goes the same way in the start
         pass
 
@@ -812,6 +818,66 @@ def set_environment(env: dict[str, str]) -> None:
 
 ENV_RESERVE = "EVALSCHED_ENV_RESERVE"  # room in the zygote's initial environment, see show_environment
 
+# How much of the environment block a run must rewrite: the zygote's own variables end there and
+# NULs follow (clear_env_reserve). None: the whole block (the reserve was not cleared).
+_env_in_use: int | None = None
+
+
+def _env_block() -> tuple[int, int] | None:
+    """Where this process's initial environment block lies: (env_start, env_end), or None."""
+    fields = stat_fields()
+    if fields is None:
+        return None
+    try:
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50 and 51)
+    except (IndexError, ValueError):
+        return None
+    return (start, end) if 0 < start < end else None
+
+
+def clear_env_reserve() -> None:
+    """At the zygote's start, once: the reserve's value in the environment block becomes NULs
+    and the variable leaves ``os.environ``. A run then rewrites only the part of the block in use
+    (``show_environment``): writing the whole reserve copied each of its pages from the zygote's
+    (with the padding built in memory first), some 80 page faults per run on its start path."""
+    global _env_in_use
+    value = os.environ.pop(ENV_RESERVE, None)  # (also unset for C code: the block's entry goes)
+    where = _env_block()
+    if not value or where is None:
+        return
+    start, end = where
+    marker = f"{ENV_RESERVE}=".encode()
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            block = os.pread(fd, end - start, start)
+            at = block.find(b"\0" + marker) + 1
+            if at <= 0 and block.startswith(marker):
+                at = 0
+            elif at <= 0:
+                return
+            first = at + len(marker)
+            last = block.find(b"\0", first)
+            if last < 0:
+                return
+            os.pwrite(fd, bytes(last - first), start + first)
+            # The end of the last variable: the server puts the reserve last, so where its value began.
+            _env_in_use = len((block[:first] + bytes(last - first) + block[last:]).rstrip(b"\0"))
+        finally:
+            os.close(fd)
+    except OSError:
+        return
+
+
+def detach_environment_strings() -> None:
+    """In the zygote, before any fork: every variable gets a copy of its own on the heap. C code's
+    ``environ`` pointed into the initial environment block, which each run rewrites with its own
+    layout (``show_environment``): a variable the run did not change then read, through
+    ``getenv``, as missing or as another's text (``TZ`` for ``time.tzset``, a native library's
+    settings)."""
+    for key, value in list(os.environb.items()):
+        os.putenv(key, value)  # (setenv: a copy)
+
 
 def show_environment(env: dict[str, str]) -> bool:
     """Make ``/proc/<pid>/environ`` show the run's environment, as a fresh interpreter's does.
@@ -823,20 +889,19 @@ def show_environment(env: dict[str, str]) -> bool:
     ``/proc/self/mem`` (the zygote starts with ``EVALSCHED_ENV_RESERVE`` padding it, room for
     the run's own variables); the rest of the block is NULs. False when it could not be done
     (the environment does not fit, or ``/proc`` refuses)."""
-    fields = stat_fields()
-    if fields is None:
+    where = _env_block()
+    if where is None:
         return False
-    try:
-        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50 and 51)
-    except (IndexError, ValueError):
+    start, end = where
+    block = b"".join(os.fsencode(f"{k}={v}") + b"\0" for k, v in env.items())  # (as os.environ encodes)
+    if len(block) > end - start:
         return False
-    block = b"".join(f"{k}={v}".encode("utf-8", "surrogateescape") + b"\0" for k, v in env.items())
-    if not start or len(block) > end - start:
-        return False
+    # Past the part in use the block is NULs already (clear_env_reserve): its pages stay shared.
+    in_use = end - start if _env_in_use is None else min(_env_in_use, end - start)
     try:
         fd = os.open("/proc/self/mem", os.O_RDWR)
         try:
-            os.pwrite(fd, block + b"\0" * (end - start - len(block)), start)
+            os.pwrite(fd, block + b"\0" * max(0, in_use - len(block)), start)
         finally:
             os.close(fd)
     except OSError:
@@ -888,8 +953,9 @@ def main() -> int:
     except (KeyError, ValueError):
         sys.stderr.write(f"evalsched zygote: {ZYGOTE_FD} is not set; the server starts the zygote\n")
         return 2
-    os.environ.pop(ENV_RESERVE, None)  # (it stays in the initial block, where it makes room)
+    clear_env_reserve()  # (its name stays in the initial block, the room after it NULs)
     placement = os.environ.pop(CGROUP_SPARES, "")
+    detach_environment_strings()
     sock = socket.socket(fileno=fd)
     zygote = Zygote(sock)
     if placement:

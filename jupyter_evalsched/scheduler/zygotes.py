@@ -246,11 +246,13 @@ class ZygoteClient:
         env[ZYGOTE_FD] = str(theirs.fileno())
         env["EVALSCHED_PARENT_PID"] = str(os.getpid())
         env[PRELOAD] = ",".join(self.preload)
-        # Room in its initial environment block, which each forked run rewrites to show its own
-        # environment in /proc (runner.zygote.show_environment).
-        env[ENV_RESERVE] = "x" * ENV_RESERVE_BYTES
         if self.cgroups is not None:
             env[CGROUP_SPARES] = json.dumps(self.cgroups.cgroups.spare_placement())
+        # Room in its initial environment block, which each forked run rewrites to show its own
+        # environment in /proc (runner.zygote.show_environment). Last: the zygote clears it to
+        # NULs, and a run rewrites only the block before it (clear_env_reserve).
+        env.pop(ENV_RESERVE, None)
+        env[ENV_RESERVE] = "x" * ENV_RESERVE_BYTES
         try:
             # Its output (a preload's warnings) goes to the server's log through a pipe: no file of
             # it is held open (the runs directory stays remountable). Runs forked from it write
