@@ -793,3 +793,31 @@ def test_the_zygote_clears_its_environment_reserve_and_a_run_rewrites_only_what_
     assert out["shorter"] == [True, ["C=1"], [out["in_use"]]]
     assert out["longer"] == [True, ["D=" + "y" * 20000, "E=2"], [len("D=" + "y" * 20000 + "E=2") + 2]]
     assert out["too_big"][:2] == [False, out["zygote"]]
+
+
+def test_the_rehearsal_loads_code_as_an_import_does_and_writes_or_registers_nothing(tmp_path, monkeypatch):
+    """A spare's rehearsal of the eval's import (part of every spare's rehearsal) reads a module's
+    source and compiles a small one without running it, registering it or caching bytecode."""
+    import importlib.machinery
+    from types import SimpleNamespace
+
+    from jupyter_evalsched.runner import entrypoint, zygote
+
+    source = tmp_path / "entrypoint.py"
+    source.write_text("raise SystemExit('the rehearsal must not run this')\n")
+    monkeypatch.setattr(entrypoint, "__file__", str(source))
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # (as where bytecode is cached)
+    loader = importlib.machinery.SourceFileLoader
+    seen = []
+    get_data, source_to_code = loader.get_data, loader.source_to_code
+    monkeypatch.setattr(loader, "get_data", lambda self, path: seen.append(("read", path)) or get_data(self, path))
+    monkeypatch.setattr(
+        loader,
+        "source_to_code",
+        lambda self, data, path: seen.append(("compiled", path)) or source_to_code(self, data, path),
+    )
+    zygote.rehearse(SimpleNamespace(stamps={}, loaded={}))
+    # (What the rehearsal imports itself is read too, where this process had not imported it yet.)
+    assert [s for s in seen if s[1].startswith(str(tmp_path))] == [("read", str(source)), ("compiled", str(source))]
+    assert "_evalsched_rehearsal" not in sys.modules
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entrypoint.py"]  # no __pycache__

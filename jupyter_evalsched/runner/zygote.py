@@ -667,7 +667,10 @@ def spare_main(zygote: Zygote, zygote_pid: int, sock: socket.socket, cgroup: str
     except BaseException as exc:
         _say(f"cannot become a run: {type(exc).__name__}: {exc}")
         return EXIT_CHILD_SETUP
-    rehearse(zygote)
+    try:
+        rehearse(zygote)
+    except BaseException:  # (a KeyboardInterrupt: SIGINT from outside)
+        return EXIT_CHILD_SETUP
     try:
         data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 2)
     except OSError:
@@ -699,7 +702,8 @@ def rehearse(zygote: Zygote) -> None:
     results away. What they write in memory (reference counts, the allocator's free lists) is
     copied from the zygote's pages now, while nobody waits for this process, rather than one
     copy-on-write fault at a time between the request and the run's first episode. Nothing here
-    touches a file, the environment or the state of a module."""
+    writes a file or changes the environment; it reads the runner's own files and
+    ``/proc/self/cgroup``, and leaves the import system as the start's own steps do."""
     try:
         from . import fastjson
         from .fastjson import dumps
@@ -722,8 +726,32 @@ def rehearse(zygote: Zygote) -> None:
             # The start's own call then finds each finder's page copied. (From 3.13 it imports
             # importlib.metadata, dozens of modules, from the zygote's path: not in a rehearsal.)
             importlib.invalidate_caches()
+        with open("/proc/self/cgroup", "rb") as f:  # as the runner checks its cgroup
+            f.read().decode("utf-8", "replace").splitlines()
+        _rehearse_import()
     except Exception:  # a rehearsal: whatever goes wrong here goes the same way in the start
         pass
+
+
+def _rehearse_import() -> None:
+    """Load a module as the start loads the eval's (its spec and module object, its source read,
+    a small source compiled: an eval file often has no cached bytecode), without running it or
+    registering it: the runner's own ``entrypoint.py``, read only. Nothing is written (no
+    bytecode is cached: ``get_code`` is not called)."""
+    import importlib.machinery
+    import importlib.util
+
+    from . import entrypoint
+
+    spec = importlib.util.spec_from_file_location("_evalsched_rehearsal", entrypoint.__file__)
+    if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+        return
+    importlib.util.module_from_spec(spec)
+    spec.loader.get_data(spec.loader.path)
+    spec.loader.source_to_code(_REHEARSAL_SOURCE, spec.loader.path)
+
+
+_REHEARSAL_SOURCE = b"def episode(ctx, index):\n    return {'score': 1.0}\n"
 
 
 def refusal(zygote: Zygote, request: Any, fds: list[int]) -> dict[str, object] | None:
