@@ -7,14 +7,17 @@ Tests are plain ``async def``: pytest-jupyter runs them on the server's loop.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
+import threading
 
 import pytest
 from rest import CRASH, spec, submit
 from waiting import async_wait_until
 
 from jupyter_evalsched.examples.basic import _unit_float
+from jupyter_evalsched.scheduler import launcher as launcher_module
 
 TERMINAL = ("succeeded", "failed", "cancelled", "aborted")
 
@@ -139,6 +142,35 @@ async def test_a_retried_failure_is_never_seen_terminal(api, wait_for, evalsched
     assert seen[-1] == "succeeded" and not set(seen[:-1]) & set(TERMINAL), seen
     lines = await episodes_of(api, rec["id"])
     assert sorted(e["index"] for e in lines) == [0, 1, 2, 3]
+
+
+async def test_a_retry_starts_only_once_its_failed_attempts_clean_up_is_done(api, wait_for, evalsched, monkeypatch):
+    """The clean-up after an attempt (a thread's work: its cgroup removed, what it left killed)
+    would remove the next attempt's cgroup, or kill what it started: the retry waits for it."""
+    entered, release = threading.Event(), threading.Event()
+    real = launcher_module.clean_up_after_all
+
+    def held(procs):
+        entered.set()
+        release.wait(60)
+        real(procs)
+
+    monkeypatch.setattr(launcher_module, "clean_up_after_all", held)
+    rec = await submit(
+        api, spec(CRASH, episodes=2, params={"how": "exit", "code": 3, "at": 1, "until_attempt": 1}, retries=1)
+    )
+    try:
+        await async_wait_until(entered.is_set, timeout=30, message="the first attempt's clean-up did not begin")
+        await async_wait_until(
+            lambda: evalsched.get(rec["id"]).record["attempt"] == 2, timeout=30, message="no retry was admitted"
+        )
+        await asyncio.sleep(0.5)  # (the retry, were it not held, starts within milliseconds)
+        record = evalsched.get(rec["id"]).record
+        assert record["attempt"] == 2 and record["pid"] is None and record["state"] != "running", record
+    finally:
+        release.set()
+    final = await wait_for(rec["id"])
+    assert final["state"] == "succeeded" and final["attempt"] == 2, final
 
 
 async def test_retries_run_out_and_retry_on_decides(api, wait_for):

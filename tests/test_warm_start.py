@@ -4,10 +4,12 @@ start or another zygote. A real server, real zygotes, real runs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +23,15 @@ from waiting import async_wait_until
 
 from jupyter_evalsched.doctor import server_checks
 from jupyter_evalsched.scheduler import launcher as launcher_module
-from jupyter_evalsched.scheduler.zygotes import ZygoteClient, cold_reason, incompatible, zygote_environment
+from jupyter_evalsched.scheduler import zygotes as zygotes_module
+from jupyter_evalsched.scheduler.zygotes import (
+    ForkRequest,
+    Spare,
+    ZygoteClient,
+    cold_reason,
+    incompatible,
+    zygote_environment,
+)
 
 HERE = Path(__file__).resolve().parent
 FINGERPRINT = f"{HERE / 'evals_warm.py'}:fingerprint"
@@ -306,6 +316,56 @@ async def test_the_processes_forked_ahead_are_replaced_when_they_die_waiting(api
     assert final["pid"] not in after
 
 
+async def test_a_run_waiting_for_a_placed_spare_gets_it_whoever_reads_the_spares_word():
+    """A spare's word that it is in its cgroup is read when a run wants it: by the reader set up
+    for a waiting run, or by a status request that comes first. Either way the waiting run is
+    handed to the spare (a status that read the word and left the run queued stranded it)."""
+    loop = asyncio.get_running_loop()
+    client = ZygoteClient(loop, sys.executable, {}, [], lambda *_: None, state="ready")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    theirs.setblocking(False)
+    spare = Spare(4242, ours, None, None)
+    spare.placed = False
+    client._spares.append(spare)
+    logs = [socket.socketpair() for _ in range(2)]
+    forked: list[int] = []
+    request = ForkRequest(
+        "run1",
+        "/",
+        "/",
+        {},
+        (logs[0][0].detach(), logs[1][0].detach()),
+        lambda pid, *_: forked.append(pid) or False,
+        lambda why: pytest.fail(f"cold: {why}"),
+        lambda why: pytest.fail(f"error: {why}"),
+    )
+    try:
+        client.fork(request)
+        assert list(client._queue) == [request] and spare.watched  # waiting for the word
+        assert client.status()["spares"] == []  # not come yet
+        theirs.send(json.dumps({"op": "placed", "made": True, "joined": True}).encode())
+        assert client.status()["spares"] == [4242]  # read here, before the reader's turn
+        given: list[dict] = []
+
+        async def handed_over() -> bool:
+            try:
+                given.append(json.loads(theirs.recv(65536)))
+            except BlockingIOError:
+                return False
+            return True
+
+        await async_wait_until(handed_over, timeout=5, message="the waiting run was never handed to the placed spare")
+        assert given[0]["run_id"] == "run1" and not client._queue and not spare.watched
+    finally:
+        client._asked.clear()
+        client._spares.clear()
+        ours.close()
+        theirs.close()
+        for pair in logs:
+            pair[1].close()
+
+
 async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for, evalsched, monkeypatch, tmp_path):
     """The server sees a forked run's exit through the pidfd the zygote handed over, reads its
     exit code from the process the zygote has not reaped yet, and asks for the reap only then:
@@ -318,6 +378,15 @@ async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for
         return calls[-1][1]
 
     monkeypatch.setattr(launcher_module, "zombie_exit_code", recording)
+    exits: list[object] = []  # the pids of the zygote's exit messages
+    handle = ZygoteClient._handle
+
+    def recording_handle(self: ZygoteClient, message: dict, fds: list[int]) -> None:
+        if message.get("op") == "exit":
+            exits.append(message.get("pid"))
+        handle(self, message, fds)
+
+    monkeypatch.setattr(ZygoteClient, "_handle", recording_handle)
     warm = await ready_zygote(api)
     zygote = psutil.Process(next(z["pid"] for z in warm["zygotes"] if z["state"] == "ready"))
     go = tmp_path / "go"  # the runs end once the zygote knows each of them as a run
@@ -350,6 +419,71 @@ async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for
         return sorted(c.pid for c in zygote.children()) == sorted(await held_spares(api, zygote.pid))
 
     await async_wait_until(no_zombies, timeout=10, message="the zygote did not reap the runs the server read")
+    # The server had their exit codes: the zygote reaped them without a word back.
+    assert not set(exits) & {f["pid"] for f in finals.values()}, exits
+
+
+async def test_reaps_of_exits_the_server_read_ride_on_the_next_taken_or_go_soon_after(monkeypatch):
+    """The zygote's reap of a run whose exit code the server read needs no answer and no hurry: it
+    goes in the next ``taken`` (one message, one wake-up of the zygote), or alone within
+    ``QUIET_REAP_DELAY_S``. A reap whose exit code the server waits for goes at once (unless a
+    spare's answer is awaited, as before), and takes any waiting ones with it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    theirs.setblocking(False)
+    client = ZygoteClient(asyncio.get_running_loop(), sys.executable, {}, [], lambda *_: None, state="ready")
+    client._sock = ours
+
+    def sent() -> list[dict]:
+        out = []
+        while True:
+            try:
+                out.append(json.loads(theirs.recv(65536)))
+            except BlockingIOError:
+                return out
+
+    try:
+        client.children = {"r1": 101, "r2": 102}
+        client.release_child(101, exit_read=True)
+        assert sent() == [] and client.children == {"r2": 102}  # forgotten at once, reaped later
+        client._taken(201, "r3", True)
+        assert sent() == [{"op": "taken", "pid": 201, "run_id": "r3", "reaps": True, "reap": [[101, False]]}]
+        monkeypatch.setattr(zygotes_module, "QUIET_REAP_DELAY_S", 0.01)
+        client.release_child(102, exit_read=True)
+        assert sent() == [] and client.children == {}
+        got: list[dict] = []
+
+        async def alone() -> bool:
+            got.extend(sent())
+            return bool(got)
+
+        await async_wait_until(alone, timeout=5, message="a quiet reap never went")
+        assert got == [{"op": "reap", "pids": [[102, False]]}]
+        client.release_child(103, exit_read=True)
+        client.release_child(104)
+        assert sent() == [{"op": "reap", "pids": [[103, False], [104, True]]}]
+        # While a spare's answer is awaited, every reap waits for the taken that ends the wait.
+        client._asked[301] = Spare(301, theirs, None, None)
+        client.release_child(105)
+        client.release_child(106, exit_read=True)
+        assert sent() == []
+        del client._asked[301]
+        client._taken(301, None, False)
+        assert sent() == [
+            {"op": "taken", "pid": 301, "run_id": None, "reaps": False, "reap": [[105, True], [106, False]]}
+        ]
+        await asyncio.sleep(0.05)  # (no timer was left behind to send them again)
+        assert sent() == []
+        # A start in flight holds reaps back for QUIET_REAP_DELAY_S at most.
+        client._asked[302] = Spare(302, theirs, None, None)
+        client.release_child(107, exit_read=True)
+        got.clear()
+        await async_wait_until(alone, timeout=5, message="a reap held by a start in flight never went")
+        assert got == [{"op": "reap", "pids": [[107, False]]}]
+    finally:
+        client._asked.clear()
+        client._shut_socket()
+        theirs.close()
 
 
 async def test_what_a_run_frees_goes_to_the_next_before_its_verdict_is_read(api, wait_for, evalsched, tmp_path):

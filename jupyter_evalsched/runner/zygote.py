@@ -16,13 +16,16 @@ JSON message each:
   "pid", "run_id", "code"}`` for every child it reaps (``code`` as ``Popen.returncode``: negative
   for a signal; ``run_id`` null while the zygote does not know it).
   ``{"op": "nospare", "why"}``: a fork failed (out of memory or processes).
-* server -> zygote: ``{"op": "taken", "pid", "run_id", "reaps"}`` once a spare answered its run
-  (``run_id`` null: it did not become the run, and leaves); the zygote forks the next spare then,
-  not while the run starts. ``reaps`` true: the server watches the run's pidfd, reads its exit code
-  from the not yet reaped process (``/proc/<pid>/stat``), and asks for the reap afterwards with
-  ``{"op": "reap", "pid"}``: the zygote's own work at a run's exit waits until the next run has
-  started. ``{"op": "retire", "why"}``: a spare found a preloaded module's file edited; no spare
-  more, and the zygote ends once its runs have. ``{"op": "more"}``: after ``nospare``, a run went
+* server -> zygote: ``{"op": "taken", "pid", "run_id", "reaps", "reap"?}`` once a spare answered
+  its run (``run_id`` null: it did not become the run, and leaves); the zygote forks the next spare
+  then, not while the run starts. ``reaps`` true: the server watches the run's pidfd, reads its exit
+  code from the not yet reaped process (``/proc/<pid>/stat``), and asks for the reap afterwards,
+  in the next ``taken``'s ``reap`` or in ``{"op": "reap", "pids"}``: ``[pid, report]`` each, after
+  the next run has started (or 0.1 s later at most). ``report`` false: the server has the exit
+  code, and the zygote reaps without an ``exit`` message (the reap waits for a ``taken`` to ride
+  on); true: the server could not read it, and waits for that message. ``{"op": "retire", "why"}``:
+  a spare found a preloaded module's file edited; no spare more, and the zygote ends once its runs
+  have. ``{"op": "more"}``: after ``nospare``, a run went
   cold for want of a spare; the zygote tries to fork again.
 * spare -> server, first, where the server set ``EVALSCHED_CGROUP_SPARES`` (then the zygote's
   ``spare`` message names the spare's cgroup, ``"cgroup"``): ``{"op": "placed", "made", "joined",
@@ -493,18 +496,28 @@ class Zygote:
         op = message.get("op") if isinstance(message, dict) else None
         if op == "taken":
             self.taken(message.get("pid"), message.get("run_id"), message.get("reaps") is True)
+            self.reap_asked(message.get("reap"))
         elif op == "reap":
-            pid = message.get("pid")
-            if isinstance(pid, int) and pid in self.children:
-                # The server saw it end: reaped now (or, should it still run, by the zygote itself
-                # once it ends, like any child the server does not reap).
-                self.children[pid] = (self.children[pid][0], False)
-                self.reap_child(pid)
+            self.reap_asked(message.get("pids") if "pids" in message else [[message.get("pid"), True]])
         elif op == "more":  # a run went cold for want of a spare: try to fork again
             self.make_spares()
         elif op == "retire":
             self.retiring = True  # no spare more: the server closes the one it has
         return True
+
+    def reap_asked(self, entries: object) -> None:
+        """The server saw these runs end: ``[pid, report]`` each. Reaped now (or, should one still
+        run, by the zygote itself once it ends, like any child the server does not reap, and
+        reported). ``report`` false: the server read the exit code itself, and wants no word."""
+        if not isinstance(entries, list):
+            return
+        for entry in entries:
+            if not (isinstance(entry, list) and len(entry) == 2):
+                continue
+            pid, report = entry
+            if isinstance(pid, int) and pid in self.children:
+                self.children[pid] = (self.children[pid][0], False)
+                self.reap_child(pid, report=report is not False)
 
     def taken(self, pid: object, run_id: object, server_reaps: bool) -> None:
         """The spare ``pid`` answered the run the server gave it: it is that run's process now
@@ -574,10 +587,10 @@ class Zygote:
         for pid in [*pids, *self.spares]:
             self.reap_child(pid)
 
-    def reap_child(self, pid: int) -> None:
+    def reap_child(self, pid: int, report: bool = True) -> None:
         try:
             if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-                return  # still running
+                return  # still running (reaped, and reported, once it ends)
         except ChildProcessError:
             return
         # Not reaped yet, so its group id cannot be reused: whatever it left in its group goes
@@ -588,7 +601,8 @@ class Zygote:
         except ChildProcessError:
             return
         run_id, _ = self.children.pop(pid, (None, False))
-        self.send({"op": "exit", "pid": pid, "run_id": run_id, "code": os.waitstatus_to_exitcode(status)})
+        if report or pid in self.spares:
+            self.send({"op": "exit", "pid": pid, "run_id": run_id, "code": os.waitstatus_to_exitcode(status)})
         if pid in self.spares:  # it died waiting (killed from outside), or its answer is on its way
             self.spares.remove(pid)
             self.make_spares()

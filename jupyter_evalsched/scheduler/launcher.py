@@ -37,7 +37,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,9 +187,11 @@ class Launcher:
         self.notify_exits = notify_exits
         self._procs: dict[str, RunProcess] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Clean-up of ended runs still under way (a thread's work): a run's next attempt waits
-        # for it, or it could remove the new attempt's cgroup.
-        self.cleaning: dict[str, asyncio.Future[None]] = {}
+        # Clean-up of ended runs (a thread's work), done or under way: a run's next attempt waits
+        # for it, or it could remove the new attempt's cgroup. Completed in the thread, without a
+        # wake-up of the loop (nothing waits for it but a next attempt, which is rare); the done
+        # ones are dropped at the next run's end.
+        self.cleaning: dict[str, Future[None]] = {}
         # Where ended runs' clean-up (cgroup removal) runs: one thread for all of it (None: the
         # loop's default executor).
         self.janitor: Executor | None = None
@@ -532,7 +534,9 @@ class Launcher:
             _killpg(proc.pid, signal.SIGKILL)
         # Registered before the exit handler runs: it may start the run's next attempt at once,
         # which must wait for this clean-up (it would remove the new attempt's cgroup).
-        cleaned: asyncio.Future[None] = self.loop.create_future()
+        for run_id in [run_id for run_id, work in self.cleaning.items() if work.done()]:
+            del self.cleaning[run_id]
+        cleaned: Future[None] = Future()
         self.cleaning[proc.run_id] = cleaned
         after = None
         try:
@@ -540,7 +544,7 @@ class Launcher:
         except Exception:
             log.exception("exit handler failed for run %s", proc.run_id)
         if proc.zombie and proc.zygote is not None:
-            proc.zygote.release_child(proc.pid)
+            proc.zygote.release_child(proc.pid, exit_read=True)
         # A descendant that left the group (setsid) escaped that killpg: its cgroup holds it, or
         # its environment names the run. Done off the event loop, after the exit is recorded (and
         # the cgroup's figures read): the next admission does not wait for it.
@@ -549,23 +553,24 @@ class Launcher:
         else:
             self._clean_up(proc, cleaned)
 
-    def _clean_up(self, proc: RunProcess, cleaned: asyncio.Future[None]) -> None:
+    def _clean_up(self, proc: RunProcess, cleaned: Future[None]) -> None:
         done = self.clean_ups.add(proc)
-        try:
-            work = self.loop.run_in_executor(self.janitor, self.clean_ups.run, done)
-        except RuntimeError:  # the janitor is closed (shutdown): done here
-            self.clean_ups.run(done)
-            self._cleaned(proc.run_id, cleaned, None)
-            return
-        work.add_done_callback(functools.partial(self._cleaned, proc.run_id, cleaned))
 
-    def _cleaned(self, run_id: str, cleaned: asyncio.Future[None], work: asyncio.Future[None] | None) -> None:
-        if self.cleaning.get(run_id) is cleaned:
-            del self.cleaning[run_id]
-        if work is not None and not work.cancelled() and work.exception() is not None:
-            log.error("clean-up after run %s failed", run_id, exc_info=work.exception())
-        if not cleaned.done():
-            cleaned.set_result(None)
+        def work() -> None:
+            try:
+                self.clean_ups.run(done)
+            except Exception:
+                log.exception("clean-up after run %s failed", proc.run_id)
+            finally:
+                cleaned.set_result(None)
+
+        try:
+            if self.janitor is not None:
+                self.janitor.submit(work)
+            else:
+                self.loop.run_in_executor(None, work)
+        except RuntimeError:  # the janitor is closed (shutdown): done here
+            work()
 
     def terminate(self, run_id: str, grace_s: float) -> bool:
         """SIGTERM to the run's group, SIGKILL after ``grace_s``. False when it is not ours."""

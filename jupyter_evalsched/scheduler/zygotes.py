@@ -106,6 +106,9 @@ IMPORT_TIME_PREFIXES = (
 )
 
 MAX_MESSAGE = 1 << 16  # the zygote's messages are small
+# How long a reap may wait for the next ``taken`` to carry it (rather than a message of its own
+# and a wake-up of the zygote per run), or for the end of a start in flight.
+QUIET_REAP_DELAY_S = 0.1
 # How long an environment whose zygote missed its start deadline gets no new zygote: its runs start
 # cold at once meanwhile instead of each waiting for the deadline again.
 STUCK_HOLD_S = 600.0
@@ -193,6 +196,7 @@ class Spare:
     request: ForkRequest | None = None  # once given a run, until it answers
     cgroup: RunCgroup | None = None  # the cgroup it placed itself in, until given a run
     placed: bool = True  # False: its cgroup is named, its word that it is in it not read yet
+    watched: bool = False  # its word is awaited on the loop (a run waits for a placed spare)
 
     def close(self) -> None:
         self.sock.close()
@@ -224,7 +228,10 @@ class ZygoteClient:
     _spares: collections.deque[Spare] = field(default_factory=collections.deque)  # not given a run yet
     _asked: dict[int, Spare] = field(default_factory=dict)  # pid -> a spare given a run, no answer yet
     _outbox: collections.deque[bytes] = field(default_factory=collections.deque)  # to the zygote
-    _reaps: list[int] = field(default_factory=list)  # exited runs to reap once no start is in flight
+    # Exited runs to reap once no start is in flight: [pid, report] (report: the server needs the
+    # exit code from the zygote; false where it read it itself)
+    _reaps: list[list[Any]] = field(default_factory=list)
+    _reap_timer: asyncio.TimerHandle | None = None
     _no_spare: str | None = None  # why the zygote could not fork a spare (until one comes)
     _cwd: str | None = None
     _writer: bool = False
@@ -341,7 +348,7 @@ class ZygoteClient:
         """Give the waiting runs to the spares, one each (the zygote forks more on ``taken``)."""
         while self._queue and self.state == READY:
             # The oldest spare that is in its cgroup: surely ready.
-            spare = next((candidate for candidate in self._spares if candidate.placed), None)
+            spare = self._placed_spare()
             if spare is None:
                 break
             self._spares.remove(spare)
@@ -390,6 +397,23 @@ class ZygoteClient:
             # again for the next ones.
             self._cold_queue(self._no_spare)
             self._send({"op": "more"})
+        if self._queue and self.state == READY:
+            for spare in self._spares:  # runs wait: a spare's word that it is placed is awaited
+                if not spare.placed and not spare.watched:
+                    spare.watched = True
+                    self.loop.add_reader(spare.sock.fileno(), self._placed, spare.pid)
+
+    def _placed_spare(self) -> Spare | None:
+        """The oldest spare that is in its cgroup. A spare's word that it is (sent moments after
+        its fork) is read here, when a run wants a spare, and not as it comes: a reader on each
+        spare's socket woke the loop once more per run, which costs the server a good part of a
+        millisecond on a VM whose idle CPUs are slow to wake."""
+        for spare in list(self._spares):
+            if not spare.placed:
+                self._read_placed(spare)
+            if spare.placed and spare in self._spares:
+                return spare
+        return None
 
     def withdraw(self, run_id: str) -> bool:
         """The run ``run_id``, asked for and not started, is not wanted any more (cancelled): its
@@ -472,25 +496,47 @@ class ZygoteClient:
 
     def _taken(self, pid: int, run_id: str | None, reaps: bool) -> None:
         """Tell the zygote that its spare ``pid`` answered (``run_id`` None: it did not become the
-        run); the reaps held back while the answer was awaited go now if none is awaited any more."""
-        self._send({"op": "taken", "pid": pid, "run_id": run_id, "reaps": reaps})
-        if not self._asked:
-            self._flush_reaps()
+        run); the reaps held back while the answer was awaited go with it if none is awaited any
+        more (one message, one wake-up of the zygote)."""
+        message: dict[str, Any] = {"op": "taken", "pid": pid, "run_id": run_id, "reaps": reaps}
+        if not self._asked and self._reaps:
+            message["reap"] = self._take_reaps()
+        self._send(message)
 
-    def release_child(self, pid: int) -> None:
-        """The run ``pid``, whose exit the server watches, has exited: the zygote may reap it (it
-        then reports its exit as usual; the server needs that only when it could not read the
-        exit code itself). Asked once no spare's answer is awaited: a run started in the exited
-        run's place (in the same loop iteration, usually) does not share the CPU with the zygote
-        while it starts."""
-        self._reaps.append(pid)
-        if not self._asked:
+    def release_child(self, pid: int, exit_read: bool = False) -> None:
+        """The run ``pid``, whose exit the server watches, has exited: the zygote may reap it.
+        ``exit_read``: the server read its exit code itself (from the not yet reaped process),
+        so the zygote reaps it without a word back, and the server forgets it now; that reap
+        waits for the next run's ``taken`` to carry it. Otherwise the zygote reports the exit
+        code once it has reaped it, and the reap goes at once, unless a spare's answer is
+        awaited: a run started in the exited run's place (in the same loop iteration, usually)
+        does not share the CPU with the zygote while it starts. Whatever waits goes within
+        ``QUIET_REAP_DELAY_S`` in any case."""
+        if exit_read:
+            run_id = next((r for r, p in self.children.items() if p == pid), None)
+            if run_id is not None:
+                del self.children[run_id]
+                self.last_used = time.monotonic()
+        self._reaps.append([pid, not exit_read])
+        if not exit_read and not self._asked:
             self._flush_reaps()
+        elif self._reap_timer is None:
+            self._reap_timer = self.loop.call_later(QUIET_REAP_DELAY_S, self._reap_later)
+
+    def _reap_later(self) -> None:
+        self._reap_timer = None
+        self._flush_reaps()
+
+    def _take_reaps(self) -> list[list[Any]]:
+        reaps, self._reaps = self._reaps, []
+        if self._reap_timer is not None:
+            self._reap_timer.cancel()
+            self._reap_timer = None
+        return reaps
 
     def _flush_reaps(self) -> None:
-        reaps, self._reaps = self._reaps, []
-        for pid in reaps:
-            self._send({"op": "reap", "pid": pid})
+        if self._reaps:
+            self._send({"op": "reap", "pids": self._take_reaps()})
 
     def settle(self, pid: int) -> None:
         """Read the answer of the spare ``pid`` now if it is still awaited (its exit was seen
@@ -655,25 +701,33 @@ class ZygoteClient:
             spare.cgroup = self.cgroups.cgroups.leaf(name)
         if spare.cgroup is not None:
             # Given a run once it says it is in its cgroup (moments after its fork, long before
-            # it is wanted, usually): the run's limits are written there at the hand-over.
+            # it is wanted, usually): the run's limits are written there at the hand-over. That
+            # word is read when a run wants this spare (``_placed_spare``).
             spare.placed = False
-            self.loop.add_reader(sock.fileno(), self._placed, pid)
         self._spares.append(spare)
         self._flush()
 
     def _placed(self, pid: int) -> None:
-        """The spare ``pid`` made its cgroup and joined it (or says why not)."""
+        """The socket of the spare ``pid``, whose word a waiting run needs, is readable."""
         spare = next((s for s in self._spares if s.pid == pid and not s.placed), None)
         if spare is None:
             return
+        self._read_placed(spare)
+        if spare.placed:
+            self._flush()
+
+    def _read_placed(self, spare: Spare) -> None:
+        """Read the spare's word that it made its cgroup and joined it (or why not), if it has
+        come; a spare that died before it was placed is dropped (the zygote's exit message for it
+        may follow)."""
         try:
             data = spare.sock.recv(MAX_MESSAGE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             data = b""
-        self.loop.remove_reader(spare.sock.fileno())
-        if not data:  # it died before it was placed (the zygote's exit message follows)
+        self._unwatch_placed(spare)
+        if not data:
             self._spares.remove(spare)
             self._discard_spare(spare)
             return
@@ -684,12 +738,21 @@ class ZygoteClient:
         if not isinstance(answer, dict) or not answer.get("joined"):
             why = answer.get("why") if isinstance(answer, dict) else repr(data[:200])
             log.warning(
-                "evalsched: spare %d could not place itself in its cgroup (%s); its run joins one itself", pid, why
+                "evalsched: spare %d could not place itself in its cgroup (%s); its run joins one itself",
+                spare.pid,
+                why,
             )
             if not (isinstance(answer, dict) and answer.get("made")):
                 spare.cgroup = None  # nothing of it is left: the run gets a cgroup of the pool
         spare.placed = True
-        self._flush()
+
+    def _unwatch_placed(self, spare: Spare) -> None:
+        if spare.watched:
+            spare.watched = False
+            try:
+                self.loop.remove_reader(spare.sock.fileno())
+            except (ValueError, OSError):
+                pass
 
     def _discard_cgroup(self, cgroup: RunCgroup | None) -> None:
         if cgroup is not None and self.cgroups is not None:
@@ -698,11 +761,7 @@ class ZygoteClient:
     def _discard_spare(self, spare: Spare) -> None:
         """A spare that will not become a run: it leaves (its socket closes), and its cgroup is
         removed once it has."""
-        if not spare.placed and spare.request is None:
-            try:
-                self.loop.remove_reader(spare.sock.fileno())
-            except (ValueError, OSError):
-                pass
+        self._unwatch_placed(spare)
         spare.close()
         cgroup, spare.cgroup = spare.cgroup, None
         self._discard_cgroup(cgroup)
@@ -782,6 +841,7 @@ class ZygoteClient:
     def _shut_socket(self) -> None:
         sock, self._sock = self._sock, None
         self._outbox.clear()
+        self._take_reaps()  # (the zygote's end takes its runs with it)
         if sock is not None:
             try:
                 self.loop.remove_reader(sock.fileno())
@@ -804,6 +864,18 @@ class ZygoteClient:
             self._close_output()
         return ended
 
+    def _ready_spares(self) -> list[int]:
+        """The spares ready to become a run (their word that they are placed read now; a run that
+        waits for such a spare gets it in a moment, as from the reader that would have read it)."""
+        read = False
+        for spare in list(self._spares):
+            if not spare.placed:
+                self._read_placed(spare)
+                read = read or spare.placed
+        if read and self._queue:
+            self.loop.call_soon(self._flush)
+        return [spare.pid for spare in self._spares if spare.placed]
+
     def status(self) -> dict[str, Any]:
         return {
             "pid": self.pid,
@@ -816,7 +888,7 @@ class ZygoteClient:
             "runs": len(self.children),
             "forks": self.forks,
             # (Those ready to become a run: a spare still placing itself in its cgroup is not.)
-            "spares": [spare.pid for spare in self._spares if spare.placed],
+            "spares": self._ready_spares(),
         }
 
 

@@ -106,10 +106,10 @@ class LocalExecutor(Executor):
 
     def launch(self, run: Run) -> None:
         cleaning = self.launcher.cleaning.get(run.id)
-        if cleaning is not None:
+        if cleaning is not None and not cleaning.done():
             # The previous attempt's clean-up (its cgroup's removal) is still under way in a
             # thread: the new attempt starts once it is done, or that would remove its cgroup.
-            cleaning.add_done_callback(lambda _: self._launch_now(run))
+            asyncio.wrap_future(cleaning, loop=self.ctx.loop).add_done_callback(lambda _: self._launch_now(run))
             return
         self._launch_now(run)
 
