@@ -11,6 +11,8 @@ import asyncio
 import json
 import statistics
 import threading
+import time
+from datetime import datetime
 
 import pytest
 from rest import CRASH, spec, submit
@@ -162,15 +164,20 @@ async def test_a_retry_starts_only_once_its_failed_attempts_clean_up_is_done(api
     try:
         await async_wait_until(entered.is_set, timeout=30, message="the first attempt's clean-up did not begin")
         await async_wait_until(
-            lambda: evalsched.get(rec["id"]).record["attempt"] == 2, timeout=30, message="no retry was admitted"
+            lambda: evalsched.get(rec["id"]).record["attempt"] == 2 and evalsched.get(rec["id"]).starting,
+            timeout=30,
+            message="no retry was admitted",
         )
         await asyncio.sleep(0.5)  # (the retry, were it not held, starts within milliseconds)
-        record = evalsched.get(rec["id"]).record
-        assert record["attempt"] == 2 and record["pid"] is None and record["state"] != "running", record
+        run = evalsched.get(rec["id"])
+        assert run.starting and run.record["pid"] is None, run.record  # admitted, not started
+        assert not evalsched.executors["local"].launcher.cleaning[rec["id"]].done()
     finally:
+        released = time.time()
         release.set()
     final = await wait_for(rec["id"])
     assert final["state"] == "succeeded" and final["attempt"] == 2, final
+    assert datetime.fromisoformat(final["started_at"]).timestamp() >= released, (final["started_at"], released)
 
 
 async def test_retries_run_out_and_retry_on_decides(api, wait_for):

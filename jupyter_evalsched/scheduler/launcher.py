@@ -537,6 +537,7 @@ class Launcher:
         for run_id in [run_id for run_id, work in self.cleaning.items() if work.done()]:
             del self.cleaning[run_id]
         cleaned: Future[None] = Future()
+        cleaned.set_running_or_notify_cancel()  # (a waiter's cancel must not make it look done)
         self.cleaning[proc.run_id] = cleaned
         after = None
         try:
