@@ -132,3 +132,14 @@ def wait_for_path(ctx, index):
             raise TimeoutError(f"{ctx.params['path']} never appeared")
         time.sleep(0.01)
     return {"ok": 1}
+
+
+def made_after_the_fork(ctx, index):
+    """Whether the interpreter's AST node classes were made in this process (they are then among
+    the objects the collector tracks) or inherited from the zygote (which froze them: not listed
+    by ``gc.get_objects``). An import of ``_ast`` makes them where no ``compile`` did yet."""
+    import _ast
+    import gc
+
+    made_here = any(o is _ast.FunctionDef for o in gc.get_objects())
+    return {"ast_classes_made_here": float(made_here)}

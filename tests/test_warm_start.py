@@ -42,6 +42,7 @@ FINALIZERS = f"{HERE / 'evals_warm.py'}:finalizers"
 EXIT_EARLY = f"{HERE / 'evals_warm.py'}:exit_without_finishing"
 AT_EXIT = f"{HERE / 'evals_warm.py'}:at_exit_sees"
 WAIT_FOR_PATH = f"{HERE / 'evals_warm.py'}:wait_for_path"
+MADE_AFTER_THE_FORK = f"{HERE / 'evals_warm.py'}:made_after_the_fork"
 
 # The per-run variables: set after the fork, different for every run by design.
 PER_RUN = {"EVALSCHED_RUN_ID", "EVALSCHED_CGROUP_PROCS"}
@@ -278,6 +279,22 @@ async def test_a_run_does_not_finalize_what_the_zygote_made_but_finalizes_its_ow
         dirs = json.loads(out.read_text())
         assert os.path.isdir(dirs["zygotes"]), "a run's exit removed the zygote's temporary directory"
         await async_wait_until(lambda: not os.path.exists(dirs["own"]), timeout=5, message="the run's own was kept")
+
+
+@pytest.mark.parametrize("preload", [[]])  # (a preload imported from source would compile in the zygote)
+async def test_a_warm_run_inherits_what_the_interpreter_makes_at_its_first_compile(api, wait_for):
+    """The AST node classes, made at a process's first ``compile()`` (a spare's rehearsal, an eval
+    without cached bytecode), are made once in the zygote, which imports only the runner's
+    modules here, from their bytecode (``scripts/setup.sh`` compiles them): a warm run finds them
+    among its zygote's frozen objects; a cold run makes its own."""
+    await ready_zygote(api)
+    made_here = {}
+    for fresh in (False, True):
+        rec = await submit(api, spec(entry=MADE_AFTER_THE_FORK, fresh_interpreter=fresh))
+        final = await wait_for(rec["id"])
+        assert final["state"] == "succeeded", final
+        made_here[final["start"]] = final["summary"]["metrics"]["ast_classes_made_here"]["mean"]
+    assert made_here == {"warm": 0.0, "cold": 1.0}
 
 
 async def test_the_processes_forked_ahead_are_replaced_when_they_die_waiting(api, wait_for, tmp_path):
