@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,20 @@ from bench_rest import Conn  # noqa: E402  (the keep-alive client the REST bench
 NOOP = "jupyter_evalsched.examples.basic:noop"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 RUN_TIMEOUT_S = 120
+
+
+def compile_tree(tree: Path) -> None:
+    """Byte-compile a tree's package, as ``scripts/setup.sh`` does (``PYTHONDONTWRITEBYTECODE`` is
+    set on these machines): a zygote that imports its modules from source compiles, which makes
+    the interpreter's AST classes before its spares are forked, and so hides or adds a cost that
+    the other tree's does not have (``runner.zygote.make_interpreter_state``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(tree / "jupyter_evalsched")],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def process_cpu_s(pid: int) -> float:
@@ -112,6 +127,8 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=50, help="runs per burst")
     ap.add_argument("--slots", type=int, default=2, help="cpu_slots of both servers")
     args = ap.parse_args()
+    for tree in (REPO, args.old.resolve()):
+        compile_tree(tree)
     new = Side("new", REPO, args.slots)
     old = Side("old", args.old.resolve(), args.slots)
     try:

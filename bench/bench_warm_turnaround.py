@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from jupyter_evalsched.client import LocalServer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_burst_ab import compile_tree  # noqa: E402
 from bench_rest import Conn  # noqa: E402  (the keep-alive client the REST bench uses)
 
 NOOP = "jupyter_evalsched.examples.basic:noop"
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=200, help="runs per server per round")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    for tree in (REPO, args.old.resolve()):
+        compile_tree(tree)  # (each zygote as setup.sh leaves it: see there)
     new, old = Side("new", REPO), Side("old", args.old.resolve())
     try:
         print(f"new: {new.tree}\nold: {old.tree}")
