@@ -281,12 +281,24 @@ async def test_a_run_does_not_finalize_what_the_zygote_made_but_finalizes_its_ow
         await async_wait_until(lambda: not os.path.exists(dirs["own"]), timeout=5, message="the run's own was kept")
 
 
+@pytest.fixture
+def package_bytecode():
+    """The package byte-compiled, as ``scripts/setup.sh`` leaves it: a zygote that imports a
+    module from its source compiles it, and so makes the AST classes itself. (Where an edit made
+    a file's bytecode stale, and ``PYTHONDONTWRITEBYTECODE`` is set, as on these machines.)"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    package = Path(zygotes_module.__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(package)], env=env, check=True, stdout=subprocess.DEVNULL
+    )
+
+
 @pytest.mark.parametrize("preload", [[]])  # (a preload imported from source would compile in the zygote)
-async def test_a_warm_run_inherits_what_the_interpreter_makes_at_its_first_compile(api, wait_for):
+async def test_a_warm_run_inherits_what_the_interpreter_makes_at_its_first_compile(package_bytecode, api, wait_for):
     """The AST node classes, made at a process's first ``compile()`` (a spare's rehearsal, an eval
     without cached bytecode), are made once in the zygote, which imports only the runner's
-    modules here, from their bytecode (``scripts/setup.sh`` compiles them): a warm run finds them
-    among its zygote's frozen objects; a cold run makes its own."""
+    modules here, from their bytecode: a warm run finds them among its zygote's frozen objects;
+    a cold run makes its own."""
     await ready_zygote(api)
     made_here = {}
     for fresh in (False, True):

@@ -364,10 +364,14 @@ def preload(names: list[str]) -> tuple[list[str], list[str], str | None, list[st
 def make_interpreter_state() -> None:
     """In the zygote, before it freezes its objects: what the interpreter makes lazily, the first
     time a process needs it, and every run would otherwise make again. The ~120 AST node classes
-    come at the first ``compile()`` of any source: each spare's rehearsal compiles, and so does
-    the import of an eval without cached bytecode. A zygote whose modules all had bytecode never
-    compiled, and each spare made them: 0.7 ms of its 5.3 ms of CPU (median of 600 runs)."""
-    compile("", "<zygote>", "exec")
+    come at the first ``compile()`` of any source or the first import of ``ast`` (``inspect`` and
+    ``dataclasses`` import it, torch through them). A zygote that preloads none of those and
+    imports its modules from their bytecode (the default) never made them, and each spare made
+    them in its rehearsal, which compiles: 0.7 ms of its 5.3 ms of CPU (median of 600 runs)."""
+    try:
+        compile("", "<zygote>", "exec")
+    except Exception:  # (a preload's wrapper of ``compile``, or an audit hook, that refuses)
+        pass
 
 
 # ``random.Random()`` instances a preload made without a seed (weak references): a fresh
@@ -437,10 +441,10 @@ class Zygote:
             self.refused = refused
             self.send({"op": "refused", "pid": os.getpid(), "why": refused, "failed": failed})
             return
+        make_interpreter_state()  # (before the stamps: whatever it imports is watched too)
         self.stamps = module_files()
         self.loaded = top_level_modules()
         self.base_path = list(sys.path[1:])  # [0] is our own cwd; a run gets its own there
-        make_interpreter_state()
         # Long-lived objects need not be scanned by the collector again in every child (and
         # touching them would copy their pages).
         gc.collect()
