@@ -3,6 +3,7 @@ burst by burst: what a change moved in part 2 of ``bench_as_users_run.py`` and i
 costs, with the host's drift taken out.
 
     .venv/bin/python bench/bench_burst_ab.py --old DIR [--rounds 16] [--burst 50] [--slots 2]
+        [--host-processes N]
 
 Two ``jupyter server`` subprocesses with the extension's defaults on this host (no virtual GPUs,
 cgroups as detected, warm starts on) but ``cpu_slots = --slots``, one per code tree: this one and
@@ -14,6 +15,10 @@ order flips every round, a second apart). Per burst: the makespan (first POST to
 the server process's CPU (every thread's, ``/proc/<pid>/task/*/schedstat``) and the whole
 machine's (``/proc/stat``, which counts the zygote, the runs and the kernel's work too), each per
 run. Printed: the medians per tree and the medians of the rounds' paired differences (old - new).
+
+``--host-processes N``: N more idle processes (``sleep``) live on the host while both trees run,
+as on a shared GPU host, whose process table holds hundreds or thousands (users' kernels, their
+data loaders, daemons): a run's clean-up searches the whole table for what the run left behind.
 """
 
 from __future__ import annotations
@@ -126,14 +131,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16, help="measured bursts per server")
     ap.add_argument("--burst", type=int, default=50, help="runs per burst")
     ap.add_argument("--slots", type=int, default=2, help="cpu_slots of both servers")
+    ap.add_argument("--host-processes", type=int, default=0, help="idle processes added to the host meanwhile")
     args = ap.parse_args()
     for tree in (REPO, args.old.resolve()):
         compile_tree(tree)
+    crowd = [
+        subprocess.Popen(["sleep", "86400"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        for _ in range(args.host_processes)
+    ]
     new = Side("new", REPO, args.slots)
     old = Side("old", args.old.resolve(), args.slots)
     try:
+        listed = sum(1 for name in os.listdir("/proc") if name.isdigit())
         print(
-            f"new: {new.tree}\nold: {old.tree}\n{args.rounds} bursts of {args.burst} no-op runs each, {args.slots} slots"
+            f"new: {new.tree}\nold: {old.tree}\n{args.rounds} bursts of {args.burst} no-op runs each, {args.slots} slots;"
+            f" {listed} processes on the host ({args.host_processes} of them added idle)"
         )
         for side in (new, old):
             for _ in range(3):  # spares forked, caches warm
@@ -160,6 +172,9 @@ def main() -> None:
     finally:
         new.close()
         old.close()
+        for proc in crowd:
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 from proc_status import alive
 from waiting import wait_until
 
-from jupyter_evalsched.scheduler import launcher
+from jupyter_evalsched.scheduler import escapees, launcher
 from jupyter_evalsched.scheduler.launcher import CleanUps, RunProcess, kill_escaped_all
 
 
@@ -121,4 +122,85 @@ def test_runs_that_end_together_share_one_search(spawn, monkeypatch):
     ],
 )
 def test_the_run_ids_in_an_environment(environ, ids):
-    assert list(launcher._run_ids_in(environ)) == ids
+    assert list(escapees.run_ids_in(environ)) == ids
+
+
+def _ticks_read(monkeypatch) -> list[int]:
+    """The pids whose start ``escapees`` reads from ``/proc/<pid>/stat`` from now on."""
+    read: list[int] = []
+    real = escapees.start_ticks
+
+    def counted(pid: int) -> int | None:
+        read.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(escapees, "start_ticks", counted)
+    return read
+
+
+def test_a_search_reads_the_start_of_a_process_once(spawn, monkeypatch):
+    """The start of a process that an earlier search saw is not read again (the search's cost
+    on a host with thousands of processes), but that of a process new since then is, and so is
+    that of a process killed as a run's (again, at the kill: its pid may have been reused)."""
+    older = spawn("run-old")
+    kill_escaped_all({"run-none": time.time()})  # the host as it is now, seen once
+    read = _ticks_read(monkeypatch)
+    kill_escaped_all({"run-none": time.time()})
+    assert older.pid not in read and os.getppid() not in read, read
+    time.sleep(1.2)  # (the slack the search allows between a run's spawn stamp and its processes)
+    since = time.time()
+    new = spawn("run-new")
+    wait_until(lambda: b"run-new" in _environ(new.pid), timeout=10)
+    read.clear()
+    assert kill_escaped_all({"run-new": since}) == {"run-new": [new.pid]}
+    assert read.count(new.pid) == 2, read  # listed as new, then read again before the kill
+    assert older.pid not in read
+    wait_until(lambda: gone(new), timeout=10)
+    assert alive(older.pid)
+
+
+_scandir = os.scandir
+
+
+def _entry(name: str, inode: int) -> SimpleNamespace:
+    return SimpleNamespace(name=name, inode=lambda: inode)
+
+
+class _Listing:
+    """``os.scandir("/proc")`` as the kernel would list it with another entry for ``pid``."""
+
+    def __init__(self, pid: int, shift: int) -> None:
+        self.entries = [_entry(e.name, e.inode() + (shift if e.name == str(pid) else 0)) for e in _scandir("/proc")]
+
+    def __enter__(self):
+        return iter(self.entries)
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_process_seen_under_another_inode_is_read_again(spawn, monkeypatch):
+    """What a search remembers of a pid holds only for the same /proc entry. A search sees a
+    run's escaped process under an entry of its pid that says it started at boot (as an older
+    process under the same pid would); the next search lists the pid with its own, new entry:
+    its start is read again, and the process is found and killed."""
+    since = time.time() - 1
+    escaped = spawn("run-reused")
+    wait_until(lambda: b"run-reused" in _environ(escaped.pid), timeout=10)
+    real_ticks = escapees.start_ticks
+    with monkeypatch.context() as m:
+        m.setattr(escapees.os, "scandir", lambda path: _Listing(escaped.pid, -1))
+        m.setattr(escapees, "start_ticks", lambda pid: 0 if pid == escaped.pid else real_ticks(pid))
+        assert kill_escaped_all({"run-reused": since}) == {}  # (older than the run: passed over)
+    read = _ticks_read(monkeypatch)
+    assert kill_escaped_all({"run-reused": since}) == {"run-reused": [escaped.pid]}
+    assert escaped.pid in read
+    wait_until(lambda: gone(escaped), timeout=10)
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -36,7 +36,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +48,7 @@ from .. import contract
 from ..runner._proc import DONE_NOTICE, process_start_time, stat_fields
 from ..store import UnsafeRunFile, open_log
 from .cgroups import CgroupError, RunCgroup
+from .escapees import kill_escaped_all
 from .zygotes import ForkRequest, ZygoteClient
 
 log = logging.getLogger(__name__)
@@ -665,8 +666,8 @@ def clean_up_after_all(procs: list[RunProcess]) -> None:
 
 class CleanUps:
     """Clean-ups after runs' ends, done in a thread, by batches: the search of the process table
-    (every process of the host looked at) is the costly part, and one search serves every run
-    that ended before it began. ``add`` (on the loop) queues a run; ``run`` (in a thread, once per
+    (every process of the host listed, :mod:`.escapees`) is the costly part, and one search
+    serves every run that ended before it began. ``add`` (on the loop) queues a run; ``run`` (in a thread, once per
     added run) cleans up after all the runs queued so far, or, where an earlier call took this
     run's batch, waits until that batch is done."""
 
@@ -697,107 +698,6 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def kill_escaped(run_id: str, since: float) -> list[int]:
-    """Kill the processes a run left outside its process group (a descendant that called
-    ``setsid``) and outside its cgroup (one that wrote its pid into another cgroup.procs, as the
-    server's uid may): they still carry ``EVALSCHED_RUN_ID=<run_id>`` in their environment. Only
-    processes of the server's uid started after ``since`` (the run's spawn) are looked at. Best
-    effort: a process that both leaves the run's cgroup and clears its environment escapes it."""
-    return kill_escaped_all({run_id: since}).get(run_id, [])
-
-
-def kill_escaped_all(runs: dict[str, float]) -> dict[str, list[int]]:
-    """``kill_escaped`` for several runs (run id: its spawn) in one pass over ``/proc``. Each
-    process costs one read of its ``stat`` (when it started); only the few started since the
-    earliest spawn are read further (``status`` for the uid, ``environ`` for the run id), and each
-    is killed through a pidfd once its start is read again, so a recycled pid is never hit."""
-    if not runs:
-        return {}
-    boot, tick = psutil.boot_time(), 1.0 / os.sysconf("SC_CLK_TCK")
-    # In clock ticks since boot, as /proc/<pid>/stat says when each process started.
-    since = {run_id: (at - 1.0 - boot) / tick for run_id, at in runs.items()}
-    earliest = min(since.values())
-    me, uid = os.getpid(), os.getuid()
-    killed: dict[str, list[int]] = {}
-    try:
-        entries = os.scandir("/proc")
-    except OSError:
-        return {}
-    with entries:
-        for entry in entries:
-            if not entry.name.isdigit() or int(entry.name) == me:
-                continue
-            pid = int(entry.name)
-            started = _start_ticks(pid)
-            if started is None or started < earliest or _real_uid(pid) != uid:
-                continue  # gone, older than every run, or not the server's uid (not a run's, whatever it says)
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    environ = f.read()
-            except OSError:
-                continue
-            run_id = next((r for r in _run_ids_in(environ) if r in since), None)
-            if run_id is None or started < since[run_id]:
-                continue
-            if _kill_if_started(pid, started):
-                killed.setdefault(run_id, []).append(pid)
-    for run_id, pids in killed.items():
-        log.warning("run %s left %d process(es) outside its process group; killed %s", run_id, len(pids), pids)
-    return killed
-
-
-RUN_ID_VARIABLE = b"EVALSCHED_RUN_ID="
-
-
-def _run_ids_in(environ: bytes) -> Iterator[str]:
-    """The values of ``EVALSCHED_RUN_ID`` in a process's ``/proc/<pid>/environ`` (NUL-separated;
-    found with ``bytes.find``, not a split of the whole environment: a run's may be large)."""
-    padded, key = b"\0" + environ, b"\0" + RUN_ID_VARIABLE
-    at = padded.find(key)
-    while at >= 0:
-        start = at + len(key)
-        end = padded.find(b"\0", start)
-        yield padded[start : end if end >= 0 else None].decode("utf-8", "replace")
-        at = padded.find(key, end) if end >= 0 else -1
-
-
-def _start_ticks(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (None: gone)."""
-    fields = stat_fields(pid)
-    try:
-        return None if fields is None else int(fields[19])  # starttime (field 22)
-    except (ValueError, IndexError):
-        return None
-
-
-def _real_uid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _kill_if_started(pid: int, started: int) -> bool:
-    """SIGKILL to ``pid`` if it is still the process that started at ``started`` (ticks)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return False  # gone
-    try:
-        if _start_ticks(pid) != started:
-            return False  # another process now has the pid
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def kill_stale_group(pid: int, create_time: float | None) -> None:

@@ -33,12 +33,12 @@ from ..attempts import Requeue, preempted_plan, restart_plan
 from ..cgroup_pool import CgroupPool
 from ..cgroups import CgroupError, Cgroups, RunCgroup
 from ..environment import run_environment
+from ..escapees import kill_escaped
 from ..launcher import (
     Launcher,
     RunProcess,
     SpawnError,
     is_same_process,
-    kill_escaped,
     kill_stale_group,
     process_create_time,
     signal_name,
