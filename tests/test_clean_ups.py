@@ -147,7 +147,6 @@ def test_a_search_reads_the_start_of_a_process_once(spawn, monkeypatch):
     read = _ticks_read(monkeypatch)
     kill_escaped_all({"run-none": time.time()})
     assert older.pid not in read and os.getppid() not in read, read
-    time.sleep(1.2)  # (the slack the search allows between a run's spawn stamp and its processes)
     since = time.time()
     new = spawn("run-new")
     wait_until(lambda: b"run-new" in _environ(new.pid), timeout=10)
@@ -167,10 +166,14 @@ def _entry(name: str, inode: int) -> SimpleNamespace:
 
 
 class _Listing:
-    """``os.scandir("/proc")`` as the kernel would list it with another entry for ``pid``."""
+    """``os.scandir("/proc")`` as the kernel would list it with another inode for ``pid``'s
+    entry: its own shifted by ``shift``, or ``inode``."""
 
-    def __init__(self, pid: int, shift: int) -> None:
-        self.entries = [_entry(e.name, e.inode() + (shift if e.name == str(pid) else 0)) for e in _scandir("/proc")]
+    def __init__(self, pid: int, shift: int = 0, inode: int | None = None) -> None:
+        self.entries = [
+            _entry(e.name, e.inode() + shift if inode is None else inode) if e.name == str(pid) else e
+            for e in _scandir("/proc")
+        ]
 
     def __enter__(self):
         return iter(self.entries)
@@ -189,13 +192,40 @@ def test_a_process_seen_under_another_inode_is_read_again(spawn, monkeypatch):
     wait_until(lambda: b"run-reused" in _environ(escaped.pid), timeout=10)
     real_ticks = escapees.start_ticks
     with monkeypatch.context() as m:
-        m.setattr(escapees.os, "scandir", lambda path: _Listing(escaped.pid, -1))
+        m.setattr(escapees, "list_proc", lambda path: _Listing(escaped.pid, shift=-1))
         m.setattr(escapees, "start_ticks", lambda pid: 0 if pid == escaped.pid else real_ticks(pid))
         assert kill_escaped_all({"run-reused": since}) == {}  # (older than the run: passed over)
-    read = _ticks_read(monkeypatch)
     assert kill_escaped_all({"run-reused": since}) == {"run-reused": [escaped.pid]}
-    assert escaped.pid in read
     wait_until(lambda: gone(escaped), timeout=10)
+
+
+def test_an_entry_listed_without_an_inode_of_its_own_is_never_remembered(spawn, monkeypatch):
+    """An entry the kernel could not set up is listed with inode 1, whatever process holds the
+    pid: a start read under it is not taken for the next search's. A run's escaped process is
+    listed so twice, the first time while its pid's start reads as at boot (another process's):
+    the second search reads it again, and finds and kills it."""
+    since = time.time() - 1
+    escaped = spawn("run-unset")
+    wait_until(lambda: b"run-unset" in _environ(escaped.pid), timeout=10)
+    real_ticks = escapees.start_ticks
+    monkeypatch.setattr(escapees, "list_proc", lambda path: _Listing(escaped.pid, inode=escapees.NO_ENTRY_INODE))
+    with monkeypatch.context() as m:
+        m.setattr(escapees, "start_ticks", lambda pid: 0 if pid == escaped.pid else real_ticks(pid))
+        assert kill_escaped_all({"run-unset": since}) == {}
+    assert kill_escaped_all({"run-unset": since}) == {"run-unset": [escaped.pid]}
+    wait_until(lambda: gone(escaped), timeout=10)
+
+
+def test_a_process_that_ended_is_forgotten(spawn):
+    """What a search remembers is what its listing saw: a process gone since is not kept (the
+    memory stays the size of the host's process table)."""
+    proc = spawn("run-short")
+    kill_escaped_all({"run-none": time.time()})
+    assert any(name == str(proc.pid) for name, _ in escapees._start_times._known)
+    proc.kill()
+    proc.wait()
+    kill_escaped_all({"run-none": time.time()})
+    assert not any(name == str(proc.pid) for name, _ in escapees._start_times._known)
 
 
 def _environ(pid: int) -> bytes:

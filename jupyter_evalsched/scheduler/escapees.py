@@ -30,19 +30,30 @@ log = logging.getLogger(__name__)
 
 RUN_ID_VARIABLE = b"EVALSCHED_RUN_ID="
 
+# What the listing of /proc says for the inode of an entry the kernel could not set up.
+NO_ENTRY_INODE = 1
+
+list_proc = os.scandir  # (the tests list a /proc of their own through it)
+
 
 class StartTimes:
     """When each process of the host started (clock ticks since boot, as ``/proc/<pid>/stat``
     says), remembered between searches under the inode number of its ``/proc/<pid>`` entry.
 
     That number comes with the directory listing, at no cost: the kernel gives a process's
-    ``/proc/<pid>`` an inode of its own, numbered from a counter that only grows, while the
-    process lives. A pid reused by a new process comes with a new inode, so its start is read
-    again; so is a process whose entry the kernel dropped from its caches meanwhile. (The counter
-    is 32 bits wide, shared with pipes and sockets: only after it wrapped round could a new process
-    meet the number its pid had before. Then a process of a run might be taken for the older one
-    and left alive: a miss of this best-effort search, never a wrong kill, since every process
-    that may be killed is read again.)"""
+    ``/proc/<pid>`` an inode of its own while the process lives, numbered from a counter
+    (``get_next_ino``) whose numbers are not handed out twice until it wraps round. Since Linux
+    5.7 a process's entry goes when it ends, before its pid can be reused, so a pid reused by a
+    new process comes with a new inode and its start is read again; so is a process whose entry
+    the kernel dropped from its caches meanwhile. An entry the kernel could not set up (the
+    process was ending, or memory ran out) is listed with inode 1: read, never remembered.
+
+    What could go wrong is only a miss of this best-effort search, never a wrong kill (every
+    process that may be killed has its start read again through a pidfd): after the 32-bit
+    counter, shared with every pipe, socket and ``/proc`` file, wrapped round, or on a kernel
+    before 5.7, where a lookup racing a process's end could leave its entry for the pid's next
+    owner, a run's process might be taken for the older one and left alive. (On gVisor every
+    listing numbers the entries anew: nothing is found again, and each start is read, as before.)"""
 
     def __init__(self) -> None:
         self._known: dict[tuple[str, int], int] = {}  # (pid, inode): start ticks
@@ -55,7 +66,7 @@ class StartTimes:
         known: dict[tuple[str, int], int] = {}
         found: list[tuple[int, int]] = []
         try:
-            with os.scandir("/proc") as entries:
+            with list_proc("/proc") as entries:
                 for entry in entries:
                     key = (entry.name, entry.inode())
                     started = self._known.get(key)
@@ -65,7 +76,10 @@ class StartTimes:
                         started = start_ticks(int(key[0]))
                         if started is None:
                             continue  # gone
-                    known[key] = started
+                        if key[1] > NO_ENTRY_INODE:  # (an entry of its own, to know it by next time)
+                            known[key] = started
+                    else:
+                        known[key] = started
                     if started >= earliest:
                         found.append((int(key[0]), started))
         except OSError:
@@ -74,7 +88,8 @@ class StartTimes:
         return found
 
 
-# One search at a time (the clean-up thread's, or a recovery's), each with what the last one saw.
+# One listing at a time (the clean-up thread's search, or a recovery's), each with what the last
+# one saw.
 _search_lock = threading.Lock()
 _start_times = StartTimes()
 
@@ -103,19 +118,20 @@ def kill_escaped_all(runs: dict[str, float]) -> dict[str, list[int]]:
     me, uid = os.getpid(), os.getuid()
     killed: dict[str, list[int]] = {}
     with _search_lock:
-        for pid, started in _start_times.started_since(earliest):
-            if pid == me or _real_uid(pid) != uid:
-                continue  # not the server's uid (not a run's, whatever it says)
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    environ = f.read()
-            except OSError:
-                continue
-            run_id = next((r for r in run_ids_in(environ) if r in since), None)
-            if run_id is None or started < since[run_id]:
-                continue
-            if _kill_if_started(pid, started):
-                killed.setdefault(run_id, []).append(pid)
+        candidates = _start_times.started_since(earliest)
+    for pid, started in candidates:
+        if pid == me or _real_uid(pid) != uid:
+            continue  # not the server's uid (not a run's, whatever it says)
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        run_id = next((r for r in run_ids_in(environ) if r in since), None)
+        if run_id is None or started < since[run_id]:
+            continue
+        if _kill_if_started(pid, started):
+            killed.setdefault(run_id, []).append(pid)
     for run_id, pids in killed.items():
         log.warning("run %s left %d process(es) outside its process group; killed %s", run_id, len(pids), pids)
     return killed
