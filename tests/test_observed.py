@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -16,6 +17,7 @@ from rest import spec, submit
 from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched.client import LocalServer
+from jupyter_evalsched.scheduler import observation
 from jupyter_evalsched.scheduler.gpus import write_process_table
 
 EVALS = str(Path(__file__).with_name("evals_observed.py"))
@@ -361,3 +363,30 @@ async def test_auto_without_history_is_a_422_that_says_what_to_do(api):
     assert "'auto' needs an earlier succeeded run of 'jupyter_evalsched.examples.basic:sleepy'" in err["message"]
     assert "declare a number" in err["message"]
     assert err["detail"][0]["loc"] == ["scheduling", "marginal_vram_mb"]
+
+
+def test_the_process_trees_are_those_the_kernel_says():
+    """The walk of the process table that the observation makes each second (every process's
+    parent, read from /proc here): a process's tree is it and every descendant, a grandchild
+    whose parent left its session included, and nothing else; the parents agree with psutil's."""
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import os, subprocess, sys, time; os.setsid(); "
+        'subprocess.Popen(["sleep", "60"]); time.sleep(60)\'])\n'
+        "time.sleep(60)\n"
+    )
+    root = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        wait_until(lambda: len(psutil.Process(root.pid).children(recursive=True)) == 2, timeout=20)
+        expected = {root.pid} | {p.pid for p in psutil.Process(root.pid).children(recursive=True)}
+        children = observation._children_map()
+        assert observation._tree(root.pid, children) == expected
+        assert observation._tree(os.getpid(), children) >= expected  # (this process is their parent)
+        for pid in expected - {root.pid}:
+            assert pid in children[psutil.Process(pid).ppid()]
+    finally:
+        for proc in psutil.Process(root.pid).children(recursive=True):
+            proc.kill()
+        root.kill()
+        root.wait()
