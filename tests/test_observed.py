@@ -3,9 +3,11 @@ and host memory, enforcement of declarations, learned declarations ("auto")."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -365,28 +367,36 @@ async def test_auto_without_history_is_a_422_that_says_what_to_do(api):
     assert err["detail"][0]["loc"] == ["scheduling", "marginal_vram_mb"]
 
 
-def test_the_process_trees_are_those_the_kernel_says():
+def test_the_process_trees_are_those_the_kernel_says(tmp_path):
     """The walk of the process table that the observation makes each second (every process's
     parent, read from /proc here): a process's tree is it and every descendant, a grandchild
-    whose parent left its session included, and nothing else; the parents agree with psutil's."""
+    whose parent left its session included, and nothing else; the parents agree with psutil's.
+    The grandchild's command name holds a ')', a newline and digits, as a name may."""
+    odd = tmp_path / "a) 9 9\n(b"
+    odd.symlink_to(shutil.which("sleep") or "/bin/sleep")
     code = (
         "import subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', "
         "'import os, subprocess, sys, time; os.setsid(); "
-        'subprocess.Popen(["sleep", "60"]); time.sleep(60)\'])\n'
+        'subprocess.Popen([sys.argv[1], "60"]); time.sleep(60)\', sys.argv[1]])\n'
         "time.sleep(60)\n"
     )
-    root = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    root = subprocess.Popen([sys.executable, "-c", code, str(odd)], start_new_session=True)
     try:
         wait_until(lambda: len(psutil.Process(root.pid).children(recursive=True)) == 2, timeout=20)
-        expected = {root.pid} | {p.pid for p in psutil.Process(root.pid).children(recursive=True)}
+        descendants = psutil.Process(root.pid).children(recursive=True)
+        assert any(")" in p.name() for p in descendants)
+        expected = {root.pid} | {p.pid for p in descendants}
         children = observation._children_map()
         assert observation._tree(root.pid, children) == expected
         assert observation._tree(os.getpid(), children) >= expected  # (this process is their parent)
         for pid in expected - {root.pid}:
             assert pid in children[psutil.Process(pid).ppid()]
     finally:
-        for proc in psutil.Process(root.pid).children(recursive=True):
-            proc.kill()
-        root.kill()
+        pids = [root.pid]
+        with contextlib.suppress(psutil.Error):
+            pids += [p.pid for p in psutil.Process(root.pid).children(recursive=True)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         root.wait()

@@ -254,9 +254,9 @@ def _children_map() -> dict[int, list[int]]:
     """{parent pid: its child processes' pids}, from every process's ``/proc/<pid>/stat``: one
     read each, parsed here (psutil's walk cost about five times as much, 38 ms of CPU a sample
     with 1,000 idle processes added to this host, most of it holding the GIL; on a shared host
-    the walk is made every second while a run runs). This kernel's ``/proc/<pid>/task/<tid>/
-    children``, which would give a tree's processes without the others, is not there on every
-    host (``CONFIG_PROC_CHILDREN``)."""
+    the walk is made every second while a run runs). The kernel's ``/proc/<pid>/task/<tid>/
+    children`` would give a tree's processes without the others, but may skip a child while a
+    sibling ends, and is not there on every host (``CONFIG_PROC_CHILDREN``)."""
     out: dict[int, list[int]] = {}
     try:
         names = os.listdir("/proc")
