@@ -33,6 +33,9 @@ def spawn():
             start_new_session=True,
         )
         procs.append(proc)
+        # Popen returns once the exec closed its pipe, a moment before the new image's
+        # environment can be read: a search in between would pass the process over.
+        wait_until(lambda: f"EVALSCHED_RUN_ID={run_id}\0".encode() in _environ(proc.pid), timeout=20)
         return proc
 
     yield start
@@ -149,7 +152,6 @@ def test_a_search_reads_the_start_of_a_process_once(spawn, monkeypatch):
     assert older.pid not in read and os.getppid() not in read, read
     since = time.time()
     new = spawn("run-new")
-    wait_until(lambda: b"run-new" in _environ(new.pid), timeout=10)
     read.clear()
     assert kill_escaped_all({"run-new": since}) == {"run-new": [new.pid]}
     assert read.count(new.pid) == 2, read  # listed as new, then read again before the kill
@@ -189,7 +191,6 @@ def test_a_process_seen_under_another_inode_is_read_again(spawn, monkeypatch):
     its start is read again, and the process is found and killed."""
     since = time.time() - 1
     escaped = spawn("run-reused")
-    wait_until(lambda: b"run-reused" in _environ(escaped.pid), timeout=10)
     real_ticks = escapees.start_ticks
     with monkeypatch.context() as m:
         m.setattr(escapees, "list_proc", lambda path: _Listing(escaped.pid, shift=-1))
@@ -206,7 +207,6 @@ def test_an_entry_listed_without_an_inode_of_its_own_is_never_remembered(spawn, 
     the second search reads it again, and finds and kills it."""
     since = time.time() - 1
     escaped = spawn("run-unset")
-    wait_until(lambda: b"run-unset" in _environ(escaped.pid), timeout=10)
     real_ticks = escapees.start_ticks
     monkeypatch.setattr(escapees, "list_proc", lambda path: _Listing(escaped.pid, inode=escapees.NO_ENTRY_INODE))
     with monkeypatch.context() as m:

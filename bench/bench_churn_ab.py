@@ -1,0 +1,131 @@
+"""Part 3 of ``bench_as_users_run.py`` (submissions, quiet and under churn) on this tree's default
+server and another tree's, both up, alternated round by round: what a change moved in the
+submission rate under churn, with the host's drift taken out.
+
+    .venv/bin/python bench/bench_churn_ab.py --old DIR [--rounds 4] [--submissions 2000]
+        [--host-processes N]
+
+Two ``jupyter server`` subprocesses with the extension's defaults on this host (no virtual GPUs,
+cgroups as detected, warm starts on), one per code tree: this one and ``--old`` (another
+checkout, imported through ``PYTHONPATH``; its dependencies must be those of this environment).
+Each round, each server (the order flips every round) has a quiet phase and a churn phase (their
+order flips too): ``--submissions`` POSTs of no-op runs from 8 keep-alive clients, held behind a
+dependency on a sleeping run that takes no CPU slot, so that they never run; under churn, 50
+no-op runs a second are submitted, start and end meanwhile. Each phase has a blocker of its own,
+cancelled at its end (which fails the held runs), so the next phase starts on an idle server.
+Printed: each phase's submissions/s, and per tree the medians of quiet, churn and of the rounds'
+churn/quiet ratios.
+
+``--host-processes N``: N more idle processes (``sleep``) live on the host meanwhile, as on a
+shared GPU host (see ``bench_burst_ab.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from jupyter_evalsched.client import LocalServer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_burst_ab import compile_tree  # noqa: E402
+from bench_rest import hammer  # noqa: E402
+from bench_warm_start import NOOP, SLEEPY, Churn  # noqa: E402
+
+CLIENTS = 8
+
+
+class Side:
+    """One tree's server and its phases' figures."""
+
+    def __init__(self, label: str, tree: Path) -> None:
+        self.label = label
+        self.tree = tree
+        self.server = LocalServer(virtual_gpus=None, env={"PYTHONPATH": str(tree)})
+        self.client = self.server.client()
+        self.quiet: list[float] = []
+        self.churn: list[float] = []
+
+    def phase(self, submissions: int, churn: bool) -> float:
+        blocker = self.client.submit(
+            {"entrypoint": SLEEPY, "episodes": 1, "params": {"sleep_s": 600}, "scheduling": {"cpus": 0}}
+        )
+        deadline = time.monotonic() + 60
+        while self.client.get(blocker["id"])["state"] != "running":
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{self.label}: the blocker never started")
+            time.sleep(0.02)
+        body = json.dumps({"entrypoint": NOOP, "episodes": 1, "depends_on": [blocker["id"]]}).encode()
+        runs = Churn(self.server.url, self.server.token) if churn else None
+        try:
+            if runs is not None:
+                time.sleep(0.5)  # the churn under way
+            rate, _latencies, _ids, errors = hammer(
+                self.server.url, self.server.token, CLIENTS, submissions // CLIENTS, "POST", "/evalsched/runs", body
+            )
+        finally:
+            if runs is not None:
+                runs.stop()
+            self.client.cancel(blocker["id"])
+        if errors:
+            raise SystemExit(f"{self.label}: {len(errors)} submissions failed, the first: {errors[0]}")
+        (self.churn if churn else self.quiet).append(rate)
+        time.sleep(1.0)  # the held runs failed and written, the churn's last runs ended
+        return rate
+
+    def close(self) -> None:
+        self.server.cleanup()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--old", type=Path, required=True, help="the other checkout (e.g. the commit before)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds (a quiet and a churn phase per server each)")
+    ap.add_argument("--submissions", type=int, default=2000, help="submissions per phase")
+    ap.add_argument("--host-processes", type=int, default=0, help="idle processes added to the host meanwhile")
+    args = ap.parse_args()
+    for tree in (REPO, args.old.resolve()):
+        compile_tree(tree)
+    crowd = [
+        subprocess.Popen(["sleep", "86400"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        for _ in range(args.host_processes)
+    ]
+    sides: list[Side] = []
+    try:
+        sides = [Side("new", REPO), Side("old", args.old.resolve())]
+        print(
+            f"new: {sides[0].tree}\nold: {sides[1].tree}\n{args.rounds} rounds of {args.submissions} submissions"
+            f" per phase from {CLIENTS} clients; {args.host_processes} idle processes added to the host"
+        )
+        for side in sides:  # warm: spares forked, caches filled
+            side.phase(min(args.submissions, 400), churn=False)
+            side.quiet.clear()
+        for i in range(args.rounds):
+            for side in sides if i % 2 == 0 else sides[::-1]:
+                for churn in (False, True) if i % 2 == 0 else (True, False):
+                    rate = side.phase(args.submissions, churn)
+                    print(f"round {i + 1}: {side.label} {'churn' if churn else 'quiet'} {rate:.0f}/s", flush=True)
+        for side in sides:
+            ratios = [c / q for q, c in zip(side.quiet, side.churn, strict=True)]
+            print(
+                f"{side.label}: quiet {statistics.median(side.quiet):.0f}/s, churn {statistics.median(side.churn):.0f}/s,"
+                f" churn/quiet {statistics.median(ratios):.2f} (medians of {args.rounds} rounds)"
+            )
+    finally:
+        for side in sides:
+            side.close()
+        for proc in crowd:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
