@@ -30,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +59,21 @@ def compile_tree(tree: Path) -> None:
         check=True,
         stdout=subprocess.DEVNULL,
     )
+
+
+@contextmanager
+def host_crowd(n: int) -> Iterator[None]:
+    """``n`` more idle processes (``sleep``) on the host while the block runs, as on a shared GPU
+    host, whose process table holds hundreds or thousands."""
+    crowd = [
+        subprocess.Popen(["sleep", "86400"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL) for _ in range(n)
+    ]
+    try:
+        yield
+    finally:
+        for proc in crowd:
+            proc.kill()
+            proc.wait()
 
 
 def process_cpu_s(pid: int) -> float:
@@ -135,10 +152,11 @@ def main() -> None:
     args = ap.parse_args()
     for tree in (REPO, args.old.resolve()):
         compile_tree(tree)
-    crowd = [
-        subprocess.Popen(["sleep", "86400"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        for _ in range(args.host_processes)
-    ]
+    with host_crowd(args.host_processes):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     new = Side("new", REPO, args.slots)
     old = Side("old", args.old.resolve(), args.slots)
     try:
@@ -172,9 +190,6 @@ def main() -> None:
     finally:
         new.close()
         old.close()
-        for proc in crowd:
-            proc.kill()
-            proc.wait()
 
 
 if __name__ == "__main__":

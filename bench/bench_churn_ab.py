@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from jupyter_evalsched.client import LocalServer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_burst_ab import compile_tree  # noqa: E402
+from bench_burst_ab import compile_tree, host_crowd  # noqa: E402
 from bench_rest import hammer  # noqa: E402
 from bench_warm_start import NOOP, SLEEPY, Churn  # noqa: E402
 
@@ -94,10 +93,11 @@ def main() -> None:
     args = ap.parse_args()
     for tree in (REPO, args.old.resolve()):
         compile_tree(tree)
-    crowd = [
-        subprocess.Popen(["sleep", "86400"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        for _ in range(args.host_processes)
-    ]
+    with host_crowd(args.host_processes):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     sides: list[Side] = []
     try:
         sides = [Side("new", REPO), Side("old", args.old.resolve())]
@@ -122,9 +122,6 @@ def main() -> None:
     finally:
         for side in sides:
             side.close()
-        for proc in crowd:
-            proc.kill()
-            proc.wait()
 
 
 if __name__ == "__main__":
