@@ -234,3 +234,156 @@ def _environ(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+def _reads_of(monkeypatch, pid: int, blank: int = 0) -> list[int]:
+    """Count the reads of ``/proc/<pid>/environ`` a search makes; the first ``blank`` of them
+    answer empty, as the kernel does for a process in the middle of an exec."""
+    real = escapees.read_environ
+    reads: list[int] = []
+
+    def read(p: int) -> bytes | None:
+        if p != pid:
+            return real(p)
+        reads.append(p)
+        return b"" if len(reads) <= blank else real(p)
+
+    monkeypatch.setattr(escapees, "read_environ", read)
+    return reads
+
+
+def _stats_of(monkeypatch, pid: int, *shown) -> list[int]:
+    """``/proc/<pid>/stat`` as the kernel would show it to ``environ_of`` (the start's reads are
+    left alone): its first reads altered one by one by ``shown`` (each a dict of index: value,
+    or None for the real one), the rest real."""
+    real = escapees.stat_fields
+    reads: list[int] = []
+
+    def stat(p: int | str = "self") -> list[bytes] | None:
+        fields = real(p)
+        if p != pid or fields is None or sys._getframe(1).f_code.co_name != "environ_of":
+            return fields
+        reads.append(1)
+        change = shown[len(reads) - 1] if len(reads) <= len(shown) else None
+        return [change.get(i, f) for i, f in enumerate(fields)] if change else fields
+
+    monkeypatch.setattr(escapees, "stat_fields", stat)
+    return reads
+
+
+# A process between the new image's memory and its tables, as /proc/<pid>/stat shows it.
+IN_EXEC = {escapees.ARG_START: b"0", escapees.ENV_START: b"0", escapees.ENV_END: b"0"}
+
+
+def test_a_process_caught_in_the_middle_of_an_exec_is_looked_at_again(spawn, monkeypatch):
+    """From ``setup_new_exec`` to ``create_elf_tables`` a process's environ reads empty and its
+    stat shows no environment yet (a shell of the run's starting its next command may be there
+    when the search comes). Such a process is read again until its environment is there: found,
+    and killed."""
+    since = time.time() - 1
+    escaped = spawn("run-exec")
+    reads = _reads_of(monkeypatch, escaped.pid, blank=3)
+    _stats_of(monkeypatch, escaped.pid, IN_EXEC, IN_EXEC, IN_EXEC)
+    assert kill_escaped_all({"run-exec": since}) == {"run-exec": [escaped.pid]}
+    assert len(reads) == 4, reads
+    wait_until(lambda: gone(escaped), timeout=10)
+
+
+def test_a_chain_of_execs_is_followed_to_its_end(spawn, monkeypatch):
+    """``setsid env nohup cmd`` passes through one exec after another: an image seen set up may
+    be replaced before the environment is read again, which then reads empty. That emptiness
+    is the next image's window, not the process's own environment (its ``arg_start`` changed):
+    it is read again, found, and killed."""
+    since = time.time() - 1
+    escaped = spawn("run-chain")
+    reads = _reads_of(monkeypatch, escaped.pid, blank=2)
+    _stats_of(monkeypatch, escaped.pid, None, IN_EXEC)
+    assert kill_escaped_all({"run-chain": since}) == {"run-chain": [escaped.pid]}
+    assert len(reads) == 3, reads
+    wait_until(lambda: gone(escaped), timeout=10)
+
+
+def test_an_empty_environment_of_a_process_set_up_is_its_own(monkeypatch):
+    """A process whose image is set up (its stat shows where its environment lies, and that it
+    is empty) has an empty environment of its own: read once more, not waited for."""
+    since = time.time() - 1
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(120)"],
+        env={},
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        fields = escapees.stat_fields(proc.pid)
+        assert fields is not None and fields[escapees.ENV_START] == fields[escapees.ENV_END] != b"0"
+        reads = _reads_of(monkeypatch, proc.pid)
+        kill_escaped_all({"run-empty": since})
+        assert len(reads) == 2, reads
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("flag", [escapees.PF_EXITING, escapees.PF_KTHREAD])
+def test_an_exiting_process_or_a_kernel_thread_is_not_waited_for(spawn, monkeypatch, flag):
+    """Some kernels read an exiting process's environ, and a kernel thread's, as empty, with no
+    environment in their stat either: passed over at once (a kernel thread has the uid of a
+    server run as root), not waited for."""
+    since = time.time() - 1
+    proc = spawn("run-ending")
+    reads = _reads_of(monkeypatch, proc.pid, blank=1_000_000)
+    fields = escapees.stat_fields(proc.pid)
+    assert fields is not None
+    _stats_of(monkeypatch, proc.pid, {**IN_EXEC, 6: str(int(fields[6]) | flag).encode()})
+    assert kill_escaped_all({"run-ending": since}) == {}
+    assert len(reads) == 1, reads
+
+
+def test_a_process_that_ends_while_it_is_looked_at_again_is_not_waited_for(monkeypatch):
+    """A process caught in the middle of an exec that ends before it shows its environment (a
+    zombie now) is passed over at the next look, not waited for until the grace runs out."""
+    since = time.time() - 1
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        wait_until(lambda: escapees.stat_fields(proc.pid)[0] == b"Z", timeout=20)
+        reads = _reads_of(monkeypatch, proc.pid, blank=1_000_000)
+        flags = int(escapees.stat_fields(proc.pid)[6]) & ~escapees.PF_EXITING
+        _stats_of(monkeypatch, proc.pid, {0: b"R", 6: str(flags).encode(), **IN_EXEC})
+        assert kill_escaped_all({"run-zombie": since}) == {}
+        assert len(reads) == 2, reads
+    finally:
+        proc.wait()
+
+
+class _Clock:
+    """``escapees.time`` with a clock that only a sleep moves: how often a search looks again,
+    counted without depending on the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps = 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.now += seconds
+
+
+def test_the_grace_for_execs_is_one_for_the_whole_search(spawn, monkeypatch):
+    """Processes whose environment never shows (forever in the window, as far as the search can
+    tell) are waited for together, ``EXEC_GRACE_S`` in all, then passed over: a search takes no
+    longer for three of them than for one."""
+    since = time.time() - 1
+    procs = [spawn(f"run-stuck-{i}") for i in range(3)]
+    for proc in procs:
+        _reads_of(monkeypatch, proc.pid, blank=1_000_000)
+        _stats_of(monkeypatch, proc.pid, *[IN_EXEC] * 1_000)
+    clock = _Clock()
+    monkeypatch.setattr(escapees, "time", clock)
+    assert kill_escaped_all({f"run-stuck-{i}": since for i in range(3)}) == {}
+    rounds = round(escapees.EXEC_GRACE_S / escapees.EXEC_POLL_S)
+    assert rounds <= clock.sleeps <= rounds + 1, clock.sleeps
+    assert all(alive(p.pid) for p in procs)

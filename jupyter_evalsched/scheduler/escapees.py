@@ -6,12 +6,18 @@ write its pid into another ``cgroup.procs`` (its cgroup's kill misses it). It st
 searched once for all of them (``kill_escaped_all``; the clean-up thread batches the runs that
 ended together).
 
+A process caught in the middle of an ``exec`` shows an empty environment for a moment: the new
+image's memory is in place before the kernel has recorded where its environment lies. Such a
+process is looked at again, 1 ms apart, until its environment is there (:func:`environ_of`),
+for 50 ms at most in all for a search, rather than passed over.
+
 A search looks at every process of the host, so its cost grows with the host's processes, not
 with the runs: hundreds or thousands on a shared GPU host. Only processes started since the
 earliest searched run's spawn can be a run's; the others are passed over by their start time,
 which is read from ``/proc/<pid>/stat`` once per process and then remembered
-(:class:`StartTimes`). A search then costs one read of ``/proc`` (the directory) plus the few
-processes new since the last one.
+(:class:`StartTimes`). A search then costs one read of ``/proc`` (the directory), the starts of
+the few processes new since the last one, and the uid and environment of those started since the
+runs.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import psutil
@@ -34,6 +41,16 @@ RUN_ID_VARIABLE = b"EVALSCHED_RUN_ID="
 NO_ENTRY_INODE = 1
 
 list_proc = os.scandir  # (the tests list a /proc of their own through it)
+
+# How long a search waits, at most, for the processes it caught in the middle of an exec to show
+# their environment (all of them together), and how often it looks again.
+EXEC_GRACE_S = 0.05
+EXEC_POLL_S = 0.001
+# /proc/<pid>/stat: flags (field 9) of a process that has no environment worth waiting for, and
+# the indices in stat_fields of arg_start, env_start and env_end (fields 48, 50 and 51).
+PF_EXITING = 0x4
+PF_KTHREAD = 0x00200000
+ARG_START, ENV_START, ENV_END = 45, 47, 48
 
 
 class StartTimes:
@@ -119,22 +136,90 @@ def kill_escaped_all(runs: dict[str, float]) -> dict[str, list[int]]:
     killed: dict[str, list[int]] = {}
     with _search_lock:
         candidates = _start_times.started_since(earliest)
+    unsettled: list[tuple[int, int]] = []
     for pid, started in candidates:
         if pid == me or _real_uid(pid) != uid:
             continue  # not the server's uid (not a run's, whatever it says)
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        run_id = next((r for r in run_ids_in(environ) if r in since), None)
-        if run_id is None or started < since[run_id]:
-            continue
-        if _kill_if_started(pid, started):
-            killed.setdefault(run_id, []).append(pid)
+        if not _look_at(pid, started, since, killed):
+            unsettled.append((pid, started))
+    # Those caught in the middle of an exec, again until their environment is there: one grace
+    # for the whole search, after the others' kills.
+    deadline = time.monotonic() + EXEC_GRACE_S
+    while unsettled and time.monotonic() < deadline:
+        time.sleep(EXEC_POLL_S)
+        unsettled = [(pid, started) for pid, started in unsettled if not _look_at(pid, started, since, killed)]
     for run_id, pids in killed.items():
         log.warning("run %s left %d process(es) outside its process group; killed %s", run_id, len(pids), pids)
     return killed
+
+
+class _Unsettled:
+    """What :func:`environ_of` says of a process caught in the middle of an ``exec``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNSETTLED"
+
+
+UNSETTLED = _Unsettled()
+
+
+def environ_of(pid: int) -> bytes | None | _Unsettled:
+    """``/proc/<pid>/environ``; None when the process has none to read (gone, not ours to read,
+    a zombie, exiting, a kernel thread); ``UNSETTLED`` when it is in the middle of an ``exec``.
+
+    From ``setup_new_exec`` to ``create_elf_tables`` a process's environ and cmdline read empty,
+    and its ``stat`` shows ``env_end`` 0: the new image's memory is there, its tables are not. An
+    empty environment is the process's own only once ``env_end`` is set, ``env_start`` equals
+    it, and the environment still reads empty in the same image (its ``arg_start``, randomised
+    per image, unchanged: a chain of execs, such as ``setsid env nohup cmd``, passes through one
+    window after another). Where ``/proc/<pid>/stat`` shows those addresses as 0 (a sandbox that
+    does not fill them in), every empty environment stays unsettled until the search's grace
+    runs out."""
+    environ = read_environ(pid)
+    if environ != b"":
+        return environ
+    fields = stat_fields(pid)
+    try:
+        if not fields or int(fields[6]) & (PF_EXITING | PF_KTHREAD):
+            return None  # gone, ending (a zombie too) or a kernel thread: nothing to wait for
+        if fields[ENV_END] == b"0":
+            return UNSETTLED
+    except (ValueError, IndexError):
+        return None
+    environ = read_environ(pid)  # (the exec may have ended between the two reads)
+    if environ != b"":
+        return environ
+    again = stat_fields(pid)
+    if again and len(again) > ENV_END and again[ARG_START] == fields[ARG_START] and again[ENV_START] == again[ENV_END]:
+        return b""  # this image's own, empty environment
+    return UNSETTLED
+
+
+def read_environ(pid: int) -> bytes | None:
+    return _read_proc_file(pid, "environ")
+
+
+def _read_proc_file(pid: int, name: str) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _look_at(pid: int, started: int, since: dict[str, float], killed: dict[str, list[int]]) -> bool:
+    """Kill ``pid`` if its environment names a searched run that it started after (added to
+    ``killed``). False when its environment is not set up yet (``UNSETTLED``)."""
+    environ = environ_of(pid)
+    if isinstance(environ, _Unsettled):
+        return False
+    if environ:
+        run_id = next((r for r in run_ids_in(environ) if r in since), None)
+        if run_id is not None and started >= since[run_id] and _kill_if_started(pid, started):
+            killed.setdefault(run_id, []).append(pid)
+    return True
 
 
 def run_ids_in(environ: bytes) -> Iterator[str]:
