@@ -272,7 +272,7 @@ def _stats_of(monkeypatch, pid: int, *shown) -> list[int]:
 
 
 # A process between the new image's memory and its tables, as /proc/<pid>/stat shows it.
-IN_EXEC = {escapees.ARG_START: b"0", escapees.ENV_START: b"0", escapees.ENV_END: b"0"}
+IN_EXEC = {escapees.START_CODE: b"0", escapees.ENV_START: b"0", escapees.ENV_END: b"0"}
 
 
 def test_a_process_caught_in_the_middle_of_an_exec_is_looked_at_again(spawn, monkeypatch):
@@ -289,11 +289,27 @@ def test_a_process_caught_in_the_middle_of_an_exec_is_looked_at_again(spawn, mon
     wait_until(lambda: gone(escaped), timeout=10)
 
 
+def test_a_process_caught_while_its_tables_are_made_is_looked_at_again(spawn, monkeypatch):
+    """While ``create_elf_tables`` runs, ``env_start`` equals ``env_end`` (both set) whatever the
+    environment holds, and the environment reads empty: that is no empty environment of the
+    process's own until the image is finished (``start_code`` set). Read again: found, killed."""
+    since = time.time() - 1
+    escaped = spawn("run-tables")
+    fields = escapees.stat_fields(escaped.pid)
+    assert fields is not None
+    making = {escapees.START_CODE: b"0", escapees.ENV_END: fields[escapees.ENV_START]}
+    reads = _reads_of(monkeypatch, escaped.pid, blank=2)
+    _stats_of(monkeypatch, escaped.pid, None, making)
+    assert kill_escaped_all({"run-tables": since}) == {"run-tables": [escaped.pid]}
+    assert len(reads) == 3, reads
+    wait_until(lambda: gone(escaped), timeout=10)
+
+
 def test_a_chain_of_execs_is_followed_to_its_end(spawn, monkeypatch):
     """``setsid env nohup cmd`` passes through one exec after another: an image seen set up may
     be replaced before the environment is read again, which then reads empty. That emptiness
-    is the next image's window, not the process's own environment (its ``arg_start`` changed):
-    it is read again, found, and killed."""
+    is the next image's window (its ``start_code`` not set yet), not the process's own
+    environment: it is read again, found, and killed."""
     since = time.time() - 1
     escaped = spawn("run-chain")
     reads = _reads_of(monkeypatch, escaped.pid, blank=2)
@@ -317,6 +333,7 @@ def test_an_empty_environment_of_a_process_set_up_is_its_own(monkeypatch):
         assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
         fields = escapees.stat_fields(proc.pid)
         assert fields is not None and fields[escapees.ENV_START] == fields[escapees.ENV_END] != b"0"
+        assert fields[escapees.START_CODE] != b"0"
         reads = _reads_of(monkeypatch, proc.pid)
         kill_escaped_all({"run-empty": since})
         assert len(reads) == 2, reads

@@ -7,7 +7,8 @@ searched once for all of them (``kill_escaped_all``; the clean-up thread batches
 ended together).
 
 A process caught in the middle of an ``exec`` shows an empty environment for a moment: the new
-image's memory is in place before the kernel has recorded where its environment lies. Such a
+image's memory is in place before the kernel has finished recording where its environment
+lies. Such a
 process is looked at again, 1 ms apart, until its environment is there (:func:`environ_of`),
 for 50 ms at most in all for a search, rather than passed over.
 
@@ -47,10 +48,10 @@ list_proc = os.scandir  # (the tests list a /proc of their own through it)
 EXEC_GRACE_S = 0.05
 EXEC_POLL_S = 0.001
 # /proc/<pid>/stat: flags (field 9) of a process that has no environment worth waiting for, and
-# the indices in stat_fields of arg_start, env_start and env_end (fields 48, 50 and 51).
+# the indices in stat_fields of start_code, env_start and env_end (fields 26, 50 and 51).
 PF_EXITING = 0x4
 PF_KTHREAD = 0x00200000
-ARG_START, ENV_START, ENV_END = 45, 47, 48
+START_CODE, ENV_START, ENV_END = 23, 47, 48
 
 
 class StartTimes:
@@ -169,22 +170,27 @@ def environ_of(pid: int) -> bytes | None | _Unsettled:
     """``/proc/<pid>/environ``; None when the process has none to read (gone, not ours to read,
     a zombie, exiting, a kernel thread); ``UNSETTLED`` when it is in the middle of an ``exec``.
 
-    From ``setup_new_exec`` to ``create_elf_tables`` a process's environ and cmdline read empty,
-    and its ``stat`` shows ``env_end`` 0: the new image's memory is there, its tables are not. An
-    empty environment is the process's own only once ``env_end`` is set, ``env_start`` equals
-    it, and the environment still reads empty in the same image (its ``arg_start``, randomised
-    per image, unchanged: a chain of execs, such as ``setsid env nohup cmd``, passes through one
-    window after another). Where ``/proc/<pid>/stat`` shows those addresses as 0 (a sandbox that
-    does not fill them in), every empty environment stays unsettled until the search's grace
-    runs out."""
+    From ``exec_mmap`` until ``load_elf_binary`` has finished the new image's tables, a
+    process's environ reads empty (so does an environ opened on the old memory and read after
+    it went), and its ``stat`` shows ``start_code`` 0: the kernel sets it only once
+    ``create_elf_tables`` has returned, and while that runs ``env_start`` equals ``env_end``
+    for a moment whatever the environment holds. An empty environment is the process's own only
+    when it reads empty again and a ``stat`` read after that shows a finished image
+    (``start_code`` set) whose ``env_start`` equals ``env_end``: a chain of execs, such as
+    ``setsid env nohup cmd``, passes through one window after another, and the second read may
+    fall into the next one. Where this host's
+    ``stat`` does not fill those fields in (a sandbox), an empty environment is taken as it
+    reads, as before."""
     environ = read_environ(pid)
     if environ != b"":
         return environ
     fields = stat_fields(pid)
     try:
-        if not fields or int(fields[6]) & (PF_EXITING | PF_KTHREAD):
+        if not fields or fields[0] in (b"Z", b"X") or int(fields[6]) & (PF_EXITING | PF_KTHREAD):
             return None  # gone, ending (a zombie too) or a kernel thread: nothing to wait for
-        if fields[ENV_END] == b"0":
+        if not STAT_SHOWS_EXEC:
+            return environ
+        if fields[START_CODE] == b"0":
             return UNSETTLED
     except (ValueError, IndexError):
         return None
@@ -192,9 +198,22 @@ def environ_of(pid: int) -> bytes | None | _Unsettled:
     if environ != b"":
         return environ
     again = stat_fields(pid)
-    if again and len(again) > ENV_END and again[ARG_START] == fields[ARG_START] and again[ENV_START] == again[ENV_END]:
+    if again and len(again) > ENV_END and again[START_CODE] != b"0" and again[ENV_START] == again[ENV_END]:
         return b""  # this image's own, empty environment
     return UNSETTLED
+
+
+def _stat_shows_exec() -> bool:
+    """Whether this host's ``/proc/<pid>/stat`` shows a process's ``start_code`` and ``env_end``
+    (a sandbox's may show 0): this process's own are set."""
+    fields = stat_fields()
+    try:
+        return fields is not None and fields[START_CODE] != b"0" and fields[ENV_END] != b"0"
+    except IndexError:
+        return False
+
+
+STAT_SHOWS_EXEC = _stat_shows_exec()
 
 
 def read_environ(pid: int) -> bytes | None:
