@@ -22,8 +22,9 @@ def gate(ctx, index):
 
 
 def escape(ctx, index):
-    """Double-fork a grandchild that calls setsid(), clears its environment and sleeps; write its
-    pid to ``params["pid_file"]``, then sleep until cancelled."""
+    """Double-fork a grandchild that calls setsid(), clears its environment (``params["keep_env"]``:
+    keeps it) and sleeps; write its pid to ``params["pid_file"]``, then sleep until cancelled."""
+    env = dict(os.environ) if ctx.params.get("keep_env") else {}
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:
@@ -33,7 +34,7 @@ def escape(ctx, index):
         if grandchild == 0:
             os.write(write_end, str(os.getpid()).encode())
             os.close(write_end)
-            os.execve("/bin/sleep", ["sleep", "300"], {})
+            os.execve("/bin/sleep", ["sleep", "300"], env)
         os._exit(0)
     os.close(write_end)
     os.waitpid(child, 0)

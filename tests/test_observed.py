@@ -295,6 +295,41 @@ def test_a_server_killed_mid_run_leaves_nothing_after_its_restart(tmp_path):
 
 
 @pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
+def test_without_cgroups_a_restart_kills_what_each_killed_run_left_behind(tmp_path):
+    """Server death without cgroups: each run dies with the server, and its escaped grandchild
+    (its own session, the run's environment) is found by its ``EVALSCHED_RUN_ID`` when the next
+    server recovers the runs directory, both runs' in one search, before anything starts."""
+    runs = str(tmp_path / "runs")
+    args = ["--EvalSchedApp.cgroups=False"]
+    pid_files = [tmp_path / f"escaped-{i}.pid" for i in range(2)]
+    server = LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=args)
+    try:
+        c = server.client()
+        recs = [
+            c.submit(
+                {
+                    "entrypoint": f"{EVALS}:escape",
+                    "params": {"pid_file": str(pid_file), "keep_env": True},
+                    "cwd": "/",
+                }
+            )
+            for pid_file in pid_files
+        ]
+        wait_until(lambda: all(p.exists() for p in pid_files), timeout=15)
+        grandchildren = [int(p.read_text()) for p in pid_files]
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+        assert not any(gone(pid) for pid in grandchildren)  # outside every group, and no cgroup holds them
+    finally:
+        server.cleanup()
+    with LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=args) as again:
+        for rec in recs:
+            final = again.client().get(rec["id"])
+            assert final["state"] == "aborted" and final["reason"].startswith("server_restart"), final
+        wait_until(lambda: all(gone(pid) for pid in grandchildren), timeout=5)
+
+
+@pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow
 def test_observed_peaks_reach_job_json_while_the_run_runs_and_survive_a_server_kill(tmp_path):
     """A peak's rise is written to job.json while the run runs (not only at its next transition):
     a server killed mid-run leaves it on disk, and the recovered record keeps it."""

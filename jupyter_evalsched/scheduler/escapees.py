@@ -112,21 +112,16 @@ _search_lock = threading.Lock()
 _start_times = StartTimes()
 
 
-def kill_escaped(run_id: str, since: float) -> list[int]:
-    """Kill the processes a run left outside its process group (a descendant that called
-    ``setsid``) and outside its cgroup (one that wrote its pid into another cgroup.procs, as the
-    server's uid may): they still carry ``EVALSCHED_RUN_ID=<run_id>`` in their environment. Only
-    processes of the server's uid started after ``since`` (the run's spawn) are looked at. Best
-    effort: a process that both leaves the run's cgroup and clears its environment escapes it."""
-    return kill_escaped_all({run_id: since}).get(run_id, [])
-
-
 def kill_escaped_all(runs: dict[str, float]) -> dict[str, list[int]]:
-    """``kill_escaped`` for several runs (run id: its spawn) in one pass over ``/proc``. A
-    process's start is known from an earlier search or read from its ``stat``; only the few
-    started since the earliest spawn are read further (``status`` for the uid, ``environ`` for
-    the run id), and each is killed through a pidfd once its start is read again, so a recycled
-    pid is never hit."""
+    """Kill the processes runs (run id: its spawn) left outside their process groups (a descendant
+    that called ``setsid``) and outside their cgroups (one that wrote its pid into another
+    cgroup.procs, as the server's uid may), in one pass over ``/proc``: they still carry
+    ``EVALSCHED_RUN_ID=<run id>`` in their environment. Only processes of the server's uid started
+    after the run's spawn are looked at. Best effort: a process that both leaves the run's cgroup
+    and clears its environment escapes it. A process's start is known from an earlier search or read
+    from its ``stat``; only the few started since the earliest spawn are read further (``status``
+    for the uid, ``environ`` for the run id), and each is killed through a pidfd once its start is
+    read again, so a recycled pid is never hit."""
     if not runs:
         return {}
     boot, tick = psutil.boot_time(), 1.0 / os.sysconf("SC_CLK_TCK")

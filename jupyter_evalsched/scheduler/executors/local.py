@@ -33,7 +33,7 @@ from ..attempts import Requeue, preempted_plan, restart_plan
 from ..cgroup_pool import CgroupPool
 from ..cgroups import CgroupError, Cgroups, RunCgroup
 from ..environment import run_environment
-from ..escapees import kill_escaped
+from ..escapees import kill_escaped_all
 from ..launcher import (
     Launcher,
     RunProcess,
@@ -75,6 +75,8 @@ class LocalExecutor(Executor):
         self._handover: dict[str, RunCgroup] = {}  # warm starts asked of a spare: the run's cgroup
         self._concluding: dict[str, asyncio.Future[ExitReads]] = {}  # exits whose figures are read
         self._preempt_timers: dict[str, asyncio.TimerHandle] = {}
+        # Recovered runs whose escaped processes are searched for, all in one search (``recovered``).
+        self._escapes_to_search: dict[str, float] = {}
         self._stopping = False
 
     def bind(self, ctx: ExecutorContext) -> None:
@@ -593,7 +595,9 @@ class LocalExecutor(Executor):
         if stale is not None:
             stale.remove()  # everything it held: the setsid'd, environment-less descendants too
         else:
-            kill_escaped(run.id, create_time or 0.0)
+            # In one search with every other run recovered so (``recovered``), before anything
+            # starts: each search lists every process of the host.
+            self._escapes_to_search[run.id] = create_time or 0.0
         why = (
             "the detached run died without finishing while no server watched it"
             if run.record["detach"]
@@ -673,8 +677,14 @@ class LocalExecutor(Executor):
         return {run_id: ObservedTarget(pid, self._cgroups.get(run_id)) for run_id, pid in self.launcher.running.items()}
 
     def recovered(self) -> None:
-        """After recovery: cgroups left by runs no server follows any more (a server killed
-        while they ran) are emptied and removed, off the event loop."""
+        """After recovery, before any run starts: what the recovered runs without a cgroup left
+        outside their process groups is killed, in one search of the process table (a new
+        attempt's processes, which carry the same run id, do not exist yet); cgroups left by runs
+        no server follows any more (a server killed while they ran) are emptied and removed, off
+        the event loop."""
+        searched, self._escapes_to_search = self._escapes_to_search, {}
+        if searched:
+            kill_escaped_all(searched)
         if self.cgroups is None or not self.cgroups.enabled:
             return
         # Those of this server (made ahead, and its adopted runs') are kept.
