@@ -517,34 +517,63 @@ def new_file_cost(folder: Path, n: int = 200, keep: bool = True) -> float:
     return statistics.median(costs)
 
 
+def unjournalled_ext4(path: Path) -> bool:
+    """Whether ``path`` is on ext4 without a journal (a journalled one has /proc/fs/jbd2/<dev>-*)."""
+    fstype, rest = filesystem_of(path).split(" ", 1)
+    if fstype != "ext4":
+        return False
+    device = os.path.basename(rest.strip("()").split(" on ")[0])
+    try:
+        return not any(name.startswith(device + "-") for name in os.listdir("/proc/fs/jbd2"))
+    except OSError:
+        return True  # no jbd2 at all: no ext4 on this host has a journal
+
+
+def tmpfs_folder() -> Path | None:
+    """A writable folder on tmpfs, to compare a new file's cost with."""
+    for candidate in ("/dev/shm", f"/run/user/{os.getuid()}", "/tmp"):
+        if (
+            os.path.isdir(candidate)
+            and os.access(candidate, os.W_OK)
+            and filesystem_of(Path(candidate)).startswith("tmpfs")
+        ):
+            return Path(candidate)
+    return None
+
+
 def disk_settled(root: Path, max_wait_s: float) -> tuple[str, float]:
-    """Wait, ``max_wait_s`` at most, until a new file in ``root`` costs no more than
-    ``SETTLED_RATIO`` times one on tmpfs, and say what a new file cost. Without a journal, ext4
-    passes over every inode freed in the last minute (six while the inode table's block is not
-    yet written back) each time it allocates one: after a benchmark's clean-up (tens of thousands
-    of files), creating a file costs several times what it does on a settled disk for minutes,
-    and so does every run, which creates eleven. The figures would then measure the last
-    benchmark, not this tree. Returns what it says, and the cost in ms."""
-    reference = None
-    if os.path.isdir("/dev/shm"):
-        reference = new_file_cost(Path("/dev/shm"), keep=False)
+    """On ext4 without a journal, wait (``max_wait_s`` at most) until a new file in ``root``
+    costs no more than ``SETTLED_RATIO`` times one on tmpfs, and say what a new file cost.
+    Without a journal, ext4 passes over every inode freed in the last minute (six while the
+    inode table's block is not yet written back) each time it allocates one: after a
+    benchmark's clean-up (tens of thousands of files), creating a file costs several times what
+    it does on a settled disk for minutes, and so does every run, which creates eleven. The
+    figures would then measure the last benchmark, not this tree. Other filesystems are not
+    waited for. Returns what it says, and the cost in ms."""
     probes = root / "new-file-probes"
     probes.mkdir(exist_ok=True)
-    began = time.monotonic()
     cost = first = new_file_cost(probes)
-    while reference is not None and cost > SETTLED_RATIO * reference and time.monotonic() - began < max_wait_s:
+    reference = None
+    folder = tmpfs_folder()
+    if folder is not None:
+        try:
+            reference = new_file_cost(folder, keep=False)
+        except OSError:
+            reference = None
+    text = "a new file costs {} ms" + (f" (tmpfs {reference * 1000:.3f} ms)" if reference else " (no tmpfs to compare)")
+    waits = reference is not None and max_wait_s > 0 and unjournalled_ext4(root)
+    began = time.monotonic()
+    while waits and cost > SETTLED_RATIO * reference and time.monotonic() - began < max_wait_s:
         time.sleep(min(SETTLE_POLL_S, max(0.0, max_wait_s - (time.monotonic() - began))))
         settle()
         cost = new_file_cost(probes)
     waited = time.monotonic() - began
-    text = f"a new file costs {cost * 1000:.3f} ms"
-    if reference is not None:
-        text += f" (tmpfs {reference * 1000:.3f} ms)"
+    text = text.format(f"{cost * 1000:.3f}")
     if waited >= 1.0:
         text += (
             f"; it cost {first * 1000:.3f} ms, and the bench waited {waited:.0f} s for the disk's freed inodes to age"
         )
-    if reference is not None and cost > SETTLED_RATIO * reference:
+    if waits and cost > SETTLED_RATIO * reference:
         text += f" (still over {SETTLED_RATIO:g}x tmpfs: every figure below pays for it)"
     return text, cost * 1000
 
@@ -859,13 +888,16 @@ def main() -> int:
     ap.add_argument(
         "--settle-s",
         type=float,
-        default=420.0,
-        help="wait at most this long, before measuring, for new files on the runs' disk to cost what they"
-        " do on a settled disk (ext4 without a journal after a benchmark's clean-up; 0: do not wait)",
+        default=None,
+        help="on ext4 without a journal, wait at most this long (default 420; 0 with --quick) before"
+        " measuring, for new files on the runs' disk to cost what they do on a settled disk (after a"
+        " benchmark's clean-up they cost several times more for minutes)",
     )
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.burst_rounds, args.submissions, args.pairs, args.settle_s = 8, 1, 400, 1, 0.0
+        args.rounds, args.burst_rounds, args.submissions, args.pairs = 8, 1, 400, 1
+    if args.settle_s is None:
+        args.settle_s = 0.0 if args.quick else 420.0
 
     ensure_tsp()
     base = Path(args.dir) if args.dir else Path(jupyter_data_dir()) / "evalsched"

@@ -298,7 +298,7 @@ def test_a_server_killed_mid_run_leaves_nothing_after_its_restart(tmp_path):
 def test_without_cgroups_a_restart_kills_what_each_killed_run_left_behind(tmp_path):
     """Server death without cgroups: each run dies with the server, and its escaped grandchild
     (its own session, the run's environment) is found by its ``EVALSCHED_RUN_ID`` when the next
-    server recovers the runs directory, both runs' in one search, before anything starts."""
+    server recovers the runs directory."""
     runs = str(tmp_path / "runs")
     args = ["--EvalSchedApp.cgroups=False"]
     pid_files = [tmp_path / f"escaped-{i}.pid" for i in range(2)]
@@ -322,11 +322,16 @@ def test_without_cgroups_a_restart_kills_what_each_killed_run_left_behind(tmp_pa
         assert not any(gone(pid) for pid in grandchildren)  # outside every group, and no cgroup holds them
     finally:
         server.cleanup()
-    with LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=args) as again:
-        for rec in recs:
-            final = again.client().get(rec["id"])
-            assert final["state"] == "aborted" and final["reason"].startswith("server_restart"), final
-        wait_until(lambda: all(gone(pid) for pid in grandchildren), timeout=5)
+    try:
+        with LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=args) as again:
+            for rec in recs:
+                final = again.client().get(rec["id"])
+                assert final["state"] == "aborted" and final["reason"].startswith("server_restart"), final
+            wait_until(lambda: all(gone(pid) for pid in grandchildren), timeout=5)
+    finally:
+        for pid in grandchildren:  # (a failure must not leave them sleeping)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow  # heavy (a model host or a killed server); CI runs it with -m slow

@@ -164,6 +164,8 @@ class Scheduler:
         for executor in self.executors.values():
             executor.bind(self.context)
         found = await self._loop.run_in_executor(None, self._read_runs_dir)
+        # No await from here to the executors' ``recovered``: no run may start in between (a
+        # resumed attempt's processes carry the run id that ``recovered`` searches for).
         self._recover(found)
         for executor in self.executors.values():
             executor.recovered()

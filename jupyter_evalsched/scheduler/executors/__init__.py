@@ -100,7 +100,8 @@ class Executor:
         return False
 
     def recovered(self) -> None:
-        """Called once recovery has seen every run: clean up what no run owns any more."""
+        """Called once recovery has seen every run, before any run starts (in the same turn of the
+        loop as the ``recover`` calls): clean up what no run owns any more."""
 
     async def reconcile(self) -> None:
         """The periodic backstop (missed exits, another system's state)."""

@@ -683,8 +683,10 @@ class LocalExecutor(Executor):
         no server follows any more (a server killed while they ran) are emptied and removed, off
         the event loop."""
         searched, self._escapes_to_search = self._escapes_to_search, {}
-        if searched:
+        try:
             kill_escaped_all(searched)
+        except Exception:  # a surprise in /proc must not stop the server's start
+            log.exception("searching for what runs %s left behind failed", sorted(searched))
         if self.cgroups is None or not self.cgroups.enabled:
             return
         # Those of this server (made ahead, and its adopted runs') are kept.
