@@ -7,10 +7,9 @@ searched once for all of them (``kill_escaped_all``; the clean-up thread batches
 ended together).
 
 A process caught in the middle of an ``exec`` shows an empty environment for a moment: the new
-image's memory is in place before the kernel has finished recording where its environment
-lies. Such a
-process is looked at again, 1 ms apart, until its environment is there (:func:`environ_of`),
-for 50 ms at most in all for a search, rather than passed over.
+image's memory is in place before the kernel has finished recording where its environment lies.
+Such a process is looked at again, 1 ms apart, until its environment is there
+(:func:`environ_of`), for 50 ms at most in all for a search, rather than passed over.
 
 A search looks at every process of the host, so its cost grows with the host's processes, not
 with the runs: hundreds or thousands on a shared GPU host. Only processes started since the
@@ -173,9 +172,8 @@ def environ_of(pid: int) -> bytes | None | _Unsettled:
     when it reads empty again and a ``stat`` read after that shows a finished image
     (``start_code`` set) whose ``env_start`` equals ``env_end``: a chain of execs, such as
     ``setsid env nohup cmd``, passes through one window after another, and the second read may
-    fall into the next one. Where this host's
-    ``stat`` does not fill those fields in (a sandbox), an empty environment is taken as it
-    reads, as before."""
+    fall into the next one. Where this host's ``stat`` does not fill those fields in (a sandbox),
+    an empty environment is taken as it reads, as before."""
     environ = read_environ(pid)
     if environ != b"":
         return environ
@@ -212,12 +210,9 @@ STAT_SHOWS_EXEC = _stat_shows_exec()
 
 
 def read_environ(pid: int) -> bytes | None:
-    return _read_proc_file(pid, "environ")
-
-
-def _read_proc_file(pid: int, name: str) -> bytes | None:
+    """``/proc/<pid>/environ`` as it reads now; None when it cannot be read."""
     try:
-        with open(f"/proc/{pid}/{name}", "rb") as f:
+        with open(f"/proc/{pid}/environ", "rb") as f:
             return f.read()
     except OSError:
         return None
