@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -142,18 +142,29 @@ class Side:
         self.server.cleanup()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def ab_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options of every A/B bench here: the other checkout, and idle processes on the host."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     ap.add_argument("--old", type=Path, required=True, help="the other checkout (e.g. the commit before)")
-    ap.add_argument("--rounds", type=int, default=16, help="measured bursts per server")
-    ap.add_argument("--burst", type=int, default=50, help="runs per burst")
-    ap.add_argument("--slots", type=int, default=2, help="cpu_slots of both servers")
     ap.add_argument("--host-processes", type=int, default=0, help="idle processes added to the host meanwhile")
-    args = ap.parse_args()
+    return ap
+
+
+def run_ab(args: argparse.Namespace, measure: Callable[[argparse.Namespace], None]) -> None:
+    """Both trees byte-compiled (as ``scripts/setup.sh`` does), then ``measure`` among the host's
+    added idle processes."""
     for tree in (REPO, args.old.resolve()):
         compile_tree(tree)
     with host_crowd(args.host_processes):
         measure(args)
+
+
+def main() -> None:
+    ap = ab_parser(__doc__)
+    ap.add_argument("--rounds", type=int, default=16, help="measured bursts per server")
+    ap.add_argument("--burst", type=int, default=50, help="runs per burst")
+    ap.add_argument("--slots", type=int, default=2, help="cpu_slots of both servers")
+    run_ab(ap.parse_args(), measure)
 
 
 def measure(args: argparse.Namespace) -> None:

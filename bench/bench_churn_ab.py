@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from jupyter_evalsched.client import LocalServer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_burst_ab import compile_tree, host_crowd  # noqa: E402
+from bench_burst_ab import ab_parser, run_ab  # noqa: E402
 from bench_rest import hammer  # noqa: E402
 from bench_warm_start import NOOP, SLEEPY, Churn  # noqa: E402
 
@@ -85,16 +85,10 @@ class Side:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--old", type=Path, required=True, help="the other checkout (e.g. the commit before)")
+    ap = ab_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=4, help="rounds (a quiet and a churn phase per server each)")
     ap.add_argument("--submissions", type=int, default=2000, help="submissions per phase")
-    ap.add_argument("--host-processes", type=int, default=0, help="idle processes added to the host meanwhile")
-    args = ap.parse_args()
-    for tree in (REPO, args.old.resolve()):
-        compile_tree(tree)
-    with host_crowd(args.host_processes):
-        measure(args)
+    run_ab(ap.parse_args(), measure)
 
 
 def measure(args: argparse.Namespace) -> None:
