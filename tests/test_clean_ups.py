@@ -373,6 +373,34 @@ def test_a_process_that_ends_while_it_is_looked_at_again_is_not_waited_for(monke
         proc.wait()
 
 
+# A process whose main thread exits (libc's pthread_exit; ctypes lets the GIL go first) while
+# another thread goes on.
+MAIN_THREAD_EXITS = (
+    "import ctypes, threading, time; threading.Thread(target=time.sleep, args=(120,)).start(); "
+    "ctypes.CDLL(None).pthread_exit(None)"
+)
+
+
+def test_a_process_whose_main_thread_has_exited_is_found_through_its_other_threads():
+    """Once the main thread of a multithreaded process exits, ``/proc/<pid>`` shows that thread,
+    a zombie with no environment, while the process goes on in its other threads: found through
+    one of them, and killed whole."""
+    since = time.time() - 1
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAIN_THREAD_EXITS],
+        env={**os.environ, "EVALSCHED_RUN_ID": "run-threads"},
+        start_new_session=True,
+    )
+    try:
+        wait_until(lambda: (escapees.stat_fields(proc.pid) or [b"?"])[0] == b"Z", timeout=20)
+        assert escapees.read_environ(proc.pid) in (None, b"")
+        assert kill_escaped_all({"run-threads": since}) == {"run-threads": [proc.pid]}
+        wait_until(lambda: gone(proc), timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 class _Clock:
     """``escapees.time`` with a clock that only a sleep moves: how often a search looks again,
     counted without depending on the machine's speed."""

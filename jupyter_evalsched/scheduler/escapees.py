@@ -51,6 +51,7 @@ EXEC_POLL_S = 0.001
 PF_EXITING = 0x4
 PF_KTHREAD = 0x00200000
 START_CODE, ENV_START, ENV_END = 23, 47, 48
+NUM_THREADS = 17  # (field 20)
 
 
 class StartTimes:
@@ -163,6 +164,7 @@ UNSETTLED = _Unsettled()
 def environ_of(pid: int) -> bytes | None | _Unsettled:
     """``/proc/<pid>/environ``; None when the process has none to read (gone, not ours to read,
     a zombie, exiting, a kernel thread); ``UNSETTLED`` when it is in the middle of an ``exec``.
+    A process whose main thread has exited and whose other threads go on shows theirs.
 
     From ``exec_mmap`` until ``load_elf_binary`` has finished the new image's tables, a
     process's environ reads empty (so does an environ opened on the old memory and read after
@@ -175,10 +177,14 @@ def environ_of(pid: int) -> bytes | None | _Unsettled:
     fall into the next one. Where this host's ``stat`` does not fill those fields in (a sandbox),
     an empty environment is taken as it reads, as before."""
     environ = read_environ(pid)
-    if environ != b"":
+    if environ:
         return environ
     fields = stat_fields(pid)
     try:
+        if fields and fields[0] == b"Z" and int(fields[NUM_THREADS]) > 1:
+            return _threads_environ(pid)  # its main thread has exited, its others go on
+        if environ is None:
+            return None
         if not fields or fields[0] in (b"Z", b"X") or int(fields[6]) & (PF_EXITING | PF_KTHREAD):
             return None  # gone, ending (a zombie too) or a kernel thread: nothing to wait for
         if not STAT_SHOWS_EXEC:
@@ -209,8 +215,25 @@ def _stat_shows_exec() -> bool:
 STAT_SHOWS_EXEC = _stat_shows_exec()
 
 
-def read_environ(pid: int) -> bytes | None:
-    """``/proc/<pid>/environ`` as it reads now; None when it cannot be read."""
+def _threads_environ(pid: int) -> bytes | None:
+    """The environment of a process whose main thread has exited while its other threads go on
+    (``pthread_exit`` in ``main``; a runtime may do it): its ``/proc/<pid>`` describes that
+    thread, a zombie whose environ reads nothing, though the process it led still runs and the
+    search can kill it through ``pid``. Read from one of its live threads instead; None when none
+    shows one (the process is ending)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid != str(pid) and (environ := read_environ(f"{pid}/task/{tid}")):
+            return environ
+    return None
+
+
+def read_environ(pid: int | str) -> bytes | None:
+    """``/proc/<pid>/environ`` (``pid`` may be ``<pid>/task/<tid>``, a thread's) as it reads now;
+    None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return f.read()
