@@ -7,6 +7,8 @@ SIGTERM, say) polls ``ignores_signal`` instead of sleeping and hoping the eval g
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -20,6 +22,32 @@ def alive(pid: int | None) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# A process whose main thread exits (libc's pthread_exit; ctypes lets the GIL go first) while
+# another thread goes on.
+MAIN_THREAD_EXITS = (
+    "import ctypes, threading, time; threading.Thread(target=time.sleep, args=(120,)).start(); "
+    "ctypes.CDLL(None).pthread_exit(None)"
+)
+
+
+def main_thread_exited(env: dict[str, str]) -> subprocess.Popen:
+    """A process (in a session of its own) whose main thread has exited while another goes on:
+    its ``/proc/<pid>`` shows a zombie, as for a process that ended, though the process runs.
+    Returned once it is so; the caller kills it."""
+    from waiting import wait_until
+
+    proc = subprocess.Popen([sys.executable, "-c", MAIN_THREAD_EXITS], env=env, start_new_session=True)
+    wait_until(lambda: _state(proc.pid) == "Z", timeout=20)
+    return proc
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _status_field(pid: int, name: str) -> str | None:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-from proc_status import alive
+from proc_status import alive, main_thread_exited
 from waiting import wait_until
 
 from jupyter_evalsched.scheduler import escapees, launcher
@@ -373,26 +373,13 @@ def test_a_process_that_ends_while_it_is_looked_at_again_is_not_waited_for(monke
         proc.wait()
 
 
-# A process whose main thread exits (libc's pthread_exit; ctypes lets the GIL go first) while
-# another thread goes on.
-MAIN_THREAD_EXITS = (
-    "import ctypes, threading, time; threading.Thread(target=time.sleep, args=(120,)).start(); "
-    "ctypes.CDLL(None).pthread_exit(None)"
-)
-
-
 def test_a_process_whose_main_thread_has_exited_is_found_through_its_other_threads():
     """Once the main thread of a multithreaded process exits, ``/proc/<pid>`` shows that thread,
     a zombie with no environment, while the process goes on in its other threads: found through
     one of them, and killed whole."""
     since = time.time() - 1
-    proc = subprocess.Popen(
-        [sys.executable, "-c", MAIN_THREAD_EXITS],
-        env={**os.environ, "EVALSCHED_RUN_ID": "run-threads"},
-        start_new_session=True,
-    )
+    proc = main_thread_exited({**os.environ, "EVALSCHED_RUN_ID": "run-threads"})
     try:
-        wait_until(lambda: (escapees.stat_fields(proc.pid) or [b"?"])[0] == b"Z", timeout=20)
         assert escapees.read_environ(proc.pid) in (None, b"")
         assert kill_escaped_all({"run-threads": since}) == {"run-threads": [proc.pid]}
         wait_until(lambda: gone(proc), timeout=10)

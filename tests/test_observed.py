@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from proc_status import main_thread_exited
 from rest import spec, submit
 from waiting import async_wait_until, wait_until
 
@@ -217,7 +218,7 @@ def test_a_process_is_a_runs_by_its_environment_only_under_the_servers_uid():
     run_id = "20260101T000000.000000-abcdef"
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "EVALSCHED_RUN_ID": run_id}
     ours = subprocess.Popen(["sleep", "60"], env=env)
-    others = None
+    others = threads = None
     if os.getuid() == 0:  # another user's process naming our run is not believed
         others = subprocess.Popen(["sleep", "60"], env=env, user=65534)
     try:
@@ -226,8 +227,10 @@ def test_a_process_is_a_runs_by_its_environment_only_under_the_servers_uid():
         if others is not None:
             assert run_of_environment(others.pid, {run_id: None}) is None
         assert run_of_environment(os.getpid(), {run_id: None}) is None  # no such variable
+        threads = main_thread_exited(env)  # its /proc/<pid> a zombie's, its threads the run's
+        assert run_of_environment(threads.pid, {run_id: None}) == run_id
     finally:
-        for proc in (ours, others):
+        for proc in (ours, others, threads):
             if proc is not None:
                 proc.kill()
                 proc.wait()

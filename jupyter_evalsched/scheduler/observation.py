@@ -22,6 +22,7 @@ import psutil
 from .. import contract
 from ..runner._proc import stat_fields
 from .config import SchedulerConfig
+from .escapees import environ_of, run_ids_in
 from .executors import Executor, ObservedTarget
 from .gpus import GpuProbe, GpuProcess
 from .kernels import KernelInfo, OwnKernel, identify
@@ -31,8 +32,6 @@ from .runs import Run, RunTable
 from .shared import SharedModels
 
 log = logging.getLogger("jupyter_evalsched")
-
-RUN_ID_VARIABLE = b"EVALSCHED_RUN_ID="  # in every run's environment (environment.run_environment)
 
 OwnKernels = Callable[[], Awaitable[list[OwnKernel]]]
 
@@ -230,19 +229,19 @@ def sample_host(
 def run_of_environment(pid: int, run_ids: Mapping[str, object]) -> str | None:
     """The run among ``run_ids`` whose ``EVALSCHED_RUN_ID`` the process ``pid`` carries in its
     environment (every process a run starts inherits it), if the process has this server's uid
-    (another user's process naming one of our runs is not believed)."""
+    (another user's process naming one of our runs is not believed). A process whose main
+    thread has exited shows its other threads' (``escapees.environ_of``); one caught in the
+    middle of an ``exec`` is no run's in this sample, and the next one looks again."""
     try:
         if os.stat(f"/proc/{pid}").st_uid != os.getuid():
             return None
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read()
     except OSError:
         return None
-    for entry in environ.split(b"\0"):
-        if entry.startswith(RUN_ID_VARIABLE):
-            run_id = entry[len(RUN_ID_VARIABLE) :].decode("utf-8", "replace")
-            return run_id if run_id in run_ids else None
-    return None
+    environ = environ_of(pid)
+    if not isinstance(environ, bytes):
+        return None
+    run_id = next(run_ids_in(environ), None)  # (the first, as getenv finds it)
+    return run_id if run_id in run_ids else None
 
 
 def describe_holder(pid: int, own: list[OwnKernel]) -> tuple[KernelInfo | None, set[int]]:
