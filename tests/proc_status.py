@@ -1,7 +1,8 @@
 """What the kernel says about a process, for conditions the tests wait for (``tests/waiting.py``).
 
 A test that must act only once a process has set a signal's disposition (an eval that ignores
-SIGTERM, say) polls ``ignores_signal`` instead of sleeping and hoping the eval got that far.
+SIGTERM, say) polls ``ignores_signal`` instead of sleeping and hoping the eval got that far. Also
+here: a process in a state the kernel shows in an unusual way (``main_thread_exited``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import sys
 from pathlib import Path
 
 import psutil
+from waiting import wait_until
+
+from jupyter_evalsched.runner._proc import stat_fields
 
 
 def alive(pid: int | None) -> bool:
@@ -32,22 +36,19 @@ MAIN_THREAD_EXITS = (
 )
 
 
-def main_thread_exited(env: dict[str, str]) -> subprocess.Popen:
-    """A process (in a session of its own) whose main thread has exited while another goes on:
-    its ``/proc/<pid>`` shows a zombie, as for a process that ended, though the process runs.
-    Returned once it is so; the caller kills it."""
-    from waiting import wait_until
-
-    proc = subprocess.Popen([sys.executable, "-c", MAIN_THREAD_EXITS], env=env, start_new_session=True)
-    wait_until(lambda: _state(proc.pid) == "Z", timeout=20)
-    return proc
-
-
-def _state(pid: int) -> str | None:
+def main_thread_exited(env: dict[str, str], code: str = MAIN_THREAD_EXITS) -> subprocess.Popen:
+    """A process (in a session of its own; ``code``, Python, makes it) whose main thread has
+    exited while another goes on: its ``/proc/<pid>`` shows a zombie, as for a process that
+    ended, though the process runs. Returned once it is so; the caller kills it (killed here if
+    it never gets there)."""
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+        wait_until(lambda: (stat_fields(proc.pid) or [b"?"])[0] == b"Z", timeout=20)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
 
 
 def _status_field(pid: int, name: str) -> str | None:

@@ -419,3 +419,29 @@ def test_the_grace_for_execs_is_one_for_the_whole_search(spawn, monkeypatch):
     rounds = round(escapees.EXEC_GRACE_S / escapees.EXEC_POLL_S)
     assert rounds <= clock.sleeps <= rounds + 1, clock.sleeps
     assert all(alive(p.pid) for p in procs)
+
+
+# setresuid as a raw system call changes the calling thread's uid alone (libc's changes all).
+SETRESUID = {"x86_64": 117, "aarch64": 147}.get(os.uname().machine)
+
+
+@pytest.mark.skipif(os.getuid() != 0 or SETRESUID is None, reason="needs root on x86_64 or aarch64")
+def test_a_thread_under_another_uid_does_not_make_its_process_the_servers():
+    """The threads of a root process whose main thread has exited are read only where they have
+    the main thread's uid, the one the search checked: one that switched to another uid does not
+    make the process a run's of the server's uid."""
+    code = (
+        "import ctypes, threading, time; libc = ctypes.CDLL(None); switched = threading.Event()\n"
+        "def other():\n"
+        f"    libc.syscall({SETRESUID}, 65534, 65534, 65534); switched.set(); time.sleep(120)\n"
+        "threading.Thread(target=other).start(); switched.wait(); libc.pthread_exit(None)"
+    )
+    since = time.time() - 1
+    proc = main_thread_exited({**os.environ, "EVALSCHED_RUN_ID": "run-uid"}, code)
+    try:
+        assert escapees.environ_of(proc.pid) is None
+        assert kill_escaped_all({"run-uid": since}) == {}
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

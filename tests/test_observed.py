@@ -20,7 +20,7 @@ from rest import spec, submit
 from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched.client import LocalServer
-from jupyter_evalsched.scheduler import observation
+from jupyter_evalsched.scheduler import escapees, observation
 from jupyter_evalsched.scheduler.gpus import write_process_table
 
 EVALS = str(Path(__file__).with_name("evals_observed.py"))
@@ -222,9 +222,12 @@ def test_a_process_is_a_runs_by_its_environment_only_under_the_servers_uid():
     if os.getuid() == 0:  # another user's process naming our run is not believed
         others = subprocess.Popen(["sleep", "60"], env=env, user=65534)
     try:
-        assert run_of_environment(ours.pid, {run_id: None}) == run_id
+        # (Right after its exec a process's environment reads empty for a moment.)
+        wait_until(lambda: run_of_environment(ours.pid, {run_id: None}) == run_id, timeout=20)
         assert run_of_environment(ours.pid, {"20260101T000000.000000-000000": None}) is None
         if others is not None:
+            named = f"EVALSCHED_RUN_ID={run_id}".encode()
+            wait_until(lambda: named in (escapees.read_environ(others.pid) or b""), timeout=20)
             assert run_of_environment(others.pid, {run_id: None}) is None
         assert run_of_environment(os.getpid(), {run_id: None}) is None  # no such variable
         threads = main_thread_exited(env)  # its /proc/<pid> a zombie's, its threads the run's

@@ -219,14 +219,25 @@ def _threads_environ(pid: int) -> bytes | None:
     """The environment of a process whose main thread has exited while its other threads go on
     (``pthread_exit`` in ``main``; a runtime may do it): its ``/proc/<pid>`` describes that
     thread, a zombie whose environ reads nothing, though the process it led still runs and the
-    search can kill it through ``pid``. Read from one of its live threads instead; None when none
-    shows one (the process is ending)."""
+    search can kill it through ``pid``. Read from one of its live threads instead, one that has
+    the uid the caller checked (the main thread's: a thread of a root process may have switched
+    to another) and is not exiting; None when there is none (the process is ending)."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
+    uid = _real_uid(pid)
     for tid in tids:
-        if tid != str(pid) and (environ := read_environ(f"{pid}/task/{tid}")):
+        thread = f"{pid}/task/{tid}"
+        if tid == str(pid) or uid is None or _real_uid(thread) != uid:
+            continue
+        fields = stat_fields(thread)
+        try:
+            if not fields or fields[0] in (b"Z", b"X") or int(fields[6]) & PF_EXITING:
+                continue
+        except (ValueError, IndexError):
+            continue
+        if environ := read_environ(thread):
             return environ
     return None
 
@@ -275,7 +286,7 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
-def _real_uid(pid: int) -> int | None:
+def _real_uid(pid: int | str) -> int | None:
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
