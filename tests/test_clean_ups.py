@@ -445,3 +445,56 @@ def test_a_thread_under_another_uid_does_not_make_its_process_the_servers():
     finally:
         proc.kill()
         proc.wait()
+
+
+def _group(leader_code: str) -> tuple[subprocess.Popen, int]:
+    """A process group of a leader and a child it started (as a run's): (leader, child pid)."""
+    leader = subprocess.Popen(
+        [sys.executable, "-c", leader_code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert leader.stdout is not None
+    return leader, int(leader.stdout.readline())
+
+
+GROUP_OF_TWO = (
+    "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+    "print(child.pid, flush=True); time.sleep(120)"
+)
+
+
+def test_the_runs_an_earlier_server_left_are_killed_together_whole_groups():
+    """A restart kills the process groups of the runs an earlier server left running (the
+    leader and what it started), all before it waits for any, and only where the pid is still
+    that run's process: one whose start differs (its pid reused) is left alone."""
+    groups = [_group(GROUP_OF_TWO) for _ in range(2)]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        created = [launcher.process_start_time(leader.pid) for leader, _ in groups]
+        reused = launcher.process_start_time(other.pid)
+        assert None not in created and reused is not None
+        stale = [(leader.pid, at) for (leader, _), at in zip(groups, created, strict=True)] + [
+            (other.pid, reused - 100)
+        ]
+        assert launcher.kill_stale_groups(stale, timeout=60) == []
+        for leader, child in groups:
+            assert leader.wait(timeout=10) == -9
+            wait_until(lambda child=child: not alive(child), timeout=10)
+        assert alive(other.pid), "a process whose start differs from the run's was killed"
+    finally:
+        for proc in [leader for leader, _ in groups] + [other]:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_run_left_as_a_zombie_is_not_waited_for():
+    """A run's process that has exited but is not reaped (an orphan under an init that does not
+    reap) holds nothing more: the restart does not wait for it to go."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    try:
+        wait_until(lambda: (escapees.stat_fields(zombie.pid) or [b"?"])[0] == b"Z", timeout=20)
+        created = launcher.process_start_time(zombie.pid)
+        started = time.monotonic()
+        assert launcher.kill_stale_groups([(zombie.pid, created)], timeout=60) == []
+        assert time.monotonic() - started < 30, "the restart waited for a zombie"
+    finally:
+        zombie.wait()

@@ -700,14 +700,28 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def kill_stale_group(pid: int, create_time: float | None) -> None:
-    """Kill a run left by a previous server, but only if it really is that run."""
-    if is_same_process(pid, create_time):
+# How long a restart waits, at most, for the runs an earlier server left running to go once
+# killed (all of them together): one killed in the middle of a GPU driver's teardown can take
+# seconds.
+STALE_KILL_WAIT_S = 2.0
+
+
+def kill_stale_groups(processes: list[tuple[int, float | None]], timeout: float = STALE_KILL_WAIT_S) -> list[int]:
+    """Kill the process groups of runs an earlier server left behind (pid, start time), each only
+    if its pid is still that run's process; all are signalled first, then waited for together,
+    ``timeout`` in all, until each is gone or a zombie (it holds nothing more; an orphan's may
+    stay unreaped where the host's init does not reap). Returns the pids still there then."""
+    killed = [(pid, created) for pid, created in processes if is_same_process(pid, created)]
+    for pid, _ in killed:
         _killpg(pid, signal.SIGKILL)
-        try:
-            psutil.Process(pid).wait(timeout=2)
-        except (psutil.NoSuchProcess, psutil.TimeoutExpired, ChildProcessError):
-            pass
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        killed = [(pid, created) for pid, created in killed if is_same_process(pid, created, alive_only=True)]
+        if not killed or time.monotonic() >= deadline:
+            return [pid for pid, _ in killed]
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def signal_name(code: int) -> str:

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from ... import contract
@@ -39,7 +40,7 @@ from ..launcher import (
     RunProcess,
     SpawnError,
     is_same_process,
-    kill_stale_group,
+    kill_stale_groups,
     process_create_time,
     signal_name,
 )
@@ -75,7 +76,11 @@ class LocalExecutor(Executor):
         self._handover: dict[str, RunCgroup] = {}  # warm starts asked of a spare: the run's cgroup
         self._concluding: dict[str, asyncio.Future[ExitReads]] = {}  # exits whose figures are read
         self._preempt_timers: dict[str, asyncio.TimerHandle] = {}
-        # Recovered runs whose escaped processes are searched for, all in one search (``recovered``).
+        # What recovered runs left, dealt with for all of them at once (``recovered``): the
+        # process groups still there (pid, start), their cgroups, and the runs without one, whose
+        # escaped processes are searched for.
+        self._stale_groups: list[tuple[int, float | None]] = []
+        self._stale_cgroups: list[RunCgroup] = []
         self._escapes_to_search: dict[str, float] = {}
         self._stopping = False
 
@@ -591,12 +596,14 @@ class LocalExecutor(Executor):
         # is gone are removed with every other stale one: ``recovered``.)
         alive = is_same_process(pid, create_time)
         stale = self.cgroups.existing(run.id, pid if alive else None) if self.cgroups is not None else None
-        kill_stale_group(pid, create_time)
+        # Killed with every other run recovered so, once all are known and before anything
+        # starts (``recovered``): each wait then overlaps the others', and each search of the
+        # process table (escapes) lists every process of the host.
+        if alive:
+            self._stale_groups.append((pid, create_time))
         if stale is not None:
-            stale.remove()  # everything it held: the setsid'd, environment-less descendants too
+            self._stale_cgroups.append(stale)  # everything it held: the setsid'd, environment-less descendants too
         else:
-            # In one search with every other run recovered so (``recovered``), before anything
-            # starts: each search lists every process of the host.
             self._escapes_to_search[run.id] = create_time or 0.0
         why = (
             "the detached run died without finishing while no server watched it"
@@ -677,12 +684,25 @@ class LocalExecutor(Executor):
         return {run_id: ObservedTarget(pid, self._cgroups.get(run_id)) for run_id, pid in self.launcher.running.items()}
 
     def recovered(self) -> None:
-        """After recovery, before any run starts: what the recovered runs without a cgroup left
-        outside their process groups is killed, in one search of the process table (a new
-        attempt's processes, which carry the same run id, do not exist yet); cgroups left by runs
-        no server follows any more (a server killed while they ran) are emptied and removed, off
-        the event loop."""
+        """After recovery, before any run starts (a new attempt's processes carry the same run
+        id): the recovered runs' processes still there are killed, all signalled before any is
+        waited for, then their cgroups emptied and removed, each in a thread of its own when
+        there are several (each may wait for a process slow to die); what those without a cgroup
+        left outside their process groups is killed, in one search of the process table. Cgroups
+        left by runs no server follows any more (a server killed while they ran) are emptied and
+        removed, off the event loop."""
+        groups, self._stale_groups = self._stale_groups, []
+        cgroups, self._stale_cgroups = self._stale_cgroups, []
         searched, self._escapes_to_search = self._escapes_to_search, {}
+        if groups:
+            left = kill_stale_groups(groups)
+            if left:
+                log.warning("processes %s of runs an earlier server left did not go once killed", left)
+        if len(cgroups) > 1:
+            with ThreadPoolExecutor(min(len(cgroups), 8), thread_name_prefix="evalsched-recovery") as pool:
+                list(pool.map(RunCgroup.remove, cgroups))
+        elif cgroups:
+            cgroups[0].remove()
         try:
             kill_escaped_all(searched)
         except Exception:  # a surprise in /proc must not stop the server's start
