@@ -7,6 +7,7 @@ here: a process in a state the kernel shows in an unusual way (``main_thread_exi
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 from waiting import wait_until
 
-from jupyter_evalsched.runner._proc import stat_fields
+from jupyter_evalsched.runner._proc import process_start_time, stat_fields
 
 
 def alive(pid: int | None) -> bool:
@@ -69,3 +70,36 @@ def ignores_signal(pid: int, sig: int = signal.SIGTERM) -> bool:
     when the process is gone."""
     mask = _status_field(pid, "SigIgn")
     return mask is not None and bool(int(mask, 16) & (1 << (sig - 1)))
+
+
+class StaleGroup:
+    """A process group as a run leaves it (a leader in a session of its own, and a child it
+    started), for a restart to find; ``close`` kills what is left of it."""
+
+    CODE = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "print(child.pid, flush=True); time.sleep(120)"
+    )
+
+    def __init__(self) -> None:
+        self.leader = subprocess.Popen(
+            [sys.executable, "-c", self.CODE], stdout=subprocess.PIPE, start_new_session=True
+        )
+        try:
+            assert self.leader.stdout is not None
+            self.child = int(self.leader.stdout.readline())  # (the leader's first line)
+            self.created = process_start_time(self.leader.pid)
+            assert self.created is not None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.leader.wait()
+        if self.leader.stdout is not None:
+            self.leader.stdout.close()

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-from proc_status import alive, main_thread_exited
+from proc_status import StaleGroup, alive, main_thread_exited
 from waiting import wait_until
 
 from jupyter_evalsched.scheduler import escapees, launcher
@@ -447,43 +447,28 @@ def test_a_thread_under_another_uid_does_not_make_its_process_the_servers():
         proc.wait()
 
 
-def _group(leader_code: str) -> tuple[subprocess.Popen, int]:
-    """A process group of a leader and a child it started (as a run's): (leader, child pid)."""
-    leader = subprocess.Popen(
-        [sys.executable, "-c", leader_code], stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
-    assert leader.stdout is not None
-    return leader, int(leader.stdout.readline())
-
-
-GROUP_OF_TWO = (
-    "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-    "print(child.pid, flush=True); time.sleep(120)"
-)
-
-
-def test_the_runs_an_earlier_server_left_are_killed_together_whole_groups():
-    """A restart kills the process groups of the runs an earlier server left running (the
-    leader and what it started), all before it waits for any, and only where the pid is still
-    that run's process: one whose start differs (its pid reused) is left alone."""
-    groups = [_group(GROUP_OF_TWO) for _ in range(2)]
+def test_the_runs_an_earlier_server_left_are_killed_whole_groups_and_waited_for_together():
+    """A restart kills the process group of each run an earlier server left running (the leader
+    and what it started), only where the pid is still that run's process (one whose start
+    differs, its pid reused, is left alone), and waits for the leaders together."""
+    groups: list[StaleGroup] = []
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
-        created = [launcher.process_start_time(leader.pid) for leader, _ in groups]
+        groups += [StaleGroup(), StaleGroup()]
         reused = launcher.process_start_time(other.pid)
-        assert None not in created and reused is not None
-        stale = [(leader.pid, at) for (leader, _), at in zip(groups, created, strict=True)] + [
-            (other.pid, reused - 100)
-        ]
-        assert launcher.kill_stale_groups(stale, timeout=60) == []
-        for leader, child in groups:
-            assert leader.wait(timeout=10) == -9
-            wait_until(lambda child=child: not alive(child), timeout=10)
+        assert reused is not None
+        assert [launcher.kill_stale_group(g.leader.pid, g.created) for g in groups] == [True, True]
+        assert launcher.kill_stale_group(other.pid, reused - 100) is None
+        assert launcher.wait_stale_gone([(g.leader.pid, g.created) for g in groups], timeout=60) == []
+        for group in groups:
+            assert group.leader.wait(timeout=10) == -9
+            wait_until(lambda group=group: not alive(group.child), timeout=10)
         assert alive(other.pid), "a process whose start differs from the run's was killed"
     finally:
-        for proc in [leader for leader, _ in groups] + [other]:
-            proc.kill()
-            proc.wait()
+        for group in groups:
+            group.close()
+        other.kill()
+        other.wait()
 
 
 def test_a_run_left_as_a_zombie_is_not_waited_for():
@@ -493,8 +478,9 @@ def test_a_run_left_as_a_zombie_is_not_waited_for():
     try:
         wait_until(lambda: (escapees.stat_fields(zombie.pid) or [b"?"])[0] == b"Z", timeout=20)
         created = launcher.process_start_time(zombie.pid)
+        assert created is not None and launcher.is_same_process(zombie.pid, created)
         started = time.monotonic()
-        assert launcher.kill_stale_groups([(zombie.pid, created)], timeout=60) == []
+        assert launcher.wait_stale_gone([(zombie.pid, created)], timeout=60) == []
         assert time.monotonic() - started < 30, "the restart waited for a zombie"
     finally:
         zombie.wait()

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 from live_server import wait_until
-from proc_status import alive
+from proc_status import StaleGroup, alive
 from run_dirs import write_run_dir
 
 from jupyter_evalsched.client import LocalServer
@@ -132,6 +132,49 @@ async def test_a_recycled_pid_is_not_mistaken_for_the_run(jp_serverapp, runs_dir
     assert rec["state"] == "aborted" and rec["reason"].startswith("server_restart")
     assert stranger.poll() is None, "an unrelated process with a recycled pid was killed"
     assert (run / "_DONE").exists()
+
+
+async def test_the_runs_an_earlier_server_left_running_are_killed_before_their_records_say_so(
+    jp_serverapp, runs_dir, monkeypatch, jp_asyncio_loop
+):
+    """Three runs whose processes (a leader and its child each) outlived their server: each group
+    is killed as its run is recovered, before its record says it ended, and the restart waits
+    for all of them at once, after every group was killed; each run ends aborted."""
+    from jupyter_evalsched.scheduler.executors import local
+
+    groups: dict[str, StaleGroup] = {}
+    calls: list[tuple[str, object]] = []
+    kill, wait = local.kill_stale_group, local.wait_stale_gone
+
+    def killing(pid, created):
+        run_id = next(r for r, g in groups.items() if g.leader.pid == pid)
+        app = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+        calls.append(("kill", app.scheduler.get(run_id).record["state"]))  # (the record as recovery has it)
+        return kill(pid, created)
+
+    def waiting(processes, *args):
+        calls.append(("wait", sorted(pid for pid, _ in processes)))
+        return wait(processes, *args)
+
+    monkeypatch.setattr(local, "kill_stale_group", killing)
+    monkeypatch.setattr(local, "wait_stale_gone", waiting)
+    try:
+        for i in range(3):
+            run_id = f"20260101T000000.000000-00000{i}"
+            groups[run_id] = StaleGroup()
+            write_run_dir(runs_dir / run_id, run_id, groups[run_id].leader.pid, groups[run_id].created, seq=i + 1)
+        await jp_serverapp.extension_manager.start_all_extensions()
+        scheduler = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
+        leaders = sorted(g.leader.pid for g in groups.values())
+        assert calls == [("kill", "running")] * 3 + [("wait", leaders)], calls
+        for run_id, group in groups.items():
+            assert group.leader.wait(timeout=10) == -9
+            wait_until(lambda group=group: not alive(group.child), timeout=10)
+            rec = scheduler.get(run_id).record
+            assert rec["state"] == "aborted" and rec["reason"].startswith("server_restart"), rec
+    finally:
+        for group in groups.values():
+            group.close()
 
 
 async def test_a_detached_run_that_ends_while_the_server_starts_keeps_its_verdict(jp_serverapp, runs_dir, monkeypatch):

@@ -693,11 +693,13 @@ class CleanUps:
         done.wait()
 
 
-def _killpg(pgid: int, sig: int) -> None:
+def _killpg(pgid: int, sig: int) -> bool:
+    """``sig`` to a process group; False when there is no such group or it is not ours to signal."""
     try:
         os.killpg(pgid, sig)
+        return True
     except (ProcessLookupError, PermissionError):
-        pass
+        return False
 
 
 # How long a restart waits, at most, for the runs an earlier server left running to go once
@@ -706,20 +708,27 @@ def _killpg(pgid: int, sig: int) -> None:
 STALE_KILL_WAIT_S = 2.0
 
 
-def kill_stale_groups(processes: list[tuple[int, float | None]], timeout: float = STALE_KILL_WAIT_S) -> list[int]:
-    """Kill the process groups of runs an earlier server left behind (pid, start time), each only
-    if its pid is still that run's process; all are signalled first, then waited for together,
-    ``timeout`` in all, until each is gone or a zombie (it holds nothing more; an orphan's may
-    stay unreaped where the host's init does not reap). Returns the pids still there then."""
-    killed = [(pid, created) for pid, created in processes if is_same_process(pid, created)]
-    for pid, _ in killed:
-        _killpg(pid, signal.SIGKILL)
+def kill_stale_group(pid: int, create_time: float | None) -> bool | None:
+    """SIGKILL to the process group of a run an earlier server left behind, if ``pid`` is still
+    that run's process (its start is ``create_time``). True: signalled; False: it is, but the
+    signal was refused (not this uid's); None: not that run's process any more (gone, or its pid
+    another's). Not waited for: :func:`wait_stale_gone` waits for all of them together."""
+    if not is_same_process(pid, create_time):
+        return None
+    return _killpg(pid, signal.SIGKILL)
+
+
+def wait_stale_gone(processes: list[tuple[int, float | None]], timeout: float = STALE_KILL_WAIT_S) -> list[int]:
+    """Wait, ``timeout`` in all, until each of these killed processes (pid, start time: the
+    leaders of :func:`kill_stale_group`'s groups) is gone or a zombie: it holds nothing more (an
+    orphan's may stay unreaped where the host's init does not reap). Returns the pids still
+    there then."""
     deadline = time.monotonic() + timeout
     delay = 0.0005
     while True:
-        killed = [(pid, created) for pid, created in killed if is_same_process(pid, created, alive_only=True)]
-        if not killed or time.monotonic() >= deadline:
-            return [pid for pid, _ in killed]
+        processes = [(pid, created) for pid, created in processes if is_same_process(pid, created, alive_only=True)]
+        if not processes or time.monotonic() >= deadline:
+            return [pid for pid, _ in processes]
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 

@@ -168,7 +168,10 @@ class Scheduler:
         # resumed attempt's processes carry the run id that ``recovered`` searches for).
         self._recover(found)
         for executor in self.executors.values():
-            executor.recovered()
+            try:
+                executor.recovered()
+            except Exception:  # (a bug of ours: logged, and the others clean up all the same)
+                log.exception("evalsched: the %s executor's clean-up after recovery failed", executor.name)
         await self.table.all_written()  # what recovery decided is on disk before the API answers
         self.leases.bind(self._loop)
         self.leases.recover(

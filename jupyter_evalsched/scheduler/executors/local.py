@@ -40,9 +40,10 @@ from ..launcher import (
     RunProcess,
     SpawnError,
     is_same_process,
-    kill_stale_groups,
+    kill_stale_group,
     process_create_time,
     signal_name,
+    wait_stale_gone,
 )
 from ..runs import FinalSummary, Run, parse_timestamp
 from ..shared import ModelUnavailable, NoSharedModels, SharedModels
@@ -79,7 +80,7 @@ class LocalExecutor(Executor):
         # What recovered runs left, dealt with for all of them at once (``recovered``): the
         # process groups still there (pid, start), their cgroups, and the runs without one, whose
         # escaped processes are searched for.
-        self._stale_groups: list[tuple[int, float | None]] = []
+        self._stale_groups: dict[str, tuple[int, float | None]] = {}  # run id: its leader (pid, start)
         self._stale_cgroups: list[RunCgroup] = []
         self._escapes_to_search: dict[str, float] = {}
         self._stopping = False
@@ -596,11 +597,17 @@ class LocalExecutor(Executor):
         # is gone are removed with every other stale one: ``recovered``.)
         alive = is_same_process(pid, create_time)
         stale = self.cgroups.existing(run.id, pid if alive else None) if self.cgroups is not None else None
-        # Killed with every other run recovered so, once all are known and before anything
-        # starts (``recovered``): each wait then overlaps the others', and each search of the
-        # process table (escapes) lists every process of the host.
+        # Killed now, before its record says anything of it (its pid is checked again at the
+        # signal), and waited for with every other run recovered so, once all are known and
+        # before anything starts (``recovered``): each wait overlaps the others'. So is the
+        # search of the process table for its escapes (each search lists every process of the
+        # host).
         if alive:
-            self._stale_groups.append((pid, create_time))
+            signalled = kill_stale_group(pid, create_time)
+            if signalled:
+                self._stale_groups[run.id] = (pid, create_time)
+            elif signalled is False:
+                log.warning("run %s: its process %d, left by an earlier server, is not ours to kill", run.id, pid)
         if stale is not None:
             self._stale_cgroups.append(stale)  # everything it held: the setsid'd, environment-less descendants too
         else:
@@ -685,24 +692,29 @@ class LocalExecutor(Executor):
 
     def recovered(self) -> None:
         """After recovery, before any run starts (a new attempt's processes carry the same run
-        id): the recovered runs' processes still there are killed, all signalled before any is
-        waited for, then their cgroups emptied and removed, each in a thread of its own when
-        there are several (each may wait for a process slow to die); what those without a cgroup
-        left outside their process groups is killed, in one search of the process table. Cgroups
-        left by runs no server follows any more (a server killed while they ran) are emptied and
-        removed, off the event loop."""
-        groups, self._stale_groups = self._stale_groups, []
+        id): the recovered runs' process groups, killed as each was recovered, are waited for
+        together (their leaders, ``STALE_KILL_WAIT_S`` in all); their cgroups are emptied and
+        removed, several at once (each may wait for a process slow to die); what those without a
+        cgroup left outside their process groups is killed, in one search of the process table.
+        Cgroups left by runs no server follows any more (a server killed while they ran) are
+        emptied and removed, off the event loop. A failure of one step is logged and the next
+        one goes on: the server starts all the same."""
+        groups, self._stale_groups = self._stale_groups, {}
         cgroups, self._stale_cgroups = self._stale_cgroups, []
         searched, self._escapes_to_search = self._escapes_to_search, {}
-        if groups:
-            left = kill_stale_groups(groups)
-            if left:
-                log.warning("processes %s of runs an earlier server left did not go once killed", left)
-        if len(cgroups) > 1:
-            with ThreadPoolExecutor(min(len(cgroups), 8), thread_name_prefix="evalsched-recovery") as pool:
-                list(pool.map(RunCgroup.remove, cgroups))
-        elif cgroups:
-            cgroups[0].remove()
+        try:
+            left = set(wait_stale_gone(list(groups.values()))) if groups else set()
+            for run_id, (pid, _) in groups.items():
+                if pid in left:
+                    log.warning(
+                        "run %s: its process %d, left by an earlier server, is still there after SIGKILL", run_id, pid
+                    )
+        except Exception:
+            log.exception("waiting for the processes runs of an earlier server left failed")
+        try:
+            _remove_all(cgroups)
+        except Exception:
+            log.exception("removing the cgroups runs of an earlier server left failed")
         try:
             kill_escaped_all(searched)
         except Exception:  # a surprise in /proc must not stop the server's start
@@ -742,6 +754,20 @@ class ExitReads(NamedTuple):
 def _exit_reads(cgroup: RunCgroup, store: RunStore, run_id: str) -> ExitReads:
     """What a run's end is judged on, read off the loop once its process is gone."""
     return ExitReads(cgroup.memory_peak_mb(), cgroup.oom_kills(), FinalSummary.read(store, run_id))
+
+
+def _remove_all(cgroups: list[RunCgroup]) -> None:
+    """Empty and remove these cgroups, several at once (a thread each, up to 8) where there are
+    several and threads can be had: each may wait for a process slow to die."""
+    if len(cgroups) > 1:
+        try:
+            with ThreadPoolExecutor(min(len(cgroups), 8), thread_name_prefix="evalsched-recovery") as pool:
+                list(pool.map(RunCgroup.remove, cgroups))
+            return
+        except RuntimeError:  # no thread to be had (the server's pids.max): one after another
+            log.warning("no threads to remove %d cgroups at once; removing them one by one", len(cgroups))
+    for cgroup in cgroups:
+        cgroup.remove()
 
 
 def _remove_stale_cgroups(cgroups: Cgroups, names: list[str]) -> None:
