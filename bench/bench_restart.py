@@ -20,7 +20,6 @@ rotation: what a change moved.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -37,33 +36,10 @@ sys.path.insert(0, str(REPO))
 from jupyter_evalsched.client import LocalServer  # noqa: E402
 from jupyter_evalsched.runner._proc import process_start_time  # noqa: E402
 
+sys.path.insert(0, str(REPO / "tests"))
+from run_dirs import write_run_dir  # noqa: E402  (a run directory as a killed server leaves it: the tests')
+
 CASES = ("gone", "alive", "zombie")
-
-
-def write_left_run(runs: Path, run_id: str, seq: int, pid: int, created: float | None) -> None:
-    """A run directory as a server killed while the run ran leaves it: ``running`` as ``pid``."""
-    run_dir = runs / run_id
-    run_dir.mkdir(parents=True)
-    (run_dir / "spec.json").write_text(json.dumps({"entrypoint": "x:y", "episodes": 1, "cwd": "/", "scheduling": {}}))
-    record = {
-        "id": run_id,
-        "name": "left",
-        "state": "running",
-        "reason": None,
-        "priority": "normal",
-        "submitted_at": "2026-01-01T00:00:00.000000+00:00",
-        "started_at": "2026-01-01T00:00:01.000000+00:00",
-        "finished_at": None,
-        "pid": pid,
-        "pid_create_time": created,
-        "devices": [],
-        "exit_code": None,
-        "progress": {"done": 0, "total": 1},
-        "marginal_vram_mb": 0,
-        "depends_on": [],
-        "seq": seq,
-    }
-    (run_dir / "job.json").write_text(json.dumps(record))
 
 
 def orphan() -> int:
@@ -86,7 +62,7 @@ def restart(case: str, runs: int, scratch: Path, tree: Path) -> float:
     ids = [f"20260101T000000.000000-{i:06x}" for i in range(runs)]
     try:
         for i, (run_id, pid) in enumerate(zip(ids, pids, strict=True)):
-            write_left_run(root / "runs", run_id, i + 1, pid, process_start_time(pid))
+            write_run_dir(root / "runs" / run_id, run_id, pid, process_start_time(pid), seq=i + 1)
         for proc in children:
             proc.kill()
             if case == "gone":
