@@ -91,6 +91,7 @@ from bench_warm_start import (
     Churn,
     bare_popen,
     cpu_times,
+    create_cost,
     settle,
     steal_line,
 )
@@ -502,21 +503,6 @@ SETTLED_RATIO = 3.0
 SETTLE_POLL_S = 20.0
 
 
-def new_file_cost(folder: Path, n: int = 200, keep: bool = True) -> float:
-    """The median cost of creating a file in a new folder under ``folder``. The files are kept
-    (``keep``), so that probing does not free inodes: on ext4 without a journal every freed
-    inode slows the next creations (see ``disk_settled``)."""
-    probe = Path(tempfile.mkdtemp(prefix="new-file-probe-", dir=folder))
-    costs = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        os.close(os.open(probe / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        costs.append(time.perf_counter() - t0)
-    if not keep:
-        shutil.rmtree(probe, ignore_errors=True)
-    return statistics.median(costs)
-
-
 def unjournalled_ext4(path: Path) -> bool:
     """Whether ``path`` is on ext4 without a journal (a journalled one has /proc/fs/jbd2/<dev>-*)."""
     fstype, rest = filesystem_of(path).split(" ", 1)
@@ -552,12 +538,12 @@ def disk_settled(root: Path, max_wait_s: float) -> tuple[str, float]:
     waited for. Returns what it says, and the cost in ms."""
     probes = root / "new-file-probes"
     probes.mkdir(exist_ok=True)
-    cost = first = new_file_cost(probes)
+    cost = first = create_cost(probes, keep=True)
     reference = None
     folder = tmpfs_folder()
     if folder is not None:
         try:
-            reference = new_file_cost(folder, keep=False)
+            reference = create_cost(folder)
         except OSError:
             reference = None
     text = "a new file costs {} ms" + (f" (tmpfs {reference * 1000:.3f} ms)" if reference else " (no tmpfs to compare)")
@@ -566,7 +552,7 @@ def disk_settled(root: Path, max_wait_s: float) -> tuple[str, float]:
     while waits and cost > SETTLED_RATIO * reference and time.monotonic() - began < max_wait_s:
         time.sleep(min(SETTLE_POLL_S, max(0.0, max_wait_s - (time.monotonic() - began))))
         settle()
-        cost = new_file_cost(probes)
+        cost = create_cost(probes, keep=True)
     waited = time.monotonic() - began
     text = text.format(f"{cost * 1000:.3f}")
     if waited >= 1.0:

@@ -357,8 +357,10 @@ def steal_line(since: tuple[int, int]) -> str:
     return f"   the hypervisor took {share:.1%} of this machine's CPU time during this part (steal)"
 
 
-def create_cost(folder: Path, n: int = 200) -> float:
-    """The median cost of creating a file in ``folder`` (a run creates several)."""
+def create_cost(folder: Path, n: int = 200, keep: bool = False) -> float:
+    """The median cost of creating a file in a new folder under ``folder`` (a run creates
+    several). ``keep``: the files stay, so that probing frees no inodes (on ext4 without a
+    journal every freed inode slows the next creations: ``bench_as_users_run.disk_settled``)."""
     probe = Path(tempfile.mkdtemp(prefix="create-probe-", dir=folder))
     try:
         costs = []
@@ -368,7 +370,8 @@ def create_cost(folder: Path, n: int = 200) -> float:
             costs.append(time.perf_counter() - t0)
         return statistics.median(costs)
     finally:
-        shutil.rmtree(probe, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(probe, ignore_errors=True)
 
 
 def settle() -> float:
