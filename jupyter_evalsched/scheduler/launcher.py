@@ -693,13 +693,11 @@ class CleanUps:
         done.wait()
 
 
-def _killpg(pgid: int, sig: int) -> bool:
-    """``sig`` to a process group; False when there is no such group or it is not ours to signal."""
+def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
-        return True
     except (ProcessLookupError, PermissionError):
-        return False
+        pass
 
 
 # How long a restart waits, at most, for the runs an earlier server left running to go once
@@ -715,7 +713,13 @@ def kill_stale_group(pid: int, create_time: float | None) -> bool | None:
     another's). Not waited for: :func:`wait_stale_gone` waits for all of them together."""
     if not is_same_process(pid, create_time):
         return None
-    return _killpg(pid, signal.SIGKILL)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return None  # gone since the look
+    except PermissionError:
+        return False
+    return True
 
 
 def wait_stale_gone(processes: list[tuple[int, float | None]], timeout: float = STALE_KILL_WAIT_S) -> list[int]:
