@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from rest import NOOP, SLEEPY, spec, submit
 from waiting import async_wait_until
 
 from jupyter_evalsched.doctor import server_checks
+from jupyter_evalsched.runner import zygote as zygote_runner
 from jupyter_evalsched.scheduler import launcher as launcher_module
 from jupyter_evalsched.scheduler import zygotes as zygotes_module
 from jupyter_evalsched.scheduler.zygotes import (
@@ -80,6 +82,17 @@ def preload_dir(tmp_path):
         "FLAG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hang.release')\n"
         "while not os.path.exists(FLAG):\n"
         "    time.sleep(0.05)\n"
+    )
+    # Where the zygote stands while it preloads (its cwd and sys.path, written beside this file),
+    # then it waits (until a flag file beside it exists).
+    (path / "warm_where.py").write_text(
+        "import json, os, sys, time\n"
+        "HERE = os.path.dirname(os.path.abspath(__file__))\n"
+        "with open(os.path.join(HERE, 'where.tmp'), 'w') as f:\n"
+        "    json.dump({'cwd': os.getcwd(), 'path': sys.path}, f)\n"
+        "os.rename(os.path.join(HERE, 'where.tmp'), os.path.join(HERE, 'where.json'))\n"
+        "while not os.path.exists(os.path.join(HERE, 'where.release')):\n"
+        "    time.sleep(0.02)\n"
     )
     (path / "warm_tempdir.py").write_text(
         "import tempfile\nHELD = tempfile.TemporaryDirectory(prefix='evalsched-zygote-held-')\n"
@@ -172,6 +185,94 @@ async def test_warm_and_cold_runs_look_alike_to_the_eval(api, wait_for, tmp_path
         assert rec["pid"] == fp["pid"] and rec["pid_create_time"] == pytest.approx(fp["create_time"], abs=0.01)
     # Reseeded: no two runs share a random state, warm or cold.
     assert len({fp1["random"], fp2["random"], fpc["random"]}) == 3
+
+
+@pytest.fixture
+def server_tempdir(tmp_path, monkeypatch):
+    """The server's temporary directory (``tempfile``'s, in this process): one of the test's own,
+    so that what the server leaves there can be counted. (Before ``api`` in a test's arguments.)"""
+    path = tmp_path / "server-tmp"
+    path.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    return path
+
+
+@pytest.mark.parametrize("preload", [["warm_where"]])
+async def test_the_zygote_leaves_its_start_directory_before_it_preloads(server_tempdir, api, preload_dir):
+    """The server starts a zygote in an empty directory of its own in /tmp (``python -m`` puts the
+    cwd on ``sys.path``). By its first preload the zygote has left it and removed it: a server
+    killed while a preload takes its time leaves nothing in /tmp, and no process of ours keeps on
+    its ``sys.path`` a path in /tmp that another user could make again once it is gone."""
+    where = preload_dir / "where.json"
+    await async_wait_until(where.exists, timeout=30, message="the zygote did not preload")
+    # The zygote is in its preload, which waits: only the zygote itself can have removed it.
+    assert [z["state"] for z in (await status(api))["warm_start"]["zygotes"]] == ["starting"]
+    assert list(server_tempdir.iterdir()) == []
+    seen = json.loads(where.read_text())
+    assert seen["cwd"] == "/", seen
+    assert not [p for p in seen["path"] if not p.startswith("/") or p.startswith(str(server_tempdir))], seen
+    assert str(preload_dir) in seen["path"], seen  # (the zygote's PYTHONPATH is all there)
+    (preload_dir / "where.release").touch()
+    assert (await ready_zygote(api))["zygotes"][0]["state"] == "ready"
+
+
+_WHERE_AFTER_LEAVING = """
+import json, os, sys
+from jupyter_evalsched.runner.zygote import START_DIR, leave_start_directory
+if os.environ.get("REMOVE_FIRST"):  # (as the server does when it gives up on a starting zygote)
+    os.rmdir(os.environ[START_DIR])
+leave_start_directory()
+print(json.dumps({"cwd": os.getcwd(), "path": sys.path}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("python_path", "safe_path", "linked", "removed_first"),
+    [
+        ("{m}:{r}", None, False, False),
+        ("{m}:{r}", "1", False, False),  # no -m entry: the first PYTHONPATH entry stays
+        (":{m}:{r}", None, False, False),  # an empty entry: made the start directory
+        ("{m}:{r}:", "1", False, False),
+        ("{m}::sub:{r}", None, False, False),  # and a relative one, below it
+        ("{m}:{r}", None, True, False),  # started through a symbolic link to its parent
+        ("{m}:{r}:", None, True, True),  # the same, removed by the server before the zygote came to it
+    ],
+)
+def test_leaving_the_start_directory_keeps_the_rest_of_sys_path_whatever_the_flags(
+    tmp_path, python_path, safe_path, linked, removed_first
+):
+    """Started as the server starts a zygote (``python -m`` in its start directory): every entry
+    that names the start directory or something in it goes, whatever made it (``-m``, an empty or
+    relative ``PYTHONPATH`` entry), and nothing else; the directory is removed."""
+    real = tmp_path / "real"
+    real.mkdir()
+    parent = tmp_path / "link" if linked else real
+    if linked:
+        parent.symlink_to(real)
+    start = parent / "evalsched-zygote-x"
+    start.mkdir()
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "where_after_leaving.py").write_text(_WHERE_AFTER_LEAVING)
+    repo = str(Path(zygotes_module.__file__).parents[2])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = python_path.format(m=modules, r=repo)
+    env[zygote_runner.START_DIR] = str(start)
+    if safe_path:
+        env["PYTHONSAFEPATH"] = safe_path
+    if removed_first:
+        env["REMOVE_FIRST"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-m", "where_after_leaving"], cwd=start, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen["cwd"] == "/"
+    assert not start.exists() and not (real / start.name).exists()
+    left = [p for p in seen["path"] if not p.startswith("/") or p.startswith((str(real), str(parent)))]
+    assert left == [], seen
+    assert [p for p in seen["path"] if p in (str(modules), repo)] == [str(modules), repo], seen
+    assert seen["path"][0] == str(modules), seen  # (the stdlib and site-packages after them, as given)
 
 
 @pytest.mark.parametrize(

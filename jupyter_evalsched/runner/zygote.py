@@ -88,6 +88,10 @@ PRELOAD = "EVALSCHED_PRELOAD"
 # Where each spare makes its own cgroup and joins it (JSON: {"parents": [dirs, primary last],
 # "prefix": the name's}); unset: the host gives runs no cgroup.
 CGROUP_SPARES = "EVALSCHED_CGROUP_SPARES"
+# The empty directory of its own the server starts the zygote in (``python -m`` puts the cwd first
+# on ``sys.path``: nothing may be imported from wherever the server happens to be). The zygote
+# leaves and removes it as it starts (leave_start_directory).
+START_DIR = "EVALSCHED_ZYGOTE_START_DIR"
 MAX_MESSAGE = 1 << 20  # a request carries a run's environment: far below this
 
 # What a run's start imports anyway: preloaded always.
@@ -444,7 +448,7 @@ class Zygote:
         make_interpreter_state()  # (before the stamps: whatever it imports is watched too)
         self.stamps = module_files()
         self.loaded = top_level_modules()
-        self.base_path = list(sys.path[1:])  # [0] is our own cwd; a run gets its own there
+        self.base_path = list(sys.path)  # (the start directory is off it: a run gets its cwd there)
         # Long-lived objects need not be scanned by the collector again in every child (and
         # touching them would copy their pages).
         gc.collect()
@@ -999,7 +1003,42 @@ def _reseed() -> None:
             pass
 
 
+def leave_start_directory() -> None:
+    """Takes the directory the zygote started in off ``sys.path``, moves to ``/`` and removes the
+    directory (empty, the server's ``START_DIR``), before anything is preloaded. A zygote killed
+    later then leaves nothing in the temporary directory, and no process of ours keeps on its
+    ``sys.path`` a path in ``/tmp`` that another user could make again, with modules in it, once
+    it is gone. (A run gets its own cwd first on ``sys.path``: become_run.)
+
+    Off the path goes every entry in the directory: ``python -m``'s, and the empty or relative
+    ``PYTHONPATH`` entries that the interpreter made absolute from it (a trailing ``:``). They
+    named the empty directory: nothing was imported from them. Relative entries go too: from
+    ``/`` they would name something else."""
+    start = os.environ.pop(START_DIR, None)
+    if not start:
+        return  # (not started by a server: nothing of ours to leave)
+    places = {start, os.path.realpath(start)}
+    try:
+        places.add(os.getcwd())  # (what -m put first: the physical path)
+    except OSError:
+        pass  # removed already: the server gave up on this zygote while it started
+    places.discard("/")
+
+    def there(entry: object) -> bool:
+        if not isinstance(entry, str):
+            return False
+        return not os.path.isabs(entry) or any(entry == p or entry.startswith(p + os.sep) for p in places)
+
+    sys.path[:] = [entry for entry in sys.path if not there(entry)]
+    try:
+        os.chdir("/")
+        os.rmdir(start)
+    except OSError:
+        pass  # the server removes it at the zygote's end
+
+
 def main() -> int:
+    leave_start_directory()  # (first: a zygote whose server is gone leaves nothing either)
     set_parent_death_signal()
     expected = expected_parent_pid()
     if parent_is_gone(expected):

@@ -24,7 +24,6 @@ import errno
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..runner.zygote import CGROUP_SPARES, ENV_RESERVE, PRELOAD, ZYGOTE_FD
+from ..runner.zygote import CGROUP_SPARES, ENV_RESERVE, PRELOAD, START_DIR, ZYGOTE_FD
 from ..schemas import MAX_ENV_BYTES
 
 if TYPE_CHECKING:
@@ -61,6 +60,7 @@ PER_RUN_VARIABLES = frozenset(
         PRELOAD,
         ENV_RESERVE,
         ZYGOTE_FD,
+        START_DIR,
         "CUDA_VISIBLE_DEVICES",
         "CUDA_DEVICE_ORDER",
     }
@@ -248,8 +248,10 @@ class ZygoteClient:
         """Start the zygote process (from the event loop's thread: its death signal is tied to
         the thread that forks it, which lives as long as the server)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._cwd = tempfile.mkdtemp(prefix="evalsched-zygote-")  # sys.path[0]: nothing to import there
+        # Its cwd to start in, sys.path[0]: nothing to import there. It removes it as it starts.
+        self._cwd = tempfile.mkdtemp(prefix="evalsched-zygote-")
         env = dict(self.env)
+        env[START_DIR] = self._cwd
         env[ZYGOTE_FD] = str(theirs.fileno())
         env["EVALSCHED_PARENT_PID"] = str(os.getpid())
         env[PRELOAD] = ",".join(self.preload)
@@ -638,9 +640,7 @@ class ZygoteClient:
             self._stop_deadline()
             self.state = READY
             self.info = message
-            # Its cwd (sys.path[0], empty on purpose) is not needed any more: removed now, so
-            # that a server killed later leaves no directory behind.
-            self._remove_cwd()
+            self._remove_cwd()  # (the zygote removed it as it started: in case it could not)
             failed = message.get("failed") or []
             log.info(
                 "evalsched: zygote %d ready in %.2f s (preloaded: %s)%s",
@@ -853,8 +853,14 @@ class ZygoteClient:
             sock.close()
 
     def _remove_cwd(self) -> None:
+        """Where the zygote could not remove its start directory itself. Empty (nothing is written
+        there), so an rmdir: once the zygote has removed it, whatever another user may have made
+        under the same name in /tmp is not ours to empty."""
         if self._cwd is not None:
-            shutil.rmtree(self._cwd, ignore_errors=True)
+            try:
+                os.rmdir(self._cwd)
+            except OSError:
+                pass
             self._cwd = None
 
     def reap(self) -> bool:
