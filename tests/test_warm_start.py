@@ -29,7 +29,9 @@ from jupyter_evalsched.scheduler import zygotes as zygotes_module
 from jupyter_evalsched.scheduler.zygotes import (
     ForkRequest,
     Spare,
+    WarmStartConfig,
     ZygoteClient,
+    ZygotePool,
     cold_reason,
     incompatible,
     zygote_environment,
@@ -93,6 +95,17 @@ def preload_dir(tmp_path):
         "os.rename(os.path.join(HERE, 'where.tmp'), os.path.join(HERE, 'where.json'))\n"
         "while not os.path.exists(os.path.join(HERE, 'where.release')):\n"
         "    time.sleep(0.02)\n"
+    )
+    # A preload that starts a process (in the zygote's group), says so, then never returns.
+    (path / "warm_hang_child.py").write_text(
+        "import os, subprocess, time\n"
+        "HERE = os.path.dirname(os.path.abspath(__file__))\n"
+        "CHILD = subprocess.Popen(['sleep', '3600'])\n"
+        "with open(os.path.join(HERE, f'child-of-{os.getpid()}.tmp'), 'w') as f:\n"
+        "    f.write(str(CHILD.pid))\n"
+        "os.rename(os.path.join(HERE, f'child-of-{os.getpid()}.tmp'), os.path.join(HERE, f'child-of-{os.getpid()}'))\n"
+        "while True:\n"
+        "    time.sleep(1)\n"
     )
     (path / "warm_tempdir.py").write_text(
         "import tempfile\nHELD = tempfile.TemporaryDirectory(prefix='evalsched-zygote-held-')\n"
@@ -214,6 +227,36 @@ async def test_the_zygote_leaves_its_start_directory_before_it_preloads(server_t
     assert str(preload_dir) in seen["path"], seen  # (the zygote's PYTHONPATH is all there)
     (preload_dir / "where.release").touch()
     assert (await ready_zygote(api))["zygotes"][0]["state"] == "ready"
+
+
+async def test_zygotes_evicted_while_they_start_are_killed_and_do_not_turn_warm_starts_off(preload_dir):
+    """A zygote evicted before it is ready (``max_zygotes``: another environment's run needs the
+    place) has no run: it goes at once, with what its preloads started, instead of finishing a
+    preload first (here one that never returns). Evictions are not a preload that kills the
+    interpreter: after three, warm starts are still on."""
+    config = WarmStartConfig(preload=["warm_hang_child"], max_zygotes=2)
+    pool = ZygotePool(config, lambda *_: None)
+    pool.bind(asyncio.get_running_loop())
+    env = {**os.environ, "PYTHONPATH": str(preload_dir)}
+    pool.start(env)
+    try:
+        evicted: list[tuple[int, int]] = []  # (zygote, the process its preload started)
+        for flavour in range(4):
+            zygote = pool.choose({**env, "EVAL_FLAVOUR": str(flavour)})
+            assert isinstance(zygote, ZygoteClient) and zygote.state == "starting", zygote
+            said = preload_dir / f"child-of-{zygote.pid}"
+            await async_wait_until(said.exists, timeout=30, message="the preload did not start its process")
+            if flavour:  # the previous one was evicted to make room for this one
+                assert pool.zygotes[-2].state == "dead"
+            evicted.append((zygote.pid, int(said.read_text())))
+        evicted.pop()  # (the last is still there)
+        for pid, child in evicted:
+            await async_wait_until(lambda p=pid, c=child: not alive(p) and not alive(c), timeout=10, message="left")
+        pool.reconcile()
+        assert pool.refused is None
+        assert [z.state for z in pool.zygotes] == ["starting", "starting"]  # the server's own, the last
+    finally:
+        pool.close()
 
 
 _WHERE_AFTER_LEAVING = """

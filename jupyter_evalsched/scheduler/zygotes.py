@@ -306,11 +306,19 @@ class ZygoteClient:
             f"does a preload module never return?): started cold"
         )
         log.warning("evalsched: zygote %d: %s; killed", self.pid, self.why)
+        self._kill_group()
+        self._gone(self.why)
+
+    def _kill_group(self) -> None:
+        """SIGKILL to the zygote and what its preloads started in its group (its own session:
+        start_new_session; not reaped yet, so the group is still its). Only before it is ready:
+        spares and runs have sessions of their own, which this does not reach."""
+        if self._popen is None or self._popen.returncode is not None:
+            return
         try:
-            os.killpg(self.pid, signal.SIGKILL)  # its own session and group (start_new_session)
+            os.killpg(self.pid, signal.SIGKILL)
         except OSError:
             pass
-        self._gone(self.why)
 
     def _stop_deadline(self) -> None:
         if self._deadline is not None:
@@ -584,7 +592,12 @@ class ZygoteClient:
 
     def close(self, wait: bool = True) -> None:
         """Closing the socket ends the zygote, and with it any run it still has. ``wait``: for
-        its exit (at shutdown); else the pool's reconciliation reaps it."""
+        its exit (at shutdown); else the pool's reconciliation reaps it. A zygote still starting
+        has no run: it is killed, with whatever its preloads started, rather than left to finish
+        a preload that takes seconds (torch) before it sees the socket closed, or one that never
+        returns (a shutdown would wait 5 s for it)."""
+        if self.state == STARTING:
+            self._kill_group()
         self._stop_deadline()
         self._cold_all("the zygote was closed")
         self._drop_spares()
