@@ -318,6 +318,17 @@ def test_leaving_the_start_directory_keeps_the_rest_of_sys_path_whatever_the_fla
     assert seen["path"][0] == str(modules), seen  # (the stdlib and site-packages after them, as given)
 
 
+async def test_with_pythonsafepath_warm_and_cold_runs_have_the_same_path(api, wait_for, tmp_path):
+    """PYTHONSAFEPATH keeps ``python -m`` from putting the cwd on ``sys.path``: a cold run's path
+    has no cwd, and neither has a warm run's (forked from a zygote of that environment's own)."""
+    env = {"PYTHONSAFEPATH": "1"}
+    warm, fpw = await run_fingerprint(api, wait_for, tmp_path / "w.json", env=env)
+    cold, fpc = await run_fingerprint(api, wait_for, tmp_path / "c.json", env=env, fresh_interpreter=True)
+    assert (warm["start"], cold["start"]) == ("warm", "cold"), (warm["start_detail"], cold["start_detail"])
+    assert fpw["path"] == fpc["path"]
+    assert fpw["path"][0] == str(HERE)  # the eval file's directory, as `python file.py` would have
+
+
 @pytest.mark.parametrize(
     ("preload", "culprit", "why"),
     [(["warm_thread"], "warm_thread", "threads (sleeper)"), (["warm_cuda"], "warm_cuda", "libcuda.so.1 is loaded")],

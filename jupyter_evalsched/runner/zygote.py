@@ -45,9 +45,10 @@ JSON message each:
 
 A forked run must be indistinguishable from a fresh interpreter for the eval: its own session, the
 death signal tied to the zygote (which dies with the server: rule 2), its environment, cwd,
-``sys.argv``, ``sys.path`` (``sys.path[0]`` is the run's cwd, as with ``python -m``; the rest is
-the zygote's, which started with the same ``PYTHON*`` variables), stdout and stderr, reseeded
-random generators, no inherited descriptors or threads, and user code imported after the fork.
+``sys.argv``, ``sys.path`` (``sys.path[0]`` is the run's cwd, as with ``python -m``, none with
+``PYTHONSAFEPATH``; the rest is the zygote's, which started with the same ``PYTHON*`` variables),
+stdout and stderr, reseeded random generators, no inherited descriptors or threads, and user code
+imported after the fork.
 The spare readies everything that does not depend on the run (session, death signal, descriptors,
 seeds) before its request, so a start costs a message, not a fork. Before each fork the zygote
 checks that it has no thread or CUDA state (else it refuses for good); the spare, once asked,
@@ -828,7 +829,9 @@ def become_run(zygote: Zygote, request: dict[str, Any], fds: list[int], notice: 
 
         sys.argv = [entry.__file__, "--run-dir", run_dir]
         sys.orig_argv = [sys.executable, "-m", "jupyter_evalsched.runner", "--run-dir", run_dir]
-        sys.path[:] = [os.getcwd(), *zygote.base_path]
+        # `python -m` puts the cwd first, unless PYTHONSAFEPATH (the zygote's own: a PYTHON*
+        # variable selects the zygote) tells it not to.
+        sys.path[:] = [*([] if sys.flags.safe_path else [os.getcwd()]), *zygote.base_path]
         import importlib
 
         importlib.invalidate_caches()  # directory listings the zygote cached may be stale: user code is fresh
