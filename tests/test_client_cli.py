@@ -854,3 +854,18 @@ def test_queue_ledger_has_a_line_per_other_user_of_a_shared_host():
     plain = {k: v for k, v in dev.items() if k != "users"}
     plain["unmanaged_processes"] = [{"pid": 11, "gpu": 0, "used_mb": 1000, "session_path": "w/mine.ipynb"}]
     assert [line for line in format_ledger({"devices": [plain]}, me="root").splitlines() if "user" in line] == []
+
+
+# --------------------------------------------------------------------------- the local server
+
+
+def test_the_local_servers_token_is_not_on_its_command_line(live_server, client):
+    """Every user of the host can read a process's command line (``ps``, /proc/<pid>/cmdline):
+    the demo server's token (its whole authentication) is in its private config file instead,
+    readable by its owner only, and it works."""
+    with open(f"/proc/{live_server.process.pid}/cmdline", "rb") as f:
+        command = f.read()
+    assert live_server.token.encode() not in command
+    config = os.path.join(live_server.config_dir, "jupyter_server_config.json")
+    assert os.stat(config).st_mode & 0o077 == 0
+    assert isinstance(client.ledger(), dict)  # (the client's requests carry the token)

@@ -23,8 +23,9 @@ class LocalServer:
     """A ``jupyter server`` subprocess with the extension enabled, for the demo, tests and notebooks.
 
     Isolated: its own runtime and runs directories (temporary unless given), a random port, a
-    random token, virtual GPUs. ``models`` (a list of dicts) goes to ``EvalSchedApp.models``
-    through a JSON config file. Use it as a context manager, or call :meth:`stop`.
+    random token (in its private config file, never on its command line), virtual GPUs.
+    ``models`` (a list of dicts) goes to ``EvalSchedApp.models`` through the same file. Use it as
+    a context manager, or call :meth:`stop`.
     """
 
     def __init__(
@@ -47,14 +48,20 @@ class LocalServer:
         self.runs_dir = runs_dir or os.path.join(self._tmp, "runs")
         self.root_dir = os.path.join(self._tmp, "root")
         runtime_dir = os.path.join(self._tmp, "runtime")
-        config_dir = os.path.join(self._tmp, "config")
+        config_dir = self.config_dir = os.path.join(self._tmp, "config")
         for folder in (self.root_dir, config_dir):
             os.makedirs(folder, exist_ok=True)
         self.token = secrets.token_hex(16)
         self.log_path = log_path or os.path.join(self._tmp, "server.log")
+        # The token goes in a config file of its own (0600, in a 0700 folder), not the command
+        # line: /proc/<pid>/cmdline is readable by every user of the host, and the token is the
+        # server's whole authentication (kernels, terminals).
+        config: dict[str, Any] = {"IdentityProvider": {"token": self.token}}
         if models is not None:
-            with open(os.path.join(config_dir, "jupyter_server_config.json"), "w", encoding="utf-8") as f:
-                json.dump({"EvalSchedApp": {"models": models}}, f)
+            config["EvalSchedApp"] = {"models": models}
+        config_file = os.path.join(config_dir, "jupyter_server_config.json")
+        with open(os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
+            json.dump(config, f)
 
         server_env = self._server_env(runtime_dir, config_dir, virtual_gpus, cpu_slots)
         if self.gpu_processes_file is not None:
@@ -110,7 +117,6 @@ class LocalServer:
             "--ip=127.0.0.1",
             "--ServerApp.port=0",
             "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={self.token}",
             f"--ServerApp.root_dir={self.root_dir}",
             "--ServerApp.jpserver_extensions={'jupyter_evalsched': True}",
             *(["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),
