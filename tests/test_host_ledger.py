@@ -628,3 +628,120 @@ def test_a_client_that_takes_no_answers_is_dropped(users, ledger, agents):
         gone = False
     assert gone, "the connection that took no answers is still open"
     assert ledger.proc.poll() is None and "result" in alice.call("view", timeout=5.0)
+
+
+@pytest.mark.parametrize(
+    ("where", "mode", "owner", "said"),
+    [
+        ("socket", 0o777, None, "may be written by every user (mode 0777)"),
+        ("socket", 0o1777, None, "may be written by every user (mode 1777)"),  # sticky: a new name is still anyone's
+        ("state file", 0o775, None, "may be written by its group (mode 0775)"),
+        ("socket", 0o755, 65534, "belongs to uid 65534, neither the ledger's user"),
+    ],
+)
+def test_the_ledger_refuses_a_directory_another_user_may_write_in(tmp_path, where, mode, owner, said):
+    """In one process, as root: a socket or state file where another user could put their own
+    (a socket answering as the ledger, a state granting what they want at the next start) is
+    refused at the start, saying which directory and why; nothing is made there."""
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    if owner is not None:
+        os.chown(shared, owner, owner)
+    config = {"virtual_gpus": [24000]}
+    if where == "socket":
+        socket_path = shared / "ledger.sock"
+        config["state_file"] = str(tmp_path / "state.json")
+    else:
+        socket_path = tmp_path / "ledger.sock"
+        config["state_file"] = str(shared / "state.json")
+    server = HostLedger(parse_config(config), str(socket_path))
+    with pytest.raises(RuntimeError) as caught:
+        asyncio.run(server.start())
+    assert f"the {where}" in str(caught.value) and str(shared) in str(caught.value) and said in str(caught.value)
+    assert list(shared.iterdir()) == [] and not socket_path.exists()
+
+
+def test_the_ledger_never_replaces_what_is_not_its_socket_nor_writes_through_a_planted_link(tmp_path):
+    """In one process, as root: a file (not a socket) where the socket goes is left alone and the
+    start refused; the state is written to a file of its own each time, so a link planted at an
+    old temporary name leads nowhere."""
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    socket_path = tmp_path / "ledger.sock"
+    socket_path.write_text("someone's file")
+    server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(socket_path))
+    with pytest.raises(RuntimeError, match="exists and is not a socket"):
+        asyncio.run(server.start())
+    assert socket_path.read_text() == "someone's file"
+
+    socket_path.unlink()
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    (tmp_path / "ledger.sock.state.json.tmp").symlink_to(victim)  # where the state used to be staged
+
+    async def go() -> None:
+        server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(socket_path))
+        await server.start()
+        try:
+            server._save_state()
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
+    assert victim.read_text() == "untouched"
+    assert json.loads((tmp_path / "ledger.sock.state.json").read_text()) == {"tenants": [], "grants": []}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ledger.sock.state.json",
+        "ledger.sock.state.json.tmp",
+        "victim",
+    ]
+
+
+def test_the_ledger_checks_every_directory_down_to_its_socket_as_the_kernel_resolves_it(tmp_path):
+    """In one process, as root: a private directory inside one that every user may write in (not
+    sticky: anyone may rename it away and put their own in its place), and a path that reaches a
+    shared directory through a link and ``..``, are refused as well; a staged state a killed
+    ledger left is removed at the next start."""
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    def start(socket_path: str) -> str:
+        server = HostLedger(parse_config({"virtual_gpus": [24000]}), socket_path)
+        with pytest.raises(RuntimeError) as caught:
+            asyncio.run(server.start())
+        return str(caught.value)
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    private = shared / "ledger"
+    private.mkdir()
+    os.chmod(private, 0o755)
+    said = start(str(private / "ledger.sock"))
+    assert f"{shared} may be written by every user (mode 0777)" in said, said
+    assert list(private.iterdir()) == []
+
+    safe = tmp_path / "safe"
+    safe.mkdir()
+    os.chmod(safe, 0o755)
+    (shared / "sub").mkdir()
+    (safe / "l").symlink_to(shared / "sub")
+    said = start(f"{safe}/l/../ledger.sock")  # the kernel's way: shared/sub, then shared
+    assert f"{shared} may be written by every user" in said, said
+    assert sorted(p.name for p in shared.iterdir()) == ["ledger", "sub"]
+
+    left = safe / "ledger.sock.state.json.4242.0123abcd.tmp"  # (a ledger killed while it saved)
+    left.write_text("{")
+
+    async def go() -> None:
+        server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(safe / "ledger.sock"))
+        await server.start()
+        await server.stop()
+
+    asyncio.run(go())
+    assert not left.exists()

@@ -109,6 +109,7 @@ class Hub:
         ledger = users["ledger"]
         run_dir = os.path.join(self.dir, "run-evalsched")  # what tmpfiles.d makes: /run/evalsched
         os.mkdir(run_dir)
+        os.chmod(run_dir, 0o755)  # (writable by its owner alone, or the ledger refuses it)
         os.chown(run_dir, ledger.pw_uid, ledger.pw_gid)
         self.socket = os.path.join(run_dir, "ledger.sock")
         policy = os.path.join(self.dir, "host-ledger.json")

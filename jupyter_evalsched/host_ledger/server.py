@@ -21,7 +21,9 @@ import grp
 import json
 import logging
 import os
+import re
 import socket
+import stat
 import struct
 import time
 import uuid
@@ -170,6 +172,42 @@ def _int(message: dict[str, Any], key: str, default: int | None = None, low: int
     return value
 
 
+def refuse_shared_directory(what: str, path: str) -> str:
+    """``path`` with its directory resolved (links and ``..`` taken out: what the ledger uses from
+    then on), once that directory is one no other user may change. Refused (RuntimeError)
+    otherwise: another user who could write there could put their own socket in the ledger's place
+    (and answer the servers as the ledger), replace its state (and be granted what they want at
+    the next start), or swap the socket for a link between its bind and its chmod.
+
+    From ``/`` down, every directory must belong to the ledger's user or root; the last one must
+    be writable by its owner only (e.g. ``/run/evalsched``, systemd's ``RuntimeDirectory=``), and
+    one above it may be writable by others only with the sticky bit (``/tmp``: then nobody else may
+    rename what is in it)."""
+    try:
+        directory = os.path.realpath(os.path.dirname(path) or os.curdir, strict=True)  # (.. after links)
+    except OSError as exc:
+        raise RuntimeError(f"the {what} {path}: its directory cannot be used: {exc}") from None
+    me = os.geteuid()
+    parts = [p for p in directory.split(os.sep) if p]
+    for depth in range(len(parts) + 1):
+        here = os.sep + os.sep.join(parts[:depth])
+        found = os.stat(here)
+        last = depth == len(parts)
+        if found.st_uid not in (me, 0):
+            raise RuntimeError(
+                f"the {what} {path}: {here} belongs to uid {found.st_uid}, neither the ledger's user ({me}) "
+                "nor root, who could replace what the ledger keeps there: refusing it; keep it in a directory "
+                "of the ledger's user, e.g. /run/evalsched"
+            )
+        if found.st_mode & 0o022 and (last or not found.st_mode & stat.S_ISVTX):
+            who = "every user" if found.st_mode & 0o002 else "its group"
+            raise RuntimeError(
+                f"the {what} {path}: {here} may be written by {who} (mode {stat.S_IMODE(found.st_mode):04o}): "
+                "refusing it; keep it in a directory only the ledger's user can write, e.g. /run/evalsched"
+            )
+    return os.path.join(directory, os.path.basename(path))
+
+
 class HostLedger:
     def __init__(self, config: LedgerConfig, socket_path: str, probe: GpuProbe | None = None) -> None:
         self.config = config
@@ -195,6 +233,9 @@ class HostLedger:
 
     async def start(self) -> None:
         self.view.gpus = await asyncio.to_thread(self.probe.devices)
+        self.socket_path = refuse_shared_directory("socket", self.socket_path)
+        self.state_file = refuse_shared_directory("state file", self.state_file)
+        self._remove_staged_states()
         self._load_state()
         self._claim_socket_path()
         self._server = await asyncio.start_unix_server(self._serve, path=self.socket_path, limit=1 << 17)
@@ -224,9 +265,14 @@ class HostLedger:
             os.unlink(self.socket_path)
 
     def _claim_socket_path(self) -> None:
-        """Remove a stale socket; refuse when a live ledger answers on it."""
-        if not os.path.exists(self.socket_path):
+        """Remove a stale socket; refuse when a live ledger answers on it, or when what is there
+        is not a socket (nothing of the ledger's: not removed)."""
+        try:
+            found = os.lstat(self.socket_path)
+        except FileNotFoundError:
             return
+        if not stat.S_ISSOCK(found.st_mode):
+            raise RuntimeError(f"{self.socket_path} exists and is not a socket: refusing to replace it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.settimeout(1.0)
@@ -281,6 +327,16 @@ class HostLedger:
         if self.pending_tenants:
             self.reclaim_until = time.monotonic() + self.config.reclaim_window_s
 
+    def _remove_staged_states(self) -> None:
+        """The staged states a ledger killed while it saved left behind (_save_state's names)."""
+        directory, name = os.path.split(self.state_file)
+        staged = re.compile(re.escape(name) + r"\.\d+\.[0-9a-f]{8}\.tmp")
+        with contextlib.suppress(OSError), os.scandir(directory) as entries:
+            for entry in entries:
+                if staged.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+
     def _save_state(self) -> None:
         tenants = {(c.uid, c.proc) for c in self.conns if c.tenant and c.proc is not None}
         tenants |= self.pending_tenants
@@ -288,11 +344,17 @@ class HostLedger:
             "tenants": [{"uid": uid, **proc.as_json()} for uid, proc in sorted(tenants, key=str)],
             "grants": [{**g.as_json(), "uid": g.uid} for g in self.grants.values()],
         }
-        tmp = f"{self.state_file}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(state))  # dumps: the C encoder (dump to a file is pure Python)
-        os.replace(tmp, self.state_file)
+        # A new file each time, never one found there (a link would be followed).
+        tmp = f"{self.state_file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(state))  # dumps: the C encoder (dump to a file is pure Python)
+            os.replace(tmp, self.state_file)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def reclaim_open(self) -> bool:
         """Whether new grants still wait for the tenants to re-tell theirs."""
