@@ -1,4 +1,9 @@
-"""Shared fixtures: a real Jupyter server (pytest-jupyter) with the extension and virtual GPUs."""
+"""Shared fixtures: a real Jupyter server (pytest-jupyter) with the extension and virtual GPUs.
+
+The suite runs as root, with pytest's temporary directories where it puts them (under /tmp): the
+host ledgers some tests start in process keep their socket in one, and a ledger refuses a
+directory that another user may change, or one below such a directory (``--basetemp`` in a
+group-writable place would fail them)."""
 
 from __future__ import annotations
 

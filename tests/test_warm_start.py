@@ -234,7 +234,7 @@ async def test_zygotes_evicted_while_they_start_are_killed_and_do_not_turn_warm_
     place) has no run: it goes at once, with what its preloads started, instead of finishing a
     preload first (here one that never returns). Evictions are not a preload that kills the
     interpreter: after three, warm starts are still on."""
-    config = WarmStartConfig(preload=["warm_hang_child"], max_zygotes=2)
+    config = WarmStartConfig(preload=["warm_hang_child"], max_zygotes=2, start_timeout_s=3600)
     pool = ZygotePool(config, lambda *_: None)
     pool.bind(asyncio.get_running_loop())
     env = {**os.environ, "PYTHONPATH": str(preload_dir)}
@@ -257,6 +257,26 @@ async def test_zygotes_evicted_while_they_start_are_killed_and_do_not_turn_warm_
         assert [z.state for z in pool.zygotes] == ["starting", "starting"]  # the server's own, the last
     finally:
         pool.close()
+
+
+async def test_a_zygote_gets_no_relative_pythonpath_entry_that_would_lead_out_of_its_start_directory(
+    server_tempdir, preload_dir
+):
+    """An empty or relative PYTHONPATH entry would be resolved from the zygote's start directory,
+    and ``..`` leads out of it into the temporary directory, where any user may make ``evil``.
+    The zygote is started without them (a run with one is never forked from it: it starts cold)."""
+    env = {**os.environ, "PYTHONPATH": f"../evil::rel:{preload_dir}"}
+    client = ZygoteClient(asyncio.get_running_loop(), sys.executable, env, ["warm_where"], lambda *_: None)
+    client.start()
+    try:
+        where = preload_dir / "where.json"
+        await async_wait_until(where.exists, timeout=30, message="the zygote did not preload")
+        seen = json.loads(where.read_text())
+        assert str(server_tempdir / "evil") not in seen["path"], seen  # (start/../evil)
+        assert [p for p in seen["path"] if p.startswith(str(server_tempdir.parent))] == [str(preload_dir)], seen
+        assert client.env["PYTHONPATH"] == f"../evil::rel:{preload_dir}"  # (what runs are matched on)
+    finally:
+        client.close()
 
 
 _WHERE_AFTER_LEAVING = """

@@ -51,6 +51,7 @@ class LocalServer:
         config_dir = self.config_dir = os.path.join(self._tmp, "config")
         for folder in (self.root_dir, config_dir):
             os.makedirs(folder, exist_ok=True)
+        os.chmod(config_dir, 0o700)
         self.token = secrets.token_hex(16)
         self.log_path = log_path or os.path.join(self._tmp, "server.log")
         # The token goes in a config file of its own (0600, in a 0700 folder), not the command

@@ -172,7 +172,7 @@ def _int(message: dict[str, Any], key: str, default: int | None = None, low: int
     return value
 
 
-def refuse_shared_directory(what: str, path: str) -> str:
+def private_path(what: str, path: str) -> str:
     """``path`` with its directory resolved (links and ``..`` taken out: what the ledger uses from
     then on), once that directory is one no other user may change. Refused (RuntimeError)
     otherwise: another user who could write there could put their own socket in the ledger's place
@@ -233,11 +233,11 @@ class HostLedger:
 
     async def start(self) -> None:
         self.view.gpus = await asyncio.to_thread(self.probe.devices)
-        self.socket_path = refuse_shared_directory("socket", self.socket_path)
-        self.state_file = refuse_shared_directory("state file", self.state_file)
+        self.socket_path = private_path("socket", self.socket_path)
+        self.state_file = private_path("state file", self.state_file)
+        self._claim_socket_path()  # (first: a live ledger's staged state is not ours to remove)
         self._remove_staged_states()
         self._load_state()
-        self._claim_socket_path()
         self._server = await asyncio.start_unix_server(self._serve, path=self.socket_path, limit=1 << 17)
         os.chmod(self.socket_path, self.config.socket_mode)
         if self.config.socket_group:

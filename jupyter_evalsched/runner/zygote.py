@@ -1016,7 +1016,8 @@ def leave_start_directory() -> None:
     Off the path goes every entry in the directory: ``python -m``'s, and the empty or relative
     ``PYTHONPATH`` entries that the interpreter made absolute from it (a trailing ``:``). They
     named the empty directory: nothing was imported from them. Relative entries go too: from
-    ``/`` they would name something else."""
+    ``/`` they would name something else. (The server gives the zygote no empty or relative
+    ``PYTHONPATH`` entry: one with ``..`` would lead out of the directory.)"""
     start = os.environ.pop(START_DIR, None)
     if not start:
         return  # (not started by a server: nothing of ours to leave)
@@ -1027,12 +1028,12 @@ def leave_start_directory() -> None:
         pass  # removed already: the server gave up on this zygote while it started
     places.discard("/")
 
-    def there(entry: object) -> bool:
+    def in_start_directory(entry: object) -> bool:
         if not isinstance(entry, str):
             return False
         return not os.path.isabs(entry) or any(entry == p or entry.startswith(p + os.sep) for p in places)
 
-    sys.path[:] = [entry for entry in sys.path if not there(entry)]
+    sys.path[:] = [entry for entry in sys.path if not in_start_directory(entry)]
     try:
         os.chdir("/")
         os.rmdir(start)

@@ -47,7 +47,8 @@ log = logging.getLogger("jupyter_evalsched")
 # limit and 32 KiB for the server's own and run_env (one string: execve takes 128 KiB at most).
 ENV_RESERVE_BYTES = MAX_ENV_BYTES + 32 * 1024
 
-# Set per run after the fork; never part of what makes two environments alike.
+# Set per run after the fork, or the zygote's own (its socket, start directory, preloads and
+# reserve): never part of what makes two environments alike.
 PER_RUN_VARIABLES = frozenset(
     {
         "EVALSCHED_RUN_ID",
@@ -233,7 +234,7 @@ class ZygoteClient:
     _reaps: list[list[Any]] = field(default_factory=list)
     _reap_timer: asyncio.TimerHandle | None = None
     _no_spare: str | None = None  # why the zygote could not fork a spare (until one comes)
-    _cwd: str | None = None
+    _start_dir: str | None = None
     _writer: bool = False
     start_timeout_s: float | None = None  # the deadline to become ready (a preload that never returns)
     timed_out: bool = False  # it missed that deadline and was killed
@@ -249,9 +250,17 @@ class ZygoteClient:
         the thread that forks it, which lives as long as the server)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Its cwd to start in, sys.path[0]: nothing to import there. It removes it as it starts.
-        self._cwd = tempfile.mkdtemp(prefix="evalsched-zygote-")
+        self._start_dir = tempfile.mkdtemp(prefix="evalsched-zygote-")
         env = dict(self.env)
-        env[START_DIR] = self._cwd
+        env[START_DIR] = self._start_dir
+        # Its PYTHONPATH without empty or relative entries: the interpreter would resolve them from
+        # the start directory (``..`` leads out of it, into /tmp), and a run whose PYTHONPATH has
+        # one is never forked (cold_reason), so they serve no run.
+        if "PYTHONPATH" in env:
+            kept = [entry for entry in env["PYTHONPATH"].split(os.pathsep) if os.path.isabs(entry)]
+            env["PYTHONPATH"] = os.pathsep.join(kept)
+            if not kept:
+                del env["PYTHONPATH"]
         env[ZYGOTE_FD] = str(theirs.fileno())
         env["EVALSCHED_PARENT_PID"] = str(os.getpid())
         env[PRELOAD] = ",".join(self.preload)
@@ -268,7 +277,7 @@ class ZygoteClient:
             # their own log files instead.
             self._popen = subprocess.Popen(
                 [self.python, "-m", "jupyter_evalsched.runner.zygote"],
-                cwd=self._cwd,
+                cwd=self._start_dir,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -610,7 +619,7 @@ class ZygoteClient:
                 self._popen.wait()
             self._output()  # its last words
             self._close_output()
-        self._remove_cwd()
+        self._remove_start_dir()
         if self.state != REFUSED:
             self.state = DEAD
 
@@ -653,7 +662,7 @@ class ZygoteClient:
             self._stop_deadline()
             self.state = READY
             self.info = message
-            self._remove_cwd()  # (the zygote removed it as it started: in case it could not)
+            self._remove_start_dir()  # (the zygote removed it as it started: in case it could not)
             failed = message.get("failed") or []
             log.info(
                 "evalsched: zygote %d ready in %.2f s (preloaded: %s)%s",
@@ -839,7 +848,7 @@ class ZygoteClient:
         children, self.children = self.children, {}
         for run_id, pid in children.items():
             self.on_exit(run_id, pid, -9)
-        self._remove_cwd()
+        self._remove_start_dir()
         self._notify()
 
     def _close_output(self) -> None:
@@ -865,16 +874,16 @@ class ZygoteClient:
                 pass
             sock.close()
 
-    def _remove_cwd(self) -> None:
+    def _remove_start_dir(self) -> None:
         """Where the zygote could not remove its start directory itself. Empty (nothing is written
         there), so an rmdir: once the zygote has removed it, whatever another user may have made
         under the same name in /tmp is not ours to empty."""
-        if self._cwd is not None:
+        if self._start_dir is not None:
             try:
-                os.rmdir(self._cwd)
+                os.rmdir(self._start_dir)
             except OSError:
                 pass
-            self._cwd = None
+            self._start_dir = None
 
     def reap(self) -> bool:
         """True once the zygote process has ended (polled by the pool's reconciliation)."""
