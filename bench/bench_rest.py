@@ -7,6 +7,10 @@ against Jupyter's own trivial endpoint (`GET /api/status`) measured in the same 
    submissions/s, latency p50/p99, and a check that every 201 exists afterwards (none lost).
    Baseline: the same clients doing `GET /api/status`.
 2. `GET /evalsched/queue` with 10,000 jobs queued: median latency, against `GET /api/status`.
+   Nothing changes between the reads, so the server answers from its cache.
+3. The same after a change (one more submission before each read, as when runs come and go
+   while a panel or widget reads the queue): the whole view, against `?limit=50` (what the
+   widget, `queue --watch` and the discovery probe ask for), alternated round by round.
 
 The jobs queue behind an exclusive run on the single virtual GPU, so the queue really holds them.
 """
@@ -147,6 +151,27 @@ def main() -> None:
             f"   ratio queue/status: {statistics.median(q_lat) / statistics.median(s_lat):.1f}x   target <= 50 ms median -> "
             f"{'met' if statistics.median(q_lat) <= 0.05 else 'NOT met'}"
         )
+
+        # 3. After a change: every read builds the view anew (ordering the queue, serialising it).
+        changed: dict[str, list[float]] = {"/evalsched/queue": [], "/evalsched/queue?limit=50": []}
+        sizes: dict[str, int] = {}
+        for _ in range(15):
+            for path, times in changed.items():
+                code, _ = conn.call("POST", "/evalsched/runs", body)
+                assert code == 201
+                t0 = time.perf_counter()
+                code, data = conn.call("GET", path)
+                times.append(time.perf_counter() - t0)
+                assert code == 200
+                sizes[path] = len(data)
+        whole, head = (statistics.median(t) for t in changed.values())
+        print(f"\n3. GET /evalsched/queue with {nq} queued, one submission before each read (alternated)")
+        for (path, times), size in zip(changed.items(), sizes.values(), strict=True):
+            print(
+                f"   GET {path:28s} median {statistics.median(times) * 1000:7.2f} ms   "
+                f"p90 {pct(times, 0.9) * 1000:7.2f} ms   {size / 1e3:9.1f} kB"
+            )
+        print(f"   ratio limit=50 / whole view: {head / whole:.2f}x")
         c.cancel(blocker["id"])
 
 

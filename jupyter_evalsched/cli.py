@@ -114,6 +114,7 @@ def format_where(rec: dict) -> str:
 
 # The width of text written to a pipe or a file: wide enough for a table row, narrow enough to read.
 PIPED_WIDTH = 100
+WATCH_QUEUE_ROWS = 50  # queued runs that `queue --watch` lists unless told
 
 
 def output_width() -> int:
@@ -263,7 +264,9 @@ def format_queue(view: dict, me: str | None = None) -> str:
     leases = view.get("leases") or []
     if leases:
         out += ["", f"LEASES ({len(leases)})", format_leases(leases)]
-    out += ["", f"QUEUED ({len(queued)}, in admission order)"]
+    total = view.get("queued_total")
+    total = total if isinstance(total, int) and total > len(queued) else len(queued)
+    out += ["", f"QUEUED ({total}, in admission order)"]
     if queued:
         # A queued SLURM run may already be a PENDING SLURM job: a SLURM column when there is one.
         slurm = any(format_slurm(q) for q in queued)
@@ -279,6 +282,8 @@ def format_queue(view: dict, me: str | None = None) -> str:
                 max_width=90,
             )
         )
+    if total > len(queued):
+        out.append(f"... and {total - len(queued)} more queued (--limit shows more)")
     return "\n".join(out)
 
 
@@ -792,12 +797,13 @@ def host_user(client: EvalSchedClient, view: dict) -> str | None:
 def cmd_queue(args: argparse.Namespace) -> int:
     client = _client(args)
     if not args.watch:
-        view = client.queue()
+        view = client.queue(limit=args.limit)
         _print_json(view) if args.json else print(format_queue(view, host_user(client, view)))
         return 0
     me: list[str | None] = [None]
     screen = _Screen()
-    tracker = QueueTracker()
+    # A screen redrawn at every change shows the head of a long queue, not thousands of lines.
+    tracker = QueueTracker(queue_limit=WATCH_QUEUE_ROWS if args.limit is None else args.limit)
 
     def draw() -> None:
         view = tracker.view
@@ -1267,6 +1273,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("queue", cmd_queue, "show the queue and the VRAM ledger")
     p.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
+    p.add_argument(
+        "--limit",
+        type=int,
+        metavar="N",
+        help=f"list the first N queued runs only (all of them by default; {WATCH_QUEUE_ROWS} with --watch);"
+        " the count says how many are queued",
+    )
     p.add_argument(
         "--interval",
         type=float,

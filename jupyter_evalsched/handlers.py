@@ -69,6 +69,19 @@ def as_http_error(exc: BaseException) -> ApiError | None:
     return None
 
 
+def int_query(name: str, text: str | None, default: int | None, lo: int, hi: int) -> int | None:
+    """An integer query parameter ``name`` given as ``text``; ValueError says what is wrong."""
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"query parameter {name!r} must be an integer, got {text!r}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"query parameter {name!r} must be between {lo} and {hi}, got {value}")
+    return value
+
+
 def is_delegating(handler: Any) -> bool:
     """A server that does not hold its runs directory's lock forwards to the one that does."""
     return not handler.app.role.is_primary
@@ -203,16 +216,10 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         self.finish(obj if isinstance(obj, bytes) else json.dumps(obj, separators=(",", ":")))
 
     def int_arg(self, name: str, default: int | None, lo: int, hi: int) -> int | None:
-        text = self.get_argument(name, None)
-        if text is None or text == "":
-            return default
         try:
-            value = int(text)
-        except ValueError:
-            raise ApiError(400, f"query parameter {name!r} must be an integer, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise ApiError(400, f"query parameter {name!r} must be between {lo} and {hi}, got {value}")
-        return value
+            return int_query(name, self.get_argument(name, None), default, lo, hi)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
 
     def idempotency_key(self) -> str | None:
         """The request's ``Idempotency-Key`` (400 when it is malformed)."""
@@ -458,7 +465,7 @@ class QueueHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.send_json(self.scheduler.queue_view_json())
+        self.send_json(self.scheduler.queue_view_json(self.int_arg("limit", None, 0, MAX_LIST_LIMIT)))
 
 
 class LedgerHandler(EvalSchedHandler):
@@ -581,6 +588,13 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
                 json.dumps({"message": "GET /evalsched/events is a WebSocket: upgrade the connection", "reason": None})
             )
             return
+        try:
+            self._queue_limit = int_query("limit", self.get_argument("limit", None), None, 0, MAX_LIST_LIMIT)
+        except ValueError as exc:
+            self.set_status(400)
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"message": str(exc), "reason": None}))
+            return
         res = super().get(*args, **kwargs)
         if res is not None:
             await res
@@ -594,7 +608,9 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
             self.close(1013, "the scheduler is starting; reconnect in a moment")
             return
         self._scheduler = scheduler
-        self.write_message(json.dumps({"type": "snapshot", "queue": scheduler.queue_view()}, separators=(",", ":")))
+        # The view as GET /queue serialises it (cached alike): a long queue is not rebuilt per socket.
+        view = scheduler.queue_view_json(self._queue_limit)
+        self.write_message(b'{"type":"snapshot","queue":' + view + b"}", binary=False)
         scheduler.subscribe(self._on_event)
 
     async def _relay_from_primary(self) -> None:
@@ -605,6 +621,8 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
             self.close(1013, "the host's primary evalsched server is changing; reconnect")
             return
         url = "ws" + primary.internal_url[len("http") :].rstrip("/") + "/evalsched/events"
+        if self.request.query:
+            url += "?" + self.request.query
         headers = {"Authorization": f"token {primary.secret}"}
         try:
             self._upstream = await websocket.websocket_connect(HTTPRequest(url, headers=headers, request_timeout=10))

@@ -432,6 +432,13 @@ CANCELLED_BY_PARAM = {
     "'cancelled through the API'",
     "schema": {"type": "string", "enum": list(CANCELLED_BY)},
 }
+QUEUE_LIMIT_PARAM = {
+    "name": "limit",
+    "in": "query",
+    "required": False,
+    "description": "list the first `limit` queued runs only (`queued_total` counts them all); without it, all",
+    "schema": {"type": "integer", "minimum": 0, "maximum": 100000},
+}
 LEASE_ID_PARAM = {
     "name": "lease_id",
     "in": "path",
@@ -644,7 +651,8 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "get": {
                 "summary": "Queued runs in admission order, running runs, the ledger",
                 "operationId": "getQueue",
-                "responses": {"200": _json("QueueView", "the queue"), **_errors()},
+                "parameters": [QUEUE_LIMIT_PARAM],
+                "responses": {"200": _json("QueueView", "the queue"), **_errors(400)},
             }
         },
         "/ledger": {
@@ -708,6 +716,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "get": {
                 "summary": "WebSocket: a snapshot, then one message per change ({type: run|lease|warning|ledger})",
                 "operationId": "events",
+                "parameters": [QUEUE_LIMIT_PARAM],
                 "description": 'JSON text messages, server to client: first `{"type": "snapshot", "queue": '
                 'QueueView}`, then `{"type": "run", "run": RunRecord}` at every change of a run (and at '
                 'progress), `{"type": "lease", "lease": LeaseRecord}` at every change of a lease, '

@@ -730,7 +730,8 @@ class PrimaryServer(BaseModel):
 
 class QueueView(BaseModel):
     primary: PrimaryServer | None = Field(None, description="the server that schedules for this host")
-    queued: list[RunRecord]
+    queued: list[RunRecord] = Field(description="in admission order; the first `limit` when the request gave one")
+    queued_total: int = Field(description="how many runs are queued, listed or not")
     running: list[RunRecord]
     ledger: Ledger
     leases: list[LeaseRecord] = Field(default_factory=list, description="live leases: granted, then queued in order")

@@ -556,7 +556,10 @@ class QueueWidget(widgets.VBox):
         )
         self.add_class("jupyter-evalsched-queue")
 
-        self._tracker = QueueTracker(_weakly(self._on_change), finished_limit=finished_limit)
+        # Only the queued runs it shows are read: ten thousand queued are megabytes at each read.
+        self._tracker = QueueTracker(
+            _weakly(self._on_change), finished_limit=finished_limit, queue_limit=max_queued_rows
+        )
         self._feed = LiveFeed(
             self.client,
             self._tracker,
@@ -733,10 +736,11 @@ class QueueWidget(widgets.VBox):
         view = self.queue_view
         running = list(view.get("running") or [])
         queued = list(view.get("queued") or [])
+        queued_total = max(view.get("queued_total") or 0, len(queued))
         active_ids = {r.get("id") for r in running} | {q.get("id") for q in queued}
         finished = [f for f in self.finished if f.get("id") not in active_ids][: self.finished_limit]
 
-        self._header.value = self._header_html(len(running), len(queued))
+        self._header.value = self._header_html(len(running), queued_total)
         self._ledger.value = ledger_html(view.get("ledger"), self._names(), self._host_user)
         models = models_html(self._models)
         if models != self._models_box.value:
@@ -751,14 +755,15 @@ class QueueWidget(widgets.VBox):
             row = self._row(rec)
             row.update(rec, format_metrics(fetched[2] if fetched else rec, limit=3))
             children.append(row)
-        self._queued_title.value = f"<b>Queued ({len(queued)})</b> <span style='color:#555'>in admission order</span>"
+        self._queued_title.value = f"<b>Queued ({queued_total})</b> <span style='color:#555'>in admission order</span>"
         children.append(self._queued_title)
-        for rec in queued[: self.max_queued_rows]:
+        listed = queued[: self.max_queued_rows]
+        for rec in listed:
             row = self._row(rec)
             row.update(rec, "")
             children.append(row)
-        if len(queued) > self.max_queued_rows:
-            self._more.value = f"<i>… and {len(queued) - self.max_queued_rows} more queued</i>"
+        if queued_total > len(listed):
+            self._more.value = f"<i>… and {queued_total - len(listed)} more queued</i>"
             children.append(self._more)
         if finished:
             self._finished_title.value = "<b>Recently finished</b>"

@@ -108,6 +108,17 @@ def test_tables_show_reasons_whole():
         assert "n" * 100 not in text and "…" in text  # other columns still are cut
 
 
+def test_the_queue_table_counts_the_queued_runs_it_does_not_list():
+    from jupyter_evalsched.cli import format_queue
+
+    head = [{"id": f"q{i}", "name": f"n{i}", "state": "queued", "priority": "normal"} for i in range(2)]
+    text = format_queue({"queued": head, "queued_total": 12, "running": [], "ledger": None})
+    assert "QUEUED (12, in admission order)" in text and "... and 10 more queued (--limit shows more)" in text
+    whole = format_queue({"queued": head, "queued_total": 2, "running": [], "ledger": None})
+    assert "QUEUED (2, in admission order)" in whole and "more queued" not in whole
+    assert "QUEUED (2, in admission order)" in format_queue({"queued": head})  # an older server's view
+
+
 def test_pending_reasons_are_told_from_why_naming_the_holders():
     import io
 
@@ -226,6 +237,35 @@ def test_discovery_through_running_servers_prefers_one_with_the_api(no_env, live
     _server_file(no_env, live_server, live_server.process.pid)
     c = EvalSchedClient()
     assert (c.base_url, c.token) == (live_server.url, live_server.token)
+
+
+def test_the_discovery_probe_asks_for_no_queued_run():
+    """A server with a long queue answers the probe with a small view (a long one made it time out)."""
+    import http.server
+    import threading
+
+    from jupyter_evalsched.client.discovery import probe_api
+
+    asked: list[str] = []
+
+    class Capture(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Capture)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert probe_api(f"http://127.0.0.1:{httpd.server_address[1]}/base/", "t")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert asked == ["/base/evalsched/queue?limit=0"]
 
 
 # --------------------------------------------------------------------------- spec building
@@ -378,6 +418,10 @@ def test_queue_ledger_seen_by_two_clients_and_the_cli(live_server, client, clean
     assert cli_view["ledger"]["devices"] == devices
     text = cli(live_server, "queue")
     assert text.returncode == 0 and "GPU 0 [" in text.stdout and "waiting_vram" in text.stdout
+    head = cli(live_server, "queue", "--limit", "0")
+    assert head.returncode == 0 and "QUEUED (1, in admission order)" in head.stdout, head.stdout
+    assert ids[2] not in head.stdout and "... and 1 more queued" in head.stdout
+    assert other.queue(limit=0)["queued_total"] == 1
 
     # Cancelling a queued run is immediate; the others see it.
     assert client.cancel(ids[2])["state"] == "cancelled"

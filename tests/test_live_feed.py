@@ -54,8 +54,10 @@ class FakeServer:
         self.record = {"id": "r1", "state": "queued", "progress": {"done": 0, "total": 3}, "metrics": {}}
         self.gets = 0
         self.fail_reads: Exception | None = None
+        self.queue_limits: list[int | None] = []  # what each open of the stream and read asked for
 
-    def events(self, connect_timeout: float = 10.0) -> FakeStream:
+    def events(self, connect_timeout: float = 10.0, queue_limit: int | None = None) -> FakeStream:
+        self.queue_limits.append(queue_limit)
         if not self.socket_works:
             raise EvalSchedClientError("proxy dropped the WebSocket")
         self.streams.append(FakeStream())
@@ -67,7 +69,8 @@ class FakeServer:
         self.gets += 1
         return {**self.record, "summary": {"episodes_done": self.record["progress"]["done"]}}
 
-    def queue(self) -> dict:
+    def queue(self, limit: int | None = None) -> dict:
+        self.queue_limits.append(limit)
         run = dict(self.record)
         lists = {
             "queued": [run] if run["state"] == "queued" else [],
@@ -177,6 +180,42 @@ def test_queue_tracker_patches_progress_and_rereads_after_state_changes():
     assert tracker.wants_read(time.monotonic() + QueueTracker.SETTLE_S)
     tracker.notify()
     assert views[-1]["queued"] == [] and not tracker.done
+
+
+def test_queue_tracker_with_a_limit_lists_the_head_and_counts_the_rest():
+    server = FakeServer()
+    tracker = QueueTracker(queue_limit=2)
+    head = [{"id": f"q{i}", "state": "queued"} for i in range(2)]
+    tracker.apply({"type": "snapshot", "queue": {"queued": head, "queued_total": 5, "running": [], "ledger": None}})
+    assert [r["id"] for r in tracker.view["queued"]] == ["q0", "q1"] and tracker.view["queued_total"] == 5
+    # A new submission beyond the listed head is counted, not listed, until a read places it.
+    tracker.apply({"type": "run", "run": {"id": "q9", "state": "queued"}})
+    assert [r["id"] for r in tracker.view["queued"]] == ["q0", "q1"] and tracker.view["queued_total"] == 6
+    # A listed run that starts leaves the queue and its count.
+    tracker.apply({"type": "run", "run": {"id": "q0", "state": "running"}})
+    assert [r["id"] for r in tracker.view["queued"]] == ["q1"] and tracker.view["queued_total"] == 5
+    assert [r["id"] for r in tracker.view["running"]] == ["q0"]
+    # With room in the listed part, a newcomer is listed at its end until the read.
+    tracker.apply({"type": "run", "run": {"id": "q8", "state": "queued"}})
+    assert [r["id"] for r in tracker.view["queued"]] == ["q1", "q8"] and tracker.view["queued_total"] == 6
+    tracker.read(server)  # the read asks for the same head
+    assert server.queue_limits == [2] and tracker.view["queued_total"] == 1
+    # An older server lists every queued run and does not count them: the list is the count.
+    tracker.apply({"type": "snapshot", "queue": {"queued": head, "running": [], "ledger": None}})
+    assert tracker.view["queued_total"] == 2
+
+
+def test_a_feed_asks_the_stream_for_the_queue_its_tracker_reads():
+    for tracker, wanted in ((RunTracker("r1"), 0), (QueueTracker(queue_limit=7), 7), (QueueTracker(), None)):
+        server = FakeServer()
+        server.socket_works = True
+        feed = LiveFeed(server, tracker, poll_s=0.05)
+        feed.start()
+        try:
+            wait_until(lambda: server.streams, timeout=5)
+        finally:
+            feed.stop()
+        assert server.queue_limits[0] == wanted, (tracker, server.queue_limits)
 
 
 def test_queue_tracker_follows_leases_and_ledger_events():

@@ -14,6 +14,7 @@ import psutil
 import pytest
 from proc_status import alive, ignores_signal
 from rest import CRASH, NOOP, spec, submit
+from tornado.httpclient import HTTPClientError
 from waiting import async_wait_until
 
 
@@ -412,6 +413,38 @@ async def test_priorities_and_exclusive(api, wait_for, evalsched):
         assert (await wait_for(rec["id"]))["state"] == "succeeded"
 
 
+async def test_a_queue_view_with_a_limit_lists_the_head_of_the_queue_and_counts_all(jp_ws_fetch, api, wait_for):
+    gate = await submit(api, spec(episodes=1, sleep_s=60, scheduling={"cpus": 0}))
+    await wait_for(gate["id"], states=("running",))  # not listed among the queued as it starts
+    priorities = ["low", "normal", "high", "normal", "low", "high"]
+    waiting = [
+        await submit(api, spec(depends_on=[gate["id"]], scheduling={"priority": p, "cpus": 0})) for p in priorities
+    ]
+    code, full = await api("GET", "queue")
+    assert code == 200 and full["queued_total"] == 6
+    order = [r["id"] for r in full["queued"]]
+    by_priority = [
+        r["id"] for p in ("high", "normal", "low") for r, q in zip(waiting, priorities, strict=True) if q == p
+    ]
+    assert order == by_priority  # then submission order within a lane
+    for limit, wanted in ((0, []), (1, order[:1]), (4, order[:4]), (6, order), (100, order)):
+        code, view = await api("GET", "queue", params={"limit": limit})
+        assert code == 200 and [r["id"] for r in view["queued"]] == wanted, limit
+        assert view["queued_total"] == 6 and view["running"] == full["running"] and "ledger" in view
+    for bad in ("-1", "x", "100001", "2.5"):
+        code, err = await api("GET", "queue", params={"limit": bad})
+        assert code == 400 and "'limit'" in err["message"], (bad, err)
+    # The event stream's first message: the same view, as limited.
+    ws = await jp_ws_fetch("evalsched", "events", params={"limit": 2})
+    snapshot = json.loads(await ws.read_message())
+    ws.close()
+    assert [r["id"] for r in snapshot["queue"]["queued"]] == order[:2] and snapshot["queue"]["queued_total"] == 6
+    with pytest.raises(HTTPClientError) as refused:
+        await jp_ws_fetch("evalsched", "events", params={"limit": "-3"})
+    assert refused.value.code == 400
+    await api("POST", f"runs/{gate['id']}/cancel")
+
+
 async def test_submission_errors(api, tmp_path):
     code, err = await api("POST", "runs", "{not json")
     assert code == 400 and "not valid JSON" in err["message"]
@@ -519,6 +552,7 @@ async def test_events_stream(jp_ws_fetch, api, wait_for):
     assert snapshot["type"] == "snapshot" and set(snapshot["queue"]) == {
         "primary",
         "queued",
+        "queued_total",
         "running",
         "ledger",
         "leases",

@@ -92,6 +92,27 @@ def test_queue_widget_follows_queue_and_ledger_then_stops_when_closed(client, cl
         widget.close()
 
 
+@pytest.mark.parametrize("use_events", [True, False], ids=["events", "polling"])
+def test_queue_widget_reads_only_the_queued_runs_it_shows_and_counts_the_rest(client, clean_queue, use_events):
+    widget = QueueWidget(client, use_events=use_events, poll_s=0.3, max_queued_rows=2)
+    try:
+        wait_until(lambda: widget.mode == ("live" if use_events else "polling"), timeout=10)
+        ids = [client.submit(_big(f"l{i}"))["id"] for i in range(7)]  # two run, five wait
+        wait_until(
+            lambda: widget.queue_view.get("queued_total") == 5 and len(widget.queue_view["running"]) == 2,
+            timeout=10,
+            message=f"widget saw {widget.queue_view}",
+        )
+        # A read (not events alone) placed the head of the queue: the first two in admission order.
+        wait_until(lambda: [r["id"] for r in widget.queue_view["queued"]] == ids[2:4], timeout=5)
+        wait_until(lambda: "… and 3 more queued" in widget._more.value, timeout=5)
+        assert "5 queued" in widget._header.value and "Queued (5)" in widget._queued_title.value
+        rows = _rows(widget)  # (the recently finished runs of earlier tests have rows too)
+        assert set(ids[:4]) <= set(rows) and not set(ids[4:]) & set(rows)
+    finally:
+        widget.close()
+
+
 def test_queue_widget_falls_back_to_polling_when_the_socket_fails(client, clean_queue, monkeypatch):
     def broken(*args, **kwargs):
         raise EvalSchedClientError("proxy dropped the WebSocket")
@@ -159,7 +180,7 @@ class _ViewOnlyClient:
 
     base_url = "http://test.invalid/"
 
-    def queue(self) -> dict:
+    def queue(self, limit: int | None = None) -> dict:
         return {"queued": [], "running": [], "ledger": None}
 
     def list(self, **_kw) -> list:

@@ -93,7 +93,9 @@ def read_server_file(path: str) -> dict | None:
 
 def probe_api(base: str, token: str, timeout: float = 2.0) -> bool:
     """Whether the server at ``base`` answers ``/evalsched/queue`` (the extension is enabled there)."""
-    req = urllib.request.Request(urllib.parse.urljoin(base, "evalsched/queue"))
+    # limit=0: the answer lists no queued run, whatever the queue's length (an older server
+    # ignores the parameter, and answers all).
+    req = urllib.request.Request(urllib.parse.urljoin(base, "evalsched/queue?limit=0"))
     if token:
         req.add_header("Authorization", f"token {token}")
     try:

@@ -27,10 +27,18 @@ class EventStream:
     Uses ``websocket-client`` when installed, else tornado on a private thread.
     """
 
-    def __init__(self, client: EvalSchedClient, *, connect_timeout: float = 10.0, backend: str | None = None):
+    def __init__(
+        self,
+        client: EvalSchedClient,
+        *,
+        connect_timeout: float = 10.0,
+        backend: str | None = None,
+        queue_limit: int | None = None,
+    ):
         parts = urllib.parse.urlsplit(urllib.parse.urljoin(client.base_url, "evalsched/events"))
         scheme = "wss" if parts.scheme == "https" else "ws"
-        self.url = urllib.parse.urlunsplit((scheme, parts.netloc, parts.path, "", ""))
+        query = "" if queue_limit is None else urllib.parse.urlencode({"limit": int(queue_limit)})
+        self.url = urllib.parse.urlunsplit((scheme, parts.netloc, parts.path, query, ""))
         self._headers = {"Authorization": f"token {client.token}"} if client.token else {}
         self._closed = False
         if backend is None:

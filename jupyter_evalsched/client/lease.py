@@ -162,6 +162,8 @@ def _withdraw(held: Lease) -> None:
 class _LeaseTracker:
     """Keeps one lease's record current for a :class:`LiveFeed`; done once it is not queued."""
 
+    queue_limit = 0  # the snapshot's queue is not read
+
     def __init__(self, held: Lease, on_change: Any) -> None:
         self.held = held
         self.on_change = on_change

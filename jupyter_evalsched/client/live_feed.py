@@ -34,6 +34,12 @@ class Tracker(Protocol):
     """What a :class:`LiveFeed` keeps current."""
 
     @property
+    def queue_limit(self) -> int | None:
+        """How many queued runs the stream's first event (the queue view) should list: 0 for a
+        tracker that does not read it (a long queue's view is megabytes), None for all of them."""
+        ...
+
+    @property
     def done(self) -> bool:
         """Nothing more will change: the feed ends."""
         ...
@@ -214,7 +220,7 @@ class LiveFeed:
         if now < self._connect_at:
             return
         try:
-            stream = self.client.events(connect_timeout=self.connect_timeout)
+            stream = self.client.events(connect_timeout=self.connect_timeout, queue_limit=self.tracker.queue_limit)
         except Exception as e:  # any failure to connect: polling alone is correct, only slower
             self._connect_failures += 1
             self._connect_at = now + min(60.0, self.reconnect_s * self._connect_failures)
@@ -283,6 +289,8 @@ class RunTracker:
     ``summary``.
     """
 
+    queue_limit = 0  # the snapshot's queue is not read
+
     def __init__(self, run_id: str, on_change: Callable[[dict], Any] | None = None, record: dict | None = None):
         self.run_id = run_id
         self.on_change = on_change
@@ -338,7 +346,11 @@ _VIEW_LIST_OF_STATE = {QUEUED: "queued", RUNNING: "running"}
 class QueueTracker:
     """The queue ``view`` (``queued`` in admission order, ``running``, ``ledger``, as
     ``GET /evalsched/queue`` answers it), and with ``finished_limit`` the runs that finished most
-    recently (``finished``, latest first); ``on_change(view)`` at every change."""
+    recently (``finished``, latest first); ``on_change(view)`` at every change.
+
+    With ``queue_limit``, the view lists the first ``queue_limit`` queued runs only, as the
+    server orders them, and ``queued_total`` counts them all: what a long queue costs the server
+    and this client is then what is shown."""
 
     done = False  # the queue never ends
 
@@ -348,10 +360,17 @@ class QueueTracker:
     # state change and emits no event of its own: one more read this much later shows them.
     SETTLE_S = 0.5
 
-    def __init__(self, on_change: Callable[[dict], Any] | None = None, *, finished_limit: int = 0):
+    def __init__(
+        self,
+        on_change: Callable[[dict], Any] | None = None,
+        *,
+        finished_limit: int = 0,
+        queue_limit: int | None = None,
+    ):
         self.on_change = on_change
         self.finished_limit = finished_limit
-        self.view: dict = {"queued": [], "running": [], "ledger": None, "leases": []}
+        self.queue_limit = queue_limit
+        self.view: dict = {"queued": [], "queued_total": 0, "running": [], "ledger": None, "leases": []}
         self.finished: list[dict] = []
         self._terminal_events: list[dict] = []  # terminal records from events since the last read
         self._changed = False
@@ -361,9 +380,13 @@ class QueueTracker:
 
     def set_view(self, view: dict, finished: list[dict] | None = None) -> None:
         """Take ``view`` (and ``finished`` records) as the current state."""
+        queued = list(view.get("queued") or [])
+        total = view.get("queued_total")
         self.view = {
             **view,
-            "queued": list(view.get("queued") or []),
+            "queued": queued,
+            # A server older than the limit lists every queued run and does not count them.
+            "queued_total": total if isinstance(total, int) and total >= len(queued) else len(queued),
             "running": list(view.get("running") or []),
             "ledger": view.get("ledger"),
             "leases": list(view.get("leases") or []),
@@ -419,11 +442,20 @@ class QueueTracker:
 
     def _move(self, rec: dict) -> None:
         rid = rec.get("id")
+        view = self.view
+        was_queued = any(r.get("id") == rid for r in view["queued"])
         for key in _VIEW_LIST_OF_STATE.values():
-            self.view[key] = [r for r in self.view[key] if r.get("id") != rid]
+            view[key] = [r for r in view[key] if r.get("id") != rid]
+        # The count follows what the events show; the read that a move asks for corrects it
+        # (a run that leaves the queue from beyond the listed part is not known to have been in it).
+        view["queued_total"] = max(view.get("queued_total", 0) - was_queued, len(view["queued"]))
         state = rec.get("state")
+        if state == QUEUED:
+            view["queued_total"] += 1
+            if self.queue_limit is not None and len(view["queued"]) >= self.queue_limit:
+                return  # beyond the listed part, until the read places it
         if state in _VIEW_LIST_OF_STATE:
-            self.view[_VIEW_LIST_OF_STATE[state]].append(dict(rec))  # at the end until the read places it
+            view[_VIEW_LIST_OF_STATE[state]].append(dict(rec))  # at the end until the read places it
         elif state in TERMINAL_STATES:
             self._terminal_events.append(rec)
             self._merge_finished(self.finished, [rec])
@@ -438,7 +470,7 @@ class QueueTracker:
         self._want_read = False
         if self._settle_at is not None and now >= self._settle_at:
             self._settle_at = None
-        view = client.queue()
+        view = client.queue(limit=self.queue_limit)
         if self.finished_limit:
             # Listed newest-submitted first: read more than shown, then order by end time.
             listed = client.list(state=sorted(TERMINAL_STATES), limit=max(50, self.finished_limit))

@@ -209,9 +209,10 @@ class EvalSchedClient:
     def episodes(self, run_id: str) -> builtins.list[dict]:
         return self.request("GET", f"runs/{_quote_id(run_id)}/episodes")["episodes"]
 
-    def queue(self) -> dict:
-        """``{"queued": [...] in admission order, "running": [...], "ledger": {...}}``."""
-        return self.request("GET", "queue")
+    def queue(self, limit: int | None = None) -> dict:
+        """``{"queued": [...] in admission order, "queued_total": n, "running": [...], "ledger": {...}}``;
+        with ``limit``, ``queued`` holds the first ``limit`` queued runs only (``queued_total`` counts all)."""
+        return self.request("GET", "queue", query={"limit": limit})
 
     def ledger(self) -> dict:
         return self.request("GET", "ledger")
@@ -230,12 +231,15 @@ class EvalSchedClient:
         """A :class:`SweepHandle` for a sweep id or view."""
         return SweepHandle(self, sweep)
 
-    def events(self, *, connect_timeout: float = 10.0, backend: str | None = None) -> EventStream:
+    def events(
+        self, *, connect_timeout: float = 10.0, backend: str | None = None, queue_limit: int | None = None
+    ) -> EventStream:
         """The ``/evalsched/events`` WebSocket as an iterator of event dicts (close it, or use ``with``).
 
-        The first event is ``{"type": "snapshot", "queue": ...}``, then ``{"type": "run", "run": ...}``.
+        The first event is ``{"type": "snapshot", "queue": ...}`` (its ``queued`` the first
+        ``queue_limit`` runs, when given), then ``{"type": "run", "run": ...}``.
         """
-        return EventStream(self, connect_timeout=connect_timeout, backend=backend)
+        return EventStream(self, connect_timeout=connect_timeout, backend=backend, queue_limit=queue_limit)
 
     def wait(
         self,

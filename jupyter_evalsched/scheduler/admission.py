@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -815,10 +816,20 @@ class Admission:
     def queued_count(self) -> int:
         return len(self._queued)
 
-    def queued_in_order(self) -> list[Run]:
+    def queued_in_order(self, limit: int | None = None) -> list[Run]:
+        """The queued runs in admission order (``policy.admission_key``), the first ``limit`` of
+        them when given. Keyed from each run directly: a view of ten thousand queued runs is
+        read often (the panel, widgets), and a ``QueuedJob`` per run cost more than the order."""
         now = time.time()
-        jobs = policy.admission_order((self._as_queued(run, now) for run in self._queued.values()), self.config.policy)
-        return [self._queued[j.id] for j in jobs]
+        config = self.config.policy
+
+        def key(run: Run) -> tuple[int, int]:
+            return policy.lane_after_waiting(run.scheduling.priority, now - run.submitted_ts, config), run.record["seq"]
+
+        runs = self._queued.values()
+        if limit is not None and limit < len(runs):
+            return heapq.nsmallest(limit, runs, key=key)
+        return sorted(runs, key=key)
 
     def leases_in_order(self) -> list[Lease]:
         """Live leases: granted ones by grant, then queued ones in admission order."""

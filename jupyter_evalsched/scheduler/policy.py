@@ -181,11 +181,16 @@ class Decision:
         return {job_id: why.reason for job_id, why in self.why.items()}
 
 
-def effective_lane(job: QueuedJob, config: PolicyConfig) -> int:
-    lane = LANE_INDEX.get(job.priority, 1)
+def lane_after_waiting(priority: str, waited_s: float, config: PolicyConfig) -> int:
+    """The lane of a job of ``priority`` that has waited ``waited_s``: one up per ``aging_s``."""
+    lane = LANE_INDEX.get(priority, 1)
     if config.aging_s > 0:
-        lane -= int(job.waited_s // config.aging_s)
+        lane -= int(waited_s // config.aging_s)
     return max(lane, 0)
+
+
+def effective_lane(job: QueuedJob, config: PolicyConfig) -> int:
+    return lane_after_waiting(job.priority, job.waited_s, config)
 
 
 def admission_key(job: QueuedJob, config: PolicyConfig) -> tuple[int, int]:

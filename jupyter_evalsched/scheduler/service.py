@@ -95,7 +95,7 @@ class Scheduler:
         self.comparisons = Comparisons(self.table, self.store)
         self._tasks: list[asyncio.Future[None]] = []
         self._budgets: list[DeviceBudget] = []
-        self._queue_cache: tuple[int, bytes, float] | None = None
+        self._queue_cache: dict[int | None, tuple[int, bytes, float]] = {}  # limit -> (version, JSON, when)
         self._started = False
         self.primary_info: dict | None = None  # which server schedules for this host (set by the app)
         self.broken: dict[str, str] = {}  # run directories recovery could not read: id -> why
@@ -582,8 +582,8 @@ class Scheduler:
                 out.append(run.record)
         return out, total
 
-    def queued_in_order(self) -> list[Run]:
-        return self.admission.queued_in_order()
+    def queued_in_order(self, limit: int | None = None) -> list[Run]:
+        return self.admission.queued_in_order(limit)
 
     def ledger(self) -> dict:
         leases = {lease.id: lease.record for lease in self.leases.granted()}
@@ -611,34 +611,53 @@ class Scheduler:
         """Live leases: granted ones by grant, then queued ones in admission order."""
         return self.admission.leases_in_order()
 
-    def queue_view(self) -> dict:
-        active = self.table.active()
+    def queue_view(self, limit: int | None = None) -> dict:
+        """The queue view; with ``limit``, ``queued`` holds the first ``limit`` runs in its order
+        (``queued_total`` counts them all): a long queue costs a client only what it shows."""
         # First the runs starting (admitted, no process yet: queued until they have one), then
         # admission's order; runs of placing executors (SLURM) wait elsewhere: after ours.
-        queued = [r.record for r in active if r.starting]
-        queued += [run.record for run in self.queued_in_order()]
-        queued += [
-            r.record for r in active if r.state == QUEUED and not r.starting and not self.admission.is_queued(r.id)
-        ]
-        running = [r.record for r in active if r.state == RUNNING]
+        # One pass over the active runs, by their records: ten thousand queued are read often.
+        starting: list[dict[str, Any]] = []
+        elsewhere: list[dict[str, Any]] = []
+        running: list[dict[str, Any]] = []
+        in_admission = self.admission.is_queued
+        for run in self.table.active():
+            rec = run.record
+            state = rec["state"]
+            if state == RUNNING:
+                running.append(rec)
+            elif state == QUEUED:
+                if run.starting:
+                    starting.append(rec)
+                elif not in_admission(rec["id"]):
+                    elsewhere.append(rec)
+        total = len(starting) + self.admission.queued_count() + len(elsewhere)
+        wanted = None if limit is None else max(limit - len(starting), 0)
+        queued = starting + [run.record for run in self.queued_in_order(wanted)] + elsewhere
+        if limit is not None:
+            del queued[limit:]
         return {
             "primary": self.primary_info,
             "queued": queued,
+            "queued_total": total,
             "running": sorted(running, key=lambda r: r["started_at"] or ""),
             "ledger": self.ledger(),
             "leases": [lease.record for lease in self.leases_in_order()],
         }
 
-    def queue_view_json(self) -> bytes:
-        """The queue view serialised, cached until the next change (GET /queue is polled)."""
-        cached = self._queue_cache
+    def queue_view_json(self, limit: int | None = None) -> bytes:
+        """The queue view serialised, cached until the next change (GET /queue is polled), per
+        ``limit`` (the few that clients use)."""
         now = time.monotonic()
         version = self.table.version + self.leases.version + self.observer.version
+        cached = self._queue_cache.get(limit)
         # Also expire after a second: aging reorders the queue with time alone.
         if cached is not None and cached[0] == version and now - cached[2] < 1.0:
             return cached[1]
-        data = dumps(self.queue_view())
-        self._queue_cache = (version, data, now)
+        data = dumps(self.queue_view(limit))
+        if limit not in self._queue_cache and len(self._queue_cache) >= 8:
+            self._queue_cache.clear()  # a client asking with many limits keeps none of them long
+        self._queue_cache[limit] = (version, data, now)
         return data
 
     def summary(self, run_id: str) -> tuple[dict | None, str | None]:

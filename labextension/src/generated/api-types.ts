@@ -490,7 +490,10 @@ export interface IProgress {
 export interface IQueueView {
   /** the server that schedules for this host */
   primary: IPrimaryServer | null;
+  /** in admission order; the first `limit` when the request gave one */
   queued: IRunRecord[];
+  /** how many runs are queued, listed or not */
+  queued_total: number;
   running: IRunRecord[];
   ledger: ILedger;
   /** live leases: granted, then queued in order */
