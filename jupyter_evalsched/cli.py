@@ -51,7 +51,7 @@ from .client.formatting import (
 )
 from .client.spec import did_you_mean
 from .client.sweep import sweep_record
-from .contract import SUCCEEDED, TERMINAL_STATES
+from .contract import MAX_LIST_LIMIT, SUCCEEDED, TERMINAL_STATES
 
 PROG = "jupyter evalsched"
 DEFAULT_HOST_LEDGER_SOCKET = "/run/evalsched/ledger.sock"  # host_ledger.config.DEFAULT_SOCKET
@@ -794,6 +794,17 @@ def host_user(client: EvalSchedClient, view: dict) -> str | None:
     return user if isinstance(user, str) and user else None
 
 
+def _queue_limit(text: str) -> int:
+    """``queue --limit``: what the server accepts, told before asking it."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value <= MAX_LIST_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_LIST_LIMIT}, got {value}")
+    return value
+
+
 def cmd_queue(args: argparse.Namespace) -> int:
     client = _client(args)
     if not args.watch:
@@ -1275,7 +1286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     p.add_argument(
         "--limit",
-        type=int,
+        type=_queue_limit,
         metavar="N",
         help=f"list the first N queued runs only (all of them by default; {WATCH_QUEUE_ROWS} with --watch);"
         " the count says how many are queued",

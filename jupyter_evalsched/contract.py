@@ -263,6 +263,9 @@ EXIT_STOPPED = 75
 # The entrypoint of a spec that carries ``source`` (the cell of ``%%eval_submit``).
 DEFAULT_SOURCE_ENTRYPOINT = EVAL_SOURCE_FILE + ":episode"
 
+# The largest ``limit`` of a list (``GET /evalsched/runs``, ``/sweeps``) or queue view.
+MAX_LIST_LIMIT = 100_000
+
 _RUN_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 MAX_RUN_ID_LENGTH = 128
 

@@ -41,7 +41,7 @@ AUTH_RESOURCE = "evalsched"
 EXTENSION = "jupyter_evalsched"
 MAX_BODY_BYTES = MAX_SPEC_JSON_CHARS  # one number for both: a body carries one spec (and a sweep's points)
 RETRY_AFTER_S = 1  # a 429's Retry-After
-MAX_LIST_LIMIT = 100_000
+MAX_LIST_LIMIT = contract.MAX_LIST_LIMIT
 RUN_ID = r"(?P<run_id>[^/]+)"
 IDEMPOTENCY_KEY_RE = re.compile(r"[!-~]{1,200}")
 T = TypeVar("T")
@@ -621,8 +621,8 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
             self.close(1013, "the host's primary evalsched server is changing; reconnect")
             return
         url = "ws" + primary.internal_url[len("http") :].rstrip("/") + "/evalsched/events"
-        if self.request.query:
-            url += "?" + self.request.query
+        if self._queue_limit is not None:  # that alone: the client's own query (a token) stays here
+            url += f"?limit={self._queue_limit}"
         headers = {"Authorization": f"token {primary.secret}"}
         try:
             self._upstream = await websocket.websocket_connect(HTTPRequest(url, headers=headers, request_timeout=10))

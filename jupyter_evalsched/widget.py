@@ -579,7 +579,8 @@ class QueueWidget(widgets.VBox):
 
     @property
     def queue_view(self) -> dict:
-        """The latest queue view: ``queued`` (admission order), ``running``, ``ledger``."""
+        """The latest queue view: ``queued`` (the first ``max_queued_rows`` in admission order;
+        ``queued_total`` counts them all), ``running``, ``ledger``."""
         return self._tracker.view
 
     @property

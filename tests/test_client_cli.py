@@ -422,6 +422,8 @@ def test_queue_ledger_seen_by_two_clients_and_the_cli(live_server, client, clean
     assert head.returncode == 0 and "QUEUED (1, in admission order)" in head.stdout, head.stdout
     assert ids[2] not in head.stdout and "... and 1 more queued" in head.stdout
     assert other.queue(limit=0)["queued_total"] == 1
+    refused = cli(live_server, "queue", "--limit", "-1")
+    assert refused.returncode == 2 and "must be between 0 and 100000" in refused.stderr
 
     # Cancelling a queued run is immediate; the others see it.
     assert client.cancel(ids[2])["state"] == "cancelled"

@@ -1440,6 +1440,81 @@ def test_panel_reasons_from_why(lab: LabServer, browser: Any) -> None:
 
 
 @pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+@pytest.mark.parametrize("live", [True, False], ids=["live", "polling"])
+def test_panel_reads_the_head_of_a_long_queue(lab: LabServer, browser: Any, live: bool) -> None:
+    """With ``queueLimit`` 3 and 7 runs queued, the panel asks for 3 (the socket's snapshot and
+    every read of the queue), lists them in admission order and counts the other 4."""
+    _wait_idle(lab)
+    _write_user_settings(
+        lab, {"queueLimit": 3} if live else {"queueLimit": 3, "useWebSocket": False, "refreshInterval": 0.5}
+    )
+    gate_id: str | None = None
+    context = page = None
+    asked: list[str] = []
+    try:
+        with failure_report(lab, "lab-panel-long-queue-failure.png", lambda: page):
+            gate_id = lab.submit(
+                {
+                    "name": "gate",
+                    "entrypoint": SLEEPY,
+                    "episodes": 1,
+                    "params": {"sleep_s": 120},
+                    "scheduling": {"cpus": 0},
+                }
+            )["id"]
+
+            def note(ctx: Any) -> None:  # every read of the queue and every socket, from the page's start
+                ctx.on("request", lambda req: "/evalsched/queue" in req.url and asked.append(req.url))
+                ctx.on("page", lambda p: p.on("websocket", lambda ws: asked.append(ws.url)))
+
+            context, page, errors = _open_lab(browser, lab, note)
+            mode = "live" if live else "polling"
+            page.wait_for_selector(f'{PANEL} .jp-EvalSched-conn[data-mode="{mode}"]')
+            waiting = [
+                lab.submit(
+                    {
+                        "name": f"w{i}",
+                        "entrypoint": SLEEPY,
+                        "episodes": 1,
+                        "depends_on": [gate_id],
+                        "scheduling": {"cpus": 0},
+                    }
+                )["id"]
+                for i in range(7)
+            ]
+            more = page.locator(f'{PANEL} [data-testid="evalsched-queued-more"]')
+            page.wait_for_function(
+                "el => el && !el.hidden && el.textContent.includes('4 more queued')",
+                arg=more.element_handle(),
+            )
+            for rid in waiting[:3]:
+                _wait_run(page, rid, "queued", "queued")
+            for rid in waiting[3:]:
+                assert _run(page, rid).count() == 0
+            count = page.locator(f'{PANEL} .jp-EvalSched-section[data-section="queued"] .jp-EvalSched-count').first
+            assert count.get_attribute("data-runs") == "7", count.get_attribute("data-runs")
+            reads = [u for u in asked if "/evalsched/queue" in u]
+            assert reads and all("limit=3" in u for u in reads), asked
+            if live:
+                sockets = [u for u in asked if "/evalsched/events" in u]
+                assert sockets and all("limit=3" in u for u in sockets), asked
+
+            # The gate cancelled, its dependents fail: the queue empties and the count goes.
+            assert lab.request("POST", f"evalsched/runs/{gate_id}/cancel")[0] == 200
+            gate_id = None
+            page.wait_for_function("el => el.hidden", arg=more.element_handle())
+            for rid in waiting:
+                _wait_run(page, rid, "failed")
+            assert errors.errors == []
+    finally:
+        if context is not None:
+            context.close()
+        if gate_id is not None:
+            lab.request("POST", f"evalsched/runs/{gate_id}/cancel")
+        _write_user_settings(lab, {})
+
+
+@pytest.mark.slow  # a Chromium page on JupyterLab: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 def test_panel_without_server_extension(tmp_path: Path, browser: Any) -> None:
     """The server extension disabled: /evalsched/ answers 404 and the panel says so."""
     server = _start(tmp_path, evalsched=False)

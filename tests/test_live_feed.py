@@ -188,21 +188,33 @@ def test_queue_tracker_with_a_limit_lists_the_head_and_counts_the_rest():
     head = [{"id": f"q{i}", "state": "queued"} for i in range(2)]
     tracker.apply({"type": "snapshot", "queue": {"queued": head, "queued_total": 5, "running": [], "ledger": None}})
     assert [r["id"] for r in tracker.view["queued"]] == ["q0", "q1"] and tracker.view["queued_total"] == 5
-    # A new submission beyond the listed head is counted, not listed, until a read places it.
-    tracker.apply({"type": "run", "run": {"id": "q9", "state": "queued"}})
-    assert [r["id"] for r in tracker.view["queued"]] == ["q0", "q1"] and tracker.view["queued_total"] == 6
+    # A head of a longer queue: a queued run not listed may be one beyond it whose reason changed
+    # (an admission pass tells thousands), or a new one: neither counted nor listed until a read.
+    for i in range(50):
+        tracker.apply({"type": "run", "run": {"id": f"beyond{i}", "state": "queued", "reason": "waiting_vram"}})
+    assert [r["id"] for r in tracker.view["queued"]] == ["q0", "q1"] and tracker.view["queued_total"] == 5
+    assert tracker.wants_read(time.monotonic() + QueueTracker.READ_DEBOUNCE_S)
     # A listed run that starts leaves the queue and its count.
     tracker.apply({"type": "run", "run": {"id": "q0", "state": "running"}})
-    assert [r["id"] for r in tracker.view["queued"]] == ["q1"] and tracker.view["queued_total"] == 5
+    assert [r["id"] for r in tracker.view["queued"]] == ["q1"] and tracker.view["queued_total"] == 4
     assert [r["id"] for r in tracker.view["running"]] == ["q0"]
-    # With room in the listed part, a newcomer is listed at its end until the read.
-    tracker.apply({"type": "run", "run": {"id": "q8", "state": "queued"}})
-    assert [r["id"] for r in tracker.view["queued"]] == ["q1", "q8"] and tracker.view["queued_total"] == 6
     tracker.read(server)  # the read asks for the same head
     assert server.queue_limits == [2] and tracker.view["queued_total"] == 1
+    # Every queued run listed: one not among them is new, counted, and listed while there is room.
+    tracker.apply({"type": "snapshot", "queue": {"queued": head[:1], "queued_total": 1, "running": [], "ledger": None}})
+    tracker.apply({"type": "run", "run": {"id": "new", "state": "queued"}})
+    assert [r["id"] for r in tracker.view["queued"]] == ["q0", "new"] and tracker.view["queued_total"] == 2
+    tracker.apply({"type": "run", "run": {"id": "newer", "state": "queued"}})
+    assert [r["id"] for r in tracker.view["queued"]] == ["q0", "new"] and tracker.view["queued_total"] == 3
     # An older server lists every queued run and does not count them: the list is the count.
     tracker.apply({"type": "snapshot", "queue": {"queued": head, "running": [], "ledger": None}})
     assert tracker.view["queued_total"] == 2
+
+
+def test_a_queue_trackers_limit_is_one_the_server_accepts():
+    assert QueueTracker(queue_limit=-5).queue_limit == 0
+    assert QueueTracker(queue_limit=10**6).queue_limit is None  # more rows than the server lists: all
+    assert QueueTracker(queue_limit=100_000).queue_limit == 100_000
 
 
 def test_a_feed_asks_the_stream_for_the_queue_its_tracker_reads():

@@ -122,6 +122,19 @@ def test_secondary_forwards_errors_and_logs(tmp_path):
             assert first_event["type"] == "snapshot" and first_event["queue"]["primary"]["pid"] == first.process.pid
         finally:
             events.close()
+        # A queue view's limit reaches the primary, through REST and through the relayed socket.
+        gate = b.submit(run(0, sleep_s=60))
+        wait_until(lambda: b.get(gate["id"])["state"] == "running", timeout=15)  # not listed as starting
+        held = [b.submit({**run(0), "depends_on": [gate["id"]]})["id"] for _ in range(3)]
+        view = b.queue(limit=1)
+        assert [r["id"] for r in view["queued"]] == held[:1] and view["queued_total"] == 3, view
+        limited = b.events(queue_limit=2)
+        try:
+            snapshot = next(iter(limited))["queue"]
+            assert [r["id"] for r in snapshot["queued"]] == held[:2] and snapshot["queued_total"] == 3
+        finally:
+            limited.close()
+        b.cancel(gate["id"])
 
 
 class PasswordOnlyServer(LocalServer):

@@ -26,18 +26,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..contract import QUEUED, RUNNING, TERMINAL_STATES
+from ..contract import MAX_LIST_LIMIT, QUEUED, RUNNING, TERMINAL_STATES
 from .errors import EvalSchedClientError, EventStreamClosed
 
 
 class Tracker(Protocol):
-    """What a :class:`LiveFeed` keeps current."""
-
-    @property
-    def queue_limit(self) -> int | None:
-        """How many queued runs the stream's first event (the queue view) should list: 0 for a
-        tracker that does not read it (a long queue's view is megabytes), None for all of them."""
-        ...
+    """What a :class:`LiveFeed` keeps current. A tracker may also have ``queue_limit``: how many
+    queued runs the stream's first event (the queue view) should list, 0 for a tracker that does
+    not read it (a long queue's view is megabytes); without one, or None, all of them."""
 
     @property
     def done(self) -> bool:
@@ -220,7 +216,12 @@ class LiveFeed:
         if now < self._connect_at:
             return
         try:
-            stream = self.client.events(connect_timeout=self.connect_timeout, queue_limit=self.tracker.queue_limit)
+            # A tracker written before limits has none: the whole view, asked as it was then.
+            limit = getattr(self.tracker, "queue_limit", None)
+            if limit is None:
+                stream = self.client.events(connect_timeout=self.connect_timeout)
+            else:
+                stream = self.client.events(connect_timeout=self.connect_timeout, queue_limit=limit)
         except Exception as e:  # any failure to connect: polling alone is correct, only slower
             self._connect_failures += 1
             self._connect_at = now + min(60.0, self.reconnect_s * self._connect_failures)
@@ -369,7 +370,8 @@ class QueueTracker:
     ):
         self.on_change = on_change
         self.finished_limit = finished_limit
-        self.queue_limit = queue_limit
+        # What the server accepts (0 to 100,000): a widget asked for more rows lists them all.
+        self.queue_limit = None if queue_limit is None or queue_limit > MAX_LIST_LIMIT else max(0, queue_limit)
         self.view: dict = {"queued": [], "queued_total": 0, "running": [], "ledger": None, "leases": []}
         self.finished: list[dict] = []
         self._terminal_events: list[dict] = []  # terminal records from events since the last read
@@ -443,14 +445,19 @@ class QueueTracker:
     def _move(self, rec: dict) -> None:
         rid = rec.get("id")
         view = self.view
-        was_queued = any(r.get("id") == rid for r in view["queued"])
+        listed = any(r.get("id") == rid for r in view["queued"])
+        # Every queued run is listed: a queued run not among them is new to the queue. Otherwise
+        # it may be one beyond the listed part (whose reason changed, say): the count and the
+        # list wait for the read that a move asks for.
+        complete = view["queued_total"] <= len(view["queued"])
         for key in _VIEW_LIST_OF_STATE.values():
             view[key] = [r for r in view[key] if r.get("id") != rid]
-        # The count follows what the events show; the read that a move asks for corrects it
-        # (a run that leaves the queue from beyond the listed part is not known to have been in it).
-        view["queued_total"] = max(view.get("queued_total", 0) - was_queued, len(view["queued"]))
+        if listed:
+            view["queued_total"] -= 1
         state = rec.get("state")
         if state == QUEUED:
+            if not (listed or complete):
+                return
             view["queued_total"] += 1
             if self.queue_limit is not None and len(view["queued"]) >= self.queue_limit:
                 return  # beyond the listed part, until the read places it
@@ -470,7 +477,8 @@ class QueueTracker:
         self._want_read = False
         if self._settle_at is not None and now >= self._settle_at:
             self._settle_at = None
-        view = client.queue(limit=self.queue_limit)
+        # (no limit, no argument: a client written before limits still serves a tracker without one)
+        view = client.queue() if self.queue_limit is None else client.queue(limit=self.queue_limit)
         if self.finished_limit:
             # Listed newest-submitted first: read more than shown, then order by end time.
             listed = client.list(state=sorted(TERMINAL_STATES), limit=max(50, self.finished_limit))

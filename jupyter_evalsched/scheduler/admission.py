@@ -824,7 +824,7 @@ class Admission:
         config = self.config.policy
 
         def key(run: Run) -> tuple[int, int]:
-            return policy.lane_after_waiting(run.scheduling.priority, now - run.submitted_ts, config), run.record["seq"]
+            return policy.admission_key_of(run.scheduling.priority, now - run.submitted_ts, run.record["seq"], config)
 
         runs = self._queued.values()
         if limit is not None and limit < len(runs):

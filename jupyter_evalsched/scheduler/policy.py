@@ -195,7 +195,12 @@ def effective_lane(job: QueuedJob, config: PolicyConfig) -> int:
 
 def admission_key(job: QueuedJob, config: PolicyConfig) -> tuple[int, int]:
     """Where a job stands in admission order: its effective lane, then its submission."""
-    return effective_lane(job, config), job.seq
+    return admission_key_of(job.priority, job.waited_s, job.seq, config)
+
+
+def admission_key_of(priority: str, waited_s: float, seq: int, config: PolicyConfig) -> tuple[int, int]:
+    """``admission_key`` from the fields it reads (the queue view orders runs without a job each)."""
+    return lane_after_waiting(priority, waited_s, config), seq
 
 
 def admission_order(jobs: Iterable[QueuedJob], config: PolicyConfig) -> list[QueuedJob]:

@@ -48,6 +48,10 @@ from .writer import RunWriter
 
 log = logging.getLogger("jupyter_evalsched")
 
+# Serialised queue views kept (one per limit asked), and their bytes at most beyond the latest.
+QUEUE_CACHE_ENTRIES = 4
+QUEUE_CACHE_BYTES = 16 * 2**20
+
 __all__ = ["Scheduler", "StatusView"]
 
 
@@ -655,9 +659,15 @@ class Scheduler:
         if cached is not None and cached[0] == version and now - cached[2] < 1.0:
             return cached[1]
         data = dumps(self.queue_view(limit))
-        if limit not in self._queue_cache and len(self._queue_cache) >= 8:
-            self._queue_cache.clear()  # a client asking with many limits keeps none of them long
-        self._queue_cache[limit] = (version, data, now)
+        self._queue_cache.pop(limit, None)
+        self._queue_cache[limit] = (version, data, now)  # the latest last
+        # A few limits are in use (the panel's, the widgets'); a long queue's whole view is
+        # megabytes: keep what fits, the latest first.
+        while len(self._queue_cache) > 1 and (
+            len(self._queue_cache) > QUEUE_CACHE_ENTRIES
+            or sum(len(entry[1]) for entry in self._queue_cache.values()) > QUEUE_CACHE_BYTES
+        ):
+            del self._queue_cache[next(iter(self._queue_cache))]
         return data
 
     def summary(self, run_id: str) -> tuple[dict | None, str | None]:

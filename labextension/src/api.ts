@@ -96,25 +96,36 @@ export class EvalSchedAPI {
     return url;
   }
 
-  /** The URL of the event WebSocket, with the token appended where Jupyter appends it. */
-  eventsUrl(): string {
+  /**
+   * The URL of the event WebSocket, with the token appended where Jupyter appends it;
+   * `queueLimit`: how many queued runs its first message (the queue view) lists.
+   */
+  eventsUrl(queueLimit?: number): string {
     const settings = this.serverSettings;
-    let url = URLExt.join(settings.wsUrl, 'evalsched', 'events');
+    const url = URLExt.join(settings.wsUrl, 'evalsched', 'events');
+    const query: string[] = [];
+    if (queueLimit !== undefined) {
+      query.push(`limit=${encodeURIComponent(String(queueLimit))}`);
+    }
     // Same rule as @jupyterlab/services' kernel and terminal sockets: same-origin sockets
     // authenticate with the cookie; otherwise (or when configured) the token rides along.
     if (settings.appendToken && settings.token !== '') {
-      url += `?token=${encodeURIComponent(settings.token)}`;
+      query.push(`token=${encodeURIComponent(settings.token)}`);
     }
-    return url;
+    return query.length ? `${url}?${query.join('&')}` : url;
   }
 
   /** Open the event socket (`WS /evalsched/events`). */
-  openEvents(): WebSocket {
-    return new this.serverSettings.WebSocket(this.eventsUrl());
+  openEvents(queueLimit?: number): WebSocket {
+    return new this.serverSettings.WebSocket(this.eventsUrl(queueLimit));
   }
 
-  getQueue(): Promise<IQueueView> {
-    return this._json<IQueueView>(['queue'], undefined, {}, true);
+  /**
+   * The queue view; with `limit`, its `queued` lists the first `limit` queued runs only
+   * (`queued_total` counts them all).
+   */
+  getQueue(limit?: number): Promise<IQueueView> {
+    return this._json<IQueueView>(['queue'], { limit }, {}, true);
   }
 
   getLedger(): Promise<ILedger> {

@@ -89,6 +89,7 @@ function readSettings(
     maxRefreshInterval: get<number>('maxRefreshInterval'),
     useWebSocket: get<boolean>('useWebSocket'),
     finishedLimit: get<number>('finishedLimit'),
+    queueLimit: get<number>('queueLimit'),
     logTail: get<number>('logTail'),
     area: get<string>('area') === 'left' ? 'left' : 'right',
     rank: get<number>('rank'),

@@ -56,13 +56,19 @@ export interface IModelOptions {
   useWebSocket: boolean;
   /** How many recently finished runs to keep. */
   finishedLimit: number;
+  /**
+   * How many queued runs (the head, in admission order) to read from the server; the rest are
+   * counted (`queuedTotal`). A long queue then costs the server and the page this many.
+   */
+  queueLimit: number;
 }
 
 export const DEFAULT_OPTIONS: IModelOptions = {
   refreshInterval: 5,
   maxRefreshInterval: 60,
   useWebSocket: true,
-  finishedLimit: 20
+  finishedLimit: 20,
+  queueLimit: 1000
 };
 
 /** Resynchronise through REST this often while the socket is live (ms). */
@@ -149,6 +155,11 @@ export class EvalSchedModel implements IDisposable {
 
   get queued(): ReadonlyArray<IRunRecord> {
     return this._queued;
+  }
+
+  /** How many runs are queued: those in `queued` and those beyond the head read. */
+  get queuedTotal(): number {
+    return Math.max(this._queuedTotal, this._queued.length);
   }
 
   get running(): ReadonlyArray<IRunRecord> {
@@ -312,6 +323,9 @@ export class EvalSchedModel implements IDisposable {
     } else if (!before.useWebSocket && this._options.useWebSocket) {
       this._connect();
     }
+    if (this._options.queueLimit !== before.queueLimit) {
+      this._scheduleQueueFetch(); // the head as now asked for
+    }
   }
 
   /** Refetch everything now (the refresh button). */
@@ -427,7 +441,7 @@ export class EvalSchedModel implements IDisposable {
     }
     let socket: WebSocket;
     try {
-      socket = this.api.openEvents();
+      socket = this.api.openEvents(this._queueLimit());
     } catch (reason) {
       console.warn('jupyter-evalsched: cannot open the event socket', reason);
       this._onSocketLost();
@@ -616,7 +630,7 @@ export class EvalSchedModel implements IDisposable {
   private async _pollTick(): Promise<void> {
     try {
       const [queue] = await Promise.all([
-        this.api.getQueue(),
+        this.api.getQueue(this._queueLimit()),
         this._fetchFinished()
       ]);
       this._applyQueue(queue);
@@ -790,13 +804,13 @@ export class EvalSchedModel implements IDisposable {
       return;
     }
     const delay =
-      this._queued.length > LONG_QUEUE
+      this.queuedTotal > LONG_QUEUE
         ? QUEUE_DEBOUNCE_LONG_MS
         : QUEUE_DEBOUNCE_MS;
     this._queueTimer = setTimeout(() => {
       this._queueTimer = null;
       this.api
-        .getQueue()
+        .getQueue(this._queueLimit())
         .then(queue => {
           if (this._applyQueue(queue)) {
             this._changed.emit();
@@ -856,6 +870,12 @@ export class EvalSchedModel implements IDisposable {
       previous.delete(record.id);
     }
     this._queued = queue.queued.map(r => this._records.get(r.id) ?? r);
+    this._queuedTotal =
+      typeof queue.queued_total === 'number'
+        ? Math.max(queue.queued_total, queue.queued.length)
+        : queue.queued.length;
+    // The head of a longer queue: a queued run missing from it may be beyond it, not ended.
+    const head = this._queuedTotal > queue.queued.length;
     this._running = queue.running.map(r => this._records.get(r.id) ?? r);
     this._finished = this._finished.map(r => this._records.get(r.id) ?? r);
     if (queue.ledger && Array.isArray(queue.ledger.devices)) {
@@ -873,7 +893,11 @@ export class EvalSchedModel implements IDisposable {
     // Runs that left the queue without an event we saw: they ended; read their final record.
     for (const id of previous) {
       const known = this._records.get(id);
-      if (known && !isTerminal(known.state)) {
+      if (
+        known &&
+        !isTerminal(known.state) &&
+        !(head && known.state === 'queued')
+      ) {
         this._queueSummaryFetch(id, 0);
       }
     }
@@ -945,13 +969,28 @@ export class EvalSchedModel implements IDisposable {
     this._running = replace(this._running);
     this._finished = replace(this._finished);
     if (place && stateChanged) {
+      // The count follows the events until the next read of the queue view sets it. With the
+      // whole queue listed, a queued run not among it is new to the queue; with its head only,
+      // it may be one beyond the head (its reason changed, say): counted only if it was known
+      // elsewhere (a resumed run), listed only within the head.
+      const listed = this._queued.some(r => r.id === record.id);
+      const complete = this._queuedTotal <= this._queued.length;
+      if (listed) {
+        this._queuedTotal = Math.max(0, this._queuedTotal - 1);
+      }
+      const newlyQueued =
+        merged.state === 'queued' &&
+        (complete || (before !== undefined && before.state !== 'queued'));
+      if (newlyQueued) {
+        this._queuedTotal++;
+      }
       this._queued = this._queued.filter(r => r.id !== record.id);
       this._running = this._running.filter(r => r.id !== record.id);
       this._finished = this._finished.filter(r => r.id !== record.id);
-      if (merged.state === 'queued') {
+      if (newlyQueued) {
         // Placed by lane now; the scheduler's order (aging, reservations) comes with the next
         // read of the queue view.
-        this._insertQueued(merged);
+        this._insertQueued(merged, !complete);
       } else if (merged.state === 'running') {
         this._running.push(merged);
       } else if (isTerminal(merged.state)) {
@@ -974,8 +1013,11 @@ export class EvalSchedModel implements IDisposable {
     return stateChanged;
   }
 
-  /** Insert a queued run after the last one of its priority lane or a higher one. */
-  private _insertQueued(record: IRunRecord): void {
+  /**
+   * Insert a queued run after the last one of its priority lane or a higher one; where that is
+   * the end of the head of a longer queue (`head`), it is beyond the head: not listed.
+   */
+  private _insertQueued(record: IRunRecord, head: boolean): void {
     const rank = PRIORITY_RANK[record.priority] ?? 1;
     let at = this._queued.length;
     while (
@@ -984,7 +1026,15 @@ export class EvalSchedModel implements IDisposable {
     ) {
       at--;
     }
+    if (head && at === this._queued.length) {
+      return;
+    }
     this._queued.splice(at, 0, record);
+  }
+
+  /** The head of the queue to read (the setting, as a whole number of runs, at least 1). */
+  private _queueLimit(): number {
+    return Math.max(1, Math.floor(this._options.queueLimit));
   }
 
   private _sortFinished(): void {
@@ -1136,6 +1186,7 @@ export class EvalSchedModel implements IDisposable {
   private _sweeps = new SweepBook();
   private _sweepTimers = new Map<string, ReturnType<typeof setTimeout>>();
   private _queued: IRunRecord[] = [];
+  private _queuedTotal = 0;
   private _running: IRunRecord[] = [];
   private _finished: IRunRecord[] = [];
   private _ledger: ILedger | null = null;

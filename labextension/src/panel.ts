@@ -24,7 +24,13 @@ import { ModelRow } from './modelRow';
 import { IRowHost } from './rowHost';
 import { RunRow } from './runRow';
 import { SubmitForm } from './submitForm';
-import { groupRuns, Section, SECTIONS, sectionOf } from './sweeps';
+import {
+  groupRuns,
+  queuedNotShown,
+  Section,
+  SECTIONS,
+  sectionOf
+} from './sweeps';
 import { SweepRow } from './sweepRow';
 
 /** The DOM id of the panel (public contract). */
@@ -213,7 +219,10 @@ export class EvalSchedPanel extends Widget implements IRowHost {
       queued: h('span', { className: 'jp-EvalSched-count' }),
       finished: h('span', { className: 'jp-EvalSched-count' })
     };
-    this._more = h('div', { className: 'jp-EvalSched-more' });
+    this._more = h('div', {
+      className: 'jp-EvalSched-more',
+      attrs: { 'data-testid': 'evalsched-queued-more' }
+    });
     const running = this._section(
       trans.__('Running'),
       'running',
@@ -599,7 +608,10 @@ export class EvalSchedPanel extends Widget implements IRowHost {
         this._sweepRows.delete(id);
       }
     }
-    const hidden = model.queued.filter(r => !covered.has(r.id)).length;
+    const hidden = queuedNotShown(model.queued, model.queuedTotal, {
+      items,
+      covered
+    });
     for (const section of SECTIONS) {
       // Queued runs beyond those shown are rows too ("… and N more queued").
       const more = section === 'queued' ? hidden : 0;

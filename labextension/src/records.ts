@@ -167,9 +167,11 @@ export function basename(path: string): string {
 
 export interface IQueueView extends Omit<
   api.IQueueView,
-  'queued' | 'running' | 'leases'
+  'queued' | 'queued_total' | 'running' | 'leases'
 > {
   queued: IRunRecord[];
+  /** Every queued run, listed or not (an older server lists them all and does not count). */
+  queued_total?: number;
   running: IRunRecord[];
   leases?: ILeaseRecord[];
 }

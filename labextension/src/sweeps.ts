@@ -160,3 +160,30 @@ export function groupRuns(source: IRunSource, maxQueued: number): IGrouping {
   source.finished.forEach((r, i) => place(r, i));
   return { items, covered };
 }
+
+/**
+ * Queued runs that no entry shows: those of the head read (`queued`) that no entry covers, and
+ * those beyond it (`total` counts every queued run) that no sweep's entry covers.
+ */
+export function queuedNotShown(
+  queued: ReadonlyArray<IRunRecord>,
+  total: number,
+  grouping: IGrouping
+): number {
+  const inHead = new Set(queued.map(r => r.id));
+  let coveredBeyond = 0;
+  for (const section of SECTIONS) {
+    for (const item of grouping.items[section]) {
+      if (item.kind !== 'sweep') {
+        continue;
+      }
+      for (const r of item.members) {
+        if (r.state === 'queued' && !inHead.has(r.id)) {
+          coveredBeyond++;
+        }
+      }
+    }
+  }
+  const notCovered = queued.filter(r => !grouping.covered.has(r.id)).length;
+  return notCovered + Math.max(0, total - queued.length - coveredBeyond);
+}

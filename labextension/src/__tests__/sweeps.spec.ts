@@ -2,6 +2,7 @@ import {
   countStates,
   groupRuns,
   IRunSource,
+  queuedNotShown,
   sectionOf,
   sweepNameOf,
   sweepSection,
@@ -126,5 +127,39 @@ describe('groupRuns', () => {
     expect(groupRuns(src, 200).items.running).toEqual([
       { kind: 'run', record: fresh, position: 0 }
     ]);
+  });
+});
+
+describe('queuedNotShown', () => {
+  function source(queued: IRunRecord[], sweeps: IRunRecord[] = []): IRunSource {
+    return {
+      running: [],
+      queued,
+      finished: [],
+      getRun: id => [...queued, ...sweeps].find(r => r.id === id),
+      sweepRuns: id => [...queued, ...sweeps].filter(r => r.sweep_id === id)
+    };
+  }
+
+  it('counts the head not shown and the queue beyond the head', () => {
+    const head = ['q1', 'q2', 'q3'].map(id => run({ id }));
+    const grouping = groupRuns(source(head), 2);
+    // One of the head is not shown; 7 more are queued beyond the head of 3 read.
+    expect(queuedNotShown(head, 10, grouping)).toBe(8);
+    // A whole queue read (an older server: the total is the list).
+    expect(queuedNotShown(head, 3, grouping)).toBe(1);
+  });
+
+  it("does not count twice a sweep's runs beyond the head that its entry shows", () => {
+    const head = [run({ id: 's-1', sweep_id: 's' }), run({ id: 'q1' })];
+    // The sweep's read knows two more queued runs, beyond the head, and one that ended.
+    const beyond = [
+      run({ id: 's-2', sweep_id: 's' }),
+      run({ id: 's-3', sweep_id: 's' }),
+      run({ id: 's-4', sweep_id: 's', state: 'succeeded' })
+    ];
+    const grouping = groupRuns(source(head, beyond), 200);
+    // 10 queued: the 2 of the head and the sweep's 2 beyond it are shown; 6 are not.
+    expect(queuedNotShown(head, 10, grouping)).toBe(6);
   });
 });
