@@ -25,7 +25,12 @@ from waiting import async_wait_until
 from jupyter_evalsched.scheduler.shared import ModelUnavailable
 from jupyter_evalsched.shared_models.client import SharedModelError, connect, make_url, parse_url
 from jupyter_evalsched.shared_models.config import parse_models
-from jupyter_evalsched.shared_models.manager import HOLD_BASE_S, ModelHostManager, restart_hold_s
+from jupyter_evalsched.shared_models.manager import (
+    HOLD_BASE_S,
+    ModelHostManager,
+    remove_stale_socket_dirs,
+    restart_hold_s,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TESTING = "jupyter_evalsched.shared_models.testing:"
@@ -182,6 +187,88 @@ def test_client_imports_only_the_standard_library():
 
 
 # -- the host ------------------------------------------------------------------------------------
+
+
+def _gone_pid() -> int:
+    """The pid of a process that has ended and been reaped."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _stale_socket(path: Path) -> None:
+    """A socket file whose listener is gone, as a killed host leaves it."""
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.close()
+
+
+def test_socket_directories_of_killed_servers_are_removed_and_nothing_else(tmp_path):
+    import socket
+
+    dead = _gone_pid()
+    stale = tmp_path / f"evalsched-models-{dead}"
+    stale.mkdir(mode=0o700)
+    _stale_socket(stale / "m0.sock")
+    _stale_socket(stale / "m1.sock")
+    stale_tmp = tmp_path / f"evalsched-models-{dead}-k3j2x9"  # the /tmp form
+    stale_tmp.mkdir(mode=0o700)
+    empty = tmp_path / f"evalsched-models-{dead}-empty"
+    empty.mkdir(mode=0o700)
+    # Left alone: a live pid's, a socket that answers (a server this pid namespace cannot see),
+    # a directory holding something else, a link, a file, another name.
+    mine = tmp_path / f"evalsched-models-{os.getpid()}"
+    mine.mkdir(mode=0o700)
+    _stale_socket(mine / "m0.sock")
+    answering = tmp_path / f"evalsched-models-{dead}-live"
+    answering.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(answering / "m0.sock"))
+    listener.listen(1)
+    holding = tmp_path / f"evalsched-models-{dead}-notes"
+    holding.mkdir(mode=0o700)
+    (holding / "notes.txt").write_text("mine")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    _stale_socket(target / "m0.sock")
+    (tmp_path / f"evalsched-models-{dead}-link").symlink_to(target)
+    (tmp_path / f"evalsched-models-{dead}-file").write_text("")
+    other = tmp_path / f"evalsched-zygote-{dead}"
+    other.mkdir()
+    try:
+        removed = remove_stale_socket_dirs(str(tmp_path))
+    finally:
+        listener.close()
+    assert sorted(removed) == sorted(str(p) for p in (stale, stale_tmp, empty))
+    assert not stale.exists() and not stale_tmp.exists() and not empty.exists()
+    for kept in (mine / "m0.sock", answering / "m0.sock", holding / "notes.txt", target / "m0.sock", other):
+        assert os.path.lexists(kept), kept
+    assert (tmp_path / f"evalsched-models-{dead}-link").is_symlink()
+    assert remove_stale_socket_dirs(str(tmp_path / "no-such-dir")) == []
+
+
+@pytest.mark.asyncio
+async def test_a_manager_removes_what_a_killed_server_left_beside_its_socket_directory(tmp_path):
+    stale = tmp_path / f"evalsched-models-{_gone_pid()}"
+    stale.mkdir(mode=0o700)
+    _stale_socket(stale / "m0.sock")
+    host_manager = ModelHostManager([], socket_dir=str(tmp_path / f"evalsched-models-{os.getpid()}"))
+    await host_manager.start()
+    try:
+        assert not stale.exists()
+        assert host_manager.socket_dir == str(tmp_path / f"evalsched-models-{os.getpid()}")
+    finally:
+        await host_manager.stop()
+    # Made under a parent of its own choosing: the directory's name starts with its pid.
+    parent = tmp_path / "sockets"
+    later = ModelHostManager([], socket_parent=str(parent))
+    await later.start()
+    try:
+        assert os.path.basename(later.socket_dir or "").startswith(f"evalsched-models-{os.getpid()}-")
+    finally:
+        await later.stop()
 
 
 @module_loop

@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
@@ -59,6 +60,70 @@ DESCRIBE_TIMEOUT_S = 2.0
 _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS: keep a margin
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+SOCKET_DIR_PREFIX = "evalsched-models-"  # then the server's pid, and "-<random>" under /tmp
+
+
+def remove_stale_socket_dirs(parent: str) -> list[str]:
+    """Remove, from ``parent``, the socket directories that servers of this user left when they
+    were killed (a server that stops removes its own): ``evalsched-models-<pid>[-...]`` of a pid
+    that no longer exists, holding nothing but sockets that no one listens on. Anything else is
+    left alone: another user's directory, a link, a file, a socket that answers (a server whose
+    pid this namespace does not see). Returns the paths removed."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        pid_text = entry.name[len(SOCKET_DIR_PREFIX) :].split("-", 1)[0]
+        if not entry.name.startswith(SOCKET_DIR_PREFIX) or not pid_text.isdigit() or _pid_exists(int(pid_text)):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            inside = list(os.scandir(entry.path))
+            if not all(_dead_socket(item) for item in inside):
+                continue
+            for item in inside:
+                os.unlink(item.path)
+            os.rmdir(entry.path)
+        except OSError:
+            continue  # in use after all, or changed under us: leave it
+        removed.append(entry.path)
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: another user's process)
+        return True
+    return True
+
+
+def _dead_socket(entry: os.DirEntry) -> bool:
+    """A socket file that refuses a connection: its listener is gone."""
+    try:
+        if not stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+            return False
+    except OSError:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(entry.path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 def restart_hold_s(early_deaths: int) -> float:
@@ -399,19 +464,30 @@ class ModelHostManager:
             raise ValueError(f"unknown shared model {name!r} (declared: {known})") from None
 
     def _make_socket_dir(self) -> str:
+        # Named with our pid, so that a later server can tell ours from a live one's and remove
+        # it if we are killed (remove_stale_socket_dirs).
+        prefix = f"{SOCKET_DIR_PREFIX}{os.getpid()}-"
+        tmp = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
         if self.requested_socket_dir:
             path = os.path.abspath(self.requested_socket_dir)
+            self._remove_stale(os.path.dirname(path))
             if len(os.path.join(path, "m999.sock")) <= _SUN_PATH_MAX and self._own_private_dir(path):
                 return path
             self.log.warning("shared models: cannot use %s for sockets; using a directory under /tmp", path)
-            return tempfile.mkdtemp(prefix="evalsched-models-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            self._remove_stale(tmp)
+            return tempfile.mkdtemp(prefix=prefix, dir=tmp)
         parent = self.socket_parent or tempfile.gettempdir()
-        if len(os.path.join(parent, "evalsched-models-XXXXXXXX", "m999.sock")) > _SUN_PATH_MAX:
-            parent = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+        if len(os.path.join(parent, f"{prefix}XXXXXXXX", "m999.sock")) > _SUN_PATH_MAX:
+            parent = tmp
         os.makedirs(parent, exist_ok=True)
-        path = tempfile.mkdtemp(prefix="evalsched-models-", dir=parent)  # created 0700
+        self._remove_stale(parent)
+        path = tempfile.mkdtemp(prefix=prefix, dir=parent)  # created 0700
         os.chmod(path, 0o700)
         return path
+
+    def _remove_stale(self, parent: str) -> None:
+        for path in remove_stale_socket_dirs(parent):
+            self.log.info("shared models: removed %s, left by a server that was killed", path)
 
     @staticmethod
     def _own_private_dir(path: str) -> bool:
