@@ -161,11 +161,12 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             probe = cast(GpuProbe, self.gpu_probe_class())
         model_host = None
         if self.models:
-            from .shared_models.manager import SOCKET_DIR_PREFIX, ModelHostManager
+            from .shared_models import socket_dirs
+            from .shared_models.manager import ModelHostManager
 
             model_host = ModelHostManager(
                 list(self.models),
-                socket_dir=Path(jupyter_runtime_dir()) / f"{SOCKET_DIR_PREFIX}{os.getpid()}",
+                socket_dir=Path(jupyter_runtime_dir()) / socket_dirs.dir_name(),
                 # Beside the runs, where a user finds them after the host (and its sockets) are gone.
                 log_dir=str(self.runs_path / MODEL_LOGS_DIR),
                 log=self.log,

@@ -206,6 +206,14 @@ def test_queue_tracker_with_a_limit_lists_the_head_and_counts_the_rest():
     assert [r["id"] for r in tracker.view["queued"]] == ["q0", "new"] and tracker.view["queued_total"] == 2
     tracker.apply({"type": "run", "run": {"id": "newer", "state": "queued"}})
     assert [r["id"] for r in tracker.view["queued"]] == ["q0", "new"] and tracker.view["queued_total"] == 3
+    # A head of a longer queue again: a run known running that is queued again (requeued,
+    # resumed) is new to the queue: counted, and listed at the end while there is room.
+    tracker.apply(
+        {"type": "snapshot", "queue": {"queued": head[:1], "queued_total": 4, "running": [{"id": "r"}], "ledger": None}}
+    )
+    tracker.apply({"type": "run", "run": {"id": "r", "state": "queued"}})
+    assert [r["id"] for r in tracker.view["queued"]] == ["q0", "r"] and tracker.view["queued_total"] == 5
+    assert tracker.view["running"] == []
     # An older server lists every queued run and does not count them: the list is the count.
     tracker.apply({"type": "snapshot", "queue": {"queued": head, "running": [], "ledger": None}})
     assert tracker.view["queued_total"] == 2

@@ -13,6 +13,8 @@ import pytest
 from prom import scrape, value
 from waiting import async_wait_until
 
+from jupyter_evalsched.shared_models import socket_dirs
+
 UPPER = "jupyter_evalsched.shared_models.testing:upper"
 
 EVAL = """
@@ -115,7 +117,7 @@ def jp_runtime_dir():
 def taken_socket(jp_runtime_dir):
     """The socket path of the first model ("shout") taken by a directory before the server
     starts: its host exits before it listens, at every start."""
-    (jp_runtime_dir / f"evalsched-models-{os.getpid()}" / "m0.sock" / "taken").mkdir(parents=True)
+    (jp_runtime_dir / socket_dirs.dir_name() / "m0.sock" / "taken").mkdir(parents=True)
 
 
 async def test_a_run_waiting_on_a_model_that_cannot_start_fails_with_the_reason(taken_socket, api, wait_for, runs_dir):

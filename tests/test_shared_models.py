@@ -23,14 +23,10 @@ import pytest_asyncio
 from waiting import async_wait_until
 
 from jupyter_evalsched.scheduler.shared import ModelUnavailable
+from jupyter_evalsched.shared_models import socket_dirs
 from jupyter_evalsched.shared_models.client import SharedModelError, connect, make_url, parse_url
 from jupyter_evalsched.shared_models.config import parse_models
-from jupyter_evalsched.shared_models.manager import (
-    HOLD_BASE_S,
-    ModelHostManager,
-    remove_stale_socket_dirs,
-    restart_hold_s,
-)
+from jupyter_evalsched.shared_models.manager import HOLD_BASE_S, ModelHostManager, restart_hold_s
 
 REPO = Path(__file__).resolve().parents[1]
 TESTING = "jupyter_evalsched.shared_models.testing:"
@@ -189,13 +185,6 @@ def test_client_imports_only_the_standard_library():
 # -- the host ------------------------------------------------------------------------------------
 
 
-def _gone_pid() -> int:
-    """The pid of a process that has ended and been reaped."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
 def _stale_socket(path: Path) -> None:
     """A socket file whose listener is gone, as a killed host leaves it."""
     import socket
@@ -205,68 +194,98 @@ def _stale_socket(path: Path) -> None:
     listener.close()
 
 
-def test_socket_directories_of_killed_servers_are_removed_and_nothing_else(tmp_path):
-    import socket
+def _left_by_a_killed_server(path: Path, sockets: int = 1) -> Path:
+    """A socket directory as a killed server leaves it: its lock file held by no one, sockets."""
+    path.mkdir(mode=0o700)
+    os.close(socket_dirs.hold(str(path)))  # (the server's death closes it)
+    for i in range(sockets):
+        _stale_socket(path / f"m{i}.sock")
+    return path
 
-    dead = _gone_pid()
-    stale = tmp_path / f"evalsched-models-{dead}"
-    stale.mkdir(mode=0o700)
-    _stale_socket(stale / "m0.sock")
-    _stale_socket(stale / "m1.sock")
-    stale_tmp = tmp_path / f"evalsched-models-{dead}-k3j2x9"  # the /tmp form
-    stale_tmp.mkdir(mode=0o700)
-    empty = tmp_path / f"evalsched-models-{dead}-empty"
-    empty.mkdir(mode=0o700)
-    # Left alone: a live pid's, a socket that answers (a server this pid namespace cannot see),
-    # a directory holding something else, a link, a file, another name.
-    mine = tmp_path / f"evalsched-models-{os.getpid()}"
-    mine.mkdir(mode=0o700)
-    _stale_socket(mine / "m0.sock")
-    answering = tmp_path / f"evalsched-models-{dead}-live"
-    answering.mkdir(mode=0o700)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(answering / "m0.sock"))
-    listener.listen(1)
-    holding = tmp_path / f"evalsched-models-{dead}-notes"
-    holding.mkdir(mode=0o700)
-    (holding / "notes.txt").write_text("mine")
-    target = tmp_path / "elsewhere"
-    target.mkdir()
-    _stale_socket(target / "m0.sock")
-    (tmp_path / f"evalsched-models-{dead}-link").symlink_to(target)
-    (tmp_path / f"evalsched-models-{dead}-file").write_text("")
-    other = tmp_path / f"evalsched-zygote-{dead}"
-    other.mkdir()
+
+def _held(path: Path) -> bool:
+    """Whether someone holds the directory's lock file (here: the manager, in this process)."""
+    import fcntl
+
+    fd = os.open(path / socket_dirs.LOCK_FILE, os.O_RDONLY)
     try:
-        removed = remove_stale_socket_dirs(str(tmp_path))
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
     finally:
-        listener.close()
-    assert sorted(removed) == sorted(str(p) for p in (stale, stale_tmp, empty))
-    assert not stale.exists() and not stale_tmp.exists() and not empty.exists()
-    for kept in (mine / "m0.sock", answering / "m0.sock", holding / "notes.txt", target / "m0.sock", other):
-        assert os.path.lexists(kept), kept
-    assert (tmp_path / f"evalsched-models-{dead}-link").is_symlink()
-    assert remove_stale_socket_dirs(str(tmp_path / "no-such-dir")) == []
+        os.close(fd)
+    return False
+
+
+@pytest.fixture
+def short_dir():
+    """A directory whose sockets' paths fit in sun_path whatever the temporary directory's length."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="sd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_socket_directories_of_killed_servers_are_removed_and_nothing_else(short_dir):
+    tmp_path = short_dir
+    own = socket_dirs.dir_name()  # evalsched-models-<pid>-<host tag>: the lock tells, not the pid
+    killed = _left_by_a_killed_server(tmp_path / socket_dirs.dir_name(4242), sockets=2)
+    killed_tmp = _left_by_a_killed_server(tmp_path / f"{own}-k3j2x9_a", sockets=0)  # the /tmp form
+    # Left alone: a live server's (lock held; its hosts not started, or idle: nothing listens),
+    # one holding a host's log, one without a lock file (an older version's, or being made),
+    # another host's, a link, a file, other names.
+    live = tmp_path / f"{own}-live1234"
+    live.mkdir(mode=0o700)
+    held = socket_dirs.hold(str(live))
+    _stale_socket(live / "m0.sock")
+    logged = _left_by_a_killed_server(tmp_path / socket_dirs.dir_name(4243))
+    (logged / "shout.log").write_text("the host's log")
+    unlocked = tmp_path / socket_dirs.dir_name(4244)
+    unlocked.mkdir(mode=0o700)
+    _stale_socket(unlocked / "m0.sock")
+    elsewhere = _left_by_a_killed_server(tmp_path / "evalsched-models-4245-00000000")
+    target = _left_by_a_killed_server(tmp_path / "target")
+    (tmp_path / f"{socket_dirs.dir_name(4246)}-link").symlink_to(target)
+    (tmp_path / socket_dirs.dir_name(4247)).write_text("")
+    odd = [tmp_path / f"evalsched-models-{name}" for name in ("\u00b2", "9" * 40, "12", "x-y")]
+    for path in odd:
+        path.mkdir()
+    try:
+        removed = socket_dirs.remove_unheld(str(tmp_path))
+        assert sorted(removed) == sorted(str(p) for p in (killed, killed_tmp))
+        assert not killed.exists() and not killed_tmp.exists()
+        for kept in (live / "m0.sock", logged / "m0.sock", unlocked / "m0.sock", elsewhere / "m0.sock"):
+            assert os.path.lexists(kept), kept
+        assert (tmp_path / f"{socket_dirs.dir_name(4246)}-link").is_symlink() and (target / "m0.sock").exists()
+        assert all(path.is_dir() for path in odd)
+    finally:
+        os.close(held)
+    # Its server gone (the lock released), the live one goes too.
+    assert socket_dirs.remove_unheld(str(tmp_path)) == [str(live)]
+    assert socket_dirs.remove_unheld(str(tmp_path / "no-such-dir")) == []
 
 
 @pytest.mark.asyncio
-async def test_a_manager_removes_what_a_killed_server_left_beside_its_socket_directory(tmp_path):
-    stale = tmp_path / f"evalsched-models-{_gone_pid()}"
-    stale.mkdir(mode=0o700)
-    _stale_socket(stale / "m0.sock")
-    host_manager = ModelHostManager([], socket_dir=str(tmp_path / f"evalsched-models-{os.getpid()}"))
+async def test_a_manager_holds_its_socket_directory_and_removes_what_killed_servers_left(short_dir):
+    tmp_path = short_dir
+    killed = _left_by_a_killed_server(tmp_path / socket_dirs.dir_name(4242))
+    mine = tmp_path / socket_dirs.dir_name()
+    host_manager = ModelHostManager([], socket_dir=str(mine))
     await host_manager.start()
     try:
-        assert not stale.exists()
-        assert host_manager.socket_dir == str(tmp_path / f"evalsched-models-{os.getpid()}")
+        assert not killed.exists() and host_manager.socket_dir == str(mine)
+        assert _held(mine) and socket_dirs.remove_unheld(str(tmp_path)) == []  # its own is held
     finally:
         await host_manager.stop()
-    # Made under a parent of its own choosing: the directory's name starts with its pid.
-    parent = tmp_path / "sockets"
-    later = ModelHostManager([], socket_parent=str(parent))
+    assert not mine.exists()
+    # Made under a parent of its own choosing: named for this server and host, held too.
+    later = ModelHostManager([], socket_parent=str(tmp_path / "sockets"))
     await later.start()
     try:
-        assert os.path.basename(later.socket_dir or "").startswith(f"evalsched-models-{os.getpid()}-")
+        assert os.path.basename(later.socket_dir or "").startswith(socket_dirs.dir_name() + "-")
+        assert _held(Path(later.socket_dir or "")) and socket_dirs.remove_unheld(str(tmp_path / "sockets")) == []
     finally:
         await later.stop()
 

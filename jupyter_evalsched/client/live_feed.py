@@ -446,10 +446,12 @@ class QueueTracker:
         rid = rec.get("id")
         view = self.view
         listed = any(r.get("id") == rid for r in view["queued"])
-        # Every queued run is listed: a queued run not among them is new to the queue. Otherwise
-        # it may be one beyond the listed part (whose reason changed, say): the count and the
-        # list wait for the read that a move asks for.
-        complete = view["queued_total"] <= len(view["queued"])
+        # Every queued run is listed: a queued run not among them is new to the queue, as is one
+        # known running or finished (resumed). Otherwise it may be one beyond the listed part
+        # (whose reason changed, say): the count and the list wait for the read a move asks for.
+        complete = view["queued_total"] <= len(view["queued"]) or any(
+            r.get("id") == rid for r in (*view["running"], *self.finished)
+        )
         for key in _VIEW_LIST_OF_STATE.values():
             view[key] = [r for r in view[key] if r.get("id") != rid]
         if listed:

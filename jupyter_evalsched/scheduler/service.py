@@ -48,7 +48,8 @@ from .writer import RunWriter
 
 log = logging.getLogger("jupyter_evalsched")
 
-# Serialised queue views kept (one per limit asked), and their bytes at most beyond the latest.
+# Serialised queue views kept (one per limit asked), and their bytes at most (the latest is kept
+# whatever its size).
 QUEUE_CACHE_ENTRIES = 4
 QUEUE_CACHE_BYTES = 16 * 2**20
 
@@ -657,12 +658,13 @@ class Scheduler:
         cached = self._queue_cache.get(limit)
         # Also expire after a second: aging reorders the queue with time alone.
         if cached is not None and cached[0] == version and now - cached[2] < 1.0:
+            self._queue_cache[limit] = self._queue_cache.pop(limit)  # the latest used last
             return cached[1]
         data = dumps(self.queue_view(limit))
         self._queue_cache.pop(limit, None)
         self._queue_cache[limit] = (version, data, now)  # the latest last
         # A few limits are in use (the panel's, the widgets'); a long queue's whole view is
-        # megabytes: keep what fits, the latest first.
+        # megabytes: keep what fits, the least recently used going first.
         while len(self._queue_cache) > 1 and (
             len(self._queue_cache) > QUEUE_CACHE_ENTRIES
             or sum(len(entry[1]) for entry in self._queue_cache.values()) > QUEUE_CACHE_BYTES

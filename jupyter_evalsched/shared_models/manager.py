@@ -33,7 +33,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import stat
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from typing import Any
 from ..openai_keys import run_key
 from ..scheduler.shared import LoadGate, ModelMemory, ModelUnavailable
 from ..store import RunFileError, open_log, tail_lines
+from . import socket_dirs
 from .client import make_url
 from .config import ModelConfig, parse_models
 from .protocol import HEADER, PlainUnpickler, encode
@@ -60,70 +60,6 @@ DESCRIBE_TIMEOUT_S = 2.0
 _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS: keep a margin
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-SOCKET_DIR_PREFIX = "evalsched-models-"  # then the server's pid, and "-<random>" under /tmp
-
-
-def remove_stale_socket_dirs(parent: str) -> list[str]:
-    """Remove, from ``parent``, the socket directories that servers of this user left when they
-    were killed (a server that stops removes its own): ``evalsched-models-<pid>[-...]`` of a pid
-    that no longer exists, holding nothing but sockets that no one listens on. Anything else is
-    left alone: another user's directory, a link, a file, a socket that answers (a server whose
-    pid this namespace does not see). Returns the paths removed."""
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed
-    for entry in entries:
-        pid_text = entry.name[len(SOCKET_DIR_PREFIX) :].split("-", 1)[0]
-        if not entry.name.startswith(SOCKET_DIR_PREFIX) or not pid_text.isdigit() or _pid_exists(int(pid_text)):
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                continue
-            inside = list(os.scandir(entry.path))
-            if not all(_dead_socket(item) for item in inside):
-                continue
-            for item in inside:
-                os.unlink(item.path)
-            os.rmdir(entry.path)
-        except OSError:
-            continue  # in use after all, or changed under us: leave it
-        removed.append(entry.path)
-    return removed
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # (EPERM: another user's process)
-        return True
-    return True
-
-
-def _dead_socket(entry: os.DirEntry) -> bool:
-    """A socket file that refuses a connection: its listener is gone."""
-    try:
-        if not stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
-            return False
-    except OSError:
-        return False
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(entry.path)
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return False
 
 
 def restart_hold_s(early_deaths: int) -> float:
@@ -220,6 +156,7 @@ class ModelHostManager:
         self.env = dict(env or {})
         self.log = log or logging.getLogger("jupyter_evalsched.shared_models")
         self.socket_dir: str | None = None
+        self._socket_dir_lock: int | None = None  # held while the directory is ours (socket_dirs)
         self._hosts: dict[str, _Host] = {}
         self._stopping = False
         self._started = False
@@ -360,6 +297,9 @@ class ModelHostManager:
                 host.watcher.cancel()
         if self.socket_dir:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
+        if self._socket_dir_lock is not None:
+            os.close(self._socket_dir_lock)
+            self._socket_dir_lock = None
         self._started = False
 
     async def urls_for(self, names: Iterable[str]) -> dict[str, str]:
@@ -464,29 +404,34 @@ class ModelHostManager:
             raise ValueError(f"unknown shared model {name!r} (declared: {known})") from None
 
     def _make_socket_dir(self) -> str:
-        # Named with our pid, so that a later server can tell ours from a live one's and remove
-        # it if we are killed (remove_stale_socket_dirs).
-        prefix = f"{SOCKET_DIR_PREFIX}{os.getpid()}-"
+        """The private directory, held (``socket_dirs.hold``) until ``stop()``; what killed
+        servers left beside it is removed first."""
+        path = self._choose_socket_dir()
+        self._socket_dir_lock = socket_dirs.hold(path)
+        return path
+
+    def _choose_socket_dir(self) -> str:
+        prefix = socket_dirs.dir_name() + "-"
         tmp = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
         if self.requested_socket_dir:
             path = os.path.abspath(self.requested_socket_dir)
-            self._remove_stale(os.path.dirname(path))
+            self._remove_unheld(os.path.dirname(path))
             if len(os.path.join(path, "m999.sock")) <= _SUN_PATH_MAX and self._own_private_dir(path):
                 return path
             self.log.warning("shared models: cannot use %s for sockets; using a directory under /tmp", path)
-            self._remove_stale(tmp)
+            self._remove_unheld(tmp)
             return tempfile.mkdtemp(prefix=prefix, dir=tmp)
         parent = self.socket_parent or tempfile.gettempdir()
         if len(os.path.join(parent, f"{prefix}XXXXXXXX", "m999.sock")) > _SUN_PATH_MAX:
             parent = tmp
         os.makedirs(parent, exist_ok=True)
-        self._remove_stale(parent)
+        self._remove_unheld(parent)
         path = tempfile.mkdtemp(prefix=prefix, dir=parent)  # created 0700
         os.chmod(path, 0o700)
         return path
 
-    def _remove_stale(self, parent: str) -> None:
-        for path in remove_stale_socket_dirs(parent):
+    def _remove_unheld(self, parent: str) -> None:
+        for path in socket_dirs.remove_unheld(parent):
             self.log.info("shared models: removed %s, left by a server that was killed", path)
 
     @staticmethod

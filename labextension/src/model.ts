@@ -769,7 +769,7 @@ export class EvalSchedModel implements IDisposable {
    * (coalesced); with a long queue, read the small ledger at once and the view less often.
    */
   private _onStateChange(): void {
-    if (this._queued.length > LONG_QUEUE) {
+    if (this.queuedTotal > LONG_QUEUE) {
       this._scheduleLedgerFetch();
     }
     this._scheduleQueueFetch();
@@ -855,12 +855,17 @@ export class EvalSchedModel implements IDisposable {
       return false;
     }
     const previous = new Set<string>();
-    for (const r of this._queued) {
+    // Where each queued run was listed: one that was listed early enough must still be within
+    // a head read now unless it left the queue (only newcomers can go ahead of it).
+    const wasAt = new Map<string, number>();
+    this._queued.forEach((r, i) => {
       previous.add(r.id);
-    }
+      wasAt.set(r.id, i);
+    });
     for (const r of this._running) {
       previous.add(r.id);
     }
+    const newcomers = queue.queued.filter(r => !wasAt.has(r.id)).length;
     for (const record of queue.queued) {
       this._merge(record);
       previous.delete(record.id);
@@ -891,13 +896,16 @@ export class EvalSchedModel implements IDisposable {
     }
     this._loaded = true;
     // Runs that left the queue without an event we saw: they ended; read their final record.
+    // From the head of a longer queue, a queued run may instead have been pushed beyond it by
+    // newcomers ahead of it: read only those that could not have been.
     for (const id of previous) {
       const known = this._records.get(id);
-      if (
-        known &&
-        !isTerminal(known.state) &&
-        !(head && known.state === 'queued')
-      ) {
+      const at = wasAt.get(id);
+      const pushedOut =
+        head &&
+        known?.state === 'queued' &&
+        (at === undefined || at + newcomers >= queue.queued.length);
+      if (known && !isTerminal(known.state) && !pushedOut) {
         this._queueSummaryFetch(id, 0);
       }
     }
@@ -990,7 +998,10 @@ export class EvalSchedModel implements IDisposable {
       if (newlyQueued) {
         // Placed by lane now; the scheduler's order (aging, reservations) comes with the next
         // read of the queue view.
-        this._insertQueued(merged, !complete);
+        this._insertQueued(
+          merged,
+          !complete || this._queued.length >= this._queueLimit()
+        );
       } else if (merged.state === 'running') {
         this._running.push(merged);
       } else if (isTerminal(merged.state)) {
