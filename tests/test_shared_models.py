@@ -207,7 +207,7 @@ def _held(path: Path) -> bool:
     """Whether someone holds the directory's lock file (here: the manager, in this process)."""
     import fcntl
 
-    fd = os.open(path / socket_dirs.LOCK_FILE, os.O_RDONLY)
+    fd = os.open(path / socket_dirs.LOCK_FILE, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -245,13 +245,16 @@ def test_socket_directories_of_killed_servers_are_removed_and_nothing_else(short
     unlocked = tmp_path / socket_dirs.dir_name(4244)
     unlocked.mkdir(mode=0o700)
     _stale_socket(unlocked / "m0.sock")
-    elsewhere = _left_by_a_killed_server(tmp_path / "evalsched-models-4245-00000000")
+    other_host = "0" * 8 if socket_dirs.host_tag() != "0" * 8 else "1" * 8
+    elsewhere = _left_by_a_killed_server(tmp_path / f"evalsched-models-4245-{other_host}")
     target = _left_by_a_killed_server(tmp_path / "target")
     (tmp_path / f"{socket_dirs.dir_name(4246)}-link").symlink_to(target)
     (tmp_path / socket_dirs.dir_name(4247)).write_text("")
-    odd = [tmp_path / f"evalsched-models-{name}" for name in ("\u00b2", "9" * 40, "12", "x-y")]
-    for path in odd:
-        path.mkdir()
+    # Names that only look like ours (each with a lock no one holds): the pattern alone refuses.
+    odd = [
+        _left_by_a_killed_server(tmp_path / f"evalsched-models-{name}")
+        for name in ("\u00b2-" + socket_dirs.host_tag(), "9" * 40 + "-" + socket_dirs.host_tag(), "12", "x-y")
+    ]
     try:
         removed = socket_dirs.remove_unheld(str(tmp_path))
         assert sorted(removed) == sorted(str(p) for p in (killed, killed_tmp))
@@ -265,6 +268,57 @@ def test_socket_directories_of_killed_servers_are_removed_and_nothing_else(short
     # Its server gone (the lock released), the live one goes too.
     assert socket_dirs.remove_unheld(str(tmp_path)) == [str(live)]
     assert socket_dirs.remove_unheld(str(tmp_path / "no-such-dir")) == []
+
+
+@pytest.mark.asyncio
+async def test_a_manager_never_shares_a_live_servers_socket_directory(short_dir):
+    """The same name (the same pid and host: containers sharing a home directory) held by a live
+    server: a fresh directory beside it, and the other's lock stays its own. A killed server's
+    of that name is taken over; a lock file that cannot be locked does not stop the models."""
+    import fcntl
+
+    name = short_dir / socket_dirs.dir_name()
+    first = ModelHostManager([], socket_dir=str(name))
+    await first.start()
+    try:
+        second = ModelHostManager([], socket_dir=str(name))
+        await second.start()
+        try:
+            assert second.socket_dir != str(name) and _held(Path(second.socket_dir or ""))
+            assert os.path.dirname(second.socket_dir or "") == str(short_dir)
+            assert first.socket_dir == str(name) and _held(name)
+        finally:
+            await second.stop()
+        assert _held(name)  # still the first's
+    finally:
+        await first.stop()
+    # A sweeper holding a dead server's lock while it removes the directory: refused too.
+    dead = _left_by_a_killed_server(name)
+    sweeper = os.open(dead / socket_dirs.LOCK_FILE, os.O_RDWR)
+    fcntl.flock(sweeper, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    third = ModelHostManager([], socket_dir=str(name))
+    try:
+        await third.start()
+        assert third.socket_dir != str(name)
+    finally:
+        os.close(sweeper)
+        await third.stop()
+    # Nobody holds it: taken over (a restart with the same pid), the killed server's sockets with it.
+    fourth = ModelHostManager([], socket_dir=str(name))
+    await fourth.start()
+    try:
+        assert fourth.socket_dir == str(name) and _held(name)
+    finally:
+        await fourth.stop()
+    # A lock file that is a directory: the models go on, in that directory, unheld.
+    name.mkdir(mode=0o700)
+    (name / socket_dirs.LOCK_FILE).mkdir()
+    fifth = ModelHostManager([], socket_dir=str(name))
+    await fifth.start()
+    try:
+        assert fifth.socket_dir == str(name)
+    finally:
+        await fifth.stop()
 
 
 @pytest.mark.asyncio

@@ -405,13 +405,27 @@ class ModelHostManager:
 
     def _make_socket_dir(self) -> str:
         """The private directory, held (``socket_dirs.hold``) until ``stop()``; what killed
-        servers left beside it is removed first."""
+        servers left beside it is removed first. The requested one unless another live server
+        holds it (the same name: the same pid and host, in another pid namespace), then a fresh
+        one. Where locks do not work (no flock on that file system), it goes unheld: only its
+        removal by a later server, if this one is killed, is lost."""
         path = self._choose_socket_dir()
-        self._socket_dir_lock = socket_dirs.hold(path)
+        try:
+            self._socket_dir_lock = socket_dirs.hold(path)
+            return path
+        except socket_dirs.DirectoryHeld as exc:
+            self.log.warning("shared models: %s; using a fresh directory for its sockets", exc)
+            path = tempfile.mkdtemp(prefix=socket_dirs.dir_name() + "-", dir=self._fresh_parent(os.path.dirname(path)))
+        except OSError as exc:
+            self.log.warning("shared models: cannot lock %s (%s); a later server will not remove it", path, exc)
+            return path
+        try:
+            self._socket_dir_lock = socket_dirs.hold(path)
+        except (socket_dirs.DirectoryHeld, OSError) as exc:
+            self.log.warning("shared models: cannot lock %s (%s); a later server will not remove it", path, exc)
         return path
 
     def _choose_socket_dir(self) -> str:
-        prefix = socket_dirs.dir_name() + "-"
         tmp = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
         if self.requested_socket_dir:
             path = os.path.abspath(self.requested_socket_dir)
@@ -420,15 +434,20 @@ class ModelHostManager:
                 return path
             self.log.warning("shared models: cannot use %s for sockets; using a directory under /tmp", path)
             self._remove_unheld(tmp)
-            return tempfile.mkdtemp(prefix=prefix, dir=tmp)
-        parent = self.socket_parent or tempfile.gettempdir()
-        if len(os.path.join(parent, f"{prefix}XXXXXXXX", "m999.sock")) > _SUN_PATH_MAX:
-            parent = tmp
+            return tempfile.mkdtemp(prefix=socket_dirs.dir_name() + "-", dir=tmp)
+        parent = self._fresh_parent(self.socket_parent or tempfile.gettempdir())
         os.makedirs(parent, exist_ok=True)
         self._remove_unheld(parent)
-        path = tempfile.mkdtemp(prefix=prefix, dir=parent)  # created 0700
+        path = tempfile.mkdtemp(prefix=socket_dirs.dir_name() + "-", dir=parent)  # created 0700
         os.chmod(path, 0o700)
         return path
+
+    @staticmethod
+    def _fresh_parent(parent: str) -> str:
+        """``parent``, or /tmp where a fresh directory's sockets would not fit in ``sun_path``."""
+        if len(os.path.join(parent, socket_dirs.dir_name() + "-XXXXXXXX", "m999.sock")) > _SUN_PATH_MAX:
+            return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+        return parent
 
     def _remove_unheld(self, parent: str) -> None:
         for path in socket_dirs.remove_unheld(parent):

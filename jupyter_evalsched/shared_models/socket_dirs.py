@@ -25,10 +25,20 @@ LOCK_FILE = ".lock"
 _NAME = re.compile(r"evalsched-models-[0-9]{1,10}-([0-9a-f]{8})(?:-[a-z0-9_]{1,16})?", re.ASCII)
 
 
+class DirectoryHeld(Exception):
+    """Another live server holds the directory (its lock file is locked)."""
+
+
 def host_tag() -> str:
-    """Eight hex digits for this host (from its name): a home directory shared by several hosts
-    (NFS) holds their servers' directories side by side, and a server leaves the others alone."""
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    """Eight hex digits for this host (its machine id, else its name): a home directory shared by
+    several hosts (NFS) holds their servers' directories side by side, and a server leaves the
+    others alone."""
+    try:
+        with open("/etc/machine-id", "rb") as f:
+            ident = f.read(256).strip()
+    except OSError:
+        ident = b""
+    return hashlib.sha256(ident or socket.gethostname().encode()).hexdigest()[:8]
 
 
 def dir_name(pid: int | None = None) -> str:
@@ -37,19 +47,42 @@ def dir_name(pid: int | None = None) -> str:
 
 
 def hold(path: str) -> int:
-    """Lock ``path``'s lock file for as long as the returned descriptor stays open. The file is
-    made and locked under a temporary name, then renamed into place: nobody sees it unlocked."""
+    """Lock ``path``'s lock file for as long as the returned descriptor stays open. Ours is made
+    and locked under a temporary name, then linked into place: nobody sees it unlocked. A lock
+    file already there is taken over only if nobody holds it (a killed server's: the same pid
+    after a restart in a container); DirectoryHeld if somebody does."""
     staged = os.path.join(path, f"{LOCK_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    target = os.path.join(path, LOCK_FILE)
+    # O_RDWR: over NFS, flock is a POSIX lock, which an exclusive lock needs a writable file for.
+    fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(staged, os.path.join(path, LOCK_FILE))
+        try:
+            os.link(staged, target)
+        except FileExistsError:
+            _take_over(staged, target)
+        else:
+            os.unlink(staged)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(staged)
         raise
     return fd
+
+
+def _take_over(staged: str, target: str) -> None:
+    """Put our lock file in place of one nobody holds, holding the old one meanwhile (a sweeper
+    holds it while it removes the directory: then we are refused)."""
+    old = os.open(target, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DirectoryHeld(f"{os.path.dirname(target)} is another server's") from None
+        os.rename(staged, target)
+    finally:
+        os.close(old)
 
 
 def remove_unheld(parent: str) -> list[str]:
@@ -81,8 +114,11 @@ def _remove_if_unheld(entry: os.DirEntry) -> bool:
         return False
     dfd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
+        opened = os.fstat(dfd)  # the directory opened is the one looked at
+        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+            return False
         try:
-            lock = os.open(LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            lock = os.open(LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         except FileNotFoundError:
             return False
         try:
@@ -90,14 +126,20 @@ def _remove_if_unheld(entry: os.DirEntry) -> bool:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False  # its server lives
+            # Holding it, nobody can put another lock file in its place (hold() takes over only
+            # an unheld one): the name still is the file locked.
+            locked, named = os.fstat(lock), os.stat(LOCK_FILE, dir_fd=dfd, follow_symlinks=False)
+            if (locked.st_dev, locked.st_ino) != (named.st_dev, named.st_ino):
+                return False
             names = os.listdir(dfd)
             for name in names:
-                is_lock = name == LOCK_FILE or name.startswith(LOCK_FILE + ".")
-                if not is_lock and not stat.S_ISSOCK(os.lstat(name, dir_fd=dfd).st_mode):
+                mode = os.lstat(name, dir_fd=dfd).st_mode
+                is_lock = (name == LOCK_FILE or name.startswith(LOCK_FILE + ".")) and stat.S_ISREG(mode)
+                if not (is_lock or stat.S_ISSOCK(mode)):
                     return False
             for name in names:
                 os.unlink(name, dir_fd=dfd)
-            os.rmdir(entry.path)
+            os.rmdir(entry.path)  # refused if a server put something in it meanwhile
             return True
         finally:
             os.close(lock)
