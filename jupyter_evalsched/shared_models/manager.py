@@ -62,6 +62,11 @@ _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS:
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _tmp_dir() -> str:
+    """Where a socket path is short: /tmp (the system's temporary directory may be long)."""
+    return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+
+
 def restart_hold_s(early_deaths: int) -> float:
     """How long a dead host stays down: 0.5 s, doubling with each consecutive early death."""
     return min(HOLD_BASE_S * 2 ** max(0, early_deaths - 1), HOLD_MAX_S)
@@ -415,38 +420,39 @@ class ModelHostManager:
             return path
         except socket_dirs.DirectoryHeld as exc:
             self.log.warning("shared models: %s; using a fresh directory for its sockets", exc)
-            path = tempfile.mkdtemp(prefix=socket_dirs.dir_name() + "-", dir=self._fresh_parent(os.path.dirname(path)))
         except OSError as exc:
-            self.log.warning("shared models: cannot lock %s (%s); a later server will not remove it", path, exc)
+            self._warn_unheld(path, exc)
             return path
+        path = socket_dirs.fresh(self._fresh_parent(os.path.dirname(path)))
         try:
             self._socket_dir_lock = socket_dirs.hold(path)
-        except (socket_dirs.DirectoryHeld, OSError) as exc:
-            self.log.warning("shared models: cannot lock %s (%s); a later server will not remove it", path, exc)
+        except (socket_dirs.DirectoryHeld, OSError) as exc:  # (a fresh directory: no one else's)
+            self._warn_unheld(path, exc)
         return path
 
+    def _warn_unheld(self, path: str, exc: BaseException) -> None:
+        self.log.warning("shared models: cannot lock %s (%s); a later server will not remove it", path, exc)
+
     def _choose_socket_dir(self) -> str:
-        tmp = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
         if self.requested_socket_dir:
             path = os.path.abspath(self.requested_socket_dir)
             self._remove_unheld(os.path.dirname(path))
             if len(os.path.join(path, "m999.sock")) <= _SUN_PATH_MAX and self._own_private_dir(path):
                 return path
             self.log.warning("shared models: cannot use %s for sockets; using a directory under /tmp", path)
+            tmp = _tmp_dir()
             self._remove_unheld(tmp)
-            return tempfile.mkdtemp(prefix=socket_dirs.dir_name() + "-", dir=tmp)
+            return socket_dirs.fresh(tmp)
         parent = self._fresh_parent(self.socket_parent or tempfile.gettempdir())
         os.makedirs(parent, exist_ok=True)
         self._remove_unheld(parent)
-        path = tempfile.mkdtemp(prefix=socket_dirs.dir_name() + "-", dir=parent)  # created 0700
-        os.chmod(path, 0o700)
-        return path
+        return socket_dirs.fresh(parent)
 
     @staticmethod
     def _fresh_parent(parent: str) -> str:
         """``parent``, or /tmp where a fresh directory's sockets would not fit in ``sun_path``."""
         if len(os.path.join(parent, socket_dirs.dir_name() + "-XXXXXXXX", "m999.sock")) > _SUN_PATH_MAX:
-            return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+            return _tmp_dir()
         return parent
 
     def _remove_unheld(self, parent: str) -> None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import re
 import secrets
 import socket
 import stat
+import tempfile
 
 PREFIX = "evalsched-models-"
 LOCK_FILE = ".lock"
@@ -29,6 +31,7 @@ class DirectoryHeld(Exception):
     """Another live server holds the directory (its lock file is locked)."""
 
 
+@functools.cache
 def host_tag() -> str:
     """Eight hex digits for this host (its machine id, else its name): a home directory shared by
     several hosts (NFS) holds their servers' directories side by side, and a server leaves the
@@ -44,6 +47,13 @@ def host_tag() -> str:
 def dir_name(pid: int | None = None) -> str:
     """The name of this server's socket directory (a prefix, under ``/tmp``)."""
     return f"{PREFIX}{os.getpid() if pid is None else pid}-{host_tag()}"
+
+
+def fresh(parent: str) -> str:
+    """A new private directory (0700) for this server's sockets in ``parent``."""
+    path = tempfile.mkdtemp(prefix=dir_name() + "-", dir=parent)
+    os.chmod(path, 0o700)
+    return path
 
 
 def hold(path: str) -> int:
