@@ -1033,14 +1033,16 @@ import json, os, sys
 from jupyter_evalsched.runner import run, zygote
 
 zygote.preload([])
+zygote.make_interpreter_state()
 run_dir = sys.argv[1]
 before = set(sys.modules)
 pid = os.fork()
 if pid == 0:
     os.chdir(os.path.dirname(run_dir))
     code = run.finish(run.main_checked(["--run-dir", run_dir]))
+    from jupyter_evalsched.runner import replace
     with open(os.path.join(run_dir, "imported.json"), "w") as f:
-        json.dump(sorted(set(sys.modules) - before), f)
+        json.dump({"imported": sorted(set(sys.modules) - before), "exchange": replace._renameat2 is not None}, f)
     os._exit(code)
 _, status = os.waitpid(pid, 0)
 print(os.waitstatus_to_exitcode(status))
@@ -1055,7 +1057,9 @@ print(open(os.path.join(run_dir, "imported.json")).read())
 def test_a_warm_run_imports_nothing_its_zygote_has_not_but_its_eval(tmp_path, entrypoint, eval_module):
     """Whatever a run's start path imports lazily is paid by every warm run after its fork (at
     several times a fresh interpreter's cost: its pages are the zygote's, copied on write). The
-    zygote runs with ``-m``, so runpy's imports (``importlib.util``, ``contextlib``) are there."""
+    zygote runs with ``-m``, so runpy's imports (``importlib.util``, ``contextlib``) are there.
+    The run replaces its ``summary.json`` by an exchange of names (``runner.replace``), with the
+    ``ctypes`` its zygote loaded."""
     probe = tmp_path / "probe"
     probe.mkdir()
     (probe / "warm_imports_probe.py").write_text(_IMPORTED_AFTER_THE_FORK)
@@ -1076,7 +1080,7 @@ def test_a_warm_run_imports_nothing_its_zygote_has_not_but_its_eval(tmp_path, en
     assert proc.returncode == 0, proc.stderr
     code, imported = proc.stdout.split("\n", 1)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded", proc.stderr
-    assert json.loads(imported) == [eval_module]
+    assert json.loads(imported) == {"imported": [eval_module], "exchange": True}
 
 
 ENV_BLOCK_CHILD = r"""

@@ -1,7 +1,7 @@
 """Metrics and the run's output files: ``episodes.jsonl``, ``summary.json`` and ``_DONE``.
 
 The run process is the single writer of these files. ``summary.json`` is replaced atomically
-(temp file in the same directory + ``os.replace``), so a reader sees either the previous or
+(temp file in the same directory, renamed over it: :func:`.replace.replace`), so a reader sees either the previous or
 the next complete file, never a partial one.
 """
 
@@ -14,6 +14,7 @@ import time
 
 from ..contract import DONE_FILE, EPISODES_FILE, MAX_METRIC_NAMES, SUMMARY_FILE
 from .fastjson import dumps
+from .replace import replace
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
 if TYPE_CHECKING:
@@ -197,11 +198,14 @@ def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def write_json_atomic(path: str, data: object, *, fsync: bool = True) -> None:
+def write_json_atomic(path: str, data: object, *, fsync: bool = True, exchange: bool = False) -> None:
     """Replace ``path`` with ``data`` as JSON, atomically for readers.
 
     The temp file lives in the same directory (``os.replace`` must not cross file systems) and
-    its name is unique per process and thread, so concurrent writers never share one.
+    its name is unique per process and thread, so concurrent writers never share one. With
+    ``exchange``, the names are exchanged rather than renamed over (:mod:`.replace`): no write of
+    the file by the file system at the rename, and no guarantee of the old or the new content after
+    a power loss without ``fsync``.
     """
     payload = dumps(data).encode()
     directory, name = os.path.split(path)
@@ -217,7 +221,10 @@ def write_json_atomic(path: str, data: object, *, fsync: bool = True) -> None:
         raise
     os.close(fd)
     try:
-        os.replace(tmp, path)
+        if exchange:
+            replace(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         _unlink_quietly(tmp)
         raise
@@ -380,4 +387,7 @@ class RunFiles:
             if mono - self._last_fsync >= INTERMEDIATE_FSYNC_INTERVAL_S:
                 fsync = True
                 self._last_fsync = mono
-        write_json_atomic(self._summary_path, summary, fsync=fsync)
+        # An intermediate summary replaces the last by an exchange of names: ext4 and btrfs would
+        # write each one to disk at its rename (.replace). The final one keeps their write, so
+        # that a power loss soon after the run's end finds it whole.
+        write_json_atomic(self._summary_path, summary, fsync=fsync, exchange=not final)

@@ -71,6 +71,7 @@ import socket
 import sys
 import time
 
+from . import replace
 from ._proc import (
     EXIT_PARENT_GONE,
     expected_parent_pid,
@@ -372,11 +373,15 @@ def make_interpreter_state() -> None:
     come at the first ``compile()`` of any source or the first import of ``ast`` (``inspect`` and
     ``dataclasses`` import it, torch through them). A zygote that preloads none of those and
     imports its modules from their bytecode (the default) never made them, and each spare made
-    them in its rehearsal, which compiles: 0.7 ms of its 5.3 ms of CPU (median of 600 runs)."""
+    them in its rehearsal, which compiles: 0.7 ms of its 5.3 ms of CPU (median of 600 runs).
+    ``ctypes`` and the C library's ``renameat2``, with which a run replaces its ``summary.json``
+    without a write-back per episode (:mod:`.replace`): a fresh interpreter does not import them
+    for that alone."""
     try:
         compile("", "<zygote>", "exec")
     except Exception:  # (a preload's wrapper of ``compile``, or an audit hook, that refuses)
         pass
+    replace.load()
 
 
 # ``random.Random()`` instances a preload made without a seed (weak references): a fresh
