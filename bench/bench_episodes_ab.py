@@ -78,7 +78,11 @@ def main() -> None:
 
 def measure(args) -> None:
     new = Side("new", REPO, args.episodes)
-    old = Side("old", args.old.resolve(), args.episodes)
+    try:
+        old = Side("old", args.old.resolve(), args.episodes)
+    except BaseException:
+        new.close()
+        raise
     try:
         print(f"new: {new.tree}\nold: {old.tree}\n{args.rounds} runs of {args.episodes} no-op episodes on each")
         for side in (new, old):

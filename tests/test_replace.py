@@ -116,9 +116,10 @@ def test_a_directory_at_the_name_is_refused_as_os_replace_refuses_it(tmp_path, e
     assert (tmp_path / ".tmp").read_text() == "new"
 
 
-def test_where_the_exchange_is_refused_it_is_os_replace_from_then_on(tmp_path, monkeypatch):
-    """A file system that refuses the flag (NFS: EINVAL): os.replace, and no more tries in this
-    process; a C library without renameat2 likewise."""
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EPERM, errno.ENOSYS])
+def test_where_the_exchange_is_refused_it_is_os_replace_from_then_on(tmp_path, monkeypatch, refusal):
+    """A file system that refuses the flag (NFS: EINVAL), a seccomp filter (EPERM), an old kernel:
+    os.replace, and no more tries in this process."""
     assert replace_module.load()
     calls = []
 
@@ -127,7 +128,7 @@ def test_where_the_exchange_is_refused_it_is_os_replace_from_then_on(tmp_path, m
         return -1
 
     monkeypatch.setattr(replace_module, "_renameat2", refused)
-    monkeypatch.setattr(replace_module, "_get_errno", lambda: errno.EINVAL)
+    monkeypatch.setattr(replace_module, "_get_errno", lambda: refusal)
     _write(tmp_path / "job.json", "old")
     for text in ("new", "newer"):
         _write(tmp_path / ".tmp", text)
@@ -208,6 +209,22 @@ def test_a_runs_intermediate_summaries_are_exchanged_and_its_final_one_renamed(t
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["episodes_done"] == 3
     assert sorted(os.listdir(tmp_path)) == ["episodes.jsonl", "summary.json"]
+
+
+def test_a_run_that_fsyncs_renames_every_summary(tmp_path, monkeypatch, exchanges):
+    """With ``fsync`` a run fsyncs an intermediate summary once a second at most: the rename over
+    the last is what keeps the others whole across a power loss, as it did."""
+    from jupyter_evalsched.runner import results
+    from jupyter_evalsched.runner.results import RunFiles
+
+    monkeypatch.setattr(results, "DURABLE", True)
+    files = RunFiles(str(tmp_path), "r1", episodes_total=4)
+    files.write_initial_summary()
+    for index in range(4):
+        files.record_episode(index, {"x": 1.0}, "2026-12-05T00:00:00Z", "2026-12-05T00:00:01Z", 0)
+    files.finalize("succeeded", None)
+    assert exchanges == []
+    assert json.loads((tmp_path / "summary.json").read_text())["episodes_done"] == 4
 
 
 def test_a_fresh_interpreter_does_not_import_ctypes_for_it(tmp_path):

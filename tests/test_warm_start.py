@@ -1039,10 +1039,13 @@ before = set(sys.modules)
 pid = os.fork()
 if pid == 0:
     os.chdir(os.path.dirname(run_dir))
-    code = run.finish(run.main_checked(["--run-dir", run_dir]))
     from jupyter_evalsched.runner import replace
+    exchanges, real = [], replace._renameat2
+    if real is not None:  # (the zygote's: counted, each one that was made)
+        replace._renameat2 = lambda *args: (rc := real(*args)) or exchanges.append(1) or rc
+    code = run.finish(run.main_checked(["--run-dir", run_dir]))
     with open(os.path.join(run_dir, "imported.json"), "w") as f:
-        json.dump({"imported": sorted(set(sys.modules) - before), "exchange": replace._renameat2 is not None}, f)
+        json.dump({"imported": sorted(set(sys.modules) - before), "exchanges": len(exchanges)}, f)
     os._exit(code)
 _, status = os.waitpid(pid, 0)
 print(os.waitstatus_to_exitcode(status))
@@ -1067,7 +1070,7 @@ def test_a_warm_run_imports_nothing_its_zygote_has_not_but_its_eval(tmp_path, en
         (tmp_path / name).write_text("def episode(ctx, index):\n    return {}\n")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "spec.json").write_text(json.dumps({"entrypoint": entrypoint, "episodes": 1, "cwd": str(tmp_path)}))
+    (run_dir / "spec.json").write_text(json.dumps({"entrypoint": entrypoint, "episodes": 3, "cwd": str(tmp_path)}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("EVALSCHED_")}
     proc = subprocess.run(
         [sys.executable, "-m", "warm_imports_probe", str(run_dir)],
@@ -1080,7 +1083,9 @@ def test_a_warm_run_imports_nothing_its_zygote_has_not_but_its_eval(tmp_path, en
     assert proc.returncode == 0, proc.stderr
     code, imported = proc.stdout.split("\n", 1)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded", proc.stderr
-    assert json.loads(imported) == {"imported": [eval_module], "exchange": True}
+    # Its summaries after episodes 0 and 1 replaced the last by an exchange (the final one not).
+    assert json.loads(imported) == {"imported": [eval_module], "exchanges": 2}
+    assert sorted(os.listdir(run_dir)) == ["_DONE", "episodes.jsonl", "imported.json", "spec.json", "summary.json"]
 
 
 ENV_BLOCK_CHILD = r"""

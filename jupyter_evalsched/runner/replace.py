@@ -6,23 +6,26 @@ application's "replace this file" without an ``fsync`` and write the new file's 
 in the renaming thread, so that a power loss finds the old content or the new, not an empty
 file. A run rewrites ``summary.json`` after every episode: on this project's ext4 each such
 rename cost 0.08 ms against 0.009 ms for an exchange, and wrote a page to disk, which the next
-episode's summary made moot (a run of 3,000 no-op episodes on a real server: 547 ms and 2,986
-pages written, against 132 ms and 1 page; bench/bench_episodes_ab.py).
+episode's summary made moot (a run of 3,000 no-op episodes on a real default server: 487 ms and
+2,976 pages written, against 120 ms and none; bench/bench_episodes_ab.py).
 
 :func:`replace` exchanges the two names (``renameat2(RENAME_EXCHANGE)``: a reader of the name
 finds the old file or the new, never neither) and then unlinks the old file, now under the
 temporary name. The file systems' heuristic does not apply to an exchange, so without ``fsync``
 a power loss soon after may leave an empty file, as it may on a file system without the
-heuristic (XFS, for one). The runner uses it for the intermediate summaries only: the final
-summary, and the server's ``job.json``, keep ``os.replace``.
+heuristic (XFS, for one). The runner uses it for the intermediate summaries of runs that do not
+fsync only: the final summary, a run's with ``fsync``, and the server's ``job.json`` keep
+``os.replace``.
 
 Anything at the name but a directory (a link, a FIFO a run planted) is exchanged and unlinked,
 never opened or followed, as ``os.replace`` replaces it. Where the exchange cannot be made (not
-Linux, no ``renameat2`` in the C library, a file system that refuses it, such as NFS: this
-process stops trying; nothing at the name yet; a directory there; a name with a NUL), this is
+Linux, no ``renameat2`` in the C library, a file system or a seccomp filter that refuses it, such
+as NFS: this process stops trying; nothing at the name yet; a directory there; a name with a
+NUL), this is
 ``os.replace``, with its errors. ``ctypes`` is imported for the call only where it is loaded
-already: the zygote loads it for the runs it forks (:func:`load`); a fresh interpreter does not
-import it for this (1.5 ms, more than the exchange saves a short run).
+already: the zygote loads it for the runs it forks (:func:`load`); a fresh interpreter (a cold
+run) does not import it for this (1.5 ms, more than the exchange saves a short run), and renames
+over the old file unless its eval imported ``ctypes``.
 """
 
 from __future__ import annotations
@@ -37,9 +40,6 @@ if TYPE_CHECKING:
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
-# renameat2 errors that say this file system (or kernel) cannot exchange at all.
-_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
-
 _get_errno: Callable[[], int] | None = None
 _renameat2: Callable[[int, bytes, int, bytes, int], int] | None = None
 _looked = False  # looked for renameat2 (found or not): never again
@@ -87,10 +87,11 @@ def _exchanged(src: str, dst: str, dir_fd: int | None) -> bool:
     if b"\0" in a or b"\0" in b:
         return False  # (C would cut the name there: os.replace refuses it)
     if rename(fd, a, fd, b, RENAME_EXCHANGE) != 0:
-        if get_errno() in _UNSUPPORTED:
-            _renameat2 = None  # (a run writes in one directory: no failed call per write)
         # ENOENT: nothing at dst yet (a plain rename is written by no heuristic), or no src
-        # (os.replace says so).
+        # (os.replace says so). Anything else (EINVAL from NFS, ENOSYS, a seccomp filter's
+        # EPERM): not here, and a run writes in one directory: no failed call per write.
+        if get_errno() != errno.ENOENT:
+            _renameat2 = None
         return False
     try:
         os.unlink(src, dir_fd=dir_fd)

@@ -389,5 +389,6 @@ class RunFiles:
                 self._last_fsync = mono
         # An intermediate summary replaces the last by an exchange of names: ext4 and btrfs would
         # write each one to disk at its rename (.replace). The final one keeps their write, so
-        # that a power loss soon after the run's end finds it whole.
-        write_json_atomic(self._summary_path, summary, fsync=fsync, exchange=not final)
+        # that a power loss soon after the run's end finds it whole; so does every one of a run
+        # that fsyncs (between its fsync'd summaries, one a second, that write is all it has).
+        write_json_atomic(self._summary_path, summary, fsync=fsync, exchange=not final and not DURABLE)
