@@ -313,6 +313,11 @@ def read_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int =
         return None
     except OSError as exc:
         raise RunFileError(f"{name} cannot be read: {exc.strerror or exc}") from None
+    if not data:  # (the writes here are atomic: only a crash of the host, or someone, empties one)
+        raise RunFileError(
+            f"{name} is not valid JSON: the file is empty (a write that never reached the disk, cut short"
+            " by a power loss or a hard reset, or the file was emptied)"
+        )
     return parse_json(data, name, max_depth)
 
 

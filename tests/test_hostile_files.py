@@ -115,15 +115,18 @@ def _write_run(runs_dir, run_id, *, state="running", job=None, spec_text=None, s
 
 async def test_recovery_survives_hostile_files_and_reports_broken_directories(jp_serverapp, jp_fetch, runs_dir):
     """Before the server starts: a run that finalized with a nested summary, a job.json nested too
-    deep, a job.json that is not a record, a spec.json that is garbage under a queued record."""
+    deep, a job.json that is not a record, a spec.json that is garbage under a queued record, an
+    empty job.json (said to be empty, not only not JSON)."""
     finalized = "20260101T000000.000001-aaaaaa"
     nested_job = "20260101T000000.000002-bbbbbb"
     not_record = "20260101T000000.000003-cccccc"
     bad_spec = "20260101T000000.000004-dddddd"
+    empty_job = "20260101T000000.000005-eeeeee"  # (what a hard reset leaves of a write not on disk yet)
     _write_run(runs_dir, finalized, summary=NESTED, done=True)
     _write_run(runs_dir, nested_job, job=NESTED)
     _write_run(runs_dir, not_record, job=json.dumps({"state": 5, "seq": "x"}))
     _write_run(runs_dir, bad_spec, state="queued", spec_text="{" * 10)
+    _write_run(runs_dir, empty_job, job="")
 
     await jp_serverapp.extension_manager.start_all_extensions()
 
@@ -139,8 +142,9 @@ async def test_recovery_survives_hostile_files_and_reports_broken_directories(jp
     assert (runs_dir / bad_spec / "_DONE").exists()
     code, status = await api("GET", "status")
     broken = {b["id"]: b["problem"] for b in status["broken_runs"]}
-    assert set(broken) == {nested_job, not_record}
+    assert set(broken) == {nested_job, not_record, empty_job}
     assert "nested more than 72 levels deep" in broken[nested_job] and "not a run record" in broken[not_record]
+    assert broken[empty_job].startswith("job.json is not valid JSON: the file is empty (a write that never reached")
     code, err = await api("GET", f"runs/{nested_job}")
     assert code == 409 and "DELETE" in err["message"]
     code, ledger = await api("GET", "ledger")
@@ -148,7 +152,7 @@ async def test_recovery_survives_hostile_files_and_reports_broken_directories(jp
     code, _ = await api("DELETE", f"runs/{nested_job}")
     assert code == 204 and not (runs_dir / nested_job).exists()
     code, status = await api("GET", "status")
-    assert [b["id"] for b in status["broken_runs"]] == [not_record]
+    assert [b["id"] for b in status["broken_runs"]] == [not_record, empty_job]
     # The server schedules as usual.
     resp = await jp_fetch("evalsched", "runs", method="POST", body=json.dumps({"entrypoint": NOOP}), raise_error=False)
     assert resp.code == 201
