@@ -18,14 +18,13 @@ fsync only: the final summary, a run's with ``fsync``, and the server's ``job.js
 ``os.replace``.
 
 Anything at the name but a directory (a link, a FIFO a run planted) is exchanged and unlinked,
-never opened or followed, as ``os.replace`` replaces it. Where the exchange cannot be made (not
-Linux, no ``renameat2`` in the C library, a file system or a seccomp filter that refuses it, such
-as NFS: this process stops trying; nothing at the name yet; a directory there; a name with a
-NUL), this is
-``os.replace``, with its errors. ``ctypes`` is imported for the call only where it is loaded
-already: the zygote loads it for the runs it forks (:func:`load`); a fresh interpreter (a cold
-run) does not import it for this (1.5 ms, more than the exchange saves a short run), and renames
-over the old file unless its eval imported ``ctypes``.
+never opened or followed, as ``os.replace`` replaces it. Where the exchange cannot be made, this
+is ``os.replace``, with its errors: not Linux, no ``renameat2`` in the C library, a file system
+or a seccomp filter that refuses it (NFS, for one: this process stops trying), nothing at the
+name yet, a directory there, a name with a NUL. ``ctypes`` is imported for the call only where
+it is loaded already: the zygote loads it for the runs it forks (:func:`load`); a fresh
+interpreter (a cold run) does not import it for this (1.5 ms, more than the exchange saves a
+short run), and renames over the old file unless its eval imported ``ctypes``.
 """
 
 from __future__ import annotations
