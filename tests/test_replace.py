@@ -27,8 +27,10 @@ def exchanges(monkeypatch, tmp_path):
     assert real is not None
     (tmp_path / ".probe-a").touch()
     (tmp_path / ".probe-b").touch()
-    if real(-100, os.fsencode(tmp_path / ".probe-a"), -100, os.fsencode(tmp_path / ".probe-b"), RENAME_EXCHANGE) != 0:
-        pytest.skip("this file system cannot exchange names")
+    exchanged = real(
+        -100, os.fsencode(tmp_path / ".probe-a"), -100, os.fsencode(tmp_path / ".probe-b"), RENAME_EXCHANGE
+    )
+    assert exchanged == 0, "the tests' temporary directory should be on a file system that exchanges names"
     for name in (".probe-a", ".probe-b"):
         (tmp_path / name).unlink()
     calls: list[int] = []
