@@ -1,8 +1,9 @@
 """Metrics and the run's output files: ``episodes.jsonl``, ``summary.json`` and ``_DONE``.
 
-The run process is the single writer of these files. ``summary.json`` is replaced atomically
-(temp file in the same directory, renamed over it: :func:`.replace.replace`), so a reader sees either the previous or
-the next complete file, never a partial one.
+The run process is the single writer of these files. ``summary.json`` is replaced atomically (a
+temporary file in the same directory, renamed over it, or exchanged with it between episodes:
+:mod:`.replace`), so a reader sees either the previous or the next complete file, never a partial
+one.
 """
 
 from __future__ import annotations
