@@ -2,7 +2,7 @@
 configuration on this host (cgroups as detected, warm starts, the default runs directory's file
 system), each figure beside a baseline measured in the same run, alternating round by round.
 
-    .venv/bin/python bench/bench_as_users_run.py [--rounds 30] [--burst-rounds 10] [--quick]
+    .venv/bin/python bench/bench_as_users_run.py [--rounds 30] [--idle-rounds 15] [--burst-rounds 10] [--quick]
         [--parts 1234] [--markdown] [--dir DIR]
 
 Two servers: "default" (nothing set but what a private test server needs: its port, token,
@@ -23,6 +23,9 @@ API and the run directory's files are used, so the bench runs against any versio
    own ``TS_SOCKET``) and a bare ``Popen([python, "-c", "pass"]).wait()``. Rounds rotate the
    order (default, tsp, Popen, cgroups off) after a few warm-up rounds. Targets (default server):
    <= 0.6x tsp, <= 0.5x Popen. Where the server's time goes, from the record and summary.json.
+   Then the same again with the host idle 0.25 s before each job (``--idle-rounds``, 15 rounds;
+   a reference, not a target): a notebook user's one job comes after a pause, and on this kind of
+   VM the first work of every process after one costs several times its CPU (cold caches).
 2. A burst of 50 such jobs on 2 slots: makespan from the first submission (from one connection,
    one after another, as tsp's are) to the last ``_DONE``, against ``tsp -S 2`` (50 ``tsp``
    calls, then ``tsp -w`` on the last and any still unfinished). Servers with
@@ -147,6 +150,7 @@ BURST = 50
 BURST_SLOTS = 2
 CLIENTS = 8
 WARMUP_ROUNDS = 3
+IDLE_S = 0.25  # part 1 after idle: the pause before each job
 RUN_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 90.0
 DONE = "_DONE"
@@ -626,7 +630,8 @@ def breakdown(rows: list[dict]) -> str:
     )
 
 
-def part1(servers: list[Server], tsp: Tsp, eval_path: Path, rounds: int, watch: DoneWatch) -> dict:
+def part1(servers: list[Server], tsp: Tsp, eval_path: Path, rounds: int, watch: DoneWatch, idle_s: float = 0.0) -> dict:
+    """``idle_s``: the host left idle that long before each job (a user's submission after a pause)."""
     body = json.dumps({"entrypoint": f"{eval_path}:episode", "episodes": 1}).encode()
     cmd = [sys.executable, str(eval_path)]
     kinds = ["server:" + s.label for s in servers] + ["tsp", "popen"]
@@ -637,6 +642,8 @@ def part1(servers: list[Server], tsp: Tsp, eval_path: Path, rounds: int, watch: 
     for i in range(-WARMUP_ROUNDS, rounds):
         turn = order[i % len(order) :] + order[: i % len(order)]
         for kind in turn:
+            if idle_s:
+                time.sleep(idle_s)
             if kind == "tsp":
                 row: object = tsp_noop(tsp, cmd)
             elif kind == "popen":
@@ -862,6 +869,12 @@ def col(rows: list[dict], key: str) -> list[float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=30, help="measured rounds of parts 1 and 4 (after warm-up)")
+    ap.add_argument(
+        "--idle-rounds",
+        type=int,
+        default=15,
+        help=f"rounds of part 1 again with the host idle {IDLE_S} s before each job (0: not run)",
+    )
     ap.add_argument("--burst-rounds", type=int, default=10, help="measured rounds of part 2")
     ap.add_argument("--submissions", type=int, default=2000, help="submissions per phase of part 3")
     ap.add_argument("--pairs", type=int, default=2, help="rounds of part 3's phases (status, quiet, churn)")
@@ -882,6 +895,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.burst_rounds, args.submissions, args.pairs = 8, 1, 400, 1
+        args.idle_rounds = min(args.idle_rounds, 3)
     if args.settle_s is None:
         args.settle_s = 0.0 if args.quick else 420.0
 
@@ -982,6 +996,33 @@ def main() -> int:
                     None,
                 ),
             ]
+            if args.idle_rounds:
+                # Part 1 runs the four kinds back to back; a user's one job comes after a pause, and on
+                # this kind of VM a process's first work after one costs several times its CPU.
+                r1i = part1(servers, tsp, eval_path, args.idle_rounds, watch, idle_s=IDLE_S)
+                i_srv, i_tsp, i_popen = med(col(r1i["server:default"], "t")), med(r1i["tsp"]), med(r1i["popen"])
+                print(
+                    f"1, after idle: the same, each job after {IDLE_S} s of an idle host ({args.idle_rounds} rounds,"
+                    " rotated; a reference, not a target)"
+                )
+                print(f"   default server                  {ms(col(r1i['server:default'], 't'))}")
+                print(f"   cgroups off                     {ms(col(r1i['server:cgroups off'], 't'))}")
+                print(f"   task-spooler (tsp; tsp -w)      {ms(r1i['tsp'])}")
+                print(f"   Popen(python -c pass).wait()    {ms(r1i['popen'])}")
+                print(
+                    f"   where the time goes, default (medians, ms): {breakdown(r1i['server:default'])};"
+                    f" POST answered {med(col(r1i['server:default'], 'answer')) * 1000:.2f}"
+                )
+                print(f"   ratios (medians): default/tsp {i_srv / i_tsp:.2f}x, default/Popen {i_srv / i_popen:.2f}x\n")
+                rows.append(
+                    Target(
+                        f"1. the same, each job after {IDLE_S} s idle",
+                        f"{i_srv * 1000:.1f} ms = {i_srv / i_tsp:.2f}x tsp, {i_srv / i_popen:.2f}x Popen",
+                        f"tsp {i_tsp * 1000:.1f} ms, Popen {i_popen * 1000:.1f} ms",
+                        "(reference)",
+                        None,
+                    )
+                )
 
         if "2" in args.parts:
             burst_servers = [s for s in servers if s.slots == BURST_SLOTS]

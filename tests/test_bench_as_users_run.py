@@ -30,7 +30,7 @@ def test_help_runs():
         [sys.executable, str(BENCH / "bench_as_users_run.py"), "--help"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
-    for option in ("--rounds", "--quick", "--markdown", "--parts"):
+    for option in ("--rounds", "--idle-rounds", "--quick", "--markdown", "--parts"):
         assert option in proc.stdout
 
 
