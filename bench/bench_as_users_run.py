@@ -23,9 +23,10 @@ API and the run directory's files are used, so the bench runs against any versio
    own ``TS_SOCKET``) and a bare ``Popen([python, "-c", "pass"]).wait()``. Rounds rotate the
    order (default, tsp, Popen, cgroups off) after a few warm-up rounds. Targets (default server):
    <= 0.6x tsp, <= 0.5x Popen. Where the server's time goes, from the record and summary.json.
-   Then the same again with the host idle 0.25 s before each job (``--idle-rounds``, 15 rounds;
-   a reference, not a target): a notebook user's one job comes after a pause, and on this kind of
-   VM the first work of every process after one costs several times its CPU (cold caches).
+   Then the same again, each job after the bench has slept 0.25 s (``--idle-rounds``, 15 rounds
+   after the warm-up ones; a reference, not a target): a notebook user's one job comes after a
+   pause, and on this kind of VM the first work after one costs more, a server's request up to
+   several times its CPU (probably cold caches and TLBs).
 2. A burst of 50 such jobs on 2 slots: makespan from the first submission (from one connection,
    one after another, as tsp's are) to the last ``_DONE``, against ``tsp -S 2`` (50 ``tsp``
    calls, then ``tsp -w`` on the last and any still unfinished). Servers with
@@ -873,7 +874,7 @@ def main() -> int:
         "--idle-rounds",
         type=int,
         default=15,
-        help=f"rounds of part 1 again with the host idle {IDLE_S} s before each job (0: not run)",
+        help=f"rounds of part 1 again, each job after a pause of {IDLE_S} s (0: not run)",
     )
     ap.add_argument("--burst-rounds", type=int, default=10, help="measured rounds of part 2")
     ap.add_argument("--submissions", type=int, default=2000, help="submissions per phase of part 3")
@@ -893,6 +894,9 @@ def main() -> int:
         " benchmark's clean-up they cost several times more for minutes)",
     )
     args = ap.parse_args()
+    for name in ("rounds", "idle_rounds", "burst_rounds", "submissions", "pairs"):
+        if getattr(args, name) < (0 if name == "idle_rounds" else 1):
+            ap.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'idle_rounds' else 1}")
     if args.quick:
         args.rounds, args.burst_rounds, args.submissions, args.pairs = 8, 1, 400, 1
         args.idle_rounds = min(args.idle_rounds, 3)
@@ -998,25 +1002,31 @@ def main() -> int:
             ]
             if args.idle_rounds:
                 # Part 1 runs the four kinds back to back; a user's one job comes after a pause, and on
-                # this kind of VM a process's first work after one costs several times its CPU.
+                # this kind of VM the first work after one costs more: a server's request up to
+                # several times its CPU (probably cold caches and TLBs).
+                settle()  # part 1's runs' files written back first, not during the pauses
+                mark = cpu_times()
                 r1i = part1(servers, tsp, eval_path, args.idle_rounds, watch, idle_s=IDLE_S)
                 i_srv, i_tsp, i_popen = med(col(r1i["server:default"], "t")), med(r1i["tsp"]), med(r1i["popen"])
                 print(
-                    f"1, after idle: the same, each job after {IDLE_S} s of an idle host ({args.idle_rounds} rounds,"
-                    " rotated; a reference, not a target)"
+                    f"1. after a pause: the same, each job after the bench slept {IDLE_S} s ({args.idle_rounds}"
+                    f" rounds after {WARMUP_ROUNDS} of warm-up, the order rotated; a reference, not a target)"
                 )
                 print(f"   default server                  {ms(col(r1i['server:default'], 't'))}")
                 print(f"   cgroups off                     {ms(col(r1i['server:cgroups off'], 't'))}")
                 print(f"   task-spooler (tsp; tsp -w)      {ms(r1i['tsp'])}")
                 print(f"   Popen(python -c pass).wait()    {ms(r1i['popen'])}")
+                starts = [r["start"] for r in r1i["server:default"]]
                 print(
                     f"   where the time goes, default (medians, ms): {breakdown(r1i['server:default'])};"
-                    f" POST answered {med(col(r1i['server:default'], 'answer')) * 1000:.2f}"
+                    f" POST answered {med(col(r1i['server:default'], 'answer')) * 1000:.2f}; started"
+                    f" {', '.join(f'{starts.count(s)} {s}' for s in sorted(set(starts)))}"
                 )
-                print(f"   ratios (medians): default/tsp {i_srv / i_tsp:.2f}x, default/Popen {i_srv / i_popen:.2f}x\n")
+                print(f"   ratios (medians): default/tsp {i_srv / i_tsp:.2f}x, default/Popen {i_srv / i_popen:.2f}x")
+                print(steal_line(mark) + "\n")
                 rows.append(
                     Target(
-                        f"1. the same, each job after {IDLE_S} s idle",
+                        f"1. the same, each job after a pause of {IDLE_S} s",
                         f"{i_srv * 1000:.1f} ms = {i_srv / i_tsp:.2f}x tsp, {i_srv / i_popen:.2f}x Popen",
                         f"tsp {i_tsp * 1000:.1f} ms, Popen {i_popen * 1000:.1f} ms",
                         "(reference)",
