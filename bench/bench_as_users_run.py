@@ -151,7 +151,7 @@ BURST = 50
 BURST_SLOTS = 2
 CLIENTS = 8
 WARMUP_ROUNDS = 3
-IDLE_S = 0.25  # part 1 after idle: the pause before each job
+IDLE_S = 0.25  # part 1 after a pause: the bench's sleep before each job
 RUN_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 90.0
 DONE = "_DONE"
@@ -632,7 +632,7 @@ def breakdown(rows: list[dict]) -> str:
 
 
 def part1(servers: list[Server], tsp: Tsp, eval_path: Path, rounds: int, watch: DoneWatch, idle_s: float = 0.0) -> dict:
-    """``idle_s``: the host left idle that long before each job (a user's submission after a pause)."""
+    """``idle_s``: the bench sleeps that long before each job (a user's submission after a pause)."""
     body = json.dumps({"entrypoint": f"{eval_path}:episode", "episodes": 1}).encode()
     cmd = [sys.executable, str(eval_path)]
     kinds = ["server:" + s.label for s in servers] + ["tsp", "popen"]
@@ -1004,7 +1004,7 @@ def main() -> int:
                 # Part 1 runs the four kinds back to back; a user's one job comes after a pause, and on
                 # this kind of VM the first work after one costs more: a server's request up to
                 # several times its CPU (probably cold caches and TLBs).
-                settle()  # part 1's runs' files written back first, not during the pauses
+                settle()  # part 1's runs' files written back first, not during this pass's pauses
                 mark = cpu_times()
                 r1i = part1(servers, tsp, eval_path, args.idle_rounds, watch, idle_s=IDLE_S)
                 i_srv, i_tsp, i_popen = med(col(r1i["server:default"], "t")), med(r1i["tsp"]), med(r1i["popen"])

@@ -65,3 +65,14 @@ def test_cpu_split_says_who_took_the_cpu(bench):
     assert "server 0.50" in bench.cpu_text(split) and "everything else 0.75" in bench.cpu_text(split)
     wall, busy, server, me = bench.cpu_sample(os.getpid())
     assert busy > 0 and me > 0 and server > 0  # this process is its own 'server' here
+
+
+def test_round_counts_below_their_minimum_are_refused():
+    """A count the bench cannot measure with (no rounds: a median of nothing) is an error before
+    anything starts, not a crash after minutes of measuring."""
+    for args in (["--rounds", "0"], ["--idle-rounds", "-1"], ["--burst-rounds", "0"]):
+        proc = subprocess.run(
+            [sys.executable, str(BENCH / "bench_as_users_run.py"), *args], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert "must be at least" in proc.stderr
