@@ -620,6 +620,24 @@ BREAKDOWN = [
 ]
 
 
+def print_part1(r: dict, title: str, broken_down: tuple[str, ...]) -> None:
+    """Part 1's figures (a pass of ``part1``): each kind's times, and where the time goes on the
+    servers labelled in ``broken_down``."""
+    print(title)
+    print(f"   default server                  {ms(col(r['server:default'], 't'))}")
+    print(f"   cgroups off                     {ms(col(r['server:cgroups off'], 't'))}")
+    print(f"   task-spooler (tsp; tsp -w)      {ms(r['tsp'])}")
+    print(f"   Popen(python -c pass).wait()    {ms(r['popen'])}")
+    for label in broken_down:
+        rows = r["server:" + label]
+        starts = [row["start"] for row in rows]
+        print(
+            f"   where the time goes, {label} (medians, ms): {breakdown(rows)};"
+            f" POST answered {med(col(rows, 'answer')) * 1000:.2f}; started"
+            f" {', '.join(f'{starts.count(s)} {s}' for s in sorted(set(starts)))}"
+        )
+
+
 def breakdown(rows: list[dict]) -> str:
     rows = [r for r in rows if "admit" in r]
     if not rows:
@@ -894,9 +912,9 @@ def main() -> int:
         " benchmark's clean-up they cost several times more for minutes)",
     )
     args = ap.parse_args()
-    for name in ("rounds", "idle_rounds", "burst_rounds", "submissions", "pairs"):
-        if getattr(args, name) < (0 if name == "idle_rounds" else 1):
-            ap.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'idle_rounds' else 1}")
+    for name, least in (("rounds", 1), ("idle_rounds", 0), ("burst_rounds", 1), ("submissions", 1), ("pairs", 1)):
+        if getattr(args, name) < least:
+            ap.error(f"--{name.replace('_', '-')} must be at least {least}")
     if args.quick:
         args.rounds, args.burst_rounds, args.submissions, args.pairs = 8, 1, 400, 1
         args.idle_rounds = min(args.idle_rounds, 3)
@@ -951,21 +969,12 @@ def main() -> int:
             srv_t = col(r1["server:default"], "t")
             nocg_t = col(r1["server:cgroups off"], "t")
             tsp_t, popen_t = r1["tsp"], r1["popen"]
-            print(
+            print_part1(
+                r1,
                 f"1. one no-op job, submission -> _DONE ({args.rounds} rounds after {WARMUP_ROUNDS} of warm-up,"
-                " the order rotated each round)"
+                " the order rotated each round)",
+                ("default", "cgroups off"),
             )
-            print(f"   default server                  {ms(srv_t)}")
-            print(f"   cgroups off                     {ms(nocg_t)}")
-            print(f"   task-spooler (tsp; tsp -w)      {ms(tsp_t)}")
-            print(f"   Popen(python -c pass).wait()    {ms(popen_t)}")
-            for label, key in (("default", "server:default"), ("cgroups off", "server:cgroups off")):
-                starts = [r["start"] for r in r1[key]]
-                print(
-                    f"   where the time goes, {label} (medians, ms): {breakdown(r1[key])};"
-                    f" POST answered {med(col(r1[key], 'answer')) * 1000:.2f}; started"
-                    f" {', '.join(f'{starts.count(s)} {s}' for s in sorted(set(starts)))}"
-                )
             print(
                 "   the server's CPU per run (all its threads, over part 1, idle ticks included; the zygote and"
                 " the runs not counted): "
@@ -1008,19 +1017,11 @@ def main() -> int:
                 mark = cpu_times()
                 r1i = part1(servers, tsp, eval_path, args.idle_rounds, watch, idle_s=IDLE_S)
                 i_srv, i_tsp, i_popen = med(col(r1i["server:default"], "t")), med(r1i["tsp"]), med(r1i["popen"])
-                print(
+                print_part1(
+                    r1i,
                     f"1. after a pause: the same, each job after the bench slept {IDLE_S} s ({args.idle_rounds}"
-                    f" rounds after {WARMUP_ROUNDS} of warm-up, the order rotated; a reference, not a target)"
-                )
-                print(f"   default server                  {ms(col(r1i['server:default'], 't'))}")
-                print(f"   cgroups off                     {ms(col(r1i['server:cgroups off'], 't'))}")
-                print(f"   task-spooler (tsp; tsp -w)      {ms(r1i['tsp'])}")
-                print(f"   Popen(python -c pass).wait()    {ms(r1i['popen'])}")
-                starts = [r["start"] for r in r1i["server:default"]]
-                print(
-                    f"   where the time goes, default (medians, ms): {breakdown(r1i['server:default'])};"
-                    f" POST answered {med(col(r1i['server:default'], 'answer')) * 1000:.2f}; started"
-                    f" {', '.join(f'{starts.count(s)} {s}' for s in sorted(set(starts)))}"
+                    f" rounds after {WARMUP_ROUNDS} of warm-up, the order rotated; a reference, not a target)",
+                    ("default",),
                 )
                 print(f"   ratios (medians): default/tsp {i_srv / i_tsp:.2f}x, default/Popen {i_srv / i_popen:.2f}x")
                 print(steal_line(mark) + "\n")
