@@ -13,8 +13,12 @@ order flips too): ``--submissions`` POSTs of no-op runs from 8 keep-alive client
 dependency on a sleeping run that takes no CPU slot, so that they never run; under churn, 50
 no-op runs a second are submitted, start and end meanwhile. Each phase has a blocker of its own,
 cancelled at its end (which fails the held runs), so the next phase starts on an idle server.
-Printed: each phase's submissions/s, and per tree the medians of quiet, churn and of the rounds'
-churn/quiet ratios.
+Printed: each phase's submissions/s and the server process's CPU per submission (every thread's,
+``/proc/<pid>/task/*/schedstat``, over the phase's requests; under churn it includes the churn's
+own runs), and per tree the medians of quiet, churn and of the rounds' churn/quiet ratios, and
+the medians of the rounds' paired differences (old - new) of the quiet figures. The quiet phase's
+CPU per submission moves less with the machine than its rate, which the disk's state (ext4
+without a journal: the inodes the last phase freed) swings by a fifth from phase to phase.
 
 ``--host-processes N``: N more idle processes (``sleep``) live on the host meanwhile, as on a
 shared GPU host (see ``bench_burst_ab.py``).
@@ -35,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from jupyter_evalsched.client import LocalServer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_burst_ab import ab_parser, run_ab  # noqa: E402
+from bench_burst_ab import ab_parser, process_cpu_s, run_ab  # noqa: E402
 from bench_rest import hammer  # noqa: E402
 from bench_warm_start import NOOP, SLEEPY, Churn  # noqa: E402
 
@@ -52,8 +56,10 @@ class Side:
         self.client = self.server.client()
         self.quiet: list[float] = []
         self.churn: list[float] = []
+        self.quiet_cpu: list[float] = []  # the server's CPU per submission, ms
+        self.churn_cpu: list[float] = []
 
-    def phase(self, submissions: int, churn: bool) -> float:
+    def phase(self, submissions: int, churn: bool) -> tuple[float, float]:
         blocker = self.client.submit(
             {"entrypoint": SLEEPY, "episodes": 1, "params": {"sleep_s": 600}, "scheduling": {"cpus": 0}}
         )
@@ -67,9 +73,12 @@ class Side:
         try:
             if runs is not None:
                 time.sleep(0.5)  # the churn under way
-            rate, _latencies, _ids, errors = hammer(
+            pid = self.server.process.pid
+            cpu0 = process_cpu_s(pid)
+            rate, latencies, _ids, errors = hammer(
                 self.server.url, self.server.token, CLIENTS, submissions // CLIENTS, "POST", "/evalsched/runs", body
             )
+            cpu_ms = (process_cpu_s(pid) - cpu0) * 1000 / max(1, len(latencies))
         finally:
             if runs is not None:
                 runs.stop()
@@ -77,8 +86,9 @@ class Side:
         if errors:
             raise SystemExit(f"{self.label}: {len(errors)} submissions failed, the first: {errors[0]}")
         (self.churn if churn else self.quiet).append(rate)
+        (self.churn_cpu if churn else self.quiet_cpu).append(cpu_ms)
         time.sleep(1.0)  # the held runs failed and written, the churn's last runs ended
-        return rate
+        return rate, cpu_ms
 
     def close(self) -> None:
         self.server.cleanup()
@@ -102,17 +112,30 @@ def measure(args: argparse.Namespace) -> None:
         for side in sides:  # warm: spares forked, caches filled
             side.phase(min(args.submissions, 400), churn=False)
             side.quiet.clear()
+            side.quiet_cpu.clear()
         for i in range(args.rounds):
             for side in sides if i % 2 == 0 else sides[::-1]:
                 for churn in (False, True) if i % 2 == 0 else (True, False):
-                    rate = side.phase(args.submissions, churn)
-                    print(f"round {i + 1}: {side.label} {'churn' if churn else 'quiet'} {rate:.0f}/s", flush=True)
+                    rate, cpu_ms = side.phase(args.submissions, churn)
+                    print(
+                        f"round {i + 1}: {side.label} {'churn' if churn else 'quiet'} {rate:.0f}/s,"
+                        f" server CPU {cpu_ms:.2f} ms a submission",
+                        flush=True,
+                    )
         for side in sides:
             ratios = [c / q for q, c in zip(side.quiet, side.churn, strict=True)]
             print(
                 f"{side.label}: quiet {statistics.median(side.quiet):.0f}/s, churn {statistics.median(side.churn):.0f}/s,"
-                f" churn/quiet {statistics.median(ratios):.2f} (medians of {args.rounds} rounds)"
+                f" churn/quiet {statistics.median(ratios):.2f}; server CPU a submission {statistics.median(side.quiet_cpu):.2f}"
+                f" ms quiet, {statistics.median(side.churn_cpu):.2f} ms under churn (medians of {args.rounds} rounds)"
             )
+        new, old = sides
+        rate = statistics.median(o - n for n, o in zip(new.quiet, old.quiet, strict=True))
+        cpu = statistics.median(o - n for n, o in zip(new.quiet_cpu, old.quiet_cpu, strict=True))
+        print(
+            f"medians of the rounds' paired differences, quiet (old - new): {rate:+.0f} submissions/s,"
+            f" server CPU {cpu:+.2f} ms a submission"
+        )
     finally:
         for side in sides:
             side.close()

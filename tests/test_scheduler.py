@@ -228,6 +228,36 @@ async def test_run_directory_contract(api, wait_for, runs_dir):
     assert (run / "stdout.log").stat().st_mode & 0o077 == 0  # owner-only
 
 
+async def test_a_runs_logs_are_created_by_its_start(api, wait_for, runs_dir, tmp_path):
+    """A submission writes only spec.json and job.json: a queued run has no logs (the logs
+    endpoint answers empty text), nor does one cancelled before it started; the start creates
+    them, owner-only, and the run writes its output there."""
+    gate = tmp_path / "gate"
+    wait = (
+        "import os, time\n\ndef episode(ctx, index):\n    deadline = time.monotonic() + 30\n"
+        f"    while not os.path.exists({str(gate)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n    return {}\n"
+    )
+    hold = await submit(api, {"source": wait, "episodes": 1, "scheduling": {"cpus": 0}})
+    await wait_for(hold["id"], states=("running",))
+    src = "def episode(ctx, index):\n    print('said by the run', flush=True)\n    return {}\n"
+    held = await submit(api, {"source": src, "episodes": 1, "depends_on": [hold["id"]]})
+    doomed = await submit(api, spec(entry=NOOP, depends_on=[hold["id"]]))
+    run = runs_dir / held["id"]
+    assert {p.name for p in run.iterdir()} == {"spec.json", "job.json", "eval.py"}
+    for stream in ("stdout", "stderr"):
+        assert await api("GET", f"runs/{held['id']}/logs", params={"stream": stream}, raw=True) == (200, "")
+    await api("POST", f"runs/{doomed['id']}/cancel")
+    assert (await wait_for(doomed["id"]))["state"] == "cancelled"
+    assert {p.name for p in (runs_dir / doomed["id"]).iterdir()} == {"spec.json", "job.json", "_DONE"}
+    gate.touch()
+    assert (await wait_for(held["id"]))["state"] == "succeeded"
+    for name in ("stdout.log", "stderr.log"):
+        assert (run / name).stat().st_mode & 0o777 == 0o600
+    code, text = await api("GET", f"runs/{held['id']}/logs", params={"stream": "stdout"}, raw=True)
+    assert code == 200 and "said by the run" in text, text
+
+
 @pytest.mark.parametrize(
     "how, reason_prefix",
     [
