@@ -14,9 +14,10 @@ dependency on a sleeping run that takes no CPU slot, so that they never run; und
 no-op runs a second are submitted, start and end meanwhile. Each phase has a blocker of its own,
 cancelled at its end (which fails the held runs), so the next phase starts on an idle server.
 Printed: each phase's submissions/s and the server process's CPU per submission (every thread's,
-``/proc/<pid>/task/*/schedstat``, over the phase's requests; under churn it includes the churn's
-own runs), and per tree the medians of quiet, churn and of the rounds' churn/quiet ratios, and
-the medians of the rounds' paired differences (old - new) of the quiet figures. The quiet phase's
+``/proc/<pid>/task/*/schedstat``, over the phase's requests; under churn it includes the server's
+work for the churn's runs, so a shorter phase has fewer of them in it), and per tree the medians
+of quiet, churn and of the rounds' churn/quiet ratios, and the medians of the rounds' paired
+differences of the quiet figures. The quiet phase's
 CPU per submission moves less with the machine than its rate, which the disk's state (ext4
 without a journal: the inodes the last phase freed) swings by a fifth from phase to phase.
 
@@ -130,11 +131,11 @@ def measure(args: argparse.Namespace) -> None:
                 f" ms quiet, {statistics.median(side.churn_cpu):.2f} ms under churn (medians of {args.rounds} rounds)"
             )
         new, old = sides
-        rate = statistics.median(o - n for n, o in zip(new.quiet, old.quiet, strict=True))
-        cpu = statistics.median(o - n for n, o in zip(new.quiet_cpu, old.quiet_cpu, strict=True))
+        faster = statistics.median(n - o for n, o in zip(new.quiet, old.quiet, strict=True))
+        cheaper = statistics.median(o - n for n, o in zip(new.quiet_cpu, old.quiet_cpu, strict=True))
         print(
-            f"medians of the rounds' paired differences, quiet (old - new): {rate:+.0f} submissions/s,"
-            f" server CPU {cpu:+.2f} ms a submission"
+            f"quiet, new against old (medians of the rounds' paired differences): {faster:+.0f} submissions/s,"
+            f" {cheaper:+.2f} ms less server CPU a submission"
         )
     finally:
         for side in sides:

@@ -726,13 +726,13 @@ STDERR_TAIL_LINES = 20  # of a failed run's stderr, under its stdout
 
 def _tell_the_end(client: EvalSchedClient, run_id: str, stream: str, printed: bool) -> None:
     """After a run's stdout, on stderr: why it did not succeed, with the end of its stderr (the
-    traceback is there) and how to read all of it; for an empty log, that it is empty. Never
-    nothing: an empty answer reads as "it worked"."""
+    traceback is there) and how to read all of it; for a log with nothing in it (or none yet: the
+    run has not started), that. Never nothing: an empty answer reads as "it worked"."""
     rec = client.get(run_id)
     state = rec.get("state")
     if state not in TERMINAL_STATES or state == SUCCEEDED or stream == "stderr":
         if not printed:
-            print(f"({stream}.log of run {run_id} is empty; the run is {state})", file=sys.stderr)
+            print(f"(nothing in {stream}.log of run {run_id}; the run is {state})", file=sys.stderr)
         return
     print(failure_note(rec, client.logs(run_id, stream="stderr", tail=STDERR_TAIL_LINES)), file=sys.stderr)
 

@@ -607,6 +607,13 @@ class RunStore:
         self._writable()
         remove_run_entry(self.file(run_id, contract.STOP_FILE))
 
+    def create_logs(self, run_id: str) -> None:
+        """Both logs, empty and owner-only, where they do not exist yet (a run handed to another
+        system that opens them itself: SLURM); UnsafeRunFile when something else is there."""
+        self._writable()
+        for stream in ("stdout", "stderr"):
+            os.close(open_log(self.log_path(run_id, stream)))
+
     def log_path(self, run_id: str, stream: str) -> Path:
         """Where a run's ``stdout``/``stderr`` goes (the launcher opens it with :func:`open_log`)."""
         return self.file(run_id, contract.STDOUT_FILE if stream == "stdout" else contract.STDERR_FILE)

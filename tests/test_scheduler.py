@@ -235,7 +235,8 @@ async def test_a_runs_logs_are_created_by_its_start(api, wait_for, runs_dir, tmp
     gate = tmp_path / "gate"
     wait = (
         "import os, time\n\ndef episode(ctx, index):\n    deadline = time.monotonic() + 30\n"
-        f"    while not os.path.exists({str(gate)!r}) and time.monotonic() < deadline:\n"
+        f"    while not os.path.exists({str(gate)!r}):\n"
+        "        if time.monotonic() > deadline:\n            raise TimeoutError('the test never opened the gate')\n"
         "        time.sleep(0.01)\n    return {}\n"
     )
     hold = await submit(api, {"source": wait, "episodes": 1, "scheduling": {"cpus": 0}})
@@ -250,7 +251,9 @@ async def test_a_runs_logs_are_created_by_its_start(api, wait_for, runs_dir, tmp
     await api("POST", f"runs/{doomed['id']}/cancel")
     assert (await wait_for(doomed["id"]))["state"] == "cancelled"
     assert {p.name for p in (runs_dir / doomed["id"]).iterdir()} == {"spec.json", "job.json", "_DONE"}
+    assert await api("GET", f"runs/{doomed['id']}/logs", params={"stream": "stderr"}, raw=True) == (200, "")
     gate.touch()
+    assert (await wait_for(hold["id"]))["state"] == "succeeded"
     assert (await wait_for(held["id"]))["state"] == "succeeded"
     for name in ("stdout.log", "stderr.log"):
         assert (run / name).stat().st_mode & 0o777 == 0o600

@@ -90,6 +90,8 @@ def test_slurm_runs_through_the_api(tmp_path, cleanup):
             job = json.loads((run / "job.json").read_text())
             assert job["state"] in TERMINAL and job["executor"] == "slurm"
         assert (runs / ok["id"] / "summary.json").exists() and (runs / ok["id"] / "slurm.sbatch").exists()
+        for name in ("stdout.log", "stderr.log"):  # made by the server before sbatch, not by slurmstepd
+            assert (runs / ok["id"] / name).stat().st_mode & 0o777 == 0o600, name
 
 
 def test_slurm_runs_survive_a_server_restart(tmp_path, cleanup):

@@ -133,6 +133,9 @@ class SlurmExecutor(Executor):
                 attempt=run.record["attempt"],
             )
             ctx.store.write_shared_urls(run.id, {})
+            # The logs, owner-only, before SLURM opens them for appending: made by slurmstepd,
+            # they would take its umask's mode (0644 under the usual 022).
+            ctx.store.create_logs(run.id)
             job_id = await ctx.loop.run_in_executor(ctx.io, self.cli.submit, run.id, run_dir, spec, env, dep_ids)
         except Exception as exc:
             self._submitting.discard(run.id)
