@@ -17,9 +17,10 @@ Printed: each phase's submissions/s and the server process's CPU per submission 
 ``/proc/<pid>/task/*/schedstat``, over the phase's requests; under churn it includes the server's
 work for the churn's runs, so a shorter phase has fewer of them in it), and per tree the medians
 of quiet, churn and of the rounds' churn/quiet ratios, and the medians of the rounds' paired
-differences of the quiet figures. The quiet phase's
-CPU per submission moves less with the machine than its rate, which the disk's state (ext4
-without a journal: the inodes the last phase freed) swings by a fifth from phase to phase.
+differences of the quiet figures. Both figures swing by a fifth or more from phase to phase (the
+disk's state on ext4 without a journal: the inodes the last phase freed); in the run that
+docs/performance.md quotes, the CPU's paired difference kept its sign in every round, the rate's
+in five of six.
 
 ``--host-processes N``: N more idle processes (``sleep``) live on the host meanwhile, as on a
 shared GPU host (see ``bench_burst_ab.py``).

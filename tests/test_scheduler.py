@@ -229,7 +229,7 @@ async def test_run_directory_contract(api, wait_for, runs_dir):
 
 
 async def test_a_runs_logs_are_created_by_its_start(api, wait_for, runs_dir, tmp_path):
-    """A submission writes only spec.json and job.json: a queued run has no logs (the logs
+    """A submission writes only spec.json and job.json (and a cell's eval.py): a queued run has no logs (the logs
     endpoint answers empty text), nor does one cancelled before it started; the start creates
     them, owner-only, and the run writes its output there."""
     gate = tmp_path / "gate"

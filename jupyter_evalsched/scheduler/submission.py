@@ -290,8 +290,8 @@ class Submissions:
             sweep_name=sweep[2] if sweep else None,
             scheduling=scheduling,
         )
-        # Only what the contract needs at submission: each file is an inode, the largest part of
-        # a submission's cost on a busy disk. No shared_urls.json for a run without models (no
+        # Only what the contract needs at submission: each file is an inode, a large part of a
+        # submission's cost on a busy disk. No shared_urls.json for a run without models (no
         # file: no models, to the runner), and no logs: the start creates them as it opens them
         # for the run (0.89x the server's CPU a submission on this host's ext4; a turnaround unchanged).
         files = {contract.SPEC_FILE: dumps(spec_dict), contract.JOB_FILE: dumps(record)}
