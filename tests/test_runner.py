@@ -915,10 +915,13 @@ def _turnaround_samples(tmp_path: Path, rounds: int) -> tuple[list, list]:
 
 def test_noop_run_costs_little_more_cpu_than_a_bare_interpreter(tmp_path):
     """The start-up budget, in CPU time (robust to a busy host): a no-op run may cost at most
-    twice `python -c pass` (best of several, interleaved). Wall time: see the slow test below."""
-    bare, runs = _turnaround_samples(tmp_path, 6)
-    best_bare, best_run = min(c for _, c in bare), min(c for _, c in runs)
-    assert best_run <= 2.0 * best_bare, f"runner {best_run * 1e3:.1f} ms CPU vs python -c pass {best_bare * 1e3:.1f} ms"
+    twice `python -c pass` (medians, interleaved; it is about 1.6x here). Not the best of each:
+    the same work's CPU time swings with this kind of VM's speed, and the best of six bare
+    interpreters' (about 20 ms) was once 15 ms, which failed a sound runner at 2.1x. Wall time:
+    see the slow test below."""
+    bare, runs = _turnaround_samples(tmp_path, 8)
+    mid_bare, mid_run = statistics.median(c for _, c in bare), statistics.median(c for _, c in runs)
+    assert mid_run <= 2.0 * mid_bare, f"runner {mid_run * 1e3:.1f} ms CPU vs python -c pass {mid_bare * 1e3:.1f} ms"
 
 
 @pytest.mark.slow
