@@ -13,7 +13,7 @@ order flips too): ``--submissions`` POSTs of no-op runs from 8 keep-alive client
 dependency on a sleeping run that takes no CPU slot, so that they never run; under churn, 50
 no-op runs a second are submitted, start and end meanwhile. Each phase has a blocker of its own,
 cancelled at its end (which fails the held runs), so the next phase starts on an idle server.
-Printed: each phase's submissions/s and the server process's CPU per submission (every thread's,
+Printed: each phase's submissions/s, its latency's 99th percentile and the server process's CPU per submission (every thread's,
 ``/proc/<pid>/task/*/schedstat``, over the phase's requests; under churn it includes the server's
 work for the churn's runs, so a shorter phase has fewer of them in it), and per tree the medians
 of quiet, churn and of the rounds' churn/quiet ratios, and the medians of the rounds' paired
@@ -60,8 +60,10 @@ class Side:
         self.churn: list[float] = []
         self.quiet_cpu: list[float] = []  # the server's CPU per submission, ms
         self.churn_cpu: list[float] = []
+        self.quiet_p99: list[float] = []  # each phase's 99th percentile of submission latency, ms
+        self.churn_p99: list[float] = []
 
-    def phase(self, submissions: int, churn: bool) -> tuple[float, float]:
+    def phase(self, submissions: int, churn: bool) -> tuple[float, float, float]:
         blocker = self.client.submit(
             {"entrypoint": SLEEPY, "episodes": 1, "params": {"sleep_s": 600}, "scheduling": {"cpus": 0}}
         )
@@ -89,8 +91,12 @@ class Side:
             raise SystemExit(f"{self.label}: {len(errors)} submissions failed, the first: {errors[0]}")
         (self.churn if churn else self.quiet).append(rate)
         (self.churn_cpu if churn else self.quiet_cpu).append(cpu_ms)
+        if not latencies:
+            raise SystemExit(f"{self.label}: no submission was timed (--submissions below {CLIENTS}?)")
+        p99 = sorted(latencies)[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000
+        (self.churn_p99 if churn else self.quiet_p99).append(p99)
         time.sleep(1.0)  # the held runs failed and written, the churn's last runs ended
-        return rate, cpu_ms
+        return rate, cpu_ms, p99
 
     def close(self) -> None:
         self.server.cleanup()
@@ -115,13 +121,14 @@ def measure(args: argparse.Namespace) -> None:
             side.phase(min(args.submissions, 400), churn=False)
             side.quiet.clear()
             side.quiet_cpu.clear()
+            side.quiet_p99.clear()
         for i in range(args.rounds):
             for side in sides if i % 2 == 0 else sides[::-1]:
                 for churn in (False, True) if i % 2 == 0 else (True, False):
-                    rate, cpu_ms = side.phase(args.submissions, churn)
+                    rate, cpu_ms, p99 = side.phase(args.submissions, churn)
                     print(
                         f"round {i + 1}: {side.label} {'churn' if churn else 'quiet'} {rate:.0f}/s,"
-                        f" server CPU {cpu_ms:.2f} ms a submission",
+                        f" server CPU {cpu_ms:.2f} ms a submission, p99 {p99:.1f} ms",
                         flush=True,
                     )
         for side in sides:
@@ -129,14 +136,19 @@ def measure(args: argparse.Namespace) -> None:
             print(
                 f"{side.label}: quiet {statistics.median(side.quiet):.0f}/s, churn {statistics.median(side.churn):.0f}/s,"
                 f" churn/quiet {statistics.median(ratios):.2f}; server CPU a submission {statistics.median(side.quiet_cpu):.2f}"
-                f" ms quiet, {statistics.median(side.churn_cpu):.2f} ms under churn (medians of {args.rounds} rounds)"
+                f" ms quiet, {statistics.median(side.churn_cpu):.2f} ms under churn; p99"
+                f" {statistics.median(side.quiet_p99):.1f} ms quiet, {statistics.median(side.churn_p99):.1f} ms under churn"
+                f" (medians of {args.rounds} rounds)"
             )
         new, old = sides
         faster = statistics.median(n - o for n, o in zip(new.quiet, old.quiet, strict=True))
         cheaper = statistics.median(o - n for n, o in zip(new.quiet_cpu, old.quiet_cpu, strict=True))
+        sooner = statistics.median(o - n for n, o in zip(new.quiet_p99, old.quiet_p99, strict=True))
+        sooner_churn = statistics.median(o - n for n, o in zip(new.churn_p99, old.churn_p99, strict=True))
         print(
             f"quiet, new against old (medians of the rounds' paired differences): {faster:+.0f} submissions/s,"
-            f" {cheaper:+.2f} ms less server CPU a submission"
+            f" {cheaper:+.2f} ms less server CPU a submission, p99 {sooner:+.1f} ms sooner"
+            f" ({sooner_churn:+.1f} ms sooner under churn)"
         )
     finally:
         for side in sides:

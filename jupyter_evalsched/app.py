@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import time
@@ -97,6 +98,17 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         "to take over, and the primary checks that its lock is still the runs directory's.",
     ).tag(config=True)
 
+    freeze_startup_objects = Bool(
+        True,
+        help="Once the server has started, take the objects it holds then (its modules, classes, the state "
+        "of the extensions started by then: some 230,000 in a default server) out of the cyclic garbage "
+        "collector's scans (gc.freeze, after one full collection), so that a full collection scans only "
+        "what came after: with them, one paused the server for about 200 ms every few thousand "
+        "submissions on a 2-core host. They are still freed when their last reference goes, but a garbage "
+        "cycle through one of them is kept. Skipped when something in the process froze objects already; "
+        "undone when the extension stops.",
+    ).tag(config=True)
+
     slurm_enabled = Bool(
         help="Allow runs to be handed to SLURM (spec 'executor': 'slurm'). Default: $EVALSCHED_SLURM is 1."
     ).tag(config=True)
@@ -148,6 +160,7 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         self._internal: InternalListener | None = None
         self._activity: PeriodicCallback | None = None
         self._watch: PeriodicCallback | None = None
+        self._froze = False  # gc.freeze() was called at the start (undone at the stop)
         self._retry_at = 0.0
         self._make_scheduler()
 
@@ -230,6 +243,11 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             )
         self._watch = PeriodicCallback(self._check_role, self.promotion_interval_s * 1000)
         self._watch.start()
+        if self.freeze_startup_objects and gc.get_freeze_count() == 0:
+            # Garbage first, or it would be kept for good: one full collection, once.
+            gc.collect()
+            gc.freeze()
+            self._froze = True
 
     async def _check_role(self) -> None:
         """Primary: step down when the runs directory at its path is no longer the one locked;
@@ -323,6 +341,12 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             await self.model_host.stop()
         self.role.release()
         self._make_scheduler()
+        if self._froze:
+            # The scheduler dropped here may be one made before the freeze: kept for good, unless
+            # thawed for a collection (a step-down is rare; the collection is one pause).
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
 
     def _unfollow(self) -> None:
         metrics = collector()
@@ -371,6 +395,9 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             self._server.web_app.settings["evalsched_last_activity"] = utcnow()
 
     async def stop_extension(self) -> None:
+        if self._froze:  # (a server embedded in a longer-lived process, as in tests, keeps nothing)
+            gc.unfreeze()
+            self._froze = False
         for timer in (self._activity, self._watch):
             if timer is not None:
                 timer.stop()

@@ -67,6 +67,10 @@ def jp_server_config(runs_dir, evalsched_config, gpu_processes_file):
         "cancel_grace_s": 2.0,
         "reconcile_interval_s": 0.5,
         "progress_interval_s": 0.05,
+        # Off in this process, which hosts hundreds of servers one after another: each start's
+        # full collection would scan the whole test session (test_startup_freeze.py turns it on;
+        # the servers started as subprocesses keep the default).
+        "freeze_startup_objects": False,
     }
     cfg.update(evalsched_config)
     return {

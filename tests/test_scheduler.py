@@ -378,13 +378,66 @@ async def test_runs_held_by_a_dependency_stay_out_of_decisions_and_are_freed_by_
 
     await async_wait_until(all_held, message="the held runs did not say that their dependency is running")
     assert all(r["id"] in evalsched.admission._blocked for r in waiting)
-    assert evalsched.admission._waiting_on[gate["id"]] == {r["id"] for r in waiting}
+    assert evalsched.admission._waiting_on[gate["id"]] == {r["id"]: "running" for r in waiting}
     opened.touch()
     for rec in waiting:
         assert (await wait_for(rec["id"]))["state"] == "succeeded"
     final = await wait_for(after_doomed["id"])
     assert final["state"] == "failed" and final["reason"].startswith(f"dependency_failed:{doomed['id']}")
     assert not evalsched.admission._blocked and not evalsched.admission._waiting_on
+
+
+@pytest.mark.parametrize("evalsched_config", [{"reconcile_interval_s": 3600.0}])
+async def test_a_dependencys_news_leaves_its_waiters_alone_and_a_missed_end_is_caught_by_reconciliation(
+    api, wait_for, evalsched, tmp_path, monkeypatch
+):
+    """Runs held by a dependency are looked at again only when its state moves: its other
+    news (progress, reasons) and the periodic reconciliation leave them be (each look cost the
+    event loop tens of microseconds a run, every second and every event, for a sweep held behind
+    one run). An end whose event was missed still frees them at the next reconciliation (called
+    here: the periodic one is an hour away, so that none comes in between)."""
+    from jupyter_evalsched.scheduler import policy
+
+    opened = tmp_path / "open"
+    gate_entry = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:gate"
+    gate = await submit(api, spec(entry=gate_entry, params={"gate": str(opened)}))
+    waiting = [await submit(api, spec(entry=NOOP, depends_on=[gate["id"]])) for _ in range(20)]
+    admission = evalsched.admission
+
+    async def all_held():
+        recs = [(await api("GET", f"runs/{r['id']}"))[1] for r in waiting]
+        return all(r["reason"].endswith(f"({gate['id']}) is running") for r in recs)
+
+    await async_wait_until(all_held, message="the held runs did not say that their dependency is running")
+    looks: list[tuple[str, ...]] = []
+    verdict = policy.dependency_verdict
+
+    def counted(depends_on, *args):
+        looks.append(tuple(depends_on))
+        return verdict(depends_on, *args)
+
+    monkeypatch.setattr(policy, "dependency_verdict", counted)
+    gate_run = evalsched.table.get(gate["id"])
+    for _ in range(10):
+        evalsched.table.changed(gate_run)  # (what its progress and reasons send)
+        admission.reconcile()
+    assert looks == []
+    assert set(admission._blocked) >= {r["id"] for r in waiting}
+
+    # Its end unheard: the waiters stay held, until the backstop sees the state it ended in.
+    evalsched.table.unsubscribe(admission._run_changed)
+    try:
+        opened.touch()
+        assert (await wait_for(gate["id"]))["state"] == "succeeded"
+        states = [(await api("GET", f"runs/{r['id']}"))[1]["state"] for r in waiting]
+        assert states == ["queued"] * len(waiting)
+        assert looks == []
+    finally:
+        evalsched.table.subscribe(admission._run_changed)
+    admission.reconcile()
+    for rec in waiting:
+        assert (await wait_for(rec["id"]))["state"] == "succeeded"
+    assert not admission._blocked and not admission._waiting_on
 
 
 async def test_dependents_failed_in_one_decision_all_reach_the_disk(

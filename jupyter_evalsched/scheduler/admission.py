@@ -95,9 +95,13 @@ class Admission:
         # The ledger runs waiting for resources, and those holding them.
         self._queued: dict[str, Run] = {}
         # Queued runs held by a dependency still queued or running: (reason, dependencies). They
-        # are kept out of decisions and looked at again when a dependency changes.
+        # are kept out of decisions and looked at again when a dependency's state moves.
         self._blocked: dict[str, tuple[contract.Why, tuple[str, ...]]] = {}
-        self._waiting_on: dict[str, set[str]] = {}  # dependency id -> blocked runs waiting on it
+        # Dependency id -> the blocked runs waiting on it, each with the dependency's state it
+        # was last looked at against: a run's verdict reads only its dependencies' states, so
+        # events and reconciliations that leave a state as it was skip its waiters (thousands
+        # of a sweep's runs held behind one were looked at again on every event and every second).
+        self._waiting_on: dict[str, dict[str, str | None]] = {}
         self._eligible: dict[str, Run] = {}  # the queued runs not blocked: what a decision looks at
         self._running: dict[str, Run] = {}
         self._released: set[str] = set()  # runs whose process exited, their end not recorded yet
@@ -183,12 +187,13 @@ class Admission:
             self.request_admission()
 
     def reconcile(self) -> None:
-        """The periodic backstop: every held run looked at again, then a decision."""
-        for run_id in list(self._blocked):
-            run = self._queued.get(run_id)
-            if run is None:
-                self._unblock(run_id)
-            elif not self._check_dependencies(run):
+        """The periodic backstop: every held run whose dependency's state moved without an event
+        looked at again, then a decision."""
+        for run_id in [r for r in self._blocked if r not in self._queued]:
+            self._unblock(run_id)
+        for dep in list(self._waiting_on):
+            waiting = self._waiting_on.get(dep)  # (those freed meanwhile were looked at just now)
+            if waiting and self._look_again(dep, waiting):
                 self.request_admission()
         self._admit()
 
@@ -283,18 +288,24 @@ class Admission:
         their reason; its end may free them, or fail them)."""
         if event.get("type") != "run":
             return
-        waiting = self._waiting_on.get(event["run"]["id"])
-        if not waiting:
-            return
+        dep = event["run"]["id"]
+        waiting = self._waiting_on.get(dep)
+        if waiting and self._look_again(dep, waiting):
+            self.decide()
+
+    def _look_again(self, dep: str, waiting: dict[str, str | None]) -> bool:
+        """The runs ``waiting`` on ``dep`` that saw it in another state looked at again; True when
+        one of them is held no more."""
+        state = _DependencyStates(self.table).get(dep)
+        moved = [run_id for run_id, seen in waiting.items() if seen != state]
         freed = False
-        for run_id in list(waiting):
+        for run_id in moved:
             run = self._queued.get(run_id)
             if run is None:
                 self._unblock(run_id)
             elif not self._check_dependencies(run):
                 freed = True
-        if freed:
-            self.decide()
+        return freed
 
     # ----------------------------------------------------------------- recovery and cancel
 
@@ -858,14 +869,15 @@ class Admission:
         self._unblock(run.id)
         if run.id not in self._queued or not run.depends_on:
             return False
-        verdict = policy.dependency_verdict(run.depends_on, _DependencyStates(self.table), RunNames(self.table))
+        states = _DependencyStates(self.table)
+        verdict = policy.dependency_verdict(run.depends_on, states, RunNames(self.table))
         if verdict is None or not isinstance(verdict[1], contract.Why):
             return False
         deps = tuple(run.depends_on)
         self._blocked[run.id] = (verdict[1], deps)
         self._eligible.pop(run.id, None)
         for dep in deps:
-            self._waiting_on.setdefault(dep, set()).add(run.id)
+            self._waiting_on.setdefault(dep, {})[run.id] = states.get(dep)
         self.carrier.waiting(run, _waiting_why(run, verdict[1]))
         return True
 
@@ -879,7 +891,7 @@ class Admission:
         for dep in held[1]:
             waiting = self._waiting_on.get(dep)
             if waiting is not None:
-                waiting.discard(run_id)
+                waiting.pop(run_id, None)
                 if not waiting:
                     del self._waiting_on[dep]
 
