@@ -42,7 +42,7 @@ from jupyter_evalsched.client import LocalServer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_burst_ab import ab_parser, process_cpu_s, run_ab  # noqa: E402
-from bench_rest import hammer  # noqa: E402
+from bench_rest import hammer, pct  # noqa: E402
 from bench_warm_start import NOOP, SLEEPY, Churn  # noqa: E402
 
 CLIENTS = 8
@@ -93,7 +93,7 @@ class Side:
         (self.churn_cpu if churn else self.quiet_cpu).append(cpu_ms)
         if not latencies:
             raise SystemExit(f"{self.label}: no submission was timed (--submissions below {CLIENTS}?)")
-        p99 = sorted(latencies)[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000
+        p99 = pct(latencies, 0.99) * 1000
         (self.churn_p99 if churn else self.quiet_p99).append(p99)
         time.sleep(1.0)  # the held runs failed and written, the churn's last runs ended
         return rate, cpu_ms, p99

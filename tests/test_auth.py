@@ -45,7 +45,7 @@ def jp_server_config(runs_dir):
             "jpserver_extensions": {"jupyter_evalsched": True, "jupyter_server_terminals": False},
             "allow_unauthenticated_access": False,
         },
-        "EvalSchedApp": {"runs_dir": str(runs_dir), "virtual_gpus": [24000]},
+        "EvalSchedApp": {"runs_dir": str(runs_dir), "virtual_gpus": [24000], "freeze_startup_objects": False},
     }
 
 

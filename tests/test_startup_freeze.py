@@ -5,6 +5,7 @@ off), and back in them once it stops."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -25,7 +26,14 @@ def test_the_startup_objects_are_frozen_while_the_extension_runs_and_thawed_when
     jp_serverapp, jp_asyncio_loop
 ):
     assert gc.get_freeze_count() == 0, "something in this process froze objects already"
+    # Garbage in the oldest generation when the server starts: collected before the freeze, not
+    # kept for good (a collection of the young generations alone would leave it to the freeze).
+    old = _Cycle()
+    gone = weakref.ref(old)
+    gc.collect()  # (it survives this one, so that it sits in the oldest generation)
+    del old
     app = _start(jp_serverapp, jp_asyncio_loop)
+    assert gone() is None
     frozen = gc.get_freeze_count()
     # The server's own objects at least: its modules, classes and settings.
     assert frozen > 50_000
