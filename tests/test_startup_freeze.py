@@ -69,3 +69,27 @@ def test_a_freeze_made_by_someone_else_is_left_as_it_is(jp_serverapp, jp_asyncio
         assert before - 1000 < gc.get_freeze_count() <= before
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("evalsched_config", [{"freeze_startup_objects": True}])
+def test_the_scheduler_a_failed_takeover_drops_is_freed_though_made_before_the_freeze(
+    jp_serverapp, jp_asyncio_loop, monkeypatch
+):
+    """A takeover that fails drops its scheduler for a fresh one. The one made at the first,
+    failed, start was frozen with the rest; the next failed try thaws, collects and freezes
+    again, so that it is not kept for good (a scheduler's parts refer to each other)."""
+    from jupyter_evalsched.scheduler.service import Scheduler
+
+    async def broken(*args):
+        del args  # (the logged traceback keeps this frame: not the scheduler with it)
+        raise RuntimeError("a start that fails")
+
+    monkeypatch.setattr(Scheduler, "start", broken)
+    app = _start(jp_serverapp, jp_asyncio_loop)
+    assert app.start_error and "a start that fails" in app.start_error
+    assert gc.get_freeze_count() > 50_000
+    frozen_scheduler = weakref.ref(app.scheduler)  # made by the step-down, before the freeze
+    jp_asyncio_loop.run_until_complete(app._take_over_if_free())
+    assert app.start_error and "a start that fails" in app.start_error
+    assert frozen_scheduler() is None
+    assert gc.get_freeze_count() > 50_000
