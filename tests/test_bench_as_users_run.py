@@ -58,6 +58,14 @@ def test_tables_say_pass_miss_and_reference(bench):
     assert md[5].endswith("| MISS |") and md[6].endswith("| - |")
 
 
+def test_ratios_never_read_as_the_bound_they_miss(bench):
+    assert bench.ratio_text(0.643, 0.6) == "0.64x"
+    assert bench.ratio_text(0.598, 0.6) == "0.598x"  # two decimals would print a failing 0.60x
+    assert bench.ratio_text(0.6004, 0.6) == "0.6004x"
+    assert bench.ratio_text(0.5, 0.5) == "0.50x"  # exactly at the bound: it meets it
+    assert bench.ratio_text(0.4999, 0.5) == "0.4999x"
+
+
 def test_cpu_split_says_who_took_the_cpu(bench):
     # 2 s of wall: the machine busy 3 CPU s, the server 1, the bench 0.5, the rest 1.5.
     split = bench.cpu_split((10.0, 100.0, 20.0, 5.0), (12.0, 103.0, 21.0, 5.5))
