@@ -188,11 +188,13 @@ class Target:
 def ratio_text(x: float, bound: float) -> str:
     """``x`` as a ratio (``0.64x``), with more decimals where two would read as the target's own
     bound: 0.598 against ``>= 0.6`` prints as 0.598x, not as a 0.60x that misses."""
-    for digits in (2, 3, 4):
+    if x == bound:
+        return f"{x:.2f}x"
+    for digits in range(2, 10):
         text = f"{x:.{digits}f}"
-        if float(text) != bound or x == bound:
-            break
-    return text + "x"
+        if float(text) != bound:
+            return text + "x"
+    return f"{x!r}x"
 
 
 def verdict(ok: bool | None) -> str:
@@ -992,7 +994,7 @@ def main() -> int:
             )
             m_srv, m_nocg, m_tsp, m_popen = med(srv_t), med(nocg_t), med(tsp_t), med(popen_t)
             print(
-                f"   ratios (medians): default/tsp {m_srv / m_tsp:.2f}x, default/Popen {m_srv / m_popen:.2f}x;"
+                f"   ratios (medians): default/tsp {ratio_text(m_srv / m_tsp, 0.6)}, default/Popen {ratio_text(m_srv / m_popen, 0.5)};"
                 f" cgroups off/tsp {m_nocg / m_tsp:.2f}x, cgroups off/Popen {m_nocg / m_popen:.2f}x"
             )
             print(steal_line(mark) + "\n")
@@ -1075,7 +1077,7 @@ def main() -> int:
                 f" cgroups off {med(col(r2['server:cgroups off'], 'submitted')) * 1000:.0f} ms"
             )
             m_b, m_bn, m_bt = med(b_srv), med(b_nocg), med(b_tsp)
-            print(f"   ratios (medians): default/tsp {m_b / m_bt:.2f}x, cgroups off/tsp {m_bn / m_bt:.2f}x")
+            print(f"   ratios (medians): default/tsp {ratio_text(m_b / m_bt, 0.8)}, cgroups off/tsp {m_bn / m_bt:.2f}x")
             print(steal_line(mark) + "\n")
             rows += [
                 Target(
@@ -1200,15 +1202,17 @@ def main() -> int:
             errors = [e for k in r3 for p in r3[k] for e in p["errors"]] + [e for p in churn for e in p["churn_errors"]]
             if errors:
                 print(f"   errors: {len(errors)}; the first: {errors[0]}")
-            # Each round's own ratios beside the pooled ones: how far one round's phases moved.
-            each = ", ".join(
-                f"{q['rate'] / s['rate']:.2f} and {c['rate'] / q['rate']:.2f}"
-                for s, q, c in zip(r3["status"], r3["quiet"], churn, strict=True)
-            )
             print(
-                f"   ratios: quiet/status {q_rate / st_rate:.3f}, churn/quiet {ch_rate / q_rate:.3f}"
-                f"   (round by round: {each}; accepted {sum(p['accepted'] for p in r3['quiet'] + churn)})"
+                f"   ratios: quiet/status {ratio_text(q_rate / st_rate, 0.5)}, churn/quiet {ratio_text(ch_rate / q_rate, 0.6)}"
+                f"   (accepted {sum(p['accepted'] for p in r3['quiet'] + churn)})"
             )
+            # Each round's own ratios beside the pooled ones: how far one round's phases moved. (part3
+            # rotates the phases' order, so a round's three phases are not always in this order.)
+            for i, (st_p, q_p, c_p) in enumerate(zip(r3["status"], r3["quiet"], churn, strict=True), 1):
+                print(
+                    f"   round {i}: quiet/status {ratio_text(q_p['rate'] / st_p['rate'], 0.5)},"
+                    f" churn/quiet {ratio_text(c_p['rate'] / q_p['rate'], 0.6)}"
+                )
             print(steal_line(mark) + "\n")
             p99 = pct(q_lat, 0.99)
             rows += [

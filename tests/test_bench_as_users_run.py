@@ -64,6 +64,8 @@ def test_ratios_never_read_as_the_bound_they_miss(bench):
     assert bench.ratio_text(0.6004, 0.6) == "0.6004x"
     assert bench.ratio_text(0.5, 0.5) == "0.50x"  # exactly at the bound: it meets it
     assert bench.ratio_text(0.4999, 0.5) == "0.4999x"
+    assert bench.ratio_text(0.59996, 0.6) == "0.59996x"
+    assert bench.ratio_text(0.6 - 1e-12, 0.6) == f"{0.6 - 1e-12!r}x"  # never the bound itself
 
 
 def test_cpu_split_says_who_took_the_cpu(bench):
