@@ -22,6 +22,7 @@ import time
 from rest import NOOP, SLEEPY, spec, submit
 from waiting import async_wait_until
 
+from jupyter_evalsched import store as store_module
 from jupyter_evalsched.scheduler import runs as runs_module
 from jupyter_evalsched.scheduler import submission as submission_module
 from jupyter_evalsched.scheduler.attempts import Requeue
@@ -158,6 +159,87 @@ def test_a_batch_syncs_the_runs_directory_once_and_fails_one_run_alone(tmp_path,
         assert sorted(os.listdir(store.run_dir(run_id))) == ["job.json", "spec.json"]
     assert not store.run_dir(ids[1]).exists()
     assert (store.root / f"{STAGING_PREFIX}{ids[1]}").is_dir()  # left as it was found
+
+
+def _assembled_on(store: RunStore, monkeypatch) -> dict[str, str]:
+    """Which thread assembles each run directory of ``store``."""
+    threads: dict[str, str] = {}
+    assemble = store.assemble
+
+    def recording_assemble(run_id: str, files: dict[str, bytes]):
+        threads[run_id] = threading.current_thread().name
+        return assemble(run_id, files)
+
+    monkeypatch.setattr(store, "assemble", recording_assemble)
+    return threads
+
+
+def test_a_batch_is_assembled_by_one_thread_until_the_disk_makes_it_wait(tmp_path, monkeypatch):
+    """Without fsync the writer's thread assembles a batch itself; once a directory has taken it
+    longer than ``SLOW_DIRECTORY_CPU_S`` (a disk that makes each creation costly), the rest goes
+    to the pool (not a last one alone: that would overlap nothing). With fsync the whole batch
+    goes to the pool at once (each fsync waits for the disk). Either way a run that cannot be
+    written fails alone, in its place, and every other run's directory is whole."""
+    files = {"spec.json": b"{}", "job.json": b"{}"}
+    me = threading.current_thread().name
+
+    def batch(store: RunStore, n: int, doomed: int | None = None) -> list[str]:
+        ids = [new_run_id() for _ in range(n)]
+        if doomed is not None:  # a staging directory that is not ours: that run cannot be made
+            (store.root / f"{STAGING_PREFIX}{ids[doomed]}").mkdir()
+        errors = store.create_many([(run_id, files) for run_id in ids])
+        assert [i for i, error in enumerate(errors) if error is not None] == ([] if doomed is None else [doomed])
+        if doomed is not None:
+            assert isinstance(errors[doomed], StoreError) and "exists already" in str(errors[doomed])
+            assert not store.run_dir(ids[doomed]).exists()
+            assert (store.root / f"{STAGING_PREFIX}{ids[doomed]}").is_dir()  # left as it was found
+        for i, run_id in enumerate(ids):
+            if i != doomed:
+                assert sorted(os.listdir(store.run_dir(run_id))) == ["job.json", "spec.json"]
+        return ids
+
+    store = RunStore(tmp_path / "plain")
+    store.ensure()
+    threads = _assembled_on(store, monkeypatch)
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_CPU_S", 3600.0)
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_S", 3600.0)
+    ids = batch(store, 6, doomed=3)
+    assert [threads[run_id] for run_id in ids] == [me] * 6
+
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_CPU_S", -1.0)  # every directory is slow
+    ids = batch(store, 6, doomed=3)
+    assert threads[ids[0]] == me
+    assert all(threads[run_id].startswith("evalsched-create") for run_id in ids[1:])
+    ids = batch(store, 2)
+    assert [threads[run_id] for run_id in ids] == [me, me]
+
+    synced = RunStore(tmp_path / "synced", fsync=True)
+    synced.ensure()
+    threads = _assembled_on(synced, monkeypatch)
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_CPU_S", 3600.0)
+    ids = batch(synced, 4, doomed=1)
+    assert all(threads[run_id].startswith("evalsched-create") for run_id in ids)
+    ids = batch(synced, 1)  # a batch of one: no hand-off
+    assert threads[ids[0]] == me
+
+
+def test_a_bug_while_assembling_fails_that_run_alone(tmp_path, monkeypatch):
+    """Anything but a StoreError raised while one directory is assembled (a bug of ours) fails
+    that run alone, with a StoreError, on the writer's thread and in the pool alike."""
+    files = {"spec.json": b"{}", "job.json": b"{}"}
+    for fsync in (False, True):  # (with fsync, the pool)
+        store = RunStore(tmp_path / f"runs-{fsync}", fsync=fsync)
+        store.ensure()
+        ids = [new_run_id() for _ in range(4)]
+        runs = [(run_id, files) for run_id in ids]
+        runs[2] = (ids[2], {"spec.json": "not bytes"})  # type: ignore[dict-item]
+        errors = store.create_many(runs)
+        assert [i for i, error in enumerate(errors) if error is not None] == [2]
+        assert isinstance(errors[2], StoreError) and "TypeError" in str(errors[2])
+        assert not store.run_dir(ids[2]).exists()
+        assert _staging_left(store.root) == []
+        for i in (0, 1, 3):
+            assert sorted(os.listdir(store.run_dir(ids[i]))) == ["job.json", "spec.json"]
 
 
 # ----------------------------------------------------------------------------- terminal writes

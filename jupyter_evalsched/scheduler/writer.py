@@ -5,11 +5,10 @@ peaks rose (a ``TerminalWrite`` without ``_DONE``: ``RunTable._persist_observed`
 Concurrent submissions are written as one batch: the thread takes everything queued when it
 wakes, has each directory assembled and renamed into place, and with ``fsync`` makes all the
 renames durable with one fsync of the runs directory (``RunStore.create_many``). Each submission
-is answered once its own directory is in place; a failure fails that submission alone. The
-directories of one batch are assembled on a few threads at once: each file's creation waits on
-the disk, and each thread's wait for the GIL after a system call (the loop holds it) then
-overlaps the others' disk work (the one thread alone made 0.7x as many directories a second on
-this host's busy disk: bench/bench_submissions.py).
+is answered once its own directory is in place; a failure fails that submission alone. This
+thread assembles a batch's directories itself. With ``fsync``, or once one of them has cost it
+long (a busy disk), they go to a few threads at once, which overlap the disk's waits and spread
+the kernel's work over the CPUs (``RunStore.create_many``).
 
 The loop hands work over without a thread hop per item: it appends to the queue and wakes the
 thread only when it sleeps; the thread hands a whole batch's outcomes back in one callback.
