@@ -448,7 +448,7 @@ class RunStore:
         self.root = Path(runs_dir)
         self.fsync = fsync
         self.cache = FileCache()
-        self._pool: ThreadPoolExecutor | None = None  # a batch's directories, where the disk is slow
+        self._pool: ThreadPoolExecutor | None = None  # a batch's directories, with fsync or a slow disk
         self._pool_lock = threading.Lock()
         self.refused: str | None = None  # why every write is refused (the directory was moved)
 
@@ -495,10 +495,10 @@ class RunStore:
             return [RunsDirMoved(errno.EROFS, self.refused) for _ in runs]
         if self.fsync and len(runs) > 1:
             # Each file's fsync waits for the disk: from several threads at once, the waits overlap.
-            out = list(self._batch_pool().map(self._try_assemble, runs))
+            out = self._assemble_on_pool(runs)
         else:
             # Without fsync one thread is the cheaper: on a disk that does not make a creation
-            # wait, a pool's hand-offs and switches of the GIL cost the server about a tenth of
+            # wait, a pool's hand-offs and switches of the GIL cost the server about a seventh of
             # its CPU a submission (docs/performance.md, "One thread assembles a batch"). Once a
             # directory took long, the rest of the batch goes to the pool: on ext4 without a
             # journal, each creation then walks past recently freed inodes (the kernel's time,
@@ -512,7 +512,7 @@ class RunStore:
                 if i + 2 < len(runs) and (
                     time.thread_time() - cpu > SLOW_DIRECTORY_CPU_S or time.monotonic() - wall > SLOW_DIRECTORY_S
                 ):
-                    out.extend(self._batch_pool().map(self._try_assemble, runs[i + 1 :]))
+                    out.extend(self._assemble_on_pool(runs[i + 1 :]))
                     break
         placed = [i for i, error in enumerate(out) if error is None]
         if self.fsync and placed:
@@ -525,14 +525,26 @@ class RunStore:
                     out[i] = error
         return out
 
+    def _assemble_on_pool(self, runs: Sequence[tuple[str, dict[str, bytes]]]) -> list[StoreError | None]:
+        """:meth:`_try_assemble` for each run, on the pool's threads at once; those the pool cannot
+        take (no thread can be started, the interpreter is shutting down) on this thread."""
+        futures = []
+        try:
+            pool = self._batch_pool()
+            for run in runs:
+                futures.append(pool.submit(self._try_assemble, run))
+        except RuntimeError as exc:
+            log.warning("evalsched: %d run directories assembled one by one: %s", len(runs) - len(futures), exc)
+        return [future.result() for future in futures] + [self._try_assemble(run) for run in runs[len(futures) :]]
+
     def _try_assemble(self, run: tuple[str, dict[str, bytes]]) -> StoreError | None:
         try:
             self.assemble(*run)
         except StoreError as exc:
             return exc
-        except Exception as exc:  # a bug of ours: that run fails alone (assemble removed its staging)
+        except Exception:  # a bug of ours: that run fails alone (assemble removed its staging)
             log.exception("evalsched: writing the directory of run %s failed", run[0])
-            return StoreError(f"cannot write the run directory: {type(exc).__name__}: {exc}")
+            return StoreError("cannot write the run directory: an internal error (the server's log says which)")
         return None
 
     def _batch_pool(self) -> ThreadPoolExecutor:

@@ -206,12 +206,17 @@ def test_a_batch_is_assembled_by_one_thread_until_the_disk_makes_it_wait(tmp_pat
     ids = batch(store, 6, doomed=3)
     assert [threads[run_id] for run_id in ids] == [me] * 6
 
-    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_CPU_S", -1.0)  # every directory is slow
-    ids = batch(store, 6, doomed=3)
-    assert threads[ids[0]] == me
-    assert all(threads[run_id].startswith("evalsched-create") for run_id in ids[1:])
-    ids = batch(store, 2)
-    assert [threads[run_id] for run_id in ids] == [me, me]
+    def on(ids: list[str]) -> list[str]:
+        return ["pool" if threads[run_id].startswith("evalsched-create") else threads[run_id] for run_id in ids]
+
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_CPU_S", -1.0)  # every directory costs too much
+    assert on(batch(store, 6, doomed=3)) == [me] + ["pool"] * 5
+    assert on(batch(store, 3)) == [me, "pool", "pool"]
+    assert on(batch(store, 2)) == [me, me]
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_CPU_S", 3600.0)
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_S", -1.0)  # every directory takes too long
+    assert on(batch(store, 4)) == [me, "pool", "pool", "pool"]
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_S", 3600.0)
 
     synced = RunStore(tmp_path / "synced", fsync=True)
     synced.ensure()
@@ -223,23 +228,59 @@ def test_a_batch_is_assembled_by_one_thread_until_the_disk_makes_it_wait(tmp_pat
     assert threads[ids[0]] == me
 
 
-def test_a_bug_while_assembling_fails_that_run_alone(tmp_path, monkeypatch):
+def test_a_bug_while_assembling_fails_that_run_alone(tmp_path, monkeypatch, caplog):
     """Anything but a StoreError raised while one directory is assembled (a bug of ours) fails
-    that run alone, with a StoreError, on the writer's thread and in the pool alike."""
+    that run alone, with a StoreError that says no more than that (the log has the rest), on the
+    writer's thread and in the pool alike."""
     files = {"spec.json": b"{}", "job.json": b"{}"}
-    for fsync in (False, True):  # (with fsync, the pool)
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_CPU_S", 3600.0)
+    monkeypatch.setattr(store_module, "SLOW_DIRECTORY_S", 3600.0)
+    for fsync in (False, True):  # on this thread; with fsync, on the pool
         store = RunStore(tmp_path / f"runs-{fsync}", fsync=fsync)
         store.ensure()
+        threads = _assembled_on(store, monkeypatch)
         ids = [new_run_id() for _ in range(4)]
         runs = [(run_id, files) for run_id in ids]
         runs[2] = (ids[2], {"spec.json": "not bytes"})  # type: ignore[dict-item]
+        caplog.clear()
         errors = store.create_many(runs)
         assert [i for i, error in enumerate(errors) if error is not None] == [2]
-        assert isinstance(errors[2], StoreError) and "TypeError" in str(errors[2])
+        assert isinstance(errors[2], StoreError) and "internal error" in str(errors[2])
+        assert "TypeError" not in str(errors[2])
+        assert any(ids[2] in r.getMessage() and r.exc_info and r.exc_info[0] is TypeError for r in caplog.records)
         assert not store.run_dir(ids[2]).exists()
         assert _staging_left(store.root) == []
         for i in (0, 1, 3):
             assert sorted(os.listdir(store.run_dir(ids[i]))) == ["job.json", "spec.json"]
+        pooled = [threads[run_id].startswith("evalsched-create") for run_id in ids]
+        assert pooled == [fsync] * 4
+
+
+def test_runs_the_pool_cannot_take_are_assembled_on_the_writers_thread(tmp_path, monkeypatch):
+    """When the pool cannot start another thread (or the interpreter is shutting down), the runs
+    it did not take are assembled on this thread: none is lost, none is made twice."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = {"spec.json": b"{}", "job.json": b"{}"}
+    store = RunStore(tmp_path / "runs", fsync=True)
+    store.ensure()
+    threads = _assembled_on(store, monkeypatch)
+    submit = ThreadPoolExecutor.submit
+    taken: list[int] = []
+
+    def submit_twice(self, fn, *args, **kwargs):
+        if len(taken) == 2:
+            raise RuntimeError("can't start new thread")
+        taken.append(1)
+        return submit(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit_twice)
+    ids = [new_run_id() for _ in range(5)]
+    assert store.create_many([(run_id, files) for run_id in ids]) == [None] * 5
+    for run_id in ids:
+        assert sorted(os.listdir(store.run_dir(run_id))) == ["job.json", "spec.json"]
+    assert [threads[run_id].startswith("evalsched-create") for run_id in ids] == [True, True, False, False, False]
+    assert _staging_left(store.root) == []
 
 
 # ----------------------------------------------------------------------------- terminal writes

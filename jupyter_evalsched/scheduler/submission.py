@@ -297,8 +297,9 @@ class Submissions:
         files = {contract.SPEC_FILE: dumps(spec_dict), contract.JOB_FILE: dumps(record)}
         if spec.source is not None:
             files[contract.EVAL_SOURCE_FILE] = spec.source.encode()
-        # Creating files costs about a millisecond each on these disks, mostly waiting: done by
-        # the writer's thread, concurrent submissions in one batch, and the event loop stays free.
+        # Creating files can wait for the disk (an fsync, a busy disk), and costs the kernel's time
+        # in any case: done by the writer's thread, concurrent submissions in one batch, and the
+        # event loop stays free.
         self._creating.add(run_id)
         try:
             await self.writer.create(run_id, files)

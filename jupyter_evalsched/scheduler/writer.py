@@ -6,9 +6,10 @@ Concurrent submissions are written as one batch: the thread takes everything que
 wakes, has each directory assembled and renamed into place, and with ``fsync`` makes all the
 renames durable with one fsync of the runs directory (``RunStore.create_many``). Each submission
 is answered once its own directory is in place; a failure fails that submission alone. This
-thread assembles a batch's directories itself. With ``fsync``, or once one of them has cost it
-long (a busy disk), they go to a few threads at once, which overlap the disk's waits and spread
-the kernel's work over the CPUs (``RunStore.create_many``).
+thread assembles a batch's directories itself. With ``fsync``, a batch of several goes to a pool of
+up to eight threads, whose waits for the disk overlap; without it, the rest of a batch does once
+one directory has cost this thread more than ``SLOW_DIRECTORY_CPU_S`` of CPU or
+``SLOW_DIRECTORY_S`` in all (a busy disk: ``RunStore.create_many``).
 
 The loop hands work over without a thread hop per item: it appends to the queue and wakes the
 thread only when it sleeps; the thread hands a whole batch's outcomes back in one callback.
