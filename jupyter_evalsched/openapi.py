@@ -89,6 +89,8 @@ def _errors(*codes: int, delegated: bool = True) -> dict:
         413: "the body is too large, or a comparison would read more episode values than it may",
         422: "the spec or request is invalid, can never fit, names an unknown model, dependency or process",
         429: "too many sweep submissions or comparisons are under way at once: retry after Retry-After seconds",
+        500: "a bug of the server's own (the message says no more; the server's log has the traceback): not "
+        "worth retrying",
         503: "the scheduler is starting, the host's primary server cannot be reached, the runs directory cannot "
         "be written, a model host cannot start, or a comparison ran past its time limit",
     }
@@ -480,7 +482,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "responses": {
                     "201": _json("RunRecord", "the queued run"),
                     "200": _json("RunRecord", "the run an earlier submission with the same Idempotency-Key made"),
-                    **_errors(400, 409, 413, 422, 503),
+                    **_errors(400, 409, 413, 422, 500, 503),
                 },
             },
         },
@@ -537,7 +539,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "responses": {
                     "201": _json("SweepCreated", "the queued runs"),
                     "200": _json("SweepCreated", "the runs an earlier submission with the same Idempotency-Key made"),
-                    **_errors(400, 409, 413, 422, 429, 503),
+                    **_errors(400, 409, 413, 422, 429, 500, 503),
                 },
             },
         },

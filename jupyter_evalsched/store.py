@@ -71,6 +71,16 @@ class StoreError(Exception):
     """A run-directory operation failed for a reason worth telling the client (disk full, ...)."""
 
 
+class StoreBug(StoreError):
+    """A run-directory write failed on a bug of ours (the server's log has the traceback): unlike
+    a full or read-only disk, waiting will not mend it, so the client is not told to retry."""
+
+    def __init__(
+        self, message: str = "cannot write the run directory: an internal error (the server's log says which)"
+    ) -> None:
+        super().__init__(message)
+
+
 class RunsDirMoved(StoreError, OSError):
     """Every write refused: the runs directory this server locked was moved or replaced, and a
     write by path would land wherever that path now leads (``RunStore.refuse_writes``)."""
@@ -544,7 +554,7 @@ class RunStore:
             return exc
         except Exception:  # a bug of ours: that run fails alone (assemble removed its staging)
             log.exception("evalsched: writing the directory of run %s failed", run[0])
-            return StoreError("cannot write the run directory: an internal error (the server's log says which)")
+            return StoreBug()
         return None
 
     def _batch_pool(self) -> ThreadPoolExecutor:

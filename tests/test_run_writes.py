@@ -29,7 +29,7 @@ from jupyter_evalsched.scheduler.attempts import Requeue
 from jupyter_evalsched.scheduler.runs import Run, RunTable, new_record
 from jupyter_evalsched.scheduler.writer import RunWriter
 from jupyter_evalsched.schemas import EvalSpec
-from jupyter_evalsched.store import STAGING_PREFIX, RunStore, StoreError, new_run_id
+from jupyter_evalsched.store import STAGING_PREFIX, RunStore, StoreBug, StoreError, new_run_id
 
 
 def _complete_on_disk(runs_dir, run_id: str) -> bool:
@@ -125,6 +125,42 @@ async def test_a_directory_that_cannot_be_written_fails_its_submission_alone(
     assert (await api("GET", f"runs/{doomed}"))[0] == 404
     for run_id in made:
         await wait_for_end(api, run_id)
+
+
+async def test_a_bug_while_writing_answers_500_not_retry(api, evalsched, runs_dir, monkeypatch, caplog):
+    """A bug of ours while a run directory is written (in one directory, or in the whole batch)
+    is no full disk: the answer is a 500 with a message that says no more than that, not a 503
+    that tells the client to retry (it would, and meet the bug again). What the failed write made
+    is gone: the staging directory of the one, the directories of a batch that failed after
+    they were renamed into place."""
+    store = evalsched.store
+    message = "cannot write the run directory: an internal error (the server's log says which)"
+    fill = store._fill
+
+    def broken_fill(staging, files):
+        fill(staging, files)  # (the files are there, in the staging directory)
+        raise TypeError("a bug in one directory")
+
+    monkeypatch.setattr(store, "_fill", broken_fill)
+    code, body = await api("POST", "runs", spec(entry=NOOP))
+    assert (code, body["message"]) == (500, message), (code, body)
+    monkeypatch.setattr(store, "_fill", fill)
+    create_many = store.create_many
+
+    def broken_batch(runs):
+        create_many(runs)  # (renamed into place)
+        raise RuntimeError("a bug in the batch")
+
+    monkeypatch.setattr(store, "create_many", broken_batch)
+    code, body = await api("POST", "runs", spec(entry=NOOP))
+    assert (code, body["message"]) == (500, message), (code, body)
+    code, body = await api("POST", "sweeps", {**spec(entry=NOOP), "sweep": {"seed": [1, 2]}})
+    assert (code, body["message"]) == (500, message), (code, body)
+    for bug in ("a bug in one directory", "a bug in the batch"):
+        assert any(r.exc_info and str(r.exc_info[1]) == bug for r in caplog.records), f"{bug!r} was not logged"
+    assert [e for e in os.listdir(runs_dir) if not e.startswith(".")] == []
+    assert _staging_left(runs_dir) == []
+    assert (await api("GET", "runs"))[1]["runs"] == []
 
 
 async def wait_for_end(api, run_id: str) -> None:
@@ -245,7 +281,7 @@ def test_a_bug_while_assembling_fails_that_run_alone(tmp_path, monkeypatch, capl
         caplog.clear()
         errors = store.create_many(runs)
         assert [i for i, error in enumerate(errors) if error is not None] == [2]
-        assert isinstance(errors[2], StoreError) and "internal error" in str(errors[2])
+        assert isinstance(errors[2], StoreBug) and "internal error" in str(errors[2])
         assert "TypeError" not in str(errors[2])
         assert any(ids[2] in r.getMessage() and r.exc_info and r.exc_info[0] is TypeError for r in caplog.records)
         assert not store.run_dir(ids[2]).exists()

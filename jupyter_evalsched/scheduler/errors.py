@@ -34,6 +34,13 @@ class Unavailable(SchedulerError):
     status = 503
 
 
+class Internal(SchedulerError):
+    """A bug of ours stopped the operation (the server's log has its traceback): retrying will not
+    help, so not a 503."""
+
+    status = 500
+
+
 class Busy(SchedulerError):
     """Too much of one kind of work is under way (sweep submissions): retry in a moment."""
 

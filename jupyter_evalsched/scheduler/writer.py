@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..store import RunFileError, RunStore, StoreError
+from ..store import RunFileError, RunStore, StoreBug, StoreError, discard_run_entry
 
 log = logging.getLogger("jupyter_evalsched")
 
@@ -272,9 +272,12 @@ class RunWriter:
         if creates:
             try:
                 errors = self.store.create_many([(c.run_id, c.files) for c in creates])
-            except Exception as exc:  # a bug of ours: those submissions fail, the thread goes on
-                log.exception("evalsched: writing run directories failed")
-                errors = [StoreError(f"cannot write the run directory: {type(exc).__name__}: {exc}")] * len(creates)
+            except Exception:  # a bug of ours: those submissions fail, the thread goes on
+                ids = [c.run_id for c in creates]
+                log.exception("evalsched: writing the directories of runs %s failed", ids)
+                for run_id in ids:  # (fresh ids: whatever is there of them, this batch made)
+                    discard_run_entry(self.store.run_dir(run_id))
+                errors = [StoreBug() for _ in creates]
             for create, error in zip(creates, errors, strict=True):
                 create.error = error
         for item in batch:
