@@ -284,6 +284,9 @@ def test_a_server_killed_mid_run_leaves_nothing_after_its_restart(tmp_path):
         c = server.client()
         rec = c.submit({"entrypoint": f"{EVALS}:escape", "params": {"pid_file": str(pid_file)}, "cwd": "/"})
         wait_until(pid_file.exists, timeout=15)
+        # Running as the API says it, so on disk too: killed before its running record was written,
+        # the run would be queued again by the next server, and run again (docs/reference.md).
+        wait_until(lambda: c.get(rec["id"])["state"] == "running", timeout=15)
         grandchild = int(pid_file.read_text())
         server.process.send_signal(signal.SIGKILL)
         server.process.wait()
@@ -322,6 +325,9 @@ def test_without_cgroups_a_restart_kills_what_each_killed_run_left_behind(tmp_pa
             for pid_file in pid_files
         ]
         wait_until(lambda: all(p.exists() for p in pid_files), timeout=15)
+        # Running as the API says it, so on disk too: killed before its running record was written,
+        # a run would be queued again by the next server, and run again (docs/reference.md).
+        wait_until(lambda: all(c.get(r["id"])["state"] == "running" for r in recs), timeout=15)
         grandchildren = [int(p.read_text()) for p in pid_files]
         server.process.send_signal(signal.SIGKILL)
         server.process.wait()
