@@ -68,7 +68,7 @@ def test_auto_resume_after_sigkill_finishes_the_run_as_if_uninterrupted(tmp_path
         c = server.client()
         rec = c.submit(sleepy_run(20, seed=500))
         wait_until(lambda: len(lines_of(runs, rec["id"])) >= 5, timeout=30)
-        pid = c.get(rec["id"])["pid"]
+        pid = wait_until(lambda: c.get(rec["id"])["pid"], timeout=10)  # its running record on disk
     finally:
         kill_server(server)
     wait_until(lambda: not alive(pid), timeout=5, message="the run outlived its server")
@@ -171,7 +171,7 @@ def test_a_detached_run_that_died_unwatched_is_aborted(tmp_path):
         c = server.client()
         rec = c.submit(sleepy_run(1000, seed=2, detach=True))
         wait_until(lambda: len(lines_of(runs, rec["id"])) >= 1, timeout=30)
-        pid = c.get(rec["id"])["pid"]
+        pid = wait_until(lambda: c.get(rec["id"])["pid"], timeout=10)  # its running record on disk
     finally:
         kill_server(server)
     psutil.Process(pid).kill()  # it dies while no server watches it
