@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..store import StoreBug, StoreError
+
 
 class SchedulerError(Exception):
     status = 400
@@ -39,6 +41,12 @@ class Internal(SchedulerError):
     help, so not a 503."""
 
     status = 500
+
+
+def store_failure(exc: StoreError) -> SchedulerError:
+    """What a failed run-directory write means to a client: a bug of ours (500) or the disk's
+    trouble, which may pass (503)."""
+    return Internal(str(exc)) if isinstance(exc, StoreBug) else Unavailable(str(exc))
 
 
 class Busy(SchedulerError):

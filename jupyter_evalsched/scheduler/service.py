@@ -26,13 +26,13 @@ from typing import Any
 from .. import contract
 from ..contract import ABORTED, CANCELLED, FAILED, LEASE_QUEUED, QUEUED, RUNNING, TERMINAL_STATES
 from ..schemas import EvalSpec, LeaseRequest
-from ..store import FoundRun, RunFileError, RunStore, StoreBug, StoreError
+from ..store import FoundRun, RunFileError, RunStore, StoreError
 from . import attempts, policy
 from .admission import Admission
 from .cgroups import Cgroups
 from .comparisons import Comparisons
 from .config import SchedulerConfig
-from .errors import Internal, SpecRejected, StateConflict, Unavailable, UnknownRun
+from .errors import SpecRejected, StateConflict, Unavailable, UnknownRun, store_failure
 from .executors import Executor, ExecutorContext
 from .executors.local import LocalExecutor
 from .gpus import GpuProbe
@@ -404,10 +404,8 @@ class Scheduler:
         run.scheduling = RunScheduling.of(run.spec)
         try:
             self.table.requeue(run, attempts.resume_plan(run.record))
-        except StoreBug as exc:
-            raise Internal(str(exc)) from exc
         except StoreError as exc:
-            raise Unavailable(str(exc)) from exc
+            raise store_failure(exc) from exc
         return run.record
 
     def _on_lease_ended(self, lease: Lease) -> None:
@@ -481,10 +479,8 @@ class Scheduler:
             )
         except ValueError as exc:
             raise SpecRejected(f"pid: {exc}", [{"loc": ["pid"], "msg": str(exc), "type": "no_such_process"}]) from None
-        except StoreBug as exc:
-            raise Internal(str(exc)) from exc
         except StoreError as exc:
-            raise Unavailable(str(exc)) from exc
+            raise store_failure(exc) from exc
         # What its process holds already (as the last observation saw it) is absorbed by its grant.
         lease.holder_pids = frozenset(tree)
         lease.observed = self.observer.unmanaged_of(tree)

@@ -22,11 +22,11 @@ from typing import Any
 from .. import contract
 from ..runner.entrypoint import resolve_entrypoint_file
 from ..schemas import EvalSpec, check_json_finite, check_params_size, check_spec_size, json_chars
-from ..store import RunFileError, RunStore, StoreBug, StoreError, new_run_id
+from ..store import RunFileError, RunStore, StoreError, new_run_id
 from . import policy, sweeps
 from .admission import Admission
 from .config import SchedulerConfig
-from .errors import Busy, Internal, SpecRejected, StateConflict, Unavailable, UnknownRun
+from .errors import Busy, SpecRejected, StateConflict, UnknownRun, store_failure
 from .executors import Executor
 from .ledger import Capacity
 from .runs import Run, RunScheduling, RunTable, new_record, source_digest
@@ -303,10 +303,8 @@ class Submissions:
         self._creating.add(run_id)
         try:
             await self.writer.create(run_id, files)
-        except StoreBug as exc:
-            raise Internal(str(exc)) from exc
         except StoreError as exc:
-            raise Unavailable(str(exc)) from exc
+            raise store_failure(exc) from exc
         finally:
             self._creating.discard(run_id)
         run = Run(record=record, spec=spec_dict, submitted_ts=time.time(), given_scheduling=scheduling)
