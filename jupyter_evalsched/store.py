@@ -95,6 +95,12 @@ class UnsafeRunFile(RunFileError):
     regular file, where the server opens one: never opened (a FIFO would block the event loop)."""
 
 
+def disk_trouble(exc: BaseException) -> bool:
+    """Whether a failed run-directory write was the disk's trouble (full, read-only, an entry in
+    the way), which a retry may get past, rather than a bug of ours, logged with its traceback."""
+    return isinstance(exc, (StoreError, OSError, RunFileError)) and not isinstance(exc, StoreBug)
+
+
 def new_run_id() -> str:
     """Unique, sortable by submission time: ``YYYYmmddTHHMMSS.ffffff-<random>``."""
     now = datetime.now(UTC)

@@ -524,6 +524,55 @@ def test_without_a_writer_every_terminal_record_is_written_at_once(tmp_path):
     assert [_on_disk(store, r.id) for r in runs] == [("cancelled", True)] * 5
 
 
+async def test_a_bug_in_a_terminal_write_is_logged_with_its_traceback_and_retried(tmp_path, monkeypatch, caplog):
+    """On the writer's thread, a bug of ours in a run's terminal job.json, or in its _DONE once
+    job.json is written, is logged with its traceback; a full disk in one line. job.json made
+    before a bug in _DONE stays (the failure is _DONE's); once mended, the reconciliation's retry
+    writes what is missing."""
+    store, table, (in_job, in_done, full) = _queued_runs(tmp_path, 3, writer=True)
+    assert table.writer is not None
+    table.writer.bind(asyncio.get_running_loop())
+    write_job, mark_done = store.write_job, store.mark_done
+
+    def broken_write_job(run_id, record):
+        if run_id == in_job.id:
+            raise TypeError("a bug in job.json")
+        if run_id == full.id:
+            raise StoreError("the disk is full")
+        write_job(run_id, record)
+
+    def broken_mark_done(run_id):
+        if run_id == in_done.id:
+            raise KeyError("a bug in _DONE")
+        mark_done(run_id)
+
+    monkeypatch.setattr(store, "write_job", broken_write_job)
+    monkeypatch.setattr(store, "mark_done", broken_mark_done)
+    try:
+        for run in (in_job, in_done, full):
+            table.finish(run, "failed", "failed: by the test")
+        await table.all_written()
+        logged = {r.getMessage(): r.exc_info for r in caplog.records if "cannot write" in r.getMessage()}
+        traceback = {message: exc_info[0] if exc_info else None for message, exc_info in logged.items()}
+        assert traceback == {
+            f"evalsched: cannot write job.json of {in_job.id}: a bug in job.json": TypeError,
+            f"evalsched: cannot write _DONE of {in_done.id}: 'a bug in _DONE'": KeyError,
+            f"evalsched: cannot write job.json of {full.id}: the disk is full": None,
+        }
+        assert _on_disk(store, in_done.id) == ("failed", False)
+        assert _on_disk(store, in_job.id) == _on_disk(store, full.id) == ("queued", False)
+        assert table.has_unwritten
+
+        monkeypatch.setattr(store, "write_job", write_job)
+        monkeypatch.setattr(store, "mark_done", mark_done)
+        table.retry_unwritten()
+        await table.all_written()
+        assert [_on_disk(store, run.id) for run in (in_job, in_done, full)] == [("failed", True)] * 3
+        assert not table.has_unwritten
+    finally:
+        table.writer.close()
+
+
 # ----------------------------------------------------------------------------- the API waits for them
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from .. import contract
 from ..contract import ACTIVE_STATES, FAILED, SUCCEEDED, TERMINAL_STATES
 from ..schemas import RECORD_FIELDS, RunRecord, iso_from_timestamp, utcnow_iso
-from ..store import FileStamp, RunFileError, RunStore, StoreError, UnsafeRunFile, dumps
+from ..store import FileStamp, RunFileError, RunStore, StoreError, UnsafeRunFile, disk_trouble, dumps
 from .attempts import Requeue
 from .writer import RunWriter, TerminalWrite
 
@@ -775,15 +775,17 @@ class RunTable:
             del self._pending[run.id]
         if self._runs.get(run.id) is not run:
             return  # deleted meanwhile
-        if write.job_error is not None:
-            self._unwritten.add(run.id)
+        error = write.job_error or write.done_error
+        if error is not None:
+            self._unwritten.add(run.id)  # (retried quietly: the record in memory is right meanwhile)
             if not quiet:
-                log.error("evalsched: cannot write job.json of %s: %s", run.id, write.job_error)
-            return
-        if write.done_error is not None:
-            self._unwritten.add(run.id)
-            if not quiet:
-                log.error("evalsched: cannot write _DONE for %s: %s", run.id, write.done_error)
+                log.error(
+                    "evalsched: cannot write %s of %s: %s",
+                    "job.json" if write.job_error is not None else "_DONE",
+                    run.id,
+                    error,
+                    exc_info=None if disk_trouble(error) else error,
+                )
             return
         if write.mark_done:
             run.done_on_disk = True

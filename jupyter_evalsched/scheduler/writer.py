@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..store import RunFileError, RunStore, StoreBug, StoreError, discard_run_entry
+from ..store import RunStore, StoreBug, StoreError, discard_run_entry
 
 log = logging.getLogger("jupyter_evalsched")
 
@@ -101,15 +101,19 @@ class TerminalWrite:
     def make(self, store: RunStore) -> None:
         """``job.json``, then ``_DONE``: a ``_DONE`` beside a ``job.json`` that still says
         "running" would make the next start conclude the run from stale files."""
+        # Any exception is the run's problem, never the thread's end: the disk's (StoreError,
+        # OSError, RunFileError) or a bug of ours, which the loop logs with its traceback.
         try:
-            store.write_job(self.run_id, self.data)
+            try:
+                store.write_job(self.run_id, self.data)
+            except Exception as exc:
+                self.job_error = exc
+                return
             if self.mark_done:
                 try:
                     store.mark_done(self.run_id)
-                except (OSError, RunFileError) as exc:
+                except Exception as exc:
                     self.done_error = exc
-        except Exception as exc:  # StoreError, OSError: the run's problem, never the thread's end
-            self.job_error = exc
         finally:
             self.finished.set()
 
