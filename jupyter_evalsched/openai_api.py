@@ -303,6 +303,18 @@ class OpenAIHandler(EvalSchedHandler):
             await self.flush()
         except (StreamClosedError, ClientGone):
             return
+        except Exception as exc:
+            if not self._streaming:
+                raise  # nothing sent yet: its own status
+            # The status is sent: a failure can only be told as an event (which OpenAI's clients
+            # raise). Ended without one, the stream would read as a whole, shorter answer.
+            if not isinstance(exc, OpenAIError):
+                self.log.error("evalsched v1: unexpected error mid-stream", exc_info=True)
+                exc = OpenAIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+            try:
+                await self.send_events([exc.body()])
+            except ClientGone:
+                return
         self.finish()
 
 

@@ -494,6 +494,22 @@ def test_a_short_request_is_answered_before_the_long_one_it_shares_a_batch_with(
             assert a["token"] == b["token"] and (a["logprob"] is None or abs(a["logprob"] - b["logprob"]) < 1e-4)
 
 
+def test_a_tiny_temperature_samples_greedily_instead_of_failing_the_batch(tiny_lm_dir):
+    """A temperature too small to divide by (OpenAI's range starts at 0, so 1e-40 is valid)
+    overflowed the tempered logits to a NaN, which failed the whole batch, every other caller's
+    request in it included: it is read as greedy, beside a request that shares its batch."""
+    from jupyter_evalsched.shared_models.loaders import causal_lm
+
+    lm = causal_lm(model=tiny_lm_dir)
+    greedy = {"prompt": "The cat", "max_tokens": 8, "temperature": 0.0}
+    (want,) = lm.openai_batch([dict(greedy)])
+    for temperature in (1e-40, 5e-324, 1e-6):
+        other = {"prompt": "A dog", "max_tokens": 4, "temperature": 1.0, "seed": 1}
+        got, beside = lm.openai_batch([{**greedy, "temperature": temperature}, other])
+        assert "error" not in got and got["text"] == want["text"], (temperature, got)
+        assert "error" not in beside and beside["completion_tokens"] == 4
+
+
 @pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_prompts_as_strings_and_as_token_ids_score_the_same(v1, reference):
     """OpenAI's legacy completions take ``prompt`` as a string, a list of strings, a list of token

@@ -233,6 +233,54 @@ async def test_a_client_gone_mid_stream_frees_its_slot_and_the_batch_goes_on(
     assert code == 200 and answer["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+async def test_a_batch_that_fails_midway_answers_each_request_once(v1, evalsched, gate, reference):
+    """Three requests share a batch that fails at a forward pass (a model's error, as a GPU's
+    out-of-memory is) after one of the first request's two prompts had stopped and after the
+    stream had sent its first tokens. Each request is then run again alone, for what it still
+    lacks: the first is answered as it is alone (its stopped prompt counted once), the third in
+    full, and the stream, whose client has its first tokens already, ends with an error event
+    rather than send them again."""
+    stop = direct_greedy(reference, "The cat", 2)
+    assert stop and stop not in direct_greedy(reference, "A dog", 12)  # (only "The cat" stops early)
+    two = {"model": "gated", "prompt": ["The cat", "A dog"], "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    streamed = {"model": "gated", "prompt": "A bird", "max_tokens": 12, "temperature": 0, "stream": True}
+    plain = {"model": "gated", "prompt": "Stocks fell", "max_tokens": 12, "temperature": 0}
+    await loaded(evalsched)
+    (gate / "hold-1").touch()  # the first batch (one token for "x") holds the batcher
+    first = asyncio.ensure_future(v1("completions", {"model": "gated", "prompt": "x", "max_tokens": 1}))
+    await until(lambda: _batches(evalsched, 1), "the first batch runs")
+    pending = [asyncio.ensure_future(v1("completions", body)) for body in (two, streamed, plain)]
+    await until(lambda: _queued(evalsched, 4), "the three requests (four prompts) are queued")
+    (gate / "fail-5").touch()  # the shared batch's passes are 2 (its first token) to 13: its fourth fails
+    (gate / "hold-1").unlink()
+    (code_two, answer_two, _), (code_streamed, stream_text, _), (code_plain, answer_plain, _) = [
+        await answer for answer in pending
+    ]
+    assert (await first)[0] == 200
+    assert not (gate / "fail-5").exists()  # (the failure happened)
+    described = await figures(evalsched, "gated")
+    assert described["batch_sizes"].get("4") == 1, described["batch_sizes"]  # the three shared a batch
+
+    assert code_two == 200, answer_two
+    code, alone, _ = await v1("completions", two)
+    assert code == 200
+    assert [(c["text"], c["finish_reason"]) for c in answer_two["choices"]] == [
+        (c["text"], c["finish_reason"]) for c in alone["choices"]
+    ]
+    assert answer_two["choices"][0]["finish_reason"] == "stop"
+    assert answer_two["choices"][1]["text"] == direct_greedy(reference, "A dog", 12)
+    assert code_plain == 200 and answer_plain["choices"][0]["text"] == direct_greedy(reference, "Stocks fell", 12)
+
+    assert code_streamed == 200  # (the status went with the first chunk)
+    sent = events(stream_text)
+    assert sent[-1] != "[DONE]" and sent[-1]["error"]["type"] == "server_error", sent[-1]
+    assert "forward pass 5 failed" in sent[-1]["error"]["message"]
+    text = "".join(chunk["choices"][0]["text"] for chunk in sent[:-1])
+    assert text and direct_greedy(reference, "A bird", 12).startswith(text)  # each token once, in order
+    assert described["failed_requests"] == 1 and described["queued"] == 0
+
+
 async def _figure(evalsched, key: str, value, name: str = "gated") -> bool:
     return (await figures(evalsched, name))[key] == value
 

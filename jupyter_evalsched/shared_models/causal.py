@@ -34,6 +34,10 @@ from typing import Any
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 MAX_TOP_LOGPROBS = 20
+# A temperature below this is read as 0 (greedy): tempered by it, a token whose logit is 0.001
+# below the largest has a probability under e^-100 already, and a tinier divisor can be no
+# number at all in float32 (5e-324 is 0 there).
+GREEDY_BELOW = 1e-5
 
 
 class RequestError(ValueError):
@@ -465,9 +469,13 @@ class CausalLM:
 
         request = state["request"]
         temperature = float(request.get("temperature", 1.0))
-        if temperature <= 0:
+        if temperature < GREEDY_BELOW:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / temperature, dim=-1)
+        # Shifted by the largest logit first, every value is <= 0: no division by a small
+        # temperature overflows to inf (inf - inf in the softmax is a NaN, which multinomial
+        # refuses, failing the whole batch).
+        logits = logits.float()
+        probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
         top_p = float(request.get("top_p", 1.0))
         if top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
@@ -475,7 +483,10 @@ class CausalLM:
             outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
             sorted_probs[outside] = 0.0
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return int(torch.multinomial(probs.cpu(), 1, generator=state["generator"]))
+        probs = probs.cpu()
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            return int(torch.argmax(logits))  # (logits that were not finite: nothing to sample from)
+        return int(torch.multinomial(probs, 1, generator=state["generator"]))
 
     def _check_done(self, state: dict, token: int) -> None:
         if self.eos_id is not None and token == self.eos_id:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import gc
 import importlib
 import json
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
 RATE_WINDOW_S = 60.0  # tokens_per_s is over the batches that ended this recently
+ACCEPT_BACKOFF_S = 0.05  # out of descriptors: the next accept after this long
+OPEN_FILES_WANTED = 65536  # the soft limit raised toward it (each request in flight holds three)
 OPENAI_KEY = b"\0openai"  # the batching key of API requests (no pickle of kwargs starts with a NUL)
 # An API client (one HTTP connection of the server's) answered within this many max_wait_ms and
 # not yet back is expected to send again: the batcher waits for it (up to max_wait_ms). With the
@@ -406,9 +409,10 @@ class ModelHost:
             self.queue = kept
             return batch
 
-    def _forward(self, entries: list[tuple[_Call, int]], answered: set[int]) -> list:
+    def _forward(self, entries: list[tuple[_Call, int]], answered: set[int], streamed: set[int]) -> list:
         """The outputs of a batch; ``answered`` collects the positions an API batch answered
-        early (its scoring and short generations, before its longest generation is done)."""
+        early (its scoring and short generations, before its longest generation is done), and
+        ``streamed`` those it sent a part of to their caller."""
         fn = self.fn
         if fn is None:  # the batcher runs batches only once the model is loaded
             raise RuntimeError("the model is not loaded")
@@ -447,6 +451,7 @@ class ModelHost:
                     with self.cond:
                         if call.done.is_set() or call.cancelled:
                             return
+                        streamed.add(position)
                         call.deltas.append({"index": index, **plain})
                     call.wake()
 
@@ -480,21 +485,30 @@ class ModelHost:
 
     def _run(self, entries: list[tuple[_Call, int]]) -> None:
         answered: set[int] = set()
+        streamed: set[int] = set()
         try:
-            outputs = self._forward(entries, answered)
+            outputs = self._forward(entries, answered, streamed)
         except BaseException as exc:  # a model's sys.exit() must not end the batcher thread
             calls = [c for c in {id(call): call for call, _ in entries}.values() if not c.done.is_set()]
             if not calls:
                 return
+            error = self._error(exc, "call")
+            del exc
             if len(calls) == 1:
                 with self.cond:
-                    self._finish(calls[0], self._error(exc, "call"))
+                    self._finish(calls[0], error)
                 return
-            # Several requests shared the failed batch: run each alone, so that one bad input
-            # fails its own request only.
-            del exc
+            # Several requests shared the failed batch: each is run again alone, so that one bad
+            # input fails its own request only. Only its inputs still unanswered go again (an
+            # answered one is counted in ``remaining`` already); a request that was sent part
+            # of such an input fails instead (its caller would get that part twice).
             for call in calls:
-                self._run([entry for entry in entries if entry[0] is call])
+                rest = [(p, e) for p, e in enumerate(entries) if e[0] is call and p not in answered]
+                if any(p in streamed for p, _ in rest):
+                    with self.cond:
+                        self._finish(call, error)
+                elif rest:
+                    self._run([entry for _, entry in rest])
             return
         with self.cond:
             for position, ((call, index), output) in enumerate(zip(entries, outputs, strict=False)):
@@ -589,32 +603,40 @@ class ModelHost:
         """Wait for ``call`` to be done, sending its deltas when ``stream``, and watching ``conn``:
         False (the call cancelled) when its caller closed the connection or cannot be written."""
         assert call.wake_r is not None
-        watched: list[socket.socket] = [conn, call.wake_r]
-        while True:
-            with self.cond:
-                deltas, call.deltas = call.deltas, []
-                finished = call.done.is_set()
-            try:
-                for delta in deltas if stream else ():
-                    send_message(conn, {"ok": True, "delta": delta})
-            except OSError:
-                self._cancel(call)
-                return False
-            if finished:
-                return True
-            readable, _, _ = select.select(watched, [], [])
-            if call.wake_r in readable:
-                with contextlib.suppress(OSError):
-                    call.wake_r.recv(4096)
-            if conn in readable:
+        # poll, not select: select cannot watch a descriptor numbered 1024 or more, which a host
+        # with a few hundred requests in flight (three descriptors each) reaches.
+        poller = select.poll()
+        poller.register(conn, select.POLLIN)
+        poller.register(call.wake_r, select.POLLIN)
+        try:
+            while True:
+                with self.cond:
+                    deltas, call.deltas = call.deltas, []
+                    finished = call.done.is_set()
                 try:
-                    gone = conn.recv(1, socket.MSG_PEEK) == b""
+                    for delta in deltas if stream else ():
+                        send_message(conn, {"ok": True, "delta": delta})
                 except OSError:
-                    gone = True
-                if gone:
                     self._cancel(call)
                     return False
-                watched = [call.wake_r]  # a caller that sends before its answer: no longer watched
+                if finished:
+                    return True
+                ready = {fd for fd, _ in poller.poll()}
+                if call.wake_r.fileno() in ready:
+                    with contextlib.suppress(OSError):
+                        call.wake_r.recv(4096)
+                if conn.fileno() in ready:
+                    try:
+                        gone = conn.recv(1, socket.MSG_PEEK) == b""
+                    except OSError:
+                        gone = True
+                    if gone:
+                        self._cancel(call)
+                        return False
+                    poller.unregister(conn)  # a caller that sends before its answer: no longer watched
+        except BaseException:
+            self._cancel(call)  # whatever ends this wait, nobody takes the answer any more
+            raise
 
     def serve_connection(self, conn: socket.socket) -> None:
         is_caller = False
@@ -640,6 +662,9 @@ class ModelHost:
                     return
                 send_message(conn, reply)
         except OSError:
+            return
+        except Exception:  # a bug of ours ends this connection (its call cancelled), not the host
+            traceback.print_exc()
             return
         finally:
             if is_caller:
@@ -679,7 +704,17 @@ class ModelHost:
         threading.Thread(target=self.run_batcher, name="batcher", daemon=True).start()
         self.emit("ready", socket=self.socket_path)
         while True:
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors (or memory) while many requests are in flight: the
+                    # connection waits in the backlog until some end, and the host lives on.
+                    time.sleep(ACCEPT_BACKOFF_S)
+                    continue
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                    continue  # (that one connection's trouble)
+                raise
             threading.Thread(target=self.serve_connection, args=(conn,), daemon=True).start()
 
 
@@ -750,6 +785,18 @@ def _die_with_parent(parent_pid: int | None) -> None:
         os._exit(0)
 
 
+def _raise_open_files_limit() -> None:
+    """The soft limit on open descriptors raised toward the hard one: each API request in flight
+    holds three here, and the usual soft limit (1,024) would cap the host at about 340."""
+    import resource
+
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def _limit_memory(max_memory_mb: int | None) -> None:
     if max_memory_mb:
         import resource
@@ -800,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
     failed_load = declaration.get("failed_load")
     emit = _event_writer()
     _limit_memory(config.max_memory_mb)
+    _raise_open_files_limit()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     # Before torch is imported (OpenMP reads it once): idle intra-op threads sleep instead of
     # spinning. The host shares its cores with runs; spinning workers that wait for a preempted

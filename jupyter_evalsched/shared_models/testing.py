@@ -68,7 +68,8 @@ def gated_causal_lm(model=None, device="cpu", dtype=None, gate: str = "", **opti
     """``loaders:causal_lm`` whose forward passes can be held, so that a test sees what happens
     between two tokens by events, not by timing: before its n-th forward pass (1: the first
     batch's prefill) the model waits while the file ``<gate>/hold-<n>`` exists, and it appends a
-    line to ``<gate>/calls`` at every pass."""
+    line to ``<gate>/calls`` at every pass. Where ``<gate>/fail-<n>`` exists, the n-th pass
+    removes it and raises instead (a model's error mid-batch, as a GPU's out-of-memory is)."""
     from .causal import load_causal_lm
 
     lm = load_causal_lm(model, device=device, dtype=dtype, **options)
@@ -84,6 +85,10 @@ def gated_causal_lm(model=None, device="cpu", dtype=None, gate: str = "", **opti
             time.sleep(0.01)
         with open(os.path.join(gate, "calls"), "a") as calls:
             calls.write(f"{count}\n")
+        fail = os.path.join(gate, f"fail-{count}")
+        if os.path.exists(fail):
+            os.unlink(fail)
+            raise RuntimeError(f"forward pass {count} failed ({fail} said so)")
         return forward(*args, **kwargs)
 
     network.forward = gated
