@@ -19,7 +19,8 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from jupyter_server.auth import User
 from jupyter_server.auth.decorator import authorized
@@ -50,7 +51,11 @@ from .scheduler.errors import SchedulerError
 from .scheduler.shared import ModelUnavailable
 
 MAX_BODY_BYTES = 16 << 20  # a batch of long prompts fits; more is a mistake
+# A body this large or larger is parsed and checked in a thread, not on the event loop, which
+# every client of the server shares (16 MiB takes seconds); a smaller one costs less than the hop.
+PARSE_ON_LOOP_BELOW = 64 << 10
 _STARTED = int(time.time())
+_T = TypeVar("_T")
 
 
 class ClientGone(Exception):
@@ -154,6 +159,21 @@ class OpenAIHandler(EvalSchedHandler):
         except RecursionError:
             raise invalid("the request body is nested too deeply") from None
 
+    async def parsed(self, parse: Callable[[Any], _T]) -> _T:
+        """``parse`` of the request's JSON body (which raises OpenAI errors): off the event loop
+        when the body is large."""
+        if len(self.request.body or b"") < PARSE_ON_LOOP_BELOW:
+            return parse(self.body_json())
+        return await asyncio.to_thread(lambda: parse(self.body_json()))
+
+    async def finish_off_loop(self, make_body: Callable[[], dict]) -> None:
+        """The answer made and serialized in a thread: with every token's log-probabilities, or
+        many prompts echoed, it runs to hundreds of megabytes, seconds of work the event loop
+        (every client's) would wait through."""
+        data = await asyncio.to_thread(lambda: json.dumps(make_body()).encode())
+        self.set_header("Content-Type", "application/json")
+        self.finish(data)
+
     def known_model(self, name: str) -> None:
         host = self.app.model_host
         known = host.names() if host is not None else []
@@ -213,7 +233,7 @@ class OpenAIHandler(EvalSchedHandler):
 
     # -- the response cache --
 
-    def cache_for(self, name: str, kind: str, requests: list[dict]) -> tuple[ResponseCache, list[str]] | None:
+    async def cache_for(self, name: str, kind: str, requests: list[dict]) -> tuple[ResponseCache, list[str]] | None:
         """The cache and the keys (one per prompt) of a request that may be answered from the
         cache; None when the cache is off, the request is not deterministic or the model names
         no files to key on."""
@@ -222,7 +242,7 @@ class OpenAIHandler(EvalSchedHandler):
         if cache is None or host is None or not deterministic(requests):
             return None
         (config,) = [c for c in host.configs if c.name == name]
-        files = model_digest(config.model)
+        files = await asyncio.to_thread(model_digest, config.model)  # (a walk of the model's directory)
         if files is None:
             return None
         declaration = config.as_dict()
@@ -231,7 +251,7 @@ class OpenAIHandler(EvalSchedHandler):
     async def answers(self, name: str, kind: str, requests: list[dict], writer: ChunkWriter | None) -> list[dict]:
         """The answers to ``requests``: the cache's, the host's for the prompts it has none of
         (all of them for a stream that is not all cached, streamed through ``writer``)."""
-        cached = self.cache_for(name, kind, requests)
+        cached = await self.cache_for(name, kind, requests)
         found: list[dict | None] = [None] * len(requests)
         if cached is not None:
             cache, keys = cached
@@ -330,42 +350,43 @@ class CompletionsHandler(OpenAIHandler):
     @web.authenticated
     @authorized
     async def post(self) -> None:
-        body = self.body_json()
-        model, stream, requests = parse_completion(body)
-        include_usage = stream_usage(body)
+        (model, stream, requests), include_usage = await self.parsed(lambda b: (parse_completion(b), stream_usage(b)))
         self.known_model(model)
         if stream:
             await self.stream(model, "completions", requests, include_usage)
         else:
-            self.finish(completion_body(model, requests, await self.answers(model, "completions", requests, None)))
+            answers = await self.answers(model, "completions", requests, None)
+            await self.finish_off_loop(lambda: completion_body(model, requests, answers))
 
 
 class ChatCompletionsHandler(OpenAIHandler):
     @web.authenticated
     @authorized
     async def post(self) -> None:
-        body = self.body_json()
-        model, stream, request = parse_chat(body)
-        include_usage = stream_usage(body)
+        (model, stream, request), include_usage = await self.parsed(lambda b: (parse_chat(b), stream_usage(b)))
         self.known_model(model)
         if stream:
             await self.stream(model, "chat", [request], include_usage)
         else:
             (answer,) = await self.answers(model, "chat", [request], None)
-            self.finish(chat_body(model, answer))
+            await self.finish_off_loop(lambda: chat_body(model, answer))
 
 
 class EmbeddingsHandler(OpenAIHandler):
     @web.authenticated
     @authorized
     async def post(self) -> None:
-        model, inputs, encoding = parse_embeddings(self.body_json())
+        model, inputs, encoding = await self.parsed(parse_embeddings)
         self.known_model(model)
         outputs = await self.ask(model, {"op": "call", "inputs": inputs, "kwargs": {}})
-        vectors = [embedding_vector(output) for output in outputs]
-        if any(vector is None for vector in vectors):
-            raise invalid(f"the model {model!r} does not produce embeddings (its outputs are not vectors)", "model")
-        self.finish(embeddings_body(model, [v for v in vectors if v is not None], encoding))
+
+        def body() -> dict:  # (token vectors mean-pooled: a thousand inputs take seconds)
+            vectors = [embedding_vector(output) for output in outputs]
+            if any(vector is None for vector in vectors):
+                raise invalid(f"the model {model!r} does not produce embeddings (its outputs are not vectors)", "model")
+            return embeddings_body(model, [v for v in vectors if v is not None], encoding)
+
+        await self.finish_off_loop(body)
 
 
 def handlers() -> list[tuple[str, type]]:

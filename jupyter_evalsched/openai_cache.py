@@ -39,10 +39,12 @@ _ENTRY = re.compile(r"^[0-9a-f]{64}\.json$")
 
 
 def model_digest(path: str | None) -> str | None:
-    """A digest of the files under a model directory: each file's relative name, size and
-    modification time (ns). Not their contents: hashing a 14 GB model at every request would cost
-    more than the answer; ``save_pretrained`` (any rewrite) gives a file a new time. None when
-    ``path`` is not a directory (a loader that names no model files: nothing to key on)."""
+    """A digest of the files under a model directory: each file's relative name, size,
+    modification and change times (ns) and inode. Not their contents: hashing a 14 GB model at
+    every request would cost more than the answer; ``save_pretrained`` (any rewrite) gives a file
+    a new time, and a copy that keeps the modification time (``cp -p``, ``rsync -a``) still gets a
+    new change time or inode. None when ``path`` is not a directory (a loader that names no model
+    files: nothing to key on). Blocking: call it from a thread."""
     if not path or not os.path.isdir(path):
         return None
     rows = []
@@ -54,7 +56,9 @@ def model_digest(path: str | None) -> str | None:
                 info = os.stat(full)
             except OSError:
                 continue
-            rows.append(f"{os.path.relpath(full, path)}\0{info.st_size}\0{info.st_mtime_ns}")
+            rows.append(
+                f"{os.path.relpath(full, path)}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ctime_ns}\0{info.st_ino}"
+            )
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()
 
 

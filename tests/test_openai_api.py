@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+from collections import defaultdict
 
 import openai
 import pytest
@@ -492,6 +494,53 @@ def test_a_short_request_is_answered_before_the_long_one_it_shares_a_batch_with(
         assert alone["text"] == answer["text"] and alone["completion_tokens"] == answer["completion_tokens"]
         for a, b in zip(alone["logprobs"] or [], answer["logprobs"] or [], strict=True):
             assert a["token"] == b["token"] and (a["logprob"] is None or abs(a["logprob"] - b["logprob"]) < 1e-4)
+
+
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+async def test_what_grows_with_a_request_is_done_off_the_event_loop(v1, monkeypatch):
+    """The server's event loop is every client's: a large body's parse, an answer's making (every
+    token's log-probabilities of 64 prompts here, megabytes), the host's large reply read back and
+    embeddings pooled run in threads. Recorded where each ran (this test runs on the server's
+    loop); small bodies and replies may stay on it."""
+    from jupyter_evalsched import openai_api
+    from jupyter_evalsched.shared_models import manager as manager_module
+
+    loop_thread = threading.current_thread()
+    on_loop: defaultdict[str, list[bool]] = defaultdict(list)
+
+    def recorded(name: str):
+        real = getattr(openai_api, name)
+
+        def wrapper(*args, **kwargs):
+            on_loop[name].append(threading.current_thread() is loop_thread)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(openai_api, name, wrapper)
+
+    for name in ("parse_completion", "completion_body", "parse_embeddings", "embedding_vector"):
+        recorded(name)
+    large_replies: list[bool] = []
+
+    class RecordingUnpickler(manager_module.PlainUnpickler):  # type: ignore[name-defined,misc]
+        def __init__(self, file):
+            if file.getbuffer().nbytes >= manager_module.UNPICKLE_ON_LOOP_BELOW:
+                large_replies.append(threading.current_thread() is loop_thread)
+            super().__init__(file)
+
+    monkeypatch.setattr(manager_module, "PlainUnpickler", RecordingUnpickler)
+
+    prompts = [[(i + j) % 500 + 5 for j in range(200)] for i in range(64)]
+    body = json.dumps({"model": "tiny-lm", "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 5})
+    body += " " * (openai_api.PARSE_ON_LOOP_BELOW - len(body) + 1)  # (JSON may end in blanks)
+    code, answer = await v1("POST", "completions", body)
+    assert code == 200 and len(answer["choices"]) == 64, answer
+    assert on_loop["parse_completion"] == [False] and on_loop["completion_body"] == [False]
+    assert large_replies and not any(large_replies)
+
+    code, answer = await v1("POST", "embeddings", {"model": "tiny-embed", "input": ["a cat", "a dog"]})
+    assert code == 200 and len(answer["data"]) == 2, answer
+    assert on_loop["parse_embeddings"] == [True]  # (a small body)
+    assert on_loop["embedding_vector"] == [False, False]
 
 
 def test_a_tiny_temperature_samples_greedily_instead_of_failing_the_batch(tiny_lm_dir):

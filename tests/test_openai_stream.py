@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import stat
+import threading
 import time
 
 import openai
@@ -294,7 +295,16 @@ async def _queued(evalsched, count: int) -> bool:
 
 
 @pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
-async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched, model_copy, runs_dir):
+async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched, model_copy, runs_dir, monkeypatch):
+    from jupyter_evalsched import openai_api
+
+    digest, walked_on_loop = openai_api.model_digest, []
+
+    def recorded_digest(path):  # a walk of the model's directory: never on the loop (this test's)
+        walked_on_loop.append(threading.current_thread() is threading.main_thread())
+        return digest(path)
+
+    monkeypatch.setattr(openai_api, "model_digest", recorded_digest)
     greedy = {"model": "cached", "prompt": "The cat", "max_tokens": 8, "temperature": 0}
     code, answer, headers = await v1("completions", greedy)
     assert code == 200 and headers["X-Evalsched-Cache"] == "miss"
@@ -362,6 +372,15 @@ async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched,
     assert code == 200 and headers["X-Evalsched-Cache"] == "miss"
     assert (await figures(evalsched, "cached"))["requests"] == before + 1
     assert changed["choices"][0]["text"] == answer["choices"][0]["text"]  # (the weights are the same)
+    # A file copied over with its modification time kept (cp -p, rsync -a): a new key too.
+    weights = next(p for p in model_copy.iterdir() if p.suffix in (".safetensors", ".bin"))
+    kept = weights.stat()
+    copy = model_copy.parent / "weights-copy"
+    shutil.copy2(weights, copy)
+    os.replace(copy, weights)
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (kept.st_size, kept.st_mtime_ns)
+    code, _, headers = await v1("completions", greedy)
+    assert code == 200 and headers["X-Evalsched-Cache"] == "miss"
 
     # Chat is cached the same way.
     chat = {"model": "cached", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
@@ -369,6 +388,7 @@ async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched,
     assert headers["X-Evalsched-Cache"] == "miss"
     _, second_chat, headers = await v1("chat/completions", chat)
     assert headers["X-Evalsched-Cache"] == "hit" and second_chat["choices"] == first_chat["choices"]
+    assert walked_on_loop and not any(walked_on_loop)
 
 
 def test_the_cache_stays_within_its_size_evicting_the_least_recently_used(tmp_path):

@@ -57,6 +57,9 @@ START_TIMEOUT_S = 60.0  # the longest a run waits for its model's host to listen
 STDERR_TAIL_LINES = 5
 STOP_GRACE_S = 5.0
 DESCRIBE_TIMEOUT_S = 2.0
+# A host's reply this large or larger (every token's log-probabilities of a batch of prompts) is
+# unpickled in a thread, not on the server's event loop; a smaller one costs less than the hop.
+UNPICKLE_ON_LOOP_BELOW = 1 << 20
 _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS: keep a margin
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -371,7 +374,10 @@ class ModelHostManager:
 
         async def read_message() -> Any:
             (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-            return PlainUnpickler(io.BytesIO(await reader.readexactly(size))).load()
+            data = await reader.readexactly(size)
+            if size < UNPICKLE_ON_LOOP_BELOW:
+                return PlainUnpickler(io.BytesIO(data)).load()
+            return await asyncio.to_thread(lambda: PlainUnpickler(io.BytesIO(data)).load())
 
         try:
             await read_message()  # the host's greeting
