@@ -282,6 +282,67 @@ async def test_a_batch_that_fails_midway_answers_each_request_once(v1, evalsched
     assert described["failed_requests"] == 1 and described["queued"] == 0
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+async def test_a_client_gone_before_its_request_reached_the_host_sends_it_nowhere(
+    v1, evalsched, jp_serverapp, jp_http_port, jp_base_url, monkeypatch
+):  # (v1: jp_fetch, with which the server listens)
+    """A client disconnects while its (large) body is still parsed, in a thread: its request
+    never reaches the model host, which would generate its 200 tokens for nobody."""
+    from jupyter_evalsched import openai_api
+
+    parsing, release, gone, handled = (threading.Event() for _ in range(4))
+    parse = openai_api.parse_completion
+
+    def held_parse(body):
+        parsing.set()
+        release.wait(60)
+        return parse(body)
+
+    close, post = openai_api.OpenAIHandler.on_connection_close, openai_api.CompletionsHandler.post
+
+    def noticed_close(handler):
+        close(handler)
+        gone.set()
+
+    async def observed_post(handler):
+        try:
+            await post(handler)
+        finally:
+            handled.set()
+
+    asked = []
+    ask = evalsched.models.ask
+
+    async def recorded_ask(name, message, on_delta=None):
+        if message.get("op") != "describe":  # (this test's own look at the host's figures)
+            asked.append(message.get("op"))
+        return await ask(name, message, on_delta)
+
+    monkeypatch.setattr(openai_api, "parse_completion", held_parse)
+    monkeypatch.setattr(openai_api.OpenAIHandler, "on_connection_close", noticed_close)
+    monkeypatch.setattr(openai_api.CompletionsHandler, "post", observed_post)
+    monkeypatch.setattr(evalsched.models, "ask", recorded_ask)
+    await loaded(evalsched)
+    body = json.dumps({"model": "gated", "prompt": "The cat", "max_tokens": 200, "temperature": 0})
+    body += " " * openai_api.PARSE_ON_LOOP_BELOW  # (parsed in a thread)
+    token = jp_serverapp.identity_provider.token
+    request = (
+        f"POST {jp_base_url}evalsched/v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}"
+    ).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
+    writer.write(request)
+    await writer.drain()
+    await until(lambda: asyncio.to_thread(parsing.wait, 0.1), "the body is being parsed")
+    writer.transport.abort()
+    await until(lambda: asyncio.to_thread(gone.wait, 0.1), "the server sees the client gone")
+    release.set()
+    await until(lambda: asyncio.to_thread(handled.wait, 0.1), "the request is handled")
+    assert asked == []
+    assert (await figures(evalsched, "gated"))["requests"] == 0
+
+
 async def _figure(evalsched, key: str, value, name: str = "gated") -> bool:
     return (await figures(evalsched, name))[key] == value
 
