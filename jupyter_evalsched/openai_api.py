@@ -83,12 +83,30 @@ class _RunKeys:
         return user if user is not None else self._inner.get_user(handler)
 
 
+class _RunKeyAuthorizer:
+    """What a live run's key may do: these routes, which the key was made for and is accepted on
+    only. The server's configured authorizer is not asked: it knows the users of its identity
+    provider (a JupyterHub authorizer reads their hub scopes), not a run's, and would refuse or
+    fail on one."""
+
+    def is_authorized(self, handler: Any, user: Any, action: str, resource: str) -> bool:
+        return True
+
+
 class OpenAIHandler(EvalSchedHandler):
     """Base of the v1 routes: OpenAI-shaped errors for everything, its own 403s included."""
+
+    _run_key_user: User | None = None
 
     @property
     def identity_provider(self) -> Any:
         return _RunKeys(super().identity_provider, self)
+
+    @property
+    def authorizer(self) -> Any:
+        if self._run_key_user is not None and self.current_user is self._run_key_user:
+            return _RunKeyAuthorizer()
+        return super().authorizer
 
     def run_key_user(self) -> User | None:
         """The user of a request that carries a live run's key; None for any other request."""
@@ -106,7 +124,8 @@ class OpenAIHandler(EvalSchedHandler):
         if state != RUNNING:  # the key lives as long as its run
             return None
         self._token_authenticated = True  # like Jupyter's token: no XSRF cookie, no origin check
-        return User(username=f"evalsched-run-{run_id}", name=f"run {run_id}")
+        self._run_key_user = User(username=f"evalsched-run-{run_id}", name=f"run {run_id}")
+        return self._run_key_user
 
     def _handle_request_exception(self, e: BaseException) -> None:
         if isinstance(e, (ClientGone, StreamClosedError)):  # nobody to answer: end quietly
