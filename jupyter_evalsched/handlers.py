@@ -41,6 +41,9 @@ AUTH_RESOURCE = "evalsched"
 EXTENSION = "jupyter_evalsched"
 MAX_BODY_BYTES = MAX_SPEC_JSON_CHARS  # one number for both: a body carries one spec (and a sweep's points)
 RETRY_AFTER_S = 1  # a 429's Retry-After
+FORWARD_TIMEOUT_S = 60  # a secondary's wait for the primary's whole answer (REST: answers in ms)
+# What a delegated answer keeps of the primary's headers (besides the status).
+RELAYED_HEADERS = ("Content-Type", "Location", "Retry-After", "Cache-Control", "X-Evalsched-Cache")
 MAX_LIST_LIMIT = contract.MAX_LIST_LIMIT
 RUN_ID = r"(?P<run_id>[^/]+)"
 IDEMPOTENCY_KEY_RE = re.compile(r"[!-~]{1,200}")
@@ -82,6 +85,43 @@ def int_query(name: str, text: str | None, default: int | None, lo: int, hi: int
     return value
 
 
+class _Relay:
+    """A delegated answer written to the client as the primary sends it: its status and headers
+    once they are all in, then each part of its body at once."""
+
+    def __init__(self, handler: EvalSchedHandler, primary_pid: int):
+        self.handler = handler
+        self.primary_pid = primary_pid
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.started = False
+
+    def header(self, line: str) -> None:
+        line = line.strip()
+        if line.startswith("HTTP/"):  # (a new status line: an interim 1xx answer came before)
+            self.status, self.headers = int(line.split()[1]), {}
+        elif line and ":" in line:
+            name, _, value = line.partition(":")
+            self.headers[name.strip().lower()] = value.strip()
+
+    def chunk(self, data: bytes) -> None:
+        handler = self.handler
+        if handler.client_gone:
+            # The client went away: raised here, this ends the connection to the primary, whose
+            # own handler then cancels the request in the model host.
+            raise ConnectionAbortedError("the client went away")
+        if not self.started:
+            self.started = True
+            handler.set_status(self.status or 502)
+            for name in RELAYED_HEADERS:
+                if name.lower() in self.headers:
+                    handler.set_header(name, self.headers[name.lower()])
+            handler.set_header("X-Evalsched-Primary", str(self.primary_pid))
+        handler.write(data)
+        # (a client gone meanwhile fails the flush; the next part sees it gone and ends the relay)
+        handler.flush().add_done_callback(lambda done: done.exception())
+
+
 def is_delegating(handler: Any) -> bool:
     """A server that does not hold its runs directory's lock forwards to the one that does."""
     return not handler.app.role.is_primary
@@ -103,6 +143,14 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
     auth_resource = AUTH_RESOURCE
     #: False for the handlers that answer for this server itself, whatever its role.
     delegated = True
+    #: Delegated answers relayed as they come, with no time limit (the OpenAI routes: a stream,
+    #: a long generation), rather than read whole within FORWARD_TIMEOUT_S.
+    forward_as_it_comes = False
+    client_gone = False
+
+    def on_connection_close(self) -> None:
+        self.client_gone = True
+        super().on_connection_close()
 
     def initialize(self, name: str = EXTENSION, *args: Any, **kwargs: Any) -> None:
         super().initialize(name, *args, **kwargs)
@@ -180,6 +228,7 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         if "Idempotency-Key" in self.request.headers:
             headers["Idempotency-Key"] = self.request.headers["Idempotency-Key"]
         body = self.request.body if self.request.method in ("POST", "PUT", "PATCH") else None
+        relay = _Relay(self, primary.pid) if self.forward_as_it_comes else None
         try:
             resp = await AsyncHTTPClient().fetch(
                 url,
@@ -187,24 +236,28 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
                 headers=headers,
                 body=body,
                 raise_error=False,
-                request_timeout=60,
+                # 0: no limit; a generation takes as long as it takes, and its client has its own.
+                request_timeout=0 if relay is not None else FORWARD_TIMEOUT_S,
                 follow_redirects=False,
                 allow_nonstandard_methods=True,
+                header_callback=relay.header if relay is not None else None,
+                streaming_callback=relay.chunk if relay is not None else None,
             )
         except (OSError, HTTPClientError) as exc:
+            resp_error: BaseException | None = exc
+        else:
+            resp_error = resp.error if resp.code == 599 else None
+        if relay is not None and relay.started:
+            self.finish()  # (cut short where the primary's answer broke off: a stream without its end)
+            return
+        if resp_error is not None:
             raise ApiError(
                 503,
                 f"this host's primary evalsched server (pid {primary.pid}) is not answering "
-                f"({exc}); a server takes over within seconds: retry",
-            ) from None
-        if resp.code == 599:
-            raise ApiError(
-                503,
-                f"this host's primary evalsched server (pid {primary.pid}) is not answering "
-                f"({resp.error}); a server takes over within seconds: retry",
+                f"({resp_error}); a server takes over within seconds: retry",
             )
         self.set_status(resp.code)
-        for name in ("Content-Type", "Location", "Retry-After"):
+        for name in RELAYED_HEADERS:
             if name in resp.headers:
                 self.set_header(name, resp.headers[name])
         self.set_header("X-Evalsched-Primary", str(primary.pid))

@@ -200,14 +200,13 @@ class OpenAIHandler(EvalSchedHandler):
             raise model_not_found(name, known)
 
     _task: asyncio.Task | None = None
-    _client_gone = False
+    forward_as_it_comes = True  # (on a secondary: a stream relayed as it comes, a long generation awaited)
 
     def on_connection_close(self) -> None:
         # A client gone before its answer: stop waiting, which closes the connection to the
         # model host, which cancels the request there (its slot in the batch is freed). Gone
         # before the request reached the host (its body still parsed, the cache looked up): it
         # never goes there.
-        self._client_gone = True
         if self._task is not None and not self._task.done():
             self._task.cancel()
         super().on_connection_close()
@@ -216,7 +215,7 @@ class OpenAIHandler(EvalSchedHandler):
         """The host's ``outputs`` for ``message``; its failures as OpenAI errors."""
         host = self.app.model_host
         assert host is not None  # known_model() came first
-        if self._client_gone:
+        if self.client_gone:
             raise ClientGone()
         self._task = asyncio.ensure_future(host.ask(name, message, on_delta))
         try:

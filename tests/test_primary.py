@@ -137,6 +137,64 @@ def test_secondary_forwards_errors_and_logs(tmp_path):
         b.cancel(gate["id"])
 
 
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+def test_a_secondary_relays_a_models_stream_as_the_primary_sends_it(tmp_path):
+    """The OpenAI routes through a secondary: a stream's first token reaches its client while the
+    model is held before its second forward pass (the secondary used to read the primary's whole
+    answer first, and to give up on one that took over 60 s), and the rest follows, ended by
+    ``[DONE]``."""
+    import http.client
+
+    from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    models = [
+        {
+            "name": "gated",
+            "loader": "jupyter_evalsched.shared_models.testing:gated_causal_lm",
+            "model": build_tiny_gpt2(tmp_path / "tiny-gpt2"),
+            "options": {"gate": str(gate)},
+            "preload": True,
+            "cpu_threads": 1,
+        }
+    ]
+    runs = str(tmp_path / "runs")
+    with (
+        LocalServer(virtual_gpus="24000", runs_dir=runs, models=models, extra_args=FAST) as first,
+        LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=FAST) as second,
+    ):
+        assert second.client().request("GET", "status")["role"] == "secondary"
+        wait_until(
+            lambda: any(m["state"] == "loaded" for m in first.client().request("GET", "models")["models"]),
+            timeout=120,
+        )
+        (gate / "hold-2").touch()
+        url = second.url.split("://", 1)[1]
+        host, _, rest = url.partition("/")
+        conn = http.client.HTTPConnection(host, timeout=60)
+        try:
+            body = {"model": "gated", "prompt": "The cat", "max_tokens": 5, "temperature": 0, "stream": True}
+            conn.request(
+                "POST",
+                "/" + rest + "evalsched/v1/completions",
+                json.dumps(body),
+                {"Authorization": f"Bearer {second.token}", "Content-Type": "application/json"},
+            )
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+            assert resp.getheader("X-Evalsched-Primary") == str(first.process.pid)
+            first_event = resp.readline()
+            assert first_event.startswith(b"data: ") and json.loads(first_event[6:])["choices"][0]["text"]
+            assert (gate / "calls").read_text().split() == ["1"]  # one pass made, the second held
+            (gate / "hold-2").unlink()
+            rest_of_it = resp.read().decode()
+            assert rest_of_it.rstrip().endswith("data: [DONE]")
+        finally:
+            (gate / "hold-2").unlink(missing_ok=True)
+            conn.close()
+
+
 class PasswordOnlyServer(LocalServer):
     """A server its users reach with a password only: no token is accepted."""
 
