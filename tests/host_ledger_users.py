@@ -74,11 +74,20 @@ class Ledger:
         self.proc: subprocess.Popen | None = None
         self.log = os.path.join(self.dir, "ledger.log")
 
-    def start(self) -> None:
+    def popen(self, open_files: tuple[int, int] | None = None) -> subprocess.Popen:
+        """``jupyter evalsched host-ledger`` on this socket and policy, as the ledger user (its
+        stdout a pipe, its log the ledger's); ``open_files``: its RLIMIT_NOFILE (soft, hard) as
+        it starts, as a unit's LimitNOFILE= would set it."""
         args = [sys.executable, "-m", "jupyter_evalsched.cli", "host-ledger", "--socket", self.socket]
+        if open_files is not None:
+            assert shutil.which("prlimit"), "this test starts the ledger under prlimit (util-linux): install it"
+            args = ["prlimit", f"--nofile={open_files[0]}:{open_files[1]}", "--", *args]
         kw = as_user(self.pw, [*args, "--config", self.config])
         with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(kw.pop("args"), stdout=subprocess.PIPE, stderr=log, text=True, **kw)
+            return subprocess.Popen(kw.pop("args"), stdout=subprocess.PIPE, stderr=log, text=True, **kw)
+
+    def start(self, open_files: tuple[int, int] | None = None) -> None:
+        self.proc = self.popen(open_files)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # the ready event (or nothing: it failed)
         assert '"ready"' in line, f"the host ledger did not start: {Path(self.log).read_text()[-2000:]}"

@@ -5,32 +5,38 @@ hostile ones. Only the GPUs are virtual."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import random
+import resource
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from host_ledger_users import (
     PREFIX,
     REPO,
     Agent,
+    Ledger,
     as_user,
     assert_never_over,
     grant_ids,
     wait_for_view,
 )
 from proc_status import alive
-from waiting import wait_until
+from waiting import async_wait_until, wait_until
 
-from jupyter_evalsched.host_ledger.client import status
-from jupyter_evalsched.host_ledger.protocol import FRAME_DEADLINE_S, encode
-from jupyter_evalsched.host_ledger.server import SEND_DEADLINE_S, TURN_S
+from jupyter_evalsched.host_ledger.client import HostLedgerError, status
+from jupyter_evalsched.host_ledger.protocol import FRAME_DEADLINE_S, ProtocolError, encode, recv_sync, send_sync
+from jupyter_evalsched.host_ledger.server import SEND_DEADLINE_S, TURN_S, connection_cap
+from jupyter_evalsched.host_ledger.tenant import TenantLink
 
 pytestmark = pytest.mark.timeout(120)
 ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
@@ -208,6 +214,12 @@ def test_a_user_cannot_release_or_read_another_users_grants(users, ledger, agent
     assert ledger.view()["grants"][0]["pids"][0]["pid"] == alice.proc.pid
 
 
+def _kill(pid: int) -> None:
+    """Kill a run an agent spawned (a test that failed half way leaves none behind)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
 def _raw(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
@@ -345,15 +357,6 @@ def test_status_shows_root_every_user_and_a_user_their_own(users, ledger, agents
     assert missing.returncode == 2 and "cannot connect" in missing.stderr
 
 
-def test_a_bad_policy_file_stops_the_ledger_with_the_key_named(tmp_path):
-    config = tmp_path / "policy.json"
-    config.write_text(json.dumps({"quota": {"alice": {"vram": 1}}}))
-    cli = [sys.executable, "-m", "jupyter_evalsched.cli", "host-ledger", "--socket", str(tmp_path / "s.sock")]
-    proc = subprocess.run([*cli, "--config", str(config)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "quota.alice: unknown key 'vram'" in proc.stderr
-    assert not (tmp_path / "s.sock").exists()
-
-
 def test_the_deployment_examples_parse(tmp_path):
     from jupyter_evalsched.host_ledger.config import load_config
 
@@ -364,6 +367,7 @@ def test_the_deployment_examples_parse(tmp_path):
         "RuntimeDirectory=evalsched",
         "User=evalsched",
         "evalsched host-ledger --socket /run/evalsched/ledger.sock",
+        "LimitNOFILE=65536",
     ):
         assert line in unit
     namespace = {"get_config": lambda: type("C", (), {"JupyterHub": type("H", (), {})()})()}
@@ -699,6 +703,7 @@ def test_the_ledger_never_replaces_what_is_not_its_socket_nor_writes_through_a_p
     assert json.loads((tmp_path / "ledger.sock.state.json").read_text()) == {"tenants": [], "grants": []}
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ledger.sock.state.json",
+        "ledger.sock.state.json.lock",  # (held while a ledger runs: one ledger per state file)
         "ledger.sock.state.json.tmp",
         "victim",
     ]
@@ -747,3 +752,458 @@ def test_the_ledger_checks_every_directory_down_to_its_socket_as_the_kernel_reso
 
     asyncio.run(go())
     assert not left.exists()
+
+
+def test_fair_share_holds_an_ask_back_only_for_room_it_would_take_and_a_grant_serves_the_demand(users, ledger, agents):
+    """Bob, holding less, tells demand: alice's asks that leave room for it are granted (a 0 MB
+    demand keeps no room at all); one that would take its room gives way until bob is granted
+    it, and that grant serves bob's demand: it holds alice back no more once bob lets it go."""
+    alice, bob = agents("alice"), agents("bob")
+    alice.ok("request", key="a0", vram_mb=4000)
+    assert bob.ok("demand", asks=[{"vram_mb": 0}]) == 0  # needs no room: not kept
+    assert alice.ok("request", key="a1", vram_mb=4000, wait=False)["state"] == "granted"
+    assert bob.ok("demand", asks=[{"vram_mb": 8000}]) == 1
+    # 16000 MB free: alice's 4000 leaves 12000, room for bob's 8000.
+    assert alice.ok("request", key="a2", vram_mb=4000, wait=False)["state"] == "granted"
+
+    # 12000 MB free and bob wants 12000: alice's 4000 would take his room.
+    assert bob.ok("demand", asks=[{"vram_mb": 12000}]) == 1
+    refused = alice.ok("request", key="a3", vram_mb=4000, wait=False)
+    assert refused["state"] == "busy", refused
+    assert refused["reason"] == f"fair share: user {BOB} holds less (0 MB) and waits for this room"
+    wait_until(lambda: "turn" in bob.ok("events"), timeout=10, message="bob was never told his turn")
+    b1 = bob.ok("request", key="b1", vram_mb=12000, wait=False)
+    assert b1["state"] == "granted", b1
+    wait_until(lambda: "retry" in alice.ok("events"), timeout=10, message="alice was never told to retry")
+    assert ledger.view()["demand"] == []  # served by the grant
+    # Bob lets it go, holding nothing again: the demand his grant served holds nobody back.
+    bob.ok("release", grant=b1["grant"]["id"])
+    assert alice.ok("request", key="a3", vram_mb=4000, wait=False)["state"] == "granted"
+    assert_never_over(ledger.view())
+
+
+def _open_files_soft_limit(pid: int) -> int:
+    limits = Path(f"/proc/{pid}/limits").read_text()
+    return int(next(line.split()[3] for line in limits.splitlines() if line.startswith("Max open files")))
+
+
+def test_a_ledger_raises_its_open_files_limit_and_refuses_connections_past_its_cap(users):
+    """Started with a soft limit of 40 descriptors (hard 120), the ledger raises it to 120 and
+    serves at most connection_cap(120) connections: one more is refused, saying so (once in
+    its log), and the grants and /proc reads go on, never short of a descriptor."""
+    served = Ledger(users["ledger"], {"virtual_gpus": [24000], "reclaim_window_s": 0})
+    raws: list[socket.socket] = []
+    alice = None
+    run = None
+    try:
+        served.start(open_files=(40, 120))
+        assert _open_files_soft_limit(served.proc.pid) == 120
+        cap = connection_cap(120)
+        alice = Agent(users["alice"], served.socket)
+        alice.ok("connect")  # one connection
+        run = alice.ok("spawn")
+        grant = alice.ok("request", key="a-run", vram_mb=10000, pids=[run])
+        refusal = None
+        for _ in range(cap):  # root's own: under its 64 a user, over the cap
+            sock = _raw(served.socket)
+            raws.append(sock)
+            with contextlib.suppress(OSError):  # (a refused one may be closed already)
+                send_sync(sock, {"op": "hello", "id": 1})
+            answer = recv_sync(sock, 10.0)
+            if not answer["ok"]:
+                refusal = answer
+                break
+        assert refusal is not None and len(raws) == cap, (len(raws), refusal)
+        assert refusal["error"] == "too_many_connections"
+        assert f"at most {cap} connections at once" in refusal["reason"]
+        # At the cap, the ledger goes on: sweeps, /proc, answers on the connections it has.
+        assert grant_ids(alice.ok("view")) == {grant["id"]}
+        for sock in raws:
+            sock.close()
+        view = wait_until(served.view, ignore=(HostLedgerError, OSError, ProtocolError), timeout=20)
+        assert grant_ids(view) == {grant["id"]} and alive(run)
+        assert Path(served.log).read_text().count("the most it may: refusing more") == 1
+    finally:
+        for sock in raws:
+            sock.close()
+        if run is not None:
+            _kill(run)
+        if alice is not None:
+            alice.stop()
+        served.stop()
+
+
+def test_a_sweep_that_cannot_read_proc_ends_no_grant_and_says_so_once(tmp_path, caplog):
+    """In one process, as root: out of file descriptors (EMFILE), /proc cannot be read; that is
+    no process gone, so the sweep keeps the grant, and the connection accept() could not take is
+    taken once descriptors are back, each trouble said once in the log (no flood)."""
+    from jupyter_evalsched.host_ledger.client import HostLedgerClient
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.protocol import read_frame
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    caplog.set_level(logging.INFO)
+
+    def said(words: str) -> int:
+        return sum(1 for r in caplog.records if words in r.getMessage())
+
+    async def go() -> None:
+        server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(tmp_path / "ledger.sock"))
+        await server.start()
+        run = subprocess.Popen(["sleep", "600"])
+        client = HostLedgerClient(server.socket_path)
+        late = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # connecting it takes no new descriptor
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        held: list[int] = []
+        try:
+            await client.connect()
+            grant = await client.request("run", 10000, pids=[run.pid])
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+            with contextlib.suppress(OSError):
+                while True:
+                    held.append(os.open("/dev/null", os.O_RDONLY))
+            late.connect(server.socket_path)  # (into the backlog: accept() is the ledger's)
+            await async_wait_until(
+                lambda: (
+                    grant["id"] not in server.grants
+                    or (said("cannot read /proc") and said("cannot accept connections"))
+                ),
+                timeout=30,
+            )
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        try:
+            assert grant["id"] in {g["id"] for g in (await client.view())["grants"]}
+            reader, writer = await asyncio.open_unix_connection(sock=late)
+            writer.write(encode({"op": "hello", "id": 1}))
+            assert (await asyncio.wait_for(read_frame(reader), 20))["ok"] is True
+            writer.close()
+            assert said("cannot accept connections") == 1 and said("out of system resource") == 0
+            run.kill()
+            run.wait()
+            await async_wait_until(lambda: not server.grants, timeout=20)  # gone now: ended
+        finally:
+            run.kill()
+            await client.close()
+            await server.stop()
+
+    asyncio.run(go())
+
+
+def test_a_second_ledger_is_refused_while_the_first_lives_even_one_too_busy_to_answer(users, ledger, agents):
+    """The first ledger stopped (a loop busy for a while) with its backlog full: a second one
+    started on the same socket and state cannot connect to it, and must not take it over (both
+    would grant the same GPU): it is refused at once, naming the first, and the first serves on."""
+    alice = agents("alice")
+    grant = alice.ok("request", key="a", vram_mb=20000)
+    socket_inode = os.stat(ledger.socket).st_ino
+    flood: list[socket.socket] = []
+    second = None
+    os.kill(ledger.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(10000):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                sock.connect(ledger.socket)
+            except BlockingIOError:  # the backlog is full
+                sock.close()
+                break
+            flood.append(sock)
+        second = ledger.popen()
+        assert second.stdout is not None
+        assert '"ready"' not in second.stdout.readline()  # (nothing: it exited)
+        assert second.wait(timeout=60) == 2
+    finally:
+        os.kill(ledger.proc.pid, signal.SIGCONT)
+        for sock in flood:
+            sock.close()
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.wait()
+    said = Path(ledger.log).read_text()
+    assert f"another host ledger (pid {ledger.proc.pid}) holds {ledger.state_file}.lock" in said, said[-2000:]
+    assert os.stat(ledger.socket).st_ino == socket_inode
+    # (root's flood is served, then its connections end: the view waits for a slot of root's)
+    view = wait_until(ledger.view, ignore=(HostLedgerError, OSError, ProtocolError), timeout=30)
+    assert grant_ids(view) == {grant["id"]}
+    refused = alice.call("request", key="b", vram_mb=8000, wait=False)
+    assert refused["result"]["state"] == "busy", refused
+
+
+def test_a_state_file_that_cannot_be_saved_leaves_each_change_unmade_and_no_waiter_untold(users, ledger, agents):
+    """The state file cannot be written (its directory read-only here; a full disk likewise):
+    a release is refused (the grant still held, nothing half done), a grant cannot be made (a
+    request that does not wait is told why; one that waits is told why, and waits on), and
+    once it can be written again the waiting request is granted and told."""
+    alice, bob = agents("alice"), agents("bob")
+    bobs_run = bob.ok("spawn")
+    b = bob.ok("request", key="b", vram_mb=20000, pids=[bobs_run])
+    waiting = alice.send("request", key="a", vram_mb=20000)
+    wait_for_view(ledger, lambda v: v["waiting"])
+    os.chmod(ledger.dir, 0o555)  # (the ledger's user may no longer make its staged state there)
+    try:
+        refused = bob.call("release", grant=b["id"])
+        assert refused["error"] == "internal" and f"grant {b['id']} is still held" in refused["reason"], refused
+        assert "cannot save its state" in refused["reason"]
+        busy = alice.ok("request", key="a-small", vram_mb=1000, wait=False)
+        assert busy["state"] == "busy" and "cannot save its state" in busy["reason"], busy
+        view = ledger.view()
+        assert grant_ids(view) == {b["id"]} and [w["key"] for w in view["waiting"]] == ["a"]
+        bob.ok("kill", pid=bobs_run)  # b ends; alice's request could be granted, but not saved
+        bobs_run = None
+        wait_for_view(ledger, lambda v: not v["grants"] and "cannot save its state" in v["waiting"][0]["reason"])
+        assert not alice.done(waiting)
+    finally:
+        os.chmod(ledger.dir, 0o755)
+        if bobs_run is not None:
+            _kill(bobs_run)
+    granted = alice.result(waiting, timeout=20)["result"]
+    assert grant_ids(ledger.view()) == {granted["id"]}
+    with open(ledger.state_file, encoding="utf-8") as f:
+        assert [g["id"] for g in json.load(f)["grants"]] == [granted["id"]]
+
+
+def test_a_server_releases_again_what_the_ledger_could_not_release(users, ledger):
+    """A user's server (its link, in this process, as root) releases a grant while the ledger
+    cannot save its state: the grant is still held, and the link releases it once it can."""
+
+    async def go() -> None:
+        link = TenantLink(ledger.socket, tenant="test", refresh_s=0.2)
+        await link.start()
+        try:
+            await async_wait_until(lambda: link.view is not None, timeout=20)
+            grant = await link.try_grant("run-1", 5000, [0])
+            assert isinstance(grant, dict)
+            os.chmod(ledger.dir, 0o555)
+            try:
+                await link.release(grant["id"])
+                assert grant_ids(await asyncio.to_thread(ledger.view)) == {grant["id"]}  # not released
+                why = await link.try_grant("run-2", 1000, [0])
+                assert isinstance(why, str) and "cannot save its state" in why, why
+            finally:
+                os.chmod(ledger.dir, 0o755)
+            await async_wait_until(lambda: asyncio.to_thread(lambda: not ledger.view()["grants"]), timeout=20)
+        finally:
+            await link.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("policy", "said"),
+    [
+        ('{"quota": {"alice": {"vram": 1}}}', "quota.alice: unknown key 'vram'"),
+        ('{"socket_group": "evhl32-no-such-group"}', "socket_group: no group 'evhl32-no-such-group'"),
+        ('{"reclaim_window_s": Infinity}', "reclaim_window_s must be a number of seconds >= 0, got inf"),
+        ('{"reclaim_window_s": NaN}', "reclaim_window_s must be a number of seconds >= 0, got nan"),
+        ('{"reclaim_window_s": 1e300}', "reclaim_window_s must be at most 86400 seconds (a day), got 1e+300"),
+        ('{"usable_vram_mb": {"\\u00b2": 1}}', "usable_vram_mb: '²' is not a GPU index"),
+    ],
+)
+def test_a_bad_policy_file_stops_the_ledger_with_the_key_named(tmp_path, policy, said):
+    config = tmp_path / "policy.json"
+    config.write_text(policy)
+    cli = [sys.executable, "-m", "jupyter_evalsched.cli", "host-ledger", "--socket", str(tmp_path / "s.sock")]
+    proc = subprocess.run([*cli, "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        "[]",
+        '"state"',
+        '{"grants": 5}',
+        '{"tenants": {"pid": 1}, "grants": []}',
+        '{"tenants": [], "grants": [{"id": "x", "pids": 5}]}',  # an entry it cannot read: a grant it does not know
+        # (negative VRAM or GPU index: no grant it made; pid 1 is no tenant's, so only the
+        # refusal of the entry makes it wait)
+        '{"grants": [{"id": "x", "uid": 1, "key": "k", "kind": "run", "devices": [0], "vram_mb": -20000,'
+        ' "exclusive": false, "pids": [{"pid": 1, "start": 1}]}]}',
+        '{"grants": [{"id": "x", "uid": 1, "key": "k", "kind": "run", "devices": [-1], "vram_mb": 1,'
+        ' "exclusive": false, "pids": [{"pid": 1, "start": 1}]}]}',
+    ],
+)
+def test_a_state_file_that_is_no_ledgers_state_is_waited_out_like_an_unreadable_one(users, saved):
+    served = Ledger(users["ledger"], {"virtual_gpus": [24000], "reclaim_window_s": 60})
+    try:
+        with open(served.state_file, "w", encoding="utf-8") as f:
+            f.write(saved)
+        os.chown(served.state_file, served.pw.pw_uid, served.pw.pw_gid)
+        served.start()
+        assert served.view()["reclaiming"] is True  # it waits for the tenants to re-tell their grants
+        assert "unreadable" in Path(served.log).read_text()
+    finally:
+        served.stop()
+
+
+def _saved(ledger: Ledger) -> dict:
+    with open(ledger.state_file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_a_retie_that_cannot_be_saved_is_made_and_the_run_keeps_its_grant_when_its_server_dies(users, ledger):
+    """A run starts (its server reties its grant to it) while the state cannot be saved: the
+    retie is made all the same (it grants no VRAM) and saved by a later sweep, so when the
+    server dies the grant lives on with the run, never granted again to another."""
+    server = Agent(users["alice"], ledger.socket)
+    starter = Agent(users["alice"], ledger.socket)  # spawns the run: it outlives the server
+    run = None
+    try:
+        server.ok("connect")
+        run = starter.ok("spawn")
+        grant = server.ok("request", key="run-1", vram_mb=20000)  # tied to the server
+        before = _saved(ledger)
+        assert [p["pid"] for p in before["grants"][0]["pids"]] == [server.proc.pid]
+        os.chmod(ledger.dir, 0o555)
+        try:
+            retied = server.call("retie", grant=grant["id"], pids=[run])
+            assert "result" in retied, retied
+            assert [p["pid"] for p in retied["result"]["pids"]] == [run]
+            server.kill9()  # the user's server dies; its run lives on
+        finally:
+            os.chmod(ledger.dir, 0o755)
+        # A sweep saves what changed since (the retie, or the grant ended with its server).
+        after = wait_until(lambda: (lambda s: s if s != before else None)(_saved(ledger)), timeout=20)
+        assert [[p["pid"] for p in g["pids"]] for g in after["grants"]] == [[run]], after
+        assert grant_ids(ledger.view()) == {grant["id"]} and alive(run)
+        assert "cannot save the state file" in Path(ledger.log).read_text()
+    finally:
+        os.chmod(ledger.dir, 0o755)
+        if run is not None:
+            _kill(run)
+        server.stop()
+        starter.stop()
+
+
+def test_a_state_file_that_cannot_be_saved_is_said_once_in_the_log_and_once_to_a_waiter(users, ledger, agents):
+    """Each sweep tries to save again (and to grant the waiting request): the trouble is the same
+    each time (no staged file's random name in it), so the log says it once and the waiter is
+    told it once, however many sweeps fail."""
+    alice, bob = agents("alice"), agents("bob")
+    bobs_run = bob.ok("spawn")
+    bob.ok("request", key="b", vram_mb=20000, pids=[bobs_run])
+    waiting = alice.send("request", key="a", vram_mb=20000)
+    wait_for_view(ledger, lambda v: v["waiting"])
+    told_before = alice.ok("events").count("waiting")
+    os.chmod(ledger.dir, 0o555)
+    try:
+        bob.ok("kill", pid=bobs_run)  # b ends: alice's request could be granted, but not saved
+        bobs_run = None
+        wait_for_view(ledger, lambda v: "cannot save its state" in v["waiting"][0]["reason"])
+        # Several sweeps more, each seen through what the GPUs' processes are (read each sweep,
+        # before the sweep tries to grant and to save again).
+        for used_mb in (1, 2, 3):
+            ledger.plant([{"pid": ledger.proc.pid, "gpu": 0, "used_mb": used_mb}])
+            wait_for_view(ledger, lambda v, mb=used_mb: v["devices"][0]["unmanaged_mb"] == mb)
+        assert not alice.done(waiting)
+        said = Path(ledger.log).read_text()
+        assert said.count("cannot save the state file") == 1, said[-3000:]
+        assert f"cannot save the state file {ledger.state_file}: Permission denied (EACCES)" in said
+        assert ".tmp" not in said
+        assert alice.ok("events").count("waiting") == told_before + 1
+    finally:
+        os.chmod(ledger.dir, 0o755)
+        if bobs_run is not None:
+            _kill(bobs_run)
+    alice.result(waiting, timeout=20)
+
+
+def test_a_lock_file_that_cannot_be_written_stops_no_start_and_leaks_no_lock(tmp_path, monkeypatch):
+    """Writing the pid into the lock file (a full disk: ENOSPC) is best effort: the ledger starts,
+    and once stopped another starts on the same state (no descriptor left holding the lock)."""
+    import errno
+
+    from jupyter_evalsched.host_ledger import server as ledger_server
+    from jupyter_evalsched.host_ledger.config import parse_config
+
+    def full(*_: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def go() -> None:
+        config = parse_config({"virtual_gpus": [24000]})
+        path = str(tmp_path / "ledger.sock")
+        with monkeypatch.context() as m:
+            m.setattr(ledger_server.os, "pwrite", full)
+            first = ledger_server.HostLedger(config, path)
+            await first.start()
+            await first.stop()
+        second = ledger_server.HostLedger(config, path)
+        await second.start()
+        await second.stop()
+
+    asyncio.run(go())
+
+
+def test_a_proc_that_hides_other_users_processes_is_said_once_as_a_configuration_error(tmp_path, monkeypatch, caplog):
+    """/proc mounted hidepid=1 answers EACCES for a live process of another user: that is no
+    passing trouble but the ledger's configuration; it is said once, naming hidepid, and the
+    grant is kept (its processes cannot be told gone)."""
+    import builtins
+    import errno
+
+    from jupyter_evalsched.host_ledger import procs
+    from jupyter_evalsched.host_ledger.client import HostLedgerClient
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(procs, "_denied_said", False)
+
+    async def go() -> None:
+        server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(tmp_path / "ledger.sock"))
+        await server.start()
+        run = subprocess.Popen(["sleep", "600"])
+        client = HostLedgerClient(server.socket_path)
+        try:
+            await client.connect()
+            grant = await client.request("run", 10000, pids=[run.pid])
+            hidden = f"/proc/{run.pid}/"
+            real_open = builtins.open
+
+            def hiding(file, *args, **kwargs):
+                if isinstance(file, str) and file.startswith(hidden):
+                    raise PermissionError(errno.EACCES, "Permission denied", file)
+                return real_open(file, *args, **kwargs)
+
+            monkeypatch.setattr(procs, "open", hiding, raising=False)
+            for _ in range(3):
+                await server._sweep()
+            said = [r.getMessage() for r in caplog.records if "hidepid" in r.getMessage()]
+            assert len(said) == 1 and f"/proc/{run.pid}/stat" in said[0], said
+            assert grant["id"] in server.grants
+        finally:
+            monkeypatch.delattr(procs, "open", raising=False)
+            run.kill()
+            run.wait()
+            await client.close()
+            await server.stop()
+
+    asyncio.run(go())
+
+
+def test_a_ledger_whose_accept_loop_ends_says_so_and_is_stopped(tmp_path, caplog):
+    """The accept loop ends only when the ledger stops; should it ever end by an error, that is
+    logged and the ledger is marked to stop (serve() stops it), never left accepting nobody."""
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    async def go() -> None:
+        server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(tmp_path / "ledger.sock"))
+        await server.start()
+        try:
+            server.max_connections = None  # type: ignore[assignment]  # (the next accept fails)
+            sock = _raw(server.socket_path)
+            await asyncio.wait_for(server.ended.wait(), 20)
+            sock.close()
+            assert isinstance(server.failed, TypeError)
+            assert any("the accept loop ended" in r.getMessage() for r in caplog.records)
+        finally:
+            await server.stop()
+
+    asyncio.run(go())

@@ -10,7 +10,18 @@ import struct
 import pytest
 
 from jupyter_evalsched.host_ledger.config import ConfigError, parse_config
-from jupyter_evalsched.host_ledger.policy import Ask, Holding, HostDevice, Quota, decide, held_mb, next_grant
+from jupyter_evalsched.host_ledger.policy import (
+    Ask,
+    Holding,
+    HostDevice,
+    Quota,
+    covers,
+    decide,
+    deferred_to,
+    held_mb,
+    met_by,
+    next_grant,
+)
 from jupyter_evalsched.host_ledger.protocol import MAX_FRAME_BYTES, ProtocolError, encode, read_frame
 
 GPU0 = {0: HostDevice(0, 24000)}
@@ -111,6 +122,44 @@ def test_fair_share_serves_the_user_holding_least_then_the_earliest():
     assert next_grant([Ask("bob", 1000), Ask("alice", 1000)], GPU0, holdings, {"bob": Quota(vram_mb=0)})[0] == 1
 
 
+def test_an_ask_gives_way_only_to_demand_whose_room_it_would_take():
+    alice = [Holding("alice", (0,), 12000)]
+    # 12000 MB free: bob (holding less) demands 8000; alice's 4000 leaves room for it, 6000 not.
+    assert deferred_to(Ask("alice", 4000), [Ask("bob", 8000)], GPU0, alice, {}) is None
+    assert deferred_to(Ask("alice", 6000), [Ask("bob", 8000)], GPU0, alice, {}) == 0
+    # No room needed (0 MB) or none that fits now: held back for nothing.
+    assert deferred_to(Ask("alice", 12000), [Ask("bob", 0)], GPU0, alice, {}) is None
+    assert deferred_to(Ask("alice", 6000), [Ask("bob", 14000)], GPU0, alice, {}) is None
+    # Only for a user holding less; of several, the one holding least.
+    assert deferred_to(Ask("alice", 6000), [Ask("alice", 8000)], GPU0, alice, {}) is None
+    both = [*alice, Holding("bob", (1,), 2000)]
+    demand = [Ask("bob", 20000), Ask("carol", 20000)]
+    assert deferred_to(Ask("alice", 10000, devices=(1,)), demand, TWO, both, {}) == 1
+    # Placed on another GPU, it leaves the demanded room where it is.
+    assert deferred_to(Ask("alice", 12000), [Ask("bob", 24000)], TWO, alice, {}) is None
+    # Whole GPUs: a 0 MB exclusive demand wants one.
+    assert deferred_to(Ask("alice", 0, exclusive=True), [Ask("bob", 0, exclusive=True)], TWO, alice, {}) == 0
+
+
+def test_a_grant_covers_the_room_an_ask_wants_and_serves_the_largest_it_covers():
+    assert covers(Holding("bob", (0,), 12000), Ask("bob", 12000))
+    assert not covers(Holding("bob", (0,), 0), Ask("bob", 12000))
+    assert not covers(Holding("bob", (0,), 12000), Ask("bob", 6000, gpus=2))
+    assert not covers(Holding("bob", (0,), 12000), Ask("bob", 0, exclusive=True))
+    assert covers(Holding("bob", (1,), 0, exclusive=True), Ask("bob", 20000))
+    assert not covers(Holding("bob", (0,), 12000), Ask("bob", 1000, devices=(1,)))
+    assert met_by(Holding("bob", (0,), 8000), [Ask("bob", 4000), Ask("bob", 8000), Ask("bob", 12000)]) == 1
+    assert met_by(Holding("bob", (0,), 0), [Ask("bob", 4000)]) is None
+
+
+def test_the_connection_cap_leaves_descriptors_for_proc_and_the_state_file():
+    from jupyter_evalsched.host_ledger.server import MAX_CONNECTIONS, connection_cap, open_files_target
+
+    assert connection_cap(1024) == 512 and connection_cap(120) == 56 and connection_cap(10) == 1
+    assert connection_cap(1 << 20) == MAX_CONNECTIONS and connection_cap(-1) == MAX_CONNECTIONS
+    assert open_files_target(1024, 524288) == 524288 and open_files_target(4096, 4096) == 4096
+
+
 def test_config_parses_and_names_every_mistake():
     config = parse_config(
         {
@@ -133,6 +182,10 @@ def test_config_parses_and_names_every_mistake():
         ({"reclaim_window_s": "long"}, "reclaim_window_s must be a number"),
         ({"sockets": 1}, "unknown key 'sockets'"),
         ([], "must be a JSON object"),
+        ({"reclaim_window_s": float("inf")}, "reclaim_window_s must be a number of seconds >= 0, got inf"),
+        ({"reclaim_window_s": float("nan")}, "reclaim_window_s must be a number"),
+        ({"usable_vram_mb": {"²": 1}}, "usable_vram_mb: '²' is not a GPU index"),
+        ({"socket_group": "evhl32-no-such-group"}, "socket_group: no group 'evhl32-no-such-group' on this host"),
     ):
         with pytest.raises(ConfigError, match=words):
             parse_config(bad)
@@ -167,3 +220,15 @@ def test_frames_round_trip_and_refuse_oversized_or_non_objects():
     with pytest.raises(ProtocolError):
         encode({"x": "y" * MAX_FRAME_BYTES})
     assert json.loads(encode({"a": 1})[4:]) == {"a": 1}
+
+
+def test_a_lease_or_a_models_grant_serves_no_runs_demand():
+    """A lease (or a model's VRAM) held by a user's server is no run's room: it takes no queued
+    run out of the demand, nor the turn kept for one."""
+    demand = [Ask("alice", 10000)]  # (a demand ask is a run's unless it says otherwise)
+    for kind in ("lease", "model"):
+        grant = Holding("alice", (0,), 20000, kind=kind)
+        assert not covers(grant, demand[0])
+        assert met_by(grant, demand) is None
+        assert met_by(grant, [Ask("alice", 10000, kind=kind)]) == 0
+    assert met_by(Holding("alice", (0,), 20000), demand) == 0

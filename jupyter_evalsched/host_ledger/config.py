@@ -17,7 +17,9 @@ naming the key, so that a bad file stops the ledger with a clear message, never 
 
 from __future__ import annotations
 
+import grp
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ from .policy import Quota
 
 DEFAULT_SOCKET = "/run/evalsched/ledger.sock"
 DEFAULT_RECLAIM_WINDOW_S = 30.0
+MAX_RECLAIM_WINDOW_S = 86400.0  # a day
 KEYS = {
     "usable_vram_mb",
     "quota",
@@ -94,7 +97,8 @@ def parse_config(raw: Any) -> LedgerConfig:
     usable = raw.get("usable_vram_mb")
     if isinstance(usable, dict):
         for k, v in usable.items():
-            if not str(k).isdigit():
+            # ASCII digits only: "²" and "٣" are digits to str.isdigit, and no GPU's index.
+            if not (str(k).isascii() and str(k).isdigit() and len(str(k)) <= 6):
                 raise ConfigError(f"usable_vram_mb: {k!r} is not a GPU index")
             per_gpu[int(k)] = _count(v, f"usable_vram_mb.{k}", allow_none=False) or 0
     else:
@@ -112,8 +116,10 @@ def parse_config(raw: Any) -> LedgerConfig:
     if not 0 <= mode <= 0o777:
         raise ConfigError(f"socket_mode {mode_raw!r} is not a file mode")
     window = raw.get("reclaim_window_s", DEFAULT_RECLAIM_WINDOW_S)
-    if isinstance(window, bool) or not isinstance(window, int | float) or window < 0:
+    if isinstance(window, bool) or not isinstance(window, int | float) or not math.isfinite(window) or window < 0:
         raise ConfigError(f"reclaim_window_s must be a number of seconds >= 0, got {window!r}")
+    if window > MAX_RECLAIM_WINDOW_S:  # (1e300 would be a window that never closes)
+        raise ConfigError(f"reclaim_window_s must be at most {MAX_RECLAIM_WINDOW_S:g} seconds (a day), got {window!r}")
     sizes = raw.get("virtual_gpus") or []
     if not isinstance(sizes, list) or not all(type(s) is int and s > 0 for s in sizes):
         raise ConfigError(f"virtual_gpus must be a list of sizes in MB, got {sizes!r}")
@@ -123,6 +129,12 @@ def parse_config(raw: Any) -> LedgerConfig:
         if value is not None and (not isinstance(value, str) or not value):
             raise ConfigError(f"{key} must be a non-empty string or null, got {value!r}")
         strings[key] = value
+    group = strings["socket_group"]
+    if group is not None:
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            raise ConfigError(f"socket_group: no group {group!r} on this host") from None
     return LedgerConfig(
         usable_vram_mb=per_gpu,
         usable_all_mb=every,

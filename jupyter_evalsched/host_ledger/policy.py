@@ -220,3 +220,71 @@ def next_grant(
         if decision.state == "granted":
             best = (held[ask.user], position, decision)
     return None if best is None else (best[1], best[2])
+
+
+# ---------------------------------------------------------------------- fair share between servers
+# A user's server asks without waiting (its own admission decides) and tells the ledger the GPU
+# work it has queued (its demand, as asks). These decide when an ask is held back for that demand.
+
+
+def takes_room(ask: Ask) -> bool:
+    """Whether ``ask`` needs any room: a 0 MB share of a GPU fits wherever no grant holds the GPU
+    whole, so no grant but a whole GPU takes it, and a demand for it keeps nobody's room."""
+    return ask.exclusive or ask.vram_mb > 0
+
+
+def deferred_to(
+    ask: Ask,
+    demand: Sequence[Ask],
+    devices: Mapping[int, HostDevice],
+    holdings: Sequence[Holding],
+    quotas: Mapping[str, Quota],
+) -> int | None:
+    """Fair share for an ask that does not wait: the position in ``demand`` (the other users'
+    told asks) of the ask it must give way to, or None. It gives way only when granting it now
+    would take the room of a demanded ask that fits now (that ask would no longer fit), of a user
+    holding less VRAM than the asker; of several, the one of the user holding least, earliest
+    first. An ask that leaves room for every such demanded ask is never held back, whatever the
+    others tell."""
+    mine = decide(ask, devices, holdings, quotas.get(ask.user, Quota()))
+    if mine.state != "granted":
+        return None
+    after = [*holdings, Holding(ask.user, mine.devices, ask.vram_mb, ask.exclusive, ask.kind)]
+    asker = held_mb(ask.user, devices, holdings)
+    held: dict[str, int] = {}
+    best: tuple[int, int] | None = None  # (what its user holds, position)
+    for position, other in enumerate(demand):
+        if other.user == ask.user or not takes_room(other):
+            continue
+        if other.user not in held:
+            held[other.user] = held_mb(other.user, devices, holdings)
+        theirs = held[other.user]
+        if theirs >= asker or (best is not None and theirs >= best[0]):
+            continue
+        quota = quotas.get(other.user, Quota())
+        fits_now = decide(other, devices, holdings, quota).state == "granted"
+        if fits_now and decide(other, devices, after, quota).state != "granted":
+            best = (theirs, position)
+    return None if best is None else best[1]
+
+
+def covers(grant: Holding, ask: Ask) -> bool:
+    """Whether ``grant`` is the room ``ask`` wants: as many GPUs (the ones it names), each with
+    at least its VRAM, or whole GPUs (what an exclusive ask wants), and of its kind (a lease or
+    a model's VRAM held by a user's server is no run's room: demand asks are runs' unless told)."""
+    if grant.kind != ask.kind:
+        return False
+    if len(grant.devices) < ask.gpus:
+        return False
+    if ask.devices is not None and not set(ask.devices) <= set(grant.devices):
+        return False
+    if ask.exclusive:
+        return grant.exclusive
+    return grant.exclusive or grant.vram_mb >= ask.vram_mb
+
+
+def met_by(grant: Holding, demand: Sequence[Ask]) -> int | None:
+    """The position of the demanded ask that ``grant`` serves (the largest it covers: the queued
+    work it was asked for), or None."""
+    served = [(a.exclusive, a.vram_mb * a.gpus, -i) for i, a in enumerate(demand) if covers(grant, a)]
+    return -max(served)[2] if served else None

@@ -1,12 +1,20 @@
 """What /proc says of a process, as the host ledger needs it: whose it is, and whether it is still
-the same process (pid + start time: a pid reused by a later process is another process)."""
+the same process (pid + start time: a pid reused by a later process is another process).
+
+Only a process that /proc says is gone (no such entry) is gone: any other failure to read it
+(out of file descriptors, say) raises :class:`Unreadable`, never "gone", since the ledger ends a
+grant whose processes are gone and would then grant its VRAM twice."""
 
 from __future__ import annotations
 
+import errno
 import grp
+import logging
 import os
 import pwd
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,12 +26,61 @@ class ProcId:
         return {"pid": self.pid, "start": self.start}
 
 
+# What reading /proc/PID/... fails with once the process is gone: no entry (ENOENT), or it
+# exited between the open and the read (ESRCH).
+GONE_ERRNOS = frozenset({errno.ENOENT, errno.ESRCH})
+# What reading it fails with when /proc hides the process (mounted hidepid=1: the entry is there,
+# but not for the ledger's user to read): a configuration error, said once (see _denied).
+DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+_denied_said = False
+PID_MAX_LIMIT = 1 << 22  # the kernel's largest pid_max: no process has a larger pid
+
+
+class Unreadable(Exception):
+    """/proc could not be read for a reason other than the process being gone (EMFILE, EIO, ...):
+    whether the process lives is unknown."""
+
+    def __init__(self, pid: int, error: OSError) -> None:
+        super().__init__(f"cannot read /proc/{pid}: {error.strerror or error}")
+        self.pid = pid
+
+
+def _read(pid: int, what: str) -> str | None:
+    """The text of /proc/PID/``what``; None when the process is gone; Unreadable otherwise."""
+    if not 0 < pid <= PID_MAX_LIMIT:
+        return None  # (a saved pid out of range: no such process, whatever the path would say)
+    try:
+        with open(f"/proc/{pid}/{what}", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError as exc:
+        if exc.errno in GONE_ERRNOS:
+            return None
+        if exc.errno in DENIED_ERRNOS:
+            _denied(pid, what, exc)
+        raise Unreadable(pid, exc) from None
+
+
+def _denied(pid: int, what: str, exc: OSError) -> None:
+    """A live process's /proc entry the ledger may not read: /proc is mounted hidepid=1 or 2 (a
+    configuration error, never a passing one: its grants would never end). Said once."""
+    global _denied_said
+    if _denied_said:
+        return
+    _denied_said = True
+    log.error(
+        "host ledger: cannot read /proc/%d/%s (%s): /proc is mounted with hidepid=, which hides other "
+        "users' processes from the ledger's user; the host ledger needs /proc without hidepid (or its "
+        "user in the group named by /proc's gid= option). Grants whose processes it cannot read never end.",
+        pid,
+        what,
+        exc.strerror or exc,
+    )
+
+
 def _stat(pid: int) -> list[str] | None:
     """The fields of /proc/PID/stat after the command name (field 3 on), or None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
+    text = _read(pid, "stat")
+    if text is None:
         return None
     return text[text.rfind(")") + 2 :].split()
 
@@ -37,7 +94,21 @@ def identify(pid: int) -> ProcId | None:
 
 
 def alive(proc: ProcId) -> bool:
+    """Whether ``proc`` still runs (Unreadable: unknown)."""
     return identify(proc.pid) == proc
+
+
+def any_alive(found: list[ProcId]) -> bool | None:
+    """Whether any of ``found`` still runs: True, False (every one is gone), or None when none
+    was seen alive and some could not be read (unknown: not gone)."""
+    unknown = False
+    for proc in found:
+        try:
+            if alive(proc):
+                return True
+        except Unreadable:
+            unknown = True
+    return None if unknown else False
 
 
 def parent(pid: int) -> int | None:
@@ -47,20 +118,20 @@ def parent(pid: int) -> int | None:
 
 def uid_of(pid: int) -> int | None:
     """The process's real uid when its effective uid is the same, else None (a setuid program is
-    nobody's to claim)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    real, effective = line.split()[1:3]
-                    return int(real) if real == effective else None
-    except (OSError, ValueError, IndexError):
-        return None
+    nobody's to claim; a process gone is nobody's). Unreadable: unknown."""
+    text = _read(pid, "status")
+    for line in (text or "").splitlines():
+        if line.startswith("Uid:"):
+            try:
+                real, effective = line.split()[1:3]
+                return int(real) if real == effective else None
+            except (ValueError, IndexError):
+                return None
     return None
 
 
 def owned(pid: int, uid: int) -> ProcId | None:
-    """``pid`` as a ProcId when it is a live process of ``uid``, else None."""
+    """``pid`` as a ProcId when it is a live process of ``uid``, else None (Unreadable: unknown)."""
     if type(pid) is not int or pid <= 0:
         return None
     proc = identify(pid)
@@ -70,7 +141,7 @@ def owned(pid: int, uid: int) -> ProcId | None:
 
 
 def ancestors(pid: int, limit: int = 64) -> list[int]:
-    """``pid`` and its parents up to init (bounded)."""
+    """``pid`` and its parents up to init (bounded; Unreadable: unknown)."""
     out: list[int] = []
     while pid > 1 and len(out) < limit:
         out.append(pid)

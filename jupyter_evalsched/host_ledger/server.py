@@ -17,23 +17,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import errno
+import fcntl
 import grp
 import json
 import logging
 import os
 import re
+import resource
 import socket
 import stat
 import struct
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..scheduler.gpus import GpuInfo, GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
 from . import procs
 from .config import LedgerConfig
-from .policy import Ask, Decision, Holding, HostDevice, Quota, decide, held_mb, next_grant
+from .policy import (
+    Ask,
+    Decision,
+    Holding,
+    HostDevice,
+    Quota,
+    covers,
+    decide,
+    deferred_to,
+    held_mb,
+    met_by,
+    next_grant,
+    takes_room,
+)
 from .procs import ProcId
 from .protocol import HELLO_DEADLINE_S, MAX_ANSWER_BYTES, ProtocolError, encode, read_frame
 
@@ -50,6 +68,12 @@ MAX_SEND_BUFFER = 1024 * 1024  # a peer that reads nothing is closed rather than
 KINDS = ("run", "lease", "model")  # model: a shared model's VRAM, held by a user's server
 MAX_DEMAND = 16  # asks a tenant may tell as its demand (its queued GPU work)
 TURN_S = 5.0  # how long room kept for a user holding less (its demand) waits for that user to ask
+# Connections at once, over all users: well below the ledger's file descriptor limit (see
+# connection_cap), so that /proc and its state file can always be opened.
+MAX_CONNECTIONS = 8192
+FD_RESERVE = 64  # descriptors kept for everything but connections (state file, /proc, NVML, logs)
+LISTEN_BACKLOG = 128
+ACCEPT_BACKOFF_S = 1.0  # after accept() failed (out of descriptors, say): try again this much later
 
 
 class BadRequest(Exception):
@@ -158,11 +182,33 @@ def _error(request: Any, code: str, reason: str) -> dict[str, Any]:
     return {"id": request, "ok": False, "error": code, "reason": reason}
 
 
-def _covers(grant: Grant, ask: Ask) -> bool:
-    """Whether ``grant`` is at least the room ``ask`` wants."""
-    if grant.exclusive:
-        return True
-    return not ask.exclusive and grant.vram_mb * len(grant.devices) >= ask.vram_mb * ask.gpus
+def connection_cap(open_files: int) -> int:
+    """How many connections the ledger serves at once under a file descriptor limit of
+    ``open_files`` (each takes one): half of it at most, and FD_RESERVE left, so that running out
+    of descriptors is a clear refusal of one more connection, never a /proc it cannot read."""
+    if open_files < 0:  # RLIM_INFINITY
+        return MAX_CONNECTIONS
+    return max(1, min(MAX_CONNECTIONS, open_files // 2, open_files - FD_RESERVE))
+
+
+def open_files_target(soft: int, hard: int) -> int:
+    """The soft RLIMIT_NOFILE to run with: the hard limit (a service's soft one is often 1024,
+    which a few dozen users' servers use up), or the soft one when that is already higher."""
+    if hard == resource.RLIM_INFINITY:
+        return soft if soft == resource.RLIM_INFINITY else max(soft, 1 << 20)
+    return hard if soft != resource.RLIM_INFINITY and soft < hard else soft
+
+
+def raise_open_files_limit() -> int:
+    """Raise the process's soft RLIMIT_NOFILE toward its hard limit; the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = open_files_target(soft, hard)
+    if want != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:  # (above fs.nr_open): keep what there is
+            log.warning("cannot raise the open files limit from %s to %s: %s", soft, want, exc)
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def _int(message: dict[str, Any], key: str, default: int | None = None, low: int = 0) -> int:
@@ -208,6 +254,42 @@ def private_path(what: str, path: str) -> str:
     return os.path.join(directory, os.path.basename(path))
 
 
+def _whole(value: Any, low: int | None = None) -> int:
+    """A whole number from the state file, at least ``low`` if given (ValueError otherwise:
+    true is no pid, and -20000 MB no grant)."""
+    if type(value) is not int or (low is not None and value < low):
+        raise ValueError(f"{value!r} is not a whole number" + ("" if low is None else f" >= {low}"))
+    return value
+
+
+def _saved_grant(item: Any) -> Grant:
+    """A grant as the state file keeps it (KeyError, TypeError or ValueError when it is not one)."""
+    if not isinstance(item, dict) or not isinstance(item["pids"], list) or not isinstance(item["devices"], list):
+        raise TypeError("not a saved grant")
+    if item["kind"] not in KINDS or not isinstance(item["exclusive"], bool):
+        raise ValueError("not a saved grant")
+    return Grant(
+        str(item["id"]),
+        _whole(item["uid"]),
+        "",  # (its user's name: once it is kept)
+        str(item["key"]),
+        item["kind"],
+        tuple(_whole(i, 0) for i in item["devices"]),
+        _whole(item["vram_mb"], 0),
+        item["exclusive"],
+        [ProcId(_whole(p["pid"]), _whole(p["start"])) for p in item["pids"]],
+    )
+
+
+def _still_theirs(proc: ProcId, uid: int) -> bool:
+    """Whether a saved process still runs as ``uid``. One /proc cannot tell of now is kept: each
+    sweep checks it again, and a grant dropped here would be granted twice."""
+    try:
+        return procs.alive(proc) and procs.uid_of(proc.pid) == uid
+    except procs.Unreadable:
+        return True
+
+
 class HostLedger:
     def __init__(self, config: LedgerConfig, socket_path: str, probe: GpuProbe | None = None) -> None:
         self.config = config
@@ -225,7 +307,14 @@ class HostLedger:
         self.forfeited: dict[int, Ask] = {}
         self.reclaim_until = 0.0
         self._state_read = False  # a state file was read: the saved tenants are all to wait for
-        self._server: asyncio.base_events.Server | None = None
+        self._unsaved = False  # a change (a grant ended) is not in the state file yet: the sweep saves it
+        self._troubles: dict[str, str] = {}  # what keeps going wrong (logged once until it is over)
+        self.max_connections = MAX_CONNECTIONS
+        self._lock_fd: int | None = None
+        self._listener: socket.socket | None = None
+        self._acceptor: asyncio.Task[None] | None = None
+        self.failed: BaseException | None = None  # why the ledger cannot go on (its accept loop ended)
+        self.ended = asyncio.Event()  # set when it cannot go on: serve() then stops it
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -235,38 +324,100 @@ class HostLedger:
         self.view.gpus = await asyncio.to_thread(self.probe.devices)
         self.socket_path = private_path("socket", self.socket_path)
         self.state_file = private_path("state file", self.state_file)
-        self._claim_socket_path()  # (first: a live ledger's staged state is not ours to remove)
-        self._remove_staged_states()
-        self._load_state()
-        self._server = await asyncio.start_unix_server(self._serve, path=self.socket_path, limit=1 << 17)
-        os.chmod(self.socket_path, self.config.socket_mode)
-        if self.config.socket_group:
-            os.chown(self.socket_path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
-        await self._refresh()
+        gid = self._socket_gid()  # (before anything is made: a group that is not there stops the start)
+        self._lock()  # (first: a live ledger's socket and staged state are not ours to remove)
+        try:
+            self._claim_socket_path()
+            self._remove_staged_states()
+            self._load_state()
+            self._listener = self._listen(gid)
+            await self._refresh()
+        except BaseException:
+            await self.stop()
+            raise
+        self.max_connections = connection_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        self._acceptor = asyncio.create_task(self._accept_forever(self._listener))
+        self._acceptor.add_done_callback(self._acceptor_ended)
         self._sweeper = asyncio.create_task(self._sweep_forever())
         log.info(
-            "host ledger on %s: %d GPU(s), %d grant(s) kept from before, reclaim %s",
+            "host ledger on %s: %d GPU(s), %d grant(s) kept from before, reclaim %s, at most %d connections",
             self.socket_path,
             len(self.view.gpus),
             len(self.grants),
             "open" if self.reclaim_open() else "closed",
+            self.max_connections,
         )
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        if self._server is not None:
-            self._server.close()
+        # All at once, then waited for: nothing is answered once the stop has begun.
+        running = [t for t in (self._sweeper, self._acceptor) if t is not None]
+        for task in running:
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
         for conn in list(self.conns):
             conn.close()
+        if running:
+            await asyncio.wait(running)
         if self._tasks:  # closed connections end their tasks (cancelling them makes asyncio log noise)
             await asyncio.wait(list(self._tasks), timeout=2.0)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        if self._listener is not None:  # (the socket is this ledger's only once it listened on it)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+        self._unlock()
+
+    def _lock(self) -> None:
+        """Hold the lock beside the state file for the ledger's life (the kernel lets go of it when
+        the process ends, however it ends): one ledger per state file, and only the one holding
+        it may remove a stale socket. A second ledger is refused, whatever its socket does."""
+        path = f"{self.state_file}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise RuntimeError(f"the lock file {path} cannot be opened: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 16, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise RuntimeError(
+                f"another host ledger{who} holds {path}: it keeps the state {self.state_file}; "
+                "refusing to start a second one"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            # Best effort (for the message above, in the next one): a full disk must not stop
+            # the start, and the lock is held whatever the file says.
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:  # (the fd is never leaked: a leaked one would hold the lock)
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # (the file stays: removing it would let two hold two files)
+            self._lock_fd = None
+
+    def _socket_gid(self) -> int | None:
+        name = self.config.socket_group
+        if not name:
+            return None
+        try:
+            return grp.getgrnam(name).gr_gid
+        except KeyError:
+            raise RuntimeError(f"socket_group: no group {name!r} on this host") from None
 
     def _claim_socket_path(self) -> None:
-        """Remove a stale socket; refuse when a live ledger answers on it, or when what is there
-        is not a socket (nothing of the ledger's: not removed)."""
+        """Remove a stale socket (nobody listens on it: the connection is refused), holding the
+        lock; refuse when a ledger may answer on it (it answers, or it does not in time: a busy
+        one's backlog is full), or when what is there is not a socket (nothing of the ledger's:
+        not removed)."""
         try:
             found = os.lstat(self.socket_path)
         except FileNotFoundError:
@@ -277,12 +428,94 @@ class HostLedger:
         try:
             probe.settimeout(1.0)
             probe.connect(self.socket_path)
-        except OSError:
-            os.unlink(self.socket_path)
+        except ConnectionRefusedError:
+            os.unlink(self.socket_path)  # nobody listens: a killed ledger's
             return
+        except OSError as exc:
+            raise RuntimeError(
+                f"{self.socket_path}: a host ledger may serve it (connecting to it failed: {exc}): refusing to replace it"
+            ) from None
         finally:
             probe.close()
         raise RuntimeError(f"another host ledger serves {self.socket_path}")
+
+    def _listen(self, gid: int | None) -> socket.socket:
+        """The listening socket, with its group and mode; removed again when they cannot be set."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(self.socket_path)
+            try:
+                if gid is not None:
+                    os.chown(self.socket_path, -1, gid)
+                os.chmod(self.socket_path, self.config.socket_mode)
+                listener.listen(LISTEN_BACKLOG)
+                listener.setblocking(False)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.socket_path)
+                raise
+        except BaseException:
+            listener.close()
+            raise
+        return listener
+
+    async def _accept_forever(self, listener: socket.socket) -> None:
+        """Accept connections, each served by its own task. Past ``max_connections`` one more is
+        refused at once (answered why, then closed); when accept() itself fails (out of file
+        descriptors, say), it is tried again ACCEPT_BACKOFF_S later, said once in the log."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                self._trouble("accept", f"cannot accept connections ({exc}): trying again every {ACCEPT_BACKOFF_S:g} s")
+                await asyncio.sleep(ACCEPT_BACKOFF_S)
+                continue
+            self._trouble_over("accept")
+            if len(self._tasks) >= self.max_connections:
+                self._trouble("connections", f"serving {len(self._tasks)} connections, the most it may: refusing more")
+                refusal = _error(
+                    None,
+                    "too_many_connections",
+                    f"the host ledger serves at most {self.max_connections} connections at once: try again later",
+                )
+                with contextlib.suppress(OSError):
+                    sock.send(encode(refusal))  # (a new socket's buffer is empty: it all goes)
+                sock.close()
+                continue
+            if len(self._tasks) < self.max_connections // 2:  # (well below: no line per connection at the cap)
+                self._trouble_over("connections")
+            task = asyncio.create_task(self._serve_socket(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _acceptor_ended(self, task: asyncio.Task[None]) -> None:
+        """The accept loop never ends but by stop(): if it ever does (a bug), say so and stop the
+        ledger (its unit restarts it) rather than hold grants while accepting nobody."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        log.critical("host ledger: the accept loop ended (%r): stopping the ledger", exc, exc_info=exc)
+        self.failed = exc or RuntimeError("the accept loop ended")
+        self.ended.set()  # (serve() stops it)
+
+    async def _serve_socket(self, sock: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 17)
+        except OSError:
+            sock.close()
+            return
+        await self._serve(reader, writer)
+
+    def _trouble(self, what: str, message: str) -> None:
+        """Log ``message`` once while the same trouble goes on (no flood of the same line)."""
+        if self._troubles.get(what) != message:
+            self._troubles[what] = message
+            log.error("host ledger: %s", message)
+
+    def _trouble_over(self, what: str) -> None:
+        if self._troubles.pop(what, None) is not None:
+            log.info("host ledger: %s: over", what)
 
     # ------------------------------------------------------------------ state file
 
@@ -294,38 +527,41 @@ class HostLedger:
             # A first start (or the first since a reboot emptied /run): no tenant holds a grant.
             return
         except (OSError, ValueError) as exc:
-            log.warning("state file %s unreadable (%s): waiting the reclaim window", self.state_file, exc)
-            self.reclaim_until = time.monotonic() + self.config.reclaim_window_s
+            self._state_unusable(str(exc))
             return
-        self._state_read = True
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(k, []), list) for k in ("tenants", "grants")):
+            self._state_unusable('not {"tenants": [...], "grants": [...]}')
+            return
+        tenants, grants, bad = [], [], 0
         for item in saved.get("tenants", []):
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                proc = ProcId(int(item["pid"]), int(item["start"]))
-                if procs.alive(proc) and procs.uid_of(proc.pid) == int(item["uid"]):
-                    self.pending_tenants.add((int(item["uid"]), proc))
+            try:
+                tenants.append((_whole(item["uid"]), ProcId(_whole(item["pid"]), _whole(item["start"]))))
+            except (KeyError, TypeError, ValueError):
+                bad += 1
         for item in saved.get("grants", []):
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                uid = int(item["uid"])
-                live = [
-                    ProcId(int(p["pid"]), int(p["start"]))
-                    for p in item["pids"]
-                    if procs.alive(ProcId(int(p["pid"]), int(p["start"]))) and procs.uid_of(int(p["pid"])) == uid
-                ]
-                if live:
-                    grant = Grant(
-                        str(item["id"]),
-                        uid,
-                        procs.user_name(uid),
-                        str(item["key"]),
-                        str(item["kind"]),
-                        tuple(int(i) for i in item["devices"]),
-                        int(item["vram_mb"]),
-                        bool(item["exclusive"]),
-                        live,
-                    )
-                    self.grants[grant.id] = grant
+            try:
+                grants.append(_saved_grant(item))
+            except (KeyError, TypeError, ValueError):
+                bad += 1
+        if bad:
+            # A grant it cannot read is one it does not know: learnt again from the tenants.
+            self._state_unusable(f"{bad} entr{'y' if bad == 1 else 'ies'} it cannot read")
+        else:
+            self._state_read = True
+        for uid, proc in tenants:
+            if _still_theirs(proc, uid):
+                self.pending_tenants.add((uid, proc))
+        for grant in grants:
+            grant.procs = [p for p in grant.procs if _still_theirs(p, grant.uid)]
+            if grant.procs:
+                grant.user = procs.user_name(grant.uid)
+                self.grants[grant.id] = grant
         if self.pending_tenants:
             self.reclaim_until = time.monotonic() + self.config.reclaim_window_s
+
+    def _state_unusable(self, why: str) -> None:
+        log.warning("state file %s unreadable (%s): waiting the reclaim window", self.state_file, why)
+        self.reclaim_until = time.monotonic() + self.config.reclaim_window_s
 
     def _remove_staged_states(self) -> None:
         """The staged states a ledger killed while it saved left behind (_save_state's names)."""
@@ -337,12 +573,14 @@ class HostLedger:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
 
-    def _save_state(self) -> None:
+    def _save_state(self, grants: Iterable[Grant] | None = None) -> None:
+        """Write the state: the grants held (or ``grants``, what they are about to be: a change
+        is saved before it is made) and the tenants. Raises what the write met."""
         tenants = {(c.uid, c.proc) for c in self.conns if c.tenant and c.proc is not None}
         tenants |= self.pending_tenants
         state = {
             "tenants": [{"uid": uid, **proc.as_json()} for uid, proc in sorted(tenants, key=str)],
-            "grants": [{**g.as_json(), "uid": g.uid} for g in self.grants.values()],
+            "grants": [{**g.as_json(), "uid": g.uid} for g in (self.grants.values() if grants is None else grants)],
         }
         # A new file each time, never one found there (a link would be followed).
         tmp = f"{self.state_file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -355,6 +593,32 @@ class HostLedger:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        self._unsaved = False
+        self._trouble_over("save")
+
+    def _save_failed(self, exc: BaseException) -> str:
+        """Why the state could not be saved, the same each time the same thing goes wrong: the
+        error's errno and text and the state file's own path, never the staged file's (a new
+        random name each time, which would make each try a new trouble and a new reason)."""
+        if isinstance(exc, OSError):
+            name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno is not None else "OSError"
+            return f"{exc.strerror or type(exc).__name__} ({name})"
+        return type(exc).__name__
+
+    def _trouble_saving(self, exc: BaseException) -> str:
+        """Say (once while it goes on) that the state cannot be saved; the reason, for answers."""
+        why = self._save_failed(exc)
+        self._trouble("save", f"cannot save the state file {self.state_file}: {why}")
+        return why
+
+    def _commit(self, grants: Iterable[Grant], unchanged: str) -> None:
+        """Save the state with ``grants`` before a change to them is made; when it cannot be
+        saved, the change is not made, and the caller is told so (``unchanged``: what holds)."""
+        try:
+            self._save_state(grants)
+        except Exception as exc:
+            why = self._trouble_saving(exc)
+            raise BadRequest("internal", f"the host ledger cannot save its state ({why}): {unchanged}") from None
 
     def reclaim_open(self) -> bool:
         """Whether new grants still wait for the tenants to re-tell theirs."""
@@ -429,18 +693,43 @@ class HostLedger:
         while True:
             await asyncio.sleep(SWEEP_S)
             try:
-                # A saved tenant that died meanwhile will re-tell nothing: stop waiting for it.
-                self.pending_tenants = {t for t in self.pending_tenants if procs.alive(t[1])}
-                ended = [g for g in self.grants.values() if not any(procs.alive(p) for p in g.procs)]
-                for grant in ended:
-                    self._end(grant, "its processes are gone")
-                self._expire_turns()
-                await self._refresh()
-                self._schedule()
-                if ended:
-                    self._save_state()
-            except Exception:  # the sweep must go on whatever one pass met
-                log.exception("host ledger sweep failed")
+                await self._sweep()
+                self._trouble_over("sweep")
+            except Exception as exc:  # the sweep must go on whatever one pass met
+                if "sweep" not in self._troubles:
+                    log.exception("host ledger sweep failed")
+                self._trouble("sweep", f"the sweep failed: {exc!r}")
+
+    async def _sweep(self) -> None:
+        # A saved tenant that died meanwhile will re-tell nothing: stop waiting for it.
+        self.pending_tenants = {t for t in self.pending_tenants if procs.any_alive([t[1]]) is not False}
+        # Only a grant whose processes are all known to be gone ends: one /proc could not tell of
+        # (out of descriptors, say) is kept until a sweep can.
+        lives = {g.id: procs.any_alive(g.procs) for g in self.grants.values()}
+        ended = [g for g in self.grants.values() if lives[g.id] is False]
+        unknown = sum(1 for live in lives.values() if live is None)
+        if unknown:
+            self._trouble("proc", f"cannot read /proc: {unknown} grant(s) kept until their processes can be checked")
+        else:
+            self._trouble_over("proc")
+        for grant in ended:
+            self._end(grant, "its processes are gone")
+        if ended:
+            self._unsaved = True
+        self._expire_turns()
+        try:
+            await self._refresh()
+            self._trouble_over("refresh")
+        except procs.Unreadable as exc:  # the last reading stands until /proc can be read
+            self._trouble("refresh", f"cannot read /proc ({exc}): the GPUs' processes as last read")
+        self._schedule()
+        if self._unsaved:
+            # (until then the file still has what ended: the safe side, as a restarted ledger
+            # drops a grant whose processes are gone)
+            try:
+                self._save_state()
+            except Exception as exc:
+                self._trouble_saving(exc)
 
     def _end(self, grant: Grant, why: str) -> None:
         self.grants.pop(grant.id, None)
@@ -457,6 +746,7 @@ class HostLedger:
             for w in self.waiting:
                 self._tell_waiting(w, why)
             return
+        before = list(self.waiting)
         granted: list[Waiter] = []
         while self.waiting:
             devices = self.devices()
@@ -473,9 +763,25 @@ class HostLedger:
             self._grant(waiter, decision)
             granted.append(waiter)
         if granted:
-            self._save_state()  # before anyone is told: a restarted ledger knows what it told
+            try:
+                self._save_state()  # before anyone is told: a restarted ledger knows what it told
+            except Exception as exc:
+                # Not saved, so not granted: undone, and they wait on, told why; each sweep
+                # tries again.
+                for waiter in granted:
+                    assert waiter.grant is not None
+                    self.grants.pop(waiter.grant.id, None)
+                    waiter.grant = None
+                self.waiting = before
+                why = f"the host ledger cannot save its state ({self._trouble_saving(exc)}): nothing is granted until it can"
+                for w in self.waiting:
+                    self._tell_waiting(w, why)
+                return
         for waiter in granted:
-            self._told_granted(waiter)
+            try:  # each is told, whatever telling another met
+                self._told_granted(waiter)
+            except Exception:
+                log.exception("host ledger: telling %s of grant %s failed", waiter.conn.user, waiter.key)
         # What is left cannot be granted now: each is told why (a quota, or who holds the GPUs).
         devices, holdings = self.devices(), self.holdings()
         for w in self.waiting:
@@ -510,23 +816,21 @@ class HostLedger:
         )
         self.grants[grant.id] = grant
         w.grant = grant
+
+    def _told_granted(self, w: Waiter) -> None:
+        grant = w.grant
+        assert grant is not None
         log.info(
             "granted %s to %s (%s): %s MB on GPU %s", grant.id, grant.user, grant.key, grant.vram_mb, grant.devices
         )
-
-    def _told_granted(self, w: Waiter) -> None:
-        assert w.grant is not None
         if w.replied:
-            w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": w.grant.as_json()})
-        self._turn_taken(w.conn, w.grant)
+            w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": grant.as_json()})
+        self._demand_met(w.conn, grant)
+        self._turn_taken(w.conn, grant)
 
     # ------------------------------------------------------------------ connections
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
         conn: Conn | None = None
         try:
             pid, uid = peer_credentials(writer.get_extra_info("socket"))
@@ -535,11 +839,18 @@ class HostLedger:
                     encode(_error(None, "too_many_connections", f"at most {MAX_CONNECTIONS_PER_UID} per user"))
                 )
                 return
+            try:
+                peer = procs.owned(pid, uid)  # the peer's process, checked to be the peer's user's still
+            except procs.Unreadable as exc:
+                writer.write(
+                    encode(_error(None, "internal", f"the host ledger cannot read /proc now ({exc}): connect again"))
+                )
+                return
             conn = Conn(
                 uid,
                 pid,
                 procs.user_name(uid),
-                procs.owned(pid, uid),  # the peer's process, checked to be the peer's user's still
+                peer,
                 procs.in_group(uid, self.config.admin_group),
                 writer,
             )
@@ -602,7 +913,12 @@ class HostLedger:
             raise BadRequest("bad_request", f"pids must be a list of 1 to {MAX_PIDS} process ids")
         out = []
         for pid in pids:
-            proc = procs.owned(pid, conn.uid)
+            try:
+                proc = procs.owned(pid, conn.uid)
+            except procs.Unreadable as exc:
+                raise BadRequest(
+                    "internal", f"the host ledger cannot tell whose pid {pid!r} is now ({exc}): ask again"
+                ) from None
             if proc is None:
                 raise BadRequest("not_yours", f"pid {pid!r} is not a live process of user {conn.user}")
             out.append(proc)
@@ -679,14 +995,11 @@ class HostLedger:
 
     def _turn_of_another(self, conn: Conn, ask: Ask) -> str:
         """Fair share for an ask that does not wait (a user's server admits its own runs and asks
-        without waiting): when it could be granted now, but another user holding less has told
-        demand that could be granted now too, that user goes first. The ask is refused with the
-        reason; the other user is told (``turn``) and its server asks; the refused one is told
-        ``retry`` once that has happened or TURN_S has passed."""
-        devices, holdings = self.devices(), self.holdings()
-        quota = self.config.quota(conn.user)
-        if decide(ask, devices, holdings, quota).state != "granted":
-            return ""
+        without waiting): when granting it now would take the room of an ask that another user
+        holding less has told as demand, and that fits now (policy.deferred_to), that user goes
+        first. The ask is refused with the reason; the other user is told (``turn``) and its
+        server asks; the refused one is told ``retry`` once that user has been granted that room,
+        or TURN_S has passed."""
         others = [
             (c, a)
             for c in self.conns
@@ -695,12 +1008,12 @@ class HostLedger:
         ]
         if not others:
             return ""
-        asks = [ask, *(a for _, a in others)]
-        quotas = {a.user: self.config.quota(a.user) for a in asks}
-        pick = next_grant(asks, devices, holdings, quotas)
-        if pick is None or pick[0] == 0:
+        devices, holdings = self.devices(), self.holdings()
+        quotas = {a.user: self.config.quota(a.user) for a in [ask, *(a for _, a in others)]}
+        position = deferred_to(ask, [a for _, a in others], devices, holdings, quotas)
+        if position is None:
             return ""
-        first, kept_for = others[pick[0] - 1]
+        first, kept_for = others[position]
         deadline = time.monotonic() + TURN_S
         if not any(c is first for _, c, _ in conn.deferred_for):
             conn.deferred_for.append((deadline, first, kept_for))
@@ -730,20 +1043,33 @@ class HostLedger:
             if done and not keep:
                 conn.send({"event": "retry"})
 
+    def _demand_met(self, conn: Conn, grant: Grant) -> None:
+        """A grant serves the user's told demand: the demanded ask it covers (the largest) is
+        taken out of it, so that what was granted holds nobody back as demand still queued."""
+        mine = [conn, *(c for c in self.conns if c.uid == conn.uid and c is not conn)]
+        for tenant in mine:
+            position = met_by(grant.holding(), tenant.demand)
+            if position is not None:
+                tenant.demand = [a for i, a in enumerate(tenant.demand) if i != position]
+                return
+
     def _turn_taken(self, first: Conn, grant: Grant) -> None:
         """``first`` was granted ``grant``: the tenants deferred to it for no more room than that
         may ask again. A smaller grant (0 MB, say, to stay the user holding least) takes no turn:
         they wait for TURN_S, and then ``first`` forfeits it."""
 
         def taken(kept_for: Ask) -> bool:
-            return _covers(grant, kept_for)
+            return covers(grant.holding(), kept_for)
 
         let_pass = self.forfeited.get(grant.uid)
         if let_pass is not None and taken(let_pass):
             del self.forfeited[grant.uid]
         for conn in list(self.conns):
-            if any(c is first and taken(a) for _, c, a in conn.deferred_for):
-                conn.deferred_for = [(d, c, a) for d, c, a in conn.deferred_for if not (c is first and taken(a))]
+            # (by user: its server may ask on another connection than the one that told demand)
+            if any(c.uid == first.uid and taken(a) for _, c, a in conn.deferred_for):
+                conn.deferred_for = [
+                    (d, c, a) for d, c, a in conn.deferred_for if not (c.uid == first.uid and taken(a))
+                ]
                 if not conn.deferred_for:
                     conn.send({"event": "retry"})
 
@@ -756,7 +1082,8 @@ class HostLedger:
         demand = []
         for item in asks:
             _, ask = self._ask(conn, {**item, "key": "demand"})
-            if decide(ask, self.devices(), [], self.config.quota(conn.user)).state != "never":
+            # Kept: asks that could ever be granted, and that need room (0 MB keeps nobody's).
+            if takes_room(ask) and decide(ask, self.devices(), [], self.config.quota(conn.user)).state != "never":
                 demand.append(ask)
         conn.demand = demand
         return {"demand": len(demand)}
@@ -771,13 +1098,24 @@ class HostLedger:
         grant = self._grant_of(conn, message.get("grant"))
         grant.procs = self._owned(conn, message.get("pids"))
         grant.conn = conn
-        self._save_state()
+        # Made even when it cannot be saved now (unlike a grant or a release): a retie only
+        # changes which processes keep a grant alive, no VRAM is granted or freed. Refused, a
+        # run started meanwhile would lose its grant when the server that asked for it dies (its
+        # server reties once, as the run starts). The sweep saves it once it can; until then a
+        # restarted ledger has the grant tied to the server, as before the retie.
+        try:
+            self._save_state()
+        except Exception as exc:
+            self._unsaved = True
+            self._trouble_saving(exc)
         return {"grant": grant.as_json()}
 
     def _op_release(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
         grant = self._grant_of(conn, message.get("grant"))
+        # Saved first: a release the ledger could not save is not made (the grant is held, and
+        # the caller is told to release it again), never one made and answered as failed.
+        self._commit((g for g in self.grants.values() if g is not grant), f"grant {grant.id} is still held")
         self.grants.pop(grant.id, None)
-        self._save_state()
         self._schedule()
         return {"released": grant.id}
 
@@ -789,11 +1127,13 @@ class HostLedger:
             raise BadRequest("bad_request", f"grants must be a list of at most {MAX_GRANTS_PER_UID}")
         conn.tenant = True
         kept, refused = [], []
+        # The grants as they will be: saved first, then made (nothing of it when it cannot be saved).
+        after = dict(self.grants)
         for item in items:
             try:
                 if not isinstance(item, dict) or not isinstance(item.get("id"), str) or len(item["id"]) > 64:
                     raise BadRequest("bad_request", "each grant needs its id")
-                known = self.grants.get(item["id"])
+                known = after.get(item["id"])
                 if known is not None and known.uid != conn.uid:
                     raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
                 told = item.get("pids") or []
@@ -813,21 +1153,26 @@ class HostLedger:
                         raise BadRequest("bad_request", "a re-told grant names the GPUs it holds")
                     # Its processes' VRAM may still show as unmanaged: grants alone are compared.
                     bare = {i: HostDevice(i, d.usable_mb) for i, d in devices.items()}
-                    fits = decide(ask, bare, self.holdings(), self.config.quota(conn.user))
+                    held = [g.holding() for g in after.values()]
+                    fits = decide(ask, bare, held, self.config.quota(conn.user))
                     if fits.state != "granted":
                         raise BadRequest("does_not_fit", f"re-told grant does not fit: {fits.reason}")
                     known = Grant(
                         item["id"], conn.uid, conn.user, key, ask.kind, ask.devices, ask.vram_mb, ask.exclusive, live
                     )
-                    self.grants[known.id] = known
-                known.procs, known.conn = live, conn
-                kept.append(known.as_json())
+                after[known.id] = dataclasses.replace(known, procs=live, conn=conn)
+                kept.append(after[known.id].as_json())
             except BadRequest as exc:
                 refused.append(
                     {"id": item.get("id") if isinstance(item, dict) else None, "error": exc.code, "reason": exc.reason}
                 )
+        self._commit(after.values(), "none of the grants told was kept; connect again")
+        for grant_id, told in after.items():
+            if grant_id in self.grants:
+                self.grants[grant_id].procs, self.grants[grant_id].conn = told.procs, told.conn
+            else:
+                self.grants[grant_id] = told
         self.pending_tenants = {t for t in self.pending_tenants if t != (conn.uid, conn.proc)}
-        self._save_state()
         self._schedule()
         return {"kept": kept, "refused": refused, "reclaiming": self.reclaim_open()}
 
@@ -922,6 +1267,9 @@ async def serve(config: LedgerConfig, socket_path: str) -> None:
     """Run a host ledger until cancelled (or SIGTERM / SIGINT)."""
     import signal
 
+    # Each connection is a descriptor: a soft limit of 1024 (a service's default) is one a few
+    # dozen users' servers could use up, as far as its hard limit allows (LimitNOFILE= in the unit).
+    raise_open_files_limit()
     ledger = HostLedger(config, socket_path)
     await ledger.start()
     stop = asyncio.Event()
@@ -930,6 +1278,13 @@ async def serve(config: LedgerConfig, socket_path: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     print(json.dumps({"event": "ready", "socket": socket_path, "pid": os.getpid()}), flush=True)
     try:
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ledger.ended.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
     finally:
         await ledger.stop()
+    if ledger.failed is not None:
+        raise RuntimeError(f"the host ledger stopped: {ledger.failed!r}")

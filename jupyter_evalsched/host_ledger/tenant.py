@@ -7,7 +7,7 @@ What the scheduler gets: :meth:`TenantLink.status` (``{"socket", "connected", "u
 for ``GET /evalsched/status`` and ``doctor``), :attr:`TenantLink.view` (the host's view for this
 user: each device's usable VRAM and the other users' holdings by name), :meth:`try_grant`
 (a grant, or the reason it is not granted now; :class:`NeverFits` for a 422), :meth:`retie` and
-:meth:`release` (kept and sent after a reconnect while the ledger is down).
+:meth:`release` (kept and sent again while the ledger is down, or cannot save it).
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ class TenantLink:
                 backoff = 0.1
                 self.user, self.error = hello["user"], None
                 self._demand_told = None  # a new connection knows nothing of it
+            if self._to_release:  # (after a connect, or a release the ledger could not make)
                 await self._release_pending()
             try:
                 await self._tell_demand()
@@ -158,8 +159,10 @@ class TenantLink:
                 await self.client.release(grant_id)
             except HostLedgerUnavailable:
                 return  # down again: the next connection tries
-            except HostLedgerError:
-                pass  # unknown_grant: it ended meanwhile
+            except HostLedgerError as exc:
+                if exc.code == "internal":
+                    continue  # not released (it could not save that): the keeper's next pass tries again
+                # unknown_grant: it ended meanwhile
             self._to_release.discard(grant_id)
 
     async def try_grant(
@@ -177,6 +180,9 @@ class TenantLink:
             # Released while the ledger was away, and not yet told: told first, or a retry asking
             # under the same key (a run's next attempt) would get that grant back, then lose it.
             await self._release_pending()
+            if self._to_release and self.connected:
+                # (one the ledger could not release yet: the same holds until it has)
+                return "the host ledger has not released this server's earlier grants yet (it cannot save its state)"
         answer = await self.client.request(
             key, vram_mb, gpus=len(devices), exclusive=exclusive, kind=kind, devices=devices, pids=pids, wait=False
         )
@@ -189,7 +195,8 @@ class TenantLink:
         return await self.client.retie(grant_id, pids)
 
     async def release(self, grant_id: str) -> None:
-        """Release now, or as soon as the ledger is back (its grant must not outlive its use)."""
+        """Release now, or as soon as the ledger is back, or can save the release (its grant must
+        not outlive its use)."""
         self.client.grants.pop(grant_id, None)  # never re-told again
         if not self.connected:
             self._to_release.add(grant_id)
@@ -198,8 +205,11 @@ class TenantLink:
             await self.client.release(grant_id)
         except HostLedgerUnavailable:
             self._to_release.add(grant_id)
-        except HostLedgerError:
-            pass  # it ended already (its processes are gone)
+        except HostLedgerError as exc:
+            if exc.code == "internal":
+                # Not released: the ledger could not save the release, and holds the grant still.
+                self._to_release.add(grant_id)
+            # else unknown_grant: it ended already (its processes are gone)
         self._wake.set()
 
     def others(self, device: int) -> list[dict[str, Any]]:
