@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import select
 import socket
 import subprocess
 import sys
@@ -26,9 +27,11 @@ def test_a_request_whose_descriptors_are_numbered_past_1024_is_watched(tmp_path)
     was computed for nobody); the answer is sent once the batch finishes it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert hard == resource.RLIM_INFINITY or hard > 1200, f"this host's hard limit ({hard}) is too low for the test"
-    resource.setrlimit(resource.RLIMIT_NOFILE, (1200 if hard == resource.RLIM_INFINITY else min(hard, 4096), hard))
-    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (4096 if hard == resource.RLIM_INFINITY else min(hard, 4096), hard))
+    filler: list[int] = []
     try:
+        while len(filler) < 1100:  # (inside the try: whatever was opened is closed, the limit restored)
+            filler.append(os.open(os.devnull, os.O_RDONLY))
         host = ModelHost(
             parse_model({"name": "m", "loader": UPPER}), str(tmp_path / "unused.sock"), lambda *a, **k: None
         )
@@ -96,7 +99,8 @@ def test_a_host_out_of_descriptors_accepts_once_some_are_free_and_lives_on(tmp_p
     clients = [socket.socket(socket.AF_UNIX) for _ in range(2)]
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "full"
+        ready, _, _ = select.select([proc.stdout], [], [], 60)  # (liveness only: a host that hangs fails here)
+        assert ready and proc.stdout.readline().strip() == "full"
         # Two: an accept already waiting when the descriptors ran out had taken its own before
         # it waited (the kernel's order), so only a second accept is sure to find none.
         for client in clients:

@@ -269,6 +269,7 @@ async def test_a_batch_that_fails_midway_answers_each_request_once(v1, evalsched
     assert [(c["text"], c["finish_reason"]) for c in answer_two["choices"]] == [
         (c["text"], c["finish_reason"]) for c in alone["choices"]
     ]
+    assert answer_two["usage"] == alone["usage"]  # (the stopped prompt's tokens counted once)
     assert answer_two["choices"][0]["finish_reason"] == "stop"
     assert answer_two["choices"][1]["text"] == direct_greedy(reference, "A dog", 12)
     assert code_plain == 200 and answer_plain["choices"][0]["text"] == direct_greedy(reference, "Stocks fell", 12)
@@ -276,10 +277,38 @@ async def test_a_batch_that_fails_midway_answers_each_request_once(v1, evalsched
     assert code_streamed == 200  # (the status went with the first chunk)
     sent = events(stream_text)
     assert sent[-1] != "[DONE]" and sent[-1]["error"]["type"] == "server_error", sent[-1]
-    assert "forward pass 5 failed" in sent[-1]["error"]["message"]
+    assert "the batch it shared with other requests failed" in sent[-1]["error"]["message"]
+    assert "forward pass 5" not in sent[-1]["error"]["message"]  # (the other requests' trouble: not told)
     text = "".join(chunk["choices"][0]["text"] for chunk in sent[:-1])
     assert text and direct_greedy(reference, "A bird", 12).startswith(text)  # each token once, in order
     assert described["failed_requests"] == 1 and described["queued"] == 0
+
+
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+async def test_a_batch_that_fails_at_its_first_pass_runs_each_request_again(v1, evalsched, gate, reference):
+    """A stream and a plain request share a batch that fails at its first forward pass, before
+    any token: the stream's client has been sent no token (the host made its head, which a
+    client is sent once however often it is made), so both are run again alone and answered in
+    full."""
+    await loaded(evalsched)
+    (gate / "hold-1").touch()  # the first batch (one token for "x") holds the batcher
+    first = asyncio.ensure_future(v1("completions", {"model": "gated", "prompt": "x", "max_tokens": 1}))
+    await until(lambda: _batches(evalsched, 1), "the first batch runs")
+    streamed = {"model": "gated", "prompt": "A bird", "max_tokens": 6, "temperature": 0, "stream": True}
+    plain = {"model": "gated", "prompt": "Stocks fell", "max_tokens": 6, "temperature": 0}
+    pending = [asyncio.ensure_future(v1("completions", body)) for body in (streamed, plain)]
+    await until(lambda: _queued(evalsched, 2), "both requests are queued")
+    (gate / "fail-2").touch()  # the shared batch's first pass
+    (gate / "hold-1").unlink()
+    (code_streamed, stream_text, _), (code_plain, answer_plain, _) = [await answer for answer in pending]
+    assert (await first)[0] == 200
+    assert not (gate / "fail-2").exists()  # (the failure happened)
+    sent = events(stream_text)
+    assert code_streamed == 200 and sent[-1] == "[DONE]", sent[-2:]
+    assert "".join(chunk["choices"][0]["text"] for chunk in sent[:-1]) == direct_greedy(reference, "A bird", 6)
+    assert code_plain == 200 and answer_plain["choices"][0]["text"] == direct_greedy(reference, "Stocks fell", 6)
+    described = await figures(evalsched, "gated")
+    assert described["batch_sizes"].get("2") == 1 and described["failed_requests"] == 0, described
 
 
 @pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)

@@ -451,7 +451,8 @@ class ModelHost:
                     with self.cond:
                         if call.done.is_set() or call.cancelled:
                             return
-                        streamed.add(position)
+                        if "prompt_text" not in plain:  # (a head is sent to a client once, however often made)
+                            streamed.add(position)
                         call.deltas.append({"index": index, **plain})
                     call.wake()
 
@@ -486,29 +487,18 @@ class ModelHost:
     def _run(self, entries: list[tuple[_Call, int]]) -> None:
         answered: set[int] = set()
         streamed: set[int] = set()
+        again: list[list[tuple[_Call, int]]] | None
         try:
             outputs = self._forward(entries, answered, streamed)
         except BaseException as exc:  # a model's sys.exit() must not end the batcher thread
-            calls = [c for c in {id(call): call for call, _ in entries}.values() if not c.done.is_set()]
-            if not calls:
-                return
-            error = self._error(exc, "call")
-            del exc
-            if len(calls) == 1:
-                with self.cond:
-                    self._finish(calls[0], error)
-                return
-            # Several requests shared the failed batch: each is run again alone, so that one bad
-            # input fails its own request only. Only its inputs still unanswered go again (an
-            # answered one is counted in ``remaining`` already); a request that was sent part
-            # of such an input fails instead (its caller would get that part twice).
-            for call in calls:
-                rest = [(p, e) for p, e in enumerate(entries) if e[0] is call and p not in answered]
-                if any(p in streamed for p, _ in rest):
-                    with self.cond:
-                        self._finish(call, error)
-                elif rest:
-                    self._run([entry for _, entry in rest])
+            again = self._after_failure(entries, answered, streamed, self._error(exc, "call"))
+        else:
+            again = None
+        if again is not None:
+            # Run outside the except block, which keeps the failed batch's frames alive (its
+            # tensors: the very memory a GPU's out-of-memory failure is about).
+            for rest in again:
+                self._run(rest)
             return
         with self.cond:
             for position, ((call, index), output) in enumerate(zip(entries, outputs, strict=False)):
@@ -518,6 +508,35 @@ class ModelHost:
                 call.remaining -= 1
                 if call.remaining == 0:
                     self._finish(call, None)
+
+    def _after_failure(
+        self, entries: list[tuple[_Call, int]], answered: set[int], streamed: set[int], error: dict
+    ) -> list[list[tuple[_Call, int]]]:
+        """What to run again, each request alone, after the batch of ``entries`` failed with
+        ``error``; the requests that cannot be run again are failed here. One request alone
+        fails with the batch's error. Several shared it: each is run again alone, so that one bad
+        input fails its own request only. Only its inputs still unanswered go again (an answered
+        one is counted in ``remaining`` already); a request that was sent a part of one (a
+        token) fails instead, its caller would get that part twice, and not with another
+        request's error, which its message would show that caller."""
+        calls = [c for c in {id(call): call for call, _ in entries}.values() if not c.done.is_set()]
+        if len(calls) == 1:
+            with self.cond:
+                self._finish(calls[0], error)
+            return []
+        shared = {
+            **error,
+            "message": "the batch it shared with other requests failed after part of its answer was sent",
+        }
+        again = []
+        for call in calls:
+            rest = [(p, e) for p, e in enumerate(entries) if e[0] is call and p not in answered]
+            if any(p in streamed for p, _ in rest):
+                with self.cond:
+                    self._finish(call, shared)
+            elif rest:
+                again.append([entry for _, entry in rest])
+        return again
 
     def _finish(self, call: _Call, error: dict | None) -> None:
         """Complete a request (with ``self.cond`` held)."""
@@ -715,7 +734,11 @@ class ModelHost:
                 if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
                     continue  # (that one connection's trouble)
                 raise
-            threading.Thread(target=self.serve_connection, args=(conn,), daemon=True).start()
+            try:
+                threading.Thread(target=self.serve_connection, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread to be had (the host's memory cap, say): that caller's loss only
+                conn.close()
+                time.sleep(ACCEPT_BACKOFF_S)
 
 
 def api_waiting(busy: Counter[str], answered: dict[str, float], now: float, recent_s: float) -> bool:
