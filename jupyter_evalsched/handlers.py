@@ -23,7 +23,9 @@ from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from pydantic import BaseModel, ValidationError
 from tornado import web, websocket
+from tornado.http1connection import HTTP1Connection
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.iostream import StreamClosedError
 
 from . import contract
 from ._version import __version__
@@ -42,6 +44,9 @@ EXTENSION = "jupyter_evalsched"
 MAX_BODY_BYTES = MAX_SPEC_JSON_CHARS  # one number for both: a body carries one spec (and a sweep's points)
 RETRY_AFTER_S = 1  # a 429's Retry-After
 FORWARD_TIMEOUT_S = 60  # a secondary's wait for the primary's whole answer (REST: answers in ms)
+# The relays' own client (relay_client): as many at once as come, and answers of any size.
+RELAY_MAX_CLIENTS = 1024
+RELAY_MAX_BODY_BYTES = 1 << 40
 # What a delegated answer keeps of the primary's headers (besides the status).
 RELAYED_HEADERS = ("Content-Type", "Location", "Retry-After", "Cache-Control", "X-Evalsched-Cache")
 MAX_LIST_LIMIT = contract.MAX_LIST_LIMIT
@@ -120,6 +125,21 @@ class _Relay:
         handler.write(data)
         # (a client gone meanwhile fails the flush; the next part sees it gone and ends the relay)
         handler.flush().add_done_callback(lambda done: done.exception())
+
+
+def relay_client(app: EvalSchedApp) -> AsyncHTTPClient:
+    """The client of the relays (forward_as_it_comes), made once per server and closed at its stop.
+
+    Not the shared ``AsyncHTTPClient()``: a relay holds its connection for as long as the
+    generation takes, and the shared client has 10 slots, so 10 long generations through a
+    secondary would make every further forward, REST included, wait in tornado's queue until it
+    failed (a 599 after connect_timeout: a misleading 503). And tornado's max_body_size (100 MB
+    by default) applies to a streamed answer too: over it, a relayed answer would be cut."""
+    if app.relay_client is None:
+        app.relay_client = AsyncHTTPClient(
+            force_instance=True, max_clients=RELAY_MAX_CLIENTS, max_body_size=RELAY_MAX_BODY_BYTES
+        )
+    return app.relay_client
 
 
 def is_delegating(handler: Any) -> bool:
@@ -230,7 +250,8 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         body = self.request.body if self.request.method in ("POST", "PUT", "PATCH") else None
         relay = _Relay(self, primary.pid) if self.forward_as_it_comes else None
         try:
-            resp = await AsyncHTTPClient().fetch(
+            client = relay_client(self.app) if relay is not None else AsyncHTTPClient()
+            resp = await client.fetch(
                 url,
                 method=self.request.method,
                 headers=headers,
@@ -248,7 +269,10 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         else:
             resp_error = resp.error if resp.code == 599 else None
         if relay is not None and relay.started:
-            self.finish()  # (cut short where the primary's answer broke off: a stream without its end)
+            if resp_error is None:
+                self.finish()
+            else:
+                await self.break_off(relay, resp_error)
             return
         if resp_error is not None:
             raise ApiError(
@@ -262,6 +286,37 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
                 self.set_header(name, resp.headers[name])
         self.set_header("X-Evalsched-Primary", str(primary.pid))
         self.finish(resp.body or b"")
+
+    async def break_off(self, relay: _Relay, error: BaseException) -> None:
+        """The primary's answer broke off after its start was relayed (the primary died, its
+        connection failed): the client must see an incomplete answer, not a whole, shorter one."""
+        if not self.client_gone:
+            self.log.warning(
+                "evalsched: the primary (pid %s) broke off its answer to %s %s: %s",
+                relay.primary_pid,
+                self.request.method,
+                self.request.path,
+                error,
+            )
+            if relay.headers.get("content-type", "").startswith("text/event-stream"):
+                # As openai_api's stream() ends a failed stream: an event OpenAI's clients raise.
+                message = (
+                    f"the primary evalsched server of this host (pid {relay.primary_pid}) broke off "
+                    f"its answer ({error}); retry"
+                )
+                event = {"error": {"message": message, "type": "server_error", "code": None, "param": None}}
+                self.write(f"data: {json.dumps(event)}\n\n")
+            try:
+                await self.flush()  # (all that was relayed: the close below drops what is unsent)
+            except StreamClosedError:
+                pass
+        # Closed without the last chunk, which finish() alone would write: the client's HTTP
+        # library sees the answer end early. finish() after the close writes nothing (the stream
+        # is closed) but ends the request for tornado, which then runs no get()/post() after
+        # this prepare() (_execute returns on self._finished).
+        if isinstance(self.request.connection, HTTP1Connection):  # (tornado's server: always)
+            self.request.connection.close()
+        self.finish()
 
     def send_json(self, obj: Any, status: int = 200) -> None:
         self.set_status(status)

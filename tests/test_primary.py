@@ -10,6 +10,8 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -143,13 +145,35 @@ def test_a_secondary_relays_a_models_stream_as_the_primary_sends_it(tmp_path):
     model is held before its second forward pass (the secondary used to read the primary's whole
     answer first, and to give up on one that took over 60 s), and the rest follows, ended by
     ``[DONE]``."""
-    import http.client
+    gate = tmp_path / "gate"
+    with _primary_with_a_model_and_a_secondary(tmp_path, gate) as (first, second):
+        conn, resp = _a_held_stream_through(first, second, gate)
+        try:
+            (gate / "hold-2").unlink()
+            rest_of_it = resp.read().decode()
+            assert rest_of_it.rstrip().endswith("data: [DONE]")
+        finally:
+            (gate / "hold-2").unlink(missing_ok=True)
+            conn.close()
 
+
+@contextmanager
+def _primary_with_a_model_and_a_secondary(tmp_path: Path, gate: Path) -> Iterator[tuple[LocalServer, LocalServer]]:
+    """Two servers on one runs directory: the first (the primary) with the gated tiny GPT-2."""
+    runs = str(tmp_path / "runs")
+    with (
+        LocalServer(virtual_gpus="24000", runs_dir=runs, models=_gated_model(tmp_path, gate), extra_args=FAST) as first,
+        LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=FAST) as second,
+    ):
+        yield first, second
+
+
+def _gated_model(tmp_path: Path, gate: Path) -> list[dict]:
+    """The models of a primary whose forward passes ``gate`` holds (testing:gated_causal_lm)."""
     from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 
-    gate = tmp_path / "gate"
     gate.mkdir()
-    models = [
+    return [
         {
             "name": "gated",
             "loader": "jupyter_evalsched.shared_models.testing:gated_causal_lm",
@@ -159,39 +183,73 @@ def test_a_secondary_relays_a_models_stream_as_the_primary_sends_it(tmp_path):
             "cpu_threads": 1,
         }
     ]
-    runs = str(tmp_path / "runs")
-    with (
-        LocalServer(virtual_gpus="24000", runs_dir=runs, models=models, extra_args=FAST) as first,
-        LocalServer(virtual_gpus="24000", runs_dir=runs, extra_args=FAST) as second,
-    ):
-        assert second.client().request("GET", "status")["role"] == "secondary"
-        wait_until(
-            lambda: any(m["state"] == "loaded" for m in first.client().request("GET", "models")["models"]),
-            timeout=120,
+
+
+def _a_held_stream_through(first: LocalServer, second: LocalServer, gate: Path):
+    """A completion stream asked of the secondary ``second``, whose first event has reached the
+    client while ``first``, the primary, holds the model before its second forward pass."""
+    import http.client
+
+    assert second.client().request("GET", "status")["role"] == "secondary"
+    wait_until(
+        lambda: any(m["state"] == "loaded" for m in first.client().request("GET", "models")["models"]),
+        timeout=120,
+    )
+    (gate / "hold-2").touch()
+    url = second.url.split("://", 1)[1]
+    host, _, rest = url.partition("/")
+    conn = http.client.HTTPConnection(host, timeout=60)
+    try:
+        body = {"model": "gated", "prompt": "The cat", "max_tokens": 5, "temperature": 0, "stream": True}
+        conn.request(
+            "POST",
+            "/" + rest + "evalsched/v1/completions",
+            json.dumps(body),
+            {"Authorization": f"Bearer {second.token}", "Content-Type": "application/json"},
         )
-        (gate / "hold-2").touch()
-        url = second.url.split("://", 1)[1]
-        host, _, rest = url.partition("/")
-        conn = http.client.HTTPConnection(host, timeout=60)
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+        assert resp.getheader("X-Evalsched-Primary") == str(first.process.pid)
+        first_event = resp.readline()
+        assert first_event.startswith(b"data: ") and json.loads(first_event[6:])["choices"][0]["text"]
+        assert (gate / "calls").read_text().split() == ["1"]  # one pass made, the second held
+    except BaseException:
+        (gate / "hold-2").unlink(missing_ok=True)
+        conn.close()
+        raise
+    return conn, resp
+
+
+@pytest.mark.slow  # a server started, killed or restarted: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+def test_a_stream_the_primary_breaks_off_reaches_the_secondarys_client_as_an_error_and_incomplete(tmp_path):
+    """The primary dies mid-stream: the secondary's client gets an error event, then a response
+    that ends without its last chunk (the secondary used to end it well-formed, without
+    ``[DONE]`` or an error: a whole, shorter answer to OpenAI's clients)."""
+    import http.client
+
+    gate = tmp_path / "gate"
+    with _primary_with_a_model_and_a_secondary(tmp_path, gate) as (first, second):
+        conn, resp = _a_held_stream_through(first, second, gate)
         try:
-            body = {"model": "gated", "prompt": "The cat", "max_tokens": 5, "temperature": 0, "stream": True}
-            conn.request(
-                "POST",
-                "/" + rest + "evalsched/v1/completions",
-                json.dumps(body),
-                {"Authorization": f"Bearer {second.token}", "Content-Type": "application/json"},
-            )
-            resp = conn.getresponse()
-            assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
-            assert resp.getheader("X-Evalsched-Primary") == str(first.process.pid)
-            first_event = resp.readline()
-            assert first_event.startswith(b"data: ") and json.loads(first_event[6:])["choices"][0]["text"]
-            assert (gate / "calls").read_text().split() == ["1"]  # one pass made, the second held
-            (gate / "hold-2").unlink()
-            rest_of_it = resp.read().decode()
-            assert rest_of_it.rstrip().endswith("data: [DONE]")
+            first.process.kill()  # held before its second pass: nothing is released
+            first.process.wait(timeout=60)
+            lines = []
+            while not any(line.startswith(b'data: {"error"') for line in lines):
+                line = resp.readline()  # (a clean end would be b"" here)
+                assert line, f"the stream ended cleanly, without an error event: {lines}"
+                lines.append(line)
+            error = json.loads(lines[-1][6:])["error"]
+            assert error["type"] == "server_error" and f"pid {first.process.pid}" in error["message"], error
+            assert not any(b"[DONE]" in line for line in lines), lines
+            # ... and no terminating chunk: http.client sees the response end early (a reset,
+            # should the kernel send one, says the same).
+            with pytest.raises((http.client.IncompleteRead, ConnectionResetError)):
+                rest = resp.read()
+                pytest.fail(f"the stream ended cleanly after its error: {rest!r}")
+            log = Path(second.log_path).read_text(errors="replace")
+            assert "broke off its answer" in log and "Traceback" not in log, second.log_tail()
         finally:
-            (gate / "hold-2").unlink(missing_ok=True)
+            (gate / "hold-2").unlink(missing_ok=True)  # (a model host the kill left behind ends)
             conn.close()
 
 
