@@ -32,6 +32,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .detokenize import IncrementalText, offsets
+
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 MAX_TOP_LOGPROBS = 20
 # A temperature below this is read as 0 (greedy): tempered by it, a token whose logit is 0.001
@@ -302,6 +304,7 @@ class CausalLM:
             room = self.context - len(context_ids)
             wanted = int(request.get("max_tokens", 16))
             seed = request.get("seed")
+            stops = list(request.get("stop") or [])
             generator = None
             if float(request.get("temperature", 1.0)) > 0:
                 generator = torch.Generator().manual_seed(
@@ -320,14 +323,14 @@ class CausalLM:
                     "done": room <= 0 or wanted <= 0,
                     "generator": generator,
                     "top": int(request.get("logprobs") or 0),
-                    "stop": list(request.get("stop") or []),
+                    "stop": stops,
                     "position": position,
-                    # Streaming: the pieces of the tokens so far, the text they add up to, how
-                    # many tokens were sent and how many characters those hold.
+                    # The text so far, decoded a token at a time, and where each token's starts.
+                    "decoded": IncrementalText(self._decode_generated, keep=max(map(len, stops), default=1) - 1),
+                    "offsets": [],
+                    # Streaming: how many tokens were sent and how many characters those hold.
                     "emit": emitters[position] if emitters else None,
                     "base": bases[position] if bases else 0,
-                    "live_pieces": [],
-                    "emitted": "",
                     "sent": 0,
                     "sent_chars": 0,
                 }
@@ -337,7 +340,7 @@ class CausalLM:
             self._finish_text(state)
             if state["emit"] is not None:
                 self._send(state, len(state["ids"]), state["pieces"])
-            keys = ("ids", "logprobs", "tops", "text", "finish_reason", "pieces")
+            keys = ("ids", "logprobs", "tops", "text", "finish_reason", "pieces", "offsets")
             finished(state["position"], {key: state[key] for key in keys})
 
         def step(state: dict) -> None:
@@ -356,27 +359,24 @@ class CausalLM:
         if live:
             self._decode(live, done, step)
 
+    def _decode_generated(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def _advance_stream(self, state: dict) -> None:
-        """Add the newest token's piece (as ``_finish_text`` would cut it) and send every token
-        whose text can no longer change: not after the start of a possible stop string."""
-        prefix = self.tokenizer.decode(state["ids"], skip_special_tokens=True)
-        emitted = state["emitted"]
-        if prefix.endswith("\ufffd") or not prefix.startswith(emitted):
-            state["live_pieces"].append("")
-        else:
-            state["live_pieces"].append(prefix[len(emitted) :])
-            state["emitted"] = emitted = prefix
-        safe = len(emitted) - held_back(emitted, state["stop"])
+        """Send every token whose text can no longer change: not after the start of a possible
+        stop string, nor inside a character."""
+        decoded: IncrementalText = state["decoded"]
+        safe = decoded.length - held_back(decoded.tail, state["stop"])
         count, chars = state["sent"], state["sent_chars"]
-        while count < len(state["live_pieces"]):
-            piece = state["live_pieces"][count]
+        while count < len(decoded.pieces):
+            piece = decoded.pieces[count]
             # A token is final when it starts before the safe end and ends within it: a stop
             # string found later starts at or after the safe end, and cuts no sent token.
             if not (chars < safe and chars + len(piece) <= safe):
                 break
             chars += len(piece)
             count += 1
-        self._send(state, count, state["live_pieces"])
+        self._send(state, count, decoded.pieces)
 
     def _send(self, state: dict, upto: int, pieces: list[str]) -> None:
         """Stream the tokens ``state["sent"]:upto`` (their ``pieces`` and, when asked, entries)."""
@@ -390,7 +390,7 @@ class CausalLM:
                     state["ids"][j],
                     state["logprobs"][j],
                     state["tops"][j] if state["tops"] else [],
-                    state["base"] + len(self.tokenizer.decode(state["ids"][:j])),
+                    state["base"] + state["offsets"][j],
                 )
                 for j in range(start, upto)
             ]
@@ -399,11 +399,11 @@ class CausalLM:
         state["emit"]({"pieces": sent, "logprobs": entries})
 
     def _entry(self, token: int, logprob: float, tops: list, offset: int) -> dict:
-        """A generated token's ``logprobs`` entry (JSON has no infinities: -inf is sent as -9999)."""
+        """A generated token's ``logprobs`` entry."""
         return {
             "token": self._token_text(token),
-            "logprob": -9999.0 if math.isinf(logprob) else logprob,
-            "top": [(self._token_text(t), v) for t, v in tops],
+            "logprob": json_logprob(logprob),
+            "top": [(self._token_text(t), json_logprob(v)) for t, v in tops],
             "offset": offset,
         }
 
@@ -442,6 +442,8 @@ class CausalLM:
                     token = self._pick(logits[row], state)
                     chosen.append(token)
                     state["ids"].append(token)
+                    state["offsets"].append(state["decoded"].reach)
+                    state["decoded"].add(token)
                     state["logprobs"].append(float(logprobs[row, token]))
                     if state["top"]:
                         top = torch.topk(logprobs[row], state["top"])
@@ -493,8 +495,10 @@ class CausalLM:
             state["done"], state["finish_reason"] = True, "stop"
             return
         if state["stop"]:
-            text = self.tokenizer.decode(state["ids"], skip_special_tokens=True)
-            if any(stop in text for stop in state["stop"]):
+            # Only text this token added (with the characters before it that a stop string
+            # could start in) can hold a stop string not found at the tokens before.
+            fresh = state["decoded"].fresh
+            if any(stop in fresh for stop in state["stop"]):
                 state["done"], state["finish_reason"] = True, "stop"
                 return
         if len(state["ids"]) >= state["limit"]:
@@ -512,17 +516,13 @@ class CausalLM:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         cut = min((text.find(stop) for stop in state["stop"] if stop in text), default=-1)
-        pieces: list[str] = []
-        emitted = ""
-        for count in range(1, len(ids) + 1):
-            prefix = text if count == len(ids) else self.tokenizer.decode(ids[:count], skip_special_tokens=True)
-            # A token that ends inside a character decodes to U+FFFD: hold it back until the
-            # character is complete, so that the pieces always add up to the text.
-            if (count < len(ids) and prefix.endswith("\ufffd")) or not prefix.startswith(emitted):
-                pieces.append("")
-                continue
-            pieces.append(prefix[len(emitted) :])
-            emitted = prefix
+        # The pieces as decoded a token at a time; a last token that ends inside a character
+        # (the generation stopped there) gets that character's start as well.
+        pieces = state["decoded"].pieces[: len(ids)]
+        if pieces:
+            length = sum(map(len, pieces))
+            if len(text) > length and text.startswith("".join(pieces)):
+                pieces[-1] += text[length:]
         if cut >= 0:
             text = text[:cut]
             kept, length = [], 0
@@ -537,6 +537,7 @@ class CausalLM:
             ids, pieces = [*ids, state["ids"][-1]], [*pieces, ""]
         state["ids"], state["text"], state["pieces"] = ids, text, pieces
         state["logprobs"], state["tops"] = state["logprobs"][: len(ids)], state["tops"][: len(ids)]
+        state["offsets"] = state["offsets"][: len(ids)]
 
     # -- the answer ------------------------------------------------------------------------------
 
@@ -549,7 +550,15 @@ class CausalLM:
         generation: dict | None,
     ) -> dict:
         prompt_text = self._prompt_text(request, ids)
-        gen = generation or {"ids": [], "logprobs": [], "tops": [], "text": "", "finish_reason": "length", "pieces": []}
+        gen = generation or {
+            "ids": [],
+            "logprobs": [],
+            "tops": [],
+            "text": "",
+            "finish_reason": "length",
+            "pieces": [],
+            "offsets": [],
+        }
         answer: dict[str, Any] = {
             "prompt_text": prompt_text,
             "text": gen["text"],
@@ -565,39 +574,34 @@ class CausalLM:
         top = self._top(request)
         if request.get("echo"):
             if starts is None:  # a token prompt: offsets in its decoded text
-                starts = self._offsets(ids, 0, skip_special=False)
+                starts = offsets(self.tokenizer.decode, ids)
             for position, token in enumerate(ids):
                 entry = score[position] if score else None
                 tokens.append(
                     {
                         "token": self._token_text(token),
-                        "logprob": None if entry is None else entry[0],
-                        "top": None if entry is None else [(self._token_text(t), v) for t, v in entry[1][:top]],
+                        "logprob": None if entry is None else json_logprob(entry[0]),
+                        "top": None
+                        if entry is None
+                        else [(self._token_text(t), json_logprob(v)) for t, v in entry[1][:top]],
                         "offset": starts[position],
                     }
                 )
         base = len(prompt_text) if request.get("echo") else 0
-        offsets = self._offsets(gen["ids"], base, skip_special=True)
         for position, token in enumerate(gen["ids"]):
             tops = gen["tops"][position] if gen["tops"] else []
-            tokens.append(self._entry(token, gen["logprobs"][position], tops, offsets[position]))
-        for entry in tokens:  # JSON has no infinities: a -inf log-probability is sent as a very low number
-            if entry["logprob"] is not None and math.isinf(entry["logprob"]):
-                entry["logprob"] = -9999.0
+            tokens.append(self._entry(token, gen["logprobs"][position], tops, base + gen["offsets"][position]))
         answer["logprobs"] = tokens
         return answer
 
-    def _offsets(self, ids: list[int], base: int, *, skip_special: bool) -> list[int]:
-        """Where each token's text starts, for tokens decoded one after another after ``base``
-        (decoded as their text is: a prompt's with its special tokens, a generation's without).
-        A token that ends inside a character decodes to U+FFFD: the next token starts where
-        that character does, as a text prompt's offset mapping has it."""
-        offsets, previous = [], 0
-        for count in range(len(ids)):
-            offsets.append(base + previous)
-            prefix = self.tokenizer.decode(ids[: count + 1], skip_special_tokens=skip_special)
-            previous = len(prefix.rstrip("\ufffd")) if count + 1 < len(ids) else len(prefix)
-        return offsets
+
+def json_logprob(value: float) -> float | None:
+    """A log-probability as JSON can carry it: JSON has no infinities and no NaN. -inf (a token
+    the model rules out) is sent as a very low number, as vLLM does; NaN (a forward pass that
+    overflowed, in float16) is no figure at all: null, rather than a number that looks right."""
+    if math.isfinite(value):
+        return value
+    return -9999.0 if value < 0 else None
 
 
 def held_back(text: str, stops: list[str]) -> int:
