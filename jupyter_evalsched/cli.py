@@ -1137,6 +1137,10 @@ def format_host_ledger(view: dict) -> str:
     if view["waiting"]:
         waiting = [[w["user"], w["key"], w["vram_mb"], w["reason"]] for w in view["waiting"]]
         lines += ["", format_table(waiting, ["WAITING", "KEY", "VRAM_MB", "REASON"], max_width=100)]
+    omitted = {what: n for what, n in (view.get("omitted") or {}).items() if n}
+    if omitted:  # a busy host's view is bounded; its per-GPU figures above count everything
+        more = ", ".join(f"{n} more {what}" for what, n in omitted.items())
+        lines += ["", f"({more} not listed)"]
     return "\n".join(lines)
 
 

@@ -1207,3 +1207,170 @@ def test_a_ledger_whose_accept_loop_ends_says_so_and_is_stopped(tmp_path, caplog
             await server.stop()
 
     asyncio.run(go())
+
+
+def test_the_state_is_on_disk_before_its_rename_and_a_failed_fsync_is_a_failed_save(tmp_path, monkeypatch):
+    """In one process, as root: each save fsyncs the staged file before renaming it over the
+    state file and the directory after (else a power loss may leave an empty state file: every
+    grant forgotten). An fsync that fails is a save that failed: the change is not made, and the
+    state file holds what is held."""
+    import errno
+    import stat
+
+    from jupyter_evalsched.host_ledger.client import HostLedgerClient
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.server import HostLedger
+
+    real_fsync, real_replace = os.fsync, os.replace
+    calls: list[str] = []
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs):
+        calls.append(f"replace {os.path.basename(dst)}")
+        return real_replace(src, dst, *args, **kwargs)
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    def eio_for_directories(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            eio(fd)
+        real_fsync(fd)
+
+    def saved() -> list[str]:
+        with open(server.state_file, encoding="utf-8") as f:
+            return [g["id"] for g in json.load(f)["grants"]]
+
+    server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(tmp_path / "ledger.sock"))
+
+    async def go() -> None:
+        await server.start()
+        client = HostLedgerClient(server.socket_path)
+        try:
+            await client.connect()
+            monkeypatch.setattr(os, "fsync", fsync)
+            monkeypatch.setattr(os, "replace", replace)
+            grant = await client.request("run-1", 10000)
+            assert calls[:3] == ["fsync file", "replace ledger.sock.state.json", "fsync directory"], calls
+            assert saved() == [grant["id"]]  # (whole: a JSON file naming the grant)
+
+            monkeypatch.setattr(os, "fsync", eio)  # the disk fails the staged file's data
+            with pytest.raises(HostLedgerError) as refused:
+                await client.release(grant["id"])
+            assert refused.value.code == "internal", refused.value.reason
+            assert "cannot save its state (Input/output error (EIO))" in refused.value.reason
+            assert f"grant {grant['id']} is still held" in refused.value.reason
+            busy = await client.request("run-2", 1000, wait=False)
+            assert busy["state"] == "busy" and "cannot save its state (Input/output error (EIO))" in busy["reason"]
+            assert list(server.grants) == [grant["id"]] and saved() == [grant["id"]]
+            assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # (no staged file left)
+
+            # The rename made, but not on disk: not made either, and a sweep writes again what is held.
+            monkeypatch.setattr(os, "fsync", eio_for_directories)
+            with pytest.raises(HostLedgerError) as refused:
+                await client.release(grant["id"])
+            assert refused.value.code == "internal" and list(server.grants) == [grant["id"]]
+            monkeypatch.setattr(os, "fsync", real_fsync)
+            await async_wait_until(lambda: saved() == [grant["id"]], timeout=10)
+            await client.release(grant["id"])
+            assert server.grants == {} and saved() == []
+        finally:
+            monkeypatch.setattr(os, "fsync", real_fsync)
+            await client.close()
+            await server.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("ledger_config", [{"virtual_gpus": [24000, 24000], "reclaim_window_s": 0}])
+def test_a_request_under_a_held_key_gets_that_grant_only_when_it_asks_the_same(users, ledger, agents):
+    """A key names one grant of its user: asked again the same (an answer lost, a restarted
+    server learning its grant), the same grant; asked for anything else (more VRAM, other GPUs,
+    another kind), a precise refusal naming the difference and the grant held, never that grant
+    answered as if it were what was asked."""
+    alice, bob = agents("alice"), agents("bob")
+    held = alice.ok("request", key="k", vram_mb=1000, devices=[0])
+    assert alice.ok("request", key="k", vram_mb=1000, devices=[0]) == held
+    assert alice.ok("request", key="k", vram_mb=1000) == held  # (no GPU named: the one it holds will do)
+    for other, said in (
+        ({"vram_mb": 4000, "devices": [0]}, "4000 MB per GPU, not 1000 MB"),
+        ({"vram_mb": 1000, "devices": [1]}, "GPU 1, not GPU 0"),
+        ({"vram_mb": 1000, "kind": "lease"}, "kind lease, not run"),
+        ({"vram_mb": 1000, "exclusive": True}, "whole GPUs, not shares"),
+        ({"vram_mb": 1000, "gpus": 2}, "2 GPUs, not 1"),
+    ):
+        refused = alice.call("request", key="k", **other)
+        assert refused.get("error") == "key_in_use", refused
+        assert refused["reason"] == (
+            f"user {ALICE} holds grant {held['id']} under key 'k', and this request asks for another: {said}; "
+            "release it first, or ask under another key"
+        )
+    raw = alice.ok("raw", message={"op": "request", "key": "k", "vram_mb": 4000, "wait": False})
+    assert raw["ok"] is False and raw["error"] == "key_in_use" and raw["grant"] == held, raw
+    view = ledger.view()
+    assert grant_ids(view) == {held["id"]} and view["waiting"] == []
+    assert [d["allocated_mb"] for d in view["devices"]] == [1000, 0]
+    # Keys are each user's own: bob's "k" is another grant.
+    assert bob.ok("request", key="k", vram_mb=4000)["id"] != held["id"]
+    alice.ok("release", grant=held["id"])
+    assert alice.ok("request", key="k", vram_mb=4000)["vram_mb"] == 4000  # (released: the key is free)
+
+
+def test_a_view_is_bounded_however_many_grants_the_host_holds(tmp_path):
+    """In one process, as root (an admin): every user's grants, each with a long key and many
+    processes, are more than a client reads in one answer (MAX_ANSWER_BYTES), which closed the
+    connection; a view lists at most MAX_VIEW_ENTRIES of them (or the ``limit`` asked) and says
+    how many it left out, with each GPU's sums whole."""
+    from jupyter_evalsched.cli import format_host_ledger
+    from jupyter_evalsched.host_ledger.client import HostLedgerClient
+    from jupyter_evalsched.host_ledger.config import parse_config
+    from jupyter_evalsched.host_ledger.procs import ProcId
+    from jupyter_evalsched.host_ledger.protocol import MAX_ANSWER_BYTES
+    from jupyter_evalsched.host_ledger.server import MAX_GRANTS_PER_UID, MAX_PIDS, MAX_VIEW_ENTRIES, Grant, HostLedger
+
+    async def go() -> None:
+        server = HostLedger(parse_config({"virtual_gpus": [24000]}), str(tmp_path / "ledger.sock"))
+        await server.start()
+        client = HostLedgerClient(server.socket_path)
+        try:
+            await client.connect()
+            mine = [(await client.request(f"run-{i}", 10))["id"] for i in range(30)]
+            view = await client.view()
+            assert [g["id"] for g in view["grants"]] == mine and view["devices"][0]["grants"] == mine
+            assert view["omitted"] == {"grants": 0, "waiting": 0, "demand": 0}
+            short = await client.view(limit=10)
+            assert [g["id"] for g in short["grants"]] == mine[:10] and short["devices"][0]["grants"] == mine[:10]
+            assert short["omitted"] == {"grants": 20, "waiting": 0, "demand": 0}
+            assert format_host_ledger(short).endswith("\n(20 more grants not listed)")  # --status says so
+            assert short["devices"][0]["allocated_mb"] == 300 and short["devices"][0]["free_mb"] == 24000 - 300
+
+            # Other users' grants as many as the ledger lets each hold, as large as it lets each be
+            # (the sweep stopped: their processes are made up).
+            assert server._sweeper is not None
+            server._sweeper.cancel()
+            procs = [ProcId(4_000_000 + n, 123_456_789_012) for n in range(MAX_PIDS)]
+            for uid in range(1000, 1012):
+                for n in range(MAX_GRANTS_PER_UID):
+                    gid = f"{uid:05d}{n:011d}"
+                    key = f"{n:04d}" + "k" * 196
+                    server.grants[gid] = Grant(gid, uid, f"user{uid}", key, "run", (0,), 1, False, procs)
+            assert len(json.dumps([g.as_json() for g in server.grants.values()])) > MAX_ANSWER_BYTES
+            total = len(server.grants)
+            whole = await asyncio.to_thread(status, server.socket_path)
+            assert whole["admin"] is True and len(whole["grants"]) == MAX_VIEW_ENTRIES
+            assert whole["omitted"]["grants"] == total - MAX_VIEW_ENTRIES
+            assert [g["id"] for g in whole["grants"]][:30] == mine
+            assert len(whole["devices"][0]["grants"]) == MAX_VIEW_ENTRIES
+            assert whole["devices"][0]["allocated_mb"] == 300 + 12 * MAX_GRANTS_PER_UID
+            assert (await client.view(limit=10 * MAX_VIEW_ENTRIES))["omitted"]["grants"] == total - MAX_VIEW_ENTRIES
+            with pytest.raises(HostLedgerError) as bad:
+                await client.view(limit=-1)
+            assert bad.value.code == "bad_request" and "limit" in bad.value.reason
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(go())

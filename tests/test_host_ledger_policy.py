@@ -19,6 +19,7 @@ from jupyter_evalsched.host_ledger.policy import (
     decide,
     deferred_to,
     held_mb,
+    key_mismatch,
     met_by,
     next_grant,
 )
@@ -232,3 +233,19 @@ def test_a_lease_or_a_models_grant_serves_no_runs_demand():
         assert met_by(grant, demand) is None
         assert met_by(grant, [Ask("alice", 10000, kind=kind)]) == 0
     assert met_by(Holding("alice", (0,), 20000), demand) == 0
+
+
+def test_a_key_names_one_ask_and_another_under_it_is_told_apart():
+    held = Holding("alice", (0, 1), 1000)
+    # The same ask again (the GPUs named or not, in any order): no difference.
+    assert key_mismatch(held, Ask("alice", 1000, gpus=2)) == ""
+    assert key_mismatch(held, Ask("alice", 1000, gpus=2, devices=(1, 0))) == ""
+    assert key_mismatch(held, Ask("alice", 4000, gpus=2)) == "4000 MB per GPU, not 1000 MB"
+    assert key_mismatch(held, Ask("alice", 1000, gpus=2, devices=(0, 2))) == "GPU 0, 2, not GPU 0, 1"
+    assert key_mismatch(held, Ask("alice", 1000)) == "1 GPU, not 2"
+    assert key_mismatch(held, Ask("alice", 1000, gpus=2, kind="model")) == "kind model, not run"
+    assert (
+        key_mismatch(held, Ask("alice", 0, gpus=2, exclusive=True, kind="lease"))
+        == "kind lease, not run; whole GPUs, not shares; 0 MB per GPU, not 1000 MB"
+    )
+    assert key_mismatch(Holding("alice", (0,), 0, exclusive=True), Ask("alice", 0)) == "shares, not whole GPUs"

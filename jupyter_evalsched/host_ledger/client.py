@@ -3,29 +3,38 @@ blocking ``status`` for the CLI.
 
 The client remembers the grants it holds; :meth:`HostLedgerClient.connect` on a new connection
 (the ledger restarted, or this process did and rebuilt ``grants``) re-tells them (``reclaim``), so
-the ledger never grants their VRAM to anyone else. A request that waits is answered when granted
+the ledger never grants their VRAM to anyone else; one it refuses is held no more (said in the log,
+and listed in ``refused``). A request that waits is answered when granted
 (``request`` returns then); a lost connection fails every pending call with
 :class:`HostLedgerUnavailable`, and the caller connects again and asks again: a request the ledger
-had already granted under the same key returns that grant, never a second one.
+had already granted under the same key (for the same ask) returns that grant, never a second one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from .protocol import MAX_ANSWER_BYTES, ProtocolError, encode, read_frame, recv_sync, send_sync
 
+log = logging.getLogger(__name__)
+
 CONNECT_TIMEOUT_S = 5.0
 
 
 class HostLedgerError(Exception):
-    def __init__(self, code: str, reason: str) -> None:
+    def __init__(self, code: str, reason: str, answer: dict[str, Any] | None = None) -> None:
         super().__init__(reason)
         self.code, self.reason = code, reason
+        self.answer = answer or {}  # the error answer as it came (key_in_use: the ``grant`` held)
+
+    @classmethod
+    def of(cls, answer: dict[str, Any]) -> HostLedgerError:
+        return cls(str(answer.get("error")), str(answer.get("reason")), answer)
 
 
 class HostLedgerUnavailable(HostLedgerError):
@@ -47,6 +56,9 @@ class HostLedgerClient:
         self.tenant = tenant
         self.on_event = on_event  # the ledger's unasked news: "waiting" (a new reason), "ended"
         self.grants: dict[str, dict[str, Any]] = {}  # the live grants this client holds, by id
+        # The grants the last connect() re-told and the ledger refused (no longer held), each as
+        # {"grant", "error", "reason"}.
+        self.refused: list[dict[str, Any]] = []
         self.hello: dict[str, Any] | None = None
         self._pending_id = 1
         self._calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -70,11 +82,42 @@ class HostLedgerClient:
             raise HostLedgerUnavailable("unavailable", f"cannot connect to {self.socket_path}: {exc}") from None
         self._writer = writer
         self._reader_task = asyncio.create_task(self._read(reader))
-        self.hello = await self._call("hello", tenant=self.tenant)
-        if self.grants:
-            answer = await self._call("reclaim", grants=[self._retell(g) for g in self.grants.values()])
-            self.grants = {g["id"]: g for g in answer["kept"]}
+        self.refused = []
+        try:
+            self.hello = await self._call("hello", tenant=self.tenant)
+            if self.grants:
+                answer = await self._call("reclaim", grants=[self._retell(g) for g in self.grants.values()])
+                self._retold(answer)
+        except HostLedgerError:
+            # Connected means re-told: a connection left open after a reclaim refused whole (the
+            # ledger could not save it: ``internal``) would look connected and never re-tell the
+            # grants. Closed, the next connect() tells them again (none was dropped).
+            await self.close()
+            raise
         return self.hello
+
+    def _retold(self, answer: dict[str, Any]) -> None:
+        """The ledger's answer to the grants re-told: those kept are held; each it refused is held
+        no more (said, with the ledger's reason, and kept in ``refused`` for the caller)."""
+        for item in answer.get("refused", []):
+            grant = self.grants.get(str(item.get("id"))) if isinstance(item, dict) else None
+            if grant is None:
+                continue
+            error, reason = str(item.get("error")), str(item.get("reason"))
+            self.refused.append({"grant": grant, "error": error, "reason": reason})
+            log.warning(
+                "host ledger %s: grant %s (%s %r: %s MB on GPU %s) re-told after a reconnect and refused, "
+                "so no longer held: %s (%s)",
+                self.socket_path,
+                grant.get("id"),
+                grant.get("kind"),
+                grant.get("key"),
+                grant.get("vram_mb"),
+                ",".join(map(str, grant.get("devices", []))),
+                reason,
+                error,
+            )
+        self.grants = {g["id"]: g for g in answer["kept"]}
 
     @staticmethod
     def _retell(grant: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +210,7 @@ class HostLedgerClient:
         _, fut = await self._send(op, **fields)
         answer = await fut
         if not answer.get("ok"):
-            raise HostLedgerError(str(answer.get("error")), str(answer.get("reason")))
+            raise HostLedgerError.of(answer)
         return answer
 
     async def request(
@@ -202,7 +245,7 @@ class HostLedgerClient:
             _, fut = await self._send("request", wait=wait, **fields)
             answer = await fut
             if not answer.get("ok"):
-                raise HostLedgerError(str(answer.get("error")), str(answer.get("reason")))
+                raise HostLedgerError.of(answer)
             state = answer["state"]
             if state == "never":
                 raise NeverFits("never", answer["reason"])
@@ -240,8 +283,10 @@ class HostLedgerClient:
     async def cancel(self, key: str) -> bool:
         return bool((await self._call("cancel", key=key))["cancelled"])
 
-    async def view(self) -> dict[str, Any]:
-        return await self._call("view")
+    async def view(self, limit: int | None = None) -> dict[str, Any]:
+        """The host's view for this user; ``limit``: list at most this many grants, waiting
+        requests and demanded asks (the ledger's own bound without it; ``omitted`` counts the rest)."""
+        return await self._call("view") if limit is None else await self._call("view", limit=limit)
 
     async def demand(self, asks: list[dict[str, Any]]) -> int:
         """Tell the GPU work queued at this tenant (``vram_mb``, ``gpus``, ``exclusive``,
@@ -264,7 +309,7 @@ def status(socket_path: str, timeout_s: float = 5.0) -> dict[str, Any]:
             while "event" in answer:
                 answer = recv_sync(sock, timeout_s)
             if not answer.get("ok"):
-                raise HostLedgerError(str(answer.get("error")), str(answer.get("reason")))
+                raise HostLedgerError.of(answer)
         return answer
     finally:
         sock.close()

@@ -201,6 +201,25 @@ def decide(ask: Ask, devices: Mapping[int, HostDevice], holdings: Sequence[Holdi
     return Decision("granted", devices=tuple(sorted(d.index for d in chosen)))
 
 
+def key_mismatch(held: Holding, ask: Ask) -> str:
+    """How ``ask`` differs from ``held``, the grant its key already names ("" when it asks the
+    same again: a retry whose answer was lost, answered with that grant). Its processes are no
+    part of it: a retry may name the run's, which a re-tie gives the grant."""
+    diffs = []
+    if ask.kind != held.kind:
+        diffs.append(f"kind {ask.kind}, not {held.kind}")
+    if ask.exclusive != held.exclusive:
+        diffs.append("whole GPUs, not shares" if ask.exclusive else "shares, not whole GPUs")
+    if ask.vram_mb != held.vram_mb:
+        diffs.append(f"{ask.vram_mb} MB per GPU, not {held.vram_mb} MB")
+    if ask.gpus != len(held.devices):
+        diffs.append(f"{_plural(ask.gpus, 'GPU')}, not {len(held.devices)}")
+    elif ask.devices is not None and set(ask.devices) != set(held.devices):
+        named = ", ".join(map(str, sorted(set(ask.devices))))
+        diffs.append(f"GPU {named}, not GPU {', '.join(map(str, sorted(held.devices)))}")
+    return "; ".join(diffs)
+
+
 def next_grant(
     waiting: Sequence[Ask],
     devices: Mapping[int, HostDevice],

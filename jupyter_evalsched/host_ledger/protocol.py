@@ -23,7 +23,7 @@ from typing import Any
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 * 1024  # what the ledger reads from anyone
-MAX_ANSWER_BYTES = 16 * 1024 * 1024  # what a client reads from the ledger (a busy host's whole view)
+MAX_ANSWER_BYTES = 16 * 1024 * 1024  # what a client reads from the ledger (a busy host's view, itself bounded)
 FRAME_DEADLINE_S = 2.0  # for the rest of a frame once its first byte is in
 HELLO_DEADLINE_S = 5.0  # for a new connection's first frame
 

@@ -8,7 +8,7 @@ it ends when released, or when all its processes are gone (checked every sweep),
 connection closed: a user's server killed with -9 keeps its runs' grants while the runs live.
 
 Restart: the grants and the tenants (the servers connected) are kept in a state file, written
-before each answer or event that changes them. A restarted ledger keeps the saved grants whose processes
+(and synced to disk) before each answer or event that changes them. A restarted ledger keeps the saved grants whose processes
 still live, and grants nothing new until every saved tenant still alive has re-told its grants
 (``reclaim``) or the reclaim window has passed: nothing is granted twice.
 """
@@ -48,6 +48,7 @@ from .policy import (
     decide,
     deferred_to,
     held_mb,
+    key_mismatch,
     met_by,
     next_grant,
     takes_room,
@@ -67,6 +68,10 @@ SEND_DEADLINE_S = 10.0  # a peer that takes none of its answers for this long is
 MAX_SEND_BUFFER = 1024 * 1024  # a peer that reads nothing is closed rather than buffered for
 KINDS = ("run", "lease", "model")  # model: a shared model's VRAM, held by a user's server
 MAX_DEMAND = 16  # asks a tenant may tell as its demand (its queued GPU work)
+# The most grants (and, each, waiting requests and demanded asks) one view lists: a grant is at
+# most about 3 KB (a 200-character key, 64 processes), so a view stays a few MB, far below the
+# MAX_ANSWER_BYTES a client reads, however many users' grants the host holds.
+MAX_VIEW_ENTRIES = 1000
 TURN_S = 5.0  # how long room kept for a user holding less (its demand) waits for that user to ask
 # Connections at once, over all users: well below the ledger's file descriptor limit (see
 # connection_cap), so that /proc and its state file can always be opened.
@@ -77,9 +82,10 @@ ACCEPT_BACKOFF_S = 1.0  # after accept() failed (out of descriptors, say): try a
 
 
 class BadRequest(Exception):
-    def __init__(self, code: str, reason: str) -> None:
+    def __init__(self, code: str, reason: str, **fields: Any) -> None:
         super().__init__(reason)
         self.code, self.reason = code, reason
+        self.fields = fields  # more for the error answer (key_in_use: the grant held under the key)
 
 
 @dataclass(eq=False)
@@ -100,11 +106,17 @@ class Conn:
     # (until when, the tenant deferred to, the demanded ask it was deferred for)
     deferred_for: list[tuple[float, Conn, Ask]] = field(default_factory=list)
 
+    largest: int = 0  # the largest frame sent to it (a busy host's view may be a few MB)
+
     def send(self, message: dict[str, Any]) -> None:
         if self.closed:
             return
-        self.writer.write(encode(message, MAX_ANSWER_BYTES))
-        if self.writer.transport.get_write_buffer_size() > MAX_SEND_BUFFER:
+        frame = encode(message, MAX_ANSWER_BYTES)
+        self.largest = max(self.largest, len(frame))
+        self.writer.write(frame)
+        # Unread past MAX_SEND_BUFFER besides one whole answer, which alone may be more than the
+        # socket takes at once: a peer that reads it is never mistaken for one that reads nothing.
+        if self.writer.transport.get_write_buffer_size() > MAX_SEND_BUFFER + self.largest:
             log.warning("closing the connection of %s (pid %s): it reads no answers", self.user, self.pid)
             self.close()
 
@@ -252,6 +264,20 @@ def private_path(what: str, path: str) -> str:
                 "refusing it; keep it in a directory only the ledger's user can write, e.g. /run/evalsched"
             )
     return os.path.join(directory, os.path.basename(path))
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable (OSError when it cannot be). A file system that
+    cannot sync a directory at all (EINVAL: some FUSE and network ones) has nothing to make
+    durable this way: that is no failure to save."""
+    fd = os.open(directory or os.curdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
 
 
 def _whole(value: Any, low: int | None = None) -> int:
@@ -588,10 +614,21 @@ class HostLedger:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(state))  # dumps: the C encoder (dump to a file is pure Python)
+                f.flush()
+                # On disk before the rename: else a power loss may leave the new name on an empty
+                # file (the metadata journalled, the data not), and the grants forgotten.
+                os.fsync(f.fileno())
             os.replace(tmp, self.state_file)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            raise
+        try:
+            _fsync_directory(os.path.dirname(self.state_file))  # the rename itself, on disk
+        except BaseException:
+            # The file has the new state, which may not outlast a power loss: the caller makes
+            # no change it was for, and the sweep writes what is held again (_unsaved).
+            self._unsaved = True
             raise
         self._unsaved = False
         self._trouble_over("save")
@@ -862,7 +899,12 @@ class HostLedger:
                     conn.send(_error(message.get("id"), "hello_first", "the first message must be hello"))
                     return
                 first = False
-                conn.send(self._answer(conn, message))
+                answer = self._answer(conn, message)
+                try:
+                    conn.send(answer)
+                except ProtocolError as exc:  # over MAX_ANSWER_BYTES (a bug: answers are bounded)
+                    log.error("host ledger: the answer to %r of user %s: %s", message.get("op"), conn.user, exc)
+                    conn.send(_error(message.get("id"), "internal", f"the host ledger could not answer: {exc}"))
                 try:  # its answers taken, or the connection goes: it must not hold a slot for ever
                     await asyncio.wait_for(writer.drain(), SEND_DEADLINE_S)
                 except TimeoutError:
@@ -899,7 +941,7 @@ class HostLedger:
                 raise BadRequest("unknown_op", f"unknown op {op!r}")
             return {"id": request, "ok": True, **handler(conn, message)}
         except BadRequest as exc:
-            return _error(request, exc.code, exc.reason)
+            return {**_error(request, exc.code, exc.reason), **exc.fields}
         except Exception as exc:  # a bug or a full disk: this caller hears why, the others go on
             log.exception("host ledger: %s from user %s failed", op, conn.user)
             return _error(request, "internal", f"the host ledger could not answer {op!r}: {exc}")
@@ -966,7 +1008,17 @@ class HostLedger:
         key, ask = self._ask(conn, message)
         conn.tenant = True
         for grant in self.grants.values():
-            if grant.uid == conn.uid and grant.key == key:  # asked again (an answer lost): the same grant
+            if grant.uid == conn.uid and grant.key == key:
+                # Asked again (an answer lost, a server restarted): the same grant, but only for
+                # the same ask; answered as granted, another would be used as if it held what it asks.
+                mismatch = key_mismatch(grant.holding(), ask)
+                if mismatch:
+                    raise BadRequest(
+                        "key_in_use",
+                        f"user {conn.user} holds grant {grant.id} under key {key!r}, and this request asks "
+                        f"for another: {mismatch}; release it first, or ask under another key",
+                        grant=grant.as_json(),
+                    )
                 grant.conn = conn
                 return {"state": "granted", "grant": grant.as_json()}
         if any(w.ask.user == conn.user and w.key == key for w in self.waiting):
@@ -1177,7 +1229,8 @@ class HostLedger:
         return {"kept": kept, "refused": refused, "reclaiming": self.reclaim_open()}
 
     def _op_view(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
-        return self.view_for(conn.uid, conn.user, conn.admin)
+        limit = min(_int(message, "limit", MAX_VIEW_ENTRIES), MAX_VIEW_ENTRIES)
+        return self.view_for(conn.uid, conn.user, conn.admin, limit)
 
     # ------------------------------------------------------------------ views
 
@@ -1192,10 +1245,18 @@ class HostLedger:
             for g in self.view.gpus
         ]
 
-    def view_for(self, uid: int, user: str, admin: bool) -> dict[str, Any]:
+    def view_for(self, uid: int, user: str, admin: bool, limit: int = MAX_VIEW_ENTRIES) -> dict[str, Any]:
         """What one user may see: their own grants in full, the others' by user name only (the
-        whole view for an admin)."""
+        whole view for an admin). At most ``limit`` grants, waiting requests and demanded asks
+        are listed (``omitted``: how many more): the per-device and per-user sums are whole, so
+        that an answer stays far below what a client reads (MAX_ANSWER_BYTES) however many
+        grants the host holds."""
         devices = self.devices()
+        visible = [g for g in self.grants.values() if admin or g.uid == uid]
+        waiting = [w for w in self.waiting if admin or w.conn.uid == uid]
+        # The caller's own told demand first: its server checks what the ledger keeps of it.
+        demand = [a for c in sorted(self.conns, key=lambda c: c.uid != uid) if admin or c.uid == uid for a in c.demand]
+        listed = {g.id for g in visible[:limit]}
         out_devices = []
         for info in self._devices_json():
             dev = devices[info["index"]]
@@ -1220,13 +1281,11 @@ class HostLedger:
                     "unmanaged_mb": dev.unmanaged_mb,
                     "free_mb": dev.usable_mb - allocated - dev.unmanaged_mb,
                     "exclusive": any(g.exclusive for g in here),
-                    "grants": [g.id for g in here if g.uid == uid or admin],
+                    "grants": [g.id for g in here if g.id in listed],
                     "users": sorted(users.values(), key=lambda e: e["user"]),
                     "unmanaged_processes": unmanaged,
                 }
             )
-        visible = [g for g in self.grants.values() if admin or g.uid == uid]
-        waiting = [w for w in self.waiting if admin or w.conn.uid == uid]
         others_waiting: dict[str, int] = {}
         for w in self.waiting:
             if w.conn.uid != uid:
@@ -1239,7 +1298,7 @@ class HostLedger:
             # The caller's own quota: its server tells a request that can never fit (a 422) alone.
             "quota": {"vram_mb": quota.vram_mb, "gpus": quota.gpus, "leases": quota.leases},
             "devices": out_devices,
-            "grants": [g.as_json() for g in visible],
+            "grants": [g.as_json() for g in visible[:limit]],
             "waiting": [
                 {
                     "user": w.ask.user,
@@ -1250,16 +1309,19 @@ class HostLedger:
                     "exclusive": w.ask.exclusive,
                     "reason": w.reason,
                 }
-                for w in waiting
+                for w in waiting[:limit]
             ],
             "users_waiting": others_waiting,
             # The queued GPU work the tenants told (``demand``): the caller's own, or everyone's.
             "demand": [
                 {"user": a.user, "vram_mb": a.vram_mb, "gpus": a.gpus, "exclusive": a.exclusive, "kind": a.kind}
-                for c in self.conns
-                if admin or c.uid == uid
-                for a in c.demand
+                for a in demand[:limit]
             ],
+            "omitted": {
+                "grants": max(0, len(visible) - limit),
+                "waiting": max(0, len(waiting) - limit),
+                "demand": max(0, len(demand) - limit),
+            },
         }
 
 

@@ -7,7 +7,8 @@ What the scheduler gets: :meth:`TenantLink.status` (``{"socket", "connected", "u
 for ``GET /evalsched/status`` and ``doctor``), :attr:`TenantLink.view` (the host's view for this
 user: each device's usable VRAM and the other users' holdings by name), :meth:`try_grant`
 (a grant, or the reason it is not granted now; :class:`NeverFits` for a 422), :meth:`retie` and
-:meth:`release` (kept and sent again while the ledger is down, or cannot save it).
+:meth:`release` (kept and sent again while the ledger is down, or cannot save it), and
+:attr:`TenantLink.lost` (grants the ledger refused when re-told, asked for anew until granted).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ STOP_S = 6.0  # the keeper's longest wait (its backoff) and then some
 
 # A demand the ledger set aside (its turn not taken) is told again after this long, if still queued.
 DEMAND_RETELL_S = 30.0
+# A grant the ledger refused when re-told is asked for anew this often until granted (each ask
+# that does not fit may tell another user its fair-share turn: not at every keeper's pass).
+REGRANT_S = 5.0
+# Refusals of a re-told grant after which there is nothing to ask for anew: its processes are
+# gone or not the user's (not_yours), or the re-telling was malformed.
+GONE_CODES = frozenset({"not_yours", "bad_request"})
 
 
 class TenantLink:
@@ -49,6 +56,13 @@ class TenantLink:
         self.error: str | None = "not connected yet"
         self.view: dict[str, Any] | None = None
         self._to_release: set[str] = set()
+        # Grants the ledger refused when this link re-told them (it restarted, and does not know
+        # them or they no longer fit): held no more, asked for anew under their keys for their
+        # processes (grant id -> the grant as it was); and, once granted again, the old id -> the
+        # new one (the scheduler releases or re-ties by the id it knows).
+        self.lost: dict[str, dict[str, Any]] = {}
+        self._renamed: dict[str, str] = {}
+        self._regrant_at = 0.0
         self._demand: list[dict[str, Any]] = []  # this server's queued GPU work, as asks
         self._demand_told: list[dict[str, Any]] | None = None  # what the ledger was last told
         self._demand_told_at = 0.0
@@ -94,9 +108,11 @@ class TenantLink:
                 backoff = 0.1
                 self.user, self.error = hello["user"], None
                 self._demand_told = None  # a new connection knows nothing of it
+                self._refused_when_retold()
             if self._to_release:  # (after a connect, or a release the ledger could not make)
                 await self._release_pending()
             try:
+                await self._regrant_lost()
                 await self._tell_demand()
                 await self.refresh()
             except HostLedgerError as exc:
@@ -111,6 +127,78 @@ class TenantLink:
         self.error, self.view = why, None
         if changed:
             log.warning("host ledger %s: %s", self.socket_path, why)
+            self._changed()
+
+    def _refused_when_retold(self) -> None:
+        """The grants the ledger refused as this connection re-told them (the client said each in
+        the log): their VRAM is held no more. Each whose processes may live is asked for anew."""
+        for item in self.client.refused:
+            grant = item["grant"]
+            if item["error"] in GONE_CODES:
+                continue
+            log.warning(
+                "host ledger %s: %s %r runs without a host ledger grant until one is granted again (asked anew "
+                "every %g s)",
+                self.socket_path,
+                grant.get("kind"),
+                grant.get("key"),
+                REGRANT_S,
+            )
+            self.lost[grant["id"]] = grant
+            self._regrant_at = 0.0  # (at once)
+        if self.client.refused:
+            self._changed()
+
+    async def _regrant_lost(self) -> None:
+        """Ask anew for the lost grants (see ``lost``): under the same key, the same ask, for the
+        same processes, without waiting; the ledger's policy decides as for any request."""
+        if not self.lost or time.monotonic() < self._regrant_at:
+            return
+        self._regrant_at = time.monotonic() + REGRANT_S
+        for old_id, grant in list(self.lost.items()):
+            pids = [p["pid"] for p in grant["pids"]]
+            try:
+                answer = await self.client.request(
+                    grant["key"],
+                    grant["vram_mb"],
+                    gpus=len(grant["devices"]),
+                    exclusive=grant["exclusive"],
+                    kind=grant["kind"],
+                    devices=list(grant["devices"]),
+                    pids=pids,
+                    wait=False,
+                )
+            except HostLedgerUnavailable:
+                raise
+            except HostLedgerError as exc:
+                if exc.code == "internal":
+                    continue  # (the ledger could not answer now: asked again later)
+                # Never, its processes gone (not_yours), its key taken by another ask: nothing to ask.
+                log.warning(
+                    "host ledger %s: %s %r is not asked for again: %s (%s)",
+                    self.socket_path,
+                    grant["kind"],
+                    grant["key"],
+                    exc.reason,
+                    exc.code,
+                )
+                self.lost.pop(old_id, None)
+                continue
+            if answer.get("state") != "granted":
+                continue  # (no room now: the run goes on without a grant, asked again later)
+            new_id = answer["grant"]["id"]
+            now = self.lost.pop(old_id, None)
+            if now is None:  # released while asked: its use is over
+                await self.release(new_id)
+                continue
+            self._renamed[old_id] = new_id
+            log.info(
+                "host ledger %s: %s %r granted again (grant %s)", self.socket_path, grant["kind"], grant["key"], new_id
+            )
+            told = [p["pid"] for p in now["pids"]]
+            if told != pids:  # re-tied while asked: tied to those processes now
+                with contextlib.suppress(HostLedgerError):
+                    await self.client.retie(new_id, told)
             self._changed()
 
     async def refresh(self) -> None:
@@ -192,11 +280,17 @@ class TenantLink:
         return str(answer.get("reason") or "the host ledger has no room now")
 
     async def retie(self, grant_id: str, pids: list[int]) -> dict[str, Any]:
-        return await self.client.retie(grant_id, pids)
+        lost = self.lost.get(grant_id)
+        if lost is not None:  # asked for anew for these processes from now on
+            self.lost[grant_id] = {**lost, "pids": [{"pid": p} for p in pids]}
+            raise HostLedgerError("unknown_grant", f"grant {grant_id} was refused when re-told; it is being asked anew")
+        return await self.client.retie(self._renamed.get(grant_id, grant_id), pids)
 
     async def release(self, grant_id: str) -> None:
         """Release now, or as soon as the ledger is back, or can save the release (its grant must
         not outlive its use)."""
+        self.lost.pop(grant_id, None)  # (not asked for again)
+        grant_id = self._renamed.pop(grant_id, grant_id)
         self.client.grants.pop(grant_id, None)  # never re-told again
         if not self.connected:
             self._to_release.add(grant_id)
