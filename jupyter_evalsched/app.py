@@ -23,7 +23,6 @@ from .store import MODEL_LOGS_DIR
 
 if TYPE_CHECKING:
     from jupyter_server.serverapp import ServerApp
-    from tornado.httpclient import AsyncHTTPClient
 from .scheduler.cgroups import Cgroups
 from .scheduler.config import CliDict, CliList, SchedulerConfig
 from .scheduler.executors import Executor
@@ -163,8 +162,6 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         self._watch: PeriodicCallback | None = None
         self._froze = False  # gc.freeze() was called at the start (undone at the stop)
         self._retry_at = 0.0
-        #: The HTTP client of the OpenAI routes' relays to the primary (handlers.relay_client).
-        self.relay_client: AsyncHTTPClient | None = None
         self._make_scheduler()
 
     def _make_scheduler(self) -> None:
@@ -412,9 +409,6 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             self._unfollow()
             if self.model_host is not None:
                 await self.model_host.stop()
-        if self.relay_client is not None:
-            self.relay_client.close()
-            self.relay_client = None
         self.role.release()
 
 

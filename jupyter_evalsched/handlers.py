@@ -13,7 +13,9 @@ import json
 import os
 import re
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 from jupyter_core.utils import ensure_async
 from jupyter_server.auth.decorator import authorized, ws_authenticated
@@ -22,10 +24,11 @@ from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from pydantic import BaseModel, ValidationError
-from tornado import web, websocket
-from tornado.http1connection import HTTP1Connection
+from tornado import httputil, web, websocket
+from tornado.http1connection import HTTP1Connection, HTTP1ConnectionParameters
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.iostream import StreamClosedError
+from tornado.tcpclient import TCPClient
 
 from . import contract
 from ._version import __version__
@@ -44,9 +47,8 @@ EXTENSION = "jupyter_evalsched"
 MAX_BODY_BYTES = MAX_SPEC_JSON_CHARS  # one number for both: a body carries one spec (and a sweep's points)
 RETRY_AFTER_S = 1  # a 429's Retry-After
 FORWARD_TIMEOUT_S = 60  # a secondary's wait for the primary's whole answer (REST: answers in ms)
-# The relays' own client (relay_client): as many at once as come, and answers of any size.
-RELAY_MAX_CLIENTS = 1024
-RELAY_MAX_BODY_BYTES = 1 << 40
+RELAY_MAX_BODY_BYTES = 1 << 40  # a relayed answer may be of any size (tornado's default cuts at 100 MB)
+RELAY_CONNECT_TIMEOUT_S = 20  # a relay's connection to the primary (on loopback: tornado's fetch default)
 # What a delegated answer keeps of the primary's headers (besides the status).
 RELAYED_HEADERS = ("Content-Type", "Location", "Retry-After", "Cache-Control", "X-Evalsched-Cache")
 MAX_LIST_LIMIT = contract.MAX_LIST_LIMIT
@@ -90,9 +92,10 @@ def int_query(name: str, text: str | None, default: int | None, lo: int, hi: int
     return value
 
 
-class _Relay:
+class _Relay(httputil.HTTPMessageDelegate):
     """A delegated answer written to the client as the primary sends it: its status and headers
-    once they are all in, then each part of its body at once."""
+    once they are all in, then each part of its body at once. Read off the relay's own
+    connection to the primary (``EvalSchedHandler.relay_to_primary``)."""
 
     def __init__(self, handler: EvalSchedHandler, primary_pid: int):
         self.handler = handler
@@ -100,21 +103,27 @@ class _Relay:
         self.status: int | None = None
         self.headers: dict[str, str] = {}
         self.started = False
+        self.complete = False  # the whole answer came
 
-    def header(self, line: str) -> None:
-        line = line.strip()
-        if line.startswith("HTTP/"):  # (a new status line: an interim 1xx answer came before)
-            self.status, self.headers = int(line.split()[1]), {}
-        elif line and ":" in line:
-            name, _, value = line.partition(":")
-            self.headers[name.strip().lower()] = value.strip()
+    def headers_received(
+        self, start_line: httputil.RequestStartLine | httputil.ResponseStartLine, headers: httputil.HTTPHeaders
+    ) -> None:
+        assert isinstance(start_line, httputil.ResponseStartLine)
+        # (after an interim 1xx answer: the real one's status and headers replace it)
+        self.status = start_line.code
+        self.headers = {name.lower(): value for name, value in headers.get_all()}
 
-    def chunk(self, data: bytes) -> None:
+    def data_received(self, chunk: bytes) -> None:
+        # A client gone is closing this connection (on_connection_close): a part read meanwhile
+        # goes nowhere. (Not raised: tornado logs what a delegate raises, with a traceback.)
+        if not self.handler.client_gone:
+            self.write(chunk)
+
+    def finish(self) -> None:
+        self.complete = True
+
+    def write(self, data: bytes) -> None:
         handler = self.handler
-        if handler.client_gone:
-            # The client went away: raised here, this ends the connection to the primary, whose
-            # own handler then cancels the request in the model host.
-            raise ConnectionAbortedError("the client went away")
         if not self.started:
             self.started = True
             handler.set_status(self.status or 502)
@@ -123,28 +132,18 @@ class _Relay:
                     handler.set_header(name, self.headers[name.lower()])
             handler.set_header("X-Evalsched-Primary", str(self.primary_pid))
         handler.write(data)
-        # (a client gone meanwhile fails the flush; the next part sees it gone and ends the relay)
+        # (a client gone meanwhile fails the flush: on_connection_close ends the relay)
         handler.flush().add_done_callback(lambda done: done.exception())
-
-
-def relay_client(app: EvalSchedApp) -> AsyncHTTPClient:
-    """The client of the relays (forward_as_it_comes), made once per server and closed at its stop.
-
-    Not the shared ``AsyncHTTPClient()``: a relay holds its connection for as long as the
-    generation takes, and the shared client has 10 slots, so 10 long generations through a
-    secondary would make every further forward, REST included, wait in tornado's queue until it
-    failed (a 599 after connect_timeout: a misleading 503). And tornado's max_body_size (100 MB
-    by default) applies to a streamed answer too: over it, a relayed answer would be cut."""
-    if app.relay_client is None:
-        app.relay_client = AsyncHTTPClient(
-            force_instance=True, max_clients=RELAY_MAX_CLIENTS, max_body_size=RELAY_MAX_BODY_BYTES
-        )
-    return app.relay_client
 
 
 def is_delegating(handler: Any) -> bool:
     """A server that does not hold its runs directory's lock forwards to the one that does."""
     return not handler.app.role.is_primary
+
+
+def not_answering(pid: int, error: BaseException) -> str:
+    """Why a forward failed, for a 503 (which clients retry)."""
+    return f"this host's primary evalsched server (pid {pid}) is not answering ({error}); a server takes over within seconds: retry"
 
 
 def no_primary_message(app: Any) -> str:
@@ -167,9 +166,12 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
     #: a long generation), rather than read whole within FORWARD_TIMEOUT_S.
     forward_as_it_comes = False
     client_gone = False
+    _upstream: HTTP1Connection | None = None  # a relay's connection to the primary, while it reads
 
     def on_connection_close(self) -> None:
         self.client_gone = True
+        if self._upstream is not None:  # the primary's handler sees it close, and stops there too
+            self._upstream.close()
         super().on_connection_close()
 
     def initialize(self, name: str = EXTENSION, *args: Any, **kwargs: Any) -> None:
@@ -237,6 +239,9 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         primary = self.app.role.primary()
         if primary is None:
             raise ApiError(503, no_primary_message(self.app))
+        if self.forward_as_it_comes:
+            await self.relay_to_primary(primary)
+            return
         suffix = self.request.path[len(self.base_url.rstrip("/")) :].lstrip("/")
         url = primary.internal_url.rstrip("/") + "/" + suffix
         if self.request.query:
@@ -248,44 +253,96 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         if "Idempotency-Key" in self.request.headers:
             headers["Idempotency-Key"] = self.request.headers["Idempotency-Key"]
         body = self.request.body if self.request.method in ("POST", "PUT", "PATCH") else None
-        relay = _Relay(self, primary.pid) if self.forward_as_it_comes else None
         try:
-            client = relay_client(self.app) if relay is not None else AsyncHTTPClient()
-            resp = await client.fetch(
+            resp = await AsyncHTTPClient().fetch(
                 url,
                 method=self.request.method,
                 headers=headers,
                 body=body,
                 raise_error=False,
-                # 0: no limit; a generation takes as long as it takes, and its client has its own.
-                request_timeout=0 if relay is not None else FORWARD_TIMEOUT_S,
+                request_timeout=FORWARD_TIMEOUT_S,
                 follow_redirects=False,
                 allow_nonstandard_methods=True,
-                header_callback=relay.header if relay is not None else None,
-                streaming_callback=relay.chunk if relay is not None else None,
             )
         except (OSError, HTTPClientError) as exc:
             resp_error: BaseException | None = exc
         else:
             resp_error = resp.error if resp.code == 599 else None
-        if relay is not None and relay.started:
-            if resp_error is None:
-                self.finish()
-            else:
-                await self.break_off(relay, resp_error)
-            return
         if resp_error is not None:
-            raise ApiError(
-                503,
-                f"this host's primary evalsched server (pid {primary.pid}) is not answering "
-                f"({resp_error}); a server takes over within seconds: retry",
-            )
+            raise ApiError(503, not_answering(primary.pid, resp_error))
         self.set_status(resp.code)
         for name in RELAYED_HEADERS:
             if name in resp.headers:
                 self.set_header(name, resp.headers[name])
         self.set_header("X-Evalsched-Primary", str(primary.pid))
         self.finish(resp.body or b"")
+
+    async def relay_to_primary(self, primary: Any) -> None:
+        """The request relayed to the primary, its answer written to the client as it comes (a
+        stream, a long generation: no time limit), on a connection of the relay's own. Not
+        through tornado's HTTP client: its fetch cannot be stopped midway, so a client gone
+        would end the relay only at the primary's next part (a plain answer's: once whole), and
+        its shared client has 10 connections, which long generations would hold from every REST
+        forward. A client gone closes this connection at once (``on_connection_close``), and the
+        primary's handler then cancels the request there."""
+        target = urlsplit(
+            primary.internal_url.rstrip("/") + "/" + self.request.path[len(self.base_url.rstrip("/")) :].lstrip("/")
+        )
+        path = target.path + (f"?{self.request.query}" if self.request.query else "")
+        headers = httputil.HTTPHeaders(
+            {
+                "Host": target.netloc,
+                "Connection": "close",
+                "Content-Type": self.request.headers.get("Content-Type", "application/json"),
+                "Authorization": f"token {primary.secret}",
+            }
+        )
+        if "Idempotency-Key" in self.request.headers:
+            headers["Idempotency-Key"] = self.request.headers["Idempotency-Key"]
+        body = self.request.body if self.request.method in ("POST", "PUT", "PATCH") else None
+        if body is not None:
+            headers["Content-Length"] = str(len(body))
+        relay = _Relay(self, primary.pid)
+        error: BaseException | None = None
+        try:  # (StreamClosedError and the connect timeout are OSErrors)
+            stream = await TCPClient().connect(
+                target.hostname or "127.0.0.1", target.port or 80, timeout=timedelta(seconds=RELAY_CONNECT_TIMEOUT_S)
+            )
+        except OSError as exc:
+            error = exc
+        else:
+            upstream = HTTP1Connection(
+                stream, True, HTTP1ConnectionParameters(no_keep_alive=True, max_body_size=RELAY_MAX_BODY_BYTES)
+            )
+            self._upstream = upstream
+            try:
+                if not self.client_gone:  # (it may have gone while this connected)
+                    upstream.write_headers(
+                        httputil.RequestStartLine(self.request.method or "GET", path, "HTTP/1.1"), headers
+                    )
+                    if body:
+                        upstream.write(body)
+                    upstream.finish()
+                    await upstream.read_response(relay)
+            except OSError as exc:
+                error = exc
+            finally:
+                self._upstream = None
+                upstream.close()
+            if error is None and not relay.complete:
+                error = ConnectionError("its answer ended early or was not HTTP")
+        if relay.started:
+            if error is None:
+                self.finish()
+            else:
+                await self.break_off(relay, error)  # (quiet for a client gone)
+            return
+        if self.client_gone:
+            raise web.Finish()  # nobody to answer
+        if error is not None:
+            raise ApiError(503, not_answering(primary.pid, error))
+        relay.write(b"")  # an answer without a body: its status and headers
+        self.finish()
 
     async def break_off(self, relay: _Relay, error: BaseException) -> None:
         """The primary's answer broke off after its start was relayed (the primary died, its

@@ -10,7 +10,8 @@ is a 4xx, never a 500. A stream is written as the host generates: each delta the
 relayed at once as OpenAI chunks; a client that goes away (mid-stream or before its answer) closes
 its connection to the host, which cancels its request only. Deterministic requests are answered
 from the response cache when it is on (``openai_cache``), with ``X-Evalsched-Cache: hit`` or
-``miss``.
+``miss``. On a secondary server every request is relayed to the primary on a connection of its
+own, which a client that goes away closes at once (``EvalSchedHandler.relay_to_primary``).
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ class OpenAIHandler(EvalSchedHandler):
         # A client gone before its answer: stop waiting, which closes the connection to the
         # model host, which cancels the request there (its slot in the batch is freed). Gone
         # before the request reached the host (its body still parsed, the cache looked up): it
-        # never goes there.
+        # never goes there. (On a secondary, the base class closes the relay's connection to the
+        # primary, whose handler does the same there.)
         if self._task is not None and not self._task.done():
             self._task.cancel()
         super().on_connection_close()
@@ -402,7 +404,9 @@ class EmbeddingsHandler(OpenAIHandler):
     async def post(self) -> None:
         model, inputs, encoding = await self.parsed(parse_embeddings)
         self.known_model(model)
-        outputs = await self.ask(model, {"op": "call", "inputs": inputs, "kwargs": {}})
+        # (embeddings: a model that generates text refuses it before it runs; a client gone
+        # cancels it in the model host, as a completion)
+        outputs = await self.ask(model, {"op": "call", "inputs": inputs, "kwargs": {}, "embeddings": True})
 
         def body() -> dict:  # (token vectors mean-pooled: a thousand inputs take seconds)
             vectors = [embedding_vector(output) for output in outputs]

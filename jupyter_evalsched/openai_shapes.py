@@ -37,6 +37,10 @@ _DEFAULTS: dict[str, Any] = {
     "functions": [],
     "function_call": "none",
 }
+# The type of those of them that are numbers: their value is checked before it is compared with the
+# default (JSON's true equals 1 in Python: `n: true` would read as `n: 1`).
+_DEFAULT_INTEGERS = {"n", "best_of"}
+_DEFAULT_NUMBERS = {"frequency_penalty", "presence_penalty"}
 _COMPLETION_FIELDS = {
     "model",
     "prompt",
@@ -117,7 +121,13 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
         if key in allowed or key in _IGNORED:
             continue
         if key in _DEFAULTS:
-            if value is None or value == _DEFAULTS[key]:
+            if value is None:
+                continue
+            if key in _DEFAULT_INTEGERS and not _is_int(value):
+                raise invalid(f"{key} must be an integer", key)
+            if key in _DEFAULT_NUMBERS and not _is_number(value):
+                raise invalid(f"{key} must be a number", key)
+            if value == _DEFAULTS[key]:
                 continue
             if key == "n":
                 raise invalid("n must be 1: this server returns one choice per prompt", "n")
@@ -128,11 +138,21 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
     return body
 
 
+def _is_int(value: Any) -> bool:
+    """An integer of JSON's: not a boolean (a bool is an int in Python), not a float (``1.0``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """A number of JSON's, not a boolean, not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
 def _int(body: dict, key: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _is_int(value):
         raise invalid(f"{key} must be an integer", key)
     if value < lo or (hi is not None and value > hi):
         bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
@@ -144,7 +164,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, *, open_
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if not _is_number(value):
         raise invalid(f"{key} must be a number", key)
     if value > hi or value < lo or (open_lo and value == lo):
         raise invalid(f"{key} must be {'above' if open_lo else 'at least'} {lo:g} and at most {hi:g}, got {value}", key)
@@ -182,9 +202,7 @@ def _sampling(body: dict) -> dict:
 
 
 def _is_tokens(value: Any) -> bool:
-    return (
-        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -240,11 +258,13 @@ def parse_chat(body: Any) -> tuple[str, bool, dict]:
     top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    limit_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    # Both checked (the one not used included): no limit given, as much as the context leaves
+    # (the engine caps every request there).
+    max_tokens = _int(body, "max_tokens", 1 << 30, 0)
+    max_completion_tokens = _int(body, "max_completion_tokens", None, 0)
     request = {
         "messages": [_message(i, m) for i, m in enumerate(messages)],
-        # No limit given: as much as the context leaves (the engine caps every request there).
-        "max_tokens": _int(body, limit_key, 1 << 30, 0),
+        "max_tokens": max_completion_tokens if max_completion_tokens is not None else max_tokens,
         "echo": False,
         "logprobs": (top or 0) if logprobs else None,
         **_sampling(body),

@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 import transformers
+from raw_http import post_request, send
 
 from jupyter_evalsched.shared_models.tiny import build_tiny_bert
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
@@ -327,24 +328,16 @@ async def test_a_client_gone_mid_stream_leaves_nothing_stuck(v1, jp_serverapp, j
         body = json.dumps(
             {"model": "tiny-lm", "prompt": "The cat", "max_tokens": 40, "temperature": 0, "stream": stream}
         )
-        return (
-            f"POST {jp_base_url}evalsched/v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n{body}"
-        ).encode()
+        return post_request(jp_base_url, "evalsched/v1/completions", token, body)
 
     request = raw(stream=True)
     # Gone before the answer: the request is cancelled in the model host (or answered to nobody).
     for _ in range(3):
-        reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
-        writer.write(raw(stream=False))
-        await writer.drain()
+        reader, writer = await send(jp_http_port, raw(stream=False))
         writer.transport.abort()
     # Gone mid-stream.
     for _ in range(3):
-        reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
-        writer.write(request)
-        await writer.drain()
+        reader, writer = await send(jp_http_port, request)
         head = await asyncio.wait_for(reader.readuntil(b"data: "), 60)
         assert b"200 OK" in head and b"text/event-stream" in head
         writer.transport.abort()  # gone, mid-stream

@@ -43,6 +43,10 @@ CASES = [
     ("completions", {**C, "flavour": "sweet"}, "flavour"),
     ("completions", {**C, "n": 2}, "n"),
     ("completions", {**C, "best_of": 3}, "best_of"),
+    ("completions", {**C, "n": True}, "n"),  # (true == 1 in Python)
+    ("completions", {**C, "best_of": True}, "best_of"),
+    ("completions", {**C, "n": 1.0}, "n"),
+    ("completions", {**C, "frequency_penalty": False}, "frequency_penalty"),  # (false == 0)
     ("completions", {**C, "suffix": "end"}, "suffix"),
     ("completions", {**C, "logit_bias": {"5": 100}}, "logit_bias"),
     ("completions", {**C, "max_tokens": -1}, "max_tokens"),
@@ -91,6 +95,8 @@ CASES = [
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {**CHAT, "max_completion_tokens": -2}, "max_completion_tokens"),
     ("chat/completions", {**CHAT, "max_tokens": -2}, "max_tokens"),
+    ("chat/completions", {**CHAT, "n": True}, "n"),
+    ("chat/completions", {**CHAT, "max_tokens": True, "max_completion_tokens": 5}, "max_tokens"),
     ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("embeddings", {"model": "lm"}, "input"),
     ("embeddings", {**E, "input": []}, "input"),
@@ -108,6 +114,33 @@ def test_each_mistake_is_a_400_naming_its_field(route, body, param):
     assert caught.value.status == 400 and caught.value.param == param, caught.value.body()
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
     json.dumps(caught.value.body())  # (what the server writes)
+
+
+# Every number of the request shapes, with what it must be: a JSON boolean is neither, though
+# Python's True equals 1 (and False 0, the penalties' default).
+NUMBERS = [
+    *[("completions", C, key, "an integer") for key in ("max_tokens", "logprobs", "seed", "n", "best_of")],
+    *[("chat/completions", CHAT, key, "an integer") for key in ("max_tokens", "max_completion_tokens", "seed", "n")],
+    ("chat/completions", {**CHAT, "logprobs": True}, "top_logprobs", "an integer"),
+    # (max_tokens beside max_completion_tokens, which is used: still checked)
+    ("chat/completions", {**CHAT, "max_completion_tokens": 5}, "max_tokens", "an integer"),
+    *[
+        (route, base, key, "a number")
+        for route, base in (("completions", C), ("chat/completions", CHAT))
+        for key in ("temperature", "top_p", "frequency_penalty", "presence_penalty")
+    ],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [True, False])
+@pytest.mark.parametrize(
+    ("route", "base", "param", "kind"), NUMBERS, ids=[f"{r}-{p}-{i}" for i, (r, _, p, _) in enumerate(NUMBERS)]
+)
+def test_a_boolean_is_refused_by_every_number_naming_it(route, base, param, kind, value):
+    with pytest.raises(OpenAIError) as caught:
+        PARSERS[route]({**base, param: value})
+    assert (caught.value.status, caught.value.param) == (400, param), caught.value.body()
+    assert caught.value.message == f"{param} must be {kind}", caught.value.body()
 
 
 # Any JSON value, and bodies close to valid ones: a known field set to any JSON value.

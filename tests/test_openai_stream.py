@@ -16,6 +16,7 @@ import time
 import openai
 import pytest
 import transformers
+from raw_http import post_request, send
 
 from jupyter_evalsched.openai_cache import CACHE_DIR, ResponseCache
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
@@ -50,13 +51,21 @@ def gate(tmp_path):
 
 
 @pytest.fixture
+def vector_gate(tmp_path):
+    """The gate of the ``vectors`` model (testing:gated_vectors): ``hold-<n>`` holds its n-th batch."""
+    path = tmp_path / "vector-gate"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
 def model_copy(tiny_lm_dir, tmp_path):
     """A copy of the model this test may change (for the cache's key)."""
     return shutil.copytree(tiny_lm_dir, tmp_path / "lm")
 
 
 @pytest.fixture
-def evalsched_config(tiny_lm_dir, gate, model_copy):
+def evalsched_config(tiny_lm_dir, gate, vector_gate, model_copy):
     return {
         "models": [
             {
@@ -69,6 +78,11 @@ def evalsched_config(tiny_lm_dir, gate, model_copy):
                 "cpu_threads": 1,
             },
             {"name": "cached", "loader": CAUSAL, "model": str(model_copy), "cpu_threads": 1},
+            {
+                "name": "vectors",
+                "loader": "jupyter_evalsched.shared_models.testing:gated_vectors",
+                "options": {"gate": str(vector_gate)},
+            },
         ],
         "openai_cache_mb": 1,
     }
@@ -194,19 +208,13 @@ async def test_a_client_gone_mid_stream_frees_its_slot_and_the_batch_goes_on(
     answered in full, and nothing is left queued or failed."""
     token = jp_serverapp.identity_provider.token
     body = json.dumps({"model": "gated", "prompt": "The cat", "max_tokens": 200, "temperature": 0, "stream": True})
-    request = (
-        f"POST {jp_base_url}evalsched/v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n{body}"
-    ).encode()
+    request = post_request(jp_base_url, "evalsched/v1/completions", token, body)
     await loaded(evalsched)
     (gate / "hold-1").touch()  # the first batch (one token for "x") holds the batcher...
     (gate / "hold-3").touch()  # ...and the shared batch stops after its first token
     first = asyncio.ensure_future(v1("completions", {"model": "gated", "prompt": "x", "max_tokens": 1}))
     await until(lambda: _batches(evalsched, 1), "the first batch runs")
-    reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
-    writer.write(request)
-    await writer.drain()
+    reader, writer = await send(jp_http_port, request)
     other = asyncio.ensure_future(
         v1("completions", {"model": "gated", "prompt": "A dog", "max_tokens": 12, "temperature": 0})
     )
@@ -358,14 +366,7 @@ async def test_a_client_gone_before_its_request_reached_the_host_sends_it_nowher
     body = json.dumps({"model": "gated", "prompt": "The cat", "max_tokens": 200, "temperature": 0})
     body += " " * openai_api.PARSE_ON_LOOP_BELOW  # (parsed in a thread)
     token = jp_serverapp.identity_provider.token
-    request = (
-        f"POST {jp_base_url}evalsched/v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n{body}"
-    ).encode()
-    _, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
-    writer.write(request)
-    await writer.drain()
+    _, writer = await send(jp_http_port, post_request(jp_base_url, "evalsched/v1/completions", token, body))
     await until(lambda: asyncio.to_thread(parsing.wait, 0.1), "the body is being parsed")
     writer.transport.abort()
     await until(lambda: asyncio.to_thread(gone.wait, 0.1), "the server sees the client gone")
@@ -375,16 +376,73 @@ async def test_a_client_gone_before_its_request_reached_the_host_sends_it_nowher
     assert (await figures(evalsched, "gated"))["requests"] == 0
 
 
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+async def test_an_embeddings_client_gone_while_queued_is_never_computed(
+    v1, evalsched, vector_gate, jp_serverapp, jp_http_port, jp_base_url
+):
+    """An embeddings request waits in the model host's queue behind a held batch; its client
+    disconnects: the host cancels it, and its input is never computed (the host used to compute
+    it, for nobody, since a ``call`` did not watch its connection as an ``openai`` request does)."""
+    (vector_gate / "hold-1").touch()  # the first batch holds the batcher
+    first = asyncio.ensure_future(v1("embeddings", {"model": "vectors", "input": "first"}))
+    await until(lambda: _batches(evalsched, 1, "vectors"), "the first batch runs", timeout=120)
+    body = json.dumps({"model": "vectors", "input": ["never computed"]})
+    token = jp_serverapp.identity_provider.token
+    _, writer = await send(jp_http_port, post_request(jp_base_url, "evalsched/v1/embeddings", token, body))
+    await until(lambda: _queued(evalsched, 1, "vectors"), "the request is queued")
+    writer.transport.abort()
+    await until(lambda: _figure(evalsched, "cancelled_requests", 1, "vectors"), "the host sees the client gone")
+    (vector_gate / "hold-1").unlink()
+    code, answer, _ = await first
+    assert code == 200 and answer["data"][0]["embedding"] == [5.0, 1.0], answer
+    code, answer, _ = await v1("embeddings", {"model": "vectors", "input": "after"})  # (the host goes on)
+    assert code == 200 and answer["data"][0]["embedding"] == [5.0, 2.0], answer
+    assert (vector_gate / "inputs").read_text().split("\n") == ["first", "after", ""]
+    described = await figures(evalsched, "vectors")
+    assert (described["requests"], described["cancelled_requests"], described["failed_requests"]) == (2, 1, 0)
+    assert described["queued"] == 0 and described["batches"] == 2, described
+
+
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+async def test_a_causal_model_asked_for_embeddings_is_refused_before_it_generates(v1, evalsched, gate):
+    """Embeddings from a causal language model are a 400 naming ``model``, answered before a
+    forward pass: loaded (refused at once) or not yet (refused once loaded, before its batch
+    runs). Its plain call used to generate 16 tokens per input first, only for the text to be
+    refused as no vectors."""
+    body = {"input": ["The cat", "A dog"]}
+    code, answer, _ = await v1("embeddings", {**body, "model": "cached"})  # (not loaded yet)
+    assert code == 400 and answer["error"]["param"] == "model", answer
+    described = await figures(evalsched, "cached")
+    ran = {key: described[key] for key in ("state", "batches", "completion_tokens", "requests")}
+    assert ran == {"state": "loaded", "batches": 0, "completion_tokens": 0, "requests": 0}, ran
+    assert described["failed_requests"] == 0 and described["queued"] == 0  # (a refusal: no model failure)
+    assert "does not produce embeddings: it generates text" in answer["error"]["message"], answer
+    await loaded(evalsched)
+    before = passes(gate)
+    code, answer, _ = await v1("embeddings", {**body, "model": "gated"})
+    assert code == 400 and answer["error"]["param"] == "model", answer
+    assert passes(gate) == before  # not one forward pass
+    described = await figures(evalsched, "gated")
+    assert described["batches"] == 0 and described["completion_tokens"] == 0, described
+    # ... and the same model still answers a completion (and a plain call generates, as it did).
+    code, answer, _ = await v1(
+        "completions", {"model": "gated", "prompt": "The cat", "max_tokens": 2, "temperature": 0}
+    )
+    assert code == 200 and answer["usage"]["completion_tokens"] == 2, answer
+    reply = await evalsched.models.ask("gated", {"op": "call", "inputs": ["The cat"], "kwargs": {"max_tokens": 2}})
+    assert reply["ok"] and isinstance(reply["outputs"][0], str), reply
+
+
 async def _figure(evalsched, key: str, value, name: str = "gated") -> bool:
     return (await figures(evalsched, name))[key] == value
 
 
-async def _batches(evalsched, count: int) -> bool:
-    return (await figures(evalsched, "gated"))["batches"] >= count
+async def _batches(evalsched, count: int, name: str = "gated") -> bool:
+    return (await figures(evalsched, name))["batches"] >= count
 
 
-async def _queued(evalsched, count: int) -> bool:
-    return (await figures(evalsched, "gated"))["queued"] == count
+async def _queued(evalsched, count: int, name: str = "gated") -> bool:
+    return (await figures(evalsched, name))["queued"] == count
 
 
 @pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)

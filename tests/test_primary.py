@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from raw_http import post_request, send
 from tornado import httpserver, netutil, web
+from tornado.iostream import StreamClosedError
 from waiting import async_wait_until, wait_until
 
 from jupyter_evalsched.client import EvalSchedClient, EvalSchedError, LocalServer
@@ -368,18 +371,24 @@ def stand_in_primary(held_lock, jp_asyncio_loop):
             seen.append({"path": path, "authorization": self.request.headers.get("Authorization")})
             self.write({"queued": [], "running": [], "ledger": {"devices": [], "cpu_slots": {}}, "primary": None})
 
+    server, info = _advertised_stand_in(held_lock, web.Application([(r"/(.*)", Capture)]))
+    yield info, seen
+    server.stop()
+
+
+def _advertised_stand_in(runs_dir: Path, app: web.Application) -> tuple[httpserver.HTTPServer, Path]:
+    """``app`` served on a loopback port and advertised in ``runs_dir`` as its primary (pid 1)."""
     sockets = netutil.bind_sockets(0, "127.0.0.1")
-    server = httpserver.HTTPServer(web.Application([(r"/(.*)", Capture)]))
+    server = httpserver.HTTPServer(app)
     server.add_sockets(sockets)
     port = sockets[0].getsockname()[1]
-    info = held_lock / ".evalsched-primary.json"
+    info = runs_dir / ".evalsched-primary.json"
     advert = {"url": "http://x/", "internal_url": f"http://127.0.0.1:{port}/", "secret": "s3cret",
-              "pid": 1, "hostname": "h", "runs_dir": str(held_lock), "since": 0}  # fmt: skip
+              "pid": 1, "hostname": "h", "runs_dir": str(runs_dir), "since": 0}  # fmt: skip
     fd = os.open(info, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(advert, f)
-    yield info, seen
-    server.stop()
+    return server, info
 
 
 async def test_a_secondary_forwards_only_to_an_advertisement_of_its_own_user(stand_in_primary, api):
@@ -406,6 +415,156 @@ async def test_a_secondary_forwards_only_to_an_advertisement_of_its_own_user(sta
     code, status = await api("GET", "status")
     assert status["role"] == "secondary" and "symbolic link" in status["error"]
     assert len(seen) == forwarded, "a request was forwarded to an advertisement that is not to be trusted"
+
+
+class HeldAnswers:
+    """What a stand-in primary that holds its answers saw: each answer waits for ``release``
+    (a stream's first event is sent at once); ``gone`` is set when a relay's connection closes
+    before its answer was written, ``ended`` when an answer was written (or failed to be)."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+        self.release = asyncio.Event()
+        self.gone = asyncio.Event()
+        self.ended = asyncio.Event()
+        self.server: httpserver.HTTPServer | None = None
+
+
+@pytest.fixture
+def holding_primary(held_lock, jp_asyncio_loop):
+    """A stand-in primary for the OpenAI routes whose answers wait for ``release``."""
+    held = HeldAnswers()
+
+    class Held(web.RequestHandler):
+        async def post(self, path):
+            stream = json.loads(self.request.body).get("stream")
+            held.asked.set()
+            if stream:
+                self.set_header("Content-Type", "text/event-stream")
+                self.write('data: {"choices": [{"index": 0, "text": "The"}]}\n\n')
+                await self.flush()
+            await held.release.wait()
+            try:
+                self.write("data: [DONE]\n\n" if stream else {"choices": [{"index": 0, "text": "The end"}]})
+                await self.flush()
+            except StreamClosedError:
+                pass  # (the relay went away: nobody to answer)
+            finally:
+                held.ended.set()
+
+        def on_connection_close(self):
+            if not held.ended.is_set():
+                held.gone.set()
+
+    held.server, _ = _advertised_stand_in(held_lock, web.Application([(r"/(.*)", Held)]))
+    yield held
+    held.release.set()
+    held.server.stop()
+
+
+@pytest.fixture
+def server_log(jp_serverapp):
+    """The records the server under test and tornado log, kept by a handler on both loggers
+    (tornado's are children of Jupyter's, whose propagation to the root, and so to caplog, is
+    pytest-jupyter's choice): a check of the log never passes for having seen nothing."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not any(kept is record for kept in records):  # (tornado's propagate to Jupyter's)
+                records.append(record)
+
+    keep = Keep(logging.DEBUG)
+    loggers = {logging.getLogger("tornado"), jp_serverapp.log}
+    for logger in loggers:
+        logger.addHandler(keep)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(keep)
+
+
+async def _post_openai(port: int, base_url: str, token: str, body: dict):
+    """A completions request sent raw (the test aborts its connection): (reader, writer)."""
+    return await send(port, post_request(base_url, "evalsched/v1/completions", token, json.dumps(body)))
+
+
+async def test_a_secondary_relays_the_openai_routes_answers_whole(holding_primary, server_log, v1_fetch):
+    """The relay's own connection to the primary: a plain answer and a stream reach the client
+    whole, with the primary's status and headers; a primary that does not answer is a 503."""
+    holding_primary.release.set()
+    code, headers, text = await v1_fetch({"model": "m", "prompt": "x"})
+    assert code == 200 and headers["X-Evalsched-Primary"] == "1", (code, text)
+    assert json.loads(text) == {"choices": [{"index": 0, "text": "The end"}]}
+    code, headers, text = await v1_fetch({"model": "m", "prompt": "x", "stream": True})
+    assert code == 200 and headers["Content-Type"].startswith("text/event-stream"), (code, text)
+    assert text == 'data: {"choices": [{"index": 0, "text": "The"}]}\n\ndata: [DONE]\n\n'
+    assert holding_primary.server is not None
+    holding_primary.server.stop()  # (no longer listening)
+    code, headers, text = await v1_fetch({"model": "m", "prompt": "x"})
+    error = json.loads(text)["error"]
+    assert code == 503 and "(pid 1) is not answering" in error["message"], (code, text)
+    loud = [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info]
+    assert not loud, [f"{r.levelname} {r.getMessage()}" for r in loud]
+
+
+@pytest.fixture
+def v1_fetch(jp_fetch, evalsched):
+    """``await v1_fetch(body)``: a completions request -> (status, headers, text)."""
+
+    async def fetch(body: dict):
+        resp = await jp_fetch("evalsched", "v1", "completions", method="POST", body=json.dumps(body), raise_error=False)
+        return resp.code, resp.headers, resp.body.decode()
+
+    return fetch
+
+
+async def test_a_client_gone_mid_stream_through_a_secondary_ends_the_relay_quietly(
+    holding_primary, server_log, jp_fetch, evalsched, jp_serverapp, jp_http_port, jp_base_url, monkeypatch
+):  # (jp_fetch: with which the server listens)
+    """The secondary's client disconnects after a stream's first event; the primary's next part
+    then meets no client: the relay ends without an ERROR or a traceback in the server's log (it
+    used to raise in tornado's streaming callback, which tornado logs as an uncaught exception)."""
+    from jupyter_evalsched import openai_api
+
+    finished = asyncio.Event()
+    on_finish = openai_api.OpenAIHandler.on_finish
+
+    def observed_finish(handler):
+        on_finish(handler)
+        finished.set()
+
+    monkeypatch.setattr(openai_api.OpenAIHandler, "on_finish", observed_finish)
+    body = {"model": "m", "prompt": "x", "stream": True}
+    reader, writer = await _post_openai(jp_http_port, jp_base_url, jp_serverapp.identity_provider.token, body)
+    head = await asyncio.wait_for(reader.readuntil(b"data: "), 60)
+    assert b"200 OK" in head and b"X-Evalsched-Primary: 1" in head, head
+    writer.transport.abort()  # gone, mid-stream
+    holding_primary.release.set()  # the primary's next part, for nobody
+    await async_wait_until(holding_primary.ended.is_set, timeout=60, message="the primary's answer is written")
+    await async_wait_until(finished.is_set, timeout=60, message="the secondary's request is over")
+    loud = [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info]
+    assert not loud, [f"{r.levelname} {r.getMessage()}" for r in loud]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_a_client_gone_through_a_secondary_closes_its_request_to_the_primary(
+    holding_primary, server_log, jp_fetch, evalsched, jp_serverapp, jp_http_port, jp_base_url, stream
+):
+    """A client of the secondary disconnects while the primary still makes its answer: the
+    secondary closes its own connection to the primary at once (whose handler then cancels the
+    request in its model host), not after the answer (plain) or at its next part (a stream)."""
+    body = {"model": "m", "prompt": "x", "stream": stream}
+    reader, writer = await _post_openai(jp_http_port, jp_base_url, jp_serverapp.identity_provider.token, body)
+    if stream:
+        await asyncio.wait_for(reader.readuntil(b"data: "), 60)
+    else:
+        await asyncio.wait_for(holding_primary.asked.wait(), 60)
+    writer.transport.abort()
+    # (liveness: the answer is held meanwhile, and would be until the test ends)
+    await async_wait_until(holding_primary.gone.is_set, timeout=60, message="the primary sees its relay gone")
+    assert not holding_primary.ended.is_set()
+    loud = [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info]
+    assert not loud, [f"{r.levelname} {r.getMessage()}" for r in loud]
 
 
 @pytest.fixture

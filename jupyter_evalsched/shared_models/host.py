@@ -22,13 +22,17 @@ request names its client, the server's HTTP connection, and the wait also covers
 answered in the last API_CLIENT_RECENT_WAITS x max_wait_ms that have not sent again) and answers each request with
 its slice of the outputs, in order. The size of every batch run is recorded.
 
-Ops: ``call`` (inputs and keyword arguments for the batch callable), ``openai`` (requests of the
-OpenAI-compatible routes, one dict per prompt, batched with every caller's API requests into
-one call of the model's ``openai_batch``: see ``causal.py``), ``describe`` and ``ping``. An
-``openai`` request with ``"stream": true`` gets ``{"ok": true, "delta": {"index", ...}}``
-messages as its text is made, before its reply. While an ``openai`` request waits, its connection
-is watched: a caller that closes it (a client gone) cancels the request, which leaves the queue or
-stops generating in its batch (``cancelled_requests``).
+Ops: ``call`` (inputs and keyword arguments for the batch callable; with ``"embeddings": true``
+from the embeddings route, refused before it runs by a model that generates text, whose plain
+call would generate for each input), ``openai`` (requests of the OpenAI-compatible routes, one
+dict per prompt, batched with every caller's API requests into one call of the model's
+``openai_batch``: see ``causal.py``), ``describe`` and ``ping``. An ``openai`` request with
+``"stream": true`` gets ``{"ok": true, "delta": {"index", ...}}`` messages as its text is made,
+before its reply. While a ``call`` or ``openai`` request waits, its connection is watched: a
+caller that closes it (a client gone, a run killed) cancels the request (``cancelled_requests``).
+Its inputs still queued leave the queue; an ``openai`` request's rows in a running batch stop
+generating at the next step, while a ``call`` batch already running is computed to its end (a
+batch callable cannot be stopped midway) and the cancelled request's outputs are dropped.
 
 Events for the manager go to the original stdout as JSON lines (``ready``, ``loading``,
 ``loaded``, ``load_failed``, and ``busy``/``idle`` when requests start or stop being in flight,
@@ -67,6 +71,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+# Pipeline tasks whose plain call generates text: asked for embeddings, refused before they run.
+TEXT_GENERATION_TASKS = ("text-generation", "text2text-generation", "summarization", "translation")
 RATE_WINDOW_S = 60.0  # tokens_per_s is over the batches that ended this recently
 ACCEPT_BACKOFF_S = 0.05  # out of descriptors: the next accept after this long
 OPEN_FILES_WANTED = 65536  # the soft limit raised toward it (each request in flight holds three)
@@ -181,17 +187,36 @@ def load_callable(config: ModelConfig):
     return fn
 
 
+def generates_text(fn: Any) -> bool:
+    """Whether a loaded batch callable's plain call generates text: a causal language model
+    (``openai_batch``: ``causal.py``), or a pipeline of a generating task."""
+    if getattr(fn, "openai_batch", None) is not None:
+        return True
+    task = getattr(fn.pipe, "task", None) if isinstance(fn, _PipelineCaller) else None
+    return isinstance(task, str) and task.startswith(TEXT_GENERATION_TASKS)
+
+
 class _Call:
     """One client request: its inputs, and the outputs filled in batch by batch."""
 
     __slots__ = (
-        "inputs", "kwargs", "key", "openai", "client", "outputs", "remaining", "error", "done",
-        "cancelled", "deltas", "wake_r", "wake_w",
+        "inputs", "kwargs", "key", "openai", "embeddings", "client", "outputs", "remaining", "error",
+        "done", "cancelled", "deltas", "wake_r", "wake_w",
     )  # fmt: skip
 
-    def __init__(self, inputs: list, kwargs: dict, openai: bool = False, client: str | None = None):
+    def __init__(
+        self,
+        inputs: list,
+        kwargs: dict,
+        openai: bool = False,
+        client: str | None = None,
+        *,
+        watched: bool = False,
+        embeddings: bool = False,
+    ):
         self.inputs = inputs
         self.kwargs = kwargs
+        self.embeddings = embeddings  # (the embeddings route's: refused by a model that generates text)
         # The API client the server received it from (its HTTP connection): see ``api_waiting``.
         self.client = client
         # An API request (the ``openai`` op) goes to the model's ``openai_batch`` with the other
@@ -209,7 +234,7 @@ class _Call:
         # comes; a socket pair, not a pipe: a write after close raises, never hits a reused fd.
         self.wake_r: socket.socket | None = None
         self.wake_w: socket.socket | None = None
-        if openai:
+        if openai or watched:
             self.wake_r, self.wake_w = socket.socketpair()
             self.wake_w.setblocking(False)
 
@@ -329,7 +354,7 @@ class ModelHost:
                 if error is not None:
                     self._fail_queued(error)
                     continue
-            call_batch = self._gather()
+            call_batch = self._refuse(self._gather())
             if call_batch:
                 self._run(call_batch)
 
@@ -366,6 +391,35 @@ class ModelHost:
             self.queue.clear()
             for call in calls.values():
                 self._finish(call, error)
+
+    def _refusal(self, call: _Call) -> dict | None:
+        """Why the loaded model will not run ``call`` (None: it will). Said before anything runs:
+        a model that generates text, asked for embeddings, would generate for every input (16
+        tokens each, a causal LM's plain call) only for its answer to be refused as no vectors."""
+        if not call.embeddings or self.fn is None or not generates_text(self.fn):
+            return None
+        what = f"a {self.config.task} pipeline" if self.config.task else f"loader {self.config.loader}"
+        return {
+            "type": "NotSupported",
+            "message": (
+                f"the model {self.config.name!r} does not produce embeddings: it generates text ({what}); "
+                "embeddings come from a model such as jupyter_evalsched.shared_models.loaders:sentence_embeddings"
+            ),
+            "phase": "call",
+        }
+
+    def _refuse(self, entries: list[tuple[_Call, int]]) -> list[tuple[_Call, int]]:
+        """The entries of a gathered batch the model will run; the requests it will not (asked
+        while it was not loaded yet) are answered with why."""
+        kept = []
+        with self.cond:
+            for call, index in entries:
+                refusal = self._refusal(call)
+                if refusal is None:
+                    kept.append((call, index))
+                else:
+                    self._finish(call, refusal, refused=True)
+        return kept
 
     def _gather(self) -> list[tuple[_Call, int]]:
         """Take the next batch off the queue: entries with the head's kwargs, up to the limit."""
@@ -538,8 +592,9 @@ class ModelHost:
                 again.append([entry for _, entry in rest])
         return again
 
-    def _finish(self, call: _Call, error: dict | None) -> None:
-        """Complete a request (with ``self.cond`` held)."""
+    def _finish(self, call: _Call, error: dict | None, *, refused: bool = False) -> None:
+        """Complete a request (with ``self.cond`` held). ``refused``: not run at all (``_refusal``),
+        which is the caller's mistake, not a failed request."""
         if call.done.is_set():
             return
         call.error = error
@@ -552,8 +607,8 @@ class ModelHost:
             if self.api_busy[call.client] <= 0:
                 del self.api_busy[call.client]
             self.api_answered[call.client] = time.monotonic()
-        if call.cancelled:
-            pass  # counted when its caller went away
+        if call.cancelled or refused:
+            pass  # (cancelled: counted when its caller went away)
         elif error is None:
             self.requests += 1
         else:
@@ -582,11 +637,13 @@ class ModelHost:
         conn: socket.socket | None = None,
         stream: bool = False,
         client: str | None = None,
+        embeddings: bool = False,
     ) -> dict | None:
-        """Queue a request and wait for its answer (None: its caller went away). For an API
-        request, ``conn`` is watched meanwhile, and its deltas are sent there when ``stream``;
-        ``client`` names the API client it came from (see ``api_waiting``)."""
-        call = _Call(inputs, kwargs, openai, client)
+        """Queue a request and wait for its answer (None: its caller went away). ``conn``, when
+        given, is watched meanwhile (its caller gone cancels the request), and an API request's
+        deltas are sent there when ``stream``; ``client`` names the API client it came from (see
+        ``api_waiting``); ``embeddings``: see ``_refusal``."""
+        call = _Call(inputs, kwargs, openai, client, watched=conn is not None, embeddings=embeddings)
         try:
             return self._submit(call, conn, stream)
         finally:
@@ -602,6 +659,9 @@ class ModelHost:
                 error["message"] += f" (the next load attempt is allowed in {wait:.0f} s)"
                 self.failed_requests += 1
                 return {"ok": False, "error": error}
+            refusal = self._refusal(call) if self.state == "loaded" else None  # (else: once loaded)
+            if refusal is not None:
+                return {"ok": False, "error": refusal}
             self.outstanding += 1
             self.last_used = time.time()
             if self.outstanding == 1:
@@ -716,7 +776,9 @@ class ModelHost:
             return _bad_request("'inputs' must be a non-empty list")
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
             return _bad_request("'kwargs' must be a dict with string keys")
-        return self.submit(inputs, kwargs)
+        # Watched: a caller gone (the embeddings route's client, a run killed or timed out)
+        # cancels its call, whose queued inputs are then never computed.
+        return self.submit(inputs, kwargs, conn=conn, embeddings=message.get("embeddings") is True)
 
     def serve_forever(self) -> None:
         listener = _listen(self.socket_path)

@@ -64,6 +64,13 @@ def crash_on_load(model=None, device="cpu", dtype=None):
     time.sleep(10)  # not reached
 
 
+def _wait_while_held(gate: str, count: int) -> None:
+    """The gate's hold on the ``count``-th pass: wait while ``<gate>/hold-<count>`` exists."""
+    hold = os.path.join(gate, f"hold-{count}")
+    while os.path.exists(hold):
+        time.sleep(0.01)
+
+
 def gated_causal_lm(model=None, device="cpu", dtype=None, gate: str = "", **options):
     """``loaders:causal_lm`` whose forward passes can be held, so that a test sees what happens
     between two tokens by events, not by timing: before its n-th forward pass (1: the first
@@ -80,9 +87,7 @@ def gated_causal_lm(model=None, device="cpu", dtype=None, gate: str = "", **opti
     def gated(*args, **kwargs):
         nonlocal count
         count += 1
-        hold = os.path.join(gate, f"hold-{count}")
-        while os.path.exists(hold):
-            time.sleep(0.01)
+        _wait_while_held(gate, count)
         with open(os.path.join(gate, "calls"), "a") as calls:
             calls.write(f"{count}\n")
         fail = os.path.join(gate, f"fail-{count}")
@@ -93,6 +98,24 @@ def gated_causal_lm(model=None, device="cpu", dtype=None, gate: str = "", **opti
 
     network.forward = gated
     return lm
+
+
+def gated_vectors(model=None, device="cpu", dtype=None, gate: str = ""):
+    """Embeddings of a kind (each string's length and its count of vowels) whose batches can be
+    held like ``gated_causal_lm``'s forward passes: before its n-th batch it waits while the file
+    ``<gate>/hold-<n>`` exists, and it appends each input it computes to ``<gate>/inputs``, one a
+    line, so that a test sees which inputs were computed at all."""
+    count = 0
+
+    def call(inputs: list) -> list:
+        nonlocal count
+        count += 1
+        _wait_while_held(gate, count)
+        with open(os.path.join(gate, "inputs"), "a") as computed:
+            computed.writelines(f"{text}\n" for text in inputs)
+        return [[float(len(text)), float(sum(c in "aeiou" for c in text))] for text in inputs]
+
+    return call
 
 
 def causal_lm_on_cpu(model=None, device="cpu", dtype=None, **options):
