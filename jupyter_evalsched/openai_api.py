@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -412,6 +413,15 @@ class EmbeddingsHandler(OpenAIHandler):
             vectors = [embedding_vector(output) for output in outputs]
             if any(vector is None for vector in vectors):
                 raise invalid(f"the model {model!r} does not produce embeddings (its outputs are not vectors)", "model")
+            broken = next((i for i, v in enumerate(vectors) if v is not None and not all(map(math.isfinite, v))), None)
+            if broken is not None:  # (a float16 overflow): JSON has no NaN, and a client no use for it
+                raise OpenAIError(
+                    502,
+                    f"the model {model!r} failed: its embedding of input {broken} holds a value that is no "
+                    "finite number (NaN or infinity)",
+                    type="server_error",
+                    code="model_error",
+                )
             return embeddings_body(model, [v for v in vectors if v is not None], encoding)
 
         await self.finish_off_loop(body)

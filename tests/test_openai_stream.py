@@ -404,6 +404,21 @@ async def test_an_embeddings_client_gone_while_queued_is_never_computed(
 
 
 @pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
+async def test_an_embedding_that_is_no_number_is_the_models_failure_not_invalid_json(jp_fetch, evalsched):
+    """A vector holding NaN (a float16 overflow) is a 502 naming the input, in valid JSON (it was
+    written as ``NaN``, which OpenAI's clients cannot parse); the other inputs' requests go on."""
+    body = json.dumps({"model": "vectors", "input": ["fine", "overflow"]})
+    resp = await jp_fetch("evalsched", "v1", "embeddings", method="POST", body=body, raise_error=False)
+    answer = json.loads(resp.body, parse_constant=lambda name: pytest.fail(f"{name} in the answer"))
+    assert resp.code == 502 and answer["error"]["code"] == "model_error", answer
+    assert "its embedding of input 1 holds a value that is no finite number" in answer["error"]["message"]
+    resp = await jp_fetch(
+        "evalsched", "v1", "embeddings", method="POST", body=json.dumps({"model": "vectors", "input": "fine"})
+    )
+    assert json.loads(resp.body)["data"][0]["embedding"] == [4.0, 2.0]
+
+
+@pytest.mark.slow  # a model host and a real server: CI runs it with -m slow (docs/install.md: the default suite stays within ten minutes)
 async def test_a_causal_model_asked_for_embeddings_is_refused_before_it_generates(v1, evalsched, gate):
     """Embeddings from a causal language model are a 400 naming ``model``, answered before a
     forward pass: loaded (refused at once) or not yet (refused once loaded, before its batch

@@ -104,7 +104,7 @@ def gated_vectors(model=None, device="cpu", dtype=None, gate: str = ""):
     """Embeddings of a kind (each string's length and its count of vowels) whose batches can be
     held like ``gated_causal_lm``'s forward passes: before its n-th batch it waits while the file
     ``<gate>/hold-<n>`` exists, and it appends each input it computes to ``<gate>/inputs``, one a
-    line, so that a test sees which inputs were computed at all."""
+    line, so that a test sees which inputs were computed at all. ``"overflow"`` gets ``[NaN, 0]``."""
     count = 0
 
     def call(inputs: list) -> list:
@@ -113,7 +113,11 @@ def gated_vectors(model=None, device="cpu", dtype=None, gate: str = ""):
         _wait_while_held(gate, count)
         with open(os.path.join(gate, "inputs"), "a") as computed:
             computed.writelines(f"{text}\n" for text in inputs)
-        return [[float(len(text)), float(sum(c in "aeiou" for c in text))] for text in inputs]
+        # "overflow": a vector that is no number (what a float16 overflow makes).
+        return [
+            [float("nan"), 0.0] if text == "overflow" else [float(len(text)), float(sum(c in "aeiou" for c in text))]
+            for text in inputs
+        ]
 
     return call
 
