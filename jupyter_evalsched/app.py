@@ -291,6 +291,12 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         self._retry_at = time.monotonic() + 10.0
 
     async def _become_primary(self) -> None:
+        cgroups = getattr(self, "_cgroups_found", None)
+        if cgroups is not None and cgroups.enabled:
+            # Held since this server started, unless the namespace was removed and made again
+            # meanwhile (by hand, or by a server of an older version as it stopped): the lock
+            # must be on the directory its runs' cgroups will be made in.
+            cgroups.hold_namespace()
         if self.model_host is not None:
             self.model_host.api_base = self._own_url() + "evalsched/v1"
             await self.model_host.start()

@@ -30,7 +30,8 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -467,6 +468,11 @@ class RunStore:
         self._pool: ThreadPoolExecutor | None = None  # a batch's directories, with fsync or a slow disk
         self._pool_lock = threading.Lock()
         self.refused: str | None = None  # why every write is refused (the directory was moved)
+        # The runs directory as ensure() found it (the one this server locked just before): run
+        # directories are made and renamed into place relative to it, so that a submission is
+        # acknowledged only for a directory in it, whatever the path names meanwhile (a link).
+        self._root_fd: int | None = None
+        self._root_closer: Callable[[], Any] = lambda: None
 
     def refuse_writes(self, why: str) -> None:
         """From now on every write of this store raises :class:`RunsDirMoved` with ``why``: the
@@ -481,6 +487,15 @@ class RunStore:
         self._writable()
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
+        if self._root_fd is None:
+            self._root_fd = open_dir(self.root)
+            self._root_closer = weakref.finalize(self, os.close, self._root_fd)  # (a store never closed)
+
+    def close(self) -> None:
+        """Let go of the runs directory (the scheduler stopped): writes go by path again."""
+        if self._root_fd is not None:
+            self._root_fd = None
+            self._root_closer()
 
     def run_dir(self, run_id: str) -> Path:
         """The directory of a run; raises KeyError for ids that could never name one."""
@@ -532,12 +547,17 @@ class RunStore:
                     break
         placed = [i for i, error in enumerate(out) if error is None]
         if self.fsync and placed:
+            root = self._root_fd
             try:
-                fsync_dir(self.root)  # the renames are what acknowledges the runs: make them durable
+                # The renames are what acknowledges the runs: make them durable.
+                os.fsync(root) if root is not None else fsync_dir(self.root)
             except OSError as exc:
                 error = StoreError(_disk_message(exc, self.root))
                 for i in placed:  # not durable, not acknowledged: not left to run after a restart
-                    discard_run_entry(self.run_dir(runs[i][0]))
+                    if root is not None:
+                        shutil.rmtree(runs[i][0], ignore_errors=True, dir_fd=root)
+                    else:
+                        discard_run_entry(self.run_dir(runs[i][0]))
                     out[i] = error
         return out
 
@@ -575,30 +595,34 @@ class RunStore:
         caller (:meth:`create_many`: one fsync of the runs directory for a batch). StoreError
         (the staging directory removed) when it cannot be."""
         final = self.run_dir(run_id)
-        staging = self.root / f"{STAGING_PREFIX}{run_id}"
+        staging_name = f"{STAGING_PREFIX}{run_id}"
+        # Relative to the runs directory ensure() opened, where there is one: see _root_fd.
+        root = self._root_fd
+        staging: str | Path = staging_name if root is not None else self.root / staging_name
         try:
-            os.mkdir(staging, 0o700)
+            os.mkdir(staging, 0o700, dir_fd=root)
         except FileExistsError:
-            raise StoreError(f"cannot create the directory of run {run_id}: {staging.name} exists already") from None
+            raise StoreError(f"cannot create the directory of run {run_id}: {staging_name} exists already") from None
         except OSError as exc:
             raise StoreError(_disk_message(exc, self.root)) from exc
         try:
-            self._fill(staging, files)
+            self._fill(staging, files, root)
             try:
-                os.rename(staging, final)
+                os.rename(staging, run_id if root is not None else final, src_dir_fd=root, dst_dir_fd=root)
             except OSError as exc:
                 if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
                     raise StoreError(f"cannot create the directory of run {run_id}: {final} exists already") from None
                 raise
         except BaseException as exc:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True, dir_fd=root)
             if isinstance(exc, OSError):
                 raise StoreError(_disk_message(exc, self.root)) from exc
             raise
         return final
 
-    def _fill(self, staging: Path, files: dict[str, bytes]) -> None:
-        dfd = open_dir(staging)  # the files go into the directory made here, whatever is renamed
+    def _fill(self, staging: str | Path, files: dict[str, bytes], root: int | None) -> None:
+        # The files go into the directory made here, whatever is renamed.
+        dfd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
         try:
             for name, data in files.items():
                 # No temp file needed: nobody sees the staging directory until its rename.

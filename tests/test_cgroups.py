@@ -599,3 +599,36 @@ def test_namespaces_of_servers_that_are_gone_are_removed_and_live_ones_kept(proc
         for d in dead_dirs:
             if os.path.isdir(d):
                 _kill_tree(d)
+
+
+def test_a_server_taking_over_a_runs_directory_keeps_its_namespace_held(procs):
+    """Two servers of one runs directory share its namespace (both hold it). The primary stops;
+    the one taking over makes its cgroups there: the namespace stays (it used to be removed as the
+    first stopped, and made again unheld), and the next server of another runs directory to start
+    takes none of it for abandoned. Removed by hand meanwhile, it is made again held."""
+    prefix = f"evalsched-test-takeover-{uuid.uuid4().hex[:8]}-"
+    first, second = (Cgroups.detect("auto", namespace=prefix + "shared") for _ in range(2))
+    other = Cgroups.detect("auto", namespace=prefix + "other")  # a server of another runs directory
+    for cgroups in (first, second, other):
+        cgroups.hold_namespace()
+    made = []
+    try:
+        made.append(first.make())  # the primary's pool
+        made.pop().remove()  # (what it keeps, removed as it stops)
+        assert not first.remove_namespace()  # the other server of the runs directory holds it
+        assert all(os.path.isdir(d) for d in second.support.parents.values())
+        second.hold_namespace()  # (it takes over)
+        made.append(second.make())
+        assert other.remove_empty_siblings(prefix) == 0
+        assert all(os.path.isdir(p) for p in made[-1].paths.values()), "the new primary's cgroup was removed"
+        made.pop().remove()
+        for d in second.support.parents.values():
+            os.rmdir(d)  # removed by hand (or by an older server as it stopped)
+        made.append(second.make())  # makes the namespace again, and holds it
+        assert other.remove_empty_siblings(prefix) == 0
+        assert all(os.path.isdir(p) for p in made[-1].paths.values()), "the remade namespace was taken for abandoned"
+    finally:
+        for cg in made:
+            cg.remove()
+        for cgroups in (first, second, other):
+            cgroups.remove_namespace()

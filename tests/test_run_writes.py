@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import threading
 import time
 
@@ -137,8 +138,8 @@ async def test_a_bug_while_writing_answers_500_not_retry(api, evalsched, runs_di
     message = "cannot write the run directory: an internal error (the server's log says which)"
     fill = store._fill
 
-    def broken_fill(staging, files):
-        fill(staging, files)  # (the files are there, in the staging directory)
+    def broken_fill(staging, files, root):
+        fill(staging, files, root)  # (the files are there, in the staging directory)
         raise TypeError("a bug in one directory")
 
     monkeypatch.setattr(store, "_fill", broken_fill)
@@ -317,6 +318,30 @@ def test_runs_the_pool_cannot_take_are_assembled_on_the_writers_thread(tmp_path,
         assert sorted(os.listdir(store.run_dir(run_id))) == ["job.json", "spec.json"]
     assert [threads[run_id].startswith("evalsched-create") for run_id in ids] == [True, True, False, False, False]
     assert _staging_left(store.root) == []
+
+
+def test_a_submission_is_acknowledged_only_in_the_runs_directory_the_server_holds(tmp_path):
+    """The runs directory is moved away and a link put at its path: the directories of the
+    submissions made until the server notices (it checks every ``promotion_interval_s``) are made
+    in the directory it holds, where a server restarted on it (as the error says) finds them, not
+    in the link's target. They used to go where the path led, acknowledged and then lost."""
+    files = {"spec.json": b"{}", "job.json": b"{}"}
+    runs, held, elsewhere = tmp_path / "runs", tmp_path / "runs.old", tmp_path / "elsewhere"
+    for fsync in (False, True):
+        store = RunStore(runs, fsync=fsync)
+        store.ensure()
+        elsewhere.mkdir()
+        os.rename(runs, held)
+        os.symlink(elsewhere, runs)
+        try:
+            ids = [new_run_id() for _ in range(3)]
+            assert store.create_many([(run_id, files) for run_id in ids]) == [None] * 3
+            assert sorted(os.listdir(held)) == sorted(ids) and os.listdir(elsewhere) == []
+        finally:
+            store.close()
+            os.unlink(runs)
+            shutil.rmtree(held)
+            elsewhere.rmdir()
 
 
 # ----------------------------------------------------------------------------- terminal writes

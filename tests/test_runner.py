@@ -1152,3 +1152,18 @@ def test_ctx_attempt_is_the_attempt_number(tmp_path, started):
     )
     assert run_to_end(run_dir, started, env=runner_env(EVALSCHED_ATTEMPT="4")) == 0
     assert episode_lines(run_dir)[0]["metrics"] == {"attempt": 4} and episode_lines(run_dir)[0]["attempt"] == 4
+
+
+def test_a_run_that_cannot_join_its_cgroup_runs_none_of_its_code(tmp_path, started):
+    """The cgroup the server gave the run is gone (removed meanwhile): the run fails, saying so,
+    before its entrypoint is even imported; nothing of it would have been contained (killed with
+    the run, held to its memory limit). It used to say so on stderr and run uncontained."""
+    write_file(tmp_path / "ran.py", "import pathlib\npathlib.Path(__file__).with_name('imported').touch()\n"
+               "def episode(ctx, index):\n    return {}\n")  # fmt: skip
+    run_dir = make_run_dir(tmp_path, entrypoint=f"{tmp_path / 'ran.py'}:episode", episodes=1)
+    gone = tmp_path / "cgroup" / "evalsched-r-gone" / "cgroup.procs"  # (its directory never made)
+    assert run_to_end(run_dir, started, env=runner_env(EVALSCHED_CGROUP_PROCS=str(gone))) == 0
+    error = assert_finalized(run_dir, "failed")["error"]
+    assert error["type"] == "NotInCgroup" and error["episode"] is None, error
+    assert error["message"].startswith(f"the run's process could not join its cgroup ({gone}: No such file"), error
+    assert not (tmp_path / "imported").exists()

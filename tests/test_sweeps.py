@@ -3,12 +3,15 @@ cancel, and comparisons computed again here from the runs' episodes.jsonl."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import threading
 from pathlib import Path
 
 import pytest
 from rest import SLEEPY, spec, submit
+from waiting import async_wait_until
 
 from jupyter_evalsched.scheduler.compare import t_quantile
 
@@ -230,3 +233,48 @@ async def test_compare_refuses_what_it_cannot_answer(api):
 def test_t_quantiles_match_the_tables():
     for df, expected in [(1, 12.7062047), (2, 4.3026527), (5, 2.5705818), (9, 2.2621572), (30, 2.0422725)]:
         assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
+
+
+async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(api, jp_fetch, evalsched, monkeypatch):
+    """The cancel of a sweep whose submission is still making its runs (a large one takes
+    seconds) stops it: its submission answers 409 saying so, every run made is cancelled, and
+    neither it nor a retry under its Idempotency-Key makes the rest (they were all made, and
+    ran, after a cancel answered 200)."""
+    store = evalsched.submissions.store
+    assemble = store.assemble
+    release = threading.Event()
+    made: list[str] = []
+
+    def held(run_id, files):  # (in the writer's thread) the 4th run's directory waits
+        made.append(run_id)
+        if len(made) == 4:
+            release.wait(30)
+        return assemble(run_id, files)
+
+    monkeypatch.setattr(store, "assemble", held)
+    body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}), "sweep": {"k": list(range(50))}}
+    headers = {"Idempotency-Key": "cancelled-sweep"}
+
+    async def post():
+        resp = await jp_fetch("evalsched", "sweeps", method="POST", body=json.dumps(body), headers=headers,
+                              raise_error=False)  # fmt: skip
+        return resp.code, json.loads(resp.body)
+
+    submitting = asyncio.ensure_future(post())
+    await async_wait_until(lambda: len(made) == 4, timeout=30, message="the sweep's 4th run is not being made")
+    sweep_id = (await api("GET", "sweeps"))[1]["sweeps"][0]["id"]
+    cancelling = asyncio.ensure_future(api("POST", f"sweeps/{sweep_id}/cancel"))
+
+    def cancelled() -> bool:  # (in the table: the API waits for their records, which the writer holds)
+        return evalsched.sweep_view(sweep_id)["counts"].get("cancelled") == 3
+
+    await async_wait_until(cancelled, timeout=30, message="the cancel did not come")
+    release.set()
+    code, answer = await submitting
+    assert code == 409 and answer["message"].startswith(f"sweep {sweep_id} was cancelled while it was submitted"), (
+        code, answer)  # fmt: skip
+    assert (await cancelling)[0] == 200
+    code, answer = await post()  # the client retries
+    assert code == 409, answer
+    code, view = await api("GET", f"sweeps/{sweep_id}")
+    assert len(view["runs"]) == 4 and view["counts"] == {"cancelled": 4}, view

@@ -26,6 +26,7 @@ from jupyter_evalsched.doctor import server_checks
 from jupyter_evalsched.runner import zygote as zygote_runner
 from jupyter_evalsched.scheduler import launcher as launcher_module
 from jupyter_evalsched.scheduler import zygotes as zygotes_module
+from jupyter_evalsched.scheduler.cgroup_pool import POOL_SIZE
 from jupyter_evalsched.scheduler.zygotes import (
     ForkRequest,
     Spare,
@@ -396,6 +397,35 @@ async def test_an_edited_preload_takes_effect_like_in_a_fresh_interpreter(api, w
         return rec["start"] == "warm" and rec["start_detail"] != zygote
 
     await async_wait_until(warm_again, timeout=20, message="no fresh zygote took over")
+
+
+async def test_zygotes_retired_by_edits_leave_no_cgroup_behind(api, wait_for, preload_dir):
+    """Each edit of a preloaded module retires the zygote that loaded it; the spare it forked as
+    it was told its last spare was taken comes after its retirement, and is not taken: the
+    cgroup that spare made for itself goes with it (one was left per edit, until the server
+    stopped)."""
+    from test_cgroup_ahead import cgroup_parents, leaves
+
+    parents = await cgroup_parents(api)
+    source = preload_dir / "warm_value.py"
+    for value in (2, 3, 4):
+        await ready_zygote(api)
+        rec = await submit(api, spec(entry=READ_VALUE, params={"module": "warm_value"}))
+        assert (await wait_for(rec["id"]))["start"] == "warm"
+        source.write_text(f"VALUE = {value}\n")
+        os.utime(source, ns=(time.time_ns(), time.time_ns() + value * 10**9))  # whatever the clock's tick
+        rec = await submit(api, spec(entry=READ_VALUE, params={"module": "warm_value"}))
+        assert (await wait_for(rec["id"]))["start"] == "cold"
+    await ready_zygote(api)
+
+    async def only_the_live_ones() -> bool:
+        zygotes = (await status(api))["warm_start"]["zygotes"]
+        spares = {pid for z in zygotes for pid in z["spares"]}
+        found = leaves(parents)
+        empty = [name for name, pids in found.items() if not pids]  # (the pool's)
+        return all(pids <= spares for pids in found.values()) and len(empty) <= POOL_SIZE
+
+    await async_wait_until(only_the_live_ones, timeout=30, message=f"cgroups are left behind: {leaves(parents)}")
 
 
 async def test_a_cwd_that_shadows_a_preload_starts_cold(api, wait_for, tmp_path):

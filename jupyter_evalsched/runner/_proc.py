@@ -139,8 +139,14 @@ def parent_is_gone(expected_pid: int | None) -> bool:
     return expected_pid is not None and os.getppid() != expected_pid
 
 
+class NotInCgroup(RuntimeError):
+    """The run's process could not join the cgroup the server gave it: it runs no eval code."""
+
+
 def ensure_in_cgroup(run_id: str) -> None:
-    """Join the run's cgroup unless the server has moved us there already.
+    """Join the run's cgroup unless the server has moved us there already; NotInCgroup when it
+    cannot (the cgroup removed meanwhile, say): the run then fails before any of its code runs,
+    since nothing of it could be contained (killed with it, held to its memory limit).
 
     A warm run's process is in its cgroup before its request (the zygote's spare placed itself
     there); a cold one is added by the server right after it started, off its event loop (the
@@ -166,4 +172,7 @@ def ensure_in_cgroup(run_id: str) -> None:
             with open(path, "w") as procs:
                 procs.write(pid)
         except OSError as exc:
-            sys.stderr.write(f"evalsched runner: cannot join the run's cgroup ({path}): {exc}\n")
+            raise NotInCgroup(
+                f"the run's process could not join its cgroup ({path}: {exc.strerror or exc}), so none of the "
+                "eval's code ran: it would not have been contained (killed with the run, held to its memory limit)"
+            ) from None

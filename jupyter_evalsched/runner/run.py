@@ -43,6 +43,7 @@ from . import fastjson
 from ._proc import (
     DONE_NOTICE,
     EXIT_PARENT_GONE,
+    NotInCgroup,
     ensure_in_cgroup,
     expected_parent_pid,
     flush_stdio,
@@ -296,9 +297,14 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
         return EXIT_IO_ERROR
 
     try:
+        error: ErrorInfo | _Stopped | None
         if isinstance(spec, RunSpec):
-            ensure_in_cgroup(files.run_id)  # before any user code runs or any worker is forked
-            error = _run_episodes(spec, run_dir, files)
+            try:
+                ensure_in_cgroup(files.run_id)  # before any user code runs or any worker is forked
+            except NotInCgroup as exc:
+                error = describe_exception(exc)
+            else:
+                error = _run_episodes(spec, run_dir, files)
         else:
             error = describe_exception(spec)
         if isinstance(error, _Stopped):

@@ -428,7 +428,8 @@ class Cgroups:
         # The names of the cgroups this instance makes ahead start with this: a restarted server
         # removes the ones of earlier instances (their runs are gone) and never its own.
         self.leaf_prefix = f"{LEAF_PREFIX}{secrets.token_hex(4)}+"
-        self._held: list[int] = []  # the namespace directories, flock'ed while this server lives
+        # The namespace directories, flock'ed (shared) while this server lives, by hierarchy.
+        self._held: dict[str, int] = {}
         if "memory" in support.parents:
             self._memory_kind: str | None = "v1"
         elif support.memory and any(k in support.parents for k in V2_KEYS):
@@ -479,7 +480,14 @@ class Cgroups:
         return RunCgroup(run_id, paths, kill_method=self._support.kill, memory_kind=self._memory_kind)
 
     def _ensure_namespace(self, name: str, ns_dir: str) -> None:
-        # Gone since detect() (removed by hand, or by remove_namespace()): make it again.
+        """Make the namespace again, gone since detect() (removed by hand, or by another server
+        of this runs directory as it stopped), and hold it: a namespace not held would be taken
+        for an abandoned one, and its cgroups removed, by the next server of another runs
+        directory to start (its runs would then have no cgroup to join)."""
+        self._make_namespace(name, ns_dir)
+        self._hold(name, ns_dir)
+
+    def _make_namespace(self, name: str, ns_dir: str) -> None:
         make_namespace(ns_dir)
         if name in V2_KEYS and self._memory_kind == "v2":
             why = enable_v2_memory(os.path.dirname(ns_dir), ns_dir)
@@ -625,32 +633,46 @@ class Cgroups:
         """Mark the namespace directories as a live server's: a shared ``flock`` on each, held
         until ``release_namespace`` or this process's end, however it ends (a ``kill -9`` too).
         Another server removes what a namespace holds only when it can take that lock exclusively
-        (``remove_empty_siblings``). Waits out such a removal under way, then makes the namespace
-        again if it went."""
+        (``remove_empty_siblings``, ``remove_namespace``). Waits out such a removal under way,
+        then makes the namespace again if it went. Called again (a server that takes over the
+        runs directory): a lock on a directory that was removed and made again since is taken
+        anew, on the directory of that name now."""
         for key, ns_dir in self._support.parents.items():
-            for _ in range(3):
+            self._hold(key, ns_dir)
+
+    def _hold(self, key: str, ns_dir: str) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            try:
+                if os.fstat(held).st_ino == os.stat(ns_dir).st_ino:
+                    self._held[key] = held
+                    return
+            except OSError:
+                pass
+            os.close(held)  # the directory it locks is gone (or replaced)
+        for _ in range(3):
+            try:
+                fd = os.open(ns_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = -1
+            except OSError:
+                return  # not ours to hold: siblings' clean-ups then leave it alone too
+            if fd >= 0:
                 try:
-                    fd = os.open(ns_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    fd = -1
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+                    if os.fstat(fd).st_ino == os.stat(ns_dir).st_ino:
+                        self._held[key] = fd
+                        return
                 except OSError:
-                    break  # not ours to hold: siblings' clean-ups then leave it alone too
-                if fd >= 0:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_SH)
-                        if os.fstat(fd).st_ino == os.stat(ns_dir).st_ino:
-                            self._held.append(fd)
-                            break
-                    except OSError:
-                        pass
-                    os.close(fd)  # removed by a sibling's clean-up before the lock was ours
-                try:
-                    self._ensure_namespace(key, ns_dir)
-                except (OSError, CgroupError):
-                    break
+                    pass
+                os.close(fd)  # removed by a sibling's clean-up before the lock was ours
+            try:
+                self._make_namespace(key, ns_dir)
+            except (OSError, CgroupError):
+                return
 
     def release_namespace(self) -> None:
-        for fd in self._held:
+        for fd in self._held.values():
             os.close(fd)
         self._held.clear()
 
@@ -679,15 +701,29 @@ class Cgroups:
         return removed
 
     def remove_namespace(self) -> bool:
-        """rmdir the namespace directories if no run cgroup is left in them (server shutdown,
-        tests), and let go of their lock. True when all are gone."""
+        """rmdir the namespace directories if no run cgroup is left in them and no other server
+        of this runs directory holds them (server shutdown, a step-down, tests), and let go of
+        their lock. True when all are gone. A server that stops while another waits to take over
+        (a secondary, which holds the namespace too) leaves it: removed, the one taking over
+        would hold a lock on a directory that is gone, and make one of the same name that nobody
+        holds."""
         self.release_namespace()
         gone = True
         for ns_dir in self._support.parents.values():
             try:
+                fd = os.open(ns_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                gone = False
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.rmdir(ns_dir)
             except FileNotFoundError:
                 pass
             except OSError:
-                gone = False
+                gone = False  # another server holds it, or a run cgroup is left in it
+            finally:
+                os.close(fd)
         return gone

@@ -222,6 +222,7 @@ class Scheduler:
         self._started = False
         self._io.shutdown(wait=True)
         self.comparisons.close()
+        self.store.close()
 
     def _compute_budgets(self) -> list[DeviceBudget]:
         if self.host is not None:
@@ -371,7 +372,9 @@ class Scheduler:
         """Cancel the sweep's unfinished runs; finished ones stay as they are. Answers once the
         records of the runs it ended are on disk (the writer's thread writes them meanwhile)."""
         ended: list[str] = []
-        for run in self.sweep_runs(sweep_id):
+        runs = self.sweep_runs(sweep_id)
+        self.submissions.sweep_cancelled(sweep_id)
+        for run in runs:
             if not run.terminal:
                 await self._cancel(run, by)
                 if run.terminal:

@@ -34,6 +34,7 @@ from .shared import SharedModels
 from .writer import RunWriter
 
 log = logging.getLogger("jupyter_evalsched")
+MAX_CANCELLED_SWEEPS_KEPT = 4096  # (a sweep's submission takes seconds: its cancel is among the newest)
 
 
 class Submissions:
@@ -62,6 +63,8 @@ class Submissions:
         self._keys_in_flight: dict[str, asyncio.Future[None]] = {}
         self._sweep_keys_in_flight: dict[str, asyncio.Future[None]] = {}
         self._sweeps_in_progress = 0
+        # Sweeps cancelled (the newest, in order): one still being submitted makes no more runs.
+        self._cancelled_sweeps: dict[str, None] = {}
         self._creating: set[str] = set()
         # With a host ledger: why a GPU request can never be granted under this user's quota
         # (vram_mb, gpus, exclusive, kind) -> "" when it could (host_tenant.HostTenant.never).
@@ -407,6 +410,11 @@ class Submissions:
             # A point at a time: each writes its directory in the writer's thread, or reads one back
             # (a replay), and the loop serves others between them.
             for i, point in enumerate(points):
+                if sweep_id in self._cancelled_sweeps:
+                    raise StateConflict(
+                        f"sweep {sweep_id} was cancelled while it was submitted: the {len(records)} of its "
+                        f"{len(points)} runs made by then are cancelled, and no more are made"
+                    )
                 key = keys[i]
                 one = base.spec_of(point)
                 if key is not None and key in self.by_key:
@@ -424,6 +432,13 @@ class Submissions:
                     await cancel(run_id)
             raise
         return {"id": sweep_id, "runs": records}, bool(made)
+
+    def sweep_cancelled(self, sweep_id: str) -> None:
+        """The sweep is cancelled: a submission of it still under way makes no more of its runs
+        (nor does a retry of that submission, under its Idempotency-Key)."""
+        self._cancelled_sweeps[sweep_id] = None
+        while len(self._cancelled_sweeps) > MAX_CANCELLED_SWEEPS_KEPT:
+            del self._cancelled_sweeps[next(iter(self._cancelled_sweeps))]
 
     def sweep_runs(self, sweep_id: str) -> list[Run]:
         runs = sorted((r for r in self.table if r.record.get("sweep_id") == sweep_id), key=lambda r: r.record["seq"])

@@ -702,9 +702,14 @@ class ZygoteClient:
 
     def _take_spare(self, message: dict[str, Any], fds: list[int]) -> None:
         pid, created = message.get("pid"), message.get("create_time")
+        name = message.get("cgroup")
+        leaf = self.cgroups.cgroups.leaf(name) if isinstance(name, str) and self.cgroups is not None else None
         if not fds or not isinstance(pid, int) or self.state != READY:
+            # Not taken (a zygote retiring forked it as it was told a spare was taken): it leaves
+            # as its socket closes, and so does the cgroup it made for itself, or none would.
             for fd in fds:
                 os.close(fd)
+            self._discard_cgroup(leaf)
             return
         self._no_spare = None
         sock = socket.socket(fileno=fds[0])
@@ -718,9 +723,7 @@ class ZygoteClient:
             fds[1] if len(fds) > 1 else None,
             float(created) if isinstance(created, (int, float)) else None,
         )
-        name = message.get("cgroup")
-        if isinstance(name, str) and self.cgroups is not None:
-            spare.cgroup = self.cgroups.cgroups.leaf(name)
+        spare.cgroup = leaf
         if spare.cgroup is not None:
             # Given a run once it says it is in its cgroup (moments after its fork, long before
             # it is wanted, usually): the run's limits are written there at the hand-over. That
