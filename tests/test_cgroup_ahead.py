@@ -21,7 +21,7 @@ from jupyter_evalsched.runner.zygote import SPARES, place_in_cgroup
 from jupyter_evalsched.scheduler.cgroup_detect import CgroupSupport
 from jupyter_evalsched.scheduler.cgroup_pool import POOL_SIZE
 from jupyter_evalsched.scheduler.cgroupfs import MiB
-from jupyter_evalsched.scheduler.cgroups import LEAF_PREFIX, Cgroups, RunCgroup
+from jupyter_evalsched.scheduler.cgroups import LEAF_PREFIX, CgroupError, Cgroups, RunCgroup
 
 HERE = Path(__file__).resolve().parent
 WHERE = f"{HERE / 'evals_cgroup.py'}:where_am_i"
@@ -298,3 +298,31 @@ async def test_a_live_servers_namespace_is_never_taken_for_a_gone_ones(api):
         assert status["cgroups"]["mode"] != "none"
     finally:
         other.remove_namespace()
+
+
+async def test_a_memory_limit_below_what_a_warm_process_holds_starts_the_run_cold(api, wait_for, monkeypatch):
+    """A spare has its interpreter's pages charged to its cgroup already; a ``memory_mb`` below
+    them cannot be written there: the kernel refuses it (EBUSY, here the first write of a limit
+    fails so). The run used to go on warm and unlimited, with a warning; it starts cold instead,
+    its limit written before it starts, and enforced."""
+    parents = await cgroup_parents(api)
+    await spares_in_place(api, parents)
+    set_limit = RunCgroup.set_memory_limit
+    refused: list[str] = []
+
+    def busy_once(self, memory_mb):
+        if not refused:
+            refused.append(self.run_id)
+            raise CgroupError(
+                f"cannot write {self.primary / 'memory.limit_in_bytes'}: [Errno 16] Device or resource busy"
+            )
+        return set_limit(self, memory_mb)
+
+    monkeypatch.setattr(RunCgroup, "set_memory_limit", busy_once)
+    rec = await submit(api, spec(entry=NOOP, scheduling={"memory_mb": 256}))
+    final = await wait_for(rec["id"])
+    assert refused == [rec["id"]] and final["state"] == "succeeded", final
+    assert final["start"] == "cold" and "memory_mb=256 could not be set on a warm process" in final["start_detail"], (
+        final
+    )
+    assert final["warnings"] == [], final["warnings"]  # (the limit held: written before it started)

@@ -163,6 +163,11 @@ def cold_reason(spec: Mapping[str, Any], env: Mapping[str, str], warm_start: boo
 STARTING, READY, RETIRING, REFUSED, DEAD = "starting", "ready", "retiring", "refused", "dead"
 
 
+class ColdInstead(Exception):
+    """Raised by a ``ForkRequest.prepare`` that finds the spare unfit for its run (a memory limit
+    below what the spare already uses): the run starts cold, for the reason given."""
+
+
 @dataclass
 class ForkRequest:
     run_id: str
@@ -178,7 +183,8 @@ class ForkRequest:
     on_cold: Callable[[str], None]  # the reason: start it in a fresh interpreter
     on_error: Callable[[str], None]  # it cannot start at all
     # Given the cgroup the spare waits in (None: it has none), at the hand-over: the run's cgroup
-    # (that one, its limits written; or another the runner joins), which is the callee's from then on.
+    # (that one, its limits written; or another the runner joins), which is the callee's from then
+    # on; ColdInstead: not this spare (it leaves, with its cgroup), the run starts cold.
     prepare: Callable[[RunCgroup | None], RunCgroup | None] | None = None
 
 
@@ -375,7 +381,15 @@ class ZygoteClient:
             env = request.env
             cgroup, spare.cgroup = spare.cgroup, None
             if request.prepare is not None:
-                cgroup = request.prepare(cgroup)  # (the run's limits, written before it can run)
+                try:
+                    cgroup = request.prepare(cgroup)  # (the run's limits, written before it can run)
+                except ColdInstead as exc:
+                    spare.cgroup = cgroup
+                    self._discard_spare(spare)  # (the zygote reaps it and forks another)
+                    log.info("evalsched: run %s: %s", request.run_id, exc)
+                    _close_fds(request)
+                    request.on_cold(str(exc))
+                    continue
             if cgroup is not None:
                 env = {**env, "EVALSCHED_CGROUP_PROCS": ":".join(cgroup.procs_files())}
             message = {"run_id": request.run_id, "run_dir": request.run_dir, "cwd": request.cwd, "env": env}

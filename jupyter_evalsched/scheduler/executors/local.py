@@ -47,7 +47,7 @@ from ..launcher import (
 )
 from ..runs import FinalSummary, Run, parse_timestamp
 from ..shared import ModelUnavailable, NoSharedModels, SharedModels
-from ..zygotes import WarmStartConfig, ZygotePool, cold_reason
+from ..zygotes import ColdInstead, WarmStartConfig, ZygotePool, cold_reason
 from . import Executor, ExecutorContext, ObservedTarget
 
 log = logging.getLogger("jupyter_evalsched")
@@ -251,7 +251,12 @@ class LocalExecutor(Executor):
             cgroup = self._run_cgroup(run)
         else:
             cgroup = spare_cgroup
-            self._note_limit(run, cgroup, cgroup.assign(run.id, run.scheduling.memory_mb))
+            why = cgroup.assign(run.id, run.scheduling.memory_mb)
+            if why and cgroup.memory_kind is not None:
+                # A limit below what the spare already uses (the kernel refuses it: EBUSY) would
+                # leave the run unlimited: a cold start has it written before it starts.
+                raise ColdInstead(f"memory_mb={run.scheduling.memory_mb} could not be set on a warm process ({why})")
+            self._note_limit(run, cgroup, why)
         if cgroup is not None:
             self._handover[run.id] = cgroup
         return cgroup
