@@ -484,3 +484,27 @@ def test_a_run_left_as_a_zombie_is_not_waited_for():
         assert time.monotonic() - started < 30, "the restart waited for a zombie"
     finally:
         zombie.wait()
+
+
+def test_a_cgroup_that_would_not_go_is_removed_at_a_later_clean_up(monkeypatch):
+    """A run's cgroup whose removal gives up (a process in it slow to die: the kernel keeps
+    answering EBUSY past the wait) is tried again at the next batch of clean-ups; it was left
+    until the server stopped."""
+    from jupyter_evalsched.scheduler import cgroups as cgroups_module
+    from jupyter_evalsched.scheduler.cgroups import Cgroups
+
+    namespace = Cgroups.detect("auto", namespace=f"evalsched-test-linger-{uuid.uuid4().hex[:8]}")
+    assert namespace.enabled, namespace.support.detail
+    cgroup = namespace.create("20261206T000000.000000-abcdef")
+    rmdir_tree = cgroups_module.rmdir_tree
+    monkeypatch.setattr(cgroups_module, "rmdir_tree", lambda path, wait_until: False)  # (EBUSY, past the wait)
+    clean_ups = CleanUps()
+    try:
+        clean_ups.run(clean_ups.add(RunProcess("20261206T000000.000000-abcdef", None, cgroup=cgroup)))
+        assert clean_ups.lingering == [cgroup] and all(p.is_dir() for p in cgroup.paths.values())
+        monkeypatch.setattr(cgroups_module, "rmdir_tree", rmdir_tree)  # (its process gone at last)
+        clean_ups.run(clean_ups.add(RunProcess("another-run", None)))  # the next run's clean-up
+        assert clean_ups.lingering == [] and not any(p.exists() for p in cgroup.paths.values())
+    finally:
+        cgroup.remove()
+        namespace.remove_namespace()

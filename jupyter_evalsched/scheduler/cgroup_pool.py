@@ -54,7 +54,7 @@ class CgroupPool:
             cgroup = self.cgroups.make()
         return cgroup
 
-    def discard(self, cgroup: RunCgroup | None) -> Future[None] | None:
+    def discard(self, cgroup: RunCgroup | None) -> Future[bool] | None:
         """Kill what is left in ``cgroup`` and remove it, in the background thread."""
         if cgroup is None:
             return None

@@ -344,9 +344,10 @@ class RunCgroup:
 
     # ---- clean-up
 
-    def remove(self) -> None:
+    def remove(self) -> bool:
         """Kill what is left, give back the memory still charged to it, then rmdir every
-        directory. Idempotent; never raises."""
+        directory. Idempotent; never raises. True when every directory is gone (False: a process
+        still in it, slow to die: a GPU driver's teardown, an uninterruptible wait)."""
         try:
             if any(p.is_dir() for p in self.paths.values()) and not self._empty():
                 self.kill()
@@ -354,8 +355,7 @@ class RunCgroup:
             log.warning("run %s: killing its cgroup failed", self.run_id, exc_info=True)
         self.reclaim()
         wait_until = time.monotonic() + 0.5
-        for path in self.paths.values():
-            rmdir_tree(path, wait_until)
+        return all([rmdir_tree(path, wait_until) for path in self.paths.values()])
 
     def reclaim(self) -> None:
         """Reclaim the page cache still charged to the (empty) cgroup: a memory cgroup removed

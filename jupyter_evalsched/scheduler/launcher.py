@@ -651,13 +651,14 @@ def clean_up_after(proc: RunProcess) -> None:
     clean_up_after_all([proc])
 
 
-def clean_up_after_all(procs: list[RunProcess]) -> None:
+def clean_up_after_all(procs: list[RunProcess], lingering: list[RunCgroup] | None = None) -> None:
     """``clean_up_after`` for runs that ended together: every cgroup emptied and removed first
     (nothing of those runs runs any more, so nothing can leave a cgroup during the search), then
-    one search of the process table for all of them."""
+    one search of the process table for all of them. A cgroup that would not go (a process in it
+    slow to die) is added to ``lingering``, where given, to be removed at a later clean-up."""
     for proc in procs:
-        if proc.cgroup is not None:
-            proc.cgroup.remove()
+        if proc.cgroup is not None and not proc.cgroup.remove() and lingering is not None:
+            lingering.append(proc.cgroup)
     try:
         kill_escaped_all({proc.run_id: proc.spawned_at for proc in procs})
     except Exception:  # a surprise in /proc must not leave the other runs' clean-ups waiting
@@ -674,6 +675,9 @@ class CleanUps:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queued: list[tuple[RunProcess, threading.Event]] = []
+        # Cgroups of ended runs that would not go yet: tried again at each batch (and removed with
+        # the namespace's stale ones when the server stops), not left for the next server.
+        self.lingering: list[RunCgroup] = []
 
     def add(self, proc: RunProcess) -> threading.Event:
         done = threading.Event()
@@ -686,7 +690,8 @@ class CleanUps:
             batch, self._queued = self._queued, []
         if batch:
             try:
-                clean_up_after_all([proc for proc, _ in batch])
+                self.lingering[:] = [cgroup for cgroup in self.lingering if not cgroup.remove()]
+                clean_up_after_all([proc for proc, _ in batch], self.lingering)
             finally:
                 for _, event in batch:
                     event.set()
