@@ -12,7 +12,7 @@ import asyncio
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit
@@ -113,16 +113,20 @@ class _Relay(httputil.HTTPMessageDelegate):
         self.status = start_line.code
         self.headers = {name.lower(): value for name, value in headers.get_all()}
 
-    def data_received(self, chunk: bytes) -> None:
+    def data_received(self, chunk: bytes) -> Awaitable[None] | None:
         # A client gone is closing this connection (on_connection_close): a part read meanwhile
         # goes nowhere. (Not raised: tornado logs what a delegate raises, with a traceback.)
+        # Awaited by tornado before it reads on: the primary is read no faster than the client
+        # takes the answer, which is not buffered here without bound.
         if not self.handler.client_gone:
-            self.write(chunk)
+            return self.write(chunk)
+        return None
 
     def finish(self) -> None:
         self.complete = True
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes) -> Awaitable[None]:
+        """Write ``data`` to the client; done once it is flushed (or the client is gone)."""
         handler = self.handler
         if not self.started:
             self.started = True
@@ -132,8 +136,14 @@ class _Relay(httputil.HTTPMessageDelegate):
                     handler.set_header(name, self.headers[name.lower()])
             handler.set_header("X-Evalsched-Primary", str(self.primary_pid))
         handler.write(data)
-        # (a client gone meanwhile fails the flush: on_connection_close ends the relay)
-        handler.flush().add_done_callback(lambda done: done.exception())
+        return _flushed(handler.flush())
+
+
+async def _flushed(flush: Awaitable[None]) -> None:
+    try:
+        await flush
+    except StreamClosedError:
+        pass  # (the client went away: on_connection_close ends the relay)
 
 
 def is_delegating(handler: Any) -> bool:
@@ -341,7 +351,7 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
             raise web.Finish()  # nobody to answer
         if error is not None:
             raise ApiError(503, not_answering(primary.pid, error))
-        relay.write(b"")  # an answer without a body: its status and headers
+        await relay.write(b"")  # an answer without a body: its status and headers
         self.finish()
 
     async def break_off(self, relay: _Relay, error: BaseException) -> None:

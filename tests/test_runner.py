@@ -1167,3 +1167,15 @@ def test_a_run_that_cannot_join_its_cgroup_runs_none_of_its_code(tmp_path, start
     assert error["type"] == "NotInCgroup" and error["episode"] is None, error
     assert error["message"].startswith(f"the run's process could not join its cgroup ({gone}: No such file"), error
     assert not (tmp_path / "imported").exists()
+
+
+def test_a_cgroup_a_server_inherited_is_not_handed_to_its_runs():
+    """A server started inside a run has that run's ``EVALSCHED_CGROUP_PROCS`` in its environment;
+    its own runs get the variable only from their launcher (their own cgroup), never that one,
+    which would fail them as unable to join it once that run is over."""
+    from jupyter_evalsched.scheduler.environment import run_environment
+
+    inherited = {"EVALSCHED_CGROUP_PROCS": "/sys/fs/cgroup/unified/evalsched-0-x/c+gone/cgroup.procs", "HOME": "/h"}
+    env = run_environment("r", {"EVALSCHED_CGROUP_PROCS": "/spec"}, devices=None, parent_pid=None, fsync=False,
+                          base=inherited)  # fmt: skip
+    assert "EVALSCHED_CGROUP_PROCS" not in env and env["HOME"] == "/h"

@@ -235,7 +235,10 @@ def test_t_quantiles_match_the_tables():
         assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
 
 
-async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(api, jp_fetch, evalsched, monkeypatch):
+@pytest.mark.parametrize("points", [50, 4], ids=["midway", "at-its-last-point"])
+async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
+    api, jp_fetch, evalsched, monkeypatch, points
+):
     """The cancel of a sweep whose submission is still making its runs (a large one takes
     seconds) stops it: its submission answers 409 saying so, every run made is cancelled, and
     neither it nor a retry under its Idempotency-Key makes the rest (they were all made, and
@@ -252,7 +255,7 @@ async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(api, j
         return assemble(run_id, files)
 
     monkeypatch.setattr(store, "assemble", held)
-    body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}), "sweep": {"k": list(range(50))}}
+    body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}), "sweep": {"k": list(range(points))}}
     headers = {"Idempotency-Key": "cancelled-sweep"}
 
     async def post():
@@ -274,7 +277,26 @@ async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(api, j
     assert code == 409 and answer["message"].startswith(f"sweep {sweep_id} was cancelled while it was submitted"), (
         code, answer)  # fmt: skip
     assert (await cancelling)[0] == 200
-    code, answer = await post()  # the client retries
-    assert code == 409, answer
+    code, answer = await post()  # the client retries: the runs made are answered again, no more made
+    assert code == (409 if points > 4 else 200), answer
     code, view = await api("GET", f"sweeps/{sweep_id}")
     assert len(view["runs"]) == 4 and view["counts"] == {"cancelled": 4}, view
+
+
+async def test_a_finished_sweep_cancelled_still_answers_a_retry_of_its_submission(api, jp_fetch, wait_for):
+    """A cancel of a sweep whose submission is over (all its runs made) changes nothing for a
+    retry of that submission under its Idempotency-Key: the same runs, answered again."""
+    body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 0.01}), "sweep": {"k": [1, 2]}}
+
+    async def post():
+        resp = await jp_fetch("evalsched", "sweeps", method="POST", body=json.dumps(body),
+                              headers={"Idempotency-Key": "done-sweep"}, raise_error=False)  # fmt: skip
+        return resp.code, json.loads(resp.body)
+
+    code, made = await post()
+    assert code == 201, made
+    for run in made["runs"]:
+        assert (await wait_for(run["id"]))["state"] == "succeeded"
+    assert (await api("POST", f"sweeps/{made['id']}/cancel"))[0] == 200
+    code, again = await post()
+    assert code == 200 and [r["id"] for r in again["runs"]] == [r["id"] for r in made["runs"]], again

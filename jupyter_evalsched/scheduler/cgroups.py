@@ -39,6 +39,7 @@ import fcntl
 import logging
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 
@@ -430,6 +431,7 @@ class Cgroups:
         self.leaf_prefix = f"{LEAF_PREFIX}{secrets.token_hex(4)}+"
         # The namespace directories, flock'ed (shared) while this server lives, by hierarchy.
         self._held: dict[str, int] = {}
+        self._held_lock = threading.Lock()  # (held again from the pool's thread and the loop)
         if "memory" in support.parents:
             self._memory_kind: str | None = "v1"
         elif support.memory and any(k in support.parents for k in V2_KEYS):
@@ -641,6 +643,10 @@ class Cgroups:
             self._hold(key, ns_dir)
 
     def _hold(self, key: str, ns_dir: str) -> None:
+        with self._held_lock:
+            self._hold_locked(key, ns_dir)
+
+    def _hold_locked(self, key: str, ns_dir: str) -> None:
         held = self._held.pop(key, None)
         if held is not None:
             try:
@@ -672,9 +678,10 @@ class Cgroups:
                 return
 
     def release_namespace(self) -> None:
-        for fd in self._held.values():
-            os.close(fd)
-        self._held.clear()
+        with self._held_lock:
+            for fd in self._held.values():
+                os.close(fd)
+            self._held.clear()
 
     def remove_empty_siblings(self, prefix: str) -> int:
         """Remove the namespaces beside ours whose names start with ``prefix`` (other runs

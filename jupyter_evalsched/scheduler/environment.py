@@ -35,6 +35,9 @@ def run_environment(
     env["EVALSCHED_RUN_ID"] = run_id  # also how clean-up finds a run's escaped descendants
     env.pop("EVALSCHED_PARENT_PID", None)
     env.pop("EVALSCHED_DETACH", None)
+    # Set by the launcher for a run that has a cgroup; not one inherited (a server started inside
+    # a run), which would name another run's cgroup, or none that exists any more.
+    env.pop("EVALSCHED_CGROUP_PROCS", None)
     if detach:
         env["EVALSCHED_DETACH"] = "1"
     elif parent_pid is not None:

@@ -410,19 +410,17 @@ class Submissions:
             # A point at a time: each writes its directory in the writer's thread, or reads one back
             # (a replay), and the loop serves others between them.
             for i, point in enumerate(points):
-                if sweep_id in self._cancelled_sweeps:
-                    raise StateConflict(
-                        f"sweep {sweep_id} was cancelled while it was submitted: the {len(records)} of its "
-                        f"{len(points)} runs made by then are cancelled, and no more are made"
-                    )
                 key = keys[i]
                 one = base.spec_of(point)
                 if key is not None and key in self.by_key:
                     records.append(self._replay(self.by_key[key], spec, one))
                     await asyncio.sleep(0)
                     continue
+                self._raise_if_cancelled(sweep_id, len(records), len(points))
                 records.append(await self._submit(spec, key, (sweep_id, point, spec.name), vram_source, one))
                 made.append(records[-1]["id"])
+                # (cancelled while this run was made: the cancel did not see it, the except does)
+                self._raise_if_cancelled(sweep_id, len(records), len(points))
         except Exception:
             # No half-made sweep is left to run: the runs this call made are cancelled (their
             # directories stay, and say so).
@@ -432,6 +430,13 @@ class Submissions:
                     await cancel(run_id)
             raise
         return {"id": sweep_id, "runs": records}, bool(made)
+
+    def _raise_if_cancelled(self, sweep_id: str, made: int, points: int) -> None:
+        if sweep_id in self._cancelled_sweeps:
+            raise StateConflict(
+                f"sweep {sweep_id} was cancelled while it was submitted: the {made} of its {points} runs "
+                "made by then are cancelled, and no more are made"
+            )
 
     def sweep_cancelled(self, sweep_id: str) -> None:
         """The sweep is cancelled: a submission of it still under way makes no more of its runs

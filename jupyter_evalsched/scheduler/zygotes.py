@@ -234,6 +234,9 @@ class ZygoteClient:
     _queue: collections.deque[ForkRequest] = field(default_factory=collections.deque)
     _spares: collections.deque[Spare] = field(default_factory=collections.deque)  # not given a run yet
     _asked: dict[int, Spare] = field(default_factory=dict)  # pid -> a spare given a run, no answer yet
+    # pid -> the cgroup of a spare not taken (_take_spare), removed again once it has exited: it
+    # makes that cgroup after its fork, perhaps after the first removal.
+    _untaken: dict[int, RunCgroup] = field(default_factory=dict)
     _outbox: collections.deque[bytes] = field(default_factory=collections.deque)  # to the zygote
     # Exited runs to reap once no start is in flight: [pid, report] (report: the server needs the
     # exit code from the zygote; false where it read it itself)
@@ -701,6 +704,7 @@ class ZygoteClient:
             self._notify()
         elif op == "exit":
             pid = int(message["pid"])
+            self._discard_cgroup(self._untaken.pop(pid, None))
             self.settle(pid)  # a run's answer first, then its exit
             dead = next((spare for spare in self._spares if spare.pid == pid), None)
             if dead is not None:  # it died waiting
@@ -724,6 +728,8 @@ class ZygoteClient:
             for fd in fds:
                 os.close(fd)
             self._discard_cgroup(leaf)
+            if leaf is not None and isinstance(pid, int):
+                self._untaken[pid] = leaf
             return
         self._no_spare = None
         sock = socket.socket(fileno=fds[0])
