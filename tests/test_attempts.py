@@ -152,10 +152,10 @@ async def test_a_retry_starts_only_once_its_failed_attempts_clean_up_is_done(api
     entered, release = threading.Event(), threading.Event()
     real = launcher_module.clean_up_after_all
 
-    def held(procs):
+    def held(procs, *rest):
         entered.set()
         release.wait(60)
-        real(procs)
+        real(procs, *rest)
 
     monkeypatch.setattr(launcher_module, "clean_up_after_all", held)
     rec = await submit(
