@@ -32,13 +32,17 @@ def escape(ctx, index):
         os.setsid()
         grandchild = os.fork()
         if grandchild == 0:
+            # The pipe is closed by the exec itself (close-on-exec): its end of file tells the
+            # parent that the grandchild is sleep, its environment cleared, not about to be.
             os.write(write_end, str(os.getpid()).encode())
-            os.close(write_end)
             os.execve("/bin/sleep", ["sleep", "300"], env)
         os._exit(0)
     os.close(write_end)
     os.waitpid(child, 0)
-    pid = os.read(read_end, 64).decode()
+    pid = b""
+    while chunk := os.read(read_end, 64):
+        pid += chunk
+    pid = pid.decode()
     os.close(read_end)
     with open(ctx.params["pid_file"] + ".tmp", "w") as f:
         f.write(pid)
