@@ -637,6 +637,7 @@ class ZygoteClient:
             self._output()  # its last words
             self._close_output()
         self._remove_start_dir()
+        self._discard_untaken()
         if self.state != REFUSED:
             self.state = DEAD
 
@@ -810,6 +811,15 @@ class ZygoteClient:
         spare.close()
         cgroup, spare.cgroup = spare.cgroup, None
         self._discard_cgroup(cgroup)
+        if cgroup is not None and not spare.placed:
+            self._untaken[spare.pid] = cgroup  # (it may make its cgroup after this removal)
+
+    def _discard_untaken(self) -> None:
+        """The zygote has ended, and its spares with it: the cgroups of those not taken go now,
+        whether or not their exit was told."""
+        untaken, self._untaken = self._untaken, {}
+        for cgroup in untaken.values():
+            self._discard_cgroup(cgroup)
 
     def _drop_spares(self) -> None:
         """The spares are not needed (the zygote retires or ends): each leaves once its socket
@@ -872,6 +882,7 @@ class ZygoteClient:
         for run_id, pid in children.items():
             self.on_exit(run_id, pid, -9)
         self._remove_start_dir()
+        self._discard_untaken()
         self._notify()
 
     def _close_output(self) -> None:
