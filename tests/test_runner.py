@@ -28,6 +28,7 @@ from run_dirs import filled_spec
 from waiting import wait_until
 
 from jupyter_evalsched.runner import fastjson
+from jupyter_evalsched.runner._proc import cgroup_procs_value
 from jupyter_evalsched.runner.context import ModelRegistry, UnknownModelError, parse_devices
 from jupyter_evalsched.runner.results import MetricAggregator, utc_now_iso, validate_metrics
 
@@ -1167,6 +1168,22 @@ def test_a_run_that_cannot_join_its_cgroup_runs_none_of_its_code(tmp_path, start
     assert error["type"] == "NotInCgroup" and error["episode"] is None, error
     assert error["message"].startswith(f"the run's process could not join its cgroup ({gone}: No such file"), error
     assert not (tmp_path / "imported").exists()
+
+
+def test_a_cgroup_whose_path_holds_a_colon_is_joined(tmp_path, started):
+    """``EVALSCHED_CGROUP_PROCS`` names one file per line: a cgroup under a systemd unit or a
+    container whose name holds a ":" is a cgroup like any other. Split on ":", as it was, its
+    path fell apart and the run failed as unable to join it. (Plain files stand in for the
+    cgroup.procs files: the runner writes its pid to each, as to a cgroup's.)"""
+    procs = [tmp_path / "machine-vm:1.scope" / h / "evalsched-r-c" / "cgroup.procs" for h in ("memory", "unified")]
+    for path in procs:
+        write_file(path, "")
+    run_dir = make_run_dir(tmp_path, entrypoint="jupyter_evalsched.examples.basic:noop", episodes=1)
+    value = cgroup_procs_value([str(p) for p in procs])
+    assert run_to_end(run_dir, started, env=runner_env(EVALSCHED_CGROUP_PROCS=value)) == 0
+    assert_finalized(run_dir, "succeeded")
+    pids = [p.read_text() for p in procs]
+    assert pids[0].isdigit() and pids == [pids[0]] * 2, pids
 
 
 def test_a_cgroup_a_server_inherited_is_not_handed_to_its_runs():

@@ -139,6 +139,16 @@ def parent_is_gone(expected_pid: int | None) -> bool:
     return expected_pid is not None and os.getppid() != expected_pid
 
 
+# ``EVALSCHED_CGROUP_PROCS`` lists one file per line: a cgroup's path may hold a ":" (a systemd
+# unit's, a container's), never a newline (``/proc/self/cgroup`` gives one cgroup per line).
+CGROUP_PROCS_ENV = "EVALSCHED_CGROUP_PROCS"
+
+
+def cgroup_procs_value(files: list[str]) -> str:
+    """The value of ``EVALSCHED_CGROUP_PROCS`` for these cgroup.procs files (primary last)."""
+    return "\n".join(files)
+
+
 class NotInCgroup(RuntimeError):
     """The run's process could not join the cgroup the server gave it: it runs no eval code."""
 
@@ -155,7 +165,7 @@ def ensure_in_cgroup(run_id: str) -> None:
     outside the cgroup. ``EVALSCHED_CGROUP_PROCS`` lists the cgroup.procs files, primary last;
     the cgroup's name (the same in every hierarchy) is their directory's, not the run id.
     """
-    files = [f for f in os.environ.get("EVALSCHED_CGROUP_PROCS", "").split(":") if f]
+    files = [f for f in os.environ.get(CGROUP_PROCS_ENV, "").split("\n") if f]
     if not files:
         return
     try:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..runner._proc import CGROUP_PROCS_ENV, cgroup_procs_value
 from ..runner.zygote import CGROUP_SPARES, ENV_RESERVE, PRELOAD, START_DIR, ZYGOTE_FD
 from ..schemas import MAX_ENV_BYTES
 
@@ -394,7 +395,7 @@ class ZygoteClient:
                     request.on_cold(str(exc))
                     continue
             if cgroup is not None:
-                env = {**env, "EVALSCHED_CGROUP_PROCS": ":".join(cgroup.procs_files())}
+                env = {**env, CGROUP_PROCS_ENV: cgroup_procs_value(cgroup.procs_files())}
             message = {"run_id": request.run_id, "run_dir": request.run_dir, "cwd": request.cwd, "env": env}
             try:
                 socket.send_fds(spare.sock, [json.dumps(message).encode()], list(request.fds))

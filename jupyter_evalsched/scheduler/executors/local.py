@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from ... import contract
 from ...contract import ABORTED, CANCELLED, FAILED, QUEUED, SUCCEEDED
+from ...runner._proc import CGROUP_PROCS_ENV, cgroup_procs_value
 from ...runner.run import NOTICE_FLAG
 from ...store import RunFileError, RunStore, UnsafeRunFile
 from ..attempts import Requeue, preempted_plan, restart_plan
@@ -305,7 +306,7 @@ class LocalExecutor(Executor):
             return
         cgroup = self._run_cgroup(run)
         if cgroup is not None:
-            env = {**env, "EVALSCHED_CGROUP_PROCS": ":".join(cgroup.procs_files())}
+            env = {**env, CGROUP_PROCS_ENV: cgroup_procs_value(cgroup.procs_files())}
         try:
             proc = self.launcher.spawn(
                 run.id,
