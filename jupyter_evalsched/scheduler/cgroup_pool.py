@@ -7,7 +7,8 @@ happen in one background thread (one at a time: they contend for the same kernel
 
 - ``take()`` hands out a cgroup made ahead (for a cold start; a warm start's process places
   itself in one while it waits: ``runner/zygote.py``), and the pool is refilled behind it;
-- ``discard(cgroup)`` removes a cgroup whose run (or spare) has ended.
+- ``discard(cgroup)`` removes a cgroup whose run (or spare) has ended; one that would not go yet
+  is tried again at each later removal and at ``close()``.
 
 ``close()`` (at shutdown) removes the unused ones and waits for the removals under way.
 """
@@ -20,7 +21,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .cgroupfs import CgroupError
-from .cgroups import Cgroups, RunCgroup
+from .cgroups import Cgroups, RunCgroup, remove_each
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class CgroupPool:
         self._lock = threading.Lock()
         self._refilling = False
         self._closed = False
+        # Discarded cgroups that would not go yet (a process in one slow to die): tried again at
+        # each later removal and at close, not left behind. Touched by the janitor thread only.
+        self.lingering: list[RunCgroup] = []
         self.janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evalsched-cgroups")
 
     def start(self) -> None:
@@ -59,10 +63,19 @@ class CgroupPool:
         if cgroup is None:
             return None
         try:
-            return self.janitor.submit(cgroup.remove)
+            return self.janitor.submit(self._remove, cgroup)
         except RuntimeError:  # closed: shutdown removes it on the spot
             cgroup.remove()
             return None
+
+    def _remove(self, cgroup: RunCgroup) -> bool:
+        """In the janitor thread: ``cgroup`` removed, and those that would not go before tried
+        again. True when ``cgroup`` is gone."""
+        self.lingering[:] = remove_each(self.lingering)
+        if cgroup.remove():
+            return True
+        self.lingering.append(cgroup)
+        return False
 
     def _refill_later(self) -> None:
         with self._lock:
@@ -93,3 +106,4 @@ class CgroupPool:
         self.janitor.shutdown(wait=True)
         while self._ready:
             self._ready.popleft().remove()
+        self.lingering[:] = remove_each(self.lingering)  # (what is still left goes with the namespace)

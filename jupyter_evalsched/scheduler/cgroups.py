@@ -373,6 +373,11 @@ class RunCgroup:
             pass  # (no such file on this kernel, a task still exiting, or less could be reclaimed)
 
 
+def remove_each(cgroups: list[RunCgroup]) -> list[RunCgroup]:
+    """Remove each of these cgroups; returns those that would not go yet."""
+    return [cgroup for cgroup in cgroups if not cgroup.remove()]
+
+
 def _remove_abandoned(ns_dir: str) -> bool:
     """Remove a namespace directory and the cgroups in it if no live server holds it (its lock is
     free) and none of them holds a process. True when it is gone."""

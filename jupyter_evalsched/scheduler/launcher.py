@@ -47,7 +47,7 @@ import psutil
 from .. import contract
 from ..runner._proc import DONE_NOTICE, process_start_time, stat_fields
 from ..store import UnsafeRunFile, open_log
-from .cgroups import CgroupError, RunCgroup
+from .cgroups import CgroupError, RunCgroup, remove_each
 from .escapees import kill_escaped_all
 from .zygotes import ForkRequest, ZygoteClient
 
@@ -690,7 +690,7 @@ class CleanUps:
             batch, self._queued = self._queued, []
         if batch:
             try:
-                self.lingering[:] = [cgroup for cgroup in self.lingering if not cgroup.remove()]
+                self.lingering[:] = remove_each(self.lingering)
                 clean_up_after_all([proc for proc, _ in batch], self.lingering)
             finally:
                 for _, event in batch:
