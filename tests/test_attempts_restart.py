@@ -5,6 +5,7 @@ running and are re-attached by the next server)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import statistics
 from pathlib import Path
@@ -184,3 +185,63 @@ def test_a_detached_run_that_died_unwatched_is_aborted(tmp_path):
         assert (runs / rec["id"] / "_DONE").exists()
     finally:
         restarted.cleanup()
+
+
+def test_a_detached_run_whose_running_record_was_refused_never_runs_twice_at_once(tmp_path):
+    """A detached run whose ``running`` record the disk refused (full) still says ``queued`` on
+    disk when its server is killed: the next server queues it again, and must end the process
+    still running it (found in the cgroup it left) before it starts the new one. It used to
+    remove that cgroup off the loop, after the new attempt had started: the two processes of
+    the run lived side by side for 120 to 180 ms (measured), each holding what the run holds."""
+    runs = tmp_path / "runs"
+    pid_file, gate = tmp_path / "run.pid", tmp_path / "open"
+    body = {
+        "entrypoint": GATE,
+        "episodes": 1,
+        "params": {"pid_file": str(pid_file), "gate": str(gate)},
+        "cwd": "/",  # outlives each server (a server's own root_dir is removed with it)
+        "detach": True,
+    }
+    server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = server.client()
+        run_id = c.submit(body)["id"]
+        wait_until(pid_file.exists, timeout=30, message="the detached run never started")
+        pid = int(pid_file.read_text())
+        wait_until(lambda: c.get(run_id)["pid"] == pid, timeout=10)
+        parents = c.request("GET", "status")["cgroups"]["parents"]
+    finally:
+        kill_server(server)
+    assert alive(pid)
+    # More cgroups the killed server left, empty, ahead of the run's in name order (a pool's, a
+    # crashed server's): the clean-up that removes them all one by one must not be what ends
+    # the run's process. (Before, with them, the new attempt always started first.)
+    left = [os.path.join(parent, f"c+00000000+{i:04d}") for parent in parents.values() for i in range(150)]
+    for path in left:
+        os.mkdir(path)
+    # What a refused write of its running record leaves: the record as it was before it.
+    job = runs / run_id / "job.json"
+    record = json.loads(job.read_text())
+    assert record["state"] == "running" and record["pid"] == pid, record
+    record.update(state="queued", started_at=None, pid=None, pid_create_time=None, start=None, start_detail=None)
+    job.write_text(json.dumps(record))
+
+    restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
+    try:
+        c = restarted.client()
+
+        def started_again():
+            rec = c.get(run_id)
+            return rec["state"] == "running" and rec["pid"] not in (None, pid)
+
+        wait_until(started_again, timeout=30, interval=0.001, message="the run never started again")
+        assert not alive(pid), "the earlier process of the run still ran when its new one had started"
+        gate.touch()
+        final = wait_until(lambda: settled(c, run_id), timeout=60)
+        assert final["state"] == "succeeded", final
+        wait_until(lambda: not any(os.path.exists(path) for path in left), timeout=30)
+    finally:
+        restarted.cleanup()
+        for path in left:
+            if os.path.isdir(path):
+                os.rmdir(path)

@@ -475,6 +475,26 @@ def test_existing_and_stale_from_another_instance(
     assert _gone(run) and later.stale_run_ids() == [] and later.existing("r-old") is None
 
 
+def test_stale_cgroups_holding_a_process_are_told_apart(
+    cgroups: Cgroups, namespace: str, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """A restart empties, before any run starts, the stale cgroups that still hold a process (a
+    detached run whose ``running`` record was refused, queued again: it would run twice at once;
+    ``LocalExecutor.recovered``); the empty ones are removed later, off the loop."""
+    busy, idle = cgroups.make(), cgroups.make()
+    p = _spawn(procs, ["sleep", "300"])
+    busy.add(p.pid)
+    later = Cgroups.detect(namespace=namespace)  # the next server: another instance
+    stale = later.stale_names()
+    assert sorted(stale) == sorted([busy.name, idle.name])
+    held = later.holding_processes([*stale, "gone-meanwhile", "../x"])
+    assert [c.name for c in held] == [busy.name] and held[0].pids() == {p.pid}
+    held[0].remove()
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert later.holding_processes(later.stale_names()) == []
+    idle.remove()
+
+
 def test_create_replaces_stale_cgroup(cgroups: Cgroups, namespace: str, procs: list[subprocess.Popen[bytes]]) -> None:
     old = cgroups.create("r-again")
     p = _spawn(procs, ["sleep", "300"])

@@ -175,6 +175,9 @@ class RunCgroup:
     def _empty(self) -> bool:
         return not self.populated() and not self._all_pids()
 
+    def holds_processes(self) -> bool:
+        return not self._empty()
+
     # ---- killing
 
     def kill(self, timeout: float = 2.0) -> set[int]:
@@ -624,6 +627,11 @@ class Cgroups:
         paths = {key: Path(ns_dir, name) for key, ns_dir in self._support.parents.items()}
         paths = {key: path for key, path in paths.items() if path.is_dir()}
         return self._run_cgroup(name, paths) if paths else None
+
+    def holding_processes(self, names: list[str]) -> list[RunCgroup]:
+        """Those of the cgroups ``names`` of our namespace (stale ones) that hold a process."""
+        found = (self.named(name) for name in names)
+        return [cgroup for cgroup in found if cgroup is not None and cgroup.holds_processes()]
 
     def stale_run_ids(self) -> list[str]:
         """Run ids that have a cgroup under our namespace (in any hierarchy)."""

@@ -703,7 +703,7 @@ class LocalExecutor(Executor):
         removed, several at once (each may wait for a process slow to die); what those without a
         cgroup left outside their process groups is killed, in one search of the process table.
         Cgroups left by runs no server follows any more (a server killed while they ran) are
-        emptied and removed, off the event loop. A failure of one step is logged and the next
+        emptied now where they hold a process, and removed, the empty ones off the event loop. A failure of one step is logged and the next
         one goes on: the server starts all the same."""
         groups, self._stale_groups = self._stale_groups, {}
         cgroups, self._stale_cgroups = self._stale_cgroups, []
@@ -730,6 +730,22 @@ class LocalExecutor(Executor):
         # Those of this server (made ahead, and its adopted runs') are kept.
         keep = {cgroup.name for cgroup in self._cgroups.values()}
         stale = self.cgroups.stale_names(keep)
+        # A process in one of them may be a run's whose record never said it ran (its `running`
+        # write refused: a full disk), queued again by this start: emptied before any run starts,
+        # or that run would run twice at once. The empty ones go off the loop.
+        held = self.cgroups.holding_processes(stale)
+        if held:
+            log.warning(
+                "evalsched: killing what %d cgroup(s) an earlier server left hold: %s",
+                len(held),
+                ", ".join(c.name for c in held),
+            )
+            try:
+                _remove_all(held)
+            except Exception:
+                log.exception("removing the cgroups an earlier server left failed")
+            gone = {cgroup.name for cgroup in held}
+            stale = [name for name in stale if name not in gone]
         if stale and self.pool is not None:
             # (In the pool's thread: shutdown waits for it.)
             self.ctx.loop.run_in_executor(self.pool.janitor, _remove_stale_cgroups, self.cgroups, stale)
