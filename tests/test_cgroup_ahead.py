@@ -137,6 +137,35 @@ async def test_the_exit_reads_its_cgroups_figures_off_the_event_loop_before_its_
         assert events.index(("read", run_id)) < events.index(("remove", run_id)), events
 
 
+async def test_an_idle_server_reclaims_its_namespace_after_enough_runs(api, wait_for, monkeypatch):
+    """Every ``NAMESPACE_RECLAIM_AFTER`` ended runs, once none of the server's runs lives, the
+    namespace's memory is reclaimed (off the loop): never while a run lives, whose page cache it
+    would take too."""
+    from jupyter_evalsched.scheduler.executors import local
+
+    calls: list[bool] = []
+    reclaim = Cgroups.reclaim_namespace
+
+    def spy(self: Cgroups) -> None:
+        calls.append(asyncio._get_running_loop() is not None)
+        reclaim(self)
+
+    monkeypatch.setattr(Cgroups, "reclaim_namespace", spy)
+    monkeypatch.setattr(local, "NAMESPACE_RECLAIM_AFTER", 2)
+    long = await submit(api, spec(sleep_s=1.5))
+    for _ in range(2):
+        final = await wait_for((await submit(api, spec(entry=NOOP)))["id"])
+        assert final["state"] == "succeeded", final
+    await asyncio.sleep(1.0)  # two reconciliations (0.5 s apart here) while the long run lives
+    code, now = await api("GET", f"runs/{long['id']}")
+    assert calls == [] and now["state"] == "running", (calls, now["state"])
+    assert (await wait_for(long["id"]))["state"] == "succeeded"
+    await async_wait_until(lambda: calls, timeout=10, message="no reclaim once the server was idle")
+    assert calls == [False]  # (in the pool's thread)
+    await asyncio.sleep(1.0)
+    assert calls == [False], "reclaimed again with no run ended since"
+
+
 def memory_cgroups_dying(memory_root: str) -> int:
     """Memory cgroups the kernel still holds (/proc/cgroups) but that have no directory any more."""
     with open("/proc/cgroups") as f:

@@ -495,6 +495,32 @@ def test_stale_cgroups_holding_a_process_are_told_apart(
     idle.remove()
 
 
+def test_an_idle_namespace_reclaim_frees_removed_cgroups_still_charged(
+    cgroups: Cgroups, procs: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """A removed memory cgroup stays in the kernel while a page is charged to it (a run's last
+    files, under write-back at its clean-up, keep a few runs' so on a host with memory to spare).
+    The namespace's reclaim, made when no run lives, frees them: what the namespace is charged
+    falls back. (Removed here by a bare rmdir, without the clean-up's own reclaim.)"""
+    assert cgroups.support.memory and "memory" in cgroups.support.parents, cgroups.support.detail
+    usage = Path(cgroups.support.parents["memory"], "memory.usage_in_bytes")
+    before = int(usage.read_text())
+    run = cgroups.make()
+    data = tmp_path / "results.bin"
+    p = _spawn(procs, _python(f"import os, sys; sys.stdin.readline(); f = open({str(data)!r}, 'wb'); "
+                              "f.write(b'x' * (8 << 20)); f.flush(); os.fsync(f.fileno())"))  # fmt: skip
+    run.add(p.pid)
+    _go(p)
+    assert p.wait(timeout=30) == 0
+    for path in run.paths.values():
+        os.rmdir(path)
+    held = int(usage.read_text()) - before
+    assert held >= 6 << 20, f"only {held} bytes stayed charged to the removed cgroup"
+    cgroups.reclaim_namespace()
+    freed = held - (int(usage.read_text()) - before)
+    assert freed >= 6 << 20, f"the reclaim freed {freed} of {held} bytes"
+
+
 def test_create_replaces_stale_cgroup(cgroups: Cgroups, namespace: str, procs: list[subprocess.Popen[bytes]]) -> None:
     old = cgroups.create("r-again")
     p = _spawn(procs, ["sleep", "300"])

@@ -542,3 +542,30 @@ def test_a_discarded_cgroup_that_would_not_go_is_removed_later(monkeypatch):
         for cgroup in (stuck, later, last):
             cgroup.remove()
         namespace.remove_namespace()
+
+
+def test_a_lingering_cgroup_is_retried_without_a_kill_or_a_wait():
+    """A retry of a cgroup that would not go only looks: its process was killed already, and one
+    stuck process (an uninterruptible wait) must not cost every later removal the 2.5 s of a
+    kill and its wait, nor the log two warnings each time. (A live ``sleep`` stands in for it.)"""
+    from jupyter_evalsched.scheduler.cgroups import Cgroups, remove_each
+
+    namespace = Cgroups.detect("auto", namespace=f"evalsched-test-linger-{uuid.uuid4().hex[:8]}")
+    assert namespace.enabled, namespace.support.detail
+    cgroup = namespace.make()
+    stuck = subprocess.Popen(["sleep", "300"])
+    try:
+        cgroup.add(stuck.pid)
+        started = time.monotonic()
+        assert remove_each([cgroup]) == [cgroup]
+        assert stuck.poll() is None, "a retry killed what is in the cgroup"
+        assert time.monotonic() - started < 2.0, "a retry waited for the cgroup to empty"
+        stuck.kill()
+        stuck.wait()
+        assert remove_each([cgroup]) == [] and not any(p.exists() for p in cgroup.paths.values())
+    finally:
+        if stuck.poll() is None:
+            stuck.kill()
+            stuck.wait()
+        cgroup.remove()
+        namespace.remove_namespace()

@@ -1186,6 +1186,19 @@ def test_a_cgroup_whose_path_holds_a_colon_is_joined(tmp_path, started):
     assert pids[0].isdigit() and pids == [pids[0]] * 2, pids
 
 
+def test_the_colon_joined_form_of_a_server_started_before_an_upgrade_is_still_read(tmp_path, started):
+    """A server started before the package's upgrade still joins the files with ":"; the runner
+    it starts from the upgraded package reads that too (a value naming no existing file)."""
+    procs = [tmp_path / h / "evalsched-r-c" / "cgroup.procs" for h in ("memory", "unified")]
+    for path in procs:
+        write_file(path, "")
+    run_dir = make_run_dir(tmp_path, entrypoint="jupyter_evalsched.examples.basic:noop", episodes=1)
+    value = ":".join(str(p) for p in procs)
+    assert run_to_end(run_dir, started, env=runner_env(EVALSCHED_CGROUP_PROCS=value)) == 0
+    assert_finalized(run_dir, "succeeded")
+    assert all(p.read_text().isdigit() for p in procs)
+
+
 def test_a_cgroup_a_server_inherited_is_not_handed_to_its_runs():
     """A server started inside a run has that run's ``EVALSCHED_CGROUP_PROCS`` in its environment;
     its own runs get the variable only from their launcher (their own cgroup), never that one,

@@ -165,7 +165,10 @@ def ensure_in_cgroup(run_id: str) -> None:
     outside the cgroup. ``EVALSCHED_CGROUP_PROCS`` lists the cgroup.procs files, primary last;
     the cgroup's name (the same in every hierarchy) is their directory's, not the run id.
     """
-    files = [f for f in os.environ.get(CGROUP_PROCS_ENV, "").split("\n") if f]
+    value = os.environ.get(CGROUP_PROCS_ENV, "")
+    # (":" joined them before: a server started before an upgrade of the package still does so.)
+    old_form = "\n" not in value and ":" in value and not os.path.exists(value)
+    files = [f for f in value.split(":" if old_form else "\n") if f]
     if not files:
         return
     try:

@@ -39,7 +39,8 @@ class CgroupPool:
         self._refilling = False
         self._closed = False
         # Discarded cgroups that would not go yet (a process in one slow to die): tried again at
-        # each later removal and at close, not left behind. Touched by the janitor thread only.
+        # each later removal and at close, not left behind. Touched by the janitor thread only
+        # (and by close() once it has ended).
         self.lingering: list[RunCgroup] = []
         self.janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evalsched-cgroups")
 
@@ -76,6 +77,14 @@ class CgroupPool:
             return True
         self.lingering.append(cgroup)
         return False
+
+    def linger(self, cgroups: list[RunCgroup]) -> None:
+        """Cgroups whose removal gave up elsewhere (recovery's): tried again with the pool's own."""
+        if cgroups:
+            try:
+                self.janitor.submit(self.lingering.extend, cgroups)
+            except RuntimeError:  # closed: what is left goes with the namespace
+                pass
 
     def _refill_later(self) -> None:
         with self._lock:

@@ -53,6 +53,10 @@ from . import Executor, ExecutorContext, ObservedTarget
 
 log = logging.getLogger("jupyter_evalsched")
 
+# Runs (with a cgroup) ended before an idle server reclaims its namespace's memory: ~3 % of runs
+# leave a removed cgroup held by a page (see Cgroups.reclaim_namespace); one reclaim frees all.
+NAMESPACE_RECLAIM_AFTER = 32
+
 
 class LocalExecutor(Executor):
     name = "local"
@@ -83,6 +87,7 @@ class LocalExecutor(Executor):
         # escaped processes are searched for.
         self._stale_groups: dict[str, tuple[int, float | None]] = {}  # run id: its leader (pid, start)
         self._stale_cgroups: list[RunCgroup] = []
+        self._ended_since_reclaim = 0  # runs with a cgroup ended since the namespace's last reclaim
         self._escapes_to_search: dict[str, float] = {}
         self._stopping = False
 
@@ -372,6 +377,8 @@ class LocalExecutor(Executor):
         table = self.ctx.table
         run = table.get(run_id)
         cgroup = self._cgroups.pop(run_id, None)
+        if cgroup is not None:
+            self._ended_since_reclaim += 1
         if run is None or run.terminal:
             return None
         table.exited(run)  # its resources go to the next run first: the verdict reads files
@@ -650,6 +657,21 @@ class LocalExecutor(Executor):
         self.launcher.poll()
         if self.zygotes is not None:
             self.zygotes.reconcile()
+        self._reclaim_namespace_when_idle()
+
+    def _reclaim_namespace_when_idle(self) -> None:
+        """Once ``NAMESPACE_RECLAIM_AFTER`` runs with a cgroup have ended and none of this
+        server's runs lives: the namespace's memory reclaimed in the pool's thread, which frees the
+        removed cgroups still held by a page (``Cgroups.reclaim_namespace``)."""
+        if self._ended_since_reclaim < NAMESPACE_RECLAIM_AFTER or self.pool is None:
+            return
+        if self.launcher.running or self._concluding or self._starting:
+            return
+        self._ended_since_reclaim = 0
+        try:
+            self.ctx.loop.run_in_executor(self.pool.janitor, self.pool.cgroups.reclaim_namespace)
+        except RuntimeError:  # (the pool is closed: the server stops)
+            pass
 
     async def stop(self) -> None:
         """Shutdown: running runs are killed and end ``aborted`` (rule 4). Runs admitted but not
@@ -702,8 +724,8 @@ class LocalExecutor(Executor):
         together (their leaders, ``STALE_KILL_WAIT_S`` in all); their cgroups are emptied and
         removed, several at once (each may wait for a process slow to die); what those without a
         cgroup left outside their process groups is killed, in one search of the process table.
-        Cgroups left by runs no server follows any more (a server killed while they ran) are
-        emptied now where they hold a process, and removed, the empty ones off the event loop. A failure of one step is logged and the next
+        Any other cgroup an earlier server left that holds a process is emptied with them; the
+        empty ones are removed off the event loop. A failure of one step is logged and the next
         one goes on: the server starts all the same."""
         groups, self._stale_groups = self._stale_groups, {}
         cgroups, self._stale_cgroups = self._stale_cgroups, []
@@ -717,8 +739,27 @@ class LocalExecutor(Executor):
                     )
         except Exception:
             log.exception("waiting for the processes runs of an earlier server left failed")
+        # Any other cgroup the earlier server left that holds a process may be a run's whose
+        # record never said it ran (its `running` write refused: a full disk), queued again by
+        # this start: emptied now too, in the same pass, or that run would run twice at once.
+        held: list[RunCgroup] = []
+        if self.cgroups is not None and self.cgroups.enabled:
+            try:
+                known = {cgroup.name for cgroup in cgroups} | {cgroup.name for cgroup in self._cgroups.values()}
+                held = self.cgroups.holding_processes([n for n in self.cgroups.stale_names() if n not in known])
+            except Exception:
+                log.exception("looking for processes in the cgroups an earlier server left failed")
+            if held:
+                log.warning(
+                    "evalsched: killing what %d cgroup(s) an earlier server left hold: %s",
+                    len(held),
+                    ", ".join(c.name for c in held),
+                )
+        stuck: list[RunCgroup] = []
         try:
-            _remove_all(cgroups)
+            stuck = _remove_all([*cgroups, *held])
+            if stuck and self.pool is not None:
+                self.pool.linger(stuck)  # (tried again with the pool's, not left until the stop)
         except Exception:
             log.exception("removing the cgroups runs of an earlier server left failed")
         try:
@@ -727,25 +768,9 @@ class LocalExecutor(Executor):
             log.exception("searching for what runs %s left behind failed", sorted(searched))
         if self.cgroups is None or not self.cgroups.enabled:
             return
-        # Those of this server (made ahead, and its adopted runs') are kept.
-        keep = {cgroup.name for cgroup in self._cgroups.values()}
+        # Those of this server (made ahead, and its adopted runs') are kept, and those lingering.
+        keep = {cgroup.name for cgroup in self._cgroups.values()} | {cgroup.name for cgroup in stuck}
         stale = self.cgroups.stale_names(keep)
-        # A process in one of them may be a run's whose record never said it ran (its `running`
-        # write refused: a full disk), queued again by this start: emptied before any run starts,
-        # or that run would run twice at once. The empty ones go off the loop.
-        held = self.cgroups.holding_processes(stale)
-        if held:
-            log.warning(
-                "evalsched: killing what %d cgroup(s) an earlier server left hold: %s",
-                len(held),
-                ", ".join(c.name for c in held),
-            )
-            try:
-                _remove_all(held)
-            except Exception:
-                log.exception("removing the cgroups an earlier server left failed")
-            gone = {cgroup.name for cgroup in held}
-            stale = [name for name in stale if name not in gone]
         if stale and self.pool is not None:
             # (In the pool's thread: shutdown waits for it.)
             self.ctx.loop.run_in_executor(self.pool.janitor, _remove_stale_cgroups, self.cgroups, stale)
@@ -778,18 +803,18 @@ def _exit_reads(cgroup: RunCgroup, store: RunStore, run_id: str) -> ExitReads:
     return ExitReads(cgroup.memory_peak_mb(), cgroup.oom_kills(), FinalSummary.read(store, run_id))
 
 
-def _remove_all(cgroups: list[RunCgroup]) -> None:
+def _remove_all(cgroups: list[RunCgroup]) -> list[RunCgroup]:
     """Empty and remove these cgroups, several at once (a thread each, up to 8) where there are
-    several and threads can be had: each may wait for a process slow to die."""
+    several and threads can be had: each may wait for a process slow to die. Returns those that
+    would not go."""
     if len(cgroups) > 1:
         try:
             with ThreadPoolExecutor(min(len(cgroups), 8), thread_name_prefix="evalsched-recovery") as pool:
-                list(pool.map(RunCgroup.remove, cgroups))
-            return
+                gone = list(pool.map(RunCgroup.remove, cgroups))
+            return [cgroup for cgroup, ok in zip(cgroups, gone, strict=True) if not ok]
         except RuntimeError:  # no thread to be had (the server's pids.max): one after another
             log.warning("no threads to remove %d cgroups at once; removing them one by one", len(cgroups))
-    for cgroup in cgroups:
-        cgroup.remove()
+    return [cgroup for cgroup in cgroups if not cgroup.remove()]
 
 
 def _remove_stale_cgroups(cgroups: Cgroups, names: list[str]) -> None:
