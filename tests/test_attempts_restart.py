@@ -44,6 +44,20 @@ def sleepy_run(episodes: int, seed: int, **kw) -> dict:
     return spec
 
 
+def gated_detached_run(pid_file: Path, gate: Path, **kw) -> dict:
+    """A detached one-episode run that writes its pid to ``pid_file`` and ends once ``gate``
+    exists: the test decides when."""
+    spec = {
+        "entrypoint": GATE,
+        "episodes": 1,
+        "params": {"pid_file": str(pid_file), "gate": str(gate)},
+        "cwd": "/",  # outlives each server (a server's own root_dir is removed with it)
+        "detach": True,
+    }
+    spec.update(kw)
+    return spec
+
+
 def lines_of(runs: Path, run_id: str) -> list[dict]:
     path = runs / run_id / "episodes.jsonl"
     if not path.exists():
@@ -125,14 +139,7 @@ def test_a_detached_run_survives_sigkill_of_the_server_and_is_reattached(tmp_pat
     # running when the restarted server looks, so the server must re-attach it to pass.
     runs = tmp_path / "runs"
     pid_file, gate = tmp_path / "run.pid", tmp_path / "open"
-    body = {
-        "entrypoint": GATE,
-        "episodes": 1,
-        "params": {"pid_file": str(pid_file), "gate": str(gate)},
-        "cwd": "/",  # outlives each server (a server's own root_dir is removed with it)
-        "scheduling": {"marginal_vram_mb": 8000},
-        "detach": True,
-    }
+    body = gated_detached_run(pid_file, gate, scheduling={"marginal_vram_mb": 8000})
     server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
     try:
         c = server.client()
@@ -195,13 +202,7 @@ def test_a_detached_run_whose_running_record_was_refused_never_runs_twice_at_onc
     the run lived side by side for 120 to 180 ms (measured), each holding what the run holds."""
     runs = tmp_path / "runs"
     pid_file, gate = tmp_path / "run.pid", tmp_path / "open"
-    body = {
-        "entrypoint": GATE,
-        "episodes": 1,
-        "params": {"pid_file": str(pid_file), "gate": str(gate)},
-        "cwd": "/",  # outlives each server (a server's own root_dir is removed with it)
-        "detach": True,
-    }
+    body = gated_detached_run(pid_file, gate)
     server = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
     try:
         c = server.client()
