@@ -569,3 +569,44 @@ def test_a_lingering_cgroup_is_retried_without_a_kill_or_a_wait():
             stuck.wait()
         cgroup.remove()
         namespace.remove_namespace()
+
+
+def test_a_stale_cgroup_whose_process_will_not_die_is_killed_and_waited_for_once(monkeypatch):
+    """A cgroup an earlier server left (or that a stop finds) whose process does not die within
+    its kill's wait (an uninterruptible wait: a GPU driver's teardown) was killed and waited for
+    a second time by its removal: 2.5 s more for each such cgroup, at a start and on the way to a
+    stop. Now it is killed once and goes to the pool's lingering cgroups, removed without another
+    kill once its process is gone. (A live ``sleep`` that the kill does not reach stands in.)"""
+    from jupyter_evalsched.scheduler.cgroup_pool import CgroupPool
+    from jupyter_evalsched.scheduler.cgroups import Cgroups, RunCgroup
+    from jupyter_evalsched.scheduler.executors.local import _remove_stale_cgroups
+
+    namespace = Cgroups.detect("auto", namespace=f"evalsched-test-stale-{uuid.uuid4().hex[:8]}")
+    assert namespace.enabled, namespace.support.detail
+    pool = CgroupPool(namespace, size=0)
+    cgroup = namespace.make()
+    stuck = subprocess.Popen(["sleep", "300"])
+    kills: list[str] = []
+
+    def kill_not_taken(self: RunCgroup, timeout: float = 2.0) -> set[int]:
+        kills.append(self.name)  # (SIGKILL sent; the process has not gone within the wait)
+        return self.pids()
+
+    try:
+        cgroup.add(stuck.pid)
+        with monkeypatch.context() as patched:
+            patched.setattr(RunCgroup, "kill", kill_not_taken)
+            _remove_stale_cgroups(namespace, [cgroup.name], pool)
+        assert kills == [cgroup.name], "killed and waited for twice"
+        assert [c.name for c in pool.lingering] == [cgroup.name] and stuck.poll() is None
+        stuck.kill()
+        stuck.wait()
+        pool.close()  # (the stop: what lingers is tried again)
+        assert pool.lingering == [] and not any(p.exists() for p in cgroup.paths.values())
+    finally:
+        if stuck.poll() is None:
+            stuck.kill()
+            stuck.wait()
+        pool.close()
+        cgroup.remove()
+        namespace.remove_namespace()

@@ -3,6 +3,8 @@ recycled PIDs. In-flight runs are lost and say so (`aborted`); nothing else is l
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import signal
@@ -15,10 +17,12 @@ import pytest
 from live_server import wait_until
 from proc_status import StaleGroup, alive
 from run_dirs import write_run_dir
+from waiting import async_wait_until
 
 from jupyter_evalsched.client import LocalServer
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+NOOP = "jupyter_evalsched.examples.basic:noop"
 FAST = [
     "--EvalSchedApp.cancel_grace_s=2.0",
     "--EvalSchedApp.reconcile_interval_s=0.5",
@@ -175,6 +179,67 @@ async def test_the_runs_an_earlier_server_left_running_are_killed_before_their_r
     finally:
         for group in groups.values():
             group.close()
+
+
+async def test_a_restart_waits_for_what_runs_left_off_the_event_loop(
+    jp_serverapp, runs_dir, monkeypatch, jp_asyncio_loop
+):
+    """A process an earlier server's run left can take seconds to die (an uninterruptible wait:
+    a GPU driver's teardown). The restart waits for it in a thread: the event loop, which serves
+    the whole Jupyter server (its kernels, its other extensions), keeps turning meanwhile, and
+    still no run starts before the wait is over (a queued run of the same directory starts
+    after it)."""
+    from jupyter_evalsched.scheduler.executors import local
+
+    wait, launch = local.wait_stale_gone, local.LocalExecutor.launch
+    stuck_s = 1.5
+    events: list[tuple[str, float]] = []
+
+    def stuck_then_wait(processes, *args):
+        events.append(("wait from", time.monotonic()))
+        time.sleep(stuck_s)  # (the process stuck)
+        try:
+            return wait(processes, *args)
+        finally:
+            events.append(("wait to", time.monotonic()))
+
+    def launching(self, run):
+        events.append(("launch", time.monotonic()))
+        return launch(self, run)
+
+    monkeypatch.setattr(local, "wait_stale_gone", stuck_then_wait)
+    monkeypatch.setattr(local.LocalExecutor, "launch", launching)
+    left, queued = "20260101T000000.000000-00000a", "20260101T000000.000000-00000b"
+    group = StaleGroup()
+    ticks: list[float] = []
+
+    async def ticking() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.01)
+
+    ticker = asyncio.ensure_future(ticking())
+    try:
+        write_run_dir(runs_dir / left, left, group.leader.pid, group.created, seq=1)
+        write_run_dir(runs_dir / queued, queued, None, None, seq=2, state="queued", started_at=None, entrypoint=NOOP)
+        await jp_serverapp.extension_manager.start_all_extensions()
+        scheduler = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
+        assert [name for name, _ in events[:2]] == ["wait from", "wait to"], events
+        waited_from, waited_to = events[0][1], events[1][1]
+        during = [t for t in ticks if waited_from <= t <= waited_to]
+        gaps = [b - a for a, b in itertools.pairwise([waited_from, *during, waited_to])]
+        assert len(during) > 10 and max(gaps) < 0.5, (
+            f"the event loop stood still while the restart waited: {len(during)} turns in"
+            f" {waited_to - waited_from:.2f} s, the longest gap {max(gaps):.2f} s"
+        )
+        assert group.leader.wait(timeout=10) == -9
+        await async_wait_until(lambda: scheduler.get(queued).record["state"] == "succeeded", timeout=30)
+        launched = [at for name, at in events if name == "launch"]
+        assert launched and min(launched) > waited_to, events
+        assert scheduler.get(left).record["state"] == "aborted"
+    finally:
+        ticker.cancel()
+        group.close()
 
 
 async def test_a_detached_run_that_ends_while_the_server_starts_keeps_its_verdict(jp_serverapp, runs_dir, monkeypatch):

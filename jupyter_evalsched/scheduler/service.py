@@ -169,12 +169,12 @@ class Scheduler:
         for executor in self.executors.values():
             executor.bind(self.context)
         found = await self._loop.run_in_executor(None, self._read_runs_dir)
-        # No await from here to the executors' ``recovered``: no run may start in between (a
-        # resumed attempt's processes carry the run id that ``recovered`` searches for).
+        # Admission opens below, once every executor's ``recovered`` has returned: no run starts
+        # before (a resumed attempt's processes carry the run id that ``recovered`` searches for).
         self._recover(found)
         for executor in self.executors.values():
             try:
-                executor.recovered()
+                await executor.recovered()
             except Exception:  # (a bug of ours: logged, and the others clean up all the same)
                 log.exception("evalsched: the %s executor's clean-up after recovery failed", executor.name)
         await self.table.all_written()  # what recovery decided is on disk before the API answers

@@ -99,9 +99,10 @@ class Executor:
         again once it stopped (``RunTable.requeue``). False when this executor cannot."""
         return False
 
-    def recovered(self) -> None:
-        """Called once recovery has seen every run, before any run starts (in the same turn of the
-        loop as the ``recover`` calls): clean up what no run owns any more."""
+    async def recovered(self) -> None:
+        """Called once recovery has seen every run, before any run starts (admission opens once
+        every executor's has returned): clean up what no run owns any more. Its waits belong in
+        a thread: the event loop serves the whole Jupyter server meanwhile."""
 
     async def reconcile(self) -> None:
         """The periodic backstop (missed exits, another system's state)."""

@@ -718,62 +718,39 @@ class LocalExecutor(Executor):
     def observed_targets(self) -> dict[str, ObservedTarget]:
         return {run_id: ObservedTarget(pid, self._cgroups.get(run_id)) for run_id, pid in self.launcher.running.items()}
 
-    def recovered(self) -> None:
+    async def recovered(self) -> None:
         """After recovery, before any run starts (a new attempt's processes carry the same run
-        id): the recovered runs' process groups, killed as each was recovered, are waited for
-        together (their leaders, ``STALE_KILL_WAIT_S`` in all); their cgroups are emptied and
-        removed, several at once (each may wait for a process slow to die); what those without a
-        cgroup left outside their process groups is killed, in one search of the process table.
-        Any other cgroup an earlier server left that holds a process is emptied with them; the
-        empty ones are removed off the event loop. A failure of one step is logged and the next
-        one goes on: the server starts all the same."""
+        id; admission opens only once this returns): the recovered runs' process groups, killed
+        as each was recovered, are waited for together (their leaders, ``STALE_KILL_WAIT_S`` in
+        all); their cgroups are emptied and removed, several at once (each may wait for a process
+        slow to die); what those without a cgroup left outside their process groups is killed,
+        in one search of the process table. Any other cgroup an earlier server left that holds a
+        process is emptied with them; the empty ones are removed later, in the pool's thread.
+        These waits are a thread's, not the event loop's: a process stuck in an uninterruptible
+        wait (a GPU driver's teardown) costs them seconds, and the whole Jupyter server (its
+        kernels, its other extensions) would stand still meanwhile. A failure of one step is
+        logged and the next one goes on: the server starts all the same."""
         groups, self._stale_groups = self._stale_groups, {}
         cgroups, self._stale_cgroups = self._stale_cgroups, []
         searched, self._escapes_to_search = self._escapes_to_search, {}
+        own = {cgroup.name for cgroup in self._cgroups.values()}  # (adopted runs': kept)
         try:
-            left = set(wait_stale_gone(list(groups.values()))) if groups else set()
-            for run_id, (pid, _) in groups.items():
-                if pid in left:
-                    log.warning(
-                        "run %s: its process %d, left by an earlier server, is still there after SIGKILL", run_id, pid
-                    )
-        except Exception:
-            log.exception("waiting for the processes runs of an earlier server left failed")
-        # Any other cgroup the earlier server left that holds a process may be a run's whose
-        # record never said it ran (its `running` write refused: a full disk), queued again by
-        # this start: emptied now too, in the same pass, or that run would run twice at once.
-        held: list[RunCgroup] = []
-        if self.cgroups is not None and self.cgroups.enabled:
-            try:
-                known = {cgroup.name for cgroup in cgroups} | {cgroup.name for cgroup in self._cgroups.values()}
-                held = self.cgroups.holding_processes([n for n in self.cgroups.stale_names() if n not in known])
-            except Exception:
-                log.exception("looking for processes in the cgroups an earlier server left failed")
-            if held:
-                log.warning(
-                    "evalsched: killing what %d cgroup(s) an earlier server left hold: %s",
-                    len(held),
-                    ", ".join(c.name for c in held),
-                )
-        stuck: list[RunCgroup] = []
-        try:
-            stuck = _remove_all([*cgroups, *held])
-            if stuck and self.pool is not None:
-                self.pool.linger(stuck)  # (tried again with the pool's, not left until the stop)
-        except Exception:
-            log.exception("removing the cgroups runs of an earlier server left failed")
-        try:
-            kill_escaped_all(searched)
-        except Exception:  # a surprise in /proc must not stop the server's start
-            log.exception("searching for what runs %s left behind failed", sorted(searched))
+            stuck = await self.ctx.loop.run_in_executor(
+                None, _clean_up_after_earlier_server, self.cgroups, groups, cgroups, searched, own
+            )
+        except Exception:  # (a bug of ours: the server starts all the same)
+            log.exception("cleaning up after the runs of an earlier server failed")
+            stuck = []
+        if stuck and self.pool is not None:
+            self.pool.linger(stuck)  # (tried again with the pool's, not left until the stop)
         if self.cgroups is None or not self.cgroups.enabled:
             return
         # Those of this server (made ahead, and its adopted runs') are kept, and those lingering.
-        keep = {cgroup.name for cgroup in self._cgroups.values()} | {cgroup.name for cgroup in stuck}
+        keep = own | {cgroup.name for cgroup in self._cgroups.values()} | {cgroup.name for cgroup in stuck}
         stale = self.cgroups.stale_names(keep)
         if stale and self.pool is not None:
             # (In the pool's thread: shutdown waits for it.)
-            self.ctx.loop.run_in_executor(self.pool.janitor, _remove_stale_cgroups, self.cgroups, stale)
+            self.ctx.loop.run_in_executor(self.pool.janitor, _remove_stale_cgroups, self.cgroups, stale, self.pool)
 
     @property
     def mode(self) -> dict[str, object]:
@@ -803,6 +780,54 @@ def _exit_reads(cgroup: RunCgroup, store: RunStore, run_id: str) -> ExitReads:
     return ExitReads(cgroup.memory_peak_mb(), cgroup.oom_kills(), FinalSummary.read(store, run_id))
 
 
+def _clean_up_after_earlier_server(
+    namespace: Cgroups | None,
+    groups: dict[str, tuple[int, float | None]],
+    cgroups: list[RunCgroup],
+    searched: dict[str, float],
+    own: set[str],
+) -> list[RunCgroup]:
+    """``LocalExecutor.recovered``'s waits, in a thread: the recovered runs' killed process
+    groups waited for, their cgroups and any other cgroup of an earlier server that holds a
+    process emptied and removed, what the runs without a cgroup left searched for and killed.
+    Returns the cgroups that would not go."""
+    try:
+        left = set(wait_stale_gone(list(groups.values()))) if groups else set()
+        for run_id, (pid, _) in groups.items():
+            if pid in left:
+                log.warning(
+                    "run %s: its process %d, left by an earlier server, is still there after SIGKILL", run_id, pid
+                )
+    except Exception:
+        log.exception("waiting for the processes runs of an earlier server left failed")
+    # Any other cgroup the earlier server left that holds a process may be a run's whose
+    # record never said it ran (its `running` write refused: a full disk), queued again by
+    # this start: emptied now too, in the same pass, or that run would run twice at once.
+    held: list[RunCgroup] = []
+    if namespace is not None and namespace.enabled:
+        try:
+            known = {cgroup.name for cgroup in cgroups} | own
+            held = namespace.holding_processes([n for n in namespace.stale_names() if n not in known])
+        except Exception:
+            log.exception("looking for processes in the cgroups an earlier server left failed")
+        if held:
+            log.warning(
+                "evalsched: killing what %d cgroup(s) an earlier server left hold: %s",
+                len(held),
+                ", ".join(c.name for c in held),
+            )
+    stuck: list[RunCgroup] = []
+    try:
+        stuck = _remove_all([*cgroups, *held])
+    except Exception:
+        log.exception("removing the cgroups runs of an earlier server left failed")
+    try:
+        kill_escaped_all(searched)
+    except Exception:  # a surprise in /proc must not stop the server's start
+        log.exception("searching for what runs %s left behind failed", sorted(searched))
+    return stuck
+
+
 def _remove_all(cgroups: list[RunCgroup]) -> list[RunCgroup]:
     """Empty and remove these cgroups, several at once (a thread each, up to 8) where there are
     several and threads can be had: each may wait for a process slow to die. Returns those that
@@ -817,11 +842,20 @@ def _remove_all(cgroups: list[RunCgroup]) -> list[RunCgroup]:
     return [cgroup for cgroup in cgroups if not cgroup.remove()]
 
 
-def _remove_stale_cgroups(cgroups: Cgroups, names: list[str]) -> None:
+def _remove_stale_cgroups(cgroups: Cgroups, names: list[str], pool: CgroupPool | None = None) -> None:
+    """Kill what is left in these cgroups of an earlier server (or of this one, at its stop) and
+    remove them. One whose process would not die within the kill's wait is not killed and
+    waited for a second time by its removal: it goes to ``pool``'s lingering ones (in the pool's
+    thread), to be tried again without a wait, or, at the stop, is left with the namespace."""
     for name in names:
         stale = cgroups.named(name)
-        if stale is not None:
-            pids = stale.kill()
-            stale.remove()
-            if pids:
-                log.warning("evalsched: killed %d process(es) left in the stale cgroup %s", len(pids), name)
+        if stale is None:
+            continue
+        pids = stale.kill()
+        if pids:
+            log.warning("evalsched: killed %d process(es) left in the stale cgroup %s", len(pids), name)
+        if stale.holds_processes():  # (stuck: an uninterruptible wait; kill() said so)
+            if pool is not None:
+                pool.lingering.append(stale)
+            continue
+        stale.remove()
