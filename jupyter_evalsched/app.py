@@ -301,6 +301,8 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             self.model_host.api_base = self._own_url() + "evalsched/v1"
             await self.model_host.start()
         await self.scheduler.start()
+        if not self.scheduler.started:
+            return  # the extension stopped while the scheduler started: not advertised
         collector().follow(self.scheduler)  # the scheduler's series on the server's /metrics
         self._internal = InternalListener(_all_handlers(), self._server.web_app.settings, new_secret())
         self._advertise()

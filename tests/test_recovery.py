@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 
 import psutil
 import pytest
@@ -187,8 +189,9 @@ async def test_a_restart_waits_for_what_runs_left_off_the_event_loop(
     """A process an earlier server's run left can take seconds to die (an uninterruptible wait:
     a GPU driver's teardown). The restart waits for it in a thread: the event loop, which serves
     the whole Jupyter server (its kernels, its other extensions), keeps turning meanwhile, and
-    still no run starts before the wait is over (a queued run of the same directory starts
-    after it)."""
+    still no run starts before the wait is over: neither a queued run of the same directory nor
+    one whose retry's back-off ends during the wait (its start would have been killed as an
+    escape of the earlier run, whose clean-up searches for its run id)."""
     from jupyter_evalsched.scheduler.executors import local
 
     wait, launch = local.wait_stale_gone, local.LocalExecutor.launch
@@ -209,7 +212,7 @@ async def test_a_restart_waits_for_what_runs_left_off_the_event_loop(
 
     monkeypatch.setattr(local, "wait_stale_gone", stuck_then_wait)
     monkeypatch.setattr(local.LocalExecutor, "launch", launching)
-    left, queued = "20260101T000000.000000-00000a", "20260101T000000.000000-00000b"
+    left, queued, retried = (f"20260101T000000.000000-00000{c}" for c in "abc")
     group = StaleGroup()
     ticks: list[float] = []
 
@@ -222,6 +225,18 @@ async def test_a_restart_waits_for_what_runs_left_off_the_event_loop(
     try:
         write_run_dir(runs_dir / left, left, group.leader.pid, group.created, seq=1)
         write_run_dir(runs_dir / queued, queued, None, None, seq=2, state="queued", started_at=None, entrypoint=NOOP)
+        soon = datetime.now(UTC) + timedelta(seconds=stuck_s / 5)
+        write_run_dir(
+            runs_dir / retried,
+            retried,
+            None,
+            None,
+            seq=3,
+            state="queued",
+            started_at=None,
+            entrypoint=NOOP,
+            retry_at=soon.isoformat(),
+        )
         await jp_serverapp.extension_manager.start_all_extensions()
         scheduler = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app.scheduler
         assert [name for name, _ in events[:2]] == ["wait from", "wait to"], events
@@ -233,9 +248,12 @@ async def test_a_restart_waits_for_what_runs_left_off_the_event_loop(
             f" {waited_to - waited_from:.2f} s, the longest gap {max(gaps):.2f} s"
         )
         assert group.leader.wait(timeout=10) == -9
-        await async_wait_until(lambda: scheduler.get(queued).record["state"] == "succeeded", timeout=30)
+        for run_id in (queued, retried):
+            await async_wait_until(
+                lambda run_id=run_id: scheduler.get(run_id).record["state"] == "succeeded", timeout=30
+            )
         launched = [at for name, at in events if name == "launch"]
-        assert launched and min(launched) > waited_to, events
+        assert len(launched) == 2 and min(launched) > waited_to, events
         assert scheduler.get(left).record["state"] == "aborted"
     finally:
         ticker.cancel()
@@ -303,3 +321,45 @@ async def test_a_run_that_finalized_unwatched_without_a_verdict_is_judged_by_its
     assert ("detached" in rec["reason"]) == detach, rec
     if not detach:
         assert "while no server watched it" in rec["reason"], rec
+
+
+async def test_a_server_stopped_while_the_restart_waits_stays_stopped(
+    jp_serverapp, runs_dir, monkeypatch, jp_asyncio_loop, caplog
+):
+    """The extension stops (the server shuts down) while its start still waits for what an
+    earlier server's runs left: once the wait is over, the scheduler does not start anyway (no
+    run started, no periodic task, not advertised as the primary) and logs no error."""
+    from jupyter_evalsched.scheduler.executors import local
+
+    wait, launch = local.wait_stale_gone, local.LocalExecutor.launch
+    launched: list[str] = []
+
+    def stuck_then_wait(processes, *args):
+        time.sleep(1.0)  # (the process stuck)
+        return wait(processes, *args)
+
+    def launching(self, run):
+        launched.append(run.id)
+        return launch(self, run)
+
+    monkeypatch.setattr(local, "wait_stale_gone", stuck_then_wait)
+    monkeypatch.setattr(local.LocalExecutor, "launch", launching)
+    left, queued = (f"20260101T000000.000000-00000{c}" for c in "ab")
+    group = StaleGroup()
+    try:
+        write_run_dir(runs_dir / left, left, group.leader.pid, group.created, seq=1)
+        write_run_dir(runs_dir / queued, queued, None, None, seq=2, state="queued", started_at=None, entrypoint=NOOP)
+        ext = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+        starting = asyncio.ensure_future(jp_serverapp.extension_manager.start_all_extensions())
+        await async_wait_until(lambda: ext.scheduler.table.get(queued) is not None, timeout=10)  # (in the wait)
+        await ext.stop_extension()
+        await starting
+        scheduler = ext.scheduler
+        assert not scheduler.started and scheduler._tasks == []
+        assert launched == [] and scheduler.get(queued).record["state"] == "queued"
+        primary = ext.role.primary()
+        assert primary is None or primary.pid != os.getpid(), primary
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and "evalsched" in r.name]
+        assert errors == [], errors
+    finally:
+        group.close()

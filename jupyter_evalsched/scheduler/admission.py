@@ -181,7 +181,7 @@ class Admission:
     def submitted(self, run: Run) -> None:
         """A new ledger run: queued, and decided alone at once when nothing else can have changed."""
         self.enqueue(run)
-        if self._settled and not self._admit_scheduled and self._can_decide_alone(run):
+        if self.started and self._settled and not self._admit_scheduled and self._can_decide_alone(run):
             self._admit_new(run)
         else:
             self.request_admission()
@@ -420,7 +420,10 @@ class Admission:
 
     def _admit(self) -> None:
         self._admit_scheduled = False
-        if self._loop is None or self._admitting or self.stopping:
+        # Not before recovery is over (a retry's back-off can end while the restart still waits
+        # for what the earlier server's runs left: a start then would be killed as their escape);
+        # the start's own decision admits what was held back.
+        if self._loop is None or self._admitting or self.stopping or not self.started:
             return
         self._admitting = True
         try:

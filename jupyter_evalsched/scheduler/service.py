@@ -178,10 +178,11 @@ class Scheduler:
             except Exception:  # (a bug of ours: logged, and the others clean up all the same)
                 log.exception("evalsched: the %s executor's clean-up after recovery failed", executor.name)
         await self.table.all_written()  # what recovery decided is on disk before the API answers
+        leases = await self._loop.run_in_executor(None, self.store.read_leases)
+        if self.admission.stopping:
+            return  # stopped meanwhile (the server shut down as it started): it stays stopped
         self.leases.bind(self._loop)
-        self.leases.recover(
-            await self._loop.run_in_executor(None, self.store.read_leases), max_ttl_s=self.config.max_lease_ttl_s
-        )
+        self.leases.recover(leases, max_ttl_s=self.config.max_lease_ttl_s)
         self.table.note_seq(max((lease.record["seq"] for lease in self.leases), default=0))
         if self.host is not None:
             self._host_adopt()

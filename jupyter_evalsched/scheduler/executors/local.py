@@ -743,8 +743,8 @@ class LocalExecutor(Executor):
             stuck = []
         if stuck and self.pool is not None:
             self.pool.linger(stuck)  # (tried again with the pool's, not left until the stop)
-        if self.cgroups is None or not self.cgroups.enabled:
-            return
+        if self.cgroups is None or not self.cgroups.enabled or self._stopping:
+            return  # (stopping: the stop removes what is stale)
         # Those of this server (made ahead, and its adopted runs') are kept, and those lingering.
         keep = own | {cgroup.name for cgroup in self._cgroups.values()} | {cgroup.name for cgroup in stuck}
         stale = self.cgroups.stale_names(keep)
