@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import hashlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,6 +33,10 @@ from .scheduler.executors.local import LocalExecutor
 from .scheduler.gpus import GpuProbe, NvmlProbe, VirtualProbe, parse_sizes
 from .scheduler.kernels import OwnKernel
 from .scheduler.service import Scheduler
+
+# How long a stop waits, at most, for a start under way (its recovery's waits are bounded: 2 s
+# for the earlier runs' processes, 2.5 s for each batch of 8 cgroups whose process is stuck).
+STOP_WAITS_FOR_START_S = 60.0
 
 
 class EvalSchedApp(ExtensionApp, SchedulerConfig):
@@ -162,6 +169,10 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         self._watch: PeriodicCallback | None = None
         self._froze = False  # gc.freeze() was called at the start (undone at the stop)
         self._retry_at = 0.0
+        # A start or takeover under way (its recovery may wait seconds, in a thread, for what an
+        # earlier server's runs left): a stop waits for it, then stops what it started.
+        self._starting: asyncio.Future[None] | None = None
+        self._stopping = False
         self._make_scheduler()
 
     def _make_scheduler(self) -> None:
@@ -229,10 +240,16 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         self.handlers.extend(_all_handlers())
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
+        with self._under_way():
+            await self._start()
+
+    async def _start(self) -> None:
         # Live runs count as activity, so that JupyterHub never culls a server with work in flight.
         self._activity = PeriodicCallback(self._report_activity, 5000)
         self._activity.start()
         await self._take_over_if_free()
+        if self._stopping:
+            return  # (stopped meanwhile: no timer of its own is started after the stop)
         if not self.role.is_primary and self.start_error is None:
             primary = self.role.primary()
             self.log.info(
@@ -249,9 +266,21 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             gc.freeze()
             self._froze = True
 
+    @contextlib.contextmanager
+    def _under_way(self) -> Iterator[None]:
+        """A start or takeover under way, for ``stop_extension`` to wait for."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._starting = done
+        try:
+            yield
+        finally:
+            done.set_result(None)
+
     async def _check_role(self) -> None:
         """Primary: step down when the runs directory at its path is no longer the one locked;
         advertise again when the advertisement was removed. Otherwise: take over when free."""
+        if self._stopping:
+            return
         try:
             if self.role.is_primary:
                 if self.start_error is not None:
@@ -262,7 +291,8 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
                     self._advertise()
                 return
             if time.monotonic() >= self._retry_at:
-                await self._take_over_if_free()
+                with self._under_way():
+                    await self._take_over_if_free()
         except Exception:
             self.log.exception("evalsched: role check failed")
 
@@ -403,6 +433,19 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             self._server.web_app.settings["evalsched_last_activity"] = utcnow()
 
     async def stop_extension(self) -> None:
+        # A start or takeover under way admits nothing more and is waited for (its recovery's
+        # clean-up included, which kills by run id: it must not outlive this server's role), so
+        # that what it started is stopped below and nothing of it is left running.
+        self._stopping = True
+        self.scheduler.halt()
+        if self._starting is not None and not self._starting.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._starting), STOP_WAITS_FOR_START_S)
+            except TimeoutError:
+                self.log.warning(
+                    "evalsched: the start under way did not end within %g s; stopping all the same",
+                    STOP_WAITS_FOR_START_S,
+                )
         if self._froze:  # (a server embedded in a longer-lived process, as in tests, keeps nothing)
             gc.unfreeze()
             self._froze = False

@@ -327,19 +327,25 @@ async def test_a_server_stopped_while_the_restart_waits_stays_stopped(
     jp_serverapp, runs_dir, monkeypatch, jp_asyncio_loop, caplog
 ):
     """The extension stops (the server shuts down) while its start still waits for what an
-    earlier server's runs left: once the wait is over, the scheduler does not start anyway (no
-    run started, no periodic task, not advertised as the primary) and logs no error."""
+    earlier server's runs left. The stop waits for that start (its clean-up kills by run id and
+    must not outlive this server's hold on the runs directory, which another server may take at
+    once), admits nothing meanwhile, and then stops what it started: no run started, no periodic
+    task or timer left (none to take the runs directory again later), the directory released and
+    this server not advertised, no error logged."""
     from jupyter_evalsched.scheduler.executors import local
 
     wait, launch = local.wait_stale_gone, local.LocalExecutor.launch
-    launched: list[str] = []
+    events: list[tuple[str, float]] = []
 
     def stuck_then_wait(processes, *args):
         time.sleep(1.0)  # (the process stuck)
-        return wait(processes, *args)
+        try:
+            return wait(processes, *args)
+        finally:
+            events.append(("waited", time.monotonic()))
 
     def launching(self, run):
-        launched.append(run.id)
+        events.append(("launch", time.monotonic()))
         return launch(self, run)
 
     monkeypatch.setattr(local, "wait_stale_gone", stuck_then_wait)
@@ -352,13 +358,19 @@ async def test_a_server_stopped_while_the_restart_waits_stays_stopped(
         ext = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
         starting = asyncio.ensure_future(jp_serverapp.extension_manager.start_all_extensions())
         await async_wait_until(lambda: ext.scheduler.table.get(queued) is not None, timeout=10)  # (in the wait)
+        assert ext.role.is_primary and events == []
         await ext.stop_extension()
+        events.append(("stopped", time.monotonic()))
         await starting
+        assert [name for name, _ in events] == ["waited", "stopped"], events
         scheduler = ext.scheduler
         assert not scheduler.started and scheduler._tasks == []
-        assert launched == [] and scheduler.get(queued).record["state"] == "queued"
+        assert scheduler.get(queued).record["state"] == "queued"
+        assert ext._watch is None and not ext.role.is_primary
         primary = ext.role.primary()
         assert primary is None or primary.pid != os.getpid(), primary
+        await asyncio.sleep(ext.promotion_interval_s * 1.5)  # (a role check would have come by now)
+        assert not ext.role.is_primary and [name for name, _ in events] == ["waited", "stopped"]
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and "evalsched" in r.name]
         assert errors == [], errors
     finally:

@@ -200,6 +200,11 @@ class Scheduler:
         self.store.refuse_writes(why)
         self.admission.stop()
 
+    def halt(self) -> None:
+        """Admit nothing from now on: the first step of a stop, taken at once where the stop waits
+        for a start under way (that start then ends unstarted, ``started`` False)."""
+        self.admission.stop()
+
     async def stop(self) -> None:
         """Shutdown: running runs are killed and end ``aborted``; queued jobs stay queued, and so
         do runs admitted but not started yet. Admission stops first."""
