@@ -244,6 +244,10 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
             await self._start()
 
     async def _start(self) -> None:
+        if self._stopping or not hasattr(self, "scheduler"):
+            # Stopped before it began (an embedded server's), or its settings failed part-way
+            # (jupyter_server starts it all the same): it takes no runs directory.
+            return
         # Live runs count as activity, so that JupyterHub never culls a server with work in flight.
         self._activity = PeriodicCallback(self._report_activity, 5000)
         self._activity.start()
@@ -436,8 +440,14 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         # A start or takeover under way admits nothing more and is waited for (its recovery's
         # clean-up included, which kills by run id: it must not outlive this server's role), so
         # that what it started is stopped below and nothing of it is left running.
+        if not hasattr(self, "role"):
+            return  # its settings failed before anything was made: nothing to stop
         self._stopping = True
-        self.scheduler.halt()
+        # (No scheduler where the settings failed part-way, such as a SLURM section that does not
+        # parse: the stop must still end, or the server never exits.)
+        scheduler: Scheduler | None = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.halt()
         if self._starting is not None and not self._starting.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._starting), STOP_WAITS_FOR_START_S)
@@ -452,14 +462,16 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         for timer in (self._activity, self._watch):
             if timer is not None:
                 timer.stop()
-        if self.role.is_primary:
+        scheduler = getattr(self, "scheduler", None)  # (a takeover that failed made a new one)
+        if self.role.is_primary and scheduler is not None:
             if self._internal is not None:
                 await self._internal.stop()
                 self._internal = None
-            await self.scheduler.stop()
+            await scheduler.stop()
             self._unfollow()
-            if self.model_host is not None:
-                await self.model_host.stop()
+            model_host = getattr(self, "model_host", None)
+            if model_host is not None:
+                await model_host.stop()
         self.role.release()
 
 

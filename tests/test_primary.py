@@ -10,6 +10,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -705,3 +707,69 @@ def test_a_server_restarted_on_the_moved_runs_directory_recovers_its_runs(tmp_pa
 
 def _then_sync(value, check):
     return value if check(value) else None
+
+
+@pytest.mark.parametrize("another_holds_the_runs_directory", [False, True])
+def test_a_server_whose_settings_failed_part_way_takes_nothing_and_exits_on_sigterm(
+    tmp_path, another_holds_the_runs_directory
+):
+    """A setting that fails part-way through the extension's settings (a SLURM section that does
+    not parse) leaves it loaded without a scheduler, and jupyter_server starts and stops it all
+    the same. It takes no runs directory, and the server exits on SIGTERM: its stop raised
+    (no scheduler), the server's shutdown stopped there, and it ran on, as primary and as
+    secondary alike."""
+    runs, root = tmp_path / "runs", tmp_path / "root"
+    runs.mkdir(mode=0o700)
+    root.mkdir()
+    config = tmp_path / "config.py"
+    config.write_text(
+        "c.ServerApp.jpserver_extensions = {'jupyter_evalsched': True}\n"
+        f"c.EvalSchedApp.runs_dir = {str(runs)!r}\n"
+        "c.EvalSchedApp.virtual_gpus = [24000]\n"
+        "c.EvalSchedApp.slurm_enabled = True\n"
+        "c.EvalSchedApp.slurm = {'partiton': 'gpu'}\n"  # (a typo: not a SLURM setting)
+        f"c.ServerApp.root_dir = {str(root)!r}\n"
+        "c.ServerApp.open_browser = False\n"
+        "c.ServerApp.allow_root = True\n"
+    )
+    env = {
+        **os.environ,
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "jupyter-config"),
+    }
+    log = tmp_path / "server.log"
+    holder = os.open(runs, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if another_holds_the_runs_directory:
+            fcntl.flock(holder, fcntl.LOCK_EX)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "jupyter_server",
+                    f"--config={config}",
+                    "--port=0",
+                    "--ServerApp.port_retries=0",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        try:
+            wait_until(lambda: b"is running at" in log.read_bytes() or proc.poll() is not None, timeout=60)
+            assert proc.poll() is None, log.read_text()
+            assert b"extension failed loading" in log.read_bytes()
+            if not another_holds_the_runs_directory:
+                fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (raises if the server took it)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the server still runs 30 s after SIGTERM:\n{log.read_text()[-3000:]}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        os.close(holder)
