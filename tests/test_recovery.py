@@ -183,24 +183,18 @@ async def test_the_runs_an_earlier_server_left_running_are_killed_before_their_r
             group.close()
 
 
-async def test_a_restart_waits_for_what_runs_left_off_the_event_loop(
-    jp_serverapp, runs_dir, monkeypatch, jp_asyncio_loop
-):
-    """A process an earlier server's run left can take seconds to die (an uninterruptible wait:
-    a GPU driver's teardown). The restart waits for it in a thread: the event loop, which serves
-    the whole Jupyter server (its kernels, its other extensions), keeps turning meanwhile, and
-    still no run starts before the wait is over: neither a queued run of the same directory nor
-    one whose retry's back-off ends during the wait (its start would have been killed as an
-    escape of the earlier run, whose clean-up searches for its run id)."""
+def stuck_restart(monkeypatch, stuck_s: float) -> list[tuple[str, float]]:
+    """A restart's wait for what the earlier server's runs left made to last ``stuck_s`` more (a
+    process stuck in an uninterruptible wait), and every launch of a run recorded: the list of
+    ("wait from" | "wait to" | "launch", ``time.monotonic()``) it returns fills as they happen."""
     from jupyter_evalsched.scheduler.executors import local
 
     wait, launch = local.wait_stale_gone, local.LocalExecutor.launch
-    stuck_s = 1.5
     events: list[tuple[str, float]] = []
 
     def stuck_then_wait(processes, *args):
         events.append(("wait from", time.monotonic()))
-        time.sleep(stuck_s)  # (the process stuck)
+        time.sleep(stuck_s)
         try:
             return wait(processes, *args)
         finally:
@@ -212,6 +206,20 @@ async def test_a_restart_waits_for_what_runs_left_off_the_event_loop(
 
     monkeypatch.setattr(local, "wait_stale_gone", stuck_then_wait)
     monkeypatch.setattr(local.LocalExecutor, "launch", launching)
+    return events
+
+
+async def test_a_restart_waits_for_what_runs_left_off_the_event_loop(
+    jp_serverapp, runs_dir, monkeypatch, jp_asyncio_loop
+):
+    """A process an earlier server's run left can take seconds to die (an uninterruptible wait:
+    a GPU driver's teardown). The restart waits for it in a thread: the event loop, which serves
+    the whole Jupyter server (its kernels, its other extensions), keeps turning meanwhile, and
+    still no run starts before the wait is over: neither a queued run of the same directory nor
+    one whose retry's back-off ends during the wait (its start would have been killed as an
+    escape of the earlier run, whose clean-up searches for its run id)."""
+    stuck_s = 1.5
+    events = stuck_restart(monkeypatch, stuck_s)
     left, queued, retried = (f"20260101T000000.000000-00000{c}" for c in "abc")
     group = StaleGroup()
     ticks: list[float] = []
@@ -332,24 +340,7 @@ async def test_a_server_stopped_while_the_restart_waits_stays_stopped(
     once), admits nothing meanwhile, and then stops what it started: no run started, no periodic
     task or timer left (none to take the runs directory again later), the directory released and
     this server not advertised, no error logged."""
-    from jupyter_evalsched.scheduler.executors import local
-
-    wait, launch = local.wait_stale_gone, local.LocalExecutor.launch
-    events: list[tuple[str, float]] = []
-
-    def stuck_then_wait(processes, *args):
-        time.sleep(1.0)  # (the process stuck)
-        try:
-            return wait(processes, *args)
-        finally:
-            events.append(("waited", time.monotonic()))
-
-    def launching(self, run):
-        events.append(("launch", time.monotonic()))
-        return launch(self, run)
-
-    monkeypatch.setattr(local, "wait_stale_gone", stuck_then_wait)
-    monkeypatch.setattr(local.LocalExecutor, "launch", launching)
+    events = stuck_restart(monkeypatch, 1.0)
     left, queued = (f"20260101T000000.000000-00000{c}" for c in "ab")
     group = StaleGroup()
     try:
@@ -358,11 +349,11 @@ async def test_a_server_stopped_while_the_restart_waits_stays_stopped(
         ext = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
         starting = asyncio.ensure_future(jp_serverapp.extension_manager.start_all_extensions())
         await async_wait_until(lambda: ext.scheduler.table.get(queued) is not None, timeout=10)  # (in the wait)
-        assert ext.role.is_primary and events == []
+        assert ext.role.is_primary and [name for name, _ in events] == ["wait from"]
         await ext.stop_extension()
         events.append(("stopped", time.monotonic()))
         await starting
-        assert [name for name, _ in events] == ["waited", "stopped"], events
+        assert [name for name, _ in events] == ["wait from", "wait to", "stopped"], events
         scheduler = ext.scheduler
         assert not scheduler.started and scheduler._tasks == []
         assert scheduler.get(queued).record["state"] == "queued"
@@ -370,7 +361,7 @@ async def test_a_server_stopped_while_the_restart_waits_stays_stopped(
         primary = ext.role.primary()
         assert primary is None or primary.pid != os.getpid(), primary
         await asyncio.sleep(ext.promotion_interval_s * 1.5)  # (a role check would have come by now)
-        assert not ext.role.is_primary and [name for name, _ in events] == ["waited", "stopped"]
+        assert not ext.role.is_primary and [name for name, _ in events] == ["wait from", "wait to", "stopped"]
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and "evalsched" in r.name]
         assert errors == [], errors
     finally:

@@ -746,7 +746,7 @@ class LocalExecutor(Executor):
         if self.cgroups is None or not self.cgroups.enabled or self._stopping:
             return  # (stopping: the stop removes what is stale)
         # Those of this server (made ahead, and its adopted runs') are kept, and those lingering.
-        keep = own | {cgroup.name for cgroup in self._cgroups.values()} | {cgroup.name for cgroup in stuck}
+        keep = own | {cgroup.name for cgroup in stuck}
         stale = self.cgroups.stale_names(keep)
         if stale and self.pool is not None:
             # (In the pool's thread: shutdown waits for it.)
