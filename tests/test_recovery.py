@@ -348,7 +348,7 @@ async def test_a_server_stopped_while_the_restart_waits_stays_stopped(
         write_run_dir(runs_dir / queued, queued, None, None, seq=2, state="queued", started_at=None, entrypoint=NOOP)
         ext = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
         starting = asyncio.ensure_future(jp_serverapp.extension_manager.start_all_extensions())
-        await async_wait_until(lambda: ext.scheduler.table.get(queued) is not None, timeout=10)  # (in the wait)
+        await async_wait_until(lambda: events, timeout=30)  # (recovered, and in the wait)
         assert ext.role.is_primary and [name for name, _ in events] == ["wait from"]
         await ext.stop_extension()
         events.append(("stopped", time.monotonic()))
