@@ -8,6 +8,7 @@ which this host does not have, against a directory laid out like the kernel's.""
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import json
 import os
@@ -49,6 +50,9 @@ def leaves(parents: dict[str, str]) -> dict[str, set[int]]:
                     out[entry.name] = {int(p) for p in f.read().split()}
             except FileNotFoundError:
                 continue
+            except OSError as exc:  # (ENODEV: removed between the listing and the read)
+                if exc.errno != errno.ENODEV:
+                    raise
     return out
 
 
