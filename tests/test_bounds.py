@@ -282,9 +282,10 @@ async def test_concurrent_sweep_submissions_beyond_the_limit_are_a_429(api, jp_f
     release, calls = held_creates
     body = {**spec(entry=NOOP), "sweep": {"k": [1, 2]}}
     first = [asyncio.ensure_future(api("POST", "sweeps", body)) for _ in range(MAX_SWEEP_SUBMISSIONS)]
-    # Each sweep's first run is with the writer (whose one thread is held in the first of them).
+    # Each sweep's runs (its 2 points: one chunk) are with the writer, whose one thread is held
+    # in the first of them.
     creating = evalsched.submissions._creating
-    await async_wait_until(lambda: len(creating) == MAX_SWEEP_SUBMISSIONS, timeout=10, message="not all in flight")
+    await async_wait_until(lambda: len(creating) == 2 * MAX_SWEEP_SUBMISSIONS, timeout=10, message="not all in flight")
     resp = await asyncio.wait_for(
         jp_fetch("evalsched", "sweeps", method="POST", body=json.dumps(body), raise_error=False), 10
     )

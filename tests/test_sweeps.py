@@ -13,7 +13,9 @@ import pytest
 from rest import SLEEPY, spec, submit
 from waiting import async_wait_until
 
+from jupyter_evalsched.scheduler import submission
 from jupyter_evalsched.scheduler.compare import t_quantile
+from jupyter_evalsched.store import StoreError
 
 HERE = Path(__file__).resolve().parent
 SCORED = f"{HERE / 'evals_sweep.py'}:scored"
@@ -235,20 +237,22 @@ def test_t_quantiles_match_the_tables():
         assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
 
 
-@pytest.mark.parametrize("points", [50, 4], ids=["midway", "at-its-last-point"])
+@pytest.mark.parametrize(("points", "made_in_all"), [(50, 6), (4, 4)], ids=["midway", "at-its-last-point"])
 async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
-    api, jp_fetch, evalsched, monkeypatch, points
+    api, jp_fetch, evalsched, monkeypatch, points, made_in_all
 ):
     """The cancel of a sweep whose submission is still making its runs (a large one takes
     seconds) stops it: its submission answers 409 saying so, every run made is cancelled, and
     neither it nor a retry under its Idempotency-Key makes the rest (they were all made, and
-    ran, after a cancel answered 200)."""
+    ran, after a cancel answered 200). Points are made a chunk at a time (3 here): the chunk
+    under way when the cancel comes is made, and cancelled; no later one is."""
+    monkeypatch.setattr(submission, "SWEEP_CHUNK", 3)
     store = evalsched.submissions.store
     assemble = store.assemble
     release = threading.Event()
     made: list[str] = []
 
-    def held(run_id, files):  # (in the writer's thread) the 4th run's directory waits
+    def held(run_id, files):  # (in the writer's thread) the 4th run's directory, the second chunk's first, waits
         made.append(run_id)
         if len(made) == 4:
             release.wait(30)
@@ -280,7 +284,63 @@ async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
     code, answer = await post()  # the client retries: the runs made are answered again, no more made
     assert code == (409 if points > 4 else 200), answer
     code, view = await api("GET", f"sweeps/{sweep_id}")
-    assert len(view["runs"]) == 4 and view["counts"] == {"cancelled": 4}, view
+    assert len(view["runs"]) == made_in_all and view["counts"] == {"cancelled": made_in_all}, view
+    assert len(made) == made_in_all  # (no directory of a later chunk was even begun)
+
+
+async def test_a_sweeps_directories_are_written_a_chunk_at_a_time_in_the_order_of_its_points(
+    api, evalsched, monkeypatch
+):
+    """A sweep's points are not made one after another, each waited for: each chunk of them
+    reaches the writer's thread as one batch (one wake-up of it, one directory fsync where fsync
+    is on), and their runs keep the order of the points, in the answer and in ``seq``."""
+    store = evalsched.submissions.store
+    create_many = store.create_many
+    batches: list[int] = []
+
+    def counted(runs):  # (in the writer's thread)
+        batches.append(len(runs))
+        return create_many(runs)
+
+    monkeypatch.setattr(store, "create_many", counted)
+    points = 2 * submission.SWEEP_CHUNK + 5
+    hold = await submit(api, spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}))
+    batches.clear()
+    body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 0.01}), "depends_on": [hold["id"]],
+            "sweep": {"k": list(range(points))}}  # fmt: skip
+    made = await sweep(api, body)
+    assert [run["sweep_point"] for run in made["runs"]] == [{"k": k} for k in range(points)]
+    seqs = [run["seq"] for run in made["runs"]]
+    assert seqs == sorted(seqs) and len(set(seqs)) == points
+    assert sum(batches) == points and len(batches) <= 6, batches  # one at a time: 133 batches
+    assert (await api("POST", f"runs/{hold['id']}/cancel"))[0] == 200
+
+
+async def test_a_sweep_whose_point_cannot_be_written_leaves_none_of_its_runs_to_run(api, evalsched, monkeypatch):
+    """A point whose directory cannot be made (the disk refuses it) fails the submission with a
+    503 that says why; the runs made beside it, in the same chunk, are cancelled, none queued."""
+    store = evalsched.submissions.store
+    assemble = store.assemble
+    calls: list[str] = []
+
+    def refusing(run_id, files):  # (in the writer's thread) the 5th directory: the disk is full
+        calls.append(run_id)
+        if len(calls) == 5:
+            raise StoreError("the runs directory's disk is full (ENOSPC)")
+        return assemble(run_id, files)
+
+    monkeypatch.setattr(store, "assemble", refusing)
+    hold = await submit(api, spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}))
+    calls.clear()
+    body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 0.01}), "depends_on": [hold["id"]],
+            "sweep": {"k": list(range(10))}}  # fmt: skip
+    answer = await sweep(api, body, expect=503)
+    assert "disk is full" in answer["message"], answer
+    code, listed = await api("GET", "sweeps")
+    sweep_id = listed["sweeps"][0]["id"]
+    code, view = await api("GET", f"sweeps/{sweep_id}")
+    assert len(view["runs"]) == 9 and view["counts"] == {"cancelled": 9}, view
+    assert (await api("POST", f"runs/{hold['id']}/cancel"))[0] == 200
 
 
 async def test_a_finished_sweep_cancelled_still_answers_a_retry_of_its_submission(api, jp_fetch, wait_for):

@@ -34,6 +34,8 @@ from .shared import SharedModels
 from .writer import RunWriter
 
 log = logging.getLogger("jupyter_evalsched")
+# A sweep's points whose directories are made together (one batch of the writer's thread).
+SWEEP_CHUNK = 64
 MAX_CANCELLED_SWEEPS_KEPT = 4096  # (a sweep's submission takes seconds: its cancel is among the newest)
 
 
@@ -407,20 +409,39 @@ class Submissions:
         records: list[dict[str, Any]] = []
         made: list[str] = []
         try:
-            # A point at a time: each writes its directory in the writer's thread, or reads one back
-            # (a replay), and the loop serves others between them.
-            for i, point in enumerate(points):
-                key = keys[i]
-                one = base.spec_of(point)
-                if key is not None and key in self.by_key:
-                    records.append(self._replay(self.by_key[key], spec, one))
-                    await asyncio.sleep(0)
-                    continue
-                self._raise_if_cancelled(sweep_id, len(records), len(points))
-                records.append(await self._submit(spec, key, (sweep_id, point, spec.name), vram_source, one))
-                made.append(records[-1]["id"])
-                # (cancelled while this run was made: the cancel did not see it, the except does)
-                self._raise_if_cancelled(sweep_id, len(records), len(points))
+            # A chunk of points at a time: their directories are made together, so the writer's
+            # thread writes them as one batch (a point at a time, each waited for, made a sweep no
+            # faster than as many single submissions); the loop serves others between chunks.
+            for start in range(0, len(points), SWEEP_CHUNK):
+                end = min(start + SWEEP_CHUNK, len(points))
+                to_make = [key is None or key not in self.by_key for key in keys[start:end]]
+                if any(to_make):  # (a retry that only answers runs made already is not refused)
+                    self._raise_if_cancelled(sweep_id, len(records), len(points))
+                chunk: list[tuple[str | None, dict[str, Any], asyncio.Task[dict[str, Any]] | None]] = []
+                for i, make in zip(range(start, end), to_make, strict=True):
+                    key, one = keys[i], base.spec_of(points[i])
+                    task = None
+                    if make:  # (its seq is taken as its task starts: the tasks start in order)
+                        task = asyncio.ensure_future(
+                            self._submit(spec, key, (sweep_id, points[i], spec.name), vram_source, one)
+                        )
+                    chunk.append((key, one, task))
+                failure: Exception | None = None
+                for key, one, task in chunk:
+                    try:  # every outcome is waited for: a run made beside a failure is cancelled too
+                        if task is None:
+                            records.append(self._replay(self.by_key[str(key)], spec, one))
+                        else:
+                            records.append(await task)
+                            made.append(records[-1]["id"])
+                    except Exception as exc:
+                        failure = failure or exc
+                if failure is not None:
+                    raise failure
+                # (cancelled while this chunk was made: the cancel did not see it, the except does)
+                if any(to_make):
+                    self._raise_if_cancelled(sweep_id, len(records), len(points))
+                await asyncio.sleep(0)  # (a chunk of replays awaits nothing: others are served between chunks)
         except Exception:
             # No half-made sweep is left to run: the runs this call made are cancelled (their
             # directories stay, and say so).
