@@ -13,7 +13,7 @@ import pytest
 from rest import SLEEPY, spec, submit
 from waiting import async_wait_until
 
-from jupyter_evalsched.scheduler import submission
+from jupyter_evalsched.scheduler import sweeps
 from jupyter_evalsched.scheduler.compare import t_quantile
 from jupyter_evalsched.store import StoreError
 
@@ -237,16 +237,17 @@ def test_t_quantiles_match_the_tables():
         assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
 
 
-@pytest.mark.parametrize(("points", "made_in_all"), [(50, 6), (4, 4)], ids=["midway", "at-its-last-point"])
+@pytest.mark.parametrize(("points", "assembled"), [(50, 6), (4, 4)], ids=["midway", "at-its-last-point"])
 async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
-    api, jp_fetch, evalsched, monkeypatch, points, made_in_all
+    api, jp_fetch, evalsched, monkeypatch, runs_dir, points, assembled
 ):
     """The cancel of a sweep whose submission is still making its runs (a large one takes
     seconds) stops it: its submission answers 409 saying so, every run made is cancelled, and
     neither it nor a retry under its Idempotency-Key makes the rest (they were all made, and
-    ran, after a cancel answered 200). Points are made a chunk at a time (3 here): the chunk
-    under way when the cancel comes is made, and cancelled; no later one is."""
-    monkeypatch.setattr(submission, "SWEEP_CHUNK", 3)
+    ran, after a cancel answered 200). Points are written a chunk at a time (3 here): the runs of
+    the chunk under way that were not in the table yet when the cancel came are not made (their
+    directories, written, are removed), and no later chunk is begun."""
+    monkeypatch.setattr(sweeps, "SWEEP_CHUNK_POINTS", 3)
     store = evalsched.submissions.store
     assemble = store.assemble
     release = threading.Event()
@@ -281,11 +282,18 @@ async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
     assert code == 409 and answer["message"].startswith(f"sweep {sweep_id} was cancelled while it was submitted"), (
         code, answer)  # fmt: skip
     assert (await cancelling)[0] == 200
-    code, answer = await post()  # the client retries: the runs made are answered again, no more made
-    assert code == (409 if points > 4 else 200), answer
+    code, answer = await post()  # the client retries: no more runs made (points are left unmade)
+    assert code == 409, answer
     code, view = await api("GET", f"sweeps/{sweep_id}")
-    assert len(view["runs"]) == made_in_all and view["counts"] == {"cancelled": made_in_all}, view
-    assert len(made) == made_in_all  # (no directory of a later chunk was even begun)
+    assert len(view["runs"]) == 3 and view["counts"] == {"cancelled": 3}, view
+    assert len(made) == assembled  # (no directory of a later chunk was even begun)
+
+    def only_its_runs_on_disk() -> bool:
+        return sorted(p.name for p in runs_dir.iterdir() if not p.name.startswith(".")) == sorted(
+            run["id"] for run in view["runs"]
+        )
+
+    await async_wait_until(only_its_runs_on_disk, timeout=10, message="a given-up run's directory stayed")
 
 
 async def test_a_sweeps_directories_are_written_a_chunk_at_a_time_in_the_order_of_its_points(
@@ -303,7 +311,7 @@ async def test_a_sweeps_directories_are_written_a_chunk_at_a_time_in_the_order_o
         return create_many(runs)
 
     monkeypatch.setattr(store, "create_many", counted)
-    points = 2 * submission.SWEEP_CHUNK + 5
+    points = 2 * sweeps.SWEEP_CHUNK_POINTS + 5
     hold = await submit(api, spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}))
     batches.clear()
     body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 0.01}), "depends_on": [hold["id"]],
@@ -316,14 +324,19 @@ async def test_a_sweeps_directories_are_written_a_chunk_at_a_time_in_the_order_o
     assert (await api("POST", f"runs/{hold['id']}/cancel"))[0] == 200
 
 
-async def test_a_sweep_whose_point_cannot_be_written_leaves_none_of_its_runs_to_run(api, evalsched, monkeypatch):
+async def test_a_sweep_whose_point_cannot_be_written_leaves_none_of_its_runs_to_run_and_its_retry_keeps_their_order(
+    api, jp_fetch, evalsched, monkeypatch, runs_dir
+):
     """A point whose directory cannot be made (the disk refuses it) fails the submission with a
-    503 that says why; the runs made beside it, in the same chunk, are cancelled, none queued."""
+    503 that says why: the runs made before it are cancelled, none queued, and those written
+    after it in its chunk are not made (their directories removed). The client's retry under its
+    Idempotency-Key answers the runs made before that point as they are (cancelled) and makes
+    the rest, that point on, in the order of the points."""
     store = evalsched.submissions.store
     assemble = store.assemble
     calls: list[str] = []
 
-    def refusing(run_id, files):  # (in the writer's thread) the 5th directory: the disk is full
+    def refusing(run_id, files):  # (in the writer's thread) the 5th directory, once: the disk is full
         calls.append(run_id)
         if len(calls) == 5:
             raise StoreError("the runs directory's disk is full (ENOSPC)")
@@ -334,13 +347,68 @@ async def test_a_sweep_whose_point_cannot_be_written_leaves_none_of_its_runs_to_
     calls.clear()
     body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 0.01}), "depends_on": [hold["id"]],
             "sweep": {"k": list(range(10))}}  # fmt: skip
-    answer = await sweep(api, body, expect=503)
-    assert "disk is full" in answer["message"], answer
+
+    async def post():
+        resp = await jp_fetch("evalsched", "sweeps", method="POST", body=json.dumps(body),
+                              headers={"Idempotency-Key": "refused-once"}, raise_error=False)  # fmt: skip
+        return resp.code, json.loads(resp.body)
+
+    code, answer = await post()
+    assert code == 503 and "disk is full" in answer["message"], (code, answer)
     code, listed = await api("GET", "sweeps")
     sweep_id = listed["sweeps"][0]["id"]
     code, view = await api("GET", f"sweeps/{sweep_id}")
-    assert len(view["runs"]) == 9 and view["counts"] == {"cancelled": 9}, view
+    assert [run["sweep_point"]["k"] for run in view["runs"]] == [0, 1, 2, 3], view
+    assert view["counts"] == {"cancelled": 4}, view
+
+    def only_made_runs_on_disk() -> bool:
+        names = {p.name for p in runs_dir.iterdir() if not p.name.startswith(".")}
+        return names == {hold["id"], *(run["id"] for run in view["runs"])}
+
+    await async_wait_until(only_made_runs_on_disk, timeout=10, message="a given-up run's directory stayed")
+    code, again = await post()
+    assert code == 201 and again["id"] == sweep_id, (code, again)
+    assert [run["sweep_point"]["k"] for run in again["runs"]] == list(range(10))
+    assert [run["state"] for run in again["runs"]] == ["cancelled"] * 4 + ["queued"] * 6
+    code, view = await api("GET", f"sweeps/{sweep_id}")  # (listed by seq)
+    assert [run["id"] for run in view["runs"]] == [run["id"] for run in again["runs"]], view
     assert (await api("POST", f"runs/{hold['id']}/cancel"))[0] == 200
+
+
+async def test_a_sweep_of_large_points_is_written_in_smaller_chunks(api, evalsched, monkeypatch):
+    """A chunk holds at most ``SWEEP_CHUNK_CHARS`` of specs: points of 600 kB each are written a
+    point at a time (each chunk's records and files are made in one turn of the event loop)."""
+    store = evalsched.submissions.store
+    create_many = store.create_many
+    batches: list[int] = []
+
+    def counted(runs):  # (in the writer's thread)
+        batches.append(len(runs))
+        return create_many(runs)
+
+    monkeypatch.setattr(store, "create_many", counted)
+    hold = await submit(api, spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}))
+    batches.clear()
+    body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 0.01, "blob": "x" * 600_000}),
+            "depends_on": [hold["id"]], "sweep": {"k": [0, 1, 2]}}  # fmt: skip
+    made = await sweep(api, body)
+    assert [run["sweep_point"] for run in made["runs"]] == [{"k": 0}, {"k": 1}, {"k": 2}]
+    assert batches == [1, 1, 1], batches
+    assert (await api("POST", f"runs/{hold['id']}/cancel"))[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("sizes", "points", "chars", "expected"),
+    [
+        ([10] * 5, 2, 100, [(0, 2), (2, 4), (4, 5)]),
+        ([10] * 5, 64, 25, [(0, 2), (2, 4), (4, 5)]),
+        ([10, 500, 10, 10], 64, 100, [(0, 1), (1, 2), (2, 4)]),
+        ([500], 64, 100, [(0, 1)]),
+        ([], 64, 100, []),
+    ],
+)
+def test_chunks_are_bounded_by_points_and_by_characters(sizes, points, chars, expected):
+    assert [(r.start, r.stop) for r in sweeps.chunks(sizes, points, chars)] == expected
 
 
 async def test_a_finished_sweep_cancelled_still_answers_a_retry_of_its_submission(api, jp_fetch, wait_for):

@@ -11,18 +11,20 @@ All of it runs on the event-loop thread (the directory is written by the writer'
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .. import contract
 from ..runner.entrypoint import resolve_entrypoint_file
 from ..schemas import EvalSpec, check_json_finite, check_params_size, check_spec_size, json_chars
-from ..store import RunFileError, RunStore, StoreError, new_run_id
+from ..store import RunFileError, RunStore, StoreError, discard_run_entry, new_run_id
 from . import policy, sweeps
 from .admission import Admission
 from .config import SchedulerConfig
@@ -34,9 +36,24 @@ from .shared import SharedModels
 from .writer import RunWriter
 
 log = logging.getLogger("jupyter_evalsched")
-# A sweep's points whose directories are made together (one batch of the writer's thread).
-SWEEP_CHUNK = 64
 MAX_CANCELLED_SWEEPS_KEPT = 4096  # (a sweep's submission takes seconds: its cancel is among the newest)
+
+
+@dataclass
+class _NewRun:
+    """A submission's run before it is on disk: what its directory holds and what the table
+    and admission need once it is."""
+
+    record: dict[str, Any]
+    spec: dict[str, Any]
+    scheduling: RunScheduling
+    executor: Executor
+    idempotency_key: str | None
+    files: dict[str, bytes]
+
+    @property
+    def run_id(self) -> str:
+        return str(self.record["id"])
 
 
 class Submissions:
@@ -272,6 +289,20 @@ class Submissions:
     ) -> dict[str, Any]:
         """``vram_source`` given: the spec was checked already (a sweep's runs share one check);
         ``spec_dict``: a sweep's point, ``spec`` being its base."""
+        new = self._new_run(spec, idempotency_key, sweep, vram_source, spec_dict)
+        await self._written(new, self._write(new))
+        return await self._register(new)
+
+    def _new_run(
+        self,
+        spec: EvalSpec,
+        idempotency_key: str | None,
+        sweep: tuple[str, dict[str, Any], str | None] | None,
+        vram_source: str | None,
+        spec_dict: dict[str, Any] | None,
+    ) -> _NewRun:
+        """A submission's run and its files, not yet on disk: its id (reserved until it is written
+        or given up) and its ``seq`` are taken here."""
         if vram_source is None:
             spec, vram_source = self.resolve_auto_vram(spec)
             self.validate_for_host(spec)
@@ -302,26 +333,39 @@ class Submissions:
         files = {contract.SPEC_FILE: dumps(spec_dict), contract.JOB_FILE: dumps(record)}
         if spec.source is not None:
             files[contract.EVAL_SOURCE_FILE] = spec.source.encode()
+        self._creating.add(run_id)
+        return _NewRun(record, spec_dict, scheduling, executor, idempotency_key, files)
+
+    def _write(self, new: _NewRun) -> asyncio.Future[None]:
         # Creating files can wait for the disk (an fsync, a busy disk), and costs the kernel's time
         # in any case: done by the writer's thread, concurrent submissions in one batch, and the
         # event loop stays free.
-        self._creating.add(run_id)
+        return self.writer.create(new.run_id, new.files)
+
+    async def _written(self, new: _NewRun, write: asyncio.Future[None]) -> None:
+        """Wait for ``write``, the directory of ``new``; its id is free again once it ends. A
+        failure of the disk is a SchedulerError (503; a bug of ours 500)."""
         try:
-            await self.writer.create(run_id, files)
+            await write
         except StoreError as exc:
             raise store_failure(exc) from exc
         finally:
-            self._creating.discard(run_id)
-        run = Run(record=record, spec=spec_dict, submitted_ts=time.time(), given_scheduling=scheduling)
+            self._creating.discard(new.run_id)
+
+    async def _register(self, new: _NewRun) -> dict[str, Any]:
+        """The run of ``new``, on disk, into the table and to its executor (admission may start it
+        right here). Returns its record."""
+        run_id, record, spec_dict = new.run_id, new.record, new.spec
+        run = Run(record=record, spec=spec_dict, submitted_ts=time.time(), given_scheduling=new.scheduling)
         self.table.add(run)
-        self.table.remember_spec(run_id, spec_dict, len(files[contract.SPEC_FILE]))
-        if idempotency_key is not None:
-            self.by_key[idempotency_key] = run_id
+        self.table.remember_spec(run_id, spec_dict, len(new.files[contract.SPEC_FILE]))
+        if new.idempotency_key is not None:
+            self.by_key[new.idempotency_key] = run_id
         self.table.changed(run)
         if self.admission.stopping:
             return record  # on disk, queued: the next start runs it
-        if not executor.uses_ledger:
-            executor.submit(run)
+        if not new.executor.uses_ledger:
+            new.executor.submit(run)
             return record
         try:
             # (Decided at once when nothing outranks it: its start may begin right here.)
@@ -389,7 +433,8 @@ class Submissions:
         base = _SweepBase(spec, self._normalized(spec))
         checked = [base.check(point, i) for i, point in enumerate(points)]
         points = [point for point, _ in checked]
-        total = sum(size for _, size in checked)
+        sizes = [size for _, size in checked]
+        total = sum(sizes)
         if total > sweeps.MAX_SWEEP_JSON_CHARS:
             msg = (
                 f"the sweep's {len(points)} runs take {total} characters of spec as JSON; at most "
@@ -409,38 +454,25 @@ class Submissions:
         records: list[dict[str, Any]] = []
         made: list[str] = []
         try:
-            # A chunk of points at a time: their directories are made together, so the writer's
-            # thread writes them as one batch (a point at a time, each waited for, made a sweep no
-            # faster than as many single submissions); the loop serves others between chunks.
-            for start in range(0, len(points), SWEEP_CHUNK):
-                end = min(start + SWEEP_CHUNK, len(points))
-                to_make = [key is None or key not in self.by_key for key in keys[start:end]]
-                if any(to_make):  # (a retry that only answers runs made already is not refused)
+            # A chunk of points at a time (sweeps.chunks): their directories are written together,
+            # as one batch of the writer's thread (a point at a time, each waited for, made a sweep
+            # no faster than as many single submissions); the loop serves others between chunks.
+            for chunk_range in sweeps.chunks(sizes, sweeps.SWEEP_CHUNK_POINTS, sweeps.SWEEP_CHUNK_CHARS):
+                # (what to replay is decided with no wait before the chunk's writes begin)
+                replays = [
+                    None if key is None else self.by_key.get(key) for key in keys[chunk_range.start : chunk_range.stop]
+                ]
+                if not all(replays):  # (a retry that only answers runs made already is not refused)
                     self._raise_if_cancelled(sweep_id, len(records), len(points))
-                chunk: list[tuple[str | None, dict[str, Any], asyncio.Task[dict[str, Any]] | None]] = []
-                for i, make in zip(range(start, end), to_make, strict=True):
-                    key, one = keys[i], base.spec_of(points[i])
-                    task = None
-                    if make:  # (its seq is taken as its task starts: the tasks start in order)
-                        task = asyncio.ensure_future(
-                            self._submit(spec, key, (sweep_id, points[i], spec.name), vram_source, one)
-                        )
-                    chunk.append((key, one, task))
-                failure: Exception | None = None
-                for key, one, task in chunk:
-                    try:  # every outcome is waited for: a run made beside a failure is cancelled too
-                        if task is None:
-                            records.append(self._replay(self.by_key[str(key)], spec, one))
-                        else:
-                            records.append(await task)
-                            made.append(records[-1]["id"])
-                    except Exception as exc:
-                        failure = failure or exc
-                if failure is not None:
-                    raise failure
-                # (cancelled while this chunk was made: the cancel did not see it, the except does)
-                if any(to_make):
-                    self._raise_if_cancelled(sweep_id, len(records), len(points))
+                chunk: list[tuple[dict[str, Any], str | None, tuple[_NewRun, asyncio.Future[None]] | None]] = []
+                for i, replay in zip(chunk_range, replays, strict=True):
+                    one = base.spec_of(points[i])
+                    new = None
+                    if replay is None:  # (seq taken in the order of the points)
+                        pending = self._new_run(spec, keys[i], (sweep_id, points[i], spec.name), vram_source, one)
+                        new = (pending, self._write(pending))
+                    chunk.append((one, replay, new))
+                await self._settle_chunk(chunk, spec, sweep_id, len(points), records, made)
                 await asyncio.sleep(0)  # (a chunk of replays awaits nothing: others are served between chunks)
         except Exception:
             # No half-made sweep is left to run: the runs this call made are cancelled (their
@@ -451,6 +483,70 @@ class Submissions:
                     await cancel(run_id)
             raise
         return {"id": sweep_id, "runs": records}, bool(made)
+
+    async def _settle_chunk(
+        self,
+        chunk: list[tuple[dict[str, Any], str | None, tuple[_NewRun, asyncio.Future[None]] | None]],
+        spec: EvalSpec,
+        sweep_id: str,
+        points: int,
+        records: list[dict[str, Any]],
+        made: list[str],
+    ) -> None:
+        """A chunk of a sweep's points, whose directories are being written, settled in the order
+        of the points: each run into the table (and to admission) once its directory is on disk,
+        its record appended to ``records`` and its id to ``made``; a replay's record appended as
+        it is. At the first point that fails (its directory refused, a replay that conflicts) or
+        once the sweep is cancelled, the rest of the chunk is given up: the directories written
+        for it are removed, nobody having seen them, so that a retry makes those points again,
+        after the failed one, in order. Raises that failure."""
+        failure: Exception | None = None
+        given_up: list[tuple[_NewRun, asyncio.Future[None]]] = []
+        try:
+            for one, replay, new in chunk:
+                if failure is not None:
+                    if new is not None:
+                        given_up.append(new)
+                    continue
+                try:
+                    if new is None:
+                        records.append(self._replay(str(replay), spec, one))
+                        continue
+                    # (shielded: cancelled meanwhile, the server stopping, this leaves the write's
+                    # outcome to _give_up, which removes what was written, not to nobody)
+                    await self._written(new[0], asyncio.shield(new[1]))
+                    self._raise_if_cancelled(sweep_id, len(records), points)
+                except Exception as exc:
+                    failure = exc
+                    if new is not None and new[1].done() and not new[1].cancelled() and new[1].exception() is None:
+                        given_up.append(new)  # (written, then the sweep was cancelled)
+                    continue
+                record = await self._register(new[0])
+                records.append(record)
+                made.append(record["id"])
+        except BaseException:  # (cancelled: the server stops; or a bug of ours) nothing left half-made
+            given_up = [new for _, _, new in chunk if new is not None and new[0].run_id not in self.table]
+            raise
+        finally:
+            if given_up:
+                self._give_up(given_up)
+        if failure is not None:
+            raise failure
+
+    def _give_up(self, given_up: list[tuple[_NewRun, asyncio.Future[None]]]) -> None:
+        """The directories of runs a sweep's submission gave up before they were in the table:
+        removed once written (in a thread: file-system work), their ids free again."""
+        for new, write in given_up:
+            write.add_done_callback(functools.partial(self._remove_unregistered, new.run_id))
+
+    def _remove_unregistered(self, run_id: str, write: asyncio.Future[None]) -> None:
+        self._creating.discard(run_id)
+        if write.cancelled() or write.exception() is not None:
+            return  # nothing of it was left on disk
+        try:
+            self.require_loop().run_in_executor(None, discard_run_entry, self.store.run_dir(run_id))
+        except RuntimeError:  # (the loop is closed: the server stops; its next start finds it queued)
+            log.warning("evalsched: run %s, given up by its sweep's submission, stays on disk", run_id)
 
     def _raise_if_cancelled(self, sweep_id: str, made: int, points: int) -> None:
         if sweep_id in self._cancelled_sweeps:

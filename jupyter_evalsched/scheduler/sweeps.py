@@ -25,6 +25,11 @@ MAX_SWEEP_JSON_CHARS = 64 * 1024 * 1024
 # Sweep submissions under way at once; one more is answered 429 (its client retries).
 MAX_SWEEP_SUBMISSIONS = 2
 SWEEP_ID_PREFIX = "sweep-"
+# A submission makes a sweep's runs a chunk at a time, each chunk's directories one batch of the
+# writer's thread: at most this many points, and this many characters of spec (a chunk's records
+# and files are made in one turn of the event loop, and kept until the batch is written).
+SWEEP_CHUNK_POINTS = 64
+SWEEP_CHUNK_CHARS = 1024 * 1024
 
 
 class SweepError(ValueError):
@@ -81,6 +86,21 @@ def expand(sweep: Any) -> list[dict[str, Any]]:
             points.append(dict(point))
         return points
     raise SweepError(["sweep"], 'a sweep is a grid {"<param>": [values]} or a list of points [{"<param>": value}]')
+
+
+def chunks(sizes: list[int], max_points: int, max_chars: int) -> list[range]:
+    """The points (given their specs' sizes) cut into consecutive chunks of at most
+    ``max_points`` points and ``max_chars`` characters; a point larger than that alone."""
+    out: list[range] = []
+    start, chars = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (i - start >= max_points or chars + size > max_chars):
+            out.append(range(start, i))
+            start, chars = i, 0
+        chars += size
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
 
 
 def point_label(point: dict[str, Any]) -> str:
