@@ -296,12 +296,8 @@ async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
     await async_wait_until(only_its_runs_on_disk, timeout=10, message="a given-up run's directory stayed")
 
 
-async def test_a_sweeps_directories_are_written_a_chunk_at_a_time_in_the_order_of_its_points(
-    api, evalsched, monkeypatch
-):
-    """A sweep's points are not made one after another, each waited for: each chunk of them
-    reaches the writer's thread as one batch (one wake-up of it, one directory fsync where fsync
-    is on), and their runs keep the order of the points, in the answer and in ``seq``."""
+def writer_batches(evalsched, monkeypatch) -> list[int]:
+    """The size of each batch of run directories the writer's thread writes, from now on."""
     store = evalsched.submissions.store
     create_many = store.create_many
     batches: list[int] = []
@@ -311,6 +307,16 @@ async def test_a_sweeps_directories_are_written_a_chunk_at_a_time_in_the_order_o
         return create_many(runs)
 
     monkeypatch.setattr(store, "create_many", counted)
+    return batches
+
+
+async def test_a_sweeps_directories_are_written_a_chunk_at_a_time_in_the_order_of_its_points(
+    api, evalsched, monkeypatch
+):
+    """A sweep's points are not made one after another, each waited for: each chunk of them
+    reaches the writer's thread as one batch (one wake-up of it, one directory fsync where fsync
+    is on), and their runs keep the order of the points, in the answer and in ``seq``."""
+    batches = writer_batches(evalsched, monkeypatch)
     points = 2 * sweeps.SWEEP_CHUNK_POINTS + 5
     hold = await submit(api, spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}))
     batches.clear()
@@ -378,15 +384,7 @@ async def test_a_sweep_whose_point_cannot_be_written_leaves_none_of_its_runs_to_
 async def test_a_sweep_of_large_points_is_written_in_smaller_chunks(api, evalsched, monkeypatch):
     """A chunk holds at most ``SWEEP_CHUNK_CHARS`` of specs: points of 600 kB each are written a
     point at a time (each chunk's records and files are made in one turn of the event loop)."""
-    store = evalsched.submissions.store
-    create_many = store.create_many
-    batches: list[int] = []
-
-    def counted(runs):  # (in the writer's thread)
-        batches.append(len(runs))
-        return create_many(runs)
-
-    monkeypatch.setattr(store, "create_many", counted)
+    batches = writer_batches(evalsched, monkeypatch)
     hold = await submit(api, spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}))
     batches.clear()
     body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 0.01, "blob": "x" * 600_000}),
