@@ -699,6 +699,38 @@ class RunStore:
         """Where a run's ``stdout``/``stderr`` goes (the launcher opens it with :func:`open_log`)."""
         return self.file(run_id, contract.STDOUT_FILE if stream == "stdout" else contract.STDERR_FILE)
 
+    def withdraw(self, run_ids: Sequence[str]) -> None:
+        """Run directories written but never acknowledged (a sweep's points given up before they
+        were runs): each renamed out of the runs at once (under a staging name, which a restart's
+        scan removes), the renames made durable where ``fsync`` is on, then removed. Never
+        raises: what could not be renamed is logged (it would be found as a queued run)."""
+        if self.refused is not None:
+            log.warning("evalsched: %d unacknowledged run directories left in %s (it moved)", len(run_ids), self.root)
+            return
+        root = self._root_fd
+        renamed = []
+        for run_id in run_ids:
+            name = f"{STAGING_PREFIX}withdrawn-{run_id}"
+            try:
+                if root is not None:
+                    os.rename(run_id, name, src_dir_fd=root, dst_dir_fd=root)
+                else:
+                    os.rename(self.run_dir(run_id), self.root / name)
+            except OSError as exc:
+                log.warning("evalsched: the directory of run %s, never acknowledged, stays: %s", run_id, exc)
+                continue
+            renamed.append(name)
+        if renamed and self.fsync:
+            try:
+                os.fsync(root) if root is not None else fsync_dir(self.root)
+            except OSError as exc:
+                log.warning("evalsched: the removal of %d run directories is not durable: %s", len(renamed), exc)
+        for name in renamed:
+            if root is not None:
+                shutil.rmtree(name, ignore_errors=True, dir_fd=root)
+            else:
+                discard_run_entry(self.root / name)
+
     def delete(self, run_id: str) -> None:
         self._writable()
         path = self.run_dir(run_id)

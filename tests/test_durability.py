@@ -49,6 +49,29 @@ def test_fsync_mode_makes_the_run_directory_and_its_rename_durable(tmp_path, mon
     assert synced == [run]  # _DONE's entry
 
 
+def test_withdrawn_directories_leave_the_listing_at_once_durably_then_go(tmp_path, monkeypatch):
+    """Directories written but never acknowledged (a sweep's points given up) are renamed out of
+    the runs, that rename made durable with ``fsync``, then removed; one that is not there is
+    logged, not raised; nothing is left, not even under a staging name."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    store = RunStore(tmp_path / "runs", fsync=True)
+    store.ensure()
+    kept, gone = "20260101T000000.000000-aaaaaa", "20260101T000000.000001-bbbbbb"
+    for rid in (kept, gone):
+        store.create(rid, {"spec.json": b"{}", "job.json": b"{}"})
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    store.withdraw([gone, "20260101T000000.000002-cccccc"])
+    assert synced == [str(tmp_path / "runs")]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [kept]
+    assert [f.run_id for f in store.scan()] == [kept]
+
+
 # ----------------------------------------------------------------------------- Idempotency-Key
 
 

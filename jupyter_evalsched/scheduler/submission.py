@@ -24,7 +24,7 @@ from typing import Any
 from .. import contract
 from ..runner.entrypoint import resolve_entrypoint_file
 from ..schemas import EvalSpec, check_json_finite, check_params_size, check_spec_size, json_chars
-from ..store import RunFileError, RunStore, StoreError, discard_run_entry, new_run_id
+from ..store import RunFileError, RunStore, StoreError, new_run_id
 from . import policy, sweeps
 from .admission import Admission
 from .config import SchedulerConfig
@@ -290,7 +290,12 @@ class Submissions:
         """``vram_source`` given: the spec was checked already (a sweep's runs share one check);
         ``spec_dict``: a sweep's point, ``spec`` being its base."""
         new = self._new_run(spec, idempotency_key, sweep, vram_source, spec_dict)
-        await self._written(new, self._write(new))
+        try:
+            write = self._write(new)
+        except BaseException:
+            self._creating.discard(new.run_id)
+            raise
+        await self._written(new, write)
         return await self._register(new)
 
     def _new_run(
@@ -465,13 +470,21 @@ class Submissions:
                 if not all(replays):  # (a retry that only answers runs made already is not refused)
                     self._raise_if_cancelled(sweep_id, len(records), len(points))
                 chunk: list[tuple[dict[str, Any], str | None, tuple[_NewRun, asyncio.Future[None]] | None]] = []
-                for i, replay in zip(chunk_range, replays, strict=True):
-                    one = base.spec_of(points[i])
-                    new = None
-                    if replay is None:  # (seq taken in the order of the points)
-                        pending = self._new_run(spec, keys[i], (sweep_id, points[i], spec.name), vram_source, one)
-                        new = (pending, self._write(pending))
-                    chunk.append((one, replay, new))
+                try:
+                    for i, replay in zip(chunk_range, replays, strict=True):
+                        one = base.spec_of(points[i])
+                        new = None
+                        if replay is None:  # (seq taken in the order of the points)
+                            pending = self._new_run(spec, keys[i], (sweep_id, points[i], spec.name), vram_source, one)
+                            try:
+                                new = (pending, self._write(pending))
+                            except BaseException:
+                                self._creating.discard(pending.run_id)
+                                raise
+                        chunk.append((one, replay, new))
+                except BaseException:  # (a bug of ours) what this chunk wrote is not left to run
+                    self._abandon([new for _, _, new in chunk if new is not None])
+                    raise
                 await self._settle_chunk(chunk, spec, sweep_id, len(points), records, made)
                 await asyncio.sleep(0)  # (a chunk of replays awaits nothing: others are served between chunks)
         except Exception:
@@ -493,13 +506,13 @@ class Submissions:
         records: list[dict[str, Any]],
         made: list[str],
     ) -> None:
-        """A chunk of a sweep's points, whose directories are being written, settled in the order
-        of the points: each run into the table (and to admission) once its directory is on disk,
-        its record appended to ``records`` and its id to ``made``; a replay's record appended as
-        it is. At the first point that fails (its directory refused, a replay that conflicts) or
-        once the sweep is cancelled, the rest of the chunk is given up: the directories written
-        for it are removed, nobody having seen them, so that a retry makes those points again,
-        after the failed one, in order. Raises that failure."""
+        """A chunk of a sweep's points, whose directories are being written (one batch), settled
+        in the order of the points: each run into the table (and to admission) once its
+        directory is on disk, its record appended to ``records`` and its id to ``made``; a
+        replay's record appended as it is. At the first point that fails (its directory refused,
+        a replay that conflicts) or once the sweep is cancelled, the rest of the chunk is given
+        up: its directories are removed before this returns, nobody having seen them, so that a
+        retry makes those points again, after the failed one, in order. Raises that failure."""
         failure: Exception | None = None
         given_up: list[tuple[_NewRun, asyncio.Future[None]]] = []
         try:
@@ -513,40 +526,63 @@ class Submissions:
                         records.append(self._replay(str(replay), spec, one))
                         continue
                     # (shielded: cancelled meanwhile, the server stopping, this leaves the write's
-                    # outcome to _give_up, which removes what was written, not to nobody)
+                    # outcome to _abandon, which removes what was written, not to nobody)
                     await self._written(new[0], asyncio.shield(new[1]))
                     self._raise_if_cancelled(sweep_id, len(records), points)
                 except Exception as exc:
                     failure = exc
-                    if new is not None and new[1].done() and not new[1].cancelled() and new[1].exception() is None:
+                    if new is not None and not new[1].cancelled() and new[1].exception() is None:
                         given_up.append(new)  # (written, then the sweep was cancelled)
                     continue
-                record = await self._register(new[0])
+                try:
+                    record = await self._register(new[0])
+                except BaseException:  # (a bug of ours) a run in the table is the sweep's to cancel
+                    if new[0].run_id in self.table:
+                        made.append(new[0].run_id)
+                    raise
                 records.append(record)
                 made.append(record["id"])
         except BaseException:  # (cancelled: the server stops; or a bug of ours) nothing left half-made
-            given_up = [new for _, _, new in chunk if new is not None and new[0].run_id not in self.table]
+            self._abandon([new for _, _, new in chunk if new is not None and new[0].run_id not in self.table])
             raise
-        finally:
-            if given_up:
-                self._give_up(given_up)
+        if given_up:
+            await self._give_up(given_up)
         if failure is not None:
             raise failure
 
-    def _give_up(self, given_up: list[tuple[_NewRun, asyncio.Future[None]]]) -> None:
-        """The directories of runs a sweep's submission gave up before they were in the table:
-        removed once written (in a thread: file-system work), their ids free again."""
+    async def _give_up(self, given_up: list[tuple[_NewRun, asyncio.Future[None]]]) -> None:
+        """The directories of a sweep's points given up before they were runs: each waited for,
+        then those written removed (``RunStore.withdraw``, in a thread: file-system work); their
+        ids are free again once they are gone."""
+        written = []
         for new, write in given_up:
-            write.add_done_callback(functools.partial(self._remove_unregistered, new.run_id))
+            try:
+                await asyncio.shield(write)
+            except Exception:  # refused: nothing of it on disk
+                self._creating.discard(new.run_id)
+                continue
+            written.append(new.run_id)
+        if written:
+            await self.require_loop().run_in_executor(None, self.store.withdraw, written)
+            self._creating.difference_update(written)
 
-    def _remove_unregistered(self, run_id: str, write: asyncio.Future[None]) -> None:
-        self._creating.discard(run_id)
+    def _abandon(self, news: list[tuple[_NewRun, asyncio.Future[None]]]) -> None:
+        """:meth:`_give_up` for a chunk whose sweep's coroutine cannot wait any more (cancelled,
+        or a bug of ours): each directory removed once written, in a thread."""
+        for new, write in news:
+            write.add_done_callback(functools.partial(self._withdraw_once_written, new.run_id))
+
+    def _withdraw_once_written(self, run_id: str, write: asyncio.Future[None]) -> None:
         if write.cancelled() or write.exception() is not None:
+            self._creating.discard(run_id)
             return  # nothing of it was left on disk
         try:
-            self.require_loop().run_in_executor(None, discard_run_entry, self.store.run_dir(run_id))
-        except RuntimeError:  # (the loop is closed: the server stops; its next start finds it queued)
-            log.warning("evalsched: run %s, given up by its sweep's submission, stays on disk", run_id)
+            removal = self.require_loop().run_in_executor(None, self.store.withdraw, [run_id])
+        except RuntimeError:  # (the loop is closed: the server stops) removed here, then
+            self.store.withdraw([run_id])
+            self._creating.discard(run_id)
+            return
+        removal.add_done_callback(lambda _: self._creating.discard(run_id))
 
     def _raise_if_cancelled(self, sweep_id: str, made: int, points: int) -> None:
         if sweep_id in self._cancelled_sweeps:
