@@ -56,6 +56,11 @@ class _NewRun:
         return str(self.record["id"])
 
 
+# A sweep's point in a chunk: its spec, the id of the run it replays (or None), and the run being
+# made for it with its directory's write (or None).
+_ChunkPoint = tuple[dict[str, Any], str | None, tuple[_NewRun, "asyncio.Future[None]"] | None]
+
+
 class Submissions:
     def __init__(
         self,
@@ -290,12 +295,7 @@ class Submissions:
         """``vram_source`` given: the spec was checked already (a sweep's runs share one check);
         ``spec_dict``: a sweep's point, ``spec`` being its base."""
         new = self._new_run(spec, idempotency_key, sweep, vram_source, spec_dict)
-        try:
-            write = self._write(new)
-        except BaseException:
-            self._creating.discard(new.run_id)
-            raise
-        await self._written(new, write)
+        await self._written(new, self._write(new))
         return await self._register(new)
 
     def _new_run(
@@ -345,7 +345,11 @@ class Submissions:
         # Creating files can wait for the disk (an fsync, a busy disk), and costs the kernel's time
         # in any case: done by the writer's thread, concurrent submissions in one batch, and the
         # event loop stays free.
-        return self.writer.create(new.run_id, new.files)
+        try:
+            return self.writer.create(new.run_id, new.files)
+        except BaseException:  # (the writer not running wrote on the spot, and failed on a bug)
+            self._creating.discard(new.run_id)
+            raise
 
     async def _written(self, new: _NewRun, write: asyncio.Future[None]) -> None:
         """Wait for ``write``, the directory of ``new``; its id is free again once it ends. A
@@ -469,18 +473,14 @@ class Submissions:
                 ]
                 if not all(replays):  # (a retry that only answers runs made already is not refused)
                     self._raise_if_cancelled(sweep_id, len(records), len(points))
-                chunk: list[tuple[dict[str, Any], str | None, tuple[_NewRun, asyncio.Future[None]] | None]] = []
+                chunk: list[_ChunkPoint] = []
                 try:
                     for i, replay in zip(chunk_range, replays, strict=True):
                         one = base.spec_of(points[i])
                         new = None
                         if replay is None:  # (seq taken in the order of the points)
                             pending = self._new_run(spec, keys[i], (sweep_id, points[i], spec.name), vram_source, one)
-                            try:
-                                new = (pending, self._write(pending))
-                            except BaseException:
-                                self._creating.discard(pending.run_id)
-                                raise
+                            new = (pending, self._write(pending))
                         chunk.append((one, replay, new))
                 except BaseException:  # (a bug of ours) what this chunk wrote is not left to run
                     self._abandon([new for _, _, new in chunk if new is not None])
@@ -499,7 +499,7 @@ class Submissions:
 
     async def _settle_chunk(
         self,
-        chunk: list[tuple[dict[str, Any], str | None, tuple[_NewRun, asyncio.Future[None]] | None]],
+        chunk: list[_ChunkPoint],
         spec: EvalSpec,
         sweep_id: str,
         points: int,
