@@ -237,6 +237,36 @@ def test_t_quantiles_match_the_tables():
         assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
 
 
+def held_at_the_second_chunk(evalsched, monkeypatch) -> tuple[list[str], threading.Event]:
+    """Chunks of 3 points; from now on, the ids of the run directories the writer's thread
+    assembles, in order, the 4th (the second chunk's first) waiting until the event is set."""
+    monkeypatch.setattr(sweeps, "SWEEP_CHUNK_POINTS", 3)
+    store = evalsched.submissions.store
+    assemble = store.assemble
+    release = threading.Event()
+    made: list[str] = []
+
+    def held(run_id, files):  # (in the writer's thread)
+        made.append(run_id)
+        if len(made) == 4:
+            release.wait(30)
+        return assemble(run_id, files)
+
+    monkeypatch.setattr(store, "assemble", held)
+    return made, release
+
+
+def sweep_poster(jp_fetch, body: dict, key: str):
+    """``await post()``: the sweep submitted under the Idempotency-Key ``key``; (code, answer)."""
+
+    async def post():
+        resp = await jp_fetch("evalsched", "sweeps", method="POST", body=json.dumps(body),
+                              headers={"Idempotency-Key": key}, raise_error=False)  # fmt: skip
+        return resp.code, json.loads(resp.body)
+
+    return post
+
+
 @pytest.mark.parametrize(("points", "assembled"), [(50, 6), (4, 4)], ids=["midway", "at-its-last-point"])
 async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
     api, jp_fetch, evalsched, monkeypatch, runs_dir, points, assembled
@@ -247,27 +277,9 @@ async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
     ran, after a cancel answered 200). Points are written a chunk at a time (3 here): the runs of
     the chunk under way that were not in the table yet when the cancel came are not made (their
     directories, written, are removed), and no later chunk is begun."""
-    monkeypatch.setattr(sweeps, "SWEEP_CHUNK_POINTS", 3)
-    store = evalsched.submissions.store
-    assemble = store.assemble
-    release = threading.Event()
-    made: list[str] = []
-
-    def held(run_id, files):  # (in the writer's thread) the 4th run's directory, the second chunk's first, waits
-        made.append(run_id)
-        if len(made) == 4:
-            release.wait(30)
-        return assemble(run_id, files)
-
-    monkeypatch.setattr(store, "assemble", held)
+    made, release = held_at_the_second_chunk(evalsched, monkeypatch)
     body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 60.0}), "sweep": {"k": list(range(points))}}
-    headers = {"Idempotency-Key": "cancelled-sweep"}
-
-    async def post():
-        resp = await jp_fetch("evalsched", "sweeps", method="POST", body=json.dumps(body), headers=headers,
-                              raise_error=False)  # fmt: skip
-        return resp.code, json.loads(resp.body)
-
+    post = sweep_poster(jp_fetch, body, "cancelled-sweep")
     submitting = asyncio.ensure_future(post())
     await async_wait_until(lambda: len(made) == 4, timeout=30, message="the sweep's 4th run is not being made")
     sweep_id = (await api("GET", "sweeps"))[1]["sweeps"][0]["id"]
@@ -294,6 +306,68 @@ async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
         )
 
     assert only_its_runs_on_disk()  # (removed, staging name and all, before the submission answered)
+
+
+async def test_a_sweep_under_way_when_its_scheduler_steps_down_is_cancelled_before_the_lock_is_released(
+    api, jp_fetch, jp_serverapp, evalsched, monkeypatch, runs_dir
+):
+    """A scheduler that stops while a sweep is submitted (a shutdown; here a step-down, after
+    which the runs directory's lock is the next primary's) begins no more of the sweep's chunks,
+    and the runs it made are cancelled, as for any failure, before the lock is released. (Its
+    writer closed, the later chunks were written on the event loop, by path, after the release,
+    where the next primary, which had read the runs directory, did not know them, and the
+    submission answered 201.) It answers 503; a retry under its Idempotency-Key, served by the
+    next primary, answers the cancelled runs and makes the rest, in the order of the points."""
+    app = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+    made, release = held_at_the_second_chunk(evalsched, monkeypatch)
+    stop_admission = evalsched.admission.stop
+
+    def stopped_then_released() -> None:  # the stop's first step; the chunk under way then goes on
+        stop_admission()
+        release.set()
+
+    monkeypatch.setattr(evalsched.admission, "stop", stopped_then_released)
+
+    def state(run_id: str) -> str:
+        return json.loads((runs_dir / run_id / "job.json").read_text())["state"]
+
+    release_lock = app.role.release
+    at_release: dict[str, str] = {}
+
+    def released() -> None:
+        at_release.update({run_id: state(run_id) for run_id in made})
+        release_lock()
+
+    monkeypatch.setattr(app.role, "release", released)
+    hold = await submit(api, spec(entry=SLEEPY, sleep_s=60.0, scheduling={"cpus": 16}))  # every CPU slot
+    made.clear()
+    body = {**spec(entry=SLEEPY, episodes=1, params={"sleep_s": 0.01}), "sweep": {"k": list(range(9))}}
+    post = sweep_poster(jp_fetch, body, "sweep-across-a-step-down")
+
+    submitting = asyncio.ensure_future(post())
+    await async_wait_until(lambda: len(made) == 4, timeout=30, message="the sweep's 4th run is not being made")
+    await app._step_down()
+    code, answer = await submitting
+    assert code == 503 and "the 6 runs of its 9 that this submission made are cancelled" in answer["message"], (
+        code,
+        answer,
+    )
+    assert len(made) == 6  # no third chunk begun
+    assert at_release == {run_id: "cancelled" for run_id in made}  # on disk before the lock was let go
+    assert sorted(p.name for p in runs_dir.iterdir() if not p.name.startswith(".evalsched")) == sorted(
+        [*made, hold["id"]]
+    )
+
+    await app._take_over_if_free()  # the next primary: a fresh scheduler, which reads the runs directory
+    assert app.scheduler is not evalsched and app.scheduler.started
+    code, answer = await post()
+    assert code == 201, answer
+    runs = answer["runs"]
+    assert [run["sweep_point"] for run in runs] == [{"k": k} for k in range(9)]
+    assert {run["id"] for run in runs[:6]} == set(made) and {run["state"] for run in runs[:6]} == {"cancelled"}
+    assert not {run["id"] for run in runs[6:]} & set(made) and "cancelled" not in {run["state"] for run in runs[6:]}
+    seqs = [run["seq"] for run in runs]
+    assert seqs == sorted(seqs)
 
 
 def writer_batches(evalsched, monkeypatch) -> list[int]:

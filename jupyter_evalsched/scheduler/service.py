@@ -47,6 +47,9 @@ from .submission import Submissions, dumps
 from .writer import RunWriter
 
 log = logging.getLogger("jupyter_evalsched")
+# How long a stop waits for the sweep submissions under way to end (each ends at its next chunk
+# of at most 64 directories, then cancels the runs it made: well under a second on a sane disk).
+SWEEPS_END_WAIT_S = 10.0
 
 # Serialised queue views kept (one per limit asked), and their bytes at most (the latest is kept
 # whatever its size).
@@ -209,6 +212,14 @@ class Scheduler:
         """Shutdown: running runs are killed and end ``aborted``; queued jobs stay queued, and so
         do runs admitted but not started yet. Admission stops first."""
         self.admission.stop()
+        # A sweep submission under way ends at its next chunk and cancels the runs it made: that
+        # is written now, through the writer, not after it closes or the runs directory's lock is
+        # released (a step-down), where the next primary, having read them queued, would not know.
+        if not await self.submissions.sweeps_ended(SWEEPS_END_WAIT_S):
+            log.warning(
+                "evalsched: a sweep submission did not end within %g s of the stop; stopping all the same",
+                SWEEPS_END_WAIT_S,
+            )
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -539,7 +550,16 @@ class Scheduler:
         if by is not None and run.cancelled_by is None:
             run.cancelled_by = by
         executor = self.executors.get(run.executor)
-        if self.admission.withdraw(run) or executor is None:
+        # A queued ledger run that admission does not hold was made while the scheduler stopped
+        # (it decides nothing then): not started, nor will it be; a sweep under way cancels it.
+        unadmitted = (
+            self.admission.stopping
+            and executor is not None
+            and executor.uses_ledger
+            and run.state == QUEUED
+            and not run.starting
+        )
+        if self.admission.withdraw(run) or executor is None or unadmitted:
             self.table.finish(run, CANCELLED, contract.cancelled_reason(run.cancelled_by, "while queued"))
         else:
             await executor.cancel(run)

@@ -28,7 +28,7 @@ from ..store import RunFileError, RunStore, StoreError, new_run_id
 from . import policy, sweeps
 from .admission import Admission
 from .config import SchedulerConfig
-from .errors import Busy, SpecRejected, StateConflict, UnknownRun, store_failure
+from .errors import Busy, SpecRejected, StateConflict, Unavailable, UnknownRun, store_failure
 from .executors import Executor
 from .ledger import Capacity
 from .runs import Run, RunScheduling, RunTable, new_record, source_digest
@@ -86,7 +86,8 @@ class Submissions:
         self.by_key: dict[str, str] = {}  # Idempotency-Key -> the run it created
         self._keys_in_flight: dict[str, asyncio.Future[None]] = {}
         self._sweep_keys_in_flight: dict[str, asyncio.Future[None]] = {}
-        self._sweeps_in_progress = 0
+        # Sweep submissions under way, each done when it returns: a stop waits for them.
+        self._sweeps_under_way: set[asyncio.Future[None]] = set()
         # Sweeps cancelled (the newest, in order): one still being submitted makes no more runs.
         self._cancelled_sweeps: dict[str, None] = {}
         self._creating: set[str] = set()
@@ -405,19 +406,21 @@ class Submissions:
         key = idempotency_key
         while key is not None and (pending := self._sweep_keys_in_flight.get(key)) is not None:
             await asyncio.shield(pending)
-        if self._sweeps_in_progress >= sweeps.MAX_SWEEP_SUBMISSIONS:
+        if len(self._sweeps_under_way) >= sweeps.MAX_SWEEP_SUBMISSIONS:
             raise Busy(
-                f"{self._sweeps_in_progress} sweep submissions are under way, at most "
+                f"{len(self._sweeps_under_way)} sweep submissions are under way, at most "
                 f"{sweeps.MAX_SWEEP_SUBMISSIONS} at once: retry in a moment"
             )
         reserved = None
         if key is not None:
             reserved = self._sweep_keys_in_flight[key] = self.require_loop().create_future()
-        self._sweeps_in_progress += 1
+        under_way = self.require_loop().create_future()
+        self._sweeps_under_way.add(under_way)
         try:
             return await self._submit_sweep(spec, sweep, key, cancel)
         finally:
-            self._sweeps_in_progress -= 1
+            self._sweeps_under_way.discard(under_way)
+            under_way.set_result(None)
             if key is not None and reserved is not None:
                 del self._sweep_keys_in_flight[key]
                 reserved.set_result(None)
@@ -473,6 +476,7 @@ class Submissions:
                 ]
                 if not all(replays):  # (a retry that only answers runs made already is not refused)
                     self._raise_if_cancelled(sweep_id, len(records), len(points))
+                    self._raise_if_stopping(sweep_id, len(made), len(points))
                 chunk: list[_ChunkPoint] = []
                 try:
                     for i, replay in zip(chunk_range, replays, strict=True):
@@ -489,7 +493,7 @@ class Submissions:
                 await asyncio.sleep(0)  # (a chunk of replays awaits nothing: others are served between chunks)
         except Exception:
             # No half-made sweep is left to run: the runs this call made are cancelled (their
-            # directories stay, and say so).
+            # directories stay, and say so). A stop waits for this (sweeps_ended).
             for run_id in made:
                 run = self.table.get(run_id)
                 if run is not None and not run.terminal:
@@ -590,6 +594,25 @@ class Submissions:
                 f"sweep {sweep_id} was cancelled while it was submitted: the {made} of its {points} runs "
                 "made by then are cancelled, and no more are made"
             )
+
+    def _raise_if_stopping(self, sweep_id: str, made: int, points: int) -> None:
+        """No chunk is begun once the scheduler stops (a shutdown, a step-down, its runs directory
+        moved), and the sweep's runs made are cancelled, as for any failure: the stop waits for
+        that (``sweeps_ended``), so that it is written before the writer closes and the runs
+        directory's lock is released, and no half-made sweep is left for the next start."""
+        if self.admission.stopping:
+            raise Unavailable(
+                f"the scheduler stopped while sweep {sweep_id} was submitted: the {made} runs of its {points} "
+                "that this submission made are cancelled, and no more are made"
+            )
+
+    async def sweeps_ended(self, timeout: float) -> bool:
+        """Wait, ``timeout`` seconds at most, for the sweep submissions under way to end (once
+        admission has stopped, each ends at its next chunk); False if some did not."""
+        if not self._sweeps_under_way:
+            return True
+        _, pending = await asyncio.wait(set(self._sweeps_under_way), timeout=timeout)
+        return not pending
 
     def sweep_cancelled(self, sweep_id: str) -> None:
         """The sweep is cancelled: a submission of it still under way makes no more of its runs
