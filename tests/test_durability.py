@@ -12,7 +12,8 @@ import signal
 import threading
 
 import pytest
-from rest import NOOP, SLEEPY, spec
+from proc_status import ignores_signal
+from rest import CRASH, NOOP, SLEEPY, spec, submit
 from waiting import async_wait_until
 
 from jupyter_evalsched.client import EvalSchedClient, LocalServer
@@ -193,6 +194,23 @@ async def test_a_shutdown_keeps_queued_and_admitted_but_unstarted_runs_queued(ap
     assert state(waiting_model["id"]) == "queued", "admitted, never started: back to the queue"
     assert [state(q["id"]) for q in queued] == ["queued", "queued"]
     assert not (runs_dir / waiting_model["id"] / "_DONE").exists()
+
+
+@pytest.mark.parametrize("evalsched_config", [{"auto_resume": True}])
+async def test_a_run_cancelled_in_its_grace_period_when_the_server_stops_ends_cancelled(
+    api, evalsched, runs_dir, wait_for
+):
+    """A cancelled run that ignores SIGTERM is waiting out its grace period when the server stops:
+    the stop's kill ends it as the cancel asked, not ``aborted``, nor queued again to run at the
+    next start (``auto_resume``)."""
+    rec = await submit(api, spec(entry=CRASH, params={"how": "ignore_sigterm"}))
+    pid = (await wait_for(rec["id"], states=("running",)))["pid"]
+    await async_wait_until(lambda: ignores_signal(pid), message="the run never ignored SIGTERM")
+    assert (await api("POST", f"runs/{rec['id']}/cancel"))[0] == 200
+    await evalsched.stop()
+    record = json.loads((runs_dir / rec["id"] / "job.json").read_text())
+    assert record["state"] == "cancelled" and record["reason"].startswith("cancelled"), record
+    assert (runs_dir / rec["id"] / "_DONE").exists()
 
 
 def test_the_file_cache_tells_two_versions_of_one_tick_apart(tmp_path):

@@ -311,13 +311,14 @@ async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs(
 async def test_a_sweep_under_way_when_its_scheduler_steps_down_is_cancelled_before_the_lock_is_released(
     api, jp_fetch, jp_serverapp, evalsched, monkeypatch, runs_dir
 ):
-    """A scheduler that stops while a sweep is submitted (a shutdown; here a step-down, after
-    which the runs directory's lock is the next primary's) begins no more of the sweep's chunks,
-    and the runs it made are cancelled, as for any failure, before the lock is released. (Its
-    writer closed, the later chunks were written on the event loop, by path, after the release,
-    where the next primary, which had read the runs directory, did not know them, and the
-    submission answered 201.) It answers 503; a retry under its Idempotency-Key, served by the
-    next primary, answers the cancelled runs and makes the rest, in the order of the points."""
+    """A scheduler that stops while a sweep is submitted (a shutdown; here a step-down, the same
+    stop, after which the runs directory's lock is let go and the server takes over again) begins
+    no more of the sweep's chunks, and the runs it made are cancelled, as for any failure, before
+    the lock is let go. (Its writer closed, the later chunks were written on the event loop, by
+    path, after the release, where the next primary, which had read the runs directory, did not
+    know them, and the submission answered 201.) It answers 503; a retry under its
+    Idempotency-Key, served by the next primary, answers the cancelled runs and makes the rest, in
+    the order of the points."""
     app = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
     made, release = held_at_the_second_chunk(evalsched, monkeypatch)
     stop_admission = evalsched.admission.stop

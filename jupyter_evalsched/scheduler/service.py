@@ -47,8 +47,9 @@ from .submission import Submissions, dumps
 from .writer import RunWriter
 
 log = logging.getLogger("jupyter_evalsched")
-# How long a stop waits for the sweep submissions under way to end (each ends at its next chunk
-# of at most 64 directories, then cancels the runs it made: well under a second on a sane disk).
+# How long a stop waits for the sweep submissions under way to end: each ends once its chunk under
+# way (64 directories at most) is written, then cancels the runs it made, their records one batch
+# of the writer's thread.
 SWEEPS_END_WAIT_S = 10.0
 
 # Serialised queue views kept (one per limit asked), and their bytes at most (the latest is kept
@@ -210,11 +211,12 @@ class Scheduler:
 
     async def stop(self) -> None:
         """Shutdown: running runs are killed and end ``aborted``; queued jobs stay queued, and so
-        do runs admitted but not started yet. Admission stops first."""
+        do runs admitted but not started yet. Admission stops first; then the sweep submissions
+        under way are waited for (``SWEEPS_END_WAIT_S`` at most): each cancels the runs it made."""
         self.admission.stop()
         # A sweep submission under way ends at its next chunk and cancels the runs it made: that
-        # is written now, through the writer, not after it closes or the runs directory's lock is
-        # released (a step-down), where the next primary, having read them queued, would not know.
+        # is written now, through the writer, not after it closes (on the loop, by path) or after
+        # the runs directory's lock is released, when the next primary may have read them queued.
         if not await self.submissions.sweeps_ended(SWEEPS_END_WAIT_S):
             log.warning(
                 "evalsched: a sweep submission did not end within %g s of the stop; stopping all the same",
@@ -374,7 +376,7 @@ class Scheduler:
     ) -> tuple[dict[str, Any], bool]:
         """One run per point of ``sweep`` (``Submissions.submit_sweep``)."""
         self._require_started()
-        return await self.submissions.submit_sweep(spec, sweep, idempotency_key, self.cancel)
+        return await self.submissions.submit_sweep(spec, sweep, idempotency_key, self._cancel_all)
 
     def sweep_runs(self, sweep_id: str) -> list[Run]:
         return self.submissions.sweep_runs(sweep_id)
@@ -388,9 +390,15 @@ class Scheduler:
     async def cancel_sweep(self, sweep_id: str, by: str | None = None) -> dict[str, Any]:
         """Cancel the sweep's unfinished runs; finished ones stay as they are. Answers once the
         records of the runs it ended are on disk (the writer's thread writes them meanwhile)."""
-        ended: list[str] = []
         runs = self.sweep_runs(sweep_id)
         self.submissions.sweep_cancelled(sweep_id)
+        await self._cancel_all(runs, by)
+        return self.sweep_view(sweep_id)
+
+    async def _cancel_all(self, runs: list[Run], by: str | None = None) -> None:
+        """Cancel the unfinished ones of ``runs``, then wait for the records of those that ended
+        here: all of them together, one batch of the writer's thread, not a round trip each."""
+        ended: list[str] = []
         for run in runs:
             if not run.terminal:
                 await self._cancel(run, by)
@@ -398,7 +406,6 @@ class Scheduler:
                     ended.append(run.id)
         for run_id in ended:
             await self.table.written(run_id)
-        return self.sweep_view(sweep_id)
 
     # ----------------------------------------------------------------- admission (admission.py)
 

@@ -393,7 +393,7 @@ class Submissions:
         spec: EvalSpec,
         sweep: Any,
         idempotency_key: str | None,
-        cancel: Callable[[str], Awaitable[object]],
+        cancel: Callable[[list[Run]], Awaitable[object]],
     ) -> tuple[dict[str, Any], bool]:
         """One run per point of ``sweep`` (docs/reference.md, "Sweeps"), every one an ordinary
         run with ``sweep_id``. All points are checked before the first run is written. With
@@ -430,7 +430,7 @@ class Submissions:
         spec: EvalSpec,
         sweep: Any,
         idempotency_key: str | None,
-        cancel: Callable[[str], Awaitable[object]],
+        cancel: Callable[[list[Run]], Awaitable[object]],
     ) -> tuple[dict[str, Any], bool]:
         try:
             points = sweeps.expand(sweep)
@@ -494,10 +494,7 @@ class Submissions:
         except Exception:
             # No half-made sweep is left to run: the runs this call made are cancelled (their
             # directories stay, and say so). A stop waits for this (sweeps_ended).
-            for run_id in made:
-                run = self.table.get(run_id)
-                if run is not None and not run.terminal:
-                    await cancel(run_id)
+            await cancel([run for run in map(self.table.get, made) if run is not None])
             raise
         return {"id": sweep_id, "runs": records}, bool(made)
 

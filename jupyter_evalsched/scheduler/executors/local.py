@@ -674,8 +674,9 @@ class LocalExecutor(Executor):
             pass
 
     async def stop(self) -> None:
-        """Shutdown: running runs are killed and end ``aborted`` (rule 4). Runs admitted but not
-        started (waiting for their model host) lose nothing: they go back to the queue."""
+        """Shutdown: running runs are killed and end ``aborted`` (rule 4), or ``cancelled`` where a
+        cancel was waiting out its grace period. Runs admitted but not started (waiting for their
+        model host) lose nothing: they go back to the queue."""
         table = self.ctx.table
         self._stopping = True
         # Warm starts handed to a spare and not started: their cgroups go once the zygotes have.
@@ -697,6 +698,9 @@ class LocalExecutor(Executor):
                 continue
             if run.starting:  # asked of a zygote, never started: it loses nothing
                 table.update(run, reason=None, devices=[])
+                continue
+            if run.cancel_requested:  # cancelled, its grace period under way: ended as asked, never resumed
+                table.finish(run, CANCELLED, contract.cancelled_reason(run.cancelled_by))
                 continue
             if self.ctx.config.auto_resume:
                 if table.requeue(run, restart_plan(run.record, why), quiet=True):
