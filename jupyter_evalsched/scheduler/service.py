@@ -210,9 +210,10 @@ class Scheduler:
         self.admission.stop()
 
     async def stop(self) -> None:
-        """Shutdown: running runs are killed and end ``aborted``; queued jobs stay queued, and so
-        do runs admitted but not started yet. Admission stops first; then the sweep submissions
-        under way are waited for (``SWEEPS_END_WAIT_S`` at most): each cancels the runs it made."""
+        """Shutdown: running runs are killed and end ``aborted`` (``cancelled`` where a cancel was
+        waiting out its grace period); queued jobs stay queued, and so do runs admitted but not
+        started yet. Admission stops first; then the sweep submissions under way are waited for
+        (``SWEEPS_END_WAIT_S`` at most): each cancels the runs it made."""
         self.admission.stop()
         # A sweep submission under way ends at its next chunk and cancels the runs it made: that
         # is written now, through the writer, not after it closes (on the loop, by path) or after
