@@ -126,6 +126,71 @@ def runner_bytecode_check(package_dir: Path | None = None) -> dict[str, Any]:
     return check("runner", OK, f"byte-compiled ({root})")
 
 
+def mount_of(path: str, mountinfo: str) -> tuple[str, str, str] | None:
+    """(mount point, file system type, the device's major:minor) of the mount that holds
+    ``path`` (resolved), from ``/proc/self/mountinfo``'s text: the longest mount point that is a
+    prefix of it (the last such, where mounts are stacked)."""
+    target = os.path.realpath(path)
+    found: tuple[str, str, str] | None = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        try:
+            sep = fields.index("-")
+            point = fields[4].replace("\\040", " ")
+            fstype, devno = fields[sep + 1], fields[2]
+        except (ValueError, IndexError):
+            continue
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and (found is None or len(point) >= len(found[0])):
+            found = (point, fstype, devno)
+    return found
+
+
+def runs_disk_check(
+    runs_dir: str,
+    mountinfo_path: str = "/proc/self/mountinfo",
+    sys_block: str = "/sys/dev/block",
+    jbd2_dir: str = "/proc/fs/jbd2",
+) -> dict[str, Any]:
+    """The file system of the runs directory. Every run makes eleven files there and replaces
+    three (``job.json`` twice, ``summary.json``); ext4 without a journal, at every new file,
+    passes over each inode freed in the last minute (six while its inode table block is not
+    written back) whose block is still cached: under a steady flow of runs a new file costs
+    several times what it costs on a settled disk, and runs and submissions slow with it."""
+    try:
+        with open(mountinfo_path) as f:
+            mount = mount_of(runs_dir, f.read())
+    except OSError as exc:
+        return check("runs disk", OK, f"{runs_dir}: its file system is not known ({exc.strerror or exc})")
+    if mount is None:
+        return check("runs disk", OK, f"{runs_dir}: its file system is not known")
+    point, fstype, devno = mount
+    detail = f"{runs_dir} is on {fstype} ({point})"
+    if fstype != "ext4":
+        return check("runs disk", OK, detail)
+    try:
+        device = os.path.basename(os.readlink(os.path.join(sys_block, devno)))
+    except OSError:
+        return check("runs disk", OK, f"{detail}; whether it has a journal is not known")
+    try:
+        journals = os.listdir(jbd2_dir)
+    except FileNotFoundError:
+        journals = []  # (no ext4 or ext3 mount of this host has a journal: jbd2 is not even loaded)
+    except OSError:
+        return check("runs disk", OK, f"{detail}; whether it has a journal is not known")
+    if any(name.rpartition("-")[0] == device for name in journals):
+        return check("runs disk", OK, f"{detail}, with a journal")
+    return check(
+        "runs disk",
+        DEGRADED,
+        f"{detail} without a journal ({device}): at every new file, ext4 checks each inode freed in the"
+        " last minute (six, while its inode table block is unwritten), and every run replaces three"
+        " files: runs and submissions slow as they come faster",
+        "put the runs directory on a file system with a journal (EvalSchedApp.runs_dir), or give this one"
+        f" a journal (tune2fs -O has_journal /dev/{device}, unmounted)",
+    )
+
+
 def warm_start_check(warm: dict[str, Any]) -> dict[str, Any]:
     """Whether runs are forked from a warm zygote, and why not when they are not."""
     if not warm.get("enabled"):
@@ -282,6 +347,7 @@ def server_checks(app: EvalSchedApp, models: list[dict[str, Any]]) -> list[dict[
         )
     else:
         out.append(check("scheduler", OK, f"{where}; {view.runs} runs, {view.counts['queued']} queued"))
+    out.append(runs_disk_check(str(runs_dir)))
     if "slurm" in view.executors:
         missing = [cmd for cmd in ("sbatch", "squeue", "scancel") if shutil.which(cmd) is None]
         if missing:

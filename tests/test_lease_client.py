@@ -132,7 +132,7 @@ def test_cli_doctor_says_what_is_in_force(live_server):
     assert checks["gpus"]["status"] == "ok" and "2 virtual GPU(s) of 24000, 24000 MB" in checks["gpus"]["detail"]
     assert checks["cgroups"]["status"] == "ok", checks["cgroups"]
     assert checks["scheduler"]["status"] == "ok" and live_server.runs_dir in checks["scheduler"]["detail"]
-    assert {"ledger", "enforcement", "slurm", "runner"} <= set(checks)
+    assert {"ledger", "enforcement", "slurm", "runner", "runs disk"} <= set(checks)
     text = cli(live_server, "doctor")
     assert text.stdout.splitlines()[0].startswith("OK        server")
 
