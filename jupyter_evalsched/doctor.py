@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -126,23 +127,30 @@ def runner_bytecode_check(package_dir: Path | None = None) -> dict[str, Any]:
     return check("runner", OK, f"byte-compiled ({root})")
 
 
-def mount_of(path: str, mountinfo: str) -> tuple[str, str, str] | None:
-    """(mount point, file system type, the device's major:minor) of the mount that holds
-    ``path`` (resolved), from ``/proc/self/mountinfo``'s text: the longest mount point that is a
-    prefix of it (the last such, where mounts are stacked)."""
+_OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def mount_of(path: str, mountinfo: bytes) -> tuple[str, str, str, str] | None:
+    """(mount point, file system type, the device's major:minor, the mount's source) of the mount
+    that holds ``path`` (resolved), from ``/proc/self/mountinfo``'s bytes: the longest mount point
+    that is a prefix of it (the last listed of equals: an overmount comes after what it covers).
+    The kernel escapes a space, tab, newline and backslash in a name as ``\\ooo``; names are
+    bytes, decoded as the file system's names are (``os.fsdecode``)."""
     target = os.path.realpath(path)
-    found: tuple[str, str, str] | None = None
+    found: tuple[str, str, str, str] | None = None
     for line in mountinfo.splitlines():
         fields = line.split()
         try:
-            sep = fields.index("-")
-            point = fields[4].replace("\\040", " ")
-            fstype, devno = fields[sep + 1], fields[2]
+            sep = fields.index(b"-")
+            point, fstype, devno, source = (
+                os.fsdecode(_OCTAL_ESCAPE.sub(lambda m: bytes([int(m[1], 8)]), field))
+                for field in (fields[4], fields[sep + 1], fields[2], fields[sep + 2])
+            )
         except (ValueError, IndexError):
             continue
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         if inside and (found is None or len(point) >= len(found[0])):
-            found = (point, fstype, devno)
+            found = (point, fstype, devno, source)
     return found
 
 
@@ -150,45 +158,68 @@ def runs_disk_check(
     runs_dir: str,
     mountinfo_path: str = "/proc/self/mountinfo",
     sys_block: str = "/sys/dev/block",
+    sys_ext4: str = "/sys/fs/ext4",
     jbd2_dir: str = "/proc/fs/jbd2",
 ) -> dict[str, Any]:
     """The file system of the runs directory. Every run makes eleven files there and replaces
-    three (``job.json`` twice, ``summary.json``); ext4 without a journal, at every new file,
-    passes over each inode freed in the last minute (six while its inode table block is not
-    written back) whose block is still cached: under a steady flow of runs a new file costs
-    several times what it costs on a settled disk, and runs and submissions slow with it."""
+    three (``job.json`` twice, ``summary.json``). A file system of ext4's driver without a journal
+    (ext4, or ext2 served by it), at every new file, skips each free inode it meets that was freed
+    in the last minute (six minutes while its inode table block is not written back) and whose block is
+    still cached: under a steady flow of runs a new file costs several times what it costs on a
+    settled disk, and runs and submissions slow with it. Whether the file system has a journal:
+    ``/sys/fs/ext4/<device>/journal_task`` (``<none>`` without one), else (kernels before it) the
+    journal's ``/proc/fs/jbd2/<device>-<inode>``. Where any of it cannot be read, ``ok``: not
+    known. (An overlay over such a disk is not followed.)"""
     try:
-        with open(mountinfo_path) as f:
+        with open(mountinfo_path, "rb") as f:
             mount = mount_of(runs_dir, f.read())
-    except OSError as exc:
-        return check("runs disk", OK, f"{runs_dir}: its file system is not known ({exc.strerror or exc})")
+    except (OSError, ValueError) as exc:
+        return check("runs disk", OK, f"{runs_dir}: its file system is not known ({exc})")
     if mount is None:
         return check("runs disk", OK, f"{runs_dir}: its file system is not known")
-    point, fstype, devno = mount
+    point, fstype, devno, source = mount
     detail = f"{runs_dir} is on {fstype} ({point})"
-    if fstype != "ext4":
-        return check("runs disk", OK, detail)
     try:
         device = os.path.basename(os.readlink(os.path.join(sys_block, devno)))
     except OSError:
+        return check("runs disk", OK, detail)  # (not a block device's: tmpfs, NFS, overlay...)
+    if not os.path.isdir(os.path.join(sys_ext4, device)):
+        return check("runs disk", OK, detail)  # (not ext4's driver)
+    journal = _has_journal(os.path.join(sys_ext4, device, "journal_task"), jbd2_dir, device)
+    if journal is None:
         return check("runs disk", OK, f"{detail}; whether it has a journal is not known")
-    try:
-        journals = os.listdir(jbd2_dir)
-    except FileNotFoundError:
-        journals = []  # (no ext4 or ext3 mount of this host has a journal: jbd2 is not even loaded)
-    except OSError:
-        return check("runs disk", OK, f"{detail}; whether it has a journal is not known")
-    if any(name.rpartition("-")[0] == device for name in journals):
+    if journal:
         return check("runs disk", OK, f"{detail}, with a journal")
     return check(
         "runs disk",
         DEGRADED,
-        f"{detail} without a journal ({device}): at every new file, ext4 checks each inode freed in the"
-        " last minute (six, while its inode table block is unwritten), and every run replaces three"
-        " files: runs and submissions slow as they come faster",
+        f"{detail} without a journal ({source}): at every new file, the kernel skips the free inodes"
+        " it meets that were freed in the last minute (in the last six minutes while their inode table"
+        " block is not written back), and every run replaces three files: runs and submissions slow"
+        " as they come faster",
         "put the runs directory on a file system with a journal (EvalSchedApp.runs_dir), or give this one"
-        f" a journal (tune2fs -O has_journal /dev/{device}, unmounted)",
+        f" a journal (tune2fs -O has_journal {source}; it takes effect at the next mount)",
     )
+
+
+def _has_journal(journal_task: str, jbd2_dir: str, device: str) -> bool | None:
+    """Whether the ext4 file system on ``device`` has a journal; None: not known."""
+    try:
+        with open(journal_task) as f:
+            return f.read().strip() != "<none>"
+    except FileNotFoundError:
+        pass  # (a kernel before the file: the journal's entry in /proc/fs/jbd2, below)
+    except (OSError, ValueError):
+        return None
+    try:
+        entries = os.listdir(jbd2_dir)
+    except OSError:
+        return None  # (no /proc/fs here, or no journal at all: jbd2 not loaded; not told apart)
+    if any(name.rpartition("-")[0] == device and name.rpartition("-")[2].isdigit() for name in entries):
+        return True
+    if any(not name.rpartition("-")[2].isdigit() or "-" not in name for name in entries):
+        return None  # (an external journal's entry is its own device's name: whose, not known)
+    return False
 
 
 def warm_start_check(warm: dict[str, Any]) -> dict[str, Any]:
@@ -308,8 +339,12 @@ def host_checks(probe: GpuProbe, cgroups: Cgroups | None) -> list[dict[str, Any]
     return [gpu_check(probe), cgroup_check(cgroups), runner_bytecode_check()]
 
 
-def server_checks(app: EvalSchedApp, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The host checks as the scheduler sees them, and what the scheduler has in force."""
+def server_checks(
+    app: EvalSchedApp, models: list[dict[str, Any]], runs_disk: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The host checks as the scheduler sees them, and what the scheduler has in force.
+    ``runs_disk``: ``runs_disk_check`` of the runs directory, made off the event loop (a path on
+    a network file system can block); made here when not given."""
     scheduler = app.scheduler
     view = scheduler.status_view()
     out = host_checks(view.probe, view.local_cgroups)
@@ -347,7 +382,7 @@ def server_checks(app: EvalSchedApp, models: list[dict[str, Any]]) -> list[dict[
         )
     else:
         out.append(check("scheduler", OK, f"{where}; {view.runs} runs, {view.counts['queued']} queued"))
-    out.append(runs_disk_check(str(runs_dir)))
+    out.append(runs_disk if runs_disk is not None else runs_disk_check(str(runs_dir)))
     if "slurm" in view.executors:
         missing = [cmd for cmd in ("sbatch", "squeue", "scancel") if shutil.which(cmd) is None]
         if missing:

@@ -685,9 +685,11 @@ class DoctorHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        from .doctor import server_checks
+        from .doctor import runs_disk_check, server_checks
 
-        self.send_json({"checks": server_checks(self.app, await self.app.describe_models())})
+        runs_dir = str(self.app.scheduler.status_view().runs_dir)
+        disk = await asyncio.get_running_loop().run_in_executor(None, runs_disk_check, runs_dir)
+        self.send_json({"checks": server_checks(self.app, await self.app.describe_models(), disk)})
 
 
 class StatusHandler(EvalSchedHandler):
