@@ -687,8 +687,7 @@ class DoctorHandler(EvalSchedHandler):
     async def get(self) -> None:
         from .doctor import runs_disk_check, server_checks
 
-        runs_dir = str(self.app.scheduler.status_view().runs_dir)
-        disk = await asyncio.get_running_loop().run_in_executor(None, runs_disk_check, runs_dir)
+        disk = await asyncio.get_running_loop().run_in_executor(None, runs_disk_check, str(self.app.runs_path))
         self.send_json({"checks": server_checks(self.app, await self.app.describe_models(), disk)})
 
 
