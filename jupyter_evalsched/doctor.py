@@ -215,11 +215,12 @@ def _has_journal(journal_task: str, jbd2_dir: str, device: str) -> bool | None:
         entries = os.listdir(jbd2_dir)
     except OSError:
         return None  # (no /proc/fs here, or no journal at all: jbd2 not loaded; not told apart)
-    if any(name.rpartition("-")[0] == device and name.rpartition("-")[2].isdigit() for name in entries):
+    # An internal journal's entry is "<device>-<its inode>"; an external one's is its own device's
+    # name (whose journal it is, not known).
+    owners = [owner if inode.isdigit() else None for owner, _, inode in (n.rpartition("-") for n in entries)]
+    if device in owners:
         return True
-    if any(not name.rpartition("-")[2].isdigit() or "-" not in name for name in entries):
-        return None  # (an external journal's entry is its own device's name: whose, not known)
-    return False
+    return None if None in owners else False
 
 
 def warm_start_check(warm: dict[str, Any]) -> dict[str, Any]:
