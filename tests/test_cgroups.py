@@ -427,6 +427,35 @@ def test_kill_reaches_escaped_grandchild(cgroups: Cgroups, procs: list[subproces
     assert _gone(run)
 
 
+def test_remove_takes_the_empty_cgroups_a_run_made_below_its_own(cgroups: Cgroups) -> None:
+    run = cgroups.create("r-below-empty")
+    for path in run.paths.values():
+        (path / "inner" / "deeper").mkdir(parents=True)
+    assert run.remove() is True
+    assert _gone(run)
+
+
+def test_remove_kills_a_process_left_only_in_a_cgroup_below_a_v1_one(
+    cgroups: Cgroups, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """A process the v2 directory no longer holds (moved to its parent: the server's uid may),
+    and that sits in a cgroup below the run's v1 memory one: v2's ``populated`` and the memory
+    directory's own ``cgroup.procs`` both look empty, so only that rmdir's refusal tells; the
+    process is still killed and every directory removed."""
+    assert HYBRID_HERE, "this project's machines are hybrid hosts where the tests run as root"
+    run = cgroups.create("r-below-busy")
+    inner = run.paths["memory"] / "inner"
+    inner.mkdir()
+    p = _spawn(procs, ["sleep", "300"])
+    run.add(p.pid)
+    (inner / "cgroup.procs").write_text(str(p.pid))
+    (run.paths["unified"].parent / "cgroup.procs").write_text(str(p.pid))
+    assert not run.populated() and cgmod.procs_of(run.paths["memory"]) == set()
+    assert run.remove() is True
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert _gone(run)
+
+
 OOM = r"""
 import sys
 sys.stdin.readline()

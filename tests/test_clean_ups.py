@@ -17,6 +17,7 @@ import pytest
 from proc_status import StaleGroup, alive, main_thread_exited
 from waiting import wait_until
 
+from jupyter_evalsched.scheduler import cgroups as cgroups_module
 from jupyter_evalsched.scheduler import escapees, launcher
 from jupyter_evalsched.scheduler.launcher import CleanUps, RunProcess, kill_escaped_all
 
@@ -486,23 +487,37 @@ def test_a_run_left_as_a_zombie_is_not_waited_for():
         zombie.wait()
 
 
+def _removals_give_up(monkeypatch, give_up: bool) -> None:
+    """Every cgroup removal gives up from now on (a process in the cgroup slow to die: the kernel
+    keeps answering EBUSY past the wait), or none does any more. Such a process also keeps a
+    removal from taking the plain path of a run's usual end, so that path is turned off with it."""
+    if give_up:
+        monkeypatch.setattr(cgroups_module, "rmdir_tree", lambda path, wait_until: False)
+        monkeypatch.setattr(cgroups_module.RunCgroup, "_remove_if_plainly_empty", lambda self: False)
+    else:
+        monkeypatch.setattr(cgroups_module, "rmdir_tree", _RMDIR_TREE)
+        monkeypatch.setattr(cgroups_module.RunCgroup, "_remove_if_plainly_empty", _PLAIN_REMOVAL)
+
+
+_RMDIR_TREE = cgroups_module.rmdir_tree
+_PLAIN_REMOVAL = cgroups_module.RunCgroup._remove_if_plainly_empty
+
+
 def test_a_cgroup_that_would_not_go_is_removed_at_a_later_clean_up(monkeypatch):
     """A run's cgroup whose removal gives up (a process in it slow to die: the kernel keeps
     answering EBUSY past the wait) is tried again at the next batch of clean-ups; it was left
     until the server stopped."""
-    from jupyter_evalsched.scheduler import cgroups as cgroups_module
     from jupyter_evalsched.scheduler.cgroups import Cgroups
 
     namespace = Cgroups.detect("auto", namespace=f"evalsched-test-linger-{uuid.uuid4().hex[:8]}")
     assert namespace.enabled, namespace.support.detail
     cgroup = namespace.create("20261206T000000.000000-abcdef")
-    rmdir_tree = cgroups_module.rmdir_tree
-    monkeypatch.setattr(cgroups_module, "rmdir_tree", lambda path, wait_until: False)  # (EBUSY, past the wait)
+    _removals_give_up(monkeypatch, True)
     clean_ups = CleanUps()
     try:
         clean_ups.run(clean_ups.add(RunProcess("20261206T000000.000000-abcdef", None, cgroup=cgroup)))
         assert clean_ups.lingering == [cgroup] and all(p.is_dir() for p in cgroup.paths.values())
-        monkeypatch.setattr(cgroups_module, "rmdir_tree", rmdir_tree)  # (its process gone at last)
+        _removals_give_up(monkeypatch, False)  # (its process gone at last)
         clean_ups.run(clean_ups.add(RunProcess("another-run", None)))  # the next run's clean-up
         assert clean_ups.lingering == [] and not any(p.exists() for p in cgroup.paths.values())
     finally:
@@ -515,7 +530,6 @@ def test_a_discarded_cgroup_that_would_not_go_is_removed_later(monkeypatch):
     started) whose removal gives up is tried again at the next removal and at close: it was
     left behind, one cgroup more than the pool keeps (seen once on a busy host: a spare killed
     as it was dropped, still exiting past the wait)."""
-    from jupyter_evalsched.scheduler import cgroups as cgroups_module
     from jupyter_evalsched.scheduler.cgroup_pool import CgroupPool
     from jupyter_evalsched.scheduler.cgroups import Cgroups
 
@@ -523,21 +537,20 @@ def test_a_discarded_cgroup_that_would_not_go_is_removed_later(monkeypatch):
     assert namespace.enabled, namespace.support.detail
     pool = CgroupPool(namespace, size=0)
     stuck, later, last = namespace.make(), namespace.make(), namespace.make()
-    rmdir_tree = cgroups_module.rmdir_tree
     try:
-        monkeypatch.setattr(cgroups_module, "rmdir_tree", lambda path, wait_until: False)  # (EBUSY, past the wait)
+        _removals_give_up(monkeypatch, True)
         assert pool.discard(stuck).result(timeout=30) is False
         assert pool.lingering == [stuck] and all(p.is_dir() for p in stuck.paths.values())
-        monkeypatch.setattr(cgroups_module, "rmdir_tree", rmdir_tree)  # (its process gone at last)
+        _removals_give_up(monkeypatch, False)  # (its process gone at last)
         assert pool.discard(later).result(timeout=30) is True
         assert pool.lingering == [] and not any(p.exists() for p in [*stuck.paths.values(), *later.paths.values()])
-        monkeypatch.setattr(cgroups_module, "rmdir_tree", lambda path, wait_until: False)
+        _removals_give_up(monkeypatch, True)
         assert pool.discard(last).result(timeout=30) is False
-        monkeypatch.setattr(cgroups_module, "rmdir_tree", rmdir_tree)
+        _removals_give_up(monkeypatch, False)
         pool.close()  # the server stops: what lingers goes now
         assert pool.lingering == [] and not any(p.exists() for p in last.paths.values())
     finally:
-        monkeypatch.setattr(cgroups_module, "rmdir_tree", rmdir_tree)
+        _removals_give_up(monkeypatch, False)
         pool.close()
         for cgroup in (stuck, later, last):
             cgroup.remove()

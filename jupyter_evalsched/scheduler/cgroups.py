@@ -352,6 +352,8 @@ class RunCgroup:
         """Kill what is left, give back the memory still charged to it, then rmdir every
         directory. Idempotent; never raises. True when every directory is gone (False: a process
         still in it, slow to die: a GPU driver's teardown, an uninterruptible wait)."""
+        if self._remove_if_plainly_empty():
+            return True
         try:
             if any(p.is_dir() for p in self.paths.values()) and not self._empty():
                 self.kill()
@@ -360,6 +362,30 @@ class RunCgroup:
         self.reclaim()
         wait_until = time.monotonic() + 0.5
         return all([rmdir_tree(path, wait_until) for path in self.paths.values()])
+
+    def _remove_if_plainly_empty(self) -> bool:
+        """A run's usual end, in a few system calls: no process left in its cgroup (v2's
+        ``populated`` covers the v2 directory's subtree; another hierarchy's own
+        ``cgroup.procs``), its memory given back, each directory removed. False where anything
+        is otherwise (a process, a cgroup below one of them, a directory gone already): then
+        ``remove`` looks at every directory's subtree, kills and waits. A process in a cgroup
+        below a v1 directory makes that directory's rmdir fail, so the v2 directory, through
+        which ``kill`` reaches the whole subtree, goes last."""
+        v2 = self._v2_dir()
+        try:
+            if v2 is not None and keyed_value(read_file(v2 / "cgroup.events"), "populated") != 0:
+                return False
+            if any(procs_of(path) for path in self.paths.values() if path != v2):
+                return False
+        except OSError:
+            return False
+        self.reclaim()
+        for path in sorted(self.paths.values(), key=lambda path: path == v2):
+            try:
+                os.rmdir(path)
+            except OSError:
+                return False
+        return True
 
     def remove_if_empty(self) -> bool:
         """``remove`` without a kill and without a wait (a cgroup whose process was killed and
