@@ -427,21 +427,40 @@ def test_kill_reaches_escaped_grandchild(cgroups: Cgroups, procs: list[subproces
     assert _gone(run)
 
 
-def test_remove_takes_the_empty_cgroups_a_run_made_below_its_own(cgroups: Cgroups) -> None:
-    run = cgroups.create("r-below-empty")
+def test_a_runs_usual_removal_lists_no_directory_and_kills_nothing(
+    cgroups: Cgroups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = cgroups.create("r-plain")
+    listed: list[str] = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(os.fspath(path)) or scandir(path))
+    monkeypatch.setattr(run, "kill", lambda *a, **k: pytest.fail("nothing to kill in a plain removal"))
+    assert run.remove() is True
+    assert _gone(run)
+    assert [p for p in listed if run.name in p] == []
+
+
+@pytest.mark.parametrize("below", ["every", "v2", "v1"])
+def test_remove_takes_the_empty_cgroups_a_run_made_below_its_own(cgroups: Cgroups, below: str) -> None:
+    """Empty cgroups below the run's own: in every hierarchy, only below the v2 directory (the
+    v1 one goes, then v2's rmdir is refused), or only below a v1 one."""
+    run = cgroups.create(f"r-below-{below}")
+    v2 = run.paths.get("v2") or run.paths.get("unified")
     for path in run.paths.values():
-        (path / "inner" / "deeper").mkdir(parents=True)
+        if below == "every" or (below == "v2") == (path == v2):
+            (path / "inner" / "deeper").mkdir(parents=True)
     assert run.remove() is True
     assert _gone(run)
 
 
 def test_remove_kills_a_process_left_only_in_a_cgroup_below_a_v1_one(
-    cgroups: Cgroups, procs: list[subprocess.Popen[bytes]]
+    cgroups: Cgroups, procs: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A process the v2 directory no longer holds (moved to its parent: the server's uid may),
+    """A process the v2 directory no longer holds (moved to its parent: the server's uid may)
     and that sits in a cgroup below the run's v1 memory one: v2's ``populated`` and the memory
-    directory's own ``cgroup.procs`` both look empty, so only that rmdir's refusal tells; the
-    process is still killed and every directory removed."""
+    directory's own ``cgroup.procs`` both look empty. It is killed before the cgroup's memory is
+    reclaimed (where there is swap, a reclaim would push a live process's memory out), and every
+    directory goes."""
     assert HYBRID_HERE, "this project's machines are hybrid hosts where the tests run as root"
     run = cgroups.create("r-below-busy")
     inner = run.paths["memory"] / "inner"
@@ -451,7 +470,36 @@ def test_remove_kills_a_process_left_only_in_a_cgroup_below_a_v1_one(
     (inner / "cgroup.procs").write_text(str(p.pid))
     (run.paths["unified"].parent / "cgroup.procs").write_text(str(p.pid))
     assert not run.populated() and cgmod.procs_of(run.paths["memory"]) == set()
+    at_reclaim: list[set[int]] = []
+    reclaim = run.reclaim
+    monkeypatch.setattr(
+        run, "reclaim", lambda: at_reclaim.append(cgmod.subtree_procs(run.paths["memory"])) or reclaim()
+    )
     assert run.remove() is True
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert at_reclaim and all(pids == set() for pids in at_reclaim)
+    assert _gone(run)
+
+
+def test_a_v1_rmdir_refused_after_the_look_leaves_v2_to_kill_through(
+    cgroups: Cgroups, procs: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process in the memory directory that the plain path's look missed (simulated: as if it
+    came between that look and the rmdir), and that left v2's directory: the memory rmdir is
+    refused, and as v2's directory goes last, it is still there for ``kill`` to reach the
+    process through it (``cgroup.kill``, then the stragglers of the other hierarchies)."""
+    assert HYBRID_HERE, "this project's machines are hybrid hosts where the tests run as root"
+    run = cgroups.create("r-late")
+    p = _spawn(procs, ["sleep", "300"])
+    run.add(p.pid)
+    (run.paths["unified"].parent / "cgroup.procs").write_text(str(p.pid))
+    looks: list[object] = []
+    procs_of = cgmod.procs_of
+    monkeypatch.setattr(
+        cgmod, "procs_of", lambda path: set() if not looks.append(path) and len(looks) == 1 else procs_of(path)
+    )
+    assert run.remove() is True
+    assert looks[:1] == [run.paths["memory"]]
     assert p.wait(timeout=5) == -signal.SIGKILL
     assert _gone(run)
 

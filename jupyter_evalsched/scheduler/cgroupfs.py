@@ -49,7 +49,7 @@ def read_file(path: str | Path) -> str:
             chunks.append(chunk)
     finally:
         os.close(fd)
-    return b"".join(chunks).decode()
+    return os.fsdecode(b"".join(chunks))  # (mount points and paths round-trip, whatever the bytes)
 
 
 def write_file(path: str | Path, text: str) -> None:

@@ -364,19 +364,20 @@ class RunCgroup:
         return all([rmdir_tree(path, wait_until) for path in self.paths.values()])
 
     def _remove_if_plainly_empty(self) -> bool:
-        """A run's usual end, in a few system calls: no process left in its cgroup (v2's
-        ``populated`` covers the v2 directory's subtree; another hierarchy's own
-        ``cgroup.procs``), its memory given back, each directory removed. False where anything
-        is otherwise (a process, a cgroup below one of them, a directory gone already): then
-        ``remove`` looks at every directory's subtree, kills and waits. A process in a cgroup
-        below a v1 directory makes that directory's rmdir fail, so the v2 directory, through
-        which ``kill`` reaches the whole subtree, goes last."""
+        """A run's usual end, in a few system calls: no process in its cgroup (v2's
+        ``populated`` covers the v2 directory's subtree; a directory of another hierarchy has
+        no cgroup below it, which its link count tells, and nothing in its own
+        ``cgroup.procs``), then its memory given back and each directory removed, v2's last:
+        through v2, ``kill`` reaches the whole subtree at once. False where anything is
+        otherwise, or fails: ``remove`` then takes its whole way."""
         v2 = self._v2_dir()
         try:
             if v2 is not None and keyed_value(read_file(v2 / "cgroup.events"), "populated") != 0:
                 return False
-            if any(procs_of(path) for path in self.paths.values() if path != v2):
-                return False
+            for path in self.paths.values():
+                # (A cgroup file system counts a directory's subdirectories in its links.)
+                if path != v2 and (os.stat(path).st_nlink != 2 or procs_of(path)):
+                    return False
         except OSError:
             return False
         self.reclaim()
