@@ -107,8 +107,10 @@ def test_queue_widget_reads_only_the_queued_runs_it_shows_and_counts_the_rest(cl
         wait_until(lambda: [r["id"] for r in widget.queue_view["queued"]] == ids[2:4], timeout=5)
         wait_until(lambda: "… and 3 more queued" in widget._more.value, timeout=5)
         assert "5 queued" in widget._header.value and "Queued (5)" in widget._queued_title.value
-        rows = _rows(widget)  # (the recently finished runs of earlier tests have rows too)
-        assert set(ids[:4]) <= set(rows) and not set(ids[4:]) & set(rows)
+        # The feed's thread sets the rows last in a render: waited for, not read half-way.
+        # (The recently finished runs of earlier tests have rows too.)
+        rows = wait_until(lambda: (r := _rows(widget)) and set(ids[:4]) <= set(r) and r, timeout=5)
+        assert not set(ids[4:]) & set(rows)
     finally:
         widget.close()
 
