@@ -93,8 +93,11 @@ def test_feed_polls_while_the_socket_fails_and_takes_events_again_once_it_opens(
     feed = LiveFeed(server, tracker, poll_s=0.05, safety_poll_s=60, tick_s=0.02, reconnect_s=0.1, name="evalsched-test")
     feed.start()
     try:
-        wait_until(lambda: feed.mode == "polling", message="no fallback to polling")
-        assert "proxy dropped the WebSocket" in feed.last_error
+        # (The feed's thread sets the mode, then the error.)
+        wait_until(
+            lambda: feed.mode == "polling" and "proxy dropped the WebSocket" in (feed.last_error or ""),
+            message="no fallback to polling",
+        )
         # Polling: a change on the server is seen through REST alone.
         server.change(state="running")
         wait_until(lambda: tracker.record["state"] == "running")

@@ -69,7 +69,9 @@ def test_queue_widget_follows_queue_and_ledger_then_stops_when_closed(client, cl
         rows = wait_until(lambda: (r := _rows(widget)) and ids[2] in r and r, timeout=5)
         # The pending reason is set by the admission pass after the submission's event.
         wait_until(lambda: "waiting_vram" in rows[ids[2]].label.value, timeout=2)
-        assert rows[ids[0]].bar.layout.visibility == "visible"
+        # (A render made while ids[0] was admitted but still starting shows all of the above, and
+        # its row as queued, bar hidden: the render after its start shows the bar.)
+        wait_until(lambda: rows[ids[0]].bar.layout.visibility == "visible", timeout=5)
 
         # The cancel button of the queued run cancels it; the widget sees the change.
         rows[ids[2]].button.click()
@@ -305,6 +307,11 @@ def test_feed_thread_updates_reach_a_real_kernels_frontend(live_server, clean_qu
                 "deadline = time.monotonic() + 30\n"
                 "while not row_says_succeeded() and time.monotonic() < deadline:\n"
                 "    time.sleep(0.05)\n"
+                "# A trait's value is set before its comm message is sent: one more whole render\n"
+                "# (update_count goes up after its messages) before the cell ends.\n"
+                "n = w.update_count\n"
+                "while w.update_count <= n and time.monotonic() < deadline:\n"
+                "    time.sleep(0.05)\n"
                 "print(h.id, w.mode)"
             ),
             nbformat.v4.new_code_cell("w.close()"),
@@ -371,7 +378,11 @@ def test_run_progress_resumes_a_failed_run_and_follows_it(client, clean_queue):
     progress = RunProgress(rec["id"], client)
     try:
         wait_until(lambda: progress.record["state"] == "failed", timeout=20)
-        assert progress._resume_button.layout.display == "" and progress._button.layout.visibility == "hidden"
+        # The feed's thread sets the record first, then the buttons.
+        wait_until(
+            lambda: progress._resume_button.layout.display == "" and progress._button.layout.visibility == "hidden",
+            timeout=5,
+        )
         progress._resume_button.click()
         wait_until(lambda: progress.record["state"] == "succeeded", timeout=20)
         assert progress.record["attempt"] == 2 and progress._resume_button.layout.display == "none"
