@@ -159,7 +159,9 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         return self.serverapp
 
     def initialize_settings(self) -> None:
-        self.runs_path = Path(self.runs_dir).expanduser()
+        # Absolute once, here: runs start in other working directories (their spec's cwd, the
+        # zygote's), and a run's files are found through the paths the server gives it.
+        self.runs_path = Path(os.path.abspath(Path(self.runs_dir).expanduser()))
         if self.default_executor == "slurm" and not self.slurm_enabled:
             raise ValueError("EvalSchedApp.default_executor is 'slurm' but slurm_enabled is False")
         self.role = HostRole(self.runs_path)

@@ -205,6 +205,28 @@ async def test_warm_and_cold_runs_look_alike_to_the_eval(api, wait_for, tmp_path
 
 
 @pytest.fixture
+def relative_runs_dir(tmp_path, monkeypatch):
+    """The server's cwd, with ``runs_dir`` given relative to it (before ``api`` in a test's
+    arguments: the server starts there)."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "relruns"
+
+
+@pytest.mark.parametrize("evalsched_config", [{"runs_dir": "relruns"}])
+async def test_a_runs_dir_given_relative_to_the_servers_cwd_serves_warm_runs_too(relative_runs_dir, api, wait_for):
+    """The spare, whose cwd is not the server's, opens a warm run's logs where the server keeps
+    the run: warm and cold runs succeed, their logs in the runs directory the server was given."""
+    await ready_zygote(api)
+    source = "def episode(ctx, index):\n    print('hello', ctx.run_dir)\n"
+    warm = await submit(api, {"source": source, "episodes": 1})
+    cold = await submit(api, {"source": source, "episodes": 1, "fresh_interpreter": True})
+    for rec, start in ((warm, "warm"), (cold, "cold")):
+        final = await wait_for(rec["id"])
+        assert (final["state"], final["start"]) == ("succeeded", start), final
+        assert (relative_runs_dir / rec["id"] / "stdout.log").read_text().startswith("hello "), start
+
+
+@pytest.fixture
 def server_tempdir(tmp_path, monkeypatch):
     """The server's temporary directory (``tempfile``'s, in this process): one of the test's own,
     so that what the server leaves there can be counted. (Before ``api`` in a test's arguments.)"""

@@ -79,7 +79,10 @@ class SchedulerConfig(Configurable):
     """What the scheduler, its executors and its policy are told by the server's settings."""
 
     runs_dir = PathTrait(
-        help="Where run directories live. Default: $EVALSCHED_RUNS_DIR, else <jupyter data dir>/evalsched/runs."
+        help=(
+            "Where run directories live (a relative path: from the server's working directory at"
+            " its start). Default: $EVALSCHED_RUNS_DIR, else <jupyter data dir>/evalsched/runs."
+        )
     ).tag(config=True)
 
     @default("runs_dir")
