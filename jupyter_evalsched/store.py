@@ -41,6 +41,14 @@ from typing import Any
 from . import contract
 from .contract import is_valid_run_id
 
+# (Re-exported, "X as X": the server's modules open run files through this module.)
+from .safe_open import _SAFE_FLAGS, kind_of
+from .safe_open import RunFileError as RunFileError
+from .safe_open import UnsafeRunFile as UnsafeRunFile
+from .safe_open import open_dir as open_dir
+from .safe_open import open_log as open_log
+from .safe_open import open_run_file as open_run_file
+
 _tmp_counter = itertools.count()
 
 # Bounds on what is read of a run's files. Generous for real runs: a summary holds aggregates, a
@@ -87,15 +95,6 @@ class RunsDirMoved(StoreError, OSError):
     write by path would land wherever that path now leads (``RunStore.refuse_writes``)."""
 
 
-class RunFileError(ValueError):
-    """A run file exists but cannot be used; the message says which file and why."""
-
-
-class UnsafeRunFile(RunFileError):
-    """A path under the runs directory is a link, a FIFO, a directory or anything else but a
-    regular file, where the server opens one: never opened (a FIFO would block the event loop)."""
-
-
 def disk_trouble(exc: BaseException) -> bool:
     """Whether a failed run-directory write was the disk's trouble (full, read-only, an entry in
     the way), which a retry may get past, rather than a bug of ours, logged with its traceback."""
@@ -111,75 +110,9 @@ def new_run_id() -> str:
 # --------------------------------------------------------------------------- opening
 
 
-# Every open of a path a run (or a user) can write: never follow a link, never wait for the other
-# end of a FIFO (a plain open of one blocks until someone opens it: on the loop, the whole server).
-_SAFE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-# What a failed open says about the entry it met (with the flags above).
-_ENTRY_ERRNOS = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a FIFO or socket", errno.EISDIR: "a directory"}
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a device or special file"
-
-
-def open_dir(path: Path) -> int:
-    """A directory under the runs directory, opened without following a link (ELOOP if it is one,
-    ENOTDIR if it is not a directory): later opens relative to it cannot be redirected."""
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-
-
-def open_run_file(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
-    """The one way the server opens a path a run or a user can write: relative to its directory
-    (opened without following a link), without following a link at the file, without blocking,
-    and only if it is a regular file. ``flags``: O_RDONLY, or O_WRONLY with O_CREAT/O_APPEND/...
-    UnsafeRunFile when the path (or its directory) is a link, a FIFO, a directory, ...; OSError
-    (FileNotFoundError, ...) otherwise."""
-    path = Path(path)
-    try:
-        dfd = open_dir(path.parent)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafeRunFile(f"{path.parent.name} (the directory of {path.name}) is not a plain directory") from None
-        raise
-    try:
-        fd = os.open(path.name, flags | _SAFE_FLAGS, mode, dir_fd=dfd)
-    except OSError as exc:
-        kind = _ENTRY_ERRNOS.get(exc.errno or 0)
-        if kind is None:
-            raise
-        raise UnsafeRunFile(f"{path.name} is {kind}, not a regular file") from None
-    finally:
-        os.close(dfd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # a FIFO opened for reading, a directory, a device
-            raise UnsafeRunFile(f"{path.name} is {_kind(st.st_mode)}, not a regular file")
-        if flags & (os.O_WRONLY | os.O_RDWR):
-            os.set_blocking(fd, True)  # a regular file: writes must not return EAGAIN half-way
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def create_run_file(path: Path) -> None:
     """Make sure ``path`` is an (empty when new) regular file: ``_DONE``, ``_STOP``."""
     os.close(open_run_file(path, os.O_WRONLY | os.O_CREAT))
-
-
-def open_log(path: Path) -> int:
-    """A run's log (``stdout.log``, a model host's ``<name>.log``) opened for appending, blocking
-    writes; UnsafeRunFile when it is not a regular file."""
-    return open_run_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 
 
 def remove_run_entry(path: Path) -> None:
@@ -798,7 +731,7 @@ class RunStore:
         except FileNotFoundError:
             return False
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafeRunFile(f"{contract.DONE_FILE} is {_kind(st.st_mode)}, not a regular file")
+            raise UnsafeRunFile(f"{contract.DONE_FILE} is {kind_of(st.st_mode)}, not a regular file")
         return True
 
     def summary(self, run_id: str, fresh: bool = False) -> Any:

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -204,6 +205,48 @@ async def test_warm_and_cold_runs_look_alike_to_the_eval(api, wait_for, tmp_path
     assert len({fp1["random"], fp2["random"], fpc["random"]}) == 3
 
 
+async def test_a_warm_run_opens_its_own_logs_and_a_cold_runs_are_opened_by_the_server(
+    api, wait_for, runs_dir, monkeypatch
+):
+    """The server's loop creates no file for a warm start: the run's process, forked ahead,
+    opens its own logs before it answers. A cold start's are opened by the server, to give to
+    the new interpreter. Either way the logs are owner-only regular files holding the run's
+    output, appended to by a later attempt."""
+    await ready_zygote(api)
+    opened: list[str] = []
+    real = launcher_module.open_logs
+
+    def counting(stdout, stderr):
+        opened.append(Path(stdout).parent.name)
+        return real(stdout, stderr)
+
+    monkeypatch.setattr(launcher_module, "open_logs", counting)
+    source = (
+        "import sys\n"
+        "def episode(ctx, index):\n"
+        "    print('out', ctx.attempt)\n"
+        "    print('err', file=sys.stderr)\n"
+        "    if ctx.attempt == 1:\n"
+        "        raise SystemExit(3)\n"
+    )
+    warm = await submit(api, {"source": source, "episodes": 1})
+    cold = await submit(api, {"source": source, "episodes": 1, "fresh_interpreter": True})
+    finals = {r["id"]: await wait_for(r["id"]) for r in (warm, cold)}
+    assert [(f["start"], f["state"]) for f in finals.values()] == [("warm", "failed"), ("cold", "failed")], finals
+    assert opened == [cold["id"]]
+    for run_id in finals:
+        for name, text in (("stdout.log", "out 1\n"), ("stderr.log", "err\n")):
+            path = runs_dir / run_id / name
+            assert path.read_text().startswith(text) and stat.S_IMODE(os.lstat(path).st_mode) == 0o600, (run_id, name)
+    # A second attempt of the warm one appends to the logs its first attempt's process opened.
+    code, _ = await api("POST", f"runs/{warm['id']}/resume")
+    assert code == 200
+    again = await wait_for(warm["id"])
+    assert (again["start"], again["state"], again["attempt"]) == ("warm", "succeeded", 2), again
+    assert (runs_dir / warm["id"] / "stdout.log").read_text() == "out 1\nout 2\n"
+    assert opened == [cold["id"]]
+
+
 @pytest.fixture
 def relative_runs_dir(tmp_path, monkeypatch):
     """The server's cwd, with ``runs_dir`` given relative to it (before ``api`` in a test's
@@ -224,6 +267,42 @@ async def test_a_runs_dir_given_relative_to_the_servers_cwd_serves_warm_runs_too
         final = await wait_for(rec["id"])
         assert (final["state"], final["start"]) == ("succeeded", start), final
         assert (relative_runs_dir / rec["id"] / "stdout.log").read_text().startswith("hello "), start
+
+
+def test_a_spare_opens_the_runs_logs_as_the_server_would_or_says_why_not(tmp_path):
+    """``open_own_logs``: both logs opened for appending, or an ``error`` answer: ``run_file``
+    where something other than a regular file is in their place (nothing is opened, nothing
+    blocks on a FIFO, nothing is written through a link), no code where the directory is gone."""
+    from evals_hostile import place
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    fifo = tmp_path / "elsewhere.fifo"
+    os.mkfifo(fifo)
+    fds, answer = zygote_runner.open_own_logs(str(run_dir))
+    try:
+        assert answer is None and len(fds) == 2
+        os.write(fds[0], b"to stdout\n")
+        os.write(fds[1], b"to stderr\n")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert (run_dir / "stdout.log").read_text() == "to stdout\n"
+    assert (run_dir / "stderr.log").read_text() == "to stderr\n"
+    for kind, what in (("fifo", "a FIFO or socket"), ("symlink", "a symbolic link"), ("dir", "a directory")):
+        place(str(run_dir / "stderr.log"), kind, str(fifo))
+        before = sorted(os.listdir("/proc/self/fd"))
+        fds, answer = zygote_runner.open_own_logs(str(run_dir))
+        assert fds == () and sorted(os.listdir("/proc/self/fd")) == before  # stdout's was closed again
+        assert answer == {
+            "op": "error",
+            "why": f"cannot open the run's log files: stderr.log is {what}, not a regular file",
+            "code": "run_file",
+        }, kind
+    assert zygote_runner.open_own_logs(str(tmp_path / "gone")) == (
+        (),
+        {"op": "error", "why": "cannot open the run's log files: No such file or directory"},
+    )
 
 
 @pytest.fixture
@@ -592,17 +671,15 @@ async def test_a_run_waiting_for_a_placed_spare_gets_it_whoever_reads_the_spares
     spare = Spare(4242, ours, None, None)
     spare.placed = False
     client._spares.append(spare)
-    logs = [socket.socketpair() for _ in range(2)]
     forked: list[int] = []
     request = ForkRequest(
         "run1",
         "/",
         "/",
         {},
-        (logs[0][0].detach(), logs[1][0].detach()),
         lambda pid, *_: forked.append(pid) or False,
         lambda why: pytest.fail(f"cold: {why}"),
-        lambda why: pytest.fail(f"error: {why}"),
+        lambda why, code: pytest.fail(f"error: {why}"),
     )
     try:
         client.fork(request)
@@ -626,8 +703,6 @@ async def test_a_run_waiting_for_a_placed_spare_gets_it_whoever_reads_the_spares
         client._spares.clear()
         ours.close()
         theirs.close()
-        for pair in logs:
-            pair[1].close()
 
 
 async def test_a_warm_runs_exit_is_read_before_its_zygote_reaps_it(api, wait_for, evalsched, monkeypatch, tmp_path):

@@ -31,13 +31,15 @@ JSON message each:
   ``spare`` message names the spare's cgroup, ``"cgroup"``): ``{"op": "placed", "made", "joined",
   "why"}`` once the spare made that cgroup and joined it, before it touches memory (the server
   gives a run only to a spare that said so, and writes the run's limits in that cgroup).
-* server -> spare: ``{"run_id", "run_dir", "cwd", "env"}`` with the run's stdout and stderr as two
-  descriptors. The spare checks what may have changed since the zygote imported its modules, then
-  answers ``{"op": "started", "at"}`` (``at``: wall clock, the run's start) and becomes the run, or
+* server -> spare: ``{"run_id", "run_dir", "cwd", "env"}``. The spare checks what may have changed
+  since the zygote imported its modules, opens the run's logs in ``run_dir`` (as the server opens a
+  cold run's), then answers ``{"op": "started", "at"}`` (``at``: wall clock, the run's start) and
+  becomes the run, or
   ``{"op": "cold", "why"}`` (the run's cwd shadows a preloaded module: the server starts the run
   in a fresh interpreter), ``{"op": "stale", "why"}`` (a preloaded module's file was edited: cold,
-  and the server retires this zygote) or ``{"op": "error", "why"}`` (it cannot start at all: its
-  cwd is gone), and leaves.
+  and the server retires this zygote) or ``{"op": "error", "why", "code"?}`` (it cannot start at all: its
+  cwd is gone, or its logs cannot be opened; ``code`` ``run_file``: an entry other than a regular
+  file is in their place), and leaves.
 * run -> server, last: ``DONE_NOTICE`` once the run's ``_DONE`` exists, right before its process
   exits (the socket stays open in the run for that alone). The server may give a CPU-only run's
   slot to the next run then, rather than after the kernel has torn the process down; it checks
@@ -71,6 +73,8 @@ import socket
 import sys
 import time
 
+from ..contract import RUN_FILE, STDERR_FILE, STDOUT_FILE
+from ..safe_open import UnsafeRunFile, log_open_failure, open_logs
 from . import replace
 from ._proc import (
     EXIT_PARENT_GONE,
@@ -710,7 +714,7 @@ def spare_main(zygote: Zygote, zygote_pid: int, sock: socket.socket, cgroup: str
     except BaseException:  # (a KeyboardInterrupt: SIGINT from outside)
         return EXIT_CHILD_SETUP
     try:
-        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 2)
+        data = sock.recv(MAX_MESSAGE)
     except OSError:
         return 0
     if not data:
@@ -719,7 +723,15 @@ def spare_main(zygote: Zygote, zygote_pid: int, sock: socket.socket, cgroup: str
         request = json.loads(data)
     except ValueError:
         request = None
-    answer: dict[str, object] | None = refusal(zygote, request, fds)
+    fds: tuple[int, ...] = ()
+    answer = malformed(request)
+    if answer is None:
+        # Its logs are opened here, not by the server (which would create two files on its loop
+        # for each run), first (as a cold start's are) and before the answer: a run whose logs
+        # cannot be opened never starts.
+        fds, answer = open_own_logs(request["run_dir"])
+    if answer is None:
+        answer = refusal(zygote, request)
     if answer is None:
         # ``at`` (wall clock): the run's start, as a cold run's is when its process is spawned.
         answer = {"op": "started", "at": time.time()}
@@ -733,6 +745,18 @@ def spare_main(zygote: Zygote, zygote_pid: int, sock: socket.socket, cgroup: str
             os.close(fd)
         return 0
     return become_run(zygote, request, fds, sock.detach())
+
+
+def open_own_logs(run_dir: str) -> tuple[tuple[int, ...], dict[str, object] | None]:
+    """The run's stdout and stderr logs in ``run_dir``, opened as the server opens a cold run's
+    (appended to, never through a link, only regular files): (their descriptors, None), or ((), the
+    ``error`` answer that says why not; ``code`` ``run_file`` where an entry is in the way)."""
+    try:
+        return open_logs(os.path.join(run_dir, STDOUT_FILE), os.path.join(run_dir, STDERR_FILE)), None
+    except UnsafeRunFile as exc:
+        return (), {"op": "error", "why": log_open_failure(exc), "code": RUN_FILE}
+    except OSError as exc:
+        return (), {"op": "error", "why": log_open_failure(exc)}
 
 
 def rehearse(zygote: Zygote) -> None:
@@ -749,7 +773,7 @@ def rehearse(zygote: Zygote) -> None:
         from .run import RunSpec, parse_args
 
         message = {"run_id": "", "run_dir": os.sep, "cwd": os.sep, "env": dict(os.environ)}
-        refusal(zygote, json.loads(json.dumps(message)), [-1, -1])
+        refusal(zygote, json.loads(json.dumps(message)))
         json.dumps({"op": "started", "at": time.time()}, separators=(",", ":")).encode()
         parse_args(["--run-dir", os.sep])
         spec = {"name": "", "entrypoint": "m:f", "episodes": 1, "params": {}, "workers": 1, "seed": 0, "env": {}}
@@ -792,14 +816,23 @@ def _rehearse_import() -> None:
 _REHEARSAL_SOURCE = b"def episode(ctx, index):\n    return {'score': 1.0}\n"
 
 
-def refusal(zygote: Zygote, request: Any, fds: list[int]) -> dict[str, object] | None:
-    """Why this process must not become the run it was asked to (the answer to the server), or
-    None. What could have changed since the zygote imported its modules is looked at now."""
-    if not isinstance(request, dict) or len(fds) != 2:
+def malformed(request: Any) -> dict[str, object] | None:
+    """The answer to a start request that is not what the server sends, or None."""
+    if not isinstance(request, dict):
         return {"op": "cold", "why": "malformed start request"}
     cwd, env, run_dir = request.get("cwd"), request.get("env"), request.get("run_dir")
     if not isinstance(cwd, str) or not isinstance(env, dict) or not isinstance(run_dir, str):
         return {"op": "cold", "why": "malformed start request"}
+    return None
+
+
+def refusal(zygote: Zygote, request: Any) -> dict[str, object] | None:
+    """Why this process must not become the run it was asked to (the answer to the server), or
+    None. What could have changed since the zygote imported its modules is looked at now."""
+    answer = malformed(request)
+    if answer is not None:
+        return answer
+    cwd = request["cwd"]
     if not os.path.isdir(cwd):
         return {"op": "error", "why": f"FileNotFoundError: no such directory (cwd {cwd!r})"}
     changed = changed_file(zygote.stamps)
@@ -811,7 +844,7 @@ def refusal(zygote: Zygote, request: Any, fds: list[int]) -> dict[str, object] |
     return None
 
 
-def become_run(zygote: Zygote, request: dict[str, Any], fds: list[int], notice: int) -> int:
+def become_run(zygote: Zygote, request: dict[str, Any], fds: tuple[int, ...], notice: int) -> int:
     """In the spare, once asked: turn into the run's process, then run it. Returns the exit code.
     ``notice``: the socket to the server, kept to tell it ``done`` (``run.finish``)."""
     from . import run

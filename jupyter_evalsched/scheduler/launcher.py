@@ -46,7 +46,7 @@ import psutil
 
 from .. import contract
 from ..runner._proc import DONE_NOTICE, process_start_time, stat_fields
-from ..store import UnsafeRunFile, open_log
+from ..safe_open import UnsafeRunFile, log_open_failure, open_logs
 from .cgroups import CgroupError, RunCgroup, remove_each
 from .escapees import kill_escaped_all
 from .zygotes import ForkRequest, ZygoteClient
@@ -215,17 +215,11 @@ class Launcher:
     def _open_logs(self, stdout: Path, stderr: Path) -> tuple[int, int]:
         # The run may have left a FIFO or a link in their place (a retry reopens them).
         try:
-            out = open_log(stdout)
-            try:
-                err = open_log(stderr)
-            except BaseException:
-                os.close(out)
-                raise
+            return open_logs(stdout, stderr)
         except UnsafeRunFile as exc:
-            raise SpawnError(f"cannot open the run's log files: {exc}", code=contract.RUN_FILE) from None
+            raise SpawnError(log_open_failure(exc), code=contract.RUN_FILE) from None
         except OSError as exc:
-            raise SpawnError(f"cannot open the run's log files: {exc.strerror or exc}") from exc
-        return out, err
+            raise SpawnError(log_open_failure(exc)) from exc
 
     def fork(
         self,
@@ -234,21 +228,20 @@ class Launcher:
         run_dir: str,
         cwd: str,
         env: dict[str, str],
-        stdout: Path,
-        stderr: Path,
         cgroup: RunCgroup | None,
         on_started: Callable[[RunProcess], None],
         on_cold: Callable[[str], None],
-        on_error: Callable[[str], None],
+        on_error: Callable[[str, str | None], None],
         prepare: Callable[[RunCgroup | None], RunCgroup | None] | None = None,
     ) -> RunProcess:
         """Ask ``zygote`` to fork the run (a warm start). The answer comes later, on the loop:
         ``on_started`` once it has a pid, ``on_cold(why)`` when the zygote would rather not (the
-        caller then starts it cold), ``on_error(why)`` when it cannot start at all. A signal asked
+        caller then starts it cold), ``on_error(why, code)`` when it cannot start at all (``code``:
+        ``run_file`` when its logs in ``run_dir`` are not regular files, else None; the run opens
+        them itself, as a cold start's are opened here). A signal asked
         for meanwhile (cancel, kill) is sent once the pid is known. ``prepare`` is given the cgroup
         the spare waits in, at the hand-over, and returns the run's (its limits written); without
         it, the spare's cgroup (or ``cgroup``) is the run's."""
-        out, err = self._open_logs(stdout, stderr)
         proc = RunProcess(run_id, None, cgroup, zygote=zygote, pending=True)
         self._procs[run_id] = proc
 
@@ -293,10 +286,10 @@ class Launcher:
                 proc.cgroup = spare_cgroup
             return proc.cgroup
 
-        def answered(then: Callable[[str], None], why: str) -> None:
+        def answered(then: Callable[..., None], *answer: Any) -> None:
             if self._procs.get(run_id) is proc:
                 del self._procs[run_id]
-                then(why)
+                then(*answer)
 
         zygote.fork(
             ForkRequest(
@@ -304,7 +297,6 @@ class Launcher:
                 run_dir,
                 cwd,
                 env,
-                (out, err),
                 forked,
                 functools.partial(answered, on_cold),
                 functools.partial(answered, on_error),

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import contract
 from ..runner._proc import CGROUP_PROCS_ENV, cgroup_procs_value
 from ..runner.zygote import CGROUP_SPARES, ENV_RESERVE, PRELOAD, START_DIR, ZYGOTE_FD
 from ..schemas import MAX_ENV_BYTES
@@ -175,14 +176,13 @@ class ForkRequest:
     run_dir: str
     cwd: str
     env: dict[str, str]
-    fds: tuple[int, int]  # the run's stdout and stderr, closed once sent (or given up)
     # (pid, when the run's process got its request: wall clock, its create time or None, a pidfd
     # of it or None, the socket the run tells its end on (``DONE_NOTICE``): the callee owns both)
     # -> whether the callee watches that pidfd for the run's exit (then it reads the exit code
     # itself, and asks the zygote to reap: ``release_child``)
     on_forked: Callable[[int, float, float | None, int | None, socket.socket], bool]
     on_cold: Callable[[str], None]  # the reason: start it in a fresh interpreter
-    on_error: Callable[[str], None]  # it cannot start at all
+    on_error: Callable[[str, str | None], None]  # it cannot start at all: why, and its code or None
     # Given the cgroup the spare waits in (None: it has none), at the hand-over: the run's cgroup
     # (that one, its limits written; or another the runner joins), which is the callee's from then
     # on; ColdInstead: not this spare (it leaves, with its cgroup), the run starts cold.
@@ -370,7 +370,6 @@ class ZygoteClient:
             if self.state == READY:
                 self._flush()
             return
-        _close_fds(request)
         request.on_cold(self.why or f"the zygote is {self.state}")
 
     def _flush(self) -> None:
@@ -391,14 +390,15 @@ class ZygoteClient:
                     spare.cgroup = cgroup
                     self._discard_spare(spare)  # (the zygote reaps it and forks another)
                     log.info("evalsched: run %s: %s", request.run_id, exc)
-                    _close_fds(request)
                     request.on_cold(str(exc))
                     continue
             if cgroup is not None:
                 env = {**env, CGROUP_PROCS_ENV: cgroup_procs_value(cgroup.procs_files())}
             message = {"run_id": request.run_id, "run_dir": request.run_dir, "cwd": request.cwd, "env": env}
             try:
-                socket.send_fds(spare.sock, [json.dumps(message).encode()], list(request.fds))
+                # (The run opens its own logs: a file created on this loop costs it a third of
+                # a millisecond on a disk like this project's.)
+                spare.sock.send(json.dumps(message).encode())
             except OSError as exc:
                 # Whatever the failure (a message larger than the socket carries, a spare killed
                 # from outside), the run starts cold, once: handed to the next spare it could fail
@@ -415,10 +415,8 @@ class ZygoteClient:
                     self._spares.appendleft(spare)
                 why = f"the warm hand-over to spare {spare.pid} failed ({exc.strerror or exc}): started cold"
                 log.warning("evalsched: run %s: %s", request.run_id, why)
-                _close_fds(request)
                 request.on_cold(why)
                 continue
-            _close_fds(request)
             spare.request = request
             self._asked[spare.pid] = spare
             # The zygote hears of it once the spare has answered: the next spare is forked after
@@ -460,7 +458,6 @@ class ZygoteClient:
         for request in self._queue:
             if request.run_id == run_id:
                 self._queue.remove(request)
-                _close_fds(request)
                 return True
         for pid, spare in self._asked.items():
             if spare.request is not None and spare.request.run_id == run_id:
@@ -522,7 +519,8 @@ class ZygoteClient:
         self._taken(pid, None, False)
         why = str(answer.get("why")) if isinstance(answer, dict) else ""
         if op == "error":
-            request.on_error(why)
+            # (The one code a spare gives: its logs were not regular files.)
+            request.on_error(why, contract.RUN_FILE if answer.get("code") == contract.RUN_FILE else None)
         elif op == "stale":
             self._retire(f"replaced: {why}")
             request.on_cold(why)
@@ -851,7 +849,6 @@ class ZygoteClient:
         waiting = list(self._queue)
         self._queue.clear()
         for request in waiting:
-            _close_fds(request)
             request.on_cold(why)
 
     def _gone(self, why: str) -> None:
@@ -953,15 +950,6 @@ class ZygoteClient:
             # (Those ready to become a run: a spare still placing itself in its cgroup is not.)
             "spares": self._ready_spares(),
         }
-
-
-def _close_fds(request: ForkRequest) -> None:
-    for fd in request.fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    request.fds = (-1, -1)
 
 
 # ---------------------------------------------------------------------------- the pool

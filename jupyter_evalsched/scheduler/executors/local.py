@@ -23,8 +23,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ... import contract
 from ...contract import ABORTED, CANCELLED, FAILED, QUEUED, SUCCEEDED
@@ -226,10 +227,13 @@ class LocalExecutor(Executor):
             return
         ctx.table.set_reason(run, contract.Why(contract.STARTING, f"waiting for a warm start from zygote {zygote.pid}"))
 
-        def handed_back(then: functools.partial[None], why: str) -> None:
+        def handed_back(then: Callable[..., None], *answer: Any) -> None:
             # The spare did not become the run (it leaves): the cgroup it was given goes with it.
             self._drop_cgroup(self._handover.pop(run.id, None))
-            then(why)
+            then(*answer)
+
+        def failed(why: str, code: str | None) -> None:
+            self._start_failed(run, None, why, code or contract.EXCEPTION)
 
         try:
             self.launcher.fork(
@@ -238,12 +242,10 @@ class LocalExecutor(Executor):
                 str(ctx.store.run_dir(run.id)),
                 cwd,
                 env,
-                ctx.store.log_path(run.id, "stdout"),
-                ctx.store.log_path(run.id, "stderr"),
                 None,
                 on_started=lambda proc: self._started(run, proc, proc.cgroup, "warm", f"forked by zygote {zygote.pid}"),
                 on_cold=functools.partial(handed_back, functools.partial(self._spawn_cold, run, cwd, env)),
-                on_error=functools.partial(handed_back, functools.partial(self._start_failed, run, None)),
+                on_error=functools.partial(handed_back, failed),
                 prepare=functools.partial(self._prepare_warm, run),
             )
         except SpawnError as exc:
