@@ -717,3 +717,54 @@ async def test_a_job_gets_only_what_a_run_needs_of_the_server_environment(jp_ser
     assert "export HF_HOME=/data/hf" in script and "export SITE_SCRATCH=/scratch/site" in script
     assert "export WANDB_API_KEY=asked-for-7" in script and f"export EVALSCHED_RUN_ID={run_id}" in script
     assert "export PATH=" in script and sbatch_env["PATH"]
+
+
+# ----------------------------------------------------------------------------- at a stop
+
+GATED_SBATCH = """#!{python}
+# sbatch that says it was called, then answers job 77 once the test opens the gate.
+import os, sys, time
+here = {here!r}
+open(os.path.join(here, "sbatch.called"), "w").close()
+deadline = time.monotonic() + 20
+while not os.path.exists(os.path.join(here, "gate")) and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.stdout.write("77\\n")
+"""
+
+
+@pytest.mark.parametrize("evalsched_config", [{"slurm_enabled": True}])
+@pytest.mark.parametrize("cancel", [False, True], ids=["queued", "cancelled"])
+async def test_a_stop_waits_for_the_sbatch_under_way_and_sends_a_cancel_asked_meanwhile(
+    api, evalsched, runs_dir, fakes, monkeypatch, cancel
+):
+    """The server stops while ``sbatch`` has not answered. The stop used to go on without it: the
+    job's id never reached the run's record, so the next server handed the run to SLURM again (two
+    jobs of one run), and a cancel asked meanwhile, which waits for that id, was never sent."""
+    import threading
+
+    from waiting import async_wait_until
+
+    (fakes.root / "sbatch").write_text(GATED_SBATCH.format(python=sys.executable, here=str(fakes.root)))
+    monkeypatch.setenv("PATH", f"{fakes.root}{os.pathsep}{os.environ['PATH']}")
+    code, rec = await api(
+        "POST", "runs", {"entrypoint": "jupyter_evalsched.examples.basic:noop", "executor": "slurm", "cwd": "/tmp"}
+    )
+    assert code == 201, rec
+    await async_wait_until(lambda: (fakes.root / "sbatch.called").exists(), timeout=20)
+    if cancel:
+        code, answer = await api("POST", f"runs/{rec['id']}/cancel")
+        assert code == 200, answer
+    # The gate opens only once the stop has begun (it does not wait for a timer: a stop that
+    # does not wait for sbatch blocks in the I/O pool's shutdown until then, and returns first).
+    opener = threading.Timer(0.3, (fakes.root / "gate").touch)
+    opener.start()
+    try:
+        await evalsched.stop()
+    finally:
+        opener.cancel()
+    record = json.loads((runs_dir / rec["id"] / "job.json").read_text())
+    assert record["slurm_job_id"] == "77", record
+    assert record["state"] == "queued", record  # SLURM has the job: the next server tracks it
+    scancels = [c["argv"] for c in fakes.calls("scancel")]
+    assert scancels == ([["77"]] if cancel else []), scancels

@@ -28,6 +28,10 @@ from . import Executor, ExecutorContext
 
 log = logging.getLogger("jupyter_evalsched")
 
+# How much longer than one command's timeout a stop waits for the sbatch calls under way (and
+# the scancel of those cancelled meanwhile, which each needs one more command).
+STOP_MARGIN_S = 5.0
+
 
 class SlurmExecutor(Executor):
     name = "slurm"
@@ -46,6 +50,8 @@ class SlurmExecutor(Executor):
         self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self._tracked: dict[str, Run] = {}  # every SLURM run not yet terminal
         self._submitting: set[str] = set()
+        self._handing: set[asyncio.Task[None]] = set()  # the sbatch calls under way, and what follows
+        self._stopping = False
         self._polling = False
         self._interval = poll_interval_s
         self._next_poll = 0.0
@@ -72,6 +78,8 @@ class SlurmExecutor(Executor):
     def advance(self) -> None:
         """Hand to SLURM every run whose dependencies allow it: those that succeeded, or that
         are SLURM jobs themselves (then SLURM's ``afterok`` waits for them)."""
+        if self._stopping:  # (the next server hands them to SLURM)
+            return
         table = self.ctx.table
         for run in list(self._tracked.values()):
             if run.record["slurm_job_id"] or run.id in self._submitting or run.cancel_requested:
@@ -115,7 +123,9 @@ class SlurmExecutor(Executor):
                 continue
             self._submitting.add(run.id)
             table.set_reason(run, contract.Why(contract.WAITING_CPU, "being handed to SLURM (sbatch)"))
-            asyncio.ensure_future(self._sbatch(run, slurm_deps))
+            task = asyncio.ensure_future(self._sbatch(run, slurm_deps))
+            self._handing.add(task)
+            task.add_done_callback(self._handing.discard)
 
     async def _sbatch(self, run: Run, dep_ids: list[str]) -> None:
         ctx = self.ctx
@@ -242,6 +252,26 @@ class SlurmExecutor(Executor):
         except Exception as exc:
             log.warning("evalsched: scancel %s failed: %s", run.record["slurm_job_id"], exc)
         self._poll_soon()
+
+    async def stop(self) -> None:
+        """SLURM jobs outlive the server, but what this server began with SLURM ends first: each
+        ``sbatch`` under way is waited for, so that its job id is in the run's record (the next
+        server would hand the run to SLURM a second time), and a run cancelled meanwhile is then
+        ``scancel``'d (its cancel waits for that job id). At most one command's timeout, and a
+        little more: a hung ``slurmctld`` does not hold the stop for longer."""
+        self._stopping = True
+        handing = [task for task in self._handing if not task.done()]
+        if not handing:
+            return
+        wait_s = self.cli.config.command_timeout_s + STOP_MARGIN_S
+        _, late = await asyncio.wait(handing, timeout=wait_s)
+        if late:
+            log.warning(
+                "evalsched: %d run(s) being handed to SLURM got no answer from sbatch within %g s of the "
+                "stop; the next start may hand them to SLURM again",
+                len(late),
+                wait_s,
+            )
 
     @property
     def tracked(self) -> int:
