@@ -12,7 +12,7 @@ import signal
 import threading
 
 import pytest
-from proc_status import ignores_signal
+from proc_status import alive, ignores_signal
 from rest import CRASH, NOOP, SLEEPY, spec, submit
 from waiting import async_wait_until
 
@@ -197,13 +197,15 @@ async def test_a_shutdown_keeps_queued_and_admitted_but_unstarted_runs_queued(ap
 
 
 @pytest.mark.parametrize("evalsched_config", [{"auto_resume": True}])
+@pytest.mark.parametrize("detach", [False, True], ids=["attached", "detached"])
 async def test_a_run_cancelled_in_its_grace_period_when_the_server_stops_ends_cancelled(
-    api, evalsched, runs_dir, wait_for
+    api, evalsched, runs_dir, wait_for, detach
 ):
     """A cancelled run that ignores SIGTERM is waiting out its grace period when the server stops:
     the stop's kill ends it as the cancel asked, not ``aborted``, nor queued again to run at the
-    next start (``auto_resume``)."""
-    rec = await submit(api, spec(entry=CRASH, params={"how": "ignore_sigterm"}))
+    next start (``auto_resume``). A detached run too: left running, it was re-attached by the
+    next server, which knew nothing of the cancel, and ran on."""
+    rec = await submit(api, spec(entry=CRASH, params={"how": "ignore_sigterm"}, detach=detach))
     pid = (await wait_for(rec["id"], states=("running",)))["pid"]
     await async_wait_until(lambda: ignores_signal(pid), message="the run never ignored SIGTERM")
     assert (await api("POST", f"runs/{rec['id']}/cancel"))[0] == 200
@@ -211,6 +213,7 @@ async def test_a_run_cancelled_in_its_grace_period_when_the_server_stops_ends_ca
     record = json.loads((runs_dir / rec["id"] / "job.json").read_text())
     assert record["state"] == "cancelled" and record["reason"].startswith("cancelled"), record
     assert (runs_dir / rec["id"] / "_DONE").exists()
+    await async_wait_until(lambda: not alive(pid), timeout=5, message="the cancelled run outlived the stop")
 
 
 def test_the_file_cache_tells_two_versions_of_one_tick_apart(tmp_path):

@@ -36,7 +36,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -597,12 +597,13 @@ class Launcher:
         if proc.cgroup is not None:
             self.loop.run_in_executor(None, proc.cgroup.kill)
 
-    def kill_all(self) -> list[str]:
+    def kill_all(self, also: Collection[str] = ()) -> list[str]:
         """On shutdown: SIGKILL every run group and reap; returns the run ids that were killed.
-        Detached runs are left running (the next server adopts them)."""
+        Detached runs are left running (the next server adopts them), but for those in ``also``
+        (a cancel under way: the next server would not know of it)."""
         killed = []
         for proc in list(self._procs.values()):
-            if proc.detached:
+            if proc.detached and proc.run_id not in also:
                 self._stop_watching(proc)
                 continue
             if proc.pending:  # not forked yet: it is killed when its pid comes (or by its zygote's end)

@@ -683,10 +683,13 @@ class LocalExecutor(Executor):
         self._stopping = True
         # Warm starts handed to a spare and not started: their cgroups go once the zygotes have.
         pending, self._handover = list(self._handover.values()), {}
+        # A detached run whose cancel is waiting out its grace period ends now, as the others do:
+        # left running, it would be re-attached by a server that knows nothing of the cancel.
+        cancelling = {run_id for run_id in self.launcher.running if _cancelling(table.get(run_id))}
         detached = {
             c.name
             for run_id, c in self._cgroups.items()
-            if run_id in self.launcher.running and _detached(table.get(run_id))
+            if run_id in self.launcher.running and run_id not in cancelling and _detached(table.get(run_id))
         }
         for run_id, task in list(self._starting.items()):
             task.cancel()
@@ -694,7 +697,7 @@ class LocalExecutor(Executor):
             if run is not None and not run.terminal:
                 table.update(run, state=QUEUED, reason=None, devices=[], started_at=None)
         why = "the server shut down while it ran"
-        for run_id in self.launcher.kill_all():  # detached runs go on
+        for run_id in self.launcher.kill_all(also=cancelling):  # other detached runs go on
             run = table.get(run_id)
             if run is None:
                 continue
@@ -773,6 +776,10 @@ class LocalExecutor(Executor):
 
 def _detached(run: Run | None) -> bool:
     return run is not None and bool(run.record["detach"])
+
+
+def _cancelling(run: Run | None) -> bool:
+    return run is not None and not run.terminal and run.cancel_requested
 
 
 class ExitReads(NamedTuple):
