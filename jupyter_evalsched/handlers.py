@@ -400,7 +400,7 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         """The request's ``Idempotency-Key`` (400 when it is malformed)."""
         key = self.request.headers.get("Idempotency-Key")
         if key is not None and not IDEMPOTENCY_KEY_RE.fullmatch(key):
-            raise ApiError(400, "the Idempotency-Key header must be 1 to 200 printable ASCII characters")
+            raise ApiError(400, "the Idempotency-Key header must be 1 to 200 printable ASCII characters, with no space")
         return key
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:

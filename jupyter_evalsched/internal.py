@@ -26,7 +26,10 @@ class SecretIdentityProvider(IdentityProvider):
 
     def get_user(self, handler: web.RequestHandler) -> User | None:
         scheme, _, value = handler.request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "token" and self.secret and hmac.compare_digest(value.strip(), self.secret):
+        # As bytes: compare_digest refuses a str with a character beyond ASCII (a TypeError, so
+        # a 500 for anyone on the host who sends one).
+        offered = value.strip().encode("utf-8", "surrogatepass")
+        if scheme.lower() == "token" and self.secret and hmac.compare_digest(offered, self.secret.encode()):
             return User(username=SECONDARY_USER, name=SECONDARY_USER, display_name=SECONDARY_USER)
         return None
 

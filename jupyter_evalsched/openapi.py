@@ -491,7 +491,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "get": {
                 "summary": "One run with its summary",
                 "operationId": "getRun",
-                "responses": {"200": _json("RunDetail", "the run"), **_errors(404)},
+                "responses": {"200": _json("RunDetail", "the run"), **_errors(404, 409)},
             },
             "delete": {
                 "summary": "Delete a finished run's directory",
@@ -581,7 +581,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                         "schema": {"type": "string"},
                     },
                 ],
-                "responses": {"200": _json("Comparison", "the comparison"), **_errors(404, 413, 422, 429, 503)},
+                "responses": {"200": _json("Comparison", "the comparison"), **_errors(404, 409, 413, 422, 429, 503)},
             },
         },
         "/runs/{run_id}/logs": {

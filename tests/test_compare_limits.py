@@ -50,6 +50,30 @@ def test_the_paired_interval_matches_an_independent_computation_on_data_with_spr
     assert compare.t_quantile(0.975, 4) == pytest.approx(T975[4], abs=1e-6)
 
 
+def test_values_near_the_floats_limits_compare_to_null_never_to_an_error_or_infinity():
+    """Finite values whose sums overflow (1e308 and -1e308), a metric too large for a float
+    (10**400) beside a plain one: the comparison is valid JSON, each figure a number or null. It
+    answered 500 (``OverflowError`` in the sums and in ``isfinite`` of the big int) or
+    ``-Infinity``."""
+    lines = {
+        "spread": [{"index": 0, "metrics": {"m": 0.0}}, {"index": 1, "metrics": {"m": 1e200}}],
+        "top": [{"index": i, "metrics": {"m": 1e308, "big": 10**400, "ok": 1.0}} for i in range(2)],
+        "bottom": [{"index": i, "metrics": {"m": -1e308, "ok": 2.0}} for i in range(2)],
+    }
+    runs = [({"id": rid, "params": {}}, compare.episode_metrics(episodes)) for rid, episodes in lines.items()]
+    assert "big" not in runs[1][1][0], "an int no float can hold is not a number to compare"
+    for baseline in lines:
+        answer = compare.compare(runs, baseline)
+        json.dumps(answer, allow_nan=False)  # (raises on any Infinity or NaN)
+        rows = {row["id"]: row for row in answer["rows"]}
+        assert rows["spread"]["metrics"]["m"]["stderr"] is None  # (1e200 - mean) ** 2 overflows
+        assert rows["top"]["metrics"]["m"] == {"mean": None, "stderr": None, "count": 2}  # the sum overflows
+        assert rows["top"]["metrics"]["ok"] == {"mean": 1.0, "stderr": 0.0, "count": 2}
+    bottom = {row["id"]: row for row in compare.compare(runs, "top")["rows"]}["bottom"]
+    assert bottom["delta"]["m"] == {"mean": None, "ci95": None, "paired": 2}  # -1e308 - 1e308
+    assert bottom["delta"]["ok"] == {"mean": 1.0, "ci95": [1.0, 1.0], "paired": 2}
+
+
 def test_compare_is_capped_in_metric_names_and_counts_the_rest():
     names = [f"m{i}" for i in range(compare.MAX_METRIC_NAMES + 44)]
     lines = [{"index": i, "metrics": {n: float(i) for n in names}} for i in range(3)]

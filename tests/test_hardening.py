@@ -734,6 +734,29 @@ async def test_full_disk_gives_503_and_the_scheduler_keeps_serving(tiny_runs_dir
     assert job["state"] == "failed", job["state"]
 
 
+async def test_a_resume_the_full_disk_refuses_is_503_and_leaves_the_run_as_it_was(tiny_runs_dir, api, wait_for):
+    """Its ``_DONE`` is removed before its queued record is written; where that write failed, the
+    resume answered 200 "queued" (and the run ran again) while ``job.json`` still said failed,
+    with no ``_DONE``: a terminal record without it."""
+    runs_dir = tiny_runs_dir
+    rec = await submit(api, spec(entry=CRASH, params={"how": "exception"}))
+    assert (await wait_for(rec["id"]))["state"] == "failed"
+    filler = _fill(runs_dir)
+    try:
+        code, err = await api("POST", f"runs/{rec['id']}/resume")
+        assert code == 503 and "full" in err["message"], (code, err)
+        code, now = await api("GET", f"runs/{rec['id']}")
+        assert code == 200 and now["state"] == "failed" and now["attempt"] == 1, now
+        assert json.loads((runs_dir / rec["id"] / "job.json").read_text())["state"] == "failed"
+        assert (runs_dir / rec["id"] / "_DONE").exists()
+    finally:
+        filler.unlink()
+    code, again = await api("POST", f"runs/{rec['id']}/resume")
+    assert code == 200 and again["state"] == "queued" and again["attempt"] == 2, (code, again)
+    final = await wait_for(rec["id"])
+    assert final["state"] == "failed" and final["attempt"] == 2, final
+
+
 async def test_read_only_runs_dir_gives_503_and_the_scheduler_keeps_serving(remountable_runs_dir, api, wait_for):
     runs_dir = remountable_runs_dir
     before = await submit(api, spec(entry=NOOP))

@@ -773,3 +773,17 @@ def test_a_server_whose_settings_failed_part_way_takes_nothing_and_exits_on_sigt
                 proc.wait()
     finally:
         os.close(holder)
+
+
+@pytest.mark.parametrize("offered", ["s3cret", "s3cre", "\xe9", "s3cr\xe9t", "", "\udce9"])
+def test_the_internal_listener_takes_its_secret_alone_and_any_other_token_is_refused(offered):
+    """A token with a character beyond ASCII raised TypeError in ``compare_digest``: a 500, with a
+    traceback in the log, for any local user who sent one, where any other wrong token is a 403."""
+    from types import SimpleNamespace
+
+    from jupyter_evalsched.internal import SECONDARY_USER, SecretIdentityProvider
+
+    provider = SecretIdentityProvider(secret="s3cret")
+    handler = SimpleNamespace(request=SimpleNamespace(headers={"Authorization": f"token {offered}"}))
+    user = provider.get_user(handler)
+    assert (user.username if user else None) == (SECONDARY_USER if offered == "s3cret" else None)

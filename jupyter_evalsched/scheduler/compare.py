@@ -46,31 +46,59 @@ def episode_metrics(
             continue
         values = {}
         for name, value in metrics.items():
-            if isinstance(value, bool):
-                value = float(value)
-            if isinstance(value, int | float) and math.isfinite(value):
+            value = _finite_float(value)
+            if value is not None:
                 key = str(name)
                 if key not in kept:
                     if len(kept) >= max_names:
                         left_out[key] = None
                         continue
                     kept[key] = None
-                values[key] = float(value)
+                values[key] = value
         out[index] = values
     if dropped is not None:
         dropped.extend(left_out)
     return out
 
 
+def _finite_float(value: object) -> float | None:
+    """A metric value as a finite float, or None (not a number, not finite, or an int too large
+    for a float)."""
+    if not isinstance(value, int | float):  # (bool is an int: 1.0 or 0.0)
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    """Their mean and sample standard deviation; None for what is not a finite float (values near
+    the float's limits overflow the sums): a comparison answers null there, never a 500 or a
+    non-JSON ``Infinity``."""
+    n = len(values)
+    try:
+        mean = math.fsum(values) / n
+    except OverflowError:
+        return None, None
+    if not math.isfinite(mean):
+        return None, None
+    if n < 2:
+        return mean, None
+    try:
+        sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+    except OverflowError:
+        return mean, None
+    return mean, (sd if math.isfinite(sd) else None)
+
+
 def summarize(values: list[float]) -> dict[str, float | int | None]:
     n = len(values)
     if n == 0:
         return {"mean": None, "stderr": None, "count": 0}
-    mean = math.fsum(values) / n
-    if n < 2:
-        return {"mean": mean, "stderr": None, "count": n}
-    var = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
-    return {"mean": mean, "stderr": math.sqrt(var / n), "count": n}
+    mean, sd = _mean_sd(values)
+    return {"mean": mean, "stderr": None if sd is None else sd / math.sqrt(n), "count": n}
 
 
 def paired_delta(run: dict[int, float], baseline: dict[int, float]) -> dict[str, Any]:
@@ -79,12 +107,12 @@ def paired_delta(run: dict[int, float], baseline: dict[int, float]) -> dict[str,
     n = len(diffs)
     if n == 0:
         return {"mean": None, "ci95": None, "paired": 0}
-    mean = math.fsum(diffs) / n
-    if n < 2:
+    mean, sd = _mean_sd(diffs)
+    if mean is None or sd is None:
         return {"mean": mean, "ci95": None, "paired": n}
-    sd = math.sqrt(math.fsum((d - mean) ** 2 for d in diffs) / (n - 1))
     half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
-    return {"mean": mean, "ci95": [mean - half, mean + half], "paired": n}
+    ci95 = [mean - half, mean + half]
+    return {"mean": mean, "ci95": ci95 if all(math.isfinite(x) for x in ci95) else None, "paired": n}
 
 
 def compare(

@@ -642,7 +642,9 @@ class RunTable:
         or from a terminal state (resume). ``_DONE`` goes first, then ``job.json`` says queued: a
         reader of the directory never sees a terminal record without ``_DONE``, and the record in
         memory (what the API answers) changes only once both are on disk. False (the run is left
-        as it was) when ``_DONE`` cannot be removed; StoreError from a resume (``quiet`` False)."""
+        as it was) when ``_DONE`` cannot be removed; StoreError from a resume (``quiet`` False),
+        which also leaves the run as it was when its queued record cannot be written (its
+        ``_DONE`` put back): a terminal record on disk must keep its ``_DONE``."""
         self._settle(run.id)  # its terminal record first, or it would land after "queued"
         try:
             self.store.unmark_done(run.id)
@@ -652,7 +654,7 @@ class RunTable:
                 log.error("evalsched: run %s cannot be queued again (its _DONE stays): %s", run.id, exc)
                 return False
             raise StoreError(f"cannot queue run {run.id} again: {exc.strerror or exc}") from exc
-        run.record.update(
+        queued = dict(
             state=contract.QUEUED,
             reason=plan.reason,
             why=contract.why_dict(plan.why),
@@ -665,13 +667,26 @@ class RunTable:
             slurm_state=None,
             **plan.fields,
         )
+        if not quiet:
+            # A resume: its record is terminal on disk, and the API answers "queued" only once
+            # the disk says so too (a quiet requeue's record is retried later, from memory).
+            try:
+                self.store.write_job(run.id, {**run.record, **queued})
+            except (StoreError, OSError) as exc:
+                self._restore_done(run.id)
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                raise StoreError(f"cannot queue run {run.id} again: {why}") from exc
+        run.record.update(queued)
         run.done_on_disk = False
         run.cancel_requested = run.timed_out = False
         run.kill_reason = run.preempted_by = run.started_ts = run.exited_at = None
         run.summary_stamp = None
         self._active[run.id] = run
         self._unwritten.discard(run.id)
-        self.save(run)
+        if quiet:
+            self.save(run)
+        else:
+            run.observed_written = run.record.get("observed")
         self.changed(run)
         for listener in list(self._requeue_listeners):
             try:
@@ -679,6 +694,14 @@ class RunTable:
             except Exception:
                 log.exception("evalsched: requeue listener failed for run %s", run.id)
         return True
+
+    def _restore_done(self, run_id: str) -> None:
+        try:
+            self.store.mark_done(run_id)
+        except OSError as exc:  # (written at the next start: a terminal record found without it)
+            log.error(
+                "evalsched: run %s: its _DONE, removed for a resume that failed, cannot be put back: %s", run_id, exc
+            )
 
     def conclude(
         self, run: Run, exit_code: int | None = None, summary: FinalSummary | None = None
