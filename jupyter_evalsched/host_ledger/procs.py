@@ -111,6 +111,21 @@ def any_alive(found: list[ProcId]) -> bool | None:
     return None if unknown else False
 
 
+def first_alive(found: list[ProcId]) -> tuple[bool | None, list[ProcId]]:
+    """:func:`any_alive`, and ``found`` less the processes seen gone on the way: a process gone
+    does not come back (its identity is its pid and start time), so a grant's next look starts at
+    a live one. Read again at every sweep, a grant's 63 dead pids before its live one made each
+    sweep of 1,024 such grants cost the ledger most of a core. All gone: ``found`` as it is."""
+    unknown: list[ProcId] = []
+    for i, proc in enumerate(found):
+        try:
+            if alive(proc):
+                return True, unknown + found[i:]
+        except Unreadable:
+            unknown.append(proc)
+    return (None, unknown) if unknown else (False, found)
+
+
 def parent(pid: int) -> int | None:
     fields = _stat(pid)
     return int(fields[1]) if fields else None

@@ -52,6 +52,7 @@ from .policy import (
     met_by,
     next_grant,
     takes_room,
+    why_waiting,
 )
 from .procs import ProcId
 from .protocol import HELLO_DEADLINE_S, MAX_ANSWER_BYTES, ProtocolError, encode, read_frame
@@ -742,7 +743,9 @@ class HostLedger:
         self.pending_tenants = {t for t in self.pending_tenants if procs.any_alive([t[1]]) is not False}
         # Only a grant whose processes are all known to be gone ends: one /proc could not tell of
         # (out of descriptors, say) is kept until a sweep can.
-        lives = {g.id: procs.any_alive(g.procs) for g in self.grants.values()}
+        lives: dict[str, bool | None] = {}
+        for g in self.grants.values():
+            lives[g.id], g.procs = procs.first_alive(g.procs)
         ended = [g for g in self.grants.values() if lives[g.id] is False]
         unknown = sum(1 for live in lives.values() if live is None)
         if unknown:
@@ -820,9 +823,11 @@ class HostLedger:
             except Exception:
                 log.exception("host ledger: telling %s of grant %s failed", waiter.conn.user, waiter.key)
         # What is left cannot be granted now: each is told why (a quota, or who holds the GPUs).
-        devices, holdings = self.devices(), self.holdings()
-        for w in self.waiting:
-            self._tell_waiting(w, decide(w.ask, devices, holdings, self._quota(w)).reason)
+        reasons = why_waiting(
+            [w.ask for w in self.waiting], self.devices(), self.holdings(), [self._quota(w) for w in self.waiting]
+        )
+        for w, why in zip(self.waiting, reasons, strict=True):
+            self._tell_waiting(w, why)
 
     def _reclaim_reason(self) -> str:
         left = max(0.0, self.reclaim_until - time.monotonic())
