@@ -113,13 +113,43 @@ def process_start_time(pid: int) -> float | None:
 
 
 def flush_stdio() -> None:
-    """Flush stdout and stderr: the run's logs are files, read while the run goes on."""
+    """Flush stdout and stderr: the run's logs are files, read while the run goes on. Never
+    raises: the eval may have closed them, or put anything in their place (no ``flush``)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
                 stream.flush()
-        except (OSError, ValueError):  # closed or broken by the eval: nothing to save
+        except Exception:  # nothing to save there
             pass
+
+
+def leave_if_forked(owner: int, exc: BaseException | None = None) -> None:
+    """Unless this is process ``owner`` (the run's, or a worker's), which came into the eval's code
+    and is back: end this process, a child the eval forked, as the interpreter would have ended
+    it with ``exc`` (None: the eval's code returned) uncaught, but at once. It must not go on as
+    the run (run the next episodes, write the run's files, finalize it) while the run does: those
+    are ``owner``'s. Nor does it run the ``atexit`` handlers, which are the run's, inherited."""
+    if os.getpid() == owner:
+        return
+    code = 0 if exc is None else 1
+    try:
+        if isinstance(exc, SystemExit):
+            value = exc.code
+            if value is None or isinstance(value, int):
+                code = 0 if value is None else value & 0xFF
+            else:
+                sys.stderr.write(f"{value}\n")  # (as the interpreter prints a code that is no number)
+        elif exc is not None:
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+        else:  # no exception says why it ended: the log does
+            sys.stderr.write(
+                f"evalsched runner: process {os.getpid()}, forked by the eval, returned into the runner; "
+                "it exits without touching the run\n"
+            )
+    except BaseException:
+        pass  # (stderr removed or broken by the eval: the status says enough)
+    flush_stdio()
+    os._exit(code)
 
 
 def expected_parent_pid() -> int | None:

@@ -57,7 +57,9 @@ def validate_metrics(result: object, index: int) -> Metrics:
 
     ``None`` means no metrics. Values may be bool, int or float, or any other real number type
     (numpy scalars register as ``numbers.Real``), which is converted to int or float. Anything
-    else raises a TypeError that names the episode.
+    else raises a TypeError that names the episode. Names of a ``str`` subclass (a ``StrEnum``)
+    become plain ``str`` of the same text: what is returned holds no class of the eval's, so a
+    worker can send it to the run process, which has not imported the eval's module.
     """
     if result is None:
         return {}
@@ -73,6 +75,8 @@ def validate_metrics(result: object, index: int) -> Metrics:
                 f"episode {index} returned a metric name of type {type(name).__name__} ({name!r:.80}); "
                 f"metric names must be strings"
             )
+        if type(name) is not str:
+            name = str.__str__(name)  # (a copy of the text, whatever the subclass overrides)
         if type(value) not in (bool, int, float):
             value = _coerce_number(value, name, index)
         metrics[name] = value
@@ -106,12 +110,24 @@ def _as_finite_float(value: Number | None) -> float | None:
     return number if math.isfinite(number) else None
 
 
+# The least int that float() cannot convert (OverflowError): 2**1024 less half the last step.
+_FLOAT_OVERFLOW = 2**1024 - 2**970
+
+
+def _json_safe(value: Number) -> bool:
+    if type(value) is float:
+        return math.isfinite(value)
+    return type(value) is not int or -_FLOAT_OVERFLOW < value < _FLOAT_OVERFLOW
+
+
 def json_safe_metrics(metrics: Metrics) -> Mapping[str, Number | None]:
     """Metrics as written to ``episodes.jsonl``: non-finite floats become null (strict JSON has
-    no NaN or Infinity, and browsers reject them); the summary counts them as skipped."""
-    if all(type(v) is not float or math.isfinite(v) for v in metrics.values()):
+    no NaN or Infinity, and browsers reject them), and so do ints too large for a float (a reader
+    takes them for one, which overflows; beyond 4300 digits Python will not even write them);
+    the summary counts them as skipped."""
+    if all(_json_safe(v) for v in metrics.values()):
         return metrics
-    return {k: (v if type(v) is not float or math.isfinite(v) else None) for k, v in metrics.items()}
+    return {k: (v if _json_safe(v) else None) for k, v in metrics.items()}
 
 
 class MetricAggregator:
@@ -180,7 +196,10 @@ class MetricAggregator:
         out: MetricsSummary = {}
         for name, (count, mean, m2, low, high, skipped) in self._stats.items():
             if count:
-                std = math.sqrt(m2 / count) if m2 > 0 else 0.0
+                if not math.isfinite(m2):  # overflowed (inf, -inf, nan) near the float limits, as the mean does
+                    std = math.nan
+                else:
+                    std = math.sqrt(m2 / count) if m2 > 0 else 0.0
                 out[name] = {
                     "mean": _finite_or_none(mean),
                     "std": _finite_or_none(std),
@@ -286,7 +305,7 @@ class RunFiles:
         """Fold in the episodes earlier attempts finished, so that the summary covers them all and
         their indices are not run again. A partial last line (an attempt that died while writing
         it) is cut off, so that the next line starts on its own; a line that is not an episode of
-        this run, or repeats an index, counts for nothing."""
+        this run counts for nothing; of two lines for one index, the later counts (reference.md)."""
         import json  # resumed runs only: the start-up path of a first attempt never reads JSON lines
 
         fd = os.open(self._episodes_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -300,27 +319,24 @@ class RunFiles:
         complete = data.rfind(b"\n") + 1
         if complete < len(data):
             os.ftruncate(self._episodes_fd, complete)
+        latest: dict[int, dict[str, Number | None]] = {}
         for raw in data[:complete].split(b"\n"):
             try:
                 line = json.loads(raw) if raw.strip() else None
-            except ValueError:
+            except (ValueError, RecursionError):  # (RecursionError: nested too deeply to parse)
                 continue
             if not isinstance(line, dict):
                 continue
             index, metrics = line.get("index"), line.get("metrics")
-            if type(index) is not int or not 0 <= index < self.episodes_total or index in self.done_indices:
+            if type(index) is not int or not 0 <= index < self.episodes_total or not isinstance(metrics, dict):
                 continue
-            if not isinstance(metrics, dict):
-                continue
-            self.done_indices.add(index)
             # null is how a non-finite value was written: the aggregator counts it as skipped.
-            self.aggregator.add(
-                {
-                    k: v
-                    for k, v in metrics.items()
-                    if isinstance(k, str) and (v is None or type(v) in (bool, int, float))
-                }
-            )
+            latest[index] = {
+                k: v for k, v in metrics.items() if isinstance(k, str) and (v is None or type(v) in (bool, int, float))
+            }
+        for metrics in latest.values():
+            self.aggregator.add(metrics)
+        self.done_indices.update(latest)
         self.episodes_done = len(self.done_indices)
 
     def write_initial_summary(self) -> None:

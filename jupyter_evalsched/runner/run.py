@@ -17,6 +17,10 @@ Failure semantics (see also the package docstring for exit codes):
   episode boundary, workers included: the episodes finished so far are in ``episodes.jsonl``,
   the run is not finalized and the runner exits ``EXIT_STOPPED``; a later attempt (resume) skips
   them. Every attempt appends to ``episodes.jsonl`` and runs only the indices it lacks.
+* Only the run's own process finalizes. A child the eval forks that comes back through the
+  runner's frames (its episode returns, raises or calls ``sys.exit``, a failed ``exec``) exits
+  there as the interpreter would end it, at once, without touching the run's files (nor, in a
+  worker, its pipe); the run goes on.
 * A process exit the runner cannot intercept (``os._exit``, a segfault, SIGKILL) leaves the run
   unfinalized; the server records ``exit_code:<n>`` or ``signal:<NAME>``. With workers, a
   worker's death is seen by the run process, which finalizes the run as failed with a
@@ -47,6 +51,7 @@ from ._proc import (
     ensure_in_cgroup,
     expected_parent_pid,
     flush_stdio,
+    leave_if_forked,
     parent_is_gone,
     set_parent_death_signal,
 )
@@ -68,8 +73,21 @@ _USAGE = "usage: python -m jupyter_evalsched.runner --run-dir DIR"
 
 
 def _say(message: str) -> None:
-    sys.stderr.write(f"evalsched runner: {message}\n")
-    sys.stderr.flush()
+    """A line for the run's stderr log. Never raises: the eval may have replaced ``sys.stderr``
+    with anything, or None; then the line goes to descriptor 2 itself."""
+    text = f"evalsched runner: {message}\n"
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return
+    except Exception:
+        pass
+    data = text.encode("utf-8", "backslashreplace")
+    try:
+        while data:
+            data = data[os.write(2, data) :]
+    except OSError:
+        pass  # closed by the eval: nowhere left to say it
 
 
 def parse_args(argv: list[str]) -> str | None:
@@ -193,6 +211,9 @@ def main_checked(argv: list[str] | None = None) -> int:
 
 
 _finalized: RunFiles | None = None  # a run whose summary is final: _DONE is due at the exit
+# The run's own process: the only one that may write its files and finalize it (the eval may fork
+# children that come back through the runner's frames).
+_run_pid: int | None = None
 # The run's socket to the server, told DONE_NOTICE once _DONE exists: (descriptor, the socket's
 # device and inode, the run's pid) as ``set_done_notice`` found them.
 _done_notice: tuple[int, int, int, int] | None = None
@@ -257,7 +278,7 @@ def finish(code: int) -> int:
     process exits."""
     global _finalized
     files, _finalized = _finalized, None
-    if files is None or code != EXIT_FINALIZED:
+    if files is None or code != EXIT_FINALIZED or os.getpid() != _run_pid:
         return code
     try:
         files.mark_done()
@@ -271,9 +292,11 @@ def finish(code: int) -> int:
 
 
 def _run(run_dir: str, spec_bytes: bytes) -> int:
-    global _finalized
+    global _finalized, _run_pid
     from .errors import describe_exception
     from .results import RunFiles
+
+    run_pid = _run_pid = os.getpid()
 
     raw: object = None
     spec: RunSpec | Exception  # the spec, or why it is unusable
@@ -304,9 +327,18 @@ def _run(run_dir: str, spec_bytes: bytes) -> int:
             except NotInCgroup as exc:
                 error = describe_exception(exc)
             else:
-                error = _run_episodes(spec, run_dir, files)
+                try:
+                    error = _run_episodes(spec, run_dir, files)
+                except OSError:
+                    raise  # the run files: the server finalizes (below)
+                except Exception as exc:
+                    # A failure of the runner's own, where the eval gave it what it did not
+                    # expect: the run still ends failed, and says why, rather than crash unfinalized
+                    # (which would count as a crash, and be retried).
+                    error = describe_exception(exc)
         else:
             error = describe_exception(spec)
+        leave_if_forked(run_pid)  # (the episodes check it at each return of the eval's code)
         if isinstance(error, _Stopped):
             left = files.episodes_total - files.episodes_done
             _say(f"stopped at an episode boundary ({STOP_FILE}): {files.episodes_done} episodes done, {left} left")
@@ -380,11 +412,13 @@ def _run_episodes(spec: RunSpec, run_dir: str, files: RunFiles) -> ErrorInfo | _
         return None
     if stop_requested():
         return STOPPED
+    pid = os.getpid()
     try:
         episode = load_episode()
     except BaseException as exc:
+        leave_if_forked(pid, exc)
         return describe_exception(exc)
-    pid = os.getpid()
+    leave_if_forked(pid)
     for position, index in enumerate(indices):
         if position and stop_requested():
             return STOPPED
@@ -392,8 +426,10 @@ def _run_episodes(spec: RunSpec, run_dir: str, files: RunFiles) -> ErrorInfo | _
         try:
             metrics = validate_metrics(episode(make_ctx(index), index), index)
         except BaseException as exc:
+            leave_if_forked(pid, exc)
             flush_stdio()
             return describe_exception(exc, index)
+        leave_if_forked(pid)
         finished_at = utc_now_iso()
         flush_stdio()  # a print without a newline would otherwise wait in the buffer
         files.record_episode(index, metrics, started_at, finished_at, pid)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import signal
 
-from ._proc import EXIT_PARENT_GONE, flush_stdio, set_parent_death_signal
+from ._proc import EXIT_PARENT_GONE, flush_stdio, leave_if_forked, set_parent_death_signal
 from .errors import describe_exception
 from .results import utc_now_iso, validate_metrics
 
@@ -66,12 +66,16 @@ def _worker_main(
     set_parent_death_signal()
     if os.getppid() != run_pid:  # the run process died before the death signal was armed
         os._exit(EXIT_PARENT_GONE)
+    # A child the eval forks that comes back here ends at once: this pipe is the worker's alone.
+    me = os.getpid()
     try:
         try:
             episode = load_episode()
         except BaseException as exc:
+            leave_if_forked(me, exc)
             conn.send(("error", describe_exception(exc)))
             return
+        leave_if_forked(me)
         while True:
             try:
                 index = conn.recv()
@@ -83,9 +87,11 @@ def _worker_main(
             try:
                 metrics = validate_metrics(episode(make_ctx(index), index), index)
             except BaseException as exc:
+                leave_if_forked(me, exc)
                 flush_stdio()
                 conn.send(("error", describe_exception(exc, index)))
                 return
+            leave_if_forked(me)
             finished_at = utc_now_iso()
             flush_stdio()
             conn.send(("ok", index, metrics, started_at, finished_at))
@@ -162,6 +168,8 @@ def run_in_workers(
             except (EOFError, OSError):
                 worker.conn_open = False
                 break
+            except Exception as exc:  # unpickling: a class this process does not have, say
+                return unreadable_message(worker, exc)
             worker.reported = True
             if message[0] == "error":
                 return message[1]
@@ -170,6 +178,15 @@ def run_in_workers(
             on_episode(index, metrics, started_at, finished_at, worker.pid)
             hand_out(worker)
         return None
+
+    def unreadable_message(worker: _Worker, exc: Exception) -> ErrorInfo:
+        error = describe_exception(exc, worker.episode)
+        # (What the worker sends is plain data: validate_metrics and describe_exception see to it.)
+        error["message"] = (
+            f"the run process could not read what worker process {worker.pid} sent about episode "
+            f"{worker.episode}: {error['type']}: {error['message']}"
+        )
+        return error
 
     def death_error(worker: _Worker) -> ErrorInfo:
         code = worker.process.exitcode
