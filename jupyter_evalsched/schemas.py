@@ -533,7 +533,12 @@ class RunRecord(BaseModel):
     metrics: dict[str, Any] = Field(default_factory=dict, description="the latest aggregates of summary.json")
     slurm_job_id: str | None = None
     slurm_state: str | None = None
-    idempotency_key: str | None = Field(None, description="the Idempotency-Key header of the submission")
+    idempotency_key: str | None = Field(
+        None,
+        description="the Idempotency-Key header of the submission; for a sweep's run '<key>#<i> <n>:<digest>' "
+        "(its point, the sweep's number of points and their digest), ' cancelled' added once the sweep was "
+        "cancelled with points left unmade",
+    )
     entrypoint: str | None = Field(None, description="the eval's entrypoint (eval.py:... for a cell's source)")
     source_digest: str | None = Field(None, description="sha256 of the spec's source, when it carries one")
     marginal_vram_source: str = Field(

@@ -11,6 +11,7 @@ All of it runs on the event-loop thread (the directory is written by the writer'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -18,7 +19,6 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from .. import contract
@@ -39,7 +39,7 @@ log = logging.getLogger("jupyter_evalsched")
 MAX_CANCELLED_SWEEPS_KEPT = 4096  # (a sweep's submission takes seconds: its cancel is among the newest)
 
 
-@dataclass
+@dataclasses.dataclass
 class _NewRun:
     """A submission's run before it is on disk: what its directory holds and what the table
     and admission need once it is."""
@@ -59,6 +59,87 @@ class _NewRun:
 # A sweep's point in a chunk: its spec, the id of the run it replays (or None), and the run being
 # made for it with its directory's write (or None).
 _ChunkPoint = tuple[dict[str, Any], str | None, tuple[_NewRun, "asyncio.Future[None]"] | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepKey:
+    """The ``idempotency_key`` a sweep's run records: ``<key>#<i> <n>:<digest>``, its
+    submission's key, its point's index, the sweep's number of points and their digest
+    (``sweeps.points_digest``: what tells a retry from another sweep under the same key, also
+    after a restart), then `` cancelled`` once the sweep was cancelled with points left unmade
+    (a retry, after a restart too, makes no more). No Idempotency-Key holds a space. Records
+    written before the digest was kept hold ``<key>#<i>`` alone."""
+
+    key: str
+    index: int
+    points: int | None = None
+    digest: str | None = None
+    cancelled: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> SweepKey | None:
+        head, _, tail = text.partition(" ")
+        key, sep, index = head.rpartition("#")
+        if not sep or not key or not (index.isascii() and index.isdigit()):
+            return None
+        if not tail:
+            return cls(key, int(index))
+        sweep, _, mark = tail.partition(" ")
+        points, _, digest = sweep.partition(":")
+        if not (points.isascii() and points.isdigit()) or not digest or mark not in ("", "cancelled"):
+            return None
+        return cls(key, int(index), int(points), digest, mark == "cancelled")
+
+    def text(self) -> str:
+        if self.points is None:
+            return f"{self.key}#{self.index}"
+        return f"{self.key}#{self.index} {self.points}:{self.digest}" + (" cancelled" if self.cancelled else "")
+
+
+class IdempotencyKeys:
+    """Idempotency-Key -> the run it made, in two namespaces that never meet: plain runs' keys
+    (POST /runs), and sweeps' keys, each with its points' runs. A sweep's run is told apart by
+    its ``sweep_id`` (its recorded key, ``SweepKey``, can look like a plain one: ``k#0``), so that
+    a plain key is never a sweep's point nor the reverse, also as rebuilt from the records at a
+    start (``key_index[recorded key] = run id``, the run in the table already)."""
+
+    def __init__(self, table: RunTable) -> None:
+        self.table = table
+        self.runs: dict[str, str] = {}
+        self.sweeps: dict[str, dict[int, str]] = {}  # a sweep's key -> {point index: run id}
+
+    def get(self, key: str) -> str | None:
+        """The run a plain submission made under ``key``."""
+        return self.runs.get(key)
+
+    def sweep(self, key: str) -> dict[int, str]:
+        """The runs a sweep submitted under ``key`` has, by the index of their point."""
+        return self.sweeps.get(key, {})
+
+    def __setitem__(self, recorded: str, run_id: str) -> None:
+        run = self.table.get(run_id)
+        point = SweepKey.parse(recorded) if run is not None and run.record.get("sweep_id") else None
+        if point is None:
+            self.runs[recorded] = run_id
+        else:
+            self.sweeps.setdefault(point.key, {})[point.index] = run_id
+
+    def pop(self, recorded: str, default: str | None = None) -> str | None:
+        """Forget the run recorded with ``recorded`` once it left the table (deleted): of the
+        plain run and the sweep's run the key may name, the one that is gone."""
+        run_id = self.runs.get(recorded)
+        if run_id is not None and run_id not in self.table:
+            return self.runs.pop(recorded)
+        point = SweepKey.parse(recorded)
+        points = self.sweeps.get(point.key) if point is not None else None
+        if point is not None and points is not None:
+            run_id = points.get(point.index)
+            if run_id is not None and run_id not in self.table:
+                del points[point.index]
+                if not points:
+                    del self.sweeps[point.key]
+                return run_id
+        return default
 
 
 class Submissions:
@@ -83,7 +164,7 @@ class Submissions:
         self.empty_capacity = empty_capacity  # the host with nothing running: what never fits
         self.require_loop = require_loop
         self.writer = writer  # run directories are written by its thread, concurrent ones together
-        self.by_key: dict[str, str] = {}  # Idempotency-Key -> the run it created
+        self.by_key = IdempotencyKeys(table)  # Idempotency-Key -> the run(s) it created
         self._keys_in_flight: dict[str, asyncio.Future[None]] = {}
         self._sweep_keys_in_flight: dict[str, asyncio.Future[None]] = {}
         # Sweep submissions under way, each done when it returns: a stop waits for them.
@@ -397,9 +478,11 @@ class Submissions:
     ) -> tuple[dict[str, Any], bool]:
         """One run per point of ``sweep`` (docs/reference.md, "Sweeps"), every one an ordinary
         run with ``sweep_id``. All points are checked before the first run is written. With
-        ``idempotency_key``, run i has the key ``<key>#<i>``: a retried submission answers with
+        ``idempotency_key``, run i records the key ``<key>#<i>`` with the sweep's points' digest
+        (``SweepKey``; a plain run's key never matches it): a retried submission answers with
         the runs already made, and makes the ones an interrupted first try did not; one that
-        comes while the first is under way waits for it, then answers with its runs.
+        comes while the first is under way waits for it, then answers with its runs; the key
+        with other points (or another spec) is a StateConflict.
         ``MAX_SWEEP_SUBMISSIONS`` are under way at once; one more is Busy (429)."""
         # The key is reserved before the first wait: a second submission with it never starts a
         # sweep of its own while the first is under way.
@@ -453,15 +536,14 @@ class Submissions:
                 f"{sweeps.MAX_SWEEP_JSON_CHARS} per sweep (fewer points, or smaller params or source)"
             )
             raise SpecRejected(f"sweep: {msg}", [{"loc": ["sweep"], "msg": msg, "type": "sweep_too_large"}])
-        keys = [None if idempotency_key is None else f"{idempotency_key}#{i}" for i in range(len(points))]
+        keys: list[str | None] = [None] * len(points)
+        made_before: dict[int, str] = {}  # what earlier submissions under the key made
         sweep_id = None
-        known = [self.by_key.get(k) for k in keys if k is not None]
-        if any(known):
-            first = next(run_id for run_id in known if run_id)
-            first_run = self.table.get(first)
-            if first_run is None:
-                raise UnknownRun(f"no run with id {first!r}")
-            sweep_id = first_run.record.get("sweep_id")
+        if idempotency_key is not None:
+            digest = sweeps.points_digest(points)
+            keys = [SweepKey(idempotency_key, i, len(points), digest).text() for i in range(len(points))]
+            made_before = dict(self.by_key.sweep(idempotency_key))
+            sweep_id = self._earlier_sweep(made_before, len(points), digest)
         sweep_id = sweep_id or sweeps.new_sweep_id()
         records: list[dict[str, Any]] = []
         made: list[str] = []
@@ -471,11 +553,9 @@ class Submissions:
             # no faster than as many single submissions); the loop serves others between chunks.
             for chunk_range in sweeps.chunks(sizes, sweeps.SWEEP_CHUNK_POINTS, sweeps.SWEEP_CHUNK_CHARS):
                 # (what to replay is decided with no wait before the chunk's writes begin)
-                replays = [
-                    None if key is None else self.by_key.get(key) for key in keys[chunk_range.start : chunk_range.stop]
-                ]
+                replays = [made_before.get(i) for i in chunk_range]
                 if not all(replays):  # (a retry that only answers runs made already is not refused)
-                    self._raise_if_cancelled(sweep_id, len(records), len(points))
+                    self._raise_if_cancelled(sweep_id, max(len(records), len(made_before)), len(points))
                     self._raise_if_stopping(sweep_id, len(made), len(points))
                 chunk: list[_ChunkPoint] = []
                 try:
@@ -585,6 +665,27 @@ class Submissions:
             return
         removal.add_done_callback(lambda _: self._creating.discard(run_id))
 
+    def _earlier_sweep(self, made_before: dict[int, str], points: int, digest: str) -> str | None:
+        """The sweep that earlier submissions under this key made (``made_before``, its runs by
+        point), if any; StateConflict where it has other points than these (``points`` of
+        ``digest``): a run past them, or another digest. One whose record says it was cancelled
+        with points left unmade (``SweepKey.cancelled``, also across a restart) makes no more."""
+        runs = [run for _, run_id in sorted(made_before.items()) if (run := self.table.get(run_id)) is not None]
+        if not runs:
+            return None
+        sweep_id = str(runs[0].record["sweep_id"])
+        recorded = [SweepKey.parse(str(run.record["idempotency_key"])) for run in runs]
+        if max(made_before) >= points or any(
+            k is not None and k.digest is not None and (k.points, k.digest) != (points, digest) for k in recorded
+        ):
+            raise StateConflict(
+                f"the Idempotency-Key was already used for sweep {sweep_id}, with other points: "
+                "a retry of a submission sends the same body"
+            )
+        if any(k is not None and k.cancelled for k in recorded):
+            self._note_cancelled(sweep_id)
+        return sweep_id
+
     def _raise_if_cancelled(self, sweep_id: str, made: int, points: int) -> None:
         if sweep_id in self._cancelled_sweeps:
             raise StateConflict(
@@ -612,8 +713,24 @@ class Submissions:
         return not pending
 
     def sweep_cancelled(self, sweep_id: str) -> None:
-        """The sweep is cancelled: a submission of it still under way makes no more of its runs
-        (nor does a retry of that submission, under its Idempotency-Key)."""
+        """The sweep is cancelled (its runs are cancelled right after): a submission of it still
+        under way makes no more of its runs, nor does a retry of that submission, under its
+        Idempotency-Key, also after a restart: where points are left unmade, the recorded keys
+        of its runs say so (``SweepKey.cancelled``), written with the cancel's records."""
+        self._note_cancelled(sweep_id)
+        runs = self.sweep_runs(sweep_id)
+        recorded = [(run, SweepKey.parse(str(run.record.get("idempotency_key") or ""))) for run in runs]
+        keyed = [(run, key) for run, key in recorded if key is not None and key.points is not None]
+        if not keyed or len(runs) >= (keyed[0][1].points or 0) or any(key.cancelled for _, key in keyed):
+            return  # unkeyed (never retried), every point made (a retry answers them), or said already
+        unfinished = [(run, key) for run, key in keyed if not run.terminal]
+        for run, key in unfinished:  # (written with the terminal record the cancel gives it)
+            run.record["idempotency_key"] = dataclasses.replace(key, cancelled=True).text()
+        if not unfinished:  # the cancel writes no record: one is written here
+            run, key = keyed[-1]
+            self.table.update(run, idempotency_key=dataclasses.replace(key, cancelled=True).text())
+
+    def _note_cancelled(self, sweep_id: str) -> None:
         self._cancelled_sweeps[sweep_id] = None
         while len(self._cancelled_sweeps) > MAX_CANCELLED_SWEEPS_KEPT:
             del self._cancelled_sweeps[next(iter(self._cancelled_sweeps))]
@@ -693,8 +810,8 @@ class _SweepBase:
                 items += json_chars(key) + 1 + json_chars(value)
             params_chars = 2 + items + max(count - 1, 0)
             check_params_size(params_chars)
-            if name is not None and any(ord(c) < 32 for c in name):
-                raise ValueError("name: must not contain control characters")
+            # (the name needs no check of its own: the base's passed EvalSpec's, and the point's
+            # part is printable, sweeps.point_label)
             size = self.rest_chars - self.name_chars + json_chars(name) + params_chars
             check_spec_size(size)
         except ValueError as exc:

@@ -10,8 +10,10 @@ it is the set of runs that name it.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import re
 import secrets
 import time
 from typing import Any
@@ -30,6 +32,10 @@ SWEEP_ID_PREFIX = "sweep-"
 # and files are made in one turn of the event loop, and kept until the batch is written).
 SWEEP_CHUNK_POINTS = 64
 SWEEP_CHUNK_CHARS = 1024 * 1024
+# What a run's name may not hold (EvalSpec.name: control characters) and what no text should
+# (C1 controls, DEL, lone surrogates, which JSON allows in a value): a name the server makes
+# from a point shows them escaped, as Python writes them (\n, \x07, \ud800).
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 class SweepError(ValueError):
@@ -104,8 +110,21 @@ def chunks(sizes: list[int], max_points: int, max_chars: int) -> list[range]:
 
 
 def point_label(point: dict[str, Any]) -> str:
-    """``temperature=0.2, k=1``: how a run of a sweep is told apart from its siblings."""
-    return ", ".join(f"{k}={_short(v)}" for k, v in point.items())
+    """``temperature=0.2, k=1``: how a run of a sweep is told apart from its siblings; printable
+    (what is not is escaped), so that any point valid as params makes a valid run name."""
+    return ", ".join(f"{printable(k)}={_short(v)}" for k, v in point.items())
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters and lone surrogates escaped (``"a\\nb"``)."""
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def points_digest(points: list[dict[str, Any]]) -> str:
+    """What tells a sweep's points from another's (their order and their keys' order included:
+    both make the runs' names), for a retry under the same Idempotency-Key."""
+    text = json.dumps(points, separators=(",", ":"))  # (ASCII: a lone surrogate is escaped)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def run_name(base: str | None, point: dict[str, Any], limit: int = 200) -> str | None:
@@ -147,5 +166,6 @@ def _canonical(value: Any) -> str:
 
 
 def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    # (JSON escapes what is not printable in a value other than a string)
+    text = printable(value) if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
     return text if len(text) <= 40 else text[:39] + "…"
