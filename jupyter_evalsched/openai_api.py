@@ -48,6 +48,7 @@ from .openai_shapes import (
     parse_completion,
     parse_embeddings,
     stream_usage,
+    well_formed_answer,
 )
 from .scheduler.errors import SchedulerError
 from .scheduler.shared import ModelUnavailable
@@ -232,6 +233,7 @@ class OpenAIHandler(EvalSchedHandler):
         finally:
             self._task = None
         if reply.get("ok"):
+            self._answered_from = reply.get("files")
             return reply["outputs"]
         error = reply.get("error") or {}
         message_text = f"{error.get('type')}: {error.get('message')}"
@@ -260,10 +262,14 @@ class OpenAIHandler(EvalSchedHandler):
 
     # -- the response cache --
 
-    async def cache_for(self, name: str, kind: str, requests: list[dict]) -> tuple[ResponseCache, list[str]] | None:
-        """The cache and the keys (one per prompt) of a request that may be answered from the
-        cache; None when the cache is off, the request is not deterministic or the model names
-        no files to key on."""
+    _answered_from: str | None = None  # the model files of the load that answered (the host says)
+
+    async def cache_for(
+        self, name: str, kind: str, requests: list[dict]
+    ) -> tuple[ResponseCache, list[str], str] | None:
+        """The cache, the keys (one per prompt) of a request that may be answered from the cache
+        and the digest of the model's files they are keyed on; None when the cache is off, the
+        request is not deterministic or the model names no files to key on."""
         cache: ResponseCache | None = getattr(self.app, "openai_cache", None)
         host = self.app.model_host
         if cache is None or host is None or not deterministic(requests):
@@ -273,7 +279,7 @@ class OpenAIHandler(EvalSchedHandler):
         if files is None:
             return None
         declaration = config.as_dict()
-        return cache, [cache_key(declaration, files, kind, request) for request in requests]
+        return cache, [cache_key(declaration, files, kind, request) for request in requests], files
 
     async def answers(self, name: str, kind: str, requests: list[dict], writer: ChunkWriter | None) -> list[dict]:
         """The answers to ``requests``: the cache's, the host's for the prompts it has none of
@@ -281,8 +287,12 @@ class OpenAIHandler(EvalSchedHandler):
         cached = await self.cache_for(name, kind, requests)
         found: list[dict | None] = [None] * len(requests)
         if cached is not None:
-            cache, keys = cached
-            found = await asyncio.to_thread(lambda: [cache.get(key) for key in keys])
+            cache, keys, _ = cached
+            # A damaged or planted entry (its key right, its answer not one the host makes) is a
+            # miss: the bodies and streams made from it would fail.
+            found = await asyncio.to_thread(
+                lambda: [answer if well_formed_answer(answer := cache.get(key)) else None for key in keys]
+            )
             hit = all(answer is not None for answer in found)
             self.set_header("X-Evalsched-Cache", "hit" if hit else "miss")
             if hit:
@@ -298,8 +308,10 @@ class OpenAIHandler(EvalSchedHandler):
         fresh = await self.ask_openai(name, [requests[index] for index in missing], on_delta)
         for index, answer in zip(missing, fresh, strict=True):
             found[index] = answer
-        if cached is not None:
-            cache, keys = cached
+        # Stored only when the host's load read the files the keys name: one that loaded before
+        # the files changed answers with the weights it holds, which the new key must not get.
+        if cached is not None and cached[2] == self._answered_from:
+            cache, keys, _ = cached
             await asyncio.to_thread(
                 lambda: [cache.put(keys[i], answer) for i, answer in zip(missing, fresh, strict=True)]
             )

@@ -31,35 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .shared_models.model_files import model_digest as model_digest
 from .store import atomic_write_bytes, dumps, open_dir, parse_json, read_bytes_nofollow
 
 CACHE_DIR = ".openai-cache"  # under the runs directory (run ids never start with a dot)
 FORMAT = 1  # in every key: a change of what is stored is a change of every key
 _ENTRY = re.compile(r"^[0-9a-f]{64}\.json$")
-
-
-def model_digest(path: str | None) -> str | None:
-    """A digest of the files under a model directory: each file's relative name, size,
-    modification and change times (ns) and inode. Not their contents: hashing a 14 GB model at
-    every request would cost more than the answer; ``save_pretrained`` (any rewrite) gives a file
-    a new time, and a copy that keeps the modification time (``cp -p``, ``rsync -a``) still gets a
-    new change time or inode. None when ``path`` is not a directory (a loader that names no model
-    files: nothing to key on). Blocking: call it from a thread."""
-    if not path or not os.path.isdir(path):
-        return None
-    rows = []
-    for folder, dirs, files in os.walk(path):  # (a model directory is the operator's: links are followed)
-        dirs.sort()
-        for name in sorted(files):
-            full = os.path.join(folder, name)
-            try:
-                info = os.stat(full)
-            except OSError:
-                continue
-            rows.append(
-                f"{os.path.relpath(full, path)}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ctime_ns}\0{info.st_ino}"
-            )
-    return hashlib.sha256("\n".join(rows).encode()).hexdigest()
 
 
 def cache_key(declaration: dict[str, Any], files: str, kind: str, request: dict) -> str:

@@ -11,6 +11,7 @@ functions turn the host's answers back into OpenAI's JSON. The host's answer per
 from __future__ import annotations
 
 import base64
+import re
 import struct
 import time
 import uuid
@@ -338,8 +339,55 @@ def completion_body(model: str, requests: list[dict], answers: list[dict]) -> di
     }
 
 
+_PARTIAL_TOKEN = re.compile(r"bytes:((?:\\x[0-9a-f]{2})+)")
+
+
 def _utf8(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+    """A token's bytes. A token that is part of a character is named ``bytes:\\xf8`` (as OpenAI
+    names one): its bytes are those it stands for, which a client joins with the next token's to
+    rebuild the character, not the name's."""
+    partial = _PARTIAL_TOKEN.fullmatch(text)
+    if partial is not None:
+        return list(bytes.fromhex(partial.group(1).replace("\\x", "")))
+    return list(text.encode("utf-8", "surrogatepass"))
+
+
+def _is_number_or_none(value: object) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+
+def _well_formed_entry(entry: object) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+        return False
+    if not _is_number_or_none(entry.get("logprob")) or type(entry.get("offset")) is not int:
+        return False
+    top = entry.get("top")
+    return top is None or (
+        isinstance(top, list)
+        and all(
+            isinstance(t, list | tuple) and len(t) == 2 and isinstance(t[0], str) and _is_number_or_none(t[1])
+            for t in top
+        )
+    )
+
+
+def well_formed_answer(answer: object) -> bool:
+    """Whether ``answer`` has the shape of the model host's answer to one completions or chat
+    request, as every body and stream here reads it: a cached entry that does not (damaged, or
+    written by something else) is a miss, never a 500."""
+    if not isinstance(answer, dict):
+        return False
+    if not all(isinstance(answer.get(k), str) for k in ("text", "prompt_text")):
+        return False
+    if not all(type(answer.get(k)) is int and answer[k] >= 0 for k in ("prompt_tokens", "completion_tokens")):
+        return False
+    if not (answer.get("finish_reason") is None or isinstance(answer.get("finish_reason"), str)):
+        return False
+    pieces = answer.get("pieces")
+    if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):
+        return False
+    entries = answer.get("logprobs")
+    return entries is None or (isinstance(entries, list) and all(_well_formed_entry(e) for e in entries))
 
 
 def chat_logprobs(entries: list[dict] | None) -> dict | None:

@@ -265,3 +265,41 @@ async def test_the_server_answers_bad_input_with_an_openai_4xx_and_stays_whole(j
     assert code == 200 and json.loads(text)["usage"]["completion_tokens"] == 2
     figures = (await evalsched.models.ask("lm", {"op": "describe"}))["describe"]
     assert figures["failed_requests"] == 0 and figures["queued"] == 0
+
+
+def test_a_token_that_is_part_of_a_character_has_the_bytes_it_stands_for():
+    """A token that is half a character is named ``bytes:\\xf8`` (as OpenAI names one); its
+    ``bytes`` are that byte, which a client joins with the next token's to rebuild the character.
+    They were the bytes of the name (``b"bytes:\\\\xf8"``)."""
+    from jupyter_evalsched.openai_shapes import chat_logprobs
+
+    entries = [
+        {"token": "bytes:\\xe6\\x97", "logprob": -0.5, "top": [("bytes:\\xe6\\x97", -0.5), ("h\u00e9", -2.0)]},
+        {"token": "bytes:\\xa5", "logprob": -0.1, "top": None},
+        {"token": "bytes:x", "logprob": -0.1, "top": None},  # (not a byte's name: its text)
+    ]
+    content = chat_logprobs(entries)["content"]
+    assert bytes(content[0]["bytes"] + content[1]["bytes"]).decode() == "\u65e5"
+    assert [t["bytes"] for t in content[0]["top_logprobs"]] == [[0xE6, 0x97], list("h\u00e9".encode())]
+    assert content[2]["bytes"] == list(b"bytes:x")
+
+
+def test_the_model_files_digest_follows_a_linked_directory_and_survives_a_loop(tmp_path):
+    """A model directory whose tokenizer is a link to a directory elsewhere: a file rewritten
+    there changes the digest (it did not: the walk did not follow links to directories, so the
+    cache kept answering from the old files). A loop of links is walked once."""
+    import os
+
+    from jupyter_evalsched.openai_cache import model_digest
+
+    real, model = tmp_path / "real", tmp_path / "model"
+    real.mkdir()
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (real / "tok.json").write_text("{}")
+    (model / "tokenizer").symlink_to(real)
+    (real / "loop").symlink_to(model)  # back up: walked once
+    before = model_digest(str(model))
+    info = (real / "tok.json").stat()
+    os.utime(real / "tok.json", ns=(info.st_atime_ns, info.st_mtime_ns + 10**9))
+    assert model_digest(str(model)) != before

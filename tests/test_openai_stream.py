@@ -529,6 +529,26 @@ async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched,
     assert headers["X-Evalsched-Cache"] == "miss" and relinked["choices"] == scored["choices"]
     assert not entry.is_symlink() and entry.is_file()
 
+    # Chat is cached the same way.
+    chat = {"model": "cached", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
+    _, first_chat, headers = await v1("chat/completions", chat)
+    assert headers["X-Evalsched-Cache"] == "miss"
+    _, second_chat, headers = await v1("chat/completions", chat)
+    assert headers["X-Evalsched-Cache"] == "hit" and second_chat["choices"] == first_chat["choices"]
+
+    # An entry whose key is right and whose answer is not one the host makes (damaged, or written
+    # by another process of the user): a miss, answered by the model and written anew. (It
+    # answered 500: the bodies and streams made from it failed.)
+    (entry,) = [e for e in root.iterdir() if json.loads(e.read_text())["answer"].get("prompt_text") == "A dog"]
+    good = json.loads(entry.read_text())["answer"]
+    for damaged in ({}, {**good, "prompt_tokens": "x"}, {**good, "logprobs": 5}, {**good, "pieces": None}):
+        for stream in (False, True):
+            entry.write_text(json.dumps({"key": entry.stem, "answer": damaged}))
+            code, text, headers = await v1("completions", {**score, "prompt": ["A dog"], "stream": stream})
+            assert code == 200 and headers["X-Evalsched-Cache"] == "miss", (damaged, stream, text)
+    _, _, headers = await v1("completions", {**score, "prompt": ["A dog"]})
+    assert headers["X-Evalsched-Cache"] == "hit"
+
     # A changed model file: every key changes.
     config = model_copy / "config.json"
     info = config.stat()
@@ -538,6 +558,11 @@ async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched,
     assert code == 200 and headers["X-Evalsched-Cache"] == "miss"
     assert (await figures(evalsched, "cached"))["requests"] == before + 1
     assert changed["choices"][0]["text"] == answer["choices"][0]["text"]  # (the weights are the same)
+    # ... and the answer is not stored under the new key: the host still holds what it loaded
+    # from the files before (rewritten weights would answer as the old ones, and that answer
+    # would be served as the new model's after its next load).
+    code, _, headers = await v1("completions", greedy)
+    assert code == 200 and headers["X-Evalsched-Cache"] == "miss"
     # A file copied over with its modification time kept (cp -p, rsync -a): a new key too.
     weights = next(p for p in model_copy.iterdir() if p.suffix in (".safetensors", ".bin"))
     kept = weights.stat()
@@ -548,12 +573,6 @@ async def test_deterministic_requests_are_answered_from_the_cache(v1, evalsched,
     code, _, headers = await v1("completions", greedy)
     assert code == 200 and headers["X-Evalsched-Cache"] == "miss"
 
-    # Chat is cached the same way.
-    chat = {"model": "cached", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
-    _, first_chat, headers = await v1("chat/completions", chat)
-    assert headers["X-Evalsched-Cache"] == "miss"
-    _, second_chat, headers = await v1("chat/completions", chat)
-    assert headers["X-Evalsched-Cache"] == "hit" and second_chat["choices"] == first_chat["choices"]
     assert walked_on_loop and not any(walked_on_loop)
 
 

@@ -280,6 +280,7 @@ class ModelHost:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.loaded_at: float | None = None  # monotonic time of the last load
+        self.loaded_files: str | None = None  # model_digest of what the last load read, if known
         self.tokens_since_load = 0
         self.recent: deque[tuple[float, int]] = deque()  # (ended_at, tokens) of recent batches
         self.last_used: float | None = None  # wall-clock time a caller last sent or got a request
@@ -365,6 +366,9 @@ class ModelHost:
             self.load_count += 1
         self.emit("loading", load_count=self.load_count)
         started = time.monotonic()
+        from .model_files import model_digest
+
+        files = model_digest(self.config.model)  # (again after the load: what was loaded, if alike)
         try:
             fn = load_callable(self.config)
         except BaseException as exc:  # a loader's SystemExit or MemoryError is a failed load too
@@ -377,8 +381,11 @@ class ModelHost:
                 self.state, self.error, self.failed_at = "failed", error, time.monotonic()
             self.emit("load_failed", error=error, load_count=self.load_count)
             return error
+        if files is not None and model_digest(self.config.model) != files:
+            files = None  # rewritten while it loaded: which files it holds is not known
         with self.cond:
             self.fn, self.state, self.error = fn, "loaded", None
+            self.loaded_files = files
             self.load_seconds = round(time.monotonic() - started, 3)
             self.loaded_at, self.tokens_since_load = time.monotonic(), 0
             self.recent.clear()
@@ -676,7 +683,9 @@ class ModelHost:
             return None
         if call.error is not None:
             return {"ok": False, "error": call.error}
-        return {"ok": True, "outputs": call.outputs}
+        # The files of the load that answered: the response cache stores the answer only under
+        # their key (the files on disk may have changed since, the loaded weights not).
+        return {"ok": True, "outputs": call.outputs, "files": self.loaded_files}
 
     def _await(self, call: _Call, conn: socket.socket, stream: bool) -> bool:
         """Wait for ``call`` to be done, sending its deltas when ``stream``, and watching ``conn``:
