@@ -246,7 +246,7 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
 
     async def forward_to_primary(self) -> None:
         """The request as it came, to the primary's internal listener, with the link's secret."""
-        primary = self.app.role.primary()
+        primary = self.app.role.forward_target()
         if primary is None:
             raise ApiError(503, no_primary_message(self.app))
         if self.forward_as_it_comes:
@@ -792,7 +792,7 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
     async def _relay_from_primary(self) -> None:
         """A secondary relays the primary's stream; when the primary goes, the socket closes and
         the client reconnects (to whichever server then is primary, through this one)."""
-        primary = self.app.role.primary()
+        primary = self.app.role.forward_target()
         if primary is None:
             self.close(1013, "the host's primary evalsched server is changing; reconnect")
             return

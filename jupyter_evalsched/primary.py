@@ -186,6 +186,17 @@ class HostRole:
         self._fd = None
         self._locked = None
 
+    def forward_target(self) -> PrimaryInfo | None:
+        """The advertised primary to forward a request to: only while its process lives (this
+        user's, started before it advertised). A primary killed leaves its advertisement, and its
+        loopback port free until a server takes over: any user of the host could listen there and
+        be sent the requests (their specs, their prompts) and answer them."""
+        info = self.primary()
+        if info is None or _advertiser_alive(info):
+            return info
+        self.problem = f"its process ({info.pid}) is gone; a server takes over within seconds"
+        return None
+
     def primary(self) -> PrimaryInfo | None:
         """The advertised primary (cached by the file's identity), or None; ``problem`` says why
         when the file exists but must not be trusted or cannot be read."""
@@ -231,3 +242,17 @@ class HostRole:
         self.problem = None
         self._info_cache = (key, info)
         return info
+
+
+def _advertiser_alive(info: PrimaryInfo) -> bool:
+    """Whether the process that advertised ``info`` still runs: ``info.pid`` is a process of this
+    user that started before the advertisement (not a later one given the same pid)."""
+    from .runner._proc import process_start_time
+
+    try:
+        if os.stat(f"/proc/{info.pid}").st_uid != os.getuid():
+            return False
+    except OSError:
+        return False
+    started = process_start_time(info.pid)
+    return started is not None and started <= info.since + 1.0  # (the boot time's rounding)

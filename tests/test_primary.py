@@ -379,14 +379,15 @@ def stand_in_primary(held_lock, jp_asyncio_loop):
 
 
 def _advertised_stand_in(runs_dir: Path, app: web.Application) -> tuple[httpserver.HTTPServer, Path]:
-    """``app`` served on a loopback port and advertised in ``runs_dir`` as its primary (pid 1)."""
+    """``app`` served on a loopback port and advertised in ``runs_dir`` as its primary (by this
+    process, which serves it: a secondary forwards only to a live advertiser)."""
     sockets = netutil.bind_sockets(0, "127.0.0.1")
     server = httpserver.HTTPServer(app)
     server.add_sockets(sockets)
     port = sockets[0].getsockname()[1]
     info = runs_dir / ".evalsched-primary.json"
     advert = {"url": "http://x/", "internal_url": f"http://127.0.0.1:{port}/", "secret": "s3cret",
-              "pid": 1, "hostname": "h", "runs_dir": str(runs_dir), "since": 0}  # fmt: skip
+              "pid": os.getpid(), "hostname": "h", "runs_dir": str(runs_dir), "since": time.time()}  # fmt: skip
     fd = os.open(info, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(advert, f)
@@ -495,7 +496,7 @@ async def test_a_secondary_relays_the_openai_routes_answers_whole(holding_primar
     whole, with the primary's status and headers; a primary that does not answer is a 503."""
     holding_primary.release.set()
     code, headers, text = await v1_fetch({"model": "m", "prompt": "x"})
-    assert code == 200 and headers["X-Evalsched-Primary"] == "1", (code, text)
+    assert code == 200 and headers["X-Evalsched-Primary"] == str(os.getpid()), (code, text)
     assert json.loads(text) == {"choices": [{"index": 0, "text": "The end"}]}
     code, headers, text = await v1_fetch({"model": "m", "prompt": "x", "stream": True})
     assert code == 200 and headers["Content-Type"].startswith("text/event-stream"), (code, text)
@@ -504,7 +505,7 @@ async def test_a_secondary_relays_the_openai_routes_answers_whole(holding_primar
     holding_primary.server.stop()  # (no longer listening)
     code, headers, text = await v1_fetch({"model": "m", "prompt": "x"})
     error = json.loads(text)["error"]
-    assert code == 503 and "(pid 1) is not answering" in error["message"], (code, text)
+    assert code == 503 and f"(pid {os.getpid()}) is not answering" in error["message"], (code, text)
     loud = [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info]
     assert not loud, [f"{r.levelname} {r.getMessage()}" for r in loud]
 
@@ -539,7 +540,7 @@ async def test_a_client_gone_mid_stream_through_a_secondary_ends_the_relay_quiet
     body = {"model": "m", "prompt": "x", "stream": True}
     reader, writer = await _post_openai(jp_http_port, jp_base_url, jp_serverapp.identity_provider.token, body)
     head = await asyncio.wait_for(reader.readuntil(b"data: "), 60)
-    assert b"200 OK" in head and b"X-Evalsched-Primary: 1" in head, head
+    assert b"200 OK" in head and f"X-Evalsched-Primary: {os.getpid()}".encode() in head, head
     writer.transport.abort()  # gone, mid-stream
     holding_primary.release.set()  # the primary's next part, for nobody
     await async_wait_until(holding_primary.ended.is_set, timeout=60, message="the primary's answer is written")
@@ -787,3 +788,36 @@ def test_the_internal_listener_takes_its_secret_alone_and_any_other_token_is_ref
     handler = SimpleNamespace(request=SimpleNamespace(headers={"Authorization": f"token {offered}"}))
     user = provider.get_user(handler)
     assert (user.username if user else None) == (SECONDARY_USER if offered == "s3cret" else None)
+
+
+def test_requests_go_only_to_a_primary_whose_process_still_runs(tmp_path):
+    """A primary killed leaves its advertisement, and its loopback port free until a server takes
+    over: a secondary forwarded to that port all the same, so any user of the host listening there
+    was sent the requests (their specs, their prompts) and could answer them. Only the advertising
+    process, alive, started before it advertised, is forwarded to."""
+    from jupyter_evalsched.primary import HostRole
+
+    runs = tmp_path / "runs"
+    runs.mkdir(mode=0o700)
+    role = HostRole(runs)
+    role.advertise("http://127.0.0.1:1/", "http://127.0.0.1:2/", "s3cret")
+    assert role.forward_target() is not None and role.forward_target().pid == os.getpid()
+
+    def advertised_by(pid: int, since: float) -> None:
+        info = json.loads(role.info_path.read_text())
+        role.info_path.write_text(json.dumps({**info, "pid": pid, "since": since}))
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    advertised_by(gone.pid, time.time())
+    assert role.primary() is not None and role.forward_target() is None
+    assert role.problem and f"({gone.pid}) is gone" in role.problem
+    later = subprocess.Popen(["sleep", "30"])  # alive, but started after the advertisement
+    try:
+        advertised_by(later.pid, time.time() - 60)
+        assert role.forward_target() is None
+        advertised_by(later.pid, time.time())
+        assert role.forward_target() is not None
+    finally:
+        later.kill()
+        later.wait()
