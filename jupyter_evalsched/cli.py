@@ -3,8 +3,12 @@ release, doctor, demo, host-ledger.
 
 Exit status: 0 on success; 1 when ``wait`` (or ``submit --wait``, ``demo``) sees a run end in any
 state but ``succeeded``, when ``doctor`` finds something degraded, or with the exit status of the
-command ``lease`` ran; 2 for usage errors and client errors (no server, invalid spec, HTTP
-errors), reported as one line on stderr. ``--json`` prints machine-readable output on stdout.
+command ``lease`` ran (127: not found, 126: cannot be run, as a shell says); 2 for usage errors
+and client errors (no server, invalid spec, HTTP errors), reported as one line on stderr; 130
+after Ctrl-C. ``--json`` prints machine-readable output on stdout.
+
+``wait``, ``logs -f`` and ``queue --watch`` poll through a server restart (once they read the
+server), with a note on stderr, until their timeout or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .client import (
     load_spec_file,
     sweep_from_options,
 )
+from .client.errors import EvalSchedError, TokenRefused, server_away
 from .client.formatting import (
     compare_table,
     holder_text,
@@ -49,6 +54,7 @@ from .client.formatting import (
     outside_text,
     pending_text,
 )
+from .client.live_feed import outage_notes
 from .client.spec import did_you_mean
 from .client.sweep import sweep_record
 from .contract import MAX_LIST_LIMIT, SUCCEEDED, TERMINAL_STATES
@@ -365,7 +371,14 @@ def _record_line(rec: dict) -> str:
 def _wait_and_report(client: EvalSchedClient, run_id: str, args: argparse.Namespace, timeout: float | None) -> int:
     reporter = TextProgress(stream=sys.stderr) if not args.quiet else None
     try:
-        rec = client.wait(run_id, timeout=timeout, on_update=reporter.update if reporter else None)
+        # Through a server restart it goes on polling (until --timeout, else until Ctrl-C),
+        # saying so on stderr.
+        rec = client.wait(
+            run_id,
+            timeout=timeout,
+            on_update=reporter.update if reporter else None,
+            on_note=reporter.note if reporter else None,
+        )
     except WaitTimeout as e:
         if reporter:
             reporter.finish(e.record or {})
@@ -444,10 +457,19 @@ def _submit_sweep(client: EvalSchedClient, spec: dict, sweep: dict | list, args:
 def _wait_for_sweep(client: EvalSchedClient, sweep_id: str, args: argparse.Namespace, timeout: float | None) -> int:
     handle = client.sweep_handle(sweep_id)
     try:
-        view = handle.wait(timeout=timeout, progress=TextProgress(stream=sys.stderr) if not args.quiet else False)
+        view = handle.follow(timeout=timeout, progress=TextProgress(stream=sys.stderr) if not args.quiet else False)
     except WaitTimeout as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
+        print(
+            f"{PROG}: {e}; it goes on (`{PROG} wait {sweep_id}` again, or `{PROG} cancel {sweep_id}`)",
+            file=sys.stderr,
+        )
         return 1
+    except KeyboardInterrupt:
+        print(
+            f"{PROG}: stopped waiting; sweep {sweep_id} goes on (cancel it with `{PROG} cancel {sweep_id}`)",
+            file=sys.stderr,
+        )
+        return 130
     if args.json:
         _print_json(view)
     else:
@@ -631,7 +653,14 @@ def cmd_lease(args: argparse.Namespace) -> int:
                 return 0
             import subprocess
 
-            return subprocess.call(command, env=env)
+            try:
+                return subprocess.call(command, env=env)
+            except FileNotFoundError:  # as a shell says it, with its exit status; the lease ends
+                print(f"{PROG}: {command[0]}: command not found", file=sys.stderr)
+                return 127
+            except OSError as e:  # not executable (permission, format): a shell's 126
+                print(f"{PROG}: {command[0]}: cannot run it: {e.strerror or e}", file=sys.stderr)
+                return 126
         except KeyboardInterrupt:
             return 130
 
@@ -653,6 +682,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         checks = [check("server", OK, f"{client.base_url} answers /evalsched/")]
         checks += client.request("GET", "doctor")["checks"]
     except EvalSchedClientError as e:
+        if isinstance(e, TokenRefused) or (isinstance(e, EvalSchedError) and e.status == 403):
+            # A server is there, and its checks (not this host's, seen from outside it) are
+            # what matters: only the token stands in the way.
+            fix = "give the server's token: EVALSCHED_TOKEN=... or --token (`jupyter server list` shows it)"
+            detail = str(e) if isinstance(e, TokenRefused) else f"{client.base_url} refused the token"
+            checks = [check("server", ERROR, detail, fix)]
+            _print_json(checks) if args.json else print(format_checks(checks))
+            return 2
         checks = [check("server", ERROR, str(e), "start Jupyter with the extension, or set EVALSCHED_URL")]
         checks += local_checks()  # what this host offers, without a server
     if args.json:
@@ -709,11 +746,18 @@ def cmd_logs(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         _tell_the_end(client, args.run_id, args.stream, printed=bool(text))
         return 0
-    follower = _LogFollower(client, args.run_id, args.stream, args.tail)
+    follower = _LogFollower(client, args.run_id, args.stream, args.tail, as_json=args.json)
     try:
-        # The feed follows the run's state; the log is read at its ticks, and once more after the
-        # final record was read, so that the last read holds everything the run wrote.
-        LiveFeed(client, RunTracker(args.run_id), on_tick=follower.tick, name="evalsched-logs").run()
+        # The feed follows the run's state, through a server restart too; the log is read at its
+        # ticks, and once more after the final record was read, so that the last read holds
+        # everything the run wrote.
+        LiveFeed(
+            client,
+            RunTracker(args.run_id),
+            on_tick=follower.tick,
+            name="evalsched-logs",
+            on_outage=outage_notes(),
+        ).run()
         follower.print_new()
     except KeyboardInterrupt:
         return 130
@@ -751,12 +795,21 @@ def failure_note(rec: dict, stderr_tail: str) -> str:
 class _LogFollower:
     """Prints what is new in a run's log, read at most every ``interval_s``."""
 
-    def __init__(self, client: EvalSchedClient, run_id: str, stream: str, tail: int | None, interval_s: float = 0.5):
+    def __init__(
+        self,
+        client: EvalSchedClient,
+        run_id: str,
+        stream: str,
+        tail: int | None,
+        interval_s: float = 0.5,
+        as_json: bool = False,
+    ):
         self.client = client
         self.run_id = run_id
         self.stream = stream
         self.tail = tail
         self.interval_s = interval_s
+        self.as_json = as_json  # a JSON line {"id", "stream", "text"} per new chunk
         self._printed = 0
         self.printed = 0  # characters written to stdout
         self._first = True
@@ -764,7 +817,12 @@ class _LogFollower:
 
     def tick(self) -> None:
         if time.monotonic() - self._last_read >= self.interval_s:
-            self.print_new()
+            try:
+                self.print_new()
+            except EvalSchedClientError as e:
+                if not server_away(e):
+                    raise
+                # The server is away (a restart): the feed says so, and this reads again later.
 
     def print_new(self) -> None:
         self._last_read = time.monotonic()
@@ -776,7 +834,10 @@ class _LogFollower:
             new = "".join(new.splitlines(keepends=True)[-self.tail :]) if self.tail > 0 else ""
         self._first = False
         if new:
-            sys.stdout.write(new)
+            if self.as_json:
+                sys.stdout.write(json.dumps({"id": self.run_id, "stream": self.stream, "text": new}) + "\n")
+            else:
+                sys.stdout.write(new)
             sys.stdout.flush()
             self.printed += len(new)
         self._printed = len(text)
@@ -813,6 +874,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
         return 0
     me: list[str | None] = [None]
     screen = _Screen()
+    away: list[str | None] = [None]  # why the server cannot be read, while it cannot
     # A screen redrawn at every change shows the head of a long queue, not thousands of lines.
     tracker = QueueTracker(queue_limit=WATCH_QUEUE_ROWS if args.limit is None else args.limit)
 
@@ -823,8 +885,9 @@ def cmd_queue(args: argparse.Namespace) -> int:
         else:
             if me[0] is None:
                 me[0] = host_user(client, view)
+            note = f"  (server unreachable, retrying: {away[0]})" if away[0] and screen.tty else ""
             screen.draw(
-                time.strftime("%H:%M:%S  ") + client.base_url + "\n\n" + format_queue(view, me[0]),
+                time.strftime("%H:%M:%S  ") + client.base_url + note + "\n\n" + format_queue(view, me[0]),
                 key=json.dumps(view, sort_keys=True, default=str),
             )
 
@@ -832,6 +895,17 @@ def cmd_queue(args: argparse.Namespace) -> int:
     # the event stream the queue is read every --interval.
     redraw = _Throttle(draw, every_s=args.interval)
     tracker.on_change = redraw.changed
+    note_on_stderr = outage_notes()
+
+    def on_outage(error: str | None) -> None:
+        # Through a server restart the view stays, and is read again once the server answers:
+        # the screen's header says so on a terminal, a line on stderr otherwise.
+        away[0] = error
+        if screen.tty and not args.json:
+            redraw.changed()
+        else:
+            note_on_stderr(error)
+
     feed = LiveFeed(
         client,
         tracker,
@@ -839,6 +913,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
         safety_poll_s=max(3.0, args.interval),
         on_tick=redraw.tick,
         name="evalsched-queue",
+        on_outage=on_outage,
     )
     try:
         feed.run()

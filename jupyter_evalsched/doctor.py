@@ -87,11 +87,16 @@ def gpu_check(probe: GpuProbe) -> dict[str, Any]:
 
 
 def cgroup_check(cgroups: Cgroups | None) -> dict[str, Any]:
+    turned_off = (
+        "off (EvalSchedApp.cgroups = False): process groups only; memory_mb is not enforced",
+        "set EvalSchedApp.cgroups = True (the default), and leave EvalSchedApp.cgroup_parent unset or a delegated "
+        "cgroup v2 directory",
+    )
     if cgroups is None:
-        return check(
-            "cgroups", DEGRADED, "off (EvalSchedApp.cgroups = False): process groups only", "set cgroups = True"
-        )
+        return check("cgroups", DEGRADED, *turned_off)
     s = cgroups.support
+    if s.mode == "none" and "turned off" in s.detail:  # the setting, not the host: say which setting
+        return check("cgroups", DEGRADED, *turned_off)
     if s.mode == "none":
         return check("cgroups", DEGRADED, s.detail, "see the detail; memory_mb is not enforced meanwhile")
     if not s.memory:
@@ -226,7 +231,12 @@ def _has_journal(journal_task: str, jbd2_dir: str, device: str) -> bool | None:
 def warm_start_check(warm: dict[str, Any]) -> dict[str, Any]:
     """Whether runs are forked from a warm zygote, and why not when they are not."""
     if not warm.get("enabled"):
-        return check("warm_start", DEGRADED, "off (EvalSchedApp.warm_start = False): every run starts cold", "True")
+        return check(
+            "warm_start",
+            DEGRADED,
+            "off (EvalSchedApp.warm_start = False): every run starts cold",
+            "set EvalSchedApp.warm_start = True (the default) to fork runs from a warm zygote",
+        )
     if warm.get("refused"):
         return check(
             "warm_start",
@@ -359,7 +369,12 @@ def server_checks(
         out.append(host_ledger_check(view.host_ledger))
     if view.enforce_vram == "off":
         out.append(
-            check("enforcement", DEGRADED, "enforce_vram = off: runs over their declared VRAM go unnoticed", "warn")
+            check(
+                "enforcement",
+                DEGRADED,
+                "enforce_vram = off: runs over their declared VRAM go unnoticed",
+                "set EvalSchedApp.enforce_vram = 'warn' (the default: a warning on the run) or 'kill'",
+            )
         )
     else:
         out.append(check("enforcement", OK, f"enforce_vram = {view.enforce_vram}, tolerance {view.vram_tolerance:.0%}"))

@@ -335,7 +335,11 @@ class EvalSchedMagics(Magics):
         wanted = line.strip()
         held = [h for h in self._leases if not wanted or h.id == wanted]
         if wanted and not held:  # a lease taken otherwise (jupyter_evalsched.lease, another kernel)
-            held = [Lease(self.client, {"id": wanted, "state": "granted"})]
+            try:
+                held = [Lease(self.client, {"id": wanted, "state": "granted"})]
+            except EvalSchedClientError as e:  # no server to find
+                print(f"eval_release: {e}", file=sys.stderr)
+                return None
         if not held:
             print("eval_release: this kernel holds no lease", file=sys.stderr)
             return None
@@ -364,7 +368,7 @@ def unload_ipython_extension(ipython) -> None:
     magics = ipython.magics_manager.registry.pop("EvalSchedMagics", None)
     for kind in ("line", "cell"):
         table = ipython.magics_manager.magics[kind]
-        for name in ("eval_submit", "eval_queue", "eval_lease", "eval_release"):
+        for name in ("eval_submit", "eval_sweep", "eval_queue", "eval_lease", "eval_release"):
             bound = table.get(name)
             if magics is not None and getattr(bound, "__self__", None) is magics:
                 del table[name]

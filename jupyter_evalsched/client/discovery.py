@@ -11,10 +11,11 @@ from __future__ import annotations
 import glob
 import json
 import os
+import urllib.error
 import urllib.parse
 import urllib.request
 
-from .errors import HOW_TO_FIX, ServerNotFound
+from .errors import HOW_TO_FIX, ServerNotFound, TokenRefused
 
 
 def discover_server(url: str | None = None, token: str | None = None) -> tuple[str, str]:
@@ -35,11 +36,20 @@ def discover_server(url: str | None = None, token: str | None = None) -> tuple[s
     servers = running_servers()
     if not servers:
         raise ServerNotFound(f"no running Jupyter server found: {HOW_TO_FIX}")
+    refused = []
     for info in servers:
         base = normalize_base_url(info["url"])
         tok = token if token is not None else (info.get("token") or "")
-        if probe_api(base, tok):
+        status = probe_status(base, tok)
+        if status == 200:
             return base, tok
+        if status == 403:
+            refused.append(base)
+    if refused and token is not None:
+        raise TokenRefused(
+            f"the token given was refused by {', '.join(refused)}: give that server's token "
+            "(`jupyter server list` shows it), or give none to use the one in its runtime file"
+        )
     raise ServerNotFound(f"found {len(servers)} running Jupyter server(s) but none answers /evalsched/: {HOW_TO_FIX}")
 
 
@@ -93,6 +103,12 @@ def read_server_file(path: str) -> dict | None:
 
 def probe_api(base: str, token: str, timeout: float = 2.0) -> bool:
     """Whether the server at ``base`` answers ``/evalsched/queue`` (the extension is enabled there)."""
+    return probe_status(base, token, timeout) == 200
+
+
+def probe_status(base: str, token: str, timeout: float = 2.0) -> int | None:
+    """The HTTP status of ``/evalsched/queue`` at ``base`` (403: the token is refused), or None
+    when nothing answers."""
     # limit=0: the answer lists no queued run, whatever the queue's length (an older server
     # ignores the parameter, and answers all).
     req = urllib.request.Request(urllib.parse.urljoin(base, "evalsched/queue?limit=0"))
@@ -100,9 +116,11 @@ def probe_api(base: str, token: str, timeout: float = 2.0) -> bool:
         req.add_header("Authorization", f"token {token}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status == 200
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
     except (OSError, ValueError):
-        return False
+        return None
 
 
 def normalize_base_url(url: str) -> str:
@@ -113,11 +131,32 @@ def normalize_base_url(url: str) -> str:
     return url.rstrip("/") + "/"
 
 
+# The first path segment of a page of Jupyter's UIs (JupyterLab, Notebook 7 and classic, Voilà),
+# or of this API: a URL copied from the browser or from the server's log is cut there.
+UI_SEGMENTS = frozenset(
+    {"lab", "tree", "notebooks", "doc", "edit", "view", "consoles", "terminals", "retro", "voila", "evalsched"}
+)
+
+
 def _split_token_from_url(url: str) -> tuple[str, str | None]:
-    """``http://h:8888/lab?token=abc`` -> (``http://h:8888/lab``, ``abc``)."""
-    parts = urllib.parse.urlsplit(url)
+    """``http://h:8888/lab?token=abc`` -> (``http://h:8888/``, ``abc``): the token, and the server's
+    base URL without the page (``/user/alice/lab/tree/x.ipynb`` -> ``/user/alice/``)."""
+    if "://" not in url.strip():
+        url = "http://" + url.strip()
+    parts = urllib.parse.urlsplit(url.strip())
     token = urllib.parse.parse_qs(parts.query).get("token", [None])[0]
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), token
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, _base_path(parts.path), "", "")), token
+
+
+def _base_path(path: str) -> str:
+    """``path`` up to its first UI segment. JupyterHub's ``/user/<name>/`` is kept whole, the name
+    included (a user may be called ``lab``)."""
+    segments = path.split("/")
+    start = 3 if len(segments) > 2 and segments[1] == "user" else 1  # ("", "user", name, ...)
+    for i in range(start, len(segments)):
+        if segments[i] in UI_SEGMENTS:
+            return "/".join(segments[:i]) + "/"
+    return path
 
 
 def _runtime_dir() -> str:

@@ -129,12 +129,16 @@ class RunHandle:
         ``progress``: True shows a progress bar (the widget in a notebook, a line on stderr
         elsewhere), False nothing; or pass your own reporter (``update(record)``,
         ``finish(record)``). Ctrl-C / interrupting the kernel stops waiting and returns the current
-        record: the run itself goes on (``cancel()`` stops it). Raises :class:`WaitTimeout` after
-        ``timeout`` seconds.
+        record: the run itself goes on (``cancel()`` stops it). A server that goes away once the
+        run was read (a restart) is polled until it answers again, a note on stderr (or the
+        reporter's ``note(text)``) saying so. Raises :class:`WaitTimeout` after ``timeout`` seconds.
         """
         reporter = reporter_for(self, progress)
         try:
-            record = self.client.wait(self.id, timeout=timeout, on_update=reporter.update)
+            # A server that goes away meanwhile (a restart) is waited for: a note says so.
+            record = self.client.wait(
+                self.id, timeout=timeout, on_update=reporter.update, on_note=getattr(reporter, "note", None)
+            )
         except KeyboardInterrupt:
             record = self._record_after_interrupt()
             reporter.finish(record)

@@ -14,12 +14,16 @@ later, waiting longer after each failure.
 A feed runs on the caller's thread (:meth:`LiveFeed.run`, where Ctrl-C reaches it and errors
 propagate) or on a daemon thread of its own (:meth:`LiveFeed.start`, for widgets: the kernel is
 never blocked; errors are kept in ``error`` and ``last_error``). :meth:`LiveFeed.stop` is safe
-from any thread.
+from any thread. Either way a server that goes away once it was read (a restart: unreachable,
+then starting) is polled until it answers again: ``on_outage`` is told when it goes and when it
+is back; on the caller's thread only the first read's failure, and errors that are not the
+server's absence (a 404, a 403), propagate.
 """
 
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import time
 import weakref
@@ -27,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..contract import MAX_LIST_LIMIT, QUEUED, RUNNING, TERMINAL_STATES
-from .errors import EvalSchedClientError, EventStreamClosed
+from .errors import HOW_TO_FIX, EvalSchedClientError, EventStreamClosed, server_away
 
 
 class Tracker(Protocol):
@@ -90,6 +94,7 @@ class LiveFeed:
         connect_timeout: float = 5.0,
         on_tick: Callable[[], bool | None] | None = None,
         name: str = "evalsched-feed",
+        on_outage: Callable[[str | None], None] | None = None,
     ):
         self.client = client
         self.tracker = tracker
@@ -113,6 +118,9 @@ class LiveFeed:
         self._connect_at = 0.0
         self._connect_failures = 0
         self._read_at: float | None = None  # time of the last REST read; None: read at once
+        self.on_outage = on_outage
+        self._reached = False  # a REST read worked: a failure after it is an outage, waited through
+        self._away = False  # in an outage (on_outage was told)
 
     # ---- control
 
@@ -252,11 +260,22 @@ class LiveFeed:
         try:
             self.tracker.read(self.client)
         except EvalSchedClientError as e:
-            if not self._contain_errors:
+            # A server never read (a wrong URL or token) is told at once; one that went away
+            # (a restart) is polled, every poll_s, until it answers or the caller stops.
+            if not self._contain_errors and not (self._reached and server_away(e)):
                 raise
             self.error = str(e)
+            if not self._away and server_away(e):
+                self._away = True
+                if self.on_outage is not None:
+                    self.on_outage(self.error)
         else:
             self.error = None
+            self._reached = True
+            if self._away:
+                self._away = False
+                if self.on_outage is not None:
+                    self.on_outage(None)
 
     def _next_event(self, wait_s: float) -> dict | None:
         stream = self._stream
@@ -278,6 +297,26 @@ class LiveFeed:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
+
+
+def outage_notes(on_note: Callable[[str], None] | None = None) -> Callable[[str | None], None]:
+    """An ``on_outage`` for a feed that someone waits on: one line when the server goes away and
+    one when it is back, to ``on_note(text)`` (default: stderr)."""
+
+    def note(text: str) -> None:
+        if on_note is not None:
+            on_note(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def on_outage(error: str | None) -> None:
+        if error is None:
+            note("server answers again")
+        else:
+            error = error.replace(f": {HOW_TO_FIX}", "")  # (the server was here: no advice to start one)
+            note(f"server unreachable ({error}); retrying until it answers (Ctrl-C stops waiting)")
+
+    return on_outage
 
 
 # --------------------------------------------------------------------------- trackers

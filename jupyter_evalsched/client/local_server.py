@@ -23,7 +23,8 @@ class LocalServer:
     """A ``jupyter server`` subprocess with the extension enabled, for the demo, tests and notebooks.
 
     Isolated: its own runtime and runs directories (temporary unless given), a random port, a
-    random token (in its private config file, never on its command line), virtual GPUs.
+    random token (in its private config file, never on its command line), virtual GPUs; ``port``
+    and ``token`` given, those (to start a server again where its clients point).
     ``models`` (a list of dicts) goes to ``EvalSchedApp.models`` through the same file. Use it as
     a context manager, or call :meth:`stop`.
     """
@@ -40,6 +41,8 @@ class LocalServer:
         startup_timeout: float = 60.0,
         log_path: str | None = None,
         gpu_processes: bool = False,
+        port: int | None = None,
+        token: str | None = None,
     ):
         self._tmp = tempfile.mkdtemp(prefix="evalsched-server-")
         # With ``gpu_processes``, the virtual GPU process table the server reads (as it would NVML):
@@ -52,7 +55,9 @@ class LocalServer:
         for folder in (self.root_dir, config_dir):
             os.makedirs(folder, exist_ok=True)
         os.chmod(config_dir, 0o700)
-        self.token = secrets.token_hex(16)
+        # A given port and token: a server started again where clients already point (a restart).
+        self.port = port or 0
+        self.token = token or secrets.token_hex(16)
         self.log_path = log_path or os.path.join(self._tmp, "server.log")
         # The token goes in a config file of its own (0600, in a 0700 folder), not the command
         # line: /proc/<pid>/cmdline is readable by every user of the host, and the token is the
@@ -116,7 +121,7 @@ class LocalServer:
             "jupyter_server",
             "--no-browser",
             "--ip=127.0.0.1",
-            "--ServerApp.port=0",
+            f"--ServerApp.port={self.port}",
             "--ServerApp.port_retries=0",
             f"--ServerApp.root_dir={self.root_dir}",
             "--ServerApp.jpserver_extensions={'jupyter_evalsched': True}",

@@ -81,6 +81,14 @@ class TextProgress:
         self.stream.flush()
         self._last_line = line
 
+    def note(self, text: str) -> None:
+        """A line of its own (the server went away, say), the bar drawn again under it."""
+        if self.tty and self._last_line:
+            self.stream.write("\r" + text.ljust(len(self._last_line)) + "\n" + self._last_line)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
     def finish(self, record: dict) -> None:
         if record:
             self._last_key = None  # the final line is always shown

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from .discovery import discover_server
-from .errors import HOW_TO_FIX, EvalSchedError, ServerNotFound, WaitTimeout
+from .errors import HOW_TO_FIX, TOKEN_HINT, EvalSchedError, ServerNotFound, WaitTimeout
 from .events import EventStream
 from .handle import RunHandle, run_id_of
-from .live_feed import LiveFeed, RunTracker
+from .live_feed import LiveFeed, RunTracker, outage_notes
 from .sweep import SweepHandle
 
 
@@ -70,7 +70,35 @@ class EvalSchedClient:
         timeout: float | None = None,
         headers: dict[str, str] | None = None,
     ) -> Any:
-        """One REST call; JSON is decoded unless ``raw`` (then the text is returned)."""
+        """One REST call; JSON is decoded unless ``raw`` (then the text is returned).
+
+        A 503 that says the scheduler is starting (recovery reads the runs directory; nothing was
+        done) is retried for up to ``submit_retry_s`` seconds, after its Retry-After when given."""
+        deadline = time.monotonic() + self.submit_retry_s
+        pause = 0.1
+        while True:
+            try:
+                return self._request_once(
+                    method, path, query=query, body=body, raw=raw, timeout=timeout, headers=headers
+                )
+            except EvalSchedError as exc:
+                wait_s = _pause_for(exc, pause)
+                if not _starting(exc) or time.monotonic() + wait_s > deadline:
+                    raise
+            time.sleep(wait_s)
+            pause = min(pause * 2, 2.0)
+
+    def _request_once(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict | None = None,
+        body: Any = None,
+        raw: bool = False,
+        timeout: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         data = None
         headers = {**self._headers(), **(headers or {})}
         if body is not None:
@@ -109,19 +137,28 @@ class EvalSchedClient:
             body = json.loads(e.read().decode("utf-8", errors="replace") or "null")
         except (ValueError, OSError):
             body = None
+        error = self._http_error_of(e.code, body, e.reason)
+        try:
+            error.retry_after = max(0.0, float(e.headers.get("Retry-After") or ""))
+        except (TypeError, ValueError, AttributeError):  # none, or an HTTP date: our own pause then
+            pass
+        return error
+
+    def _http_error_of(self, code: int, body: Any, reason: Any) -> EvalSchedError:
         if isinstance(body, dict) and ("message" in body or "reason" in body):
             detail = body.get("detail")
             message = str(body.get("message") or "")
-            if e.code == 403 and message.lower() in ("", "forbidden"):
-                message = "forbidden: wrong or missing token (set EVALSCHED_TOKEN or pass the token)"
-            return EvalSchedError(e.code, message, detail if isinstance(detail, list) else None, body.get("reason"))
-        if e.code == 404:
+            # Not logged in: a POST without a valid token fails tornado's XSRF check first.
+            if code == 403 and (message.lower() in ("", "forbidden") or "_xsrf" in message):
+                message = TOKEN_HINT
+            return EvalSchedError(code, message, detail if isinstance(detail, list) else None, body.get("reason"))
+        if code == 404:
             return EvalSchedError(
                 404, f"no /evalsched/ API at {self.base_url} (is the jupyter_evalsched server extension enabled?)"
             )
-        if e.code == 403:
-            return EvalSchedError(403, "forbidden: wrong or missing token (set EVALSCHED_TOKEN)")
-        return EvalSchedError(e.code, str(e.reason or "HTTP error"))
+        if code == 403:
+            return EvalSchedError(403, TOKEN_HINT)
+        return EvalSchedError(code, str(reason or "HTTP error"))
 
     # ---- endpoints
 
@@ -171,15 +208,16 @@ class EvalSchedClient:
         pause = 0.1
         while True:
             try:
-                return self.request("POST", path, body=body, headers=headers)
+                return self._request_once("POST", path, body=body, headers=headers)
             except (EvalSchedError, ServerNotFound) as exc:
                 if isinstance(exc, ServerNotFound):
-                    retryable = exc.maybe_received
+                    retryable, wait_s = exc.maybe_received, pause
                 else:
                     retryable = exc.status in (429, 503)  # 429: the server's limit on sweep submissions at once
-                if not retryable or time.monotonic() + pause > deadline:
+                    wait_s = _pause_for(exc, pause)
+                if not retryable or time.monotonic() + wait_s > deadline:
                     raise
-            time.sleep(pause)
+            time.sleep(wait_s)
             pause = min(pause * 2, 2.0)
 
     def list(self, state: str | list[str] | None = None, limit: int | None = None) -> list[dict]:
@@ -249,18 +287,34 @@ class EvalSchedClient:
         use_events: bool = True,
         on_update: Callable[[dict], None] | None = None,
         poll_s: float = 1.0,
+        on_note: Callable[[str], None] | None = None,
     ) -> dict:
         """Block until the run is terminal; return its final record (with ``summary``).
 
         Events wake the wait at once; a REST poll runs as a safety net (every ``poll_s`` without a
         socket, every few seconds with one). ``on_update(record)`` is called at every change.
-        Raises :class:`WaitTimeout` after ``timeout`` seconds.
+        Once the run was read, a server that goes away (restarting, starting, unreachable) is
+        polled until it answers again, for as long as the wait lasts: ``on_note(text)`` (default:
+        a line on stderr) says so when it goes and when it is back. Raises :class:`WaitTimeout`
+        after ``timeout`` seconds; Ctrl-C stops waiting.
         """
         tracker = RunTracker(_id_of(run_id), on_change=on_update)
-        feed = LiveFeed(self, tracker, use_events=use_events, poll_s=poll_s, safety_poll_s=3.0)
+        feed = LiveFeed(
+            self, tracker, use_events=use_events, poll_s=poll_s, safety_poll_s=3.0, on_outage=outage_notes(on_note)
+        )
         if not feed.run(timeout):
             raise WaitTimeout(tracker.run_id, timeout or 0.0, tracker.record)
         return tracker.record
+
+
+def _starting(exc: EvalSchedError) -> bool:
+    """A 503 of a server whose scheduler is starting: it did nothing, and answers in a moment."""
+    return exc.status == 503 and ("starting" in exc.message or exc.retry_after is not None)
+
+
+def _pause_for(exc: EvalSchedError, pause: float) -> float:
+    """The pause before a retry: the answer's Retry-After (at most 10 s), else ``pause``."""
+    return min(exc.retry_after, 10.0) if exc.retry_after is not None else pause
 
 
 def _id_of(run: str | dict | RunHandle) -> str:

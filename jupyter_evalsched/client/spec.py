@@ -248,6 +248,8 @@ def load_spec_file(path: str) -> dict:
             text = f.read()
     except OSError as e:
         raise SpecError(f"cannot read spec file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"spec file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
     try:
         if path.endswith(".json"):
             spec = json.loads(text)
@@ -296,20 +298,53 @@ def apply_spec_options(spec: dict | None, options: Any, *, default_cwd: str | No
     Flags override the spec's values; ``--depends-on``, ``--model`` append; ``--param`` updates.
     ``cwd`` defaults to ``default_cwd`` (the caller's working directory).
     """
-    out = json.loads(json.dumps(spec, default=run_id_of)) if spec else {}
+    try:
+        out = json.loads(json.dumps(spec, default=run_id_of)) if spec else {}
+    except (TypeError, ValueError) as e:  # a dict spec of the magics may hold anything
+        raise SpecError(f"the spec is not JSON data: {e}") from None
+    # A field of the wrong type that no flag touches is left to the server (a 422 naming it).
     out.update(_flags_given(options, _TOP_LEVEL_FLAGS))
-    sched = {**(out.get("scheduling") or {}), **_flags_given(options, _SCHEDULING_FLAGS)}
-    if sched or "scheduling" in out:
-        out["scheduling"] = sched
+    sched_flags = _flags_given(options, _SCHEDULING_FLAGS)
+    if out.get("scheduling") is None and "scheduling" in out:
+        out["scheduling"] = {}
+    if sched_flags:
+        given = ", ".join(
+            "--" + flag.replace("_", "-") for flag, key in _SCHEDULING_FLAGS.items() if key in sched_flags
+        )
+        out["scheduling"] = {**_mapping(out, "scheduling", given), **sched_flags}
     if getattr(options, "params", None):
-        out["params"] = {**(out.get("params") or {}), **dict(parse_param(item) for item in options.params)}
+        out["params"] = {**_mapping(out, "params", "--param"), **dict(parse_param(item) for item in options.params)}
     for flag in ("depends_on", "models"):
         if getattr(options, flag, None):
-            merged = list(out.get(flag) or []) + [run_id_of(v) for v in getattr(options, flag)]
+            merged = _id_list(out, flag) + [run_id_of(v) for v in getattr(options, flag)]
             out[flag] = list(dict.fromkeys(merged))  # in order, without repeats
     if default_cwd is not None and not out.get("cwd"):
         out["cwd"] = default_cwd
     return out
+
+
+def _mapping(spec: dict, key: str, flags: str) -> dict:
+    """The spec's ``key`` (a mapping, or nothing), for flags to add to."""
+    value = spec.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SpecError(
+            f"the spec's {key} must be a mapping (key: value), not {type(value).__name__}: {flags} add to it"
+        )
+    return value
+
+
+def _id_list(spec: dict, key: str) -> list:
+    """The spec's ``depends_on`` or ``models`` as a list: one id or name alone is a list of one."""
+    value = spec.get(key)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise SpecError(f"the spec's {key} must be a list, not {type(value).__name__}")
+    return list(value)
 
 
 def _flags_given(options: Any, flags: dict[str, str]) -> dict[str, Any]:

@@ -8,8 +8,9 @@ from html import escape
 from typing import TYPE_CHECKING, Any
 
 from ..contract import ABORTED, CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TERMINAL_STATES
-from .errors import EvalSchedClientError, WaitTimeout
+from .errors import EvalSchedClientError, WaitTimeout, server_away
 from .handle import RunHandle, ShortRecord
+from .live_feed import outage_notes
 from .progress import ProgressReporter, TextProgress, _NoProgress
 
 if TYPE_CHECKING:
@@ -93,7 +94,17 @@ class SweepHandle:
     def wait(self, timeout: float | None = None, progress: Any = True) -> dict:
         """Wait until every run of the sweep has ended; returns the sweep's view. One progress
         bar for the sweep (episodes done of all its runs). Interrupting stops waiting, not the
-        sweep; :class:`WaitTimeout` after ``timeout`` seconds."""
+        sweep; a server that goes away once the sweep was read (a restart) is polled until it
+        answers again, with a note on stderr; :class:`WaitTimeout` after ``timeout`` seconds."""
+        try:
+            return self.follow(timeout, progress)
+        except KeyboardInterrupt:
+            print(f"stopped waiting; sweep {self.id} goes on (cancel it with .cancel())", file=sys.stderr)
+            return ShortRecord(self._view or {"id": self.id, "runs": []})
+
+    def follow(self, timeout: float | None = None, progress: Any = True) -> dict:
+        """:meth:`wait`, but Ctrl-C raises KeyboardInterrupt, with nothing said: for a caller
+        that tells the user in its own words (the CLI)."""
         reporter: ProgressReporter
         if progress is True:
             reporter = TextProgress()
@@ -101,24 +112,35 @@ class SweepHandle:
             reporter = _NoProgress()
         else:
             reporter = progress
+        on_outage = outage_notes(getattr(reporter, "note", None))
         deadline = None if timeout is None else time.monotonic() + timeout
-        view: dict = self._view or {"id": self.id, "runs": []}
+        record: dict | None = None  # the sweep's as last read: none before the first read
+        away = False
         try:
             while True:
-                view = self.refresh()
-                record = sweep_record(view)
-                reporter.update(record)
-                if record["state"] in TERMINAL_STATES:
-                    break
+                try:
+                    view = self.refresh()
+                except EvalSchedClientError as e:
+                    # A sweep never read (an unknown id, a wrong URL) is told at once; a server
+                    # that went away (a restart) is polled until it answers.
+                    if record is None or not server_away(e):
+                        raise
+                    if not away:
+                        away = True
+                        on_outage(str(e))
+                else:
+                    if away:
+                        away = False
+                        on_outage(None)
+                    record = sweep_record(view)
+                    reporter.update(record)
+                    if record["state"] in TERMINAL_STATES:
+                        break
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise WaitTimeout(self.id, timeout or 0.0, record)
-                time.sleep(self.poll_s)
-        except KeyboardInterrupt:
-            reporter.finish(sweep_record(view))
-            print(f"stopped waiting; sweep {self.id} goes on (cancel it with .cancel())", file=sys.stderr)
-            return ShortRecord(view)
+                    raise WaitTimeout(self.id, timeout or 0.0, record, what="sweep")
+                time.sleep(self.poll_s if not away else max(self.poll_s, 1.0))
         except BaseException:
-            reporter.finish(sweep_record(view))
+            reporter.finish(record or {})  # (nothing read: no bar at all, not an empty one)
             raise
         reporter.finish(record)
         return ShortRecord(view)
