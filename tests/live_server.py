@@ -106,6 +106,20 @@ def wait_state(client: EvalSchedClient, run_id: str, states=TERMINAL_STATES, tim
     return holder["rec"]
 
 
+# The CLI as a terminal runs it, whatever this test runner inherited: a job started in the
+# background by a non-interactive shell ignores SIGINT, and so would the CLI it starts (Python
+# installs its Ctrl-C handler only where SIGINT is at its default).
+_INTERRUPTIBLE_CLI = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = ['jupyter-evalsched', *sys.argv[1:]]; runpy.run_module('jupyter_evalsched.cli', run_name='__main__')"
+)
+
+
+def interruptible_cli(*args: str) -> list[str]:
+    """The argv of ``jupyter-evalsched args...`` that a SIGINT interrupts, as Ctrl-C would."""
+    return [sys.executable, "-c", _INTERRUPTIBLE_CLI, *args]
+
+
 def cli(
     live_server,
     *args: str,

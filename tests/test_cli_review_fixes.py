@@ -11,7 +11,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,9 +31,29 @@ from jupyter_evalsched.client.discovery import _split_token_from_url
 from jupyter_evalsched.client.sweep import SweepHandle
 
 try:
-    from .live_server import FAST_SERVER_ARGS, SLEEPY, clean_queue, cli, client, ip, live_server, wait_until
+    from .live_server import (
+        FAST_SERVER_ARGS,
+        SLEEPY,
+        clean_queue,
+        cli,
+        client,
+        interruptible_cli,
+        ip,
+        live_server,
+        wait_until,
+    )
 except ImportError:
-    from live_server import FAST_SERVER_ARGS, SLEEPY, clean_queue, cli, client, ip, live_server, wait_until  # noqa: F401
+    from live_server import (  # noqa: F401
+        FAST_SERVER_ARGS,
+        SLEEPY,
+        clean_queue,
+        cli,
+        client,
+        interruptible_cli,
+        ip,
+        live_server,
+        wait_until,
+    )
 
 
 def _free_port() -> int:
@@ -237,7 +256,7 @@ def test_cli_and_python_follow_a_detached_run_through_a_server_restart(tmp_path)
         }
         for name, args in commands.items():
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "jupyter_evalsched.cli", *args],
+                interruptible_cli(*args),
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -472,7 +491,7 @@ def test_wait_on_a_sweep_times_out_and_is_interrupted_as_a_run_is(live_server, c
 
     env = {**os.environ, **live_server.env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     waiting = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_evalsched.cli", "wait", sweep["id"]],
+        interruptible_cli("wait", sweep["id"]),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -22,9 +22,29 @@ from jupyter_evalsched.client import (
 )
 
 try:
-    from .live_server import CRASH, SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until
+    from .live_server import (
+        CRASH,
+        SLEEPY,
+        clean_queue,
+        cli,
+        client,
+        interruptible_cli,
+        live_server,
+        wait_state,
+        wait_until,
+    )
 except ImportError:
-    from live_server import CRASH, SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until  # noqa: F401
+    from live_server import (  # noqa: F401
+        CRASH,
+        SLEEPY,
+        clean_queue,
+        cli,
+        client,
+        interruptible_cli,
+        live_server,
+        wait_state,
+        wait_until,
+    )
 
 
 def _sleepy(name: str, vram: int = 0, sleep_s: float = 0.05, episodes: int = 2, **sched) -> dict:
@@ -765,21 +785,14 @@ def test_cli_wait_ctrl_c_leaves_the_run_running(live_server, client, clean_queue
     import select
     import signal
     import subprocess
-    import sys
 
     rec = client.submit(_sleepy("ctrl-c", sleep_s=30, episodes=1))
     env = dict(os.environ, **live_server.env)
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
     )
-    # Ctrl-C as a terminal delivers it, whatever this test runner inherited: a job started in the
-    # background by a non-interactive shell ignores SIGINT, and so would the CLI it starts.
-    run_cli = (
-        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "sys.argv = ['jupyter-evalsched', *sys.argv[1:]]; runpy.run_module('jupyter_evalsched.cli', run_name='__main__')"
-    )
     proc = subprocess.Popen(
-        [sys.executable, "-c", run_cli, "wait", rec["id"]],
+        interruptible_cli("wait", rec["id"]),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
