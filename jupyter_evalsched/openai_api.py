@@ -385,6 +385,17 @@ class ModelsHandler(OpenAIHandler):
         self.finish(models_body(host.names() if host is not None else [], _STARTED))
 
 
+class ModelHandler(OpenAIHandler):
+    """One model, as the ``openai`` client's ``models.retrieve`` asks for it (an unknown one is
+    OpenAI's 404, not the server's HTML page)."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, name: str) -> None:
+        self.known_model(name)
+        self.finish(models_body([name], _STARTED)["data"][0])
+
+
 class CompletionsHandler(OpenAIHandler):
     @web.authenticated
     @authorized
@@ -442,6 +453,7 @@ class EmbeddingsHandler(OpenAIHandler):
 def handlers() -> list[tuple[str, type]]:
     return [
         (r"/evalsched/v1/models/?", ModelsHandler),
+        (r"/evalsched/v1/models/([^/]+)/?", ModelHandler),
         (r"/evalsched/v1/completions/?", CompletionsHandler),
         (r"/evalsched/v1/chat/completions/?", ChatCompletionsHandler),
         (r"/evalsched/v1/embeddings/?", EmbeddingsHandler),

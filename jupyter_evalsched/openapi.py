@@ -128,24 +128,22 @@ _V1_SCHEMAS: dict[str, Any] = {
             "total_tokens": {"type": "integer", "minimum": 0},
         },
     },
+    "OpenAIModel": {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+        },
+    },
     "OpenAIModelList": {
         "type": "object",
         "required": ["object", "data"],
         "properties": {
             "object": {"const": "list"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["id", "object", "created", "owned_by"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "object": {"const": "model"},
-                        "created": {"type": "integer"},
-                        "owned_by": {"type": "string"},
-                    },
-                },
-            },
+            "data": {"type": "array", "items": _ref("OpenAIModel")},
         },
     },
     "LegacyLogprobs": {
@@ -376,6 +374,14 @@ _V1_PATHS: dict[str, Any] = {
             "operationId": "openaiListModels",
             "responses": {"200": _json("OpenAIModelList", "every configured shared model"), **_v1_errors()},
         }
+    },
+    "/v1/models/{model}": {
+        "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "get": {
+            "summary": "OpenAI-compatible: one shared model",
+            "operationId": "openaiRetrieveModel",
+            "responses": {"200": _json("OpenAIModel", "the model"), **_v1_errors(404)},
+        },
     },
     "/v1/completions": _v1_post(
         "OpenAI-compatible: complete or score prompts",

@@ -230,6 +230,11 @@ async def test_the_openai_client(client, reference):
 def use_the_client(client, reference):
     listed = client.models.list()
     assert [m.id for m in listed.data] == ["tiny-lm", "tiny-embed", "missing"]
+    # One model, as models.retrieve asks (an unknown one was the server's HTML 404).
+    assert client.models.retrieve("tiny-lm").model_dump() == listed.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.models.retrieve("nope")
+    assert unknown.value.body["code"] == "model_not_found", unknown.value.body
 
     done = client.completions.create(model="tiny-lm", prompt="The cat", max_tokens=6, temperature=0)
     assert done.choices[0].text == direct_greedy(reference, "The cat", 6)

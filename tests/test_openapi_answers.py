@@ -277,6 +277,8 @@ async def test_every_route_answers_as_its_openapi_document_says(call, contract_c
     # --- the OpenAI-compatible routes, with a model that is not a language model (their 200s from
     # real ones: the test below)
     assert (await call("GET", "v1/models", expect=200))["data"][0]["id"] == "upper"
+    assert (await call("GET", "v1/models/upper", expect=200))["id"] == "upper"
+    await call("GET", "v1/models/nope", expect=404)
     await call("POST", "v1/completions", {"model": "upper", "prompt": "x"}, expect=400)
     await call("POST", "v1/completions", {"model": "nope", "prompt": "x"}, expect=404)
     await call("POST", "v1/completions", "{not json", expect=400)
@@ -399,8 +401,9 @@ async def test_the_v1_routes_answer_as_the_openapi_document_says(call, contract_
     await call("POST", "v1/completions", {**lm, "prompt": "the cat " * 400}, expect=400)  # longer than its context
     await call("POST", "v1/embeddings", {"model": "lm", "input": "x"}, expect=400)
     assert [m["id"] for m in (await call("GET", "v1/models", expect=200))["data"]] == ["upper", "lm", "embed"]
+    assert (await call("GET", "v1/models/lm", expect=200))["id"] == "lm"
     v1 = {(m, t) for m, t in contract_checker.operations() if t.startswith("/v1/")}
-    assert len(v1) == 4 and v1 <= set(contract_checker.exercised)
+    assert len(v1) == 5 and v1 <= set(contract_checker.exercised)
 
 
 def test_the_checker_refuses_an_answer_its_model_does_not_describe(contract_checker):

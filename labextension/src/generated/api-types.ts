@@ -458,14 +458,16 @@ export interface IOpenAIError {
   };
 }
 
+export interface IOpenAIModel {
+  id: string;
+  object: 'model';
+  created: number;
+  owned_by: string;
+}
+
 export interface IOpenAIModelList {
   object: 'list';
-  data: {
-    id: string;
-    object: 'model';
-    created: number;
-    owned_by: string;
-  }[];
+  data: IOpenAIModel[];
 }
 
 export interface IOpenAIUsage {
