@@ -368,16 +368,20 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
         self.log.error("evalsched: %s", why)
         self.start_error = why
         self.scheduler.suspend(why)
-        if self._internal is not None:
-            await self._internal.stop()  # (secondaries: nothing to forward to)
-            self._internal = None
+        await self._stop_internal()  # (secondaries: nothing to forward to)
+
+    async def _stop_internal(self) -> None:
+        """The listener secondaries forward to stops, its advertisement removed first: once its
+        port is free, anyone on the host may listen there (secondaries answer 503 meanwhile)."""
+        internal, self._internal = self._internal, None
+        if internal is not None:
+            self.role.unadvertise()
+            await internal.stop()
 
     async def _step_down(self) -> None:
         """End this tenure as primary: runs stop (aborted), the lock is released, and a fresh
         scheduler waits for the next takeover."""
-        if self._internal is not None:
-            await self._internal.stop()
-            self._internal = None
+        await self._stop_internal()
         if self.scheduler.started:
             await self.scheduler.stop()
         self._unfollow()
@@ -466,9 +470,7 @@ class EvalSchedApp(ExtensionApp, SchedulerConfig):
                 timer.stop()
         scheduler = getattr(self, "scheduler", None)  # (a takeover that failed made a new one)
         if self.role.is_primary and scheduler is not None:
-            if self._internal is not None:
-                await self._internal.stop()
-                self._internal = None
+            await self._stop_internal()
             await scheduler.stop()
             self._unfollow()
             model_host = getattr(self, "model_host", None)

@@ -45,6 +45,9 @@ class PrimaryInfo:
     hostname: str
     runs_dir: str
     since: float
+    # Its process's start (clock ticks after boot, /proc/PID/stat): with the pid, which process
+    # advertised, unmoved by steps of the wall clock. None in an advertisement written before.
+    start: int | None = None
 
     def public(self) -> dict[str, Any]:
         """What clients may see (never the secret or the internal listener)."""
@@ -166,6 +169,7 @@ class HostRole:
             "hostname": socket.gethostname(),
             "runs_dir": str(self.runs_dir),
             "since": time.time(),
+            "start": _start_ticks("self"),
         }
         # A unique temp name, created exclusively: a FIFO planted at a predictable one would block.
         atomic_write_bytes(self.info_path, json.dumps(info).encode())
@@ -174,14 +178,20 @@ class HostRole:
         info = self.primary()
         return info is not None and info.pid == os.getpid()
 
-    def release(self) -> None:
-        if self._fd is None:
-            return
+    def unadvertise(self) -> None:
+        """No longer say where to forward: before the internal listener stops, whose port any
+        user of the host may take once it is free, while this server still holds the lock (a stop
+        or a step-down that waits for its runs; a suspension) and secondaries answer 503."""
         try:
-            if self.advertises_us() and self.still_holds():
+            if self._fd is not None and self.advertises_us() and self.still_holds():
                 os.unlink(self.info_path)
         except OSError:
             pass
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.unadvertise()
         os.close(self._fd)  # closing the descriptor releases the lock
         self._fd = None
         self._locked = None
@@ -190,7 +200,8 @@ class HostRole:
         """The advertised primary to forward a request to: only while its process lives (this
         user's, started before it advertised). A primary killed leaves its advertisement, and its
         loopback port free until a server takes over: any user of the host could listen there and
-        be sent the requests (their specs, their prompts) and answer them."""
+        be sent the requests (their specs, their prompts) and answer them. (A primary that stops
+        removes its advertisement first: ``unadvertise``.)"""
         info = self.primary()
         if info is None or _advertiser_alive(info):
             return info
@@ -230,6 +241,7 @@ class HostRole:
                 hostname=str(raw.get("hostname", "")),
                 runs_dir=str(raw.get("runs_dir", "")),
                 since=float(raw.get("since", 0)),
+                start=int(raw["start"]) if raw.get("start") is not None else None,
             )
         except UnsafePath as exc:
             self.problem = f"{exc}: refusing to forward requests there"
@@ -244,15 +256,23 @@ class HostRole:
         return info
 
 
+def _start_ticks(pid: int | str) -> int | None:
+    from .runner._proc import stat_fields
+
+    fields = stat_fields(pid)
+    try:
+        return int(fields[19]) if fields is not None else None  # starttime (field 22)
+    except (IndexError, ValueError):
+        return None
+
+
 def _advertiser_alive(info: PrimaryInfo) -> bool:
     """Whether the process that advertised ``info`` still runs: ``info.pid`` is a process of this
-    user that started before the advertisement (not a later one given the same pid)."""
-    from .runner._proc import process_start_time
-
+    user, started when the advertiser did (not a later one given the same pid)."""
     try:
         if os.stat(f"/proc/{info.pid}").st_uid != os.getuid():
             return False
     except OSError:
         return False
-    started = process_start_time(info.pid)
-    return started is not None and started <= info.since + 1.0  # (the boot time's rounding)
+    started = _start_ticks(info.pid)
+    return started is not None and (info.start is None or started == info.start)

@@ -536,8 +536,7 @@ class RunRecord(BaseModel):
     idempotency_key: str | None = Field(
         None,
         description="the Idempotency-Key header of the submission; for a sweep's run '<key>#<i> <n>:<digest>' "
-        "(its point, the sweep's number of points and their digest), ' cancelled' added once the sweep was "
-        "cancelled with points left unmade",
+        "(its point, the sweep's number of points and their digest)",
     )
     entrypoint: str | None = Field(None, description="the eval's entrypoint (eval.py:... for a cell's source)")
     source_digest: str | None = Field(None, description="sha256 of the spec's source, when it carries one")

@@ -65,6 +65,9 @@ log = logging.getLogger("jupyter_evalsched")
 STAGING_PREFIX = ".staging-"  # a run directory being assembled, or being deleted
 MODEL_LOGS_DIR = ".models"  # the shared-model hosts' stderr (run ids never start with a dot)
 LEASES_DIR = ".leases"  # one <lease id>.json per lease
+# The sweeps cancelled while they were submitted, newest last: a retry of such a submission
+# (its Idempotency-Key) makes no more of its runs, also after a restart.
+CANCELLED_SWEEPS_FILE = ".evalsched-cancelled-sweeps.json"
 MAX_LEASE_FILES = 10_000
 
 # Without fsync, a batch of new run directories is assembled by the calling thread until one of
@@ -695,6 +698,24 @@ class RunStore:
             remove_run_entry(self._lease_path(lease_id))  # (not through a link at .leases)
         except (OSError, KeyError):
             pass
+
+    def write_cancelled_sweeps(self, sweep_ids: list[str]) -> None:
+        """The ids of the sweeps cancelled (``CANCELLED_SWEEPS_FILE``); StoreError when the disk
+        refuses."""
+        self._writable()
+        try:
+            atomic_write_json(self.root / CANCELLED_SWEEPS_FILE, sweep_ids, fsync=self.fsync)
+        except OSError as exc:
+            raise StoreError(_disk_message(exc, self.root)) from exc
+
+    def read_cancelled_sweeps(self) -> list[str]:
+        """What :meth:`write_cancelled_sweeps` wrote; none where it is absent or damaged (bounded
+        read, no link followed)."""
+        try:
+            value = read_json_file(self.root / CANCELLED_SWEEPS_FILE, max_bytes=1024 * 1024)
+        except RunFileError:
+            return []
+        return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
     def read_leases(self) -> list[tuple[str, dict[str, Any]]]:
         """Every lease file that holds a JSON object (bounded reads, no links); others are skipped."""

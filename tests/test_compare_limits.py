@@ -69,6 +69,12 @@ def test_values_near_the_floats_limits_compare_to_null_never_to_an_error_or_infi
         assert rows["spread"]["metrics"]["m"]["stderr"] is None  # (1e200 - mean) ** 2 overflows
         assert rows["top"]["metrics"]["m"] == {"mean": None, "stderr": None, "count": 2}  # the sum overflows
         assert rows["top"]["metrics"]["ok"] == {"mean": 1.0, "stderr": 0.0, "count": 2}
+    # Differences that overflow one way and the other (inf - inf in their sum): null too.
+    crossed = [
+        ({"id": "up", "params": {}}, {0: {"m": 1e308}, 1: {"m": -1e308}}),
+        ({"id": "down", "params": {}}, {0: {"m": -1e308}, 1: {"m": 1e308}}),
+    ]
+    assert compare.compare(crossed)["rows"][1]["delta"]["m"] == {"mean": None, "ci95": None, "paired": 2}
     bottom = {row["id"]: row for row in compare.compare(runs, "top")["rows"]}["bottom"]
     assert bottom["delta"]["m"] == {"mean": None, "ci95": None, "paired": 2}  # -1e308 - 1e308
     assert bottom["delta"]["ok"] == {"mean": 1.0, "ci95": [1.0, 1.0], "paired": 2}

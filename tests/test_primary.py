@@ -794,30 +794,38 @@ def test_requests_go_only_to_a_primary_whose_process_still_runs(tmp_path):
     """A primary killed leaves its advertisement, and its loopback port free until a server takes
     over: a secondary forwarded to that port all the same, so any user of the host listening there
     was sent the requests (their specs, their prompts) and could answer them. Only the advertising
-    process, alive, started before it advertised, is forwarded to."""
-    from jupyter_evalsched.primary import HostRole
+    process, alive (its pid and its start, in clock ticks after boot: no step of the wall clock
+    moves it), is forwarded to; and a primary that stops removes its advertisement first."""
+    from jupyter_evalsched.primary import HostRole, _start_ticks
 
     runs = tmp_path / "runs"
     runs.mkdir(mode=0o700)
     role = HostRole(runs)
+    assert role.try_acquire()
     role.advertise("http://127.0.0.1:1/", "http://127.0.0.1:2/", "s3cret")
     assert role.forward_target() is not None and role.forward_target().pid == os.getpid()
 
-    def advertised_by(pid: int, since: float) -> None:
+    def advertised_by(pid: int, start: int | None) -> None:
         info = json.loads(role.info_path.read_text())
-        role.info_path.write_text(json.dumps({**info, "pid": pid, "since": since}))
+        role.info_path.write_text(json.dumps({**info, "pid": pid, "start": start}))
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    advertised_by(gone.pid, time.time())
+    advertised_by(gone.pid, 1)
     assert role.primary() is not None and role.forward_target() is None
     assert role.problem and f"({gone.pid}) is gone" in role.problem
-    later = subprocess.Popen(["sleep", "30"])  # alive, but started after the advertisement
+    later = subprocess.Popen(["sleep", "30"])
     try:
-        advertised_by(later.pid, time.time() - 60)
+        advertised_by(later.pid, _start_ticks(later.pid) - 1)  # another process given the same pid
         assert role.forward_target() is None
-        advertised_by(later.pid, time.time())
+        advertised_by(later.pid, _start_ticks(later.pid))
+        assert role.forward_target() is not None
+        advertised_by(later.pid, None)  # (an advertisement written before the start was in it)
         assert role.forward_target() is not None
     finally:
         later.kill()
         later.wait()
+    role.advertise("http://127.0.0.1:1/", "http://127.0.0.1:2/", "s3cret")
+    role.unadvertise()
+    assert not role.info_path.exists() and role.is_primary  # (the lock is still held)
+    role.release()

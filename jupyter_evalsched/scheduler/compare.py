@@ -80,7 +80,7 @@ def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
     n = len(values)
     try:
         mean = math.fsum(values) / n
-    except OverflowError:
+    except (OverflowError, ValueError):  # (ValueError: differences that overflowed both ways, inf - inf)
         return None, None
     if not math.isfinite(mean):
         return None, None
@@ -88,7 +88,7 @@ def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
         return mean, None
     try:
         sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-    except OverflowError:
+    except (OverflowError, ValueError):
         return mean, None
     return mean, (sd if math.isfinite(sd) else None)
 

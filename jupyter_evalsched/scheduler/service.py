@@ -183,6 +183,9 @@ class Scheduler:
                 log.exception("evalsched: the %s executor's clean-up after recovery failed", executor.name)
         await self.table.all_written()  # what recovery decided is on disk before the API answers
         leases = await self._loop.run_in_executor(None, self.store.read_leases)
+        self.submissions.recovered_cancelled_sweeps(
+            await self._loop.run_in_executor(None, self.store.read_cancelled_sweeps)
+        )
         if self.admission.stopping:
             return  # stopped meanwhile (the server shut down as it started): it stays stopped
         self.leases.bind(self._loop)
@@ -392,7 +395,11 @@ class Scheduler:
         """Cancel the sweep's unfinished runs; finished ones stay as they are. Answers once the
         records of the runs it ended are on disk (the writer's thread writes them meanwhile)."""
         runs = self.sweep_runs(sweep_id)
-        self.submissions.sweep_cancelled(sweep_id)
+        cancelled = self.submissions.sweep_cancelled(sweep_id)
+        try:  # (before the answer: a retry of its submission after a restart makes no more runs)
+            await self._require_loop().run_in_executor(self._io, self.store.write_cancelled_sweeps, cancelled)
+        except StoreError as exc:  # its runs are cancelled all the same; until a restart it is known
+            log.error("evalsched: cannot keep sweep %s cancelled across a restart: %s", sweep_id, exc)
         await self._cancel_all(runs, by)
         return self.sweep_view(sweep_id)
 

@@ -66,15 +66,13 @@ class SweepKey:
     """The ``idempotency_key`` a sweep's run records: ``<key>#<i> <n>:<digest>``, its
     submission's key, its point's index, the sweep's number of points and their digest
     (``sweeps.points_digest``: what tells a retry from another sweep under the same key, also
-    after a restart), then `` cancelled`` once the sweep was cancelled with points left unmade
-    (a retry, after a restart too, makes no more). No Idempotency-Key holds a space. Records
-    written before the digest was kept hold ``<key>#<i>`` alone."""
+    after a restart). No Idempotency-Key holds a space. Records written before the digest was
+    kept hold ``<key>#<i>`` alone."""
 
     key: str
     index: int
     points: int | None = None
     digest: str | None = None
-    cancelled: bool = False
 
     @classmethod
     def parse(cls, text: str) -> SweepKey | None:
@@ -84,16 +82,15 @@ class SweepKey:
             return None
         if not tail:
             return cls(key, int(index))
-        sweep, _, mark = tail.partition(" ")
-        points, _, digest = sweep.partition(":")
-        if not (points.isascii() and points.isdigit()) or not digest or mark not in ("", "cancelled"):
+        points, _, digest = tail.partition(":")
+        if not (points.isascii() and points.isdigit()) or not digest or " " in digest:
             return None
-        return cls(key, int(index), int(points), digest, mark == "cancelled")
+        return cls(key, int(index), int(points), digest)
 
     def text(self) -> str:
         if self.points is None:
             return f"{self.key}#{self.index}"
-        return f"{self.key}#{self.index} {self.points}:{self.digest}" + (" cancelled" if self.cancelled else "")
+        return f"{self.key}#{self.index} {self.points}:{self.digest}"
 
 
 class IdempotencyKeys:
@@ -668,8 +665,7 @@ class Submissions:
     def _earlier_sweep(self, made_before: dict[int, str], points: int, digest: str) -> str | None:
         """The sweep that earlier submissions under this key made (``made_before``, its runs by
         point), if any; StateConflict where it has other points than these (``points`` of
-        ``digest``): a run past them, or another digest. One whose record says it was cancelled
-        with points left unmade (``SweepKey.cancelled``, also across a restart) makes no more."""
+        ``digest``): a run past them, or another digest."""
         runs = [run for _, run_id in sorted(made_before.items()) if (run := self.table.get(run_id)) is not None]
         if not runs:
             return None
@@ -682,8 +678,6 @@ class Submissions:
                 f"the Idempotency-Key was already used for sweep {sweep_id}, with other points: "
                 "a retry of a submission sends the same body"
             )
-        if any(k is not None and k.cancelled for k in recorded):
-            self._note_cancelled(sweep_id)
         return sweep_id
 
     def _raise_if_cancelled(self, sweep_id: str, made: int, points: int) -> None:
@@ -712,23 +706,18 @@ class Submissions:
         _, pending = await asyncio.wait(set(self._sweeps_under_way), timeout=timeout)
         return not pending
 
-    def sweep_cancelled(self, sweep_id: str) -> None:
+    def sweep_cancelled(self, sweep_id: str) -> list[str]:
         """The sweep is cancelled (its runs are cancelled right after): a submission of it still
         under way makes no more of its runs, nor does a retry of that submission, under its
-        Idempotency-Key, also after a restart: where points are left unmade, the recorded keys
-        of its runs say so (``SweepKey.cancelled``), written with the cancel's records."""
+        Idempotency-Key. Returns the sweeps cancelled, newest last, for the caller to keep on disk
+        (``RunStore.write_cancelled_sweeps``): a retry after a restart makes no more either."""
         self._note_cancelled(sweep_id)
-        runs = self.sweep_runs(sweep_id)
-        recorded = [(run, SweepKey.parse(str(run.record.get("idempotency_key") or ""))) for run in runs]
-        keyed = [(run, key) for run, key in recorded if key is not None and key.points is not None]
-        if not keyed or len(runs) >= (keyed[0][1].points or 0) or any(key.cancelled for _, key in keyed):
-            return  # unkeyed (never retried), every point made (a retry answers them), or said already
-        unfinished = [(run, key) for run, key in keyed if not run.terminal]
-        for run, key in unfinished:  # (written with the terminal record the cancel gives it)
-            run.record["idempotency_key"] = dataclasses.replace(key, cancelled=True).text()
-        if not unfinished:  # the cancel writes no record: one is written here
-            run, key = keyed[-1]
-            self.table.update(run, idempotency_key=dataclasses.replace(key, cancelled=True).text())
+        return list(self._cancelled_sweeps)
+
+    def recovered_cancelled_sweeps(self, sweep_ids: list[str]) -> None:
+        """At a start: the sweeps cancelled before it (``RunStore.read_cancelled_sweeps``)."""
+        for sweep_id in sweep_ids:
+            self._note_cancelled(sweep_id)
 
     def _note_cancelled(self, sweep_id: str) -> None:
         self._cancelled_sweeps[sweep_id] = None

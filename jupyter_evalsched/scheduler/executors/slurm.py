@@ -28,8 +28,8 @@ from . import Executor, ExecutorContext
 
 log = logging.getLogger("jupyter_evalsched")
 
-# How much longer than one command's timeout a stop waits for the sbatch calls under way (and
-# the scancel of those cancelled meanwhile, which each needs one more command).
+# How much longer than two commands' timeouts (an sbatch under way, then the scancel of a run
+# cancelled meanwhile) a stop waits for them.
 STOP_MARGIN_S = 5.0
 
 
@@ -257,13 +257,13 @@ class SlurmExecutor(Executor):
         """SLURM jobs outlive the server, but what this server began with SLURM ends first: each
         ``sbatch`` under way is waited for, so that its job id is in the run's record (the next
         server would hand the run to SLURM a second time), and a run cancelled meanwhile is then
-        ``scancel``'d (its cancel waits for that job id). At most one command's timeout, and a
+        ``scancel``'d (its cancel waits for that job id). At most two commands' timeouts, and a
         little more: a hung ``slurmctld`` does not hold the stop for longer."""
         self._stopping = True
         handing = [task for task in self._handing if not task.done()]
         if not handing:
             return
-        wait_s = self.cli.config.command_timeout_s + STOP_MARGIN_S
+        wait_s = 2 * self.cli.config.command_timeout_s + STOP_MARGIN_S
         _, late = await asyncio.wait(handing, timeout=wait_s)
         if late:
             log.warning(

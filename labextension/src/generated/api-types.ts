@@ -537,7 +537,7 @@ export interface IRunDetail {
   metrics?: { [key: string]: unknown };
   slurm_job_id: string | null;
   slurm_state: string | null;
-  /** the Idempotency-Key header of the submission; for a sweep's run '<key>#<i> <n>:<digest>' (its point, the sweep's number of points and their digest), ' cancelled' added once the sweep was cancelled with points left unmade */
+  /** the Idempotency-Key header of the submission; for a sweep's run '<key>#<i> <n>:<digest>' (its point, the sweep's number of points and their digest) */
   idempotency_key: string | null;
   /** the eval's entrypoint (eval.py:... for a cell's source) */
   entrypoint: string | null;
@@ -626,7 +626,7 @@ export interface IRunRecord {
   metrics?: { [key: string]: unknown };
   slurm_job_id: string | null;
   slurm_state: string | null;
-  /** the Idempotency-Key header of the submission; for a sweep's run '<key>#<i> <n>:<digest>' (its point, the sweep's number of points and their digest), ' cancelled' added once the sweep was cancelled with points left unmade */
+  /** the Idempotency-Key header of the submission; for a sweep's run '<key>#<i> <n>:<digest>' (its point, the sweep's number of points and their digest) */
   idempotency_key: string | null;
   /** the eval's entrypoint (eval.py:... for a cell's source) */
   entrypoint: string | null;
