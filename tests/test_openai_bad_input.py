@@ -303,3 +303,22 @@ def test_the_model_files_digest_follows_a_linked_directory_and_survives_a_loop(t
     info = (real / "tok.json").stat()
     os.utime(real / "tok.json", ns=(info.st_atime_ns, info.st_mtime_ns + 10**9))
     assert model_digest(str(model)) != before
+
+
+def test_a_model_file_whose_name_is_not_utf8_is_digested_and_loads(tmp_path):
+    """``os.walk`` gives such a name with surrogates, which the digest's strict encoding refused:
+    a UnicodeEncodeError in the model host's load, outside its guard, ended the host (exit 70) at
+    every load of that model, for every user of it."""
+    import os
+
+    from jupyter_evalsched.openai_cache import model_digest
+    from jupyter_evalsched.shared_models.host import _files_of
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with open(os.path.join(os.fsencode(model), b"w\xff.bin"), "wb"):
+        pass
+    digest = model_digest(str(model))
+    assert isinstance(digest, str) and _files_of(str(model)) == digest
+    assert _files_of(str(tmp_path / "none")) is None

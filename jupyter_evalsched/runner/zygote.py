@@ -894,28 +894,17 @@ def _disown_finalizers() -> None:
     """What the zygote's objects hold is the zygote's: a run does not finalize it at its exit (a
     preload's temporary directory would be removed under the zygote, and torch's 134 operator
     libraries would be torn down for nothing), as a multiprocessing child does not run its
-    parent's finalizers. Nor does it run the ``atexit`` handlers the preloads registered (a cold run
-    never has them: it does not import them, or registers its own). The run's own finalizers and
-    ``atexit`` handlers run as usual."""
-    import atexit
-
-    atexit._clear()
+    parent's finalizers. The run's own finalizers and ``atexit`` handlers run as usual, and so do
+    those its preloads registered as they were imported (as in a cold run that imports them: a
+    library's handler acts on what the run made, a lock file it holds, say)."""
     weakref = sys.modules.get("weakref")  # (not loaded: the zygote made no finalizer)
     if weakref is not None:
         weakref.finalize._registry = {}
-        # Its exit hook went with the rest: the run's first finalizer registers it again.
-        weakref.finalize._registered_with_atexit = False
-    # What the standard library registers as it is imported: a cold run that imports these
-    # modules has it; a warm one has them imported already.
-    logging = sys.modules.get("logging")
-    if logging is not None:
-        atexit.register(logging.shutdown)
     util = sys.modules.get("multiprocessing.util")
     if util is not None:
         try:
             util._finalizer_registry.clear()
             util._run_after_forkers()
-            atexit.register(util._exit_function)
         except Exception:
             pass
 

@@ -165,6 +165,17 @@ class _PipelineCaller:
         return outputs
 
 
+def _files_of(model: str | None) -> str | None:
+    """``model_digest`` of the model's files, None where it cannot be made: what the response
+    cache keys on must never fail a load (a model is served all the same, its answers uncached)."""
+    from .model_files import model_digest
+
+    try:
+        return model_digest(model)
+    except Exception:
+        return None
+
+
 def load_callable(config: ModelConfig):
     """Build the batch callable of a model: ``fn(list_of_inputs, **kwargs) -> list_of_outputs``."""
     options = dict(config.options)
@@ -366,9 +377,7 @@ class ModelHost:
             self.load_count += 1
         self.emit("loading", load_count=self.load_count)
         started = time.monotonic()
-        from .model_files import model_digest
-
-        files = model_digest(self.config.model)  # (again after the load: what was loaded, if alike)
+        files = _files_of(self.config.model)  # (again after the load: what was loaded, if alike)
         try:
             fn = load_callable(self.config)
         except BaseException as exc:  # a loader's SystemExit or MemoryError is a failed load too
@@ -381,7 +390,7 @@ class ModelHost:
                 self.state, self.error, self.failed_at = "failed", error, time.monotonic()
             self.emit("load_failed", error=error, load_count=self.load_count)
             return error
-        if files is not None and model_digest(self.config.model) != files:
+        if files is not None and _files_of(self.config.model) != files:
             files = None  # rewritten while it loaded: which files it holds is not known
         with self.cond:
             self.fn, self.state, self.error = fn, "loaded", None

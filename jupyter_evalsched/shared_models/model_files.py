@@ -40,4 +40,5 @@ def model_digest(path: str | None) -> str | None:
             rows.append(
                 f"{os.path.relpath(full, path)}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ctime_ns}\0{info.st_ino}"
             )
-    return hashlib.sha256("\n".join(rows).encode()).hexdigest()
+    # (A file name that is not UTF-8 comes from the walk with surrogates: its own bytes back.)
+    return hashlib.sha256("\n".join(rows).encode("utf-8", "surrogateescape")).hexdigest()
