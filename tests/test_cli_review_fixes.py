@@ -28,6 +28,7 @@ from jupyter_evalsched.client import (
     load_spec_file,
 )
 from jupyter_evalsched.client.discovery import _split_token_from_url
+from jupyter_evalsched.client.errors import server_away
 from jupyter_evalsched.client.sweep import SweepHandle
 
 try:
@@ -346,14 +347,29 @@ def test_reads_retry_the_503_of_a_starting_scheduler():
         fake.stop()
 
 
-def test_other_503s_are_not_retried_by_reads():
-    fake = FakeApi(lambda m, p: (503, {"message": "the runs directory is not yours", "reason": None}, {})).start()
+def test_other_503s_and_other_methods_are_not_retried():
+    """Only a GET is retried, and only for a starting scheduler's 503: a cancel (a widget's, on
+    the kernel's thread) fails at once, as does a 503 with a Retry-After of something else (a
+    proxy's) and one that waiting does not mend."""
+    answers = {
+        "/evalsched/runs/r1": (503, {"message": "the runs directory is not yours", "reason": None}, {}),
+        "/evalsched/runs/r2": (503, {"message": "upstream busy", "reason": None}, {"Retry-After": "0"}),
+        "/evalsched/runs/r3/cancel": (503, STARTING, {"Retry-After": "0"}),
+    }
+    fake = FakeApi(lambda m, p: answers[p.split("?")[0]]).start()
     try:
+        client = EvalSchedClient(fake.url, "t")
         with pytest.raises(EvalSchedError, match="not yours"):
-            EvalSchedClient(fake.url, "t").get("r1")
-        assert len(fake.requests) == 1
+            client.get("r1")
+        with pytest.raises(EvalSchedError, match="upstream busy"):
+            client.get("r2")
+        with pytest.raises(EvalSchedError, match="starting"):
+            client.cancel("r3")
+        assert len(fake.requests) == 3
     finally:
         fake.stop()
+    permanent = EvalSchedError(503, "this server cannot schedule its runs directory: it was moved")
+    assert not server_away(permanent) and server_away(EvalSchedError(503, STARTING["message"]))
 
 
 # --------------------------------------------------------------------------- 3, 4, 14: tokens

@@ -72,8 +72,10 @@ class EvalSchedClient:
     ) -> Any:
         """One REST call; JSON is decoded unless ``raw`` (then the text is returned).
 
-        A 503 that says the scheduler is starting (recovery reads the runs directory; nothing was
-        done) is retried for up to ``submit_retry_s`` seconds, after its Retry-After when given."""
+        A GET answered by a 503 that says the scheduler is starting (recovery reads the runs
+        directory) is retried for up to ``submit_retry_s`` seconds, after its Retry-After when
+        given. Other methods fail at once (a cancel from a widget must not hold the kernel; a
+        submission retries in its own way, under its Idempotency-Key)."""
         deadline = time.monotonic() + self.submit_retry_s
         pause = 0.1
         while True:
@@ -83,7 +85,7 @@ class EvalSchedClient:
                 )
             except EvalSchedError as exc:
                 wait_s = _pause_for(exc, pause)
-                if not _starting(exc) or time.monotonic() + wait_s > deadline:
+                if method != "GET" or not _starting(exc) or time.monotonic() + wait_s > deadline:
                     raise
             time.sleep(wait_s)
             pause = min(pause * 2, 2.0)
@@ -308,8 +310,9 @@ class EvalSchedClient:
 
 
 def _starting(exc: EvalSchedError) -> bool:
-    """A 503 of a server whose scheduler is starting: it did nothing, and answers in a moment."""
-    return exc.status == 503 and ("starting" in exc.message or exc.retry_after is not None)
+    """A 503 of a server whose scheduler is starting (or whose primary is changing): it did
+    nothing, and answers in a moment. Not any 503 with a Retry-After: a proxy's may say that."""
+    return exc.status == 503 and ("scheduler is starting" in exc.message or "is starting or changing" in exc.message)
 
 
 def _pause_for(exc: EvalSchedError, pause: float) -> float:
