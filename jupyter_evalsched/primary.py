@@ -181,12 +181,21 @@ class HostRole:
     def unadvertise(self) -> None:
         """No longer say where to forward: before the internal listener stops, whose port any
         user of the host may take once it is free, while this server still holds the lock (a stop
-        or a step-down that waits for its runs; a suspension) and secondaries answer 503."""
+        or a step-down that waits for its runs; a suspension) and secondaries answer 503. In the
+        directory locked, wherever it now is (a suspension's was moved: a server started on its
+        new path is a secondary, which would read the advertisement there)."""
+        if self._fd is None:
+            return
         try:
-            if self._fd is not None and self.advertises_us() and self.still_holds():
-                os.unlink(self.info_path)
-        except OSError:
-            pass
+            fd = os.open(INFO_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._fd)
+            try:
+                ours = json.loads(os.read(fd, 64 * 1024)).get("pid") == os.getpid()
+            finally:
+                os.close(fd)
+            if ours:
+                os.unlink(INFO_NAME, dir_fd=self._fd)
+        except (OSError, ValueError, AttributeError):
+            pass  # (none, not ours, or not one: nothing of ours to take back)
 
     def release(self) -> None:
         if self._fd is None:

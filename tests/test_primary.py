@@ -828,4 +828,12 @@ def test_requests_go_only_to_a_primary_whose_process_still_runs(tmp_path):
     role.advertise("http://127.0.0.1:1/", "http://127.0.0.1:2/", "s3cret")
     role.unadvertise()
     assert not role.info_path.exists() and role.is_primary  # (the lock is still held)
+    # A suspension's runs directory was moved: the advertisement goes from where it now is (a
+    # server started on the new path is a secondary there, and would forward to the freed port).
+    role.advertise("http://127.0.0.1:1/", "http://127.0.0.1:2/", "s3cret")
+    moved = tmp_path / "moved"
+    os.rename(runs, moved)
+    assert not role.still_holds() and (moved / role.info_path.name).exists()
+    role.unadvertise()
+    assert not (moved / role.info_path.name).exists()
     role.release()

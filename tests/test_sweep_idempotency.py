@@ -218,3 +218,34 @@ def test_a_point_label_escapes_what_is_not_printable_and_keeps_the_rest():
     assert sweeps.point_label({"t": 0.2, "s": "plain é ✓ \\n", "l": ["\n"]}) == 't=0.2, s=plain é ✓ \\n, l=["\\n"]'
     assert sweeps.point_label({"s": "\t\r\x1b\x85"}) == "s=\\t\\r\\x1b\\x85"
     assert sweeps.run_name("n", {"s": "x" * 50 + "\n"}) == "n [s=" + "x" * 39 + "…]"
+
+
+async def test_two_cancels_at_once_keep_both_sweeps_cancelled_on_disk(api, evalsched, runs_dir, monkeypatch):
+    """Each cancel writes the list of the sweeps cancelled before it answers. Two at once wrote on
+    two threads of the I/O pool, and the older list could land last: the first cancel's write is
+    held here until the second cancel has had its turn, and the file must still hold both."""
+    import threading
+
+    from jupyter_evalsched.store import CANCELLED_SWEEPS_FILE
+
+    made = [
+        (await api("POST", "sweeps", {**spec(entry=SLEEPY, sleep_s=60.0), "sweep": {"k": [1, 2]}}))[1] for _ in range(2)
+    ]
+    release, real = threading.Event(), evalsched.store.write_cancelled_sweeps
+    calls = []
+
+    def held_first(ids):
+        calls.append(list(ids))
+        if len(calls) == 1:
+            release.wait(10)
+        real(ids)
+
+    monkeypatch.setattr(evalsched.store, "write_cancelled_sweeps", held_first)
+    first = asyncio.ensure_future(api("POST", f"sweeps/{made[0]['id']}/cancel"))
+    second = asyncio.ensure_future(api("POST", f"sweeps/{made[1]['id']}/cancel"))
+    await asyncio.sleep(0.3)  # (the second's write, were it not kept behind the first, would land now)
+    release.set()
+    assert [code for code, _ in await asyncio.gather(first, second)] == [200, 200]
+    on_disk = json.loads((runs_dir / CANCELLED_SWEEPS_FILE).read_text())
+    assert on_disk[-2:] == [made[0]["id"], made[1]["id"]], (on_disk, calls)
+    assert oct((runs_dir / CANCELLED_SWEEPS_FILE).stat().st_mode & 0o777) == "0o600"

@@ -93,7 +93,4 @@ def server_away(exc: BaseException) -> bool:
         return False
     if isinstance(exc, ServerNotFound):
         return True
-    if not isinstance(exc, EvalSchedError) or exc.status not in (502, 503, 504):
-        return False
-    # (but a server that can never schedule its runs directory: that does not pass by waiting)
-    return "cannot schedule its runs directory" not in exc.message
+    return isinstance(exc, EvalSchedError) and exc.status in (502, 503, 504)

@@ -99,6 +99,7 @@ class Scheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.context: ExecutorContext | None = None  # what executors get; set by start()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
+        self._cancelled_sweeps_write = asyncio.Lock()  # (cancel_sweep: its list written one at a time)
         # Comparisons read whole episode logs: on their own small pool, never the default one that
         # serves the plain reads of run files (GET /runs/{id}), and a bounded number at once.
         self.comparisons = Comparisons(self.table, self.store)
@@ -395,11 +396,16 @@ class Scheduler:
         """Cancel the sweep's unfinished runs; finished ones stay as they are. Answers once the
         records of the runs it ended are on disk (the writer's thread writes them meanwhile)."""
         runs = self.sweep_runs(sweep_id)
-        cancelled = self.submissions.sweep_cancelled(sweep_id)
-        try:  # (before the answer: a retry of its submission after a restart makes no more runs)
-            await self._require_loop().run_in_executor(self._io, self.store.write_cancelled_sweeps, cancelled)
-        except StoreError as exc:  # its runs are cancelled all the same; until a restart it is known
-            log.error("evalsched: cannot keep sweep %s cancelled across a restart: %s", sweep_id, exc)
+        # On disk first (a retry of its submission after a restart makes no more runs), one write
+        # at a time, each of the list as it is then: two cancels' writes on two threads could
+        # land the older list last. A disk that refuses it: a 503, and nothing is cancelled.
+        async with self._cancelled_sweeps_write:
+            cancelled = self.submissions.cancelled_with(sweep_id)
+            try:
+                await self._require_loop().run_in_executor(self._io, self.store.write_cancelled_sweeps, cancelled)
+            except StoreError as exc:
+                raise store_failure(exc) from exc
+            self.submissions.sweep_cancelled(sweep_id)
         await self._cancel_all(runs, by)
         return self.sweep_view(sweep_id)
 

@@ -706,13 +706,19 @@ class Submissions:
         _, pending = await asyncio.wait(set(self._sweeps_under_way), timeout=timeout)
         return not pending
 
-    def sweep_cancelled(self, sweep_id: str) -> list[str]:
+    def cancelled_with(self, sweep_id: str) -> list[str]:
+        """The sweeps cancelled, newest last, once ``sweep_id`` is: what the caller keeps on disk
+        (``RunStore.write_cancelled_sweeps``) before :meth:`sweep_cancelled`, so that a retry
+        after a restart makes no more of its runs either."""
+        kept = [s for s in self._cancelled_sweeps if s != sweep_id] + [sweep_id]
+        return kept[-MAX_CANCELLED_SWEEPS_KEPT:]
+
+    def sweep_cancelled(self, sweep_id: str) -> None:
         """The sweep is cancelled (its runs are cancelled right after): a submission of it still
         under way makes no more of its runs, nor does a retry of that submission, under its
-        Idempotency-Key. Returns the sweeps cancelled, newest last, for the caller to keep on disk
-        (``RunStore.write_cancelled_sweeps``): a retry after a restart makes no more either."""
+        Idempotency-Key."""
+        self._cancelled_sweeps.pop(sweep_id, None)  # (the newest again)
         self._note_cancelled(sweep_id)
-        return list(self._cancelled_sweeps)
 
     def recovered_cancelled_sweeps(self, sweep_ids: list[str]) -> None:
         """At a start: the sweeps cancelled before it (``RunStore.read_cancelled_sweeps``)."""
