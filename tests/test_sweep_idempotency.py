@@ -247,5 +247,6 @@ async def test_two_cancels_at_once_keep_both_sweeps_cancelled_on_disk(api, evals
     release.set()
     assert [code for code, _ in await asyncio.gather(first, second)] == [200, 200]
     on_disk = json.loads((runs_dir / CANCELLED_SWEEPS_FILE).read_text())
-    assert on_disk[-2:] == [made[0]["id"], made[1]["id"]], (on_disk, calls)
+    # (whichever cancel reached the server first: both)
+    assert sorted(on_disk[-2:]) == sorted([made[0]["id"], made[1]["id"]]), (on_disk, calls)
     assert oct((runs_dir / CANCELLED_SWEEPS_FILE).stat().st_mode & 0o777) == "0o600"
