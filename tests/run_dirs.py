@@ -3,7 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def runner_env(**extra: str) -> dict[str, str]:
+    """The environment a runner started by a test gets: this session's, less what belongs to
+    the launcher (the runner must flush on its own), the repository first on the path."""
+    env = dict(os.environ)
+    for name in ("PYTHONUNBUFFERED", "EVALSCHED_PARENT_PID", "EVALSCHED_DEVICES", "COVERAGE_PROCESS_START"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
 
 
 def filled_spec(**fields) -> dict:

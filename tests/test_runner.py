@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 from proc_status import ignores_signal
-from run_dirs import filled_spec
+from run_dirs import filled_spec, runner_env
 from waiting import wait_until
 
 from jupyter_evalsched.runner import fastjson
@@ -32,7 +32,6 @@ from jupyter_evalsched.runner._proc import cgroup_procs_value
 from jupyter_evalsched.runner.context import ModelRegistry, UnknownModelError, parse_devices
 from jupyter_evalsched.runner.results import MetricAggregator, utc_now_iso, validate_metrics
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 RUNNER = [PYTHON, "-m", "jupyter_evalsched.runner"]
 TERMINAL = {"succeeded", "failed"}
@@ -67,17 +66,6 @@ def episode(ctx, index):
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def runner_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    # Not inherited from the test session: the runner must flush on its own, and these belong to
-    # the launcher.
-    for name in ("PYTHONUNBUFFERED", "EVALSCHED_PARENT_PID", "EVALSCHED_DEVICES", "COVERAGE_PROCESS_START"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
 
 
 def make_run_dir(tmp_path: Path, run_id: str = "20261129T083000-000001", models: dict | None = None, **spec) -> Path:

@@ -22,19 +22,9 @@ from pathlib import Path
 
 import pytest
 from rest import submit
-from run_dirs import filled_spec
+from run_dirs import filled_spec, runner_env
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_ID = "20261207T120000.000000-abcdef"
-
-
-def runner_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("PYTHONUNBUFFERED", "EVALSCHED_PARENT_PID", "EVALSCHED_DEVICES", "COVERAGE_PROCESS_START"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
 
 
 def make_run_dir(tmp_path: Path, source: str, **spec) -> Path:
