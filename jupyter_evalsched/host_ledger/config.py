@@ -21,6 +21,7 @@ import grp
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,19 @@ class LedgerConfig:
 
     def quota(self, user: str) -> Quota:
         return self.quotas.get(user, self.default_quota)
+
+    def quota_of(self, names: Iterable[str]) -> Quota:
+        """The quota of a user known by ``names`` (a uid's names): of each limit, the strictest set
+        under any of them (a quota set under one name holds, whichever the host tells), or the
+        default quota when none is named."""
+        found = [self.quotas[n] for n in sorted(set(names)) if n in self.quotas]
+        if not found:
+            return self.default_quota
+
+        def strictest(limits: list[int | None]) -> int | None:
+            return min((v for v in limits if v is not None), default=None)
+
+        return Quota(*(strictest([getattr(q, k) for q in found]) for k in QUOTA_KEYS))
 
     def usable(self, index: int, total_mb: int) -> int:
         value = self.usable_vram_mb.get(index, self.usable_all_mb)

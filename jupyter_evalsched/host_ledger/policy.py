@@ -22,6 +22,21 @@ class Quota:
     leases: int | None = None
 
 
+def quota_names_learnt(
+    learnt: Mapping[int, frozenset[str]], found: Mapping[str, int | None]
+) -> dict[int, frozenset[str]]:
+    """The quota names each uid is known by, once the directory told ``found`` (each configured
+    name's uid, or None where its lookup failed) after ``learnt``. Names are only ever added: a
+    lookup that failed (the directory slow or down, the user renamed) takes no name from its uid,
+    so no quota learnt is lost to the default; a name the directory now gives another uid holds
+    for both (the same name's quota, whichever uid the user has)."""
+    out = dict(learnt)
+    for name, uid in found.items():
+        if uid is not None and name not in out.get(uid, frozenset()):
+            out[uid] = out.get(uid, frozenset()) | {name}
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class HostDevice:
     index: int
@@ -233,6 +248,31 @@ def decide(
                 "waiting", reason=f"quota: user {ask.user} may hold {quota.vram_mb} MB of VRAM; holds {holds} MB"
             )
     return Decision("granted", devices=tuple(sorted(d.index for d in chosen)))
+
+
+def retold_reason(ask: Ask, devices: Mapping[int, HostDevice], holdings: Sequence[Holding], quota: Quota) -> str:
+    """Why a grant re-told to a ledger that lost its state cannot be learnt beside ``holdings``
+    (the grants it knows), or "". ``ask`` is the grant as told, on the GPUs it names. It is
+    learnt as it is held, not placed anew: its GPUs' usable VRAM (a whole GPU charged all of it)
+    and the user's quota must hold it, whoever else holds 0 MB there (a ledger of an earlier
+    version granted a whole GPU beside 0 MB shares of it, which ``decide`` no longer does)."""
+    assert ask.devices is not None
+    never = never_reason(ask, devices, quota)
+    if never:
+        return never
+    load = _load(devices, holdings)
+    mine = load.user(ask.user)
+    why = _quota_reason(ask, mine, quota)
+    if why:
+        return why
+    named = [devices[i] for i in ask.devices]
+    if quota.vram_mb is not None and ask.exclusive and mine.mb + sum(d.usable_mb for d in named) > quota.vram_mb:
+        return f"quota: user {ask.user} may hold {quota.vram_mb} MB of VRAM; holds {mine.mb} MB"
+    for device in named:
+        charged = device.usable_mb if ask.exclusive else ask.vram_mb
+        if load.allocated.get(device.index, 0) + charged > device.usable_mb:
+            return _capacity_reason(ask, [device], load)
+    return ""
 
 
 def key_mismatch(held: Holding, ask: Ask) -> str:

@@ -174,6 +174,14 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
+def uid_named(name: str) -> int | None:
+    """The uid the host's user ``name`` has, or None when it has no such user."""
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return None
+
+
 def in_group(uid: int, group: str | None) -> bool:
     """Whether ``uid`` is root or a member of ``group`` (primary or supplementary)."""
     if uid == 0:

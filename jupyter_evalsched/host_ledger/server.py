@@ -31,7 +31,7 @@ import stat
 import struct
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,8 @@ from .policy import (
     key_mismatch,
     met_by,
     next_grant,
+    quota_names_learnt,
+    retold_reason,
     takes_room,
     why_waiting,
 )
@@ -74,6 +76,7 @@ MAX_DEMAND = 16  # asks a tenant may tell as its demand (its queued GPU work)
 # MAX_ANSWER_BYTES a client reads, however many users' grants the host holds.
 MAX_VIEW_ENTRIES = 1000
 TURN_S = 5.0  # how long room kept for a user holding less (its demand) waits for that user to ask
+QUOTA_NAMES_S = 60.0  # how often the quotas' names are looked up anew (a user added, a uid renumbered)
 # Connections at once, over all users: well below the ledger's file descriptor limit (see
 # connection_cap), so that /proc and its state file can always be opened.
 MAX_CONNECTIONS = 8192
@@ -308,6 +311,17 @@ def _saved_grant(item: Any) -> Grant:
     )
 
 
+def _uids_named(names: Iterable[str], lookup: Callable[[str], int | None]) -> dict[str, int | None]:
+    """Each name's uid as ``lookup`` tells it (None: it failed, whyever). Blocking: run off the loop."""
+    found: dict[str, int | None] = {}
+    for name in names:
+        try:
+            found[name] = lookup(name)
+        except Exception:  # (a directory service's failure is a failed lookup, not the ledger's end)
+            found[name] = None
+    return found
+
+
 def _still_theirs(proc: ProcId, uid: int) -> bool:
     """Whether a saved process still runs as ``uid``. One /proc cannot tell of now is kept: each
     sweep checks it again, and a grant dropped here would be granted twice."""
@@ -332,6 +346,14 @@ class HostLedger:
         # back until they are granted that much (else re-telling it each time it is set aside, or
         # taking a 0 MB grant now and then, would hold the others back for ever).
         self.forfeited: dict[int, Ask] = {}
+        # Each uid's name and quota (see _name_of, _quota_of): the policy counts users by name.
+        self._names: dict[int, str] = {}
+        self._named: dict[str, int] = {}
+        self._quota_names: dict[int, frozenset[str]] = {}  # the quotas' names each uid is known by
+        self._quotas: dict[int, Quota] = {}  # each uid's quota, as last worked out (see _learn_quota_names)
+        self._admins: dict[int, tuple[float, bool]] = {}  # uid -> (when looked up, in the admin group)
+        self.uid_named: Callable[[str], int | None] = procs.uid_named  # the directory, by name (blocking)
+        self._quota_namer: asyncio.Task[None] | None = None
         self.reclaim_until = 0.0
         self._state_read = False  # a state file was read: the saved tenants are all to wait for
         self._unsaved = False  # a change (a grant ended) is not in the state file yet: the sweep saves it
@@ -357,6 +379,7 @@ class HostLedger:
             self._claim_socket_path()
             self._remove_staged_states()
             self._load_state()
+            await self._learn_quota_names()  # (before any connection: none is served the default by mistake)
             self._listener = self._listen(gid)
             await self._refresh()
         except BaseException:
@@ -366,6 +389,7 @@ class HostLedger:
         self._acceptor = asyncio.create_task(self._accept_forever(self._listener))
         self._acceptor.add_done_callback(self._acceptor_ended)
         self._sweeper = asyncio.create_task(self._sweep_forever())
+        self._quota_namer = asyncio.create_task(self._learn_quota_names_forever())
         log.info(
             "host ledger on %s: %d GPU(s), %d grant(s) kept from before, reclaim %s, at most %d connections",
             self.socket_path,
@@ -377,7 +401,7 @@ class HostLedger:
 
     async def stop(self) -> None:
         # All at once, then waited for: nothing is answered once the stop has begun.
-        running = [t for t in (self._sweeper, self._acceptor) if t is not None]
+        running = [t for t in (self._sweeper, self._acceptor, self._quota_namer) if t is not None]
         for task in running:
             task.cancel()
         if self._listener is not None:
@@ -581,7 +605,7 @@ class HostLedger:
         for grant in grants:
             grant.procs = [p for p in grant.procs if _still_theirs(p, grant.uid)]
             if grant.procs:
-                grant.user = procs.user_name(grant.uid)
+                grant.user = self._name_of(grant.uid)
                 self.grants[grant.id] = grant
         if self.pending_tenants:
             self.reclaim_until = time.monotonic() + self.config.reclaim_window_s
@@ -708,7 +732,7 @@ class HostLedger:
                     "pid": proc.pid,
                     "gpu": proc.device,
                     "used_mb": proc.used_mb,
-                    "user": procs.user_name(uid) if uid is not None else None,
+                    "user": self._name_of(uid) if uid is not None else None,
                     "uid": uid,
                 }
             )
@@ -841,7 +865,54 @@ class HostLedger:
             w.conn.send({"event": "waiting", "request": w.request, "key": w.key, "reason": reason})
 
     def _quota(self, w: Waiter) -> Quota:
-        return self.config.quota(w.ask.user)
+        return self._quota_of(w.conn.uid)
+
+    def _name_of(self, uid: int) -> str:
+        """``uid``'s user name for this ledger's life. The policy counts what a user holds (their
+        quota, their fair share) by name and the kernel tells uids: looked up once, all a uid holds
+        is one user's however the host's names change meanwhile (renamed, a lookup the directory
+        service failed: each new name would be a new user, with a quota of its own), and a name
+        taken over by another uid is told apart by its uid (else one charged with the other's)."""
+        name = self._names.get(uid)
+        if name is None:
+            name = procs.user_name(uid)
+            if name in self._named:
+                name = f"{name} (uid {uid})"
+            self._names[uid], self._named[name] = name, uid
+        return name
+
+    async def _learn_quota_names(self) -> None:
+        """Look up the uid of each name a quota is set under, off the loop (a directory service
+        may take seconds, and the loop serves everyone). A quota holds for each uid its name was
+        ever found to have: a lookup that fails (the directory down, the user renamed) loses no
+        quota (see policy.quota_names_learnt), and a connection costs no lookup."""
+        if not self.config.quotas:
+            return
+        found = await asyncio.to_thread(_uids_named, sorted(self.config.quotas), self.uid_named)
+        learnt = quota_names_learnt(self._quota_names, found)
+        if learnt != self._quota_names:
+            self._quota_names = learnt
+            self._quotas.clear()  # (worked out anew as asked: a uid's names only grow)
+            self._schedule()  # a quota changed: what waits may now be granted
+
+    async def _learn_quota_names_forever(self) -> None:
+        while True:
+            await asyncio.sleep(QUOTA_NAMES_S)
+            try:
+                await self._learn_quota_names()
+                self._trouble_over("quota names")
+            except Exception as exc:  # the quotas learnt stand; the next pass tries again
+                self._trouble("quota names", f"looking up the quotas' names failed: {exc!r}")
+
+    def _quota_of(self, uid: int) -> Quota:
+        """``uid``'s quota: of each limit, the strictest set under a name it is known by (its
+        name to this ledger, or a quota's name the directory gave it). No lookup by name: dicts,
+        and the uid's own name, looked up once for the ledger's life (see _name_of)."""
+        quota = self._quotas.get(uid)
+        if quota is None:
+            names = self._quota_names.get(uid, frozenset()) | {self._name_of(uid)}
+            quota = self._quotas[uid] = self.config.quota_of(names)
+        return quota
 
     def _grant(self, w: Waiter, decision: Decision) -> None:
         grant = Grant(
@@ -872,6 +943,19 @@ class HostLedger:
 
     # ------------------------------------------------------------------ connections
 
+    async def _is_admin(self, uid: int) -> bool:
+        """Whether ``uid`` is root or in the admin group: looked up off the loop (a group's members
+        may come from a directory service: LDAP, SSSD), at most once a QUOTA_NAMES_S per uid, since
+        any user may connect again and again."""
+        if uid == 0 or not self.config.admin_group:
+            return uid == 0
+        now = time.monotonic()
+        known = self._admins.get(uid)
+        if known is None or now - known[0] >= QUOTA_NAMES_S:
+            known = (now, await asyncio.to_thread(procs.in_group, uid, self.config.admin_group))
+            self._admins[uid] = known
+        return known[1]
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn: Conn | None = None
         try:
@@ -888,14 +972,7 @@ class HostLedger:
                     encode(_error(None, "internal", f"the host ledger cannot read /proc now ({exc}): connect again"))
                 )
                 return
-            conn = Conn(
-                uid,
-                pid,
-                procs.user_name(uid),
-                peer,
-                procs.in_group(uid, self.config.admin_group),
-                writer,
-            )
+            conn = Conn(uid, pid, self._name_of(uid), peer, await self._is_admin(uid), writer)
             self.conns.add(conn)
             first = True
             while not conn.closed:
@@ -1026,13 +1103,13 @@ class HostLedger:
                     )
                 grant.conn = conn
                 return {"state": "granted", "grant": grant.as_json()}
-        if any(w.ask.user == conn.user and w.key == key for w in self.waiting):
+        if any(w.conn.uid == conn.uid and w.key == key for w in self.waiting):
             raise BadRequest("duplicate", f"a request {key!r} of user {conn.user} already waits")
         if sum(1 for g in self.grants.values() if g.uid == conn.uid) >= MAX_GRANTS_PER_UID:
             raise BadRequest("too_many", f"user {conn.user} holds {MAX_GRANTS_PER_UID} grants")
         if sum(1 for w in self.waiting if w.conn.uid == conn.uid) >= MAX_WAITING_PER_UID:
             raise BadRequest("too_many", f"user {conn.user} has {MAX_WAITING_PER_UID} requests waiting")
-        never = decide(ask, self.devices(), [], self.config.quota(conn.user))
+        never = decide(ask, self.devices(), [], self._quota_of(conn.uid))
         if never.state == "never":
             return {"state": "never", "reason": never.reason}
         waiter = Waiter(conn, message.get("id"), key, ask, self._owned(conn, message.get("pids")))
@@ -1066,15 +1143,18 @@ class HostLedger:
         if not others:
             return ""
         devices, holdings = self.devices(), self.holdings()
-        quotas = {a.user: self.config.quota(a.user) for a in [ask, *(a for _, a in others)]}
+        quotas = {c.user: self._quota_of(c.uid) for c in [conn, *(c for c, _ in others)]}
         position = deferred_to(ask, [a for _, a in others], devices, holdings, quotas)
         if position is None:
             return ""
         first, kept_for = others[position]
-        deadline = time.monotonic() + TURN_S
+        # Told once while its turn lasts: a user's server asking again and again (each ask refused
+        # for it) must not flood the other's with turns, each a pass of its admission.
+        told = any(c is first for other in self.conns for _, c, _ in other.deferred_for)
         if not any(c is first for _, c, _ in conn.deferred_for):
-            conn.deferred_for.append((deadline, first, kept_for))
-        first.send({"event": "turn"})
+            conn.deferred_for.append((time.monotonic() + TURN_S, first, kept_for))
+        if not told:
+            first.send({"event": "turn"})
         held = held_mb(first.user, devices, holdings)
         return f"fair share: user {first.user} holds less ({held} MB) and waits for this room"
 
@@ -1140,7 +1220,7 @@ class HostLedger:
         for item in asks:
             _, ask = self._ask(conn, {**item, "key": "demand"})
             # Kept: asks that could ever be granted, and that need room (0 MB keeps nobody's).
-            if takes_room(ask) and decide(ask, self.devices(), [], self.config.quota(conn.user)).state != "never":
+            if takes_room(ask) and decide(ask, self.devices(), [], self._quota_of(conn.uid)).state != "never":
                 demand.append(ask)
         conn.demand = demand
         return {"demand": len(demand)}
@@ -1186,10 +1266,15 @@ class HostLedger:
         kept, refused = [], []
         # The grants as they will be: saved first, then made (nothing of it when it cannot be saved).
         after = dict(self.grants)
+        seen: set[str] = set()  # the ids told so far: one told twice is kept as first told
+        keys: dict[str, str] | None = None  # the user's keys held -> grant id (one grant a key)
         for item in items:
             try:
                 if not isinstance(item, dict) or not isinstance(item.get("id"), str) or len(item["id"]) > 64:
                     raise BadRequest("bad_request", "each grant needs its id")
+                if item["id"] in seen:
+                    raise BadRequest("duplicate", f"grant {item['id']!r} is told twice: kept as first told")
+                seen.add(item["id"])
                 known = after.get(item["id"])
                 if known is not None and known.uid != conn.uid:
                     raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
@@ -1205,18 +1290,25 @@ class HostLedger:
                     if self._state_read or not self.reclaim_open():
                         raise BadRequest("unknown_grant", f"user {conn.user} holds no grant {item['id']!r}")
                     key, ask = self._ask(conn, item)
+                    if keys is None:
+                        keys = {g.key: g.id for g in after.values() if g.uid == conn.uid}
+                    if key in keys:
+                        raise BadRequest(
+                            "key_in_use", f"user {conn.user} holds grant {keys[key]} under key {key!r}: one grant a key"
+                        )
                     devices = self.devices()
                     if ask.devices is None or any(i not in devices for i in ask.devices):
                         raise BadRequest("bad_request", "a re-told grant names the GPUs it holds")
                     # Its processes' VRAM may still show as unmanaged: grants alone are compared.
                     bare = {i: HostDevice(i, d.usable_mb) for i, d in devices.items()}
                     held = [g.holding() for g in after.values()]
-                    fits = decide(ask, bare, held, self.config.quota(conn.user))
-                    if fits.state != "granted":
-                        raise BadRequest("does_not_fit", f"re-told grant does not fit: {fits.reason}")
+                    why = retold_reason(ask, bare, held, self._quota_of(conn.uid))
+                    if why:
+                        raise BadRequest("does_not_fit", f"re-told grant does not fit: {why}")
                     known = Grant(
                         item["id"], conn.uid, conn.user, key, ask.kind, ask.devices, ask.vram_mb, ask.exclusive, live
                     )
+                    keys[key] = known.id
                 after[known.id] = dataclasses.replace(known, procs=live, conn=conn)
                 kept.append(after[known.id].as_json())
             except BadRequest as exc:
@@ -1295,7 +1387,7 @@ class HostLedger:
         for w in self.waiting:
             if w.conn.uid != uid:
                 others_waiting[w.ask.user] = others_waiting.get(w.ask.user, 0) + 1
-        quota = self.config.quota(user)
+        quota = self._quota_of(uid)
         return {
             "user": user,
             "admin": admin,
