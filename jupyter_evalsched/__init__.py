@@ -26,13 +26,31 @@ def model(name, **kwargs):
 def openai_client(**kwargs):
     """An ``openai.OpenAI`` client of this host's shared models (``/evalsched/v1``): inside a run
     that names models, from its ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``; elsewhere (a kernel),
-    for the server ``EvalSchedClient()`` finds, with its token. ``kwargs`` go to ``openai.OpenAI``."""
+    for the server ``EvalSchedClient()`` finds, with its token. ``kwargs`` go to ``openai.OpenAI``.
+
+    A run whose spec names no model has no key: it is an error (never the server's token, which
+    would answer for every model, none of them admitted with the run)."""
     import os
 
+    run_id = os.environ.get("EVALSCHED_RUN_ID")
+    if run_id:
+        from .openai_keys import PREFIX
+
+        base_url, api_key = os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY")
+        # The scheduler's variables, not ones the run inherited (a key of the user's own).
+        if not (base_url and api_key and api_key.startswith(f"{PREFIX}{run_id}-")):
+            from .client.errors import EvalSchedClientError
+
+            raise EvalSchedClientError(
+                f"run {run_id} has no key for the shared models' OpenAI API (the scheduler sets "
+                "OPENAI_BASE_URL and OPENAI_API_KEY for a run that names models): "
+                "name the model in the spec's `models` (`--model NAME`)"
+            )
+        import openai
+
+        return openai.OpenAI(base_url=base_url, api_key=api_key, **kwargs)
     import openai
 
-    if os.environ.get("EVALSCHED_RUN_ID") and os.environ.get("OPENAI_BASE_URL") and os.environ.get("OPENAI_API_KEY"):
-        return openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], **kwargs)
     from .client.rest_client import EvalSchedClient
 
     client = EvalSchedClient()

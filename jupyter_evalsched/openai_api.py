@@ -100,6 +100,9 @@ class OpenAIHandler(EvalSchedHandler):
     """Base of the v1 routes: OpenAI-shaped errors for everything, its own 403s included."""
 
     _run_key_user: User | None = None
+    # A run key's models: those its spec declares, whose memory the scheduler admitted with the
+    # run; None for any other caller (the server's own users: every model).
+    _run_models: tuple[str, ...] | None = None
 
     @property
     def identity_provider(self) -> Any:
@@ -121,11 +124,12 @@ class OpenAIHandler(EvalSchedHandler):
         if run_id is None:
             return None
         try:
-            state = self.scheduler.get(run_id).record["state"]
+            record = self.scheduler.get(run_id).record
         except SchedulerError:
             return None
-        if state != RUNNING:  # the key lives as long as its run
+        if record["state"] != RUNNING:  # the key lives as long as its run
             return None
+        self._run_models = tuple(record.get("models") or ())
         self._token_authenticated = True  # like Jupyter's token: no XSRF cookie, no origin check
         self._run_key_user = User(username=f"evalsched-run-{run_id}", name=f"run {run_id}")
         return self._run_key_user
@@ -146,6 +150,8 @@ class OpenAIHandler(EvalSchedHandler):
         exc = kwargs.get("exc_info", (None, None, None))[1]
         if isinstance(exc, OpenAIError):
             body = exc.body()
+            if exc.final:
+                self.set_header("x-should-retry", "false")  # (what OpenAI's own clients obey)
         elif isinstance(exc, web.HTTPError):
             message = (exc.log_message % exc.args) if exc.log_message else (self._reason or "error")
             kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(status_code)
@@ -196,11 +202,33 @@ class OpenAIHandler(EvalSchedHandler):
         self.set_header("Content-Type", "application/json")
         self.finish(data)
 
-    def known_model(self, name: str) -> None:
+    def callable_models(self) -> list[str]:
+        """The shared models this caller may use: a run key's, the ones its spec declares (a
+        model the scheduler did not admit with the run would load without its VRAM counted for
+        it); everyone else's, every configured one."""
         host = self.app.model_host
         known = host.names() if host is not None else []
-        if name not in known:
-            raise model_not_found(name, known)
+        if self._run_models is None:
+            return known
+        return [name for name in known if name in self._run_models]
+
+    def known_model(self, name: str) -> None:
+        """OpenAI's 404 for a model this caller may not use (what OpenAI answers for a model a
+        key has no access to), before anything is loaded."""
+        allowed = self.callable_models()
+        if name in allowed:
+            return
+        host = self.app.model_host
+        if self._run_models is not None and host is not None and name in host.names():
+            raise OpenAIError(
+                404,
+                f"the model {name!r} is not one this run declared: a run's key is answered only for the "
+                f"models its spec names in 'models' ({', '.join(allowed) or 'none'})",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        raise model_not_found(name, allowed)
 
     _task: asyncio.Task | None = None
     forward_as_it_comes = True  # (on a secondary: a stream relayed as it comes, a long generation awaited)
@@ -381,8 +409,7 @@ class ModelsHandler(OpenAIHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        host = self.app.model_host
-        self.finish(models_body(host.names() if host is not None else [], _STARTED))
+        self.finish(models_body(self.callable_models(), _STARTED))
 
 
 class ModelHandler(OpenAIHandler):
@@ -444,6 +471,7 @@ class EmbeddingsHandler(OpenAIHandler):
                     "finite number (NaN or infinity)",
                     type="server_error",
                     code="model_error",
+                    final=True,
                 )
             return embeddings_body(model, [v for v in vectors if v is not None], encoding)
 

@@ -20,6 +20,9 @@ from typing import Any
 MAX_LOGPROBS = 5  # the legacy completions API's limit
 MAX_TOP_LOGPROBS = 20  # chat's
 MAX_STOP = 16  # OpenAI allows 4; lm-eval sends a task's `until` strings and the end-of-text one
+# A stop string is a few words; each costs its length once per request on the batcher thread
+# that every caller shares (its matcher, ``shared_models.stops``), and a little per token after.
+MAX_STOP_CHARS = 1000
 MAX_PROMPTS = 2048
 
 # Fields OpenAI's clients send that change nothing here when they hold their default (or any
@@ -64,13 +67,25 @@ _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
 class OpenAIError(Exception):
     """An answer in OpenAI's error shape: ``{"error": {"message", "type", "code", "param"}}``."""
 
-    def __init__(self, status: int, message: str, *, type: str, code: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+        final: bool = False,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.code = code
         self.param = param
+        # The same request gets the same answer (a model's output that cannot be sent): told to
+        # OpenAI's clients, which otherwise retry any 5xx twice, computing it three times.
+        self.final = final
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
@@ -190,6 +205,9 @@ def _stop(body: dict) -> list[str]:
         raise invalid("stop must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP:
         raise invalid(f"stop takes at most {MAX_STOP} sequences", "stop")
+    longest = max(stops, key=len, default="")  # (an empty list: no stop sequences)
+    if len(longest) > MAX_STOP_CHARS:
+        raise invalid(f"a stop sequence is at most {MAX_STOP_CHARS} characters long (one is {len(longest)})", "stop")
     return stops
 
 
@@ -547,14 +565,29 @@ def embedding_vector(output: Any) -> list[float] | None:
 
 
 def embeddings_body(model: str, vectors: list[list[float]], encoding: str, prompt_tokens: int = 0) -> dict:
-    def encode(vector: list[float]) -> list[float] | str:
-        if encoding == "base64":  # little-endian float32, as OpenAI's clients decode it
+    """The answer of the embeddings route, of finite vectors (the handler refuses others). A value
+    that float32 cannot hold (beyond ±3.4e38) in a ``base64`` answer is the model's failure, as a
+    value that is no finite number is: float32's infinity in its place would be a vector the
+    route never answers with ``float``, and a client computes NaN from it without knowing."""
+
+    def encode(index: int, vector: list[float]) -> list[float] | str:
+        if encoding != "base64":
+            return vector
+        try:  # little-endian float32, as OpenAI's clients decode it
             return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-        return vector
+        except OverflowError:  # (struct's, where numpy's cast gives infinity)
+            raise OpenAIError(
+                502,
+                f"the model {model!r} failed: its embedding of input {index} holds a value beyond float32's "
+                "range (±3.4e38), which encoding_format 'base64' (float32) cannot carry; 'float' gives it as it is",
+                type="server_error",
+                code="model_error",
+                final=True,
+            ) from None
 
     return {
         "object": "list",
-        "data": [{"object": "embedding", "embedding": encode(v), "index": i} for i, v in enumerate(vectors)],
+        "data": [{"object": "embedding", "embedding": encode(i, v), "index": i} for i, v in enumerate(vectors)],
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }

@@ -69,6 +69,8 @@ CASES = [
     ("completions", {**C, "stream": True, "stream_options": []}, "stream_options"),
     ("completions", {**C, "stop": ""}, "stop"),
     ("completions", {**C, "stop": [str(i) for i in range(17)]}, "stop"),  # at most 16
+    ("completions", {**C, "stop": ["\n", "x" * 1001]}, "stop"),  # at most 1000 characters each
+    ("chat/completions", {**CHAT, "stop": "x" * 1001}, "stop"),
     ("completions", {**C, "stop": [1]}, "stop"),
     ("completions", {**C, "prompt": None}, "prompt"),
     ("completions", {**C, "prompt": []}, "prompt"),
@@ -322,3 +324,13 @@ def test_a_model_file_whose_name_is_not_utf8_is_digested_and_loads(tmp_path):
     digest = model_digest(str(model))
     assert isinstance(digest, str) and _files_of(str(model)) == digest
     assert _files_of(str(tmp_path / "none")) is None
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_an_empty_stop_list_is_no_stop_sequence(route):
+    """Harnesses send ``"stop": []`` for tasks without stop sequences: it is none, not an error."""
+    if route == "completions":
+        (request,) = parse_completion({**C, "stop": []})[2]
+    else:
+        request = parse_chat({**CHAT, "stop": []})[2]
+    assert request["stop"] == []

@@ -69,7 +69,7 @@ async def test_a_runs_key_is_authorized_by_the_key_not_the_configured_authorizer
     assert code == 200 and [m["id"] for m in listed["data"]] == ["upper"], listed
 
     app = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
-    run = await submit(api, spec(sleep_s=60))
+    run = await submit(api, spec(sleep_s=60, models=["upper"]))  # (a key answers for its models only)
     await wait_for(run["id"], states=("running",))
     key = run_key(app.model_host.api_secret, run["id"])
     code, listed = await models(key)

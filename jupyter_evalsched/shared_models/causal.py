@@ -32,7 +32,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .detokenize import IncrementalText, offsets
+from .detokenize import REPLACEMENT, IncrementalText, offsets
+from .stops import StopStrings
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 MAX_TOP_LOGPROBS = 20
@@ -40,6 +41,10 @@ MAX_TOP_LOGPROBS = 20
 # below the largest has a probability under e^-100 already, and a tinier divisor can be no
 # number at all in float32 (5e-324 is 0 there).
 GREEDY_BELOW = 1e-5
+# Echo scoring's memory: the logits of one forward pass of prompts (a pass holds at least one
+# prompt, whatever its length), and the float32 log-probabilities computed at once.
+SCORE_LOGITS_BYTES = 1 << 30
+SCORE_CHUNK_BYTES = 64 << 20
 
 
 class RequestError(ValueError):
@@ -249,37 +254,67 @@ class CausalLM:
     # -- scoring ---------------------------------------------------------------------------------
 
     def _score(self, prompts: list[list[int]], top: int) -> list[list[tuple[float, list[tuple[int, float]]] | None]]:
-        """Each prompt token's log-probability given the tokens before it, in one padded forward
-        pass: ``[None, (logprob, [(token, logprob), ...top]), ...]`` per prompt."""
+        """Each prompt token's log-probability given the tokens before it: ``[None, (logprob,
+        [(token, logprob), ...top]), ...]`` per prompt. The prompts go through padded forward
+        passes of similar lengths whose logits stay within ``SCORE_LOGITS_BYTES`` (one pass for
+        most batches), and their log-probabilities over the vocabulary are computed in blocks of
+        ``SCORE_CHUNK_BYTES`` at most: what is kept is only the figures asked for. The whole
+        batch's log-probabilities at once took a batch x length x vocabulary float32 tensor (two
+        for a half-precision model): gigabytes for a real vocabulary and long prompts."""
+        results: list[list[tuple[float, list[tuple[int, float]]] | None]] = [[] for _ in prompts]
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or len(self.tokenizer))
+        group: list[int] = []
+        for index in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
+            if not prompts[index]:
+                continue  # (nothing to score: no entries)
+            # Sorted by length: this prompt is the longest of the group it would join.
+            if group and (len(group) + 1) * len(prompts[index]) * vocab * 4 > SCORE_LOGITS_BYTES:
+                self._score_pass([prompts[i] for i in group], top, vocab, [results[i] for i in group])
+                group = []
+            group.append(index)
+        if group:
+            self._score_pass([prompts[i] for i in group], top, vocab, [results[i] for i in group])
+        return results
+
+    def _score_pass(self, prompts: list[list[int]], top: int, vocab: int, into: list[list]) -> None:
+        """One right-padded forward pass of ``prompts`` (none empty); each one's scores are
+        appended to its list of ``into``. The log-probabilities are computed in blocks of rows and
+        positions of at most ``SCORE_CHUNK_BYTES``: the whole pass in one block for a small
+        vocabulary (a few tensor operations for the batch), a few positions of one prompt at a
+        time for a large one."""
         import torch
 
-        longest = max((len(ids) for ids in prompts), default=0)
-        if longest == 0:
-            return [[] for _ in prompts]
+        longest = max(len(ids) for ids in prompts)
         input_ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), longest), dtype=torch.long)
         for row, ids in enumerate(prompts):
-            if ids:
-                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                mask[row, : len(ids)] = 1
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[row, : len(ids)] = 1
+        scored = longest - 1  # positions with a next token
+        per_position = 4 * vocab  # (float32)
+        rows_per_block = max(1, SCORE_CHUNK_BYTES // (per_position * max(1, scored)))
+        positions_per_block = max(1, scored if rows_per_block > 1 else SCORE_CHUNK_BYTES // per_position)
+        for row in range(len(prompts)):
+            into[row].append(None)  # (the first token: nothing before it)
         with torch.inference_mode():
             input_ids = input_ids.to(self.device)
-            logits = self.model(input_ids=input_ids, attention_mask=mask.to(self.device)).logits[:, :-1].float()
-            # The whole batch at once, on the model's device; only the figures asked for are copied
-            # back (not the batch's full log-probabilities over the vocabulary).
-            logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = logprobs.gather(2, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1).tolist()
-            if top:
-                best = torch.topk(logprobs, top, dim=-1)
-                top_ids, top_values = best.indices.tolist(), best.values.tolist()
-        results: list[list[tuple[float, list[tuple[int, float]]] | None]] = []
-        for row, ids in enumerate(prompts):
-            scores: list[tuple[float, list[tuple[int, float]]] | None] = [None] if ids else []
-            for position in range(len(ids) - 1):
-                alternatives = list(zip(top_ids[row][position], top_values[row][position], strict=True)) if top else []
-                scores.append((chosen[row][position], alternatives))
-            results.append(scores)
-        return results
+            logits = self.model(input_ids=input_ids, attention_mask=mask.to(self.device)).logits
+            for first_row in range(0, len(prompts), rows_per_block):
+                rows = range(first_row, min(first_row + rows_per_block, len(prompts)))
+                for start in range(0, scored, positions_per_block):
+                    end = min(start + positions_per_block, scored)
+                    # On the model's device; only the figures asked for are copied back.
+                    logprobs = torch.log_softmax(logits[rows.start : rows.stop, start:end].float(), dim=-1)
+                    targets = input_ids[rows.start : rows.stop, start + 1 : end + 1].unsqueeze(-1)
+                    chosen = logprobs.gather(2, targets).squeeze(-1).tolist()
+                    if top:
+                        best = torch.topk(logprobs, top, dim=-1)
+                        top_ids, top_values = best.indices.tolist(), best.values.tolist()
+                    del logprobs
+                    for k, row in enumerate(rows):
+                        for j in range(min(end, len(prompts[row]) - 1) - start):
+                            pairs = list(zip(top_ids[k][j], top_values[k][j], strict=True)) if top else []
+                            into[row].append((chosen[k][j], pairs))
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -324,9 +359,10 @@ class CausalLM:
                     "generator": generator,
                     "top": int(request.get("logprobs") or 0),
                     "stop": stops,
+                    "stops": StopStrings(stops),  # how far the text so far matches each
                     "position": position,
                     # The text so far, decoded a token at a time, and where each token's starts.
-                    "decoded": IncrementalText(self._decode_generated, keep=max(map(len, stops), default=1) - 1),
+                    "decoded": IncrementalText(self._decode_generated),
                     "offsets": [],
                     # Streaming: how many tokens were sent and how many characters those hold.
                     "emit": emitters[position] if emitters else None,
@@ -366,7 +402,7 @@ class CausalLM:
         """Send every token whose text can no longer change: not after the start of a possible
         stop string, nor inside a character."""
         decoded: IncrementalText = state["decoded"]
-        safe = decoded.length - held_back(decoded.tail, state["stop"])
+        safe = decoded.length - state["stops"].held
         count, chars = state["sent"], state["sent_chars"]
         while count < len(decoded.pieces):
             piece = decoded.pieces[count]
@@ -495,10 +531,13 @@ class CausalLM:
             state["done"], state["finish_reason"] = True, "stop"
             return
         if state["stop"]:
-            # Only text this token added (with the characters before it that a stop string
-            # could start in) can hold a stop string not found at the tokens before.
-            fresh = state["decoded"].fresh
-            if any(stop in fresh for stop in state["stop"]):
+            # The text this token settled, read once, then (not kept) the text of a token that
+            # ends inside a character: a stop string found in neither was not in the text. The
+            # U+FFFD that stands for the unfinished character is not text yet (a stop string may
+            # hold U+FFFD): what that character is comes with the token that settles it.
+            decoded: IncrementalText = state["decoded"]
+            stops: StopStrings = state["stops"]
+            if stops.feed(decoded.pieces[-1]) or stops.ends_in(decoded.pending.rstrip(REPLACEMENT)):
                 state["done"], state["finish_reason"] = True, "stop"
                 return
         if len(state["ids"]) >= state["limit"]:
@@ -602,17 +641,6 @@ def json_logprob(value: float) -> float | None:
     if math.isfinite(value):
         return value
     return -9999.0 if value < 0 else None
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """How many characters at the end of ``text`` could be the start of a stop string."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest
 
 
 @functools.cache

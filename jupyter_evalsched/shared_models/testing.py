@@ -122,6 +122,18 @@ def gated_vectors(model=None, device="cpu", dtype=None, gate: str = ""):
     return call
 
 
+def listed_vectors(model=None, device="cpu", dtype=None, vectors: dict | None = None):
+    """Embeddings looked up: each input's vector is ``vectors[input]`` (given in the model's
+    ``options``), ``[0.0]`` for any other input. Values no real model makes on demand (beyond
+    float32's range) for the routes' tests."""
+    table = dict(vectors or {})
+
+    def call(inputs: list) -> list:
+        return [list(table.get(text, [0.0])) for text in inputs]
+
+    return call
+
+
 def causal_lm_on_cpu(model=None, device="cpu", dtype=None, **options):
     """The causal-LM loader on the CPU whatever device is declared: a model declared on a
     (virtual) GPU, so that the ledger holds its ``vram_mb`` there, on a host without one."""
