@@ -1,7 +1,7 @@
 """``jupyter evalsched ...``: submit, list, status, wait, cancel, delete, logs, queue, leases, lease,
 release, doctor, demo, host-ledger.
 
-Exit status: 0 on success; 1 when ``wait`` (or ``submit --wait``, ``demo``) sees a run end in any
+Exit status: 0 on success; 1 when ``wait`` (or ``submit --wait``, ``logs -f``, ``demo``) sees a run end in any
 state but ``succeeded``, when ``doctor`` finds something degraded, or with the exit status of the
 command ``lease`` ran (127: not found, 126: cannot be run, as a shell says); 2 for usage errors
 and client errors (no server, invalid spec, HTTP errors), reported as one line on stderr; 130
@@ -20,6 +20,7 @@ import shutil
 import sys
 import textwrap
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -43,6 +44,7 @@ from .client import (
     load_spec_file,
     sweep_from_options,
 )
+from .client.discovery import discover_servers
 from .client.errors import EvalSchedError, TokenRefused, server_away
 from .client.formatting import (
     compare_table,
@@ -57,7 +59,7 @@ from .client.formatting import (
 from .client.live_feed import outage_notes
 from .client.spec import did_you_mean
 from .client.sweep import sweep_record
-from .contract import MAX_LIST_LIMIT, SUCCEEDED, TERMINAL_STATES
+from .contract import MAX_LIST_LIMIT, QUEUED, SUCCEEDED, TERMINAL_STATES
 
 PROG = "jupyter evalsched"
 DEFAULT_HOST_LEDGER_SOCKET = "/run/evalsched/ledger.sock"  # host_ledger.config.DEFAULT_SOCKET
@@ -248,7 +250,7 @@ def format_queue(view: dict, me: str | None = None) -> str:
     """``me``: this server's user on a host shared through a host ledger (see format_ledger)."""
     running = view.get("running") or []
     queued = view.get("queued") or []
-    out = [format_ledger(view.get("ledger"), me=me), "", f"RUNNING ({len(running)})"]
+    out = [format_ledger(view.get("ledger"), names=run_labels(running), me=me), "", f"RUNNING ({len(running)})"]
     if running:
         out.append(
             format_table(
@@ -291,6 +293,16 @@ def format_queue(view: dict, me: str | None = None) -> str:
     if total > len(queued):
         out.append(f"... and {total - len(queued)} more queued (--limit shows more)")
     return "\n".join(out)
+
+
+def run_labels(runs: Sequence[dict]) -> dict[str, str]:
+    """What the ledger's bars call each run: its name, with its id where two share it."""
+    shared = Counter(r.get("name") for r in runs)
+    return {
+        r["id"]: (r["name"] if shared[r["name"]] == 1 else f"{r['name']} ({r['id']})")
+        for r in runs
+        if r.get("id") and r.get("name")
+    }
 
 
 class _Screen:
@@ -355,7 +367,18 @@ class _Throttle:
 
 
 def _client(args: argparse.Namespace) -> EvalSchedClient:
-    return EvalSchedClient(args.url, args.token)
+    """The client of the server named (``--url``, ``EVALSCHED_URL``), else of the one discovery
+    picks; when it found several, a line on stderr says which (a user's runs are on one of them)."""
+    if args.url is not None or os.environ.get("EVALSCHED_URL"):
+        return EvalSchedClient(args.url, args.token)
+    (base, token), others = discover_servers(token=args.token)
+    if others:
+        print(f"{PROG}: {several_servers_note(base, 1 + len(others))}", file=sys.stderr)
+    return EvalSchedClient(base, token)
+
+
+def several_servers_note(base: str, count: int) -> str:
+    return f"using {base} ({count} servers found: --url to choose)"
 
 
 SWEEP_PREFIX = "sweep-"  # sweep ids; run ids never start so
@@ -491,9 +514,53 @@ def cmd_sweeps(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     if bool(args.run_ids) == bool(args.sweep):
         raise SpecError("compare needs run ids, or --sweep ID (one of them)")
-    answer = _client(args).compare(runs=args.run_ids or None, sweep=args.sweep, baseline=args.baseline)
-    _print_json(answer) if args.json else print(compare_table(answer, limit_metrics=args.metrics))
+    client = _client(args)
+    answer = client.compare(runs=args.run_ids or None, sweep=args.sweep, baseline=args.baseline)
+    if args.json:
+        _print_json(answer)
+        return 0
+    # Runs named one by one may run different evals (a sweep's all run one): their records say.
+    records = (
+        [rec for row in answer.get("rows") or [] if (rec := _record_if_any(client, row["id"]))] if args.run_ids else []
+    )
+    for line in compare_warnings(answer.get("rows") or [], records):
+        print(f"warning: {line}", file=sys.stderr)  # (stdout: the table alone, for scripts)
+    print(compare_table(answer, limit_metrics=args.metrics))
     return 0
+
+
+def _record_if_any(client: EvalSchedClient, run_id: str) -> dict | None:
+    """A run's record, or None where it is gone (deleted since the comparison: not checked)."""
+    try:
+        return client.get(run_id)
+    except EvalSchedError as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def compare_warnings(rows: Sequence[dict], records: Sequence[dict]) -> list[str]:
+    """What makes a comparison's deltas doubtful: runs that did not succeed (their metrics cover
+    the episodes they finished), and runs of different evals (their ``entrypoint``, and the
+    digest of a cell's source, in ``records``)."""
+    out = []
+    unfinished = [r for r in rows if r.get("state") != SUCCEEDED]
+    if unfinished:
+        listed = ", ".join(f"{r.get('name') or r.get('id')} ({r.get('state')})" for r in unfinished[:5])
+        more = f" and {len(unfinished) - 5} more" if len(unfinished) > 5 else ""
+        out.append(f"did not succeed: {listed}{more}; their metrics cover only the episodes they finished")
+    evals: dict[str, list[str]] = {}
+    for rec in records:
+        what = str(rec.get("entrypoint") or "?")
+        if rec.get("source_digest"):
+            what += f" (source {str(rec['source_digest'])[:8]})"  # two cells' evals are both eval.py:episode
+        evals.setdefault(what, []).append(str(rec.get("name") or rec.get("id")))
+    if len(evals) > 1:
+        groups = "; ".join(
+            f"{what}: {', '.join(names[:3])}{' …' if len(names) > 3 else ''}" for what, names in evals.items()
+        )
+        out.append(f"the runs' entrypoints differ ({groups}): they ran different evals")
+    return out
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -526,6 +593,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rec)
         return 0
+    summary = rec.get("summary") or {}
+    # The keys' column: as wide as the longest metric's key (up to a point), so that no value runs into its key.
+    keys_width = max((len("metric " + str(name)) for name in summary.get("metrics") or {}), default=0) + 2
+    width = min(max(STATUS_KEY_WIDTH, keys_width), MAX_STATUS_KEY_WIDTH)
     keys = [
         "id",
         "name",
@@ -550,18 +621,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         if key == "exit_code" and not exit_code_tells(rec):
             continue
         if key in rec and rec[key] not in (None, [], ""):
-            print(f"{key:<17}{rec[key]}")
+            print(f"{_key_cell(key, width)}{rec[key]}")
     for holder in (rec.get("why") or {}).get("holders") or []:
-        print(f"{'held by':<17}{holder_text(holder)}")
+        print(f"{_key_cell('held by', width)}{holder_text(holder)}")
     if rec.get("marginal_vram_source", "declared") != "declared":
-        print(f"{'vram from':<17}{rec['marginal_vram_source']}")
+        print(f"{_key_cell('vram from', width)}{rec['marginal_vram_source']}")
     observed = rec.get("observed")
     if observed:
         vram = ", ".join(f"GPU {gpu}: {mb} MB" for gpu, mb in (observed.get("peak_vram_mb") or {}).items()) or "none"
         rss = observed.get("peak_rss_mb")
-        print(f"{'observed':<17}peak VRAM {vram}; peak host memory {rss if rss is not None else '?'} MB")
+        print(f"{_key_cell('observed', width)}peak VRAM {vram}; peak host memory {rss if rss is not None else '?'} MB")
     for warning in rec.get("warnings") or []:
-        print(f"{'warning':<17}{warning}")
+        print(f"{_key_cell('warning', width)}{warning}")
     if (rec.get("attempt") or 1) > 1 or rec.get("retries"):
         extra = [f"attempt {rec.get('attempt', 1)}"]
         if rec.get("retries"):
@@ -570,27 +641,35 @@ def cmd_status(args: argparse.Namespace) -> int:
             extra.append(f"preempted {rec['preemptions']} time(s)")
         if rec.get("retry_at"):
             extra.append(f"next attempt at {rec['retry_at']}")
-        print(f"{'attempts':<17}{'; '.join(extra)}")
+        print(f"{_key_cell('attempts', width)}{'; '.join(extra)}")
     for h in rec.get("history") or []:
         print(
-            f"{'attempt ' + str(h.get('attempt')):<17}{h.get('state')} after {h.get('episodes_done', 0)} episodes: {h.get('reason')}"
+            f"{_key_cell('attempt ' + str(h.get('attempt')), width)}{h.get('state')} after {h.get('episodes_done', 0)} episodes: {h.get('reason')}"
         )
     if rec.get("detach"):
-        print(f"{'detached':<17}yes (does not die with the server)")
+        print(f"{_key_cell('detached', width)}yes (does not die with the server)")
     if rec.get("start"):
-        print(f"{'start':<17}{rec['start']} ({rec.get('start_detail') or ''})")
-    print(f"{'progress':<17}{_progress(rec)}")
-    summary = rec.get("summary") or {}
+        print(f"{_key_cell('start', width)}{rec['start']} ({rec.get('start_detail') or ''})")
+    print(f"{_key_cell('progress', width)}{_progress(rec)}")
     for name, stats in (summary.get("metrics") or {}).items():
         if isinstance(stats, dict):
             desc = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items())
-            print(f"{'metric ' + name:<17}{desc}")
+            print(f"{_key_cell('metric ' + name, width)}{desc}")
     error = summary.get("error")
     if error:
-        print(f"{'error':<17}{error.get('type')}: {error.get('message')}")
+        print(f"{_key_cell('error', width)}{error.get('type')}: {error.get('message')}")
     if rec.get("state") in TERMINAL_STATES and rec.get("state") != SUCCEEDED:
-        print(f"{'its stderr':<17}{PROG} logs {rec.get('id')} --stream stderr  (a traceback, if any)")
+        print(f"{_key_cell('its stderr', width)}{PROG} logs {rec.get('id')} --stream stderr  (a traceback, if any)")
     return 0
+
+
+STATUS_KEY_WIDTH = 17  # the key column of `status`, at least
+MAX_STATUS_KEY_WIDTH = 40  # and at most: a longer key is followed by two spaces
+
+
+def _key_cell(key: str, width: int) -> str:
+    """``key`` padded to ``width``, or followed by two spaces where it is as long: never run into its value."""
+    return key.ljust(width) if len(key) < width else key + "  "
 
 
 def exit_code_tells(rec: dict) -> bool:
@@ -609,9 +688,12 @@ def cmd_leases(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
+    from .client.lease import lease_path
+
+    path = lease_path(args.lease_id)  # quoted: an id never names another resource
     client = _client(args)
-    client.request("DELETE", f"leases/{args.lease_id}")
-    rec = client.request("GET", f"leases/{args.lease_id}")
+    client.request("DELETE", path)
+    rec = client.request("GET", path)
     if args.json:
         _print_json(rec)
     else:
@@ -653,16 +735,119 @@ def cmd_lease(args: argparse.Namespace) -> int:
                 return 0
             import subprocess
 
-            try:
-                return subprocess.call(command, env=env)
-            except FileNotFoundError:  # as a shell says it, with its exit status; the lease ends
-                print(f"{PROG}: {command[0]}: command not found", file=sys.stderr)
-                return 127
-            except OSError as e:  # not executable (permission, format): a shell's 126
-                print(f"{PROG}: {command[0]}: cannot run it: {e.strerror or e}", file=sys.stderr)
-                return 126
+            # The lease ends (`with held`) only once the command has: a signal that would end
+            # this CLI goes to the command instead (from before it starts), and this CLI goes on
+            # waiting for it.
+            with _SignalsPassedOn() as passing:
+                try:
+                    child = subprocess.Popen(command, env=env, preexec_fn=_dies_with_this_process())
+                except FileNotFoundError:  # as a shell says it, with its exit status; the lease ends
+                    print(f"{PROG}: {command[0]}: command not found", file=sys.stderr)
+                    return 127
+                except OSError as e:  # not executable (permission, format): a shell's 126
+                    print(f"{PROG}: {command[0]}: cannot run it: {e.strerror or e}", file=sys.stderr)
+                    return 126
+                passing.to(child)
+                code = child.wait()
+            return 128 - code if code < 0 else code  # killed by signal N: 128+N, as a shell says it
         except KeyboardInterrupt:
             return 130
+
+
+# The signals that end a CLI (a terminal closed, `kill`, Ctrl-C) and that `lease -- COMMAND`
+# passes on to the command. PR_SET_PDEATHSIG in <sys/prctl.h>.
+_PASSED_ON = ("SIGTERM", "SIGHUP", "SIGINT")
+_PR_SET_PDEATHSIG = 1
+
+
+def _dies_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` by which the command is SIGKILLed when this CLI dies (even SIGKILLed,
+    when no handler of ours runs), so that it never holds a GPU after its lease ended; None where
+    the kernel has no such thing (not Linux) or libc cannot be loaded."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        import signal
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    kill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, kill, 0, 0, 0)
+        if os.getppid() != parent:  # the CLI died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _terminal_signals_it_too() -> bool:
+    """Whether a Ctrl-C reached the command from the terminal already (it shares our process
+    group, the foreground one of our controlling terminal, whatever our stdin is: ``< /dev/null``
+    too): a second SIGINT from us would interrupt its own clean-up."""
+    if not hasattr(os, "tcgetpgrp"):
+        return False
+    try:
+        tty = os.open("/dev/tty", os.O_RDONLY | getattr(os, "O_NOCTTY", 0))
+    except OSError:
+        return False  # no controlling terminal (a service, setsid, a CI job): no Ctrl-C from one
+    try:
+        return os.tcgetpgrp(tty) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(tty)
+
+
+class _SignalsPassedOn:
+    """While in the ``with``, the signals of ``_PASSED_ON`` this CLI gets go to the command
+    (``to(child)``; those that came before it started, once it has). Those set to be ignored stay
+    ignored (``nohup``, a background job); outside the main thread nothing is passed on."""
+
+    def __init__(self) -> None:
+        self._child: Any = None
+        self._pending: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _SignalsPassedOn:
+        import signal
+
+        for name in _PASSED_ON:
+            signum = getattr(signal, name, None)
+            if signum is None or signal.getsignal(signum) == signal.SIG_IGN:
+                continue
+            try:
+                self._previous[signum] = signal.signal(signum, self._pass_on)
+            except ValueError:  # not the main thread (main() called from one)
+                break
+        return self
+
+    def _pass_on(self, signum: int, frame: Any) -> None:
+        import signal
+
+        if signum == signal.SIGINT and _terminal_signals_it_too():
+            return
+        if self._child is None:
+            self._pending.append(signum)
+            return
+        try:
+            self._child.send_signal(signum)
+        except OSError:
+            pass  # it has just exited
+
+    def to(self, child: Any) -> None:
+        self._child = child
+        while self._pending:
+            self._pass_on(self._pending.pop(0), None)
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def format_checks(checks: Sequence[dict]) -> str:
@@ -713,11 +898,27 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             _print_json(view)
         else:
             for rec in view["runs"]:
-                print(_record_line(rec))
+                print(cancel_line(rec))
         return 0
     rec = _client(args).cancel(args.run_id, by="cli")
-    _print_json(rec) if args.json else print(_record_line(rec))
+    _print_json(rec) if args.json else print(cancel_line(rec))
     return 0
+
+
+def cancel_line(rec: dict) -> str:
+    """What a cancel did to a run, from the record it answered: ended (``cancelled`` and the
+    reason: a queued or not yet started run), else signalled and ending (a running one is
+    answered as it is, ``running``, until its process exits)."""
+    if rec.get("state") in TERMINAL_STATES:
+        return _record_line(rec)
+    head = "  ".join(str(p) for p in (rec.get("id", "?"), rec.get("name") or "") if p)
+    how = (
+        "its SLURM job scancel'd; it ends cancelled once SLURM says the job ended"
+        if rec.get("executor") == "slurm"
+        else "signalled to stop (SIGTERM, then SIGKILL after the server's cancel_grace_s); "
+        "it ends cancelled when its process exits"
+    )
+    return f"{head}  cancelling: {how} (`{PROG} wait {rec.get('id', '?')}` shows it)"
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -747,38 +948,57 @@ def cmd_logs(args: argparse.Namespace) -> int:
         _tell_the_end(client, args.run_id, args.stream, printed=bool(text))
         return 0
     follower = _LogFollower(client, args.run_id, args.stream, args.tail, as_json=args.json)
+    told: list[str | None] = [None]
+
+    def tell_why_queued(rec: dict) -> None:
+        # A queued run has no log yet: what it waits for, on stderr, once and at each change.
+        note = queued_note(rec)
+        if note is not None and note != told[0]:
+            print(note, file=sys.stderr, flush=True)
+        told[0] = note
+
     try:
         # The feed follows the run's state, through a server restart too; the log is read at its
         # ticks, and once more after the final record was read, so that the last read holds
         # everything the run wrote.
         LiveFeed(
             client,
-            RunTracker(args.run_id),
+            RunTracker(args.run_id, on_change=tell_why_queued),
             on_tick=follower.tick,
             name="evalsched-logs",
             on_outage=outage_notes(),
         ).run()
-        follower.print_new()
+        follower.print_new(final=True)
     except KeyboardInterrupt:
         return 130
-    _tell_the_end(client, args.run_id, args.stream, printed=follower.printed > 0)
-    return 0
+    # As `wait`: 0 only when the run followed succeeded.
+    return 0 if _tell_the_end(client, args.run_id, args.stream, printed=follower.printed > 0) == SUCCEEDED else 1
+
+
+def queued_note(rec: dict) -> str | None:
+    """The line ``logs -f`` writes on stderr while the run it follows is queued: what it waits for."""
+    if rec.get("state") != QUEUED:
+        return None
+    why = pending_text(rec) or "no reason given yet"
+    return f"(run {rec.get('id')} is queued: {why}; its log begins when it starts)"
 
 
 STDERR_TAIL_LINES = 20  # of a failed run's stderr, under its stdout
 
 
-def _tell_the_end(client: EvalSchedClient, run_id: str, stream: str, printed: bool) -> None:
+def _tell_the_end(client: EvalSchedClient, run_id: str, stream: str, printed: bool) -> str | None:
     """After a run's stdout, on stderr: why it did not succeed, with the end of its stderr (the
     traceback is there) and how to read all of it; for a log with nothing in it (or none yet: the
-    run has not started), that. Never nothing: an empty answer reads as "it worked"."""
+    run has not started), that. Never nothing: an empty answer reads as "it worked". Returns the
+    run's state."""
     rec = client.get(run_id)
     state = rec.get("state")
     if state not in TERMINAL_STATES or state == SUCCEEDED or stream == "stderr":
         if not printed:
             print(f"(nothing in {stream}.log of run {run_id}; the run is {state})", file=sys.stderr)
-        return
+        return state
     print(failure_note(rec, client.logs(run_id, stream="stderr", tail=STDERR_TAIL_LINES)), file=sys.stderr)
+    return state
 
 
 def failure_note(rec: dict, stderr_tail: str) -> str:
@@ -793,7 +1013,8 @@ def failure_note(rec: dict, stderr_tail: str) -> str:
 
 
 class _LogFollower:
-    """Prints what is new in a run's log, read at most every ``interval_s``."""
+    """Prints what is new in a run's log, read at most every ``interval_s``: each read fetches
+    the bytes past the last one only (:class:`LogReader`)."""
 
     def __init__(
         self,
@@ -804,15 +1025,13 @@ class _LogFollower:
         interval_s: float = 0.5,
         as_json: bool = False,
     ):
-        self.client = client
         self.run_id = run_id
         self.stream = stream
-        self.tail = tail
+        self.reader = client.log_reader(run_id, stream, tail)
+        self.reader.on_rewritten = self._rewritten
         self.interval_s = interval_s
         self.as_json = as_json  # a JSON line {"id", "stream", "text"} per new chunk
-        self._printed = 0
         self.printed = 0  # characters written to stdout
-        self._first = True
         self._last_read = 0.0
 
     def tick(self) -> None:
@@ -824,15 +1043,10 @@ class _LogFollower:
                     raise
                 # The server is away (a restart): the feed says so, and this reads again later.
 
-    def print_new(self) -> None:
+    def print_new(self, final: bool = False) -> None:
+        """Print what came since the last read; ``final``: the run ended, read to the log's end."""
         self._last_read = time.monotonic()
-        text = self.client.logs(self.run_id, stream=self.stream)
-        if len(text) < self._printed:  # the file was replaced: start over
-            self._printed = 0
-        new = text[self._printed :]
-        if self._first and self.tail is not None:
-            new = "".join(new.splitlines(keepends=True)[-self.tail :]) if self.tail > 0 else ""
-        self._first = False
+        new = self.reader.read(final=final)
         if new:
             if self.as_json:
                 sys.stdout.write(json.dumps({"id": self.run_id, "stream": self.stream, "text": new}) + "\n")
@@ -840,7 +1054,12 @@ class _LogFollower:
                 sys.stdout.write(new)
             sys.stdout.flush()
             self.printed += len(new)
-        self._printed = len(text)
+
+    def _rewritten(self) -> None:
+        sys.stdout.flush()
+        print(
+            f"({self.stream}.log of run {self.run_id} got shorter: printing it again from its start)", file=sys.stderr
+        )
 
 
 def host_user(client: EvalSchedClient, view: dict) -> str | None:

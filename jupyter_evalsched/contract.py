@@ -252,7 +252,13 @@ DONE_FILE = "_DONE"
 # (summary.json counts them in "metrics_dropped"), and the server keeps no more of a summary's
 # metrics in the run's record, nor of a run's episodes in a comparison.
 MAX_METRIC_NAMES = 256
-# The warning on a run whose episodes returned more metric names than that.
+# The longest metric name a run keeps, in characters: the runner drops a longer one (counted in
+# summary.json's "metrics_dropped"), and the server keeps none in a run's record (whatever
+# summary.json holds) nor in a comparison, so that the record in job.json never outgrows what the
+# server reads of a JSON file (store.MAX_JSON_BYTES, 16 MiB), also with MAX_METRIC_NAMES names of
+# characters JSON escapes (up to 12 bytes each): 256 x 256 x 12 B = 768 KiB.
+MAX_METRIC_NAME_CHARS = 256
+# The warning on a run whose episodes returned more metric names than that, or names too long.
 METRICS_CAPPED = "metrics_capped"
 # Written by the server into a running run's directory to preempt it: the runner stops at its next
 # episode boundary without finalizing (EXIT_STOPPED), and the run is resumed later.

@@ -26,13 +26,13 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from pydantic import BaseModel, ValidationError
 from tornado import httputil, web, websocket
 from tornado.http1connection import HTTP1Connection, HTTP1ConnectionParameters
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.httpclient import HTTPClientError, HTTPRequest
 from tornado.iostream import StreamClosedError
-from tornado.tcpclient import TCPClient
 
-from . import contract
+from . import contract, store
 from ._version import __version__
 from .contract import STATES
+from .internal import LinkHTTPClient, LinkRefused, LinkTCPClient, link_websocket_connect
 from .scheduler.errors import SchedulerError
 from .scheduler.service import Scheduler
 from .scheduler.shared import ModelUnavailable
@@ -49,8 +49,20 @@ RETRY_AFTER_S = 1  # a 429's Retry-After
 FORWARD_TIMEOUT_S = 60  # a secondary's wait for the primary's whole answer (REST: answers in ms)
 RELAY_MAX_BODY_BYTES = 1 << 40  # a relayed answer may be of any size (tornado's default cuts at 100 MB)
 RELAY_CONNECT_TIMEOUT_S = 20  # a relay's connection to the primary (on loopback: tornado's fetch default)
+# The logs route's: where its next read starts, and the size of the log it read.
+LOG_OFFSET_HEADER = "X-Evalsched-Log-Offset"
+LOG_SIZE_HEADER = "X-Evalsched-Log-Size"
+LOG_OFFSET_MAX = 2**53  # a byte offset (one JSON and JavaScript clients hold exactly)
 # What a delegated answer keeps of the primary's headers (besides the status).
-RELAYED_HEADERS = ("Content-Type", "Location", "Retry-After", "Cache-Control", "X-Evalsched-Cache")
+RELAYED_HEADERS = (
+    "Content-Type",
+    "Location",
+    "Retry-After",
+    "Cache-Control",
+    "X-Evalsched-Cache",
+    LOG_OFFSET_HEADER,
+    LOG_SIZE_HEADER,
+)
 MAX_LIST_LIMIT = contract.MAX_LIST_LIMIT
 RUN_ID = r"(?P<run_id>[^/]+)"
 IDEMPOTENCY_KEY_RE = re.compile(r"[!-~]{1,200}")
@@ -264,7 +276,7 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
             headers["Idempotency-Key"] = self.request.headers["Idempotency-Key"]
         body = self.request.body if self.request.method in ("POST", "PUT", "PATCH") else None
         try:
-            resp = await AsyncHTTPClient().fetch(
+            resp = await LinkHTTPClient().fetch(  # (checks whose socket it reached: internal.py)
                 url,
                 method=self.request.method,
                 headers=headers,
@@ -285,7 +297,8 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
             if name in resp.headers:
                 self.set_header(name, resp.headers[name])
         self.set_header("X-Evalsched-Primary", str(primary.pid))
-        self.finish(resp.body or b"")
+        # The primary's Content-Type (the logs route's text/plain): APIHandler.finish would set JSON.
+        self.finish(resp.body or b"", set_content_type=resp.headers.get("Content-Type", "application/json"))
 
     async def relay_to_primary(self, primary: Any) -> None:
         """The request relayed to the primary, its answer written to the client as it comes (a
@@ -315,7 +328,7 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
         relay = _Relay(self, primary.pid)
         error: BaseException | None = None
         try:  # (StreamClosedError and the connect timeout are OSErrors)
-            stream = await TCPClient().connect(
+            stream = await LinkTCPClient().connect(  # (checks whose socket it reached)
                 target.hostname or "127.0.0.1", target.port or 80, timeout=timedelta(seconds=RELAY_CONNECT_TIMEOUT_S)
             )
         except OSError as exc:
@@ -536,19 +549,47 @@ class LogsHandler(EvalSchedHandler):
         if stream not in ("stdout", "stderr"):
             raise ApiError(400, f"stream must be 'stdout' or 'stderr', got {stream!r}")
         tail = self.int_arg("tail", None, 0, 1_000_000)
-        text = await self.in_thread(self.scheduler.logs, run.id, stream, tail)
-        # APIHandler.finish sets application/json unless told otherwise.
-        self.finish(text, set_content_type="text/plain; charset=utf-8")
+        offset = self.int_arg("offset", None, 0, LOG_OFFSET_MAX)
+        if tail is not None and offset is not None:
+            raise ApiError(400, "give 'tail' or 'offset', not both")
+        part = await self.in_thread(self.scheduler.store.log_part, run.id, stream, tail, offset)
+        # Where the next read starts (``?offset=``), and the size read: a size under the offset
+        # asked for says the log was rewritten, to be read again from 0.
+        self.set_header(LOG_OFFSET_HEADER, str(part.end))
+        self.set_header(LOG_SIZE_HEADER, str(part.size))
+        # The bytes as they are on disk. APIHandler.finish sets application/json unless told otherwise.
+        self.finish(part.data, set_content_type="text/plain; charset=utf-8")
 
 
 class EpisodesHandler(EvalSchedHandler):
+    """A page of the run's episodes: ``?offset=`` (complete lines of ``episodes.jsonl`` to pass
+    over, default 0) and ``?limit=`` (lines, default DEFAULT_LIMIT, at most MAX_LIST_LIMIT; a page
+    also ends before store.MAX_EPISODES_PAGE_BYTES of the file's lines). ``next_offset`` is where
+    the next page starts, null at the end; ``total`` counts the complete lines as the file was read.
+    With neither argument (a client from before pages): every episode, or a 413 that says how to
+    page when they are more than one page's bytes, never a part of them."""
+
     _track_activity = False
+    DEFAULT_LIMIT = 1000
+    MAX_OFFSET = 2**53  # (an offset JSON clients hold exactly)
 
     @web.authenticated
     @authorized
     async def get(self, run_id: str) -> None:
+        paged = self.get_argument("offset", None) is not None or self.get_argument("limit", None) is not None
+        offset = self.int_arg("offset", 0, 0, self.MAX_OFFSET) or 0
+        limit = self.int_arg("limit", self.DEFAULT_LIMIT, 1, MAX_LIST_LIMIT) or self.DEFAULT_LIMIT
         run = self.scheduler.get(run_id)
-        self.send_json({"episodes": await self.in_thread(self.scheduler.episodes, run.id)})
+        page = await self.in_thread(self.scheduler.store.episodes_page, run.id, offset, limit if paged else None)
+        if not paged and page.next_offset is not None:
+            raise ApiError(
+                413,
+                f"the episodes of run {run.id} are more than one answer holds "
+                f"({store.MAX_EPISODES_PAGE_BYTES / 2**20:g} MiB of episodes.jsonl's lines): ask for them page "
+                f"by page, ?offset=0&limit={self.DEFAULT_LIMIT}, then ?offset=<next_offset> until next_offset "
+                "is null (the Python client's episodes() does)",
+            )
+        self.send_json({"episodes": page.episodes, "next_offset": page.next_offset, "total": page.total})
 
 
 class SweepsHandler(EvalSchedHandler):
@@ -801,7 +842,11 @@ class EventsHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandler
             url += f"?limit={self._queue_limit}"
         headers = {"Authorization": f"token {primary.secret}"}
         try:
-            self._upstream = await websocket.websocket_connect(HTTPRequest(url, headers=headers, request_timeout=10))
+            # (checks whose socket it reached before the upgrade, and its secret, is sent: internal.py)
+            self._upstream = await link_websocket_connect(HTTPRequest(url, headers=headers, request_timeout=10))
+        except LinkRefused as exc:
+            self.close(1011, str(exc)[:120])  # (a close reason is at most 123 bytes)
+            return
         except Exception as exc:
             self.close(1011, f"the primary evalsched server is not answering: {exc}"[:120])
             return

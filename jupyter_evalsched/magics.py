@@ -2,16 +2,18 @@
 ``%eval_queue``, ``%eval_lease`` and ``%eval_release``.
 
 Load with ``%load_ext jupyter_evalsched``. Errors (no server, invalid spec, a run that can never
-fit) are printed as one line on stderr and the magic returns None: a library traceback would only
-hide the message.
+fit) raise IPython's ``UsageError`` with one line, ``eval_submit: 422: ...``: IPython shows it as that
+line without a traceback (which would only hide the message) and stops the cell, so that its next
+line (``h.wait()``) never runs on a handle that does not exist; ``except UsageError`` catches it.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import shlex
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
@@ -31,6 +33,7 @@ from .client import (
     sweep_from_options,
 )
 from .client.spec import did_you_mean
+from .contract import LEASE_ENDED
 
 __all__ = ["EvalSchedMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -47,6 +50,68 @@ def _parse(magic_func, line: str):
         return parser.parse_args(argv)  # MagicArgumentParser raises UsageError itself
     except UsageError as e:
         raise UsageError(did_you_mean(str(e), parser._option_string_actions)) from None
+
+
+def _refuse(magic: str, message: object) -> NoReturn:
+    """Stop the cell with ``magic: message``: one line, no traceback, the cause not chained."""
+    raise UsageError(f"{magic}: {message}") from None
+
+
+def cell_problem(cell: str, function: str = "episode") -> str | None:
+    """Why the cell, as a run's ``eval.py``, would fail as soon as it is admitted (maybe hours
+    later), or None: it does not compile, or nothing at its top level binds ``function`` (a
+    ``def``, an assignment, an import, a ``match`` pattern). Compiled only, never run. A cell
+    that may bind names in ways not told here (``globals()[...] = ``, ``exec``, ``setattr``, a
+    module ``__getattr__``) passes."""
+    try:
+        tree = ast.parse(cell, "eval.py")
+        compile(tree, "eval.py", "exec", dont_inherit=True)  # what only the compiler says (return outside a def)
+    except SyntaxError as e:
+        return f"the cell does not compile: eval.py{f' line {e.lineno}' if e.lineno else ''}: {e.msg}"
+    except ValueError as e:  # a lone surrogate, or a NUL byte before Python 3.12
+        return f"the cell does not compile: {e}"
+    except (RecursionError, MemoryError):  # the compiler's limits: `1+1+...`, `- - - 1` thousands deep
+        return "the cell does not compile: eval.py: too deeply nested to compile"
+    names = _top_level_names(tree)
+    if names is None or function in names or "__getattr__" in names:  # (PEP 562: getattr(module, name))
+        return None
+    return f"the cell defines no {function}(ctx, index) at its top level: the run's entrypoint is eval.py:{function}"
+
+
+# Calls that may bind any name in the module's namespace: ``globals()["episode"] = f``,
+# ``vars()[...]``, ``exec("def episode...")``, ``setattr(sys.modules[__name__], ...)``.
+_BINDS_ANY_NAME = frozenset({"globals", "vars", "locals", "exec", "eval", "setattr"})
+
+
+def _top_level_names(tree: ast.Module) -> set[str] | None:
+    """The names a module binds at its top level (in if/try/with/for/match blocks too), or None
+    when it may bind any (``import *``, a ``global`` statement, a call of ``globals()``, ``exec``
+    and the like, a ``__dict__``): then it cannot be told here."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global) or (isinstance(node, ast.ImportFrom) and node.names[0].name == "*"):
+            return None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _BINDS_ANY_NAME:
+            return None
+        if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+            return None
+    names: set[str] = set()
+    pending: list[ast.AST] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue  # its body is a scope of its own
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:  # case episode: / case [*episode]:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:  # case {**episode}:
+            names.add(node.rest)
+        if not isinstance(node, ast.Lambda):
+            pending.extend(ast.iter_child_nodes(node))
+    return names
 
 
 def _spec_flags(func):
@@ -100,7 +165,7 @@ class EvalSchedMagics(Magics):
     )
     @_spec_flags
     @magic_arguments.argument("--out", metavar="VAR", help="also store the run handle in the variable VAR")
-    def eval_submit(self, line: str, cell: str | None = None) -> RunHandle | None:
+    def eval_submit(self, line: str, cell: str | None = None) -> RunHandle:
         """Submit an evaluation run to the host's scheduler and return its handle.
 
         Line form::
@@ -130,8 +195,7 @@ class EvalSchedMagics(Magics):
             spec = self._spec(args, cell, "eval_submit")
             handle = self.client.handle(self.client.submit(spec))
         except EvalSchedClientError as e:
-            print(f"eval_submit: {e}", file=sys.stderr)
-            return None
+            _refuse("eval_submit", e)
         if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = handle
         return handle
@@ -149,7 +213,7 @@ class EvalSchedMagics(Magics):
     @_sweep_flags
     @_spec_flags
     @magic_arguments.argument("--out", metavar="VAR", help="also store the sweep handle in the variable VAR")
-    def eval_sweep(self, line: str, cell: str | None = None) -> SweepHandle | None:
+    def eval_sweep(self, line: str, cell: str | None = None) -> SweepHandle:
         """Submit one run per point of a sweep and return the sweep's handle.
 
         Line form::
@@ -177,8 +241,7 @@ class EvalSchedMagics(Magics):
             spec = self._spec(args, cell, "eval_sweep")
             handle = self.client.sweep_handle(self.client.submit_sweep(spec, sweep))
         except EvalSchedClientError as e:
-            print(f"eval_sweep: {e}", file=sys.stderr)
-            return None
+            _refuse("eval_sweep", e)
         if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = handle
         return handle
@@ -192,6 +255,9 @@ class EvalSchedMagics(Magics):
                 raise SpecError(f"%%{magic} takes flags only: the cell is the eval's source (got ARG {args.target!r})")
             if not cell.strip():
                 raise SpecError(f"%%{magic}: the cell is empty; it should define episode(ctx, index)")
+            problem = cell_problem(cell)
+            if problem:
+                raise SpecError(f"%%{magic}: {problem}")
             base: dict = {"source": cell}
         else:
             if args.target is None:
@@ -248,21 +314,15 @@ class EvalSchedMagics(Magics):
         """
         args = _parse(self.eval_queue, line)
         if args.out is not None and not args.out.isidentifier():
-            print(f"eval_queue: --out expects a variable name, got {args.out!r}", file=sys.stderr)
-            return None
+            _refuse("eval_queue", f"--out expects a variable name, got {args.out!r}")
         try:
             from .widget import QueueWidget
 
             widget = QueueWidget(self.client, use_events=not args.poll)
         except ImportError as e:
-            print(
-                f"eval_queue: ipywidgets is needed ({e}): pip install ipywidgets, then restart the kernel",
-                file=sys.stderr,
-            )
-            return None
+            _refuse("eval_queue", f"ipywidgets is needed ({e}): pip install ipywidgets, then restart the kernel")
         except EvalSchedClientError as e:
-            print(f"eval_queue: {e}", file=sys.stderr)
-            return None
+            _refuse("eval_queue", e)
         if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = widget
         from IPython.display import display
@@ -292,13 +352,12 @@ class EvalSchedMagics(Magics):
             %eval_lease --exclusive --ttl 3600
 
         Granted before CUDA starts in the kernel, ``CUDA_VISIBLE_DEVICES`` is set so that ``cuda:0``
-        is the leased GPU. The lease ends with ``%eval_release``, when the kernel exits, or after
+        is the first lease's GPU (a later lease's is added after it: use ``cuda_device``). The lease ends with ``%eval_release``, when the kernel exits, or after
         ``--ttl``. Returns the lease (``id``, ``devices``, ``cuda_device``, ``release()``).
         """
         args = _parse(self.eval_lease, line)
         if args.out is not None and not args.out.isidentifier():
-            print(f"eval_lease: --out expects a variable name, got {args.out!r}", file=sys.stderr)
-            return None
+            _refuse("eval_lease", f"--out expects a variable name, got {args.out!r}")
         from .client.lease import lease
 
         try:
@@ -313,11 +372,10 @@ class EvalSchedMagics(Magics):
                 client=self.client,
             )
         except KeyboardInterrupt:
-            print("eval_lease: stopped waiting; the request was withdrawn", file=sys.stderr)
-            return None
+            # Stops the cell too: its next line would load a model onto a GPU without the lease.
+            _refuse("eval_lease", "stopped waiting; the request was withdrawn")
         except EvalSchedClientError as e:
-            print(f"eval_lease: {e}", file=sys.stderr)
-            return None
+            _refuse("eval_lease", e)
         self._leases.append(held)
         print(
             f"lease {held.id}: {held.record.get('vram_mb')} MB on GPU {', '.join(map(str, held.devices))}"
@@ -329,29 +387,53 @@ class EvalSchedMagics(Magics):
 
     @line_magic
     def eval_release(self, line: str) -> None:
-        """End this kernel's leases (``%eval_release``), or one (``%eval_release LEASE_ID``)."""
-        from .client.lease import Lease
+        """End this kernel's leases (``%eval_release``: those ``%eval_lease`` took and every other
+        live lease of this kernel's process), or those named (``%eval_release LEASE_ID ...``)."""
+        from .client.lease import looks_like_lease_id
 
-        wanted = line.strip()
-        held = [h for h in self._leases if not wanted or h.id == wanted]
-        if wanted and not held:  # a lease taken otherwise (jupyter_evalsched.lease, another kernel)
-            try:
-                held = [Lease(self.client, {"id": wanted, "state": "granted"})]
-            except EvalSchedClientError as e:  # no server to find
-                print(f"eval_release: {e}", file=sys.stderr)
-                return None
-        if not held:
+        try:
+            wanted = shlex.split(line)
+        except ValueError as e:
+            _refuse("eval_release", f"cannot split the arguments: {e}")
+        for item_id in wanted:
+            if not looks_like_lease_id(item_id):
+                _refuse("eval_release", f"{item_id!r} is not a lease id (lease-...)")
+        try:
+            held = self._leases_to_release(wanted)
+        except EvalSchedClientError as e:  # no server to find, or it cannot list the leases
+            _refuse("eval_release", e)
+        if not held:  # nothing to end is no failure: a last cell that releases may run twice
             print("eval_release: this kernel holds no lease", file=sys.stderr)
             return None
+        failed: list[str] = []
         for item in held:
             try:
-                item.release()
-                print(f"lease {item.id}: released")
-            except EvalSchedClientError as e:
-                print(f"eval_release: {e}", file=sys.stderr)
+                before = item.refresh()
+                if before.get("state") == LEASE_ENDED:
+                    print(f"lease {item.id}: already ended ({before.get('reason') or 'no reason given'})")
+                else:
+                    item.release()
+                    print(f"lease {item.id}: released")
+            except EvalSchedClientError as e:  # the others are still released first
+                failed.append(str(e))
             if item in self._leases:
                 self._leases.remove(item)
+        if failed:
+            _refuse("eval_release", "; ".join(failed))
         return None
+
+    def _leases_to_release(self, wanted: list[str]) -> list[Any]:
+        """The leases named (those %eval_lease took as they are), or with no name this kernel's:
+        what %eval_lease took and the live leases whose pid is this process (``lease()``'s)."""
+        from .client.lease import Lease
+
+        known = {h.id: h for h in self._leases}
+        if wanted:
+            return [known.get(i) or Lease(self.client, {"id": i, "state": "granted"}) for i in dict.fromkeys(wanted)]
+        self._leases = [h for h in self._leases if h.record.get("state") != LEASE_ENDED]  # released otherwise
+        held = list(self._leases)
+        mine = [rec for rec in self.client.request("GET", "leases")["leases"] if rec.get("pid") == os.getpid()]
+        return held + [Lease(self.client, rec) for rec in mine if rec.get("id") not in known]
 
 
 def load_ipython_extension(ipython) -> None:

@@ -340,7 +340,8 @@ def _v1_errors(*codes: int) -> dict:
         400: "the body is not JSON or not an object, a field is unknown, missing, of the wrong type or out of range, "
         "or the model cannot serve the request (param names the field)",
         403: "not authenticated or not authorized",
-        404: "the model is not a configured shared model (code model_not_found)",
+        404: "the model is not a configured shared model, or not one a run's key may use: its spec's models "
+        "(code model_not_found)",
         413: "the body is over 16 MiB",
         502: "the model raised while computing the request (code model_error)",
         503: "the model's host cannot start, failed to load the model or died (code model_unavailable), "
@@ -372,7 +373,10 @@ _V1_PATHS: dict[str, Any] = {
         "get": {
             "summary": "OpenAI-compatible: the shared models",
             "operationId": "openaiListModels",
-            "responses": {"200": _json("OpenAIModelList", "every configured shared model"), **_v1_errors()},
+            "responses": {
+                "200": _json("OpenAIModelList", "every configured shared model (for a run's key: its spec's models)"),
+                **_v1_errors(),
+            },
         }
     },
     "/v1/models/{model}": {
@@ -606,11 +610,36 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                         "name": "tail",
                         "in": "query",
                         "required": False,
+                        "description": "the last N lines (not with offset)",
                         "schema": {"type": "integer", "minimum": 0, "maximum": 1000000},
+                    },
+                    {
+                        "name": "offset",
+                        "in": "query",
+                        "required": False,
+                        "description": "the bytes from this byte offset on, at most 8 MiB (not with tail); "
+                        "none when the log is shorter",
+                        "schema": {"type": "integer", "minimum": 0, "maximum": 2**53},
                     },
                 ],
                 "responses": {
-                    "200": {"description": "the log text", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                    "200": {
+                        "description": "the log's bytes as written (a part may start or end within a UTF-8 "
+                        "character); X-Evalsched-Log-Offset: where the next read starts, X-Evalsched-Log-Size: "
+                        "the log's size",
+                        "headers": {
+                            "X-Evalsched-Log-Offset": {
+                                "description": "the byte offset just past the body: where the next read starts",
+                                "schema": {"type": "integer", "minimum": 0},
+                            },
+                            "X-Evalsched-Log-Size": {
+                                "description": "the log's size in bytes when read; under the offset asked for, "
+                                "the log was rewritten: read it again from 0",
+                                "schema": {"type": "integer", "minimum": 0},
+                            },
+                        },
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
                     **_errors(400, 404, 409),
                 },
             },
@@ -618,9 +647,37 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
         "/runs/{run_id}/episodes": {
             "parameters": [RUN_ID_PARAM],
             "get": {
-                "summary": "The run's finished episodes",
+                "summary": "A page of the run's finished episodes (the lines of episodes.jsonl)",
+                "description": "With offset or limit, a page; with neither, every episode (a 413 when "
+                "they are over one page's 16 MiB of lines: then ask page by page)",
                 "operationId": "getEpisodes",
-                "responses": {"200": _json("EpisodeList", "the episodes"), **_errors(404, 409)},
+                "parameters": [
+                    {
+                        "name": "offset",
+                        "in": "query",
+                        "required": False,
+                        "description": "the complete lines of episodes.jsonl to pass over (default 0): "
+                        "a page's next_offset",
+                        "schema": {"type": "integer", "minimum": 0, "maximum": 2**53},
+                    },
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "description": "the lines this page reads at most (default 1000); a page also ends "
+                        "before 16 MiB of the file's lines (bytes as on disk: the answer's JSON may be larger)",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 100000},
+                    },
+                ],
+                "responses": {
+                    "200": _json("EpisodeList", "a page of the episodes (all of them, without offset and limit)"),
+                    **_errors(400, 404, 409),
+                    "413": _json(
+                        "ErrorBody",
+                        "without offset and limit: the episodes are over 16 MiB of lines; the message says how "
+                        "to ask for them page by page",
+                    ),
+                },
             },
         },
         "/leases": {

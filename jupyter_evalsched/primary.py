@@ -212,9 +212,16 @@ class HostRole:
         be sent the requests (their specs, their prompts) and answer them. (A primary that stops
         removes its advertisement first: ``unadvertise``.)"""
         info = self.primary()
-        if info is None or _advertiser_alive(info):
+        if info is None or _advertiser_alive(info, self.runs_dir):
             return info
-        self.problem = f"its process ({info.pid}) is gone; a server takes over within seconds"
+        if info.start is None and _is_ours(info.pid):
+            self.problem = (
+                f"its advertisement names no process start (an older version wrote it) and its pid "
+                f"({info.pid}) does not hold the lock on the runs directory: that primary is gone and the "
+                "pid another process's; a server takes over within seconds"
+            )
+        else:
+            self.problem = f"its process ({info.pid}) is gone; a server takes over within seconds"
         return None
 
     def primary(self) -> PrimaryInfo | None:
@@ -275,13 +282,56 @@ def _start_ticks(pid: int | str) -> int | None:
         return None
 
 
-def _advertiser_alive(info: PrimaryInfo) -> bool:
+def _advertiser_alive(info: PrimaryInfo, runs_dir: Path) -> bool:
     """Whether the process that advertised ``info`` still runs: ``info.pid`` is a process of this
-    user, started when the advertiser did (not a later one given the same pid)."""
+    user, started when the advertiser did (not a later one given the same pid). An advertisement
+    without ``start`` (an older version's) names its process by the pid alone, which a later
+    process may have been given once it died: that pid must then hold the lock on ``runs_dir``,
+    which only the primary does (a live primary of the older version is forwarded to)."""
+    if not _is_ours(info.pid):
+        return False
+    if info.start is None:
+        return _holds_flock(info.pid, runs_dir)
+    return _start_ticks(info.pid) == info.start
+
+
+def _is_ours(pid: int) -> bool:
     try:
-        if os.stat(f"/proc/{info.pid}").st_uid != os.getuid():
-            return False
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
     except OSError:
         return False
-    started = _start_ticks(info.pid)
-    return started is not None and (info.start is None or started == info.start)
+
+
+def _holds_flock(pid: int, path: Path) -> bool:
+    """Whether ``pid`` holds an exclusive flock on the file at ``path``: one of its descriptors
+    lists the lock in its fdinfo (``lock:\t1: FLOCK  ADVISORY  WRITE <pid> <major>:<minor>:<inode>
+    0 EOF``, the locks taken through that open file, not a waiter's) and is that file (its device
+    and inode, as ``/proc/<pid>/fd/<n>`` stats: not those /proc/locks names, which a btrfs
+    subvolume's files do not stat with, nor an inode alone, which another file system's file may
+    have). Only the locked descriptors are statted (each, a look-up of its file system)."""
+    try:
+        target = os.stat(path)
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii", errors="replace") as info:
+                if not _lists_an_exclusive_flock(info.read()):
+                    continue
+        except OSError:
+            continue  # (closed meanwhile)
+        try:
+            held = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (held.st_dev, held.st_ino) == (target.st_dev, target.st_ino):
+            return True
+    return False
+
+
+def _lists_an_exclusive_flock(fdinfo: str) -> bool:
+    return any(
+        line.split()[:1] == ["lock:"] and line.split()[2:5] == ["FLOCK", "ADVISORY", "WRITE"]
+        for line in fdinfo.splitlines()
+    )

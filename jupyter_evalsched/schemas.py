@@ -742,7 +742,13 @@ class QueueView(BaseModel):
 
 
 class EpisodeList(BaseModel):
-    episodes: list[dict[str, Any]]
+    episodes: list[dict[str, Any]] = Field(
+        description="the episodes of this page's lines, in file order (lines that are not episodes skipped)"
+    )
+    next_offset: int | None = Field(
+        None, description="the offset of the next page; null when this page reached the end of the file"
+    )
+    total: int = Field(0, description="the complete lines of episodes.jsonl when it was read (the run may append)")
 
 
 class ModelInfo(BaseModel):

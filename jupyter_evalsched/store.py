@@ -31,7 +31,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -55,6 +55,13 @@ _tmp_counter = itertools.count()
 # job.json a record; episodes.jsonl grows with the run, one line per episode.
 MAX_JSON_BYTES = 16 * 1024 * 1024
 MAX_EPISODES_BYTES = 256 * 1024 * 1024
+# One line of episodes.jsonl (a longer one is skipped unread: the runner's lines are far shorter,
+# at most MAX_METRIC_NAMES names of at most MAX_METRIC_NAME_CHARS characters), and the bytes of the
+# file's lines one page of GET /runs/{id}/episodes holds in all (it ends early rather than pass
+# it): bytes as on disk, not of the answer, whose JSON may be a few times larger (it escapes
+# characters beyond ASCII), nor of the memory the parsed lines take.
+MAX_EPISODE_LINE_BYTES = 4 * 1024 * 1024
+MAX_EPISODES_PAGE_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 # A spec's params may be nested schemas.MAX_PARAMS_DEPTH (64) levels deep, and they sit a few levels
 # down in spec.json and in job.json (a sweep run's sweep_point): what validation accepts, reads back.
@@ -285,17 +292,37 @@ def read_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int =
     return parse_json(data, name, max_depth)
 
 
-def tail_lines(path: Path, n: int | None, max_bytes: int = 8 * 1024 * 1024) -> str:
+LOG_READ_MAX_BYTES = 8 * 1024 * 1024  # of a log, in one answer of the logs route
+
+
+@dataclass(frozen=True, slots=True)
+class LogPart:
+    """Bytes of a log as they are on disk (a part may start or end within a UTF-8 character),
+    ``end`` the offset just past them, ``size`` the log's size when it was read."""
+
+    data: bytes
+    end: int
+    size: int
+
+
+def tail_lines(path: Path, n: int | None, max_bytes: int = LOG_READ_MAX_BYTES) -> str:
     """The last ``n`` lines of a log (all when None), reading at most ``max_bytes`` from the end."""
+    return log_tail_part(path, n, max_bytes).data.decode("utf-8", "replace")
+
+
+def log_tail_part(path: Path, n: int | None, max_bytes: int = LOG_READ_MAX_BYTES) -> LogPart:
+    """The last ``n`` lines of a log (its last ``max_bytes`` when None), as bytes: a reader
+    carries on from ``end``. Lines as ``str.splitlines`` cuts them (a carriage return too)."""
     try:
         fd = open_run_file(path)
     except FileNotFoundError:
-        return ""
+        return LogPart(b"", 0, 0)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
         if n is None:
-            f.seek(max(0, size - max_bytes))
-            return f.read(max_bytes).decode("utf-8", "replace")
+            start = max(0, size - max_bytes)
+            data = os.pread(fd, max_bytes, start)
+            return LogPart(data, start + len(data), max(size, start + len(data)))
         block = 64 * 1024
         data = b""
         pos = size
@@ -304,8 +331,27 @@ def tail_lines(path: Path, n: int | None, max_bytes: int = 8 * 1024 * 1024) -> s
             pos -= step
             f.seek(pos)
             data = f.read(step) + data
-        lines = data.decode("utf-8", "replace").splitlines(keepends=True)
-        return "".join(lines[-n:]) if n > 0 else ""
+        # Cut as text, kept as the very bytes: surrogateescape gives back every byte, invalid
+        # UTF-8 included (a line break is never within a character).
+        lines = data.decode("utf-8", "surrogateescape").splitlines(keepends=True)
+        kept = "".join(lines[-n:]).encode("utf-8", "surrogateescape") if n > 0 else b""
+        return LogPart(kept, pos + len(data), size)
+
+
+def log_part_from(path: Path, offset: int, max_bytes: int = LOG_READ_MAX_BYTES) -> LogPart:
+    """The bytes of a log from byte ``offset``, at most ``max_bytes`` of them; none when the
+    log is shorter (``size`` then tells a reader that it was rewritten)."""
+    try:
+        fd = open_run_file(path)
+    except FileNotFoundError:
+        return LogPart(b"", offset, 0)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, max_bytes, offset) if offset < size else b""
+    finally:
+        os.close(fd)
+    # (a log that grew since fstat: what was read is there all the same)
+    return LogPart(data, offset + len(data), max(size, offset + len(data)) if data else size)
 
 
 # (inode, mtime_ns, ctime_ns, size). Timestamps tick coarsely (a few ms here), so two versions of
@@ -380,15 +426,122 @@ def episode_lines(data: bytes) -> list[dict[str, Any]]:
     appending) and lines that are not bounded JSON objects (garbage the eval wrote) are skipped."""
     out: list[dict[str, Any]] = []
     for line in data.splitlines():
-        if not line.strip():
-            continue
-        try:
-            item = parse_json(line, contract.EPISODES_FILE, max_depth=8)
-        except RunFileError:
-            continue
-        if isinstance(item, dict):
+        item = parse_episode(line)
+        if item is not None:
             out.append(item)
     return out
+
+
+def parse_episode(line: bytes) -> dict[str, Any] | None:
+    """One line of ``episodes.jsonl`` as an episode; None when it is not a bounded JSON object."""
+    if not line.strip():
+        return None
+    try:
+        item = parse_json(line, contract.EPISODES_FILE, max_depth=8)
+    except RunFileError:
+        return None
+    return item if isinstance(item, dict) else None
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodesPage:
+    """A page of ``GET /evalsched/runs/{id}/episodes``: the episodes of the file's complete lines
+    ``offset`` to ``next_offset`` (lines that are not episodes skipped, counted), ``next_offset``
+    None when the page reached the end; ``total``: the complete lines in the file as it was read."""
+
+    episodes: list[dict[str, Any]]
+    next_offset: int | None
+    total: int
+
+
+class EpisodeLines:
+    """``episodes.jsonl`` read forward in bounded memory, up to its size when it was opened (the
+    run may be appending). A line counts once it is complete, with its newline: a last line
+    without one is the run's next, being written. A line over MAX_EPISODE_LINE_BYTES is skipped
+    unread (None where the line would be)."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, path: Path, max_bytes: int = MAX_EPISODES_BYTES) -> None:
+        fd = open_run_file(path)
+        self._file = os.fdopen(fd, "rb")
+        try:
+            self._left = os.fstat(fd).st_size  # the bytes still to read of the snapshot
+        except BaseException:
+            self._file.close()
+            raise
+        if self._left > max_bytes:
+            self._file.close()
+            raise RunFileError(f"{Path(path).name} is {self._left} bytes; at most {max_bytes} are read")
+
+    def __enter__(self) -> EpisodeLines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def _read(self, n: int) -> bytes:
+        data = self._file.read(min(n, self._left))
+        self._left -= len(data)
+        return data
+
+    def _readline(self, n: int) -> bytes:
+        data = self._file.readline(min(n, self._left))
+        self._left -= len(data)
+        return data
+
+    def skip(self, n: int) -> int:
+        """Pass over up to ``n`` complete lines without reading them as JSON; how many there were."""
+        skipped = 0
+        while skipped < n and self._left:
+            chunk = self._read(self.CHUNK)
+            if not chunk:
+                break  # (it shrank: the run directory was rewritten under us)
+            found = chunk.count(b"\n")
+            if skipped + found < n:
+                skipped += found
+                continue
+            end = -1
+            for _ in range(n - skipped):
+                end = chunk.index(b"\n", end + 1)
+            back = len(chunk) - end - 1  # the bytes read past the n-th line: read them again
+            self._file.seek(-back, os.SEEK_CUR)
+            self._left += back
+            skipped = n
+        return skipped
+
+    def count(self) -> int:
+        """The complete lines from here to the end (read past, not as JSON)."""
+        lines = 0
+        while self._left and (chunk := self._read(self.CHUNK)):
+            lines += chunk.count(b"\n")
+        return lines
+
+    def lines(self) -> Iterator[bytes | None]:
+        """The complete lines from here, without their newline; None for one too long to read."""
+        while self._left:
+            raw = self._readline(MAX_EPISODE_LINE_BYTES + 1)
+            if raw.endswith(b"\n"):
+                yield raw[:-1]
+                continue
+            if len(raw) <= MAX_EPISODE_LINE_BYTES:
+                return  # the end: nothing, or a line without its newline yet
+            while self._left:  # too long: pass over the rest of it
+                rest = self._readline(self.CHUNK)
+                if not rest:
+                    return
+                if rest.endswith(b"\n"):
+                    break
+            else:
+                return
+            yield None
+
+    def episodes(self) -> Iterator[dict[str, Any]]:
+        """The episodes of the lines from here (lines that are not episodes skipped)."""
+        for raw in self.lines():
+            item = None if raw is None else parse_episode(raw)
+            if item is not None:
+                yield item
 
 
 # --------------------------------------------------------------------------- the runs directory
@@ -699,23 +852,34 @@ class RunStore:
         except (OSError, KeyError):
             pass
 
-    def write_cancelled_sweeps(self, sweep_ids: list[str]) -> None:
-        """The ids of the sweeps cancelled (``CANCELLED_SWEEPS_FILE``); StoreError when the disk
-        refuses."""
+    def write_cancelled_sweeps(self, sweeps: list[tuple[str, str | None]]) -> None:
+        """The sweeps cancelled, each its id and the Idempotency-Key of its submission (or None),
+        in ``CANCELLED_SWEEPS_FILE``: ``[{"sweep_id": ..., "idempotency_key": ...}, ...]``;
+        StoreError when the disk refuses."""
         self._writable()
+        entries = [{"sweep_id": sweep_id, "idempotency_key": key} for sweep_id, key in sweeps]
         try:
-            atomic_write_json(self.root / CANCELLED_SWEEPS_FILE, sweep_ids, fsync=self.fsync)
+            atomic_write_json(self.root / CANCELLED_SWEEPS_FILE, entries, fsync=self.fsync)
         except OSError as exc:
             raise StoreError(_disk_message(exc, self.root)) from exc
 
-    def read_cancelled_sweeps(self) -> list[str]:
-        """What :meth:`write_cancelled_sweeps` wrote; none where it is absent or damaged (bounded
-        read, no link followed)."""
+    def read_cancelled_sweeps(self) -> list[tuple[str, str | None]]:
+        """What :meth:`write_cancelled_sweeps` wrote (an id alone, as first written, has no key);
+        none where it is absent or damaged (bounded read, no link followed), an entry that is
+        not of that form skipped."""
         try:
-            value = read_json_file(self.root / CANCELLED_SWEEPS_FILE, max_bytes=1024 * 1024)
+            # (4,096 entries with keys of 200 characters take about 1 MiB)
+            value = read_json_file(self.root / CANCELLED_SWEEPS_FILE, max_bytes=4 * 1024 * 1024)
         except RunFileError:
             return []
-        return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+        out: list[tuple[str, str | None]] = []
+        for entry in value if isinstance(value, list) else []:
+            if isinstance(entry, str):
+                out.append((entry, None))
+            elif isinstance(entry, dict) and isinstance(entry.get("sweep_id"), str):
+                key = entry.get("idempotency_key")
+                out.append((entry["sweep_id"], key if isinstance(key, str) else None))
+        return out
 
     def read_leases(self) -> list[tuple[str, dict[str, Any]]]:
         """Every lease file that holds a JSON object (bounded reads, no links); others are skipped."""
@@ -773,21 +937,84 @@ class RunStore:
         return read_json_file(self.file(run_id, contract.SPEC_FILE), max_depth=SPEC_JSON_DEPTH)
 
     def episodes(self, run_id: str) -> list[dict[str, Any]]:
-        """The lines of ``episodes.jsonl`` (see :func:`episode_lines`); [] when there are none."""
+        """The episodes of ``episodes.jsonl`` (see :class:`EpisodeLines`); [] when there are none."""
+        return list(self.iter_episodes(run_id))
+
+    def iter_episodes(self, run_id: str) -> Generator[dict[str, Any], None, None]:
+        """The episodes of ``episodes.jsonl`` (see :class:`EpisodeLines`), read as they are
+        iterated, in bounded memory; none when there is no file. RunFileError when it cannot be
+        read (on the first ``next``)."""
+        lines = self.iter_episode_lines(run_id)
         try:
-            data = read_bytes_nofollow(self.file(run_id, contract.EPISODES_FILE), MAX_EPISODES_BYTES)
+            yield from (item for item in lines if item is not None)
+        finally:
+            lines.close()  # (the file closed as this one is: not left to the collector)
+
+    def iter_episode_lines(self, run_id: str) -> Generator[dict[str, Any] | None, None, None]:
+        """As :meth:`iter_episodes`, one item per complete line: None for a line that is not an
+        episode (so that a reader sees its progress through garbage too)."""
+        try:
+            lines = self._episode_lines(run_id)
         except FileNotFoundError:
-            return []
+            return
+        with lines:
+            try:
+                for raw in lines.lines():
+                    yield None if raw is None else parse_episode(raw)
+            except OSError as exc:
+                raise RunFileError(f"{contract.EPISODES_FILE} cannot be read: {exc.strerror or exc}") from None
+
+    def episodes_page(self, run_id: str, offset: int, limit: int | None) -> EpisodesPage:
+        """The episodes of the complete lines ``offset`` on of ``episodes.jsonl``: at most
+        ``limit`` lines (None: no count), and no more than MAX_EPISODES_PAGE_BYTES of them as they
+        are in the file (at least one line). The lines before ``offset`` are passed over, not read
+        as JSON."""
+        try:
+            lines = self._episode_lines(run_id)
+        except FileNotFoundError:
+            return EpisodesPage([], None, 0)
+        out: list[dict[str, Any]] = []
+        with lines:
+            try:
+                position = lines.skip(offset)
+                size = 0
+                held = 0  # the line after the page, once read: one of the rest
+                for raw in lines.lines():
+                    full = size and raw is not None and size + len(raw) > MAX_EPISODES_PAGE_BYTES
+                    if (limit is not None and position - offset >= limit) or full:
+                        held = 1
+                        break
+                    if raw is not None:
+                        size += len(raw)
+                        item = parse_episode(raw)
+                        if item is not None:
+                            out.append(item)
+                    position += 1
+                rest = held + lines.count()
+            except OSError as exc:
+                raise RunFileError(f"{contract.EPISODES_FILE} cannot be read: {exc.strerror or exc}") from None
+        return EpisodesPage(out, position if rest else None, position + rest)
+
+    def _episode_lines(self, run_id: str) -> EpisodeLines:
+        """``episodes.jsonl`` opened (FileNotFoundError when there is none)."""
+        try:
+            return EpisodeLines(self.file(run_id, contract.EPISODES_FILE))
+        except FileNotFoundError:
+            raise
         except OSError as exc:
             raise RunFileError(f"{contract.EPISODES_FILE} cannot be read: {exc.strerror or exc}") from None
-        return episode_lines(data)
 
     def log_tail(self, run_id: str, stream: str, lines: int | None) -> str:
         """The last ``lines`` lines of the run's ``stdout``/``stderr``; RunFileError when the log
         is a link, not a file or unreadable."""
+        return self.log_part(run_id, stream, lines).data.decode("utf-8", "replace")
+
+    def log_part(self, run_id: str, stream: str, lines: int | None = None, offset: int | None = None) -> LogPart:
+        """The run's ``stdout``/``stderr`` as bytes: from byte ``offset`` when given, else its
+        last ``lines`` lines; RunFileError when the log is a link, not a file or unreadable."""
         path = self.log_path(run_id, stream)
         try:
-            return tail_lines(path, lines)
+            return log_part_from(path, offset) if offset is not None else log_tail_part(path, lines)
         except OSError as exc:
             raise RunFileError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
 

@@ -522,6 +522,7 @@ class QueueWidget(widgets.VBox):
         *,
         finished_limit: int = 8,
         max_queued_rows: int = 50,
+        max_running_rows: int = 50,
         poll_s: float = 1.0,
         safety_poll_s: float = 3.0,
         use_events: bool = True,
@@ -530,6 +531,7 @@ class QueueWidget(widgets.VBox):
         self.client = client if client is not None else EvalSchedClient()
         self.finished_limit = finished_limit
         self.max_queued_rows = max_queued_rows
+        self.max_running_rows = max_running_rows  # a 2000-point SLURM sweep runs 2000 at once
         self.update_count = 0
         self._summaries: dict[str, tuple[Any, float, dict | None]] = {}  # id -> (progress, t, summary)
         self._rows: dict[str, _RunRow] = {}
@@ -550,6 +552,7 @@ class QueueWidget(widgets.VBox):
         self._queued_title = widgets.HTML()
         self._finished_title = widgets.HTML()
         self._more = widgets.HTML()
+        self._more_running = widgets.HTML()
         self._rows_box = widgets.VBox(layout=widgets.Layout(width="100%"))
         super().__init__(
             children=[self._header, self._ledger, self._models_box, self._rows_box], layout=widgets.Layout(width="100%")
@@ -676,7 +679,7 @@ class QueueWidget(widgets.VBox):
         changed = False
         now = time.monotonic()
         live_ids = set()
-        for rec in self.queue_view.get("running") or []:
+        for rec in (self.queue_view.get("running") or [])[: self.max_running_rows]:  # the rows shown
             rid = rec.get("id")
             if "metrics" in rec:
                 continue
@@ -751,11 +754,16 @@ class QueueWidget(widgets.VBox):
         children: list[widgets.Widget] = []
         self._running_title.value = f"<b>Running ({len(running)})</b>"
         children.append(self._running_title)
-        for rec in running:
+        # Rows (and their elapsed clocks, re-sent every second) for the first ones only, as for
+        # the queued: one comm message per row and second is what a large sweep would cost.
+        for rec in running[: self.max_running_rows]:
             fetched = self._summaries.get(rec["id"])
             row = self._row(rec)
             row.update(rec, format_metrics(fetched[2] if fetched else rec, limit=3))
             children.append(row)
+        if len(running) > self.max_running_rows:
+            self._more_running.value = f"<i>… and {len(running) - self.max_running_rows} more running</i>"
+            children.append(self._more_running)
         self._queued_title.value = f"<b>Queued ({queued_total})</b> <span style='color:#555'>in admission order</span>"
         children.append(self._queued_title)
         listed = queued[: self.max_queued_rows]
@@ -818,6 +826,7 @@ class QueueWidget(widgets.VBox):
             self._queued_title,
             self._finished_title,
             self._more,
+            self._more_running,
             self._rows_box,
         ):
             w.close()

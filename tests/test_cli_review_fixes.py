@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from IPython.core.error import UsageError
 
 from jupyter_evalsched.client import (
     EvalSchedClient,
@@ -440,10 +441,11 @@ def test_spec_fields_of_the_wrong_type_are_one_line_errors(live_server, tmp_path
         load_spec_file(str(latin1))
 
 
-def test_eval_submit_with_a_dict_spec_of_the_wrong_shape_says_one_line(ip, capsys):
+def test_eval_submit_with_a_dict_spec_of_the_wrong_shape_says_one_line(ip):
     ip.user_ns["bad"] = {"entrypoint": SLEEPY, "scheduling": "big"}
-    assert ip.run_line_magic("eval_submit", "bad --vram 100") is None
-    err = capsys.readouterr().err
+    with pytest.raises(UsageError) as refused:  # the magic stops the cell with one line
+        ip.run_line_magic("eval_submit", "bad --vram 100")
+    err = str(refused.value)
     assert err.startswith("eval_submit: ") and "scheduling must be a mapping" in err, err
 
 
@@ -475,12 +477,13 @@ def test_lease_with_a_command_that_cannot_run_exits_as_a_shell_and_releases(live
 # --------------------------------------------------------------------------- 9, 10: magics
 
 
-def test_eval_release_of_an_id_without_a_server_says_one_line(ip, capsys, monkeypatch, tmp_path):
+def test_eval_release_of_an_id_without_a_server_says_one_line(ip, monkeypatch, tmp_path):
     for var in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "no-runtime"))  # no server to find
-    assert ip.run_line_magic("eval_release", "lease-123") is None
-    err = capsys.readouterr().err
+    with pytest.raises(UsageError) as refused:  # the magic stops the cell with one line
+        ip.run_line_magic("eval_release", "lease-123")
+    err = str(refused.value)
     assert err.startswith("eval_release: no running Jupyter server found") and len(err.strip().splitlines()) == 1, err
 
 

@@ -11,6 +11,7 @@ import threading
 
 import nbformat
 import pytest
+from IPython.core.error import UsageError
 from nbclient import NotebookClient
 
 import jupyter_evalsched
@@ -73,8 +74,9 @@ def test_lease_magics(ip, live_server, clean_queue, capsys, cuda_env):
     out = capsys.readouterr().out
     assert out.startswith(f"lease {held.id}: 14000 MB on GPU 0, 1") and "cuda:0" in out
     assert held.record["ttl_s"] == 600 and held.record["label"] == "magic"
-    assert ip.run_line_magic("eval_lease", "30000") is None  # never fits: one line, no traceback
-    err = capsys.readouterr().err
+    with pytest.raises(UsageError) as refused:  # never fits: one line, no traceback
+        ip.run_line_magic("eval_lease", "30000")
+    err = str(refused.value)
     assert err.startswith("eval_lease: 422: vram_mb: can never fit") and "Traceback" not in err, err
     ip.run_line_magic("eval_release", "")
     assert capsys.readouterr().out.strip() == f"lease {held.id}: released"

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
+import threading
 
 import pytest
+from IPython.core.error import UsageError
 
 from jupyter_evalsched.client import SPEC_FLAGS, RunHandle
 
 try:
-    from .live_server import SLEEPY, clean_queue, client, ip, live_server, wait_state
+    from .live_server import SLEEPY, clean_queue, client, ip, live_server, wait_state, wait_until
 except ImportError:
-    from live_server import SLEEPY, clean_queue, client, ip, live_server, wait_state  # noqa: F401
+    from live_server import SLEEPY, clean_queue, client, ip, live_server, wait_state, wait_until  # noqa: F401
 
 
 def _spec(handle: RunHandle) -> dict:
@@ -95,6 +99,18 @@ def test_cell_magic_source_and_underscore(ip, clean_queue):
     assert list(df["value"]) == [0, 2, 4, 6]
 
 
+def _refusal(ip, magic: str, line: str, cell: str | None = None) -> str:
+    """The message of the UsageError a refused magic raises."""
+    with pytest.raises(UsageError) as caught:
+        if cell is None:
+            ip.run_line_magic(magic, line)
+        else:
+            ip.run_cell_magic(magic, line, cell)
+    message = str(caught.value)
+    assert "\n" not in message and caught.value.__cause__ is None and caught.value.__suppress_context__, message
+    return message
+
+
 def test_errors_are_one_line_without_traceback(ip, capsys, monkeypatch):
     cases = [
         (
@@ -109,20 +125,29 @@ def test_errors_are_one_line_without_traceback(ip, capsys, monkeypatch):
         (f"{SLEEPY} --out 1bad", "eval_submit: --out expects a variable name"),
     ]
     for line, expected in cases:
-        assert ip.run_line_magic("eval_submit", line) is None, line
-        err = capsys.readouterr().err
-        assert err.startswith(expected) and err.count("\n") == 1 and "Traceback" not in err, (line, err)
+        assert _refusal(ip, "eval_submit", line).startswith(expected), line
+        assert capsys.readouterr().err == "", line  # the message is the exception's, printed by IPython
 
     ip.user_ns["not_a_dict"] = [1, 2]
-    assert ip.run_line_magic("eval_submit", "not_a_dict") is None
-    assert "is a list, not a dict spec" in capsys.readouterr().err
+    assert "is a list, not a dict spec" in _refusal(ip, "eval_submit", "not_a_dict")
+    assert "the cell is empty" in _refusal(ip, "eval_submit", "", "   \n")
+    assert _refusal(ip, "eval_sweep", f"{SLEEPY} --episodes 2").startswith("eval_sweep: %eval_sweep needs --sweep")
+    assert _refusal(ip, "eval_queue", "--out 1bad").startswith("eval_queue: --out expects a variable name")
+    assert _refusal(ip, "eval_lease", "30000").startswith("eval_lease: 422: vram_mb: can never fit")
+    assert _refusal(ip, "eval_lease", "1000 --out 1bad").startswith("eval_lease: --out expects a variable name")
+    assert _refusal(ip, "eval_release", "'unclosed") == "eval_release: cannot split the arguments: No closing quotation"
+    assert _refusal(ip, "eval_release", "nope") == "eval_release: 'nope' is not a lease id (lease-...)"
 
-    assert ip.run_cell_magic("eval_submit", "", "   \n") is None
-    assert "the cell is empty" in capsys.readouterr().err
+    # In a cell, IPython shows the one line, `UsageError: eval_submit: 422: ...`, with no traceback.
+    result = ip.run_cell(f"%eval_submit {SLEEPY} --vram 30000")
+    assert isinstance(result.error_in_exec, UsageError)
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"UsageError: {result.error_in_exec}\n", out
+    assert out.err.startswith("UsageError: eval_submit: 422: ")
 
-    # Bad flags: IPython's UsageError, also one line and no traceback.
+    # Bad flags: IPython's UsageError too, one line and no traceback.
     result = ip.run_cell(f"%eval_submit {SLEEPY} --episodes many")
-    assert not result.success
+    assert not result.success and isinstance(result.error_in_exec, UsageError)
     out = capsys.readouterr()
     assert "UsageError" in out.err + out.out and "Traceback" not in out.err + out.out
     # A mistyped flag, or a mistyped choice: what was probably meant.
@@ -136,9 +161,83 @@ def test_errors_are_one_line_without_traceback(ip, capsys, monkeypatch):
         assert not result.success and hint in out.err + out.out, (line, out)
 
     monkeypatch.setenv("EVALSCHED_URL", "http://127.0.0.1:9/")
-    assert ip.run_line_magic("eval_submit", SLEEPY) is None
-    err = capsys.readouterr().err
-    assert err.startswith("eval_submit: cannot reach http://127.0.0.1:9/") and err.count("\n") == 1
+    assert _refusal(ip, "eval_submit", SLEEPY).startswith("eval_submit: cannot reach http://127.0.0.1:9/")
+
+
+def test_a_refused_submission_stops_the_cell(ip, capsys, tmp_path):
+    # An eval that never ran, so that --vram auto has nothing to go by, whatever ran before.
+    (tmp_path / "never_ran.py").write_text("def episode(ctx, index):\n    return {}\n")
+    for name in ("h5", "after"):
+        ip.user_ns.pop(name, None)
+    result = ip.run_cell(
+        f"h5 = %eval_submit {tmp_path / 'never_ran.py'}:episode --episodes 3 --vram auto\nh5.wait()\nafter = True\n"
+    )
+    # Before: the magic printed a line and returned None, and `h5.wait()` failed with
+    # AttributeError: 'NoneType' object has no attribute 'wait'.
+    assert isinstance(result.error_in_exec, UsageError), result.error_in_exec
+    message = str(result.error_in_exec)
+    assert message.startswith("eval_submit: 422: scheduling.marginal_vram_mb: 'auto' needs an earlier succeeded run")
+    assert "h5" not in ip.user_ns and "after" not in ip.user_ns  # nothing after the magic ran
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"UsageError: {message}\n", out
+
+    # And user code can still catch it.
+    result = ip.run_cell(
+        "from IPython.core.error import UsageError\n"
+        "try:\n"
+        f"    h5 = %eval_submit {SLEEPY} --vram 30000\n"
+        "except UsageError as e:\n"
+        "    caught = str(e)\n"
+    )
+    assert result.success and ip.user_ns["caught"].startswith("eval_submit: 422: ") and "h5" not in ip.user_ns
+
+
+def test_an_interrupted_eval_lease_stops_the_cell_and_withdraws(ip, client, clean_queue, capsys, monkeypatch):
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):  # put back as they were afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    blocker = client.request("POST", "leases", body={"exclusive_gpu": True, "gpus": 2, "label": "blocker"})
+    main = threading.get_ident()
+
+    def waiting_for_the_grant() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code.co_name != "_wait_for_grant":
+            frame = frame.f_back
+        return frame is not None
+
+    def interrupt_once_waiting():  # Ctrl-C, as the kernel's interrupt sends it, once lease() waits
+        wait_until(waiting_for_the_grant, timeout=60, message="the lease never waited")
+        signal.pthread_kill(main, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupter = threading.Thread(target=interrupt_once_waiting)
+    ip.user_ns.pop("L", None)
+    ip.user_ns.pop("after", None)
+    interrupter.start()
+    try:
+        result = ip.run_cell("L = %eval_lease 1000 --label interrupted --timeout 120\nafter = True\n")
+    finally:
+        interrupter.join()
+        signal.signal(signal.SIGINT, previous)
+    assert isinstance(result.error_in_exec, UsageError), result.error_in_exec
+    assert str(result.error_in_exec) == "eval_lease: stopped waiting; the request was withdrawn"
+    assert "L" not in ip.user_ns and "after" not in ip.user_ns
+    err = capsys.readouterr().err  # the waiting reason, then the one line
+    assert err.splitlines()[-1] == "UsageError: eval_lease: stopped waiting; the request was withdrawn", err
+    assert "Traceback" not in err, err
+    assert [x["id"] for x in client.request("GET", "leases")["leases"]] == [blocker["id"]]
+
+
+def test_eval_release_releases_the_others_then_stops_the_cell(ip, client, clean_queue, capsys, monkeypatch):
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):  # put back as they were afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    held = ip.run_line_magic("eval_lease", "1000 --label release-me")
+    capsys.readouterr()
+    message = _refusal(ip, "eval_release", f"lease-nosuch {held.id}")
+    assert message.startswith("eval_release: 404: no lease with id 'lease-nosuch'") and held.id not in message, message
+    assert capsys.readouterr().out == f"lease {held.id}: released\n"
+    assert held.refresh()["state"] == "ended"
 
 
 def test_handle_methods(ip, capsys, clean_queue):

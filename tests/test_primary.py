@@ -4,6 +4,7 @@ secondaries that delegate, failover on kill -9; VRAM held by processes we do not
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import json
 import logging
@@ -420,6 +421,186 @@ async def test_a_secondary_forwards_only_to_an_advertisement_of_its_own_user(sta
     assert len(seen) == forwarded, "a request was forwarded to an advertisement that is not to be trusted"
 
 
+@pytest.fixture
+def lock_held_by_a_child(runs_dir):
+    """The runs directory's lock, held by a process of this user other than the test's (as an
+    older version's primary holds it): the server under test is a secondary."""
+    runs_dir.mkdir(mode=0o700, parents=True)
+    code = (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
+        "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('held', flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(runs_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+async def test_an_advertisement_without_a_start_is_forwarded_to_only_where_its_pid_holds_the_lock(
+    lock_held_by_a_child, api, runs_dir
+):
+    """An advertisement an older version wrote names its primary by pid alone: once that primary
+    died, a later process of this user may have its pid, and the primary's port is free for any
+    user to listen on. Such an advertisement is forwarded to only while its pid holds the runs
+    directory's lock: this process (alive, this user's) does not, and is refused with a 503 that
+    says why; the process that holds it is forwarded to."""
+    seen: list[str] = []
+
+    class Capture(web.RequestHandler):
+        def get(self, path):
+            seen.append(path)
+            self.write({"queued": [], "running": [], "ledger": {"devices": [], "cpu_slots": {}}, "primary": None})
+
+    server, info = _advertised_stand_in(runs_dir, web.Application([(r"/(.*)", Capture)]))
+    try:
+        advert = json.loads(info.read_text())
+        assert "start" not in advert and advert["pid"] == os.getpid()
+        code, err = await api("GET", "queue")
+        assert code == 503 and f"({os.getpid()}) does not hold the lock" in err["message"], err
+        assert seen == [], "a request was forwarded to a pid that is not the primary's"
+
+        # (a new file, not rewritten in place: the advertisement is cached by its inode and mtime)
+        fresh = info.with_name("fresh.json")
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({**advert, "pid": lock_held_by_a_child.pid}, f)
+        os.replace(fresh, info)
+        code, _ = await api("GET", "queue")
+        assert code == 200 and seen == ["evalsched/queue"]
+    finally:
+        server.stop()
+
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def listener_of_another_user(held_lock):
+    """A loopback listener of uid 65534 (root starts it), advertised as the primary's internal
+    one by this process (alive, holding the lock): what a primary's freed port becomes when
+    another user listens there between a secondary's check of the advertisement and its connect.
+    It answers nothing; for each connection it prints how many bytes it was sent."""
+    if os.getuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root and /usr/bin/python3, to listen as another user")
+    from jupyter_evalsched.primary import _start_ticks
+
+    code = (
+        "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8); "
+        "print(s.getsockname()[1], flush=True)\n"
+        "while True:\n    c, _ = s.accept(); print(len(c.recv(65536)), flush=True); c.close()"
+    )
+    listener = subprocess.Popen(
+        ["/usr/bin/python3", "-c", code], stdout=subprocess.PIPE, text=True, user=NOBODY, cwd="/"
+    )
+    try:
+        port = listener.port = int(listener.stdout.readline())
+        advert = {"url": "http://x/", "internal_url": f"http://127.0.0.1:{port}/", "secret": "s3cret",
+                  "pid": os.getpid(), "hostname": "h", "runs_dir": str(held_lock), "since": time.time(),
+                  "start": _start_ticks("self")}  # fmt: skip
+        fd = os.open(held_lock / ".evalsched-primary.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(advert, f)
+        yield listener
+    finally:
+        listener.kill()
+        listener.wait()
+
+
+async def test_a_secondary_sends_nothing_to_a_socket_of_another_user_at_the_primarys_port(
+    listener_of_another_user, api, v1_fetch
+):
+    """The advertisement is checked before a forward, the connection made after (turns of the
+    loop, an address look-up in a thread): a primary gone meanwhile leaves its port to whoever
+    listens there first. The socket a forward reaches is checked before a byte is sent: another
+    user's is a 503 that says so, for a REST forward and an OpenAI route's relay alike, and it
+    is sent nothing (neither the request nor the link's secret)."""
+    code, err = await api("GET", "queue")
+    assert code == 503 and f"is uid {NOBODY}'s, not this user's" in err["message"], err
+    code, _, text = await v1_fetch({"model": "m", "prompt": "a prompt of the user's"})
+    assert code == 503 and f"is uid {NOBODY}'s, not this user's" in json.loads(text)["error"]["message"], text
+    for _ in range(2):  # (one line per connection, once the listener has read it to its end)
+        assert await asyncio.to_thread(listener_of_another_user.stdout.readline) == "0\n"
+
+
+async def test_the_events_relay_sends_nothing_to_a_socket_of_another_user_at_the_primarys_port(
+    listener_of_another_user, jp_ws_fetch, evalsched
+):
+    """The events WebSocket of a secondary relays the primary's: its connection is checked as a
+    forward's, before the upgrade request (with the link's secret) is sent. Another user's
+    socket closes the client's WebSocket with a reason that says so, and is sent nothing."""
+    ws = await jp_ws_fetch("evalsched", "events")
+    assert await ws.read_message() is None
+    assert await asyncio.to_thread(listener_of_another_user.stdout.readline) == "0\n"  # (bytes it was sent)
+    assert ws.close_code == 1011 and f"is uid {NOBODY}'s, not this user's" in (ws.close_reason or ""), ws.close_reason
+
+
+@pytest.mark.parametrize("table", ["sock_diag", "/proc/net/tcp"])
+def test_the_owner_of_a_connections_other_end_is_read_from_the_kernel(listener_of_another_user, monkeypatch, table):
+    """``peer_uid``: the uid of the socket a loopback connection reached (before it is accepted:
+    the listener's), by sock_diag, else (netlink refused) from /proc/net/tcp."""
+    import socket
+
+    from jupyter_evalsched import internal
+
+    if table == "/proc/net/tcp":
+
+        def refused(*args):
+            raise PermissionError("netlink refused")
+
+        monkeypatch.setattr(internal, "_diag_uid", refused)
+    ours = socket.create_server(("127.0.0.1", 0))
+    with ours, socket.create_connection(ours.getsockname()) as to_ours:
+        assert internal.peer_uid(to_ours) == os.getuid()
+    with socket.create_connection(("127.0.0.1", listener_of_another_user.port)) as to_theirs:
+        assert internal.peer_uid(to_theirs) == NOBODY
+
+
+def test_a_sock_diag_error_falls_back_to_proc_net_tcp(monkeypatch):
+    """A kernel without tcp_diag answers every sock_diag request with an error (ENOENT, as for
+    no such socket): ``peer_uid`` then reads /proc/net/tcp, which tells. (The netlink answer is
+    faked: this host's kernel has tcp_diag.)"""
+    import socket
+    import struct
+
+    from jupyter_evalsched import internal
+
+    class WithoutTcpDiag:
+        def __init__(self, *args):
+            self.request = b""
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def settimeout(self, seconds):
+            pass
+
+        def send(self, data):
+            self.request = data
+
+        def recv(self, size):  # nlmsghdr (NLMSG_ERROR) + nlmsgerr (-ENOENT, the request's header)
+            return struct.pack("=IHHII", 36, 2, 0, 1, 0) + struct.pack("=i", -errno.ENOENT) + self.request[:16]
+
+    real_socket = socket.socket
+    ours = socket.create_server(("127.0.0.1", 0))
+    with ours, socket.create_connection(ours.getsockname()) as to_ours:
+        monkeypatch.setattr(
+            internal.socket,
+            "socket",
+            lambda family=-1, *a, **k: (
+                WithoutTcpDiag() if family == socket.AF_NETLINK else real_socket(family, *a, **k)
+            ),
+        )
+        assert internal.peer_uid(to_ours) == os.getuid()
+        with pytest.raises(FileNotFoundError):
+            internal._diag_uid(to_ours.getsockname()[:2], to_ours.getpeername()[:2])
+
+
 class HeldAnswers:
     """What a stand-in primary that holds its answers saw: each answer waits for ``release``
     (a stream's first event is sent at once); ``gone`` is set when a relay's connection closes
@@ -820,7 +1001,11 @@ def test_requests_go_only_to_a_primary_whose_process_still_runs(tmp_path):
         assert role.forward_target() is None
         advertised_by(later.pid, _start_ticks(later.pid))
         assert role.forward_target() is not None
-        advertised_by(later.pid, None)  # (an advertisement written before the start was in it)
+        # An advertisement written before the start was in it (an older version's): its pid, alive
+        # and this user's, is not proof enough (the primary died and its pid was given again)...
+        advertised_by(later.pid, None)
+        assert role.forward_target() is None and "does not hold the lock" in (role.problem or "")
+        advertised_by(os.getpid(), None)  # ...unless that pid holds the runs directory's lock
         assert role.forward_target() is not None
     finally:
         later.kill()
@@ -837,3 +1022,43 @@ def test_requests_go_only_to_a_primary_whose_process_still_runs(tmp_path):
     role.unadvertise()
     assert not (moved / role.info_path.name).exists()
     role.release()
+
+
+def test_the_lock_of_an_advertisement_without_a_start_is_the_runs_directorys_own(tmp_path):
+    """``_holds_flock`` (an older version's advertisement) asks whether the pid holds the lock on
+    the runs directory itself, not on some file with its inode number: a directory of another
+    file system (here two fresh tmpfs mounts, whose first directories have the same inode
+    number) locked by the pid is not the runs directory's lock. In a mount namespace of its own,
+    which goes with the process."""
+    if os.getuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("needs root, unshare and mount, to mount two file systems")
+    code = (
+        "import fcntl, json, os, subprocess, sys\n"
+        "from jupyter_evalsched.primary import _holds_flock\n"
+        "dirs = []\n"
+        "for name in ('runs-fs', 'other-fs'):\n"
+        "    mount = os.path.join(sys.argv[1], name); os.mkdir(mount)\n"
+        "    subprocess.run(['mount', '-t', 'tmpfs', '-o', 'mode=700', 'tmpfs', mount], check=True)\n"
+        "    dirs.append(os.path.join(mount, 'd')); os.mkdir(dirs[-1], 0o700)\n"
+        "runs, other = dirs\n"
+        "same_inode = os.stat(runs).st_ino == os.stat(other).st_ino\n"
+        "fd = os.open(other, os.O_RDONLY | os.O_DIRECTORY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "other_locked = _holds_flock(os.getpid(), runs)\n"
+        "fd = os.open(runs, os.O_RDONLY | os.O_DIRECTORY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print(json.dumps([same_inode, other_locked, _holds_flock(os.getpid(), runs)]))\n"
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0 and "unshare failed" in done.stderr:
+        pytest.skip(f"no mount namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    same_inode, other_locked, runs_locked = json.loads(done.stdout)
+    if not same_inode:
+        pytest.skip("this kernel numbers tmpfs inodes across mounts: no two directories share one")
+    assert not other_locked, (
+        "a lock on another file system's directory of the same inode number was taken for the runs directory's"
+    )
+    assert runs_locked

@@ -282,7 +282,7 @@ def test_ctx_fields_logger_and_unknown_model(tmp_path, started):
         assert info["params"] == {"k": [1, "two"]}
         assert info["devices"] == [0, 2]
         assert info["run_dir"] == str(run_dir) and info["run_id"] == run_dir.name and info["episodes"] == 2
-        assert info["logger"] == "logging.Logger"
+        assert info["logger"] == "jupyter_evalsched.runner.eval_log.EvalLogger"  # a logging.Logger, callable
         assert "'absent'" in info["model_error"] and "'gpt', 'tiny-bert'" in info["model_error"]
     assert "hello from episode 1" in (run_dir / "stderr.log").read_text()
 

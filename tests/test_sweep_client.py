@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from IPython.core.error import UsageError
 
 import jupyter_evalsched
 from jupyter_evalsched.client import SpecError, SweepHandle, sweep_from_options
@@ -173,4 +174,5 @@ def test_eval_sweep_magic_line_and_cell_forms(ip, client, clean_queue):
     table = cell.compare()
     assert table["k"].tolist() == [1, 5] and table.params == ["k"]
     assert table["metric:k"].tolist() == [1.0, 5.0] and table.metrics == ["metric:k"]  # named like the param
-    assert ip.run_line_magic("eval_sweep", f"{SCORED} --episodes 2") is None  # no --sweep: one line on stderr
+    with pytest.raises(UsageError, match="^eval_sweep: %eval_sweep needs --sweep"):  # no --sweep: one line
+        ip.run_line_magic("eval_sweep", f"{SCORED} --episodes 2")

@@ -173,6 +173,98 @@ async def test_a_sweep_cancelled_while_it_is_submitted_makes_no_more_runs_after_
     assert len(view["runs"]) == 2 and view["counts"] == {"cancelled" if when == "queued" else "succeeded": 2}, view
 
 
+@pytest.mark.parametrize("cancelled", [True, False])
+async def test_a_sweep_whose_runs_were_all_deleted_is_not_made_again_where_it_was_cancelled(
+    jp_fetch, api, wait_for, restart, cancelled
+):
+    """A sweep whose runs are all deleted, then its submission retried under its key (a client
+    that lost the first answer retries it): where the sweep was cancelled, the retry is a 409
+    that names it and makes nothing (its user cancelled it), also after a restart; where it was
+    not, the key went with its runs, as a plain run's does, and the retry makes a new sweep."""
+    key = f"deleted-{cancelled}"
+    body = {**spec(entry=NOOP), "sweep": {"k": [1, 2, 3]}}
+
+    async def post():
+        resp = await jp_fetch("evalsched", "sweeps", method="POST", body=json.dumps(body),
+                              headers={"Idempotency-Key": key}, raise_error=False)  # fmt: skip
+        return resp.code, json.loads(resp.body)
+
+    code, made = await post()
+    assert code == 201, made
+    await settled(wait_for, made["runs"])
+    if cancelled:
+        assert (await api("POST", f"sweeps/{made['id']}/cancel"))[0] == 200
+    for run in made["runs"]:
+        assert (await api("DELETE", f"runs/{run['id']}"))[0] == 204
+    assert (await api("GET", f"sweeps/{made['id']}"))[0] == 404
+    for _ in range(2):  # then after a restart (nothing of the sweep is left in the runs directory)
+        before = (await api("GET", "runs"))[1]["total"]
+        code, answer = await post()
+        if not cancelled:
+            assert code == 201 and answer["id"] != made["id"] and len(answer["runs"]) == 3, answer
+            return
+        assert code == 409, answer
+        assert made["id"] in answer["message"] and "cancelled" in answer["message"], answer
+        assert (await api("GET", "runs"))[1]["total"] == before
+        assert (await api("GET", "sweeps"))[1]["sweeps"] == []
+        await restart()
+
+
+@pytest.mark.parametrize("write", ["held", "refused"])
+async def test_a_sweep_whose_runs_are_deleted_while_its_cancel_is_written(
+    jp_fetch, api, wait_for, evalsched, monkeypatch, write
+):
+    """The cancel writes the list of cancelled sweeps (in the I/O pool) before the sweep counts
+    as cancelled: its runs all deleted meanwhile, a retry of its submission under its key is a
+    409 already ("held": the write waits here until the retry is answered). A write the disk
+    refuses cancels nothing ("refused": a 503): the key then goes with the runs, as for a sweep
+    never cancelled, and the retry makes a new sweep."""
+    import threading
+
+    from jupyter_evalsched.store import StoreError
+
+    key = f"being-written-{write}"
+    body = {**spec(entry=NOOP), "sweep": {"k": [1, 2]}}
+
+    async def post():
+        resp = await jp_fetch("evalsched", "sweeps", method="POST", body=json.dumps(body),
+                              headers={"Idempotency-Key": key}, raise_error=False)  # fmt: skip
+        return resp.code, json.loads(resp.body)
+
+    code, made = await post()
+    assert code == 201, made
+    await settled(wait_for, made["runs"])
+    entered, release, real = threading.Event(), threading.Event(), evalsched.store.write_cancelled_sweeps
+
+    def held_or_refused(cancelled):
+        if write == "refused":
+            raise StoreError("no space left on device")
+        entered.set()
+        release.wait(60)
+        real(cancelled)
+
+    monkeypatch.setattr(evalsched.store, "write_cancelled_sweeps", held_or_refused)
+    cancel = asyncio.ensure_future(api("POST", f"sweeps/{made['id']}/cancel"))
+    try:
+        if write == "refused":
+            code, err = await cancel
+            assert code == 503 and "no space left" in err["message"], err
+        else:
+            assert await asyncio.to_thread(entered.wait, 60)
+        for run in made["runs"]:
+            assert (await api("DELETE", f"runs/{run['id']}"))[0] == 204
+        code, answer = await post()
+        if write == "refused":
+            assert code == 201 and answer["id"] != made["id"], answer
+            return
+        assert code == 409 and made["id"] in answer["message"] and "cancelled" in answer["message"], answer
+    finally:
+        release.set()
+    await cancel
+    code, answer = await post()
+    assert code == 409 and made["id"] in answer["message"], answer
+
+
 async def test_a_cancel_of_a_whole_sweep_leaves_its_records_as_they_are(jp_fetch, api, wait_for):
     """A sweep whose points were all made keeps the keys its runs recorded when cancelled
     (its retry answers them: nothing is left to refuse)."""
@@ -248,5 +340,20 @@ async def test_two_cancels_at_once_keep_both_sweeps_cancelled_on_disk(api, evals
     assert [code for code, _ in await asyncio.gather(first, second)] == [200, 200]
     on_disk = json.loads((runs_dir / CANCELLED_SWEEPS_FILE).read_text())
     # (whichever cancel reached the server first: both)
-    assert sorted(on_disk[-2:]) == sorted([made[0]["id"], made[1]["id"]]), (on_disk, calls)
+    assert sorted(e["sweep_id"] for e in on_disk[-2:]) == sorted([made[0]["id"], made[1]["id"]]), (on_disk, calls)
     assert oct((runs_dir / CANCELLED_SWEEPS_FILE).stat().st_mode & 0o777) == "0o600"
+
+
+def test_the_cancelled_sweeps_file_reads_back_with_its_keys_and_as_first_written(tmp_path):
+    """Each sweep with its submission's key; an id alone (the file as first written, before the
+    keys were kept) has none; an entry of another form is skipped."""
+    from jupyter_evalsched.store import CANCELLED_SWEEPS_FILE, RunStore
+
+    store = RunStore(tmp_path / "runs")
+    store.ensure()
+    store.write_cancelled_sweeps([("sweep-a", "k1"), ("sweep-b", None)])
+    assert store.read_cancelled_sweeps() == [("sweep-a", "k1"), ("sweep-b", None)]
+    (tmp_path / "runs" / CANCELLED_SWEEPS_FILE).write_text(
+        json.dumps(["sweep-old", {"sweep_id": "sweep-c", "idempotency_key": "k2"}, 3, {"idempotency_key": "k"}])
+    )
+    assert store.read_cancelled_sweeps() == [("sweep-old", None), ("sweep-c", "k2")]

@@ -9,6 +9,7 @@ One concept per module:
 - :mod:`.events`: :class:`EventStream`, the ``/evalsched/events`` WebSocket;
 - :mod:`.live_feed`: :class:`LiveFeed`, events with polling fallback, and what it tracks;
 - :mod:`.handle`: :class:`RunHandle`, one run;
+- :mod:`.log_reader`: :class:`LogReader`, what is new in a run's log at each read;
 - :mod:`.sweep`: :class:`SweepHandle`, one sweep and its runs;
 - :mod:`.progress`: how ``wait()`` shows progress (text, or a widget registered by the notebook side);
 - :mod:`.local_server`: :class:`LocalServer`, a private server for the demo and the tests;
@@ -33,6 +34,7 @@ from .formatting import elapsed_s, format_duration, format_metrics, metric_means
 from .handle import RunHandle
 from .live_feed import LiveFeed, QueueTracker, RunTracker
 from .local_server import LocalServer
+from .log_reader import LogReader
 from .progress import ProgressReporter, TextProgress, register_notebook_progress
 from .rest_client import EvalSchedClient
 from .spec import (
@@ -60,6 +62,7 @@ __all__ = [
     "RunTracker",
     "QueueTracker",
     "RunHandle",
+    "LogReader",
     "SweepHandle",
     "ProgressReporter",
     "TextProgress",

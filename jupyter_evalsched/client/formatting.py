@@ -86,19 +86,21 @@ def _num(value: float | None, digits: int = 4) -> str:
 
 
 def compare_table(answer: dict, limit_metrics: int = 3) -> str:
-    """A ``GET /evalsched/compare`` answer as a plain-text table: the differing parameters, each
-    metric's mean ± stderr and its paired delta against the baseline with the 95 % interval."""
+    """A ``GET /evalsched/compare`` answer as a plain-text table: each run's name and state, the
+    differing parameters, each metric's mean ± stderr and its paired delta against the baseline
+    with the 95 % interval."""
     params = list(answer.get("params") or [])
     metrics = list(answer.get("metrics") or [])[:limit_metrics]
     baseline = answer.get("baseline")
-    header = ["run", *params]
+    header = ["run", "name", "state", *params]
     for m in metrics:
         header += [m, f"Δ{m} [95% CI] (n)"]
     header += ["wall", "peak VRAM"]
     rows = [header]
     for row in answer.get("rows") or []:
         mark = " *" if row.get("id") == baseline else ""
-        cells = [f"{row.get('id')}{mark}"] + [str((row.get("params") or {}).get(p)) for p in params]
+        cells = [f"{row.get('id')}{mark}", str(row.get("name") or "-"), str(row.get("state") or "?")]
+        cells += [str((row.get("params") or {}).get(p)) for p in params]
         for m in metrics:
             stat = (row.get("metrics") or {}).get(m) or {}
             delta = (row.get("delta") or {}).get(m) or {}

@@ -6,11 +6,13 @@ import sys
 from html import escape
 from typing import TYPE_CHECKING, Any
 
-from .errors import EvalSchedClientError, WaitTimeout
+from ..contract import TERMINAL_STATES
+from .errors import EvalSchedClientError, EvalSchedError, WaitTimeout
 from .formatting import format_metrics
 from .progress import notebook_view, reporter_for
 
 if TYPE_CHECKING:
+    from .log_reader import LogReader
     from .rest_client import EvalSchedClient
 
 
@@ -110,9 +112,24 @@ class RunHandle:
     def logs(self, stream: str = "stdout", tail: int | None = None) -> str:
         return self.client.logs(self.id, stream=stream, tail=tail)
 
+    def log_reader(self, stream: str = "stdout", tail: int | None = None) -> LogReader:
+        """Follows the log: each ``read()`` gives what was written since the last (``tail``: the
+        first gives the last ``tail`` lines only); ``read(final=True)`` once the run ended."""
+        return self.client.log_reader(self.id, stream, tail)
+
     def cancel(self) -> dict:
-        """Cancel the run (queued: at once; running: its process group is signalled)."""
-        self._record = self.client.cancel(self.id, by="python")
+        """Cancel the run (queued: at once; running: its process group is signalled) and return
+        its record. Idempotent: a run that already ended (succeeded, failed, cancelled or
+        aborted) is left as it is and its record returned, without error (the REST API's 409)."""
+        try:
+            self._record = self.client.cancel(self.id, by="python")
+        except EvalSchedError as exc:
+            if exc.status != 409:
+                raise
+            record = self.client.get(self.id)
+            if record.get("state") not in TERMINAL_STATES:
+                raise
+            self._record = record
         return self._record
 
     def resume(self) -> dict:

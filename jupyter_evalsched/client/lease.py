@@ -8,8 +8,9 @@ A notebook that loads a 14 GB model asks for a lease first::
 
 The lease is held by the calling process (its pid): it ends on ``release()`` (or the end of the
 ``with``), when the process exits, or after ``ttl_s``. Granted before CUDA starts in the process,
-it sets ``CUDA_VISIBLE_DEVICES`` so that ``cuda:0`` is the leased GPU; afterwards it says which
-index to use. :func:`model` returns the client that runs get from ``ctx.model(name)``: the one copy
+it sets ``CUDA_VISIBLE_DEVICES`` to the GPUs of the process's live leases in grant order (the first
+lease's is ``cuda:0``; a later one's is added at the end, so no live lease's index moves);
+``cuda_device`` says which index to use. :func:`model` returns the client that runs get from ``ctx.model(name)``: the one copy
 the host's model host holds, no second load.
 
 Standard library only, like the rest of the client.
@@ -18,6 +19,7 @@ Standard library only, like the rest of the client.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -26,11 +28,26 @@ from typing import Any
 from urllib.parse import quote
 
 from ..contract import LEASE_ENDED, LEASE_GRANTED, LEASE_QUEUED
-from .errors import EvalSchedClientError
+from .errors import EvalSchedClientError, EvalSchedError
 from .live_feed import LiveFeed
 from .rest_client import EvalSchedClient
 
-__all__ = ["Lease", "LeaseTimeout", "lease", "model"]
+__all__ = ["Lease", "LeaseTimeout", "lease", "lease_path", "looks_like_lease_id", "model"]
+
+# What the server's ids look like (``lease-20261201T193620.619700-28238d``, docs/how-it-works.md).
+_LEASE_ID = re.compile(r"lease-[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def looks_like_lease_id(text: str) -> bool:
+    return _LEASE_ID.fullmatch(text) is not None
+
+
+def lease_path(lease_id: str) -> str:
+    """The API path of one lease: the id one quoted path segment, so that no id (``../runs/X``)
+    reaches another resource; ``.`` and ``..``, which quoting leaves as they are, are refused."""
+    if lease_id in ("", ".", ".."):
+        raise EvalSchedClientError(f"{lease_id!r} is not a lease id (lease-...)")
+    return "leases/" + quote(lease_id, safe="")
 
 
 class LeaseTimeout(EvalSchedClientError, TimeoutError):
@@ -58,15 +75,18 @@ class Lease:
         return str(self.record.get("state"))
 
     def refresh(self) -> dict:
-        self.record = self.client.request("GET", f"leases/{self.id}")
+        self.record = self.client.request("GET", lease_path(self.id))
+        if self.record.get("state") == LEASE_ENDED:
+            _forget(self.id)
         return self.record
 
     def release(self) -> None:
-        """End the lease (idempotent); what it held goes to what waits."""
-        if self.record.get("state") == LEASE_ENDED:
-            return
-        self.client.request("DELETE", f"leases/{self.id}")
-        self.record = {**self.record, "state": LEASE_ENDED}
+        """End the lease (idempotent); what it held goes to what waits, and its GPUs leave this
+        process's ``CUDA_VISIBLE_DEVICES`` if CUDA has not started."""
+        if self.record.get("state") != LEASE_ENDED:
+            self.client.request("DELETE", lease_path(self.id))
+            self.record = {**self.record, "state": LEASE_ENDED}
+        _forget(self.id)
 
     def __enter__(self) -> Lease:
         return self
@@ -125,8 +145,9 @@ def lease(
     While it waits, the reason is shown (a line that updates in a notebook, stderr elsewhere);
     interrupting the kernel (or Ctrl-C) stops waiting and withdraws the request. After ``timeout``
     seconds without a grant the request is withdrawn and :class:`LeaseTimeout` raised. Granted
-    before CUDA is initialised in this process, ``CUDA_VISIBLE_DEVICES`` is set to the leased GPUs
-    (``cuda:0`` is the first); afterwards ``cuda_device`` names the index to use.
+    before CUDA is initialised in this process, ``CUDA_VISIBLE_DEVICES`` is set to the GPUs of this
+    process's live leases, this one's added at the end (the first lease's GPU is ``cuda:0``);
+    ``cuda_device`` names the index to use (docs/leases.md).
     """
     client = client or EvalSchedClient()
     body = {
@@ -148,8 +169,35 @@ def lease(
     if held.state != LEASE_GRANTED:
         raise EvalSchedClientError(f"lease {held.id} ended before it was granted: {held.record.get('reason')}")
     if pid is None or pid == os.getpid():
+        _forget_ended(held)
         _point_cuda_at(held, set_cuda_visible_devices)
     return held
+
+
+# How long a refresh of another held lease may take in lease(): one whose server is gone must not
+# hold up the new lease for the client's whole timeout (30 s), each.
+_FORGET_TIMEOUT_S = 3.0
+
+
+def _forget_ended(new: Lease) -> None:
+    """Forget the leases of this process that ended without a word here (ttl, released by id
+    elsewhere, ended and then pruned by the server: a 404), so that their GPUs do not stay in
+    ``CUDA_VISIBLE_DEVICES`` beside ``new``'s."""
+    with _held_lock:
+        others = [held for held in _held.values() if held.id != new.id]
+    for held in others:
+        try:
+            record = held.client.request("GET", lease_path(held.id), timeout=_FORGET_TIMEOUT_S)
+        except EvalSchedError as e:
+            if e.status == 404:  # the server keeps the newest ended leases only
+                held.record = {**held.record, "state": LEASE_ENDED}  # (its release() sends nothing)
+                _forget(held.id)
+            continue  # otherwise unsure: keep it
+        except EvalSchedClientError:
+            continue  # its server is gone or slow: keep it
+        held.record = record
+        if record.get("state") == LEASE_ENDED:
+            _forget(held.id)
 
 
 def _withdraw(held: Lease) -> None:
@@ -258,32 +306,105 @@ class _WaitDisplay:
             print(line, file=sys.stderr)
 
 
-def _point_cuda_at(held: Lease, set_visible: bool) -> None:
-    """``CUDA_VISIBLE_DEVICES`` = the leased GPUs if CUDA has not started in this process; else
-    the index of the first leased GPU among those this process sees."""
-    devices = held.devices
-    if not devices:
-        return
-    if set_visible and not _cuda_initialized():
-        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as NVML (and the ledger) number them
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-        held.cuda_device = "cuda:0"
-        held.note = f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}: cuda:0 is GPU {devices[0]}"
-        return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+# ------------------------------------------------------------- CUDA_VISIBLE_DEVICES of this process
+
+# The live leases this process holds (by id, in grant order) and what CUDA_VISIBLE_DEVICES and
+# CUDA_DEVICE_ORDER were before the first of them set them: several leases share the one variable.
+_held: dict[str, Lease] = {}
+_held_lock = threading.RLock()
+_CUDA_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+_saved_env: dict[str, str | None] | None = None  # None: the variables are not ours
+
+
+def visible_order(current: list[int], held: list[list[int]]) -> list[int]:
+    """The GPUs ``CUDA_VISIBLE_DEVICES`` should show for the leases ``held`` (each one's devices,
+    in grant order): those of ``current`` still held, in their order, so that no live lease's
+    index moves when a lease is added, then the new ones at the end."""
+    wanted = {d for devices in held for d in devices}
+    order = [d for d in current if d in wanted]
+    for devices in held:
+        order.extend(d for d in devices if d not in order)
+    return order
+
+
+def cuda_index(visible: str | None, device: int) -> str | None:
+    """``cuda:N`` for GPU ``device`` (NVML index) under ``CUDA_VISIBLE_DEVICES=visible``; None
+    when it is not visible."""
     if visible is None:
-        held.cuda_device = f"cuda:{devices[0]}"
-    else:
-        order = [part.strip() for part in visible.split(",") if part.strip()]
-        held.cuda_device = f"cuda:{order.index(str(devices[0]))}" if str(devices[0]) in order else None
-    if held.cuda_device is None:
-        held.note = (
-            f"GPU {devices[0]} is not visible to this process (CUDA_VISIBLE_DEVICES={visible}): restart the "
-            "kernel and take the lease before CUDA starts"
-        )
-    else:
-        held.note = f"CUDA was already initialised in this process: use {held.cuda_device} (GPU {devices[0]})"
-    print(f"lease {held.id}: {held.note}", file=sys.stderr)
+        return f"cuda:{device}"
+    order = [part.strip() for part in visible.split(",") if part.strip()]
+    return f"cuda:{order.index(str(device))}" if str(device) in order else None
+
+
+def _renumber(leases: list[Lease]) -> None:
+    """Each lease's ``cuda_device`` (and note) under the current ``CUDA_VISIBLE_DEVICES``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    for held in leases:
+        if not held.devices:
+            continue
+        first = held.devices[0]
+        held.cuda_device = cuda_index(visible, first)
+        if held.cuda_device is None:
+            held.note = (
+                f"GPU {first} is not visible to this process (CUDA_VISIBLE_DEVICES={visible}): restart the "
+                "kernel and take the lease before CUDA starts"
+            )
+        elif _saved_env is not None:
+            held.note = f"CUDA_VISIBLE_DEVICES={visible}: {held.cuda_device} is GPU {first}"
+        elif _cuda_initialized():
+            held.note = f"CUDA was already initialised in this process: use {held.cuda_device} (GPU {first})"
+        else:
+            held.note = f"use {held.cuda_device} (GPU {first})"
+
+
+def _show_held() -> None:
+    """Point ``CUDA_VISIBLE_DEVICES`` at the GPUs of the leases held (where CUDA has not started)
+    and renumber them; with none held, give the variables back the values they had."""
+    global _saved_env
+    leases = list(_held.values())
+    if not _cuda_initialized():
+        if leases:
+            if _saved_env is None:
+                _saved_env = {name: os.environ.get(name) for name in _CUDA_VARS}
+                current: list[int] = []
+            else:  # what we set last: the indices the live leases were given
+                shown = os.environ.get("CUDA_VISIBLE_DEVICES") or ""
+                current = [int(part) for part in shown.split(",") if part.strip().isdigit()]
+            order = visible_order(current, [held.devices for held in leases])
+            if order:
+                os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as NVML (and the ledger) number them
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in order)
+        elif _saved_env is not None:
+            for name, value in _saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            _saved_env = None
+    _renumber(leases)
+
+
+def _point_cuda_at(held: Lease, set_visible: bool) -> None:
+    """Count ``held`` among this process's leases; ``CUDA_VISIBLE_DEVICES`` = the GPUs of all of
+    them (this one's added at the end) if CUDA has not started in this process; else (or without
+    ``set_visible``) ``cuda_device`` is the index of its first GPU among those this process sees."""
+    if not held.devices:
+        return
+    with _held_lock:
+        _held[held.id] = held
+        if set_visible:
+            _show_held()
+        else:
+            _renumber([held])
+    if not held.note.startswith("CUDA_VISIBLE_DEVICES="):
+        print(f"lease {held.id}: {held.note}", file=sys.stderr)
+
+
+def _forget(lease_id: str) -> None:
+    """``lease_id`` ended: its GPUs leave ``CUDA_VISIBLE_DEVICES`` (where CUDA has not started)."""
+    with _held_lock:
+        if _held.pop(lease_id, None) is not None:
+            _show_held()
 
 
 def _cuda_initialized() -> bool:

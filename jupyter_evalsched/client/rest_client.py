@@ -7,6 +7,7 @@ so that importing it in a kernel or a terminal costs milliseconds.
 from __future__ import annotations
 
 import builtins
+import http.client
 import json
 import time
 import urllib.error
@@ -14,14 +15,23 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable
-from typing import Any
+from email.message import Message
+from typing import Any, TypeVar
 
+from ..contract import MAX_LIST_LIMIT
 from .discovery import discover_server
 from .errors import HOW_TO_FIX, TOKEN_HINT, EvalSchedError, ServerNotFound, WaitTimeout
 from .events import EventStream
 from .handle import RunHandle, run_id_of
 from .live_feed import LiveFeed, RunTracker, outage_notes
+from .log_reader import LOG_OFFSET_HEADER, LOG_SIZE_HEADER, LogPart, LogReader
+from .redirects import OPENER
 from .sweep import SweepHandle
+
+T = TypeVar("T")
+# The most episodes asked for per page (the server's largest `limit`): its pages also end at
+# 16 MiB of lines, so that a whole list comes in few requests of bounded size.
+MAX_EPISODES_PAGE = MAX_LIST_LIMIT
 
 
 class EvalSchedClient:
@@ -36,8 +46,8 @@ class EvalSchedClient:
     def __init__(
         self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0, submit_retry_s: float = 15.0
     ):
-        self.base_url, self.token = discover_server(url, token)
         self.timeout = timeout
+        self.base_url, self.token = discover_server(url, token, timeout=timeout)
         self.submit_retry_s = submit_retry_s
 
     def __repr__(self) -> str:
@@ -76,13 +86,18 @@ class EvalSchedClient:
         directory) is retried for up to ``submit_retry_s`` seconds, after its Retry-After when
         given. Other methods fail at once (a cancel from a widget must not hold the kernel; a
         submission retries in its own way, under its Idempotency-Key)."""
+        return self._retrying_starting(
+            method,
+            lambda: self._request_once(method, path, query=query, body=body, raw=raw, timeout=timeout, headers=headers),
+        )
+
+    def _retrying_starting(self, method: str, call: Callable[[], T]) -> T:
+        """``call()``, retried as :meth:`request` says while the scheduler is starting."""
         deadline = time.monotonic() + self.submit_retry_s
         pause = 0.1
         while True:
             try:
-                return self._request_once(
-                    method, path, query=query, body=body, raw=raw, timeout=timeout, headers=headers
-                )
+                return call()
             except EvalSchedError as exc:
                 wait_s = _pause_for(exc, pause)
                 if method != "GET" or not _starting(exc) or time.monotonic() + wait_s > deadline:
@@ -101,6 +116,29 @@ class EvalSchedClient:
         timeout: float | None = None,
         headers: dict[str, str] | None = None,
     ) -> Any:
+        payload, answer_headers = self._exchange(method, path, query=query, body=body, timeout=timeout, headers=headers)
+        charset = answer_headers.get_content_charset() or "utf-8"
+        text = payload.decode(charset, errors="replace")
+        if raw:
+            return text
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise EvalSchedError(200, f"the server answered {path} with something that is not JSON") from None
+
+    def _exchange(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict | None = None,
+        body: Any = None,
+        timeout: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[bytes, Message]:
+        """One HTTP exchange: the answer's body and headers; errors as the client raises them."""
         data = None
         headers = {**self._headers(), **(headers or {})}
         if body is not None:
@@ -108,9 +146,9 @@ class EvalSchedClient:
             headers["Content-Type"] = "application/json"
         req = urllib.request.Request(self._url(path, query), data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                payload = resp.read()
-                charset = resp.headers.get_content_charset() or "utf-8"
+            # (not urlopen: a redirect to another origin must not carry the token there)
+            with OPENER.open(req, timeout=timeout or self.timeout) as resp:
+                return resp.read(), resp.headers
         except urllib.error.HTTPError as e:
             raise self._http_error(e, path) from None
         except urllib.error.URLError as e:
@@ -124,15 +162,13 @@ class EvalSchedClient:
             error = ServerNotFound(f"cannot reach {self.base_url}: {e}")
             error.maybe_received = not isinstance(e, ConnectionRefusedError)
             raise error from None
-        text = payload.decode(charset, errors="replace")
-        if raw:
-            return text
-        if not text:
-            return None
-        try:
-            return json.loads(text)
-        except ValueError:
-            raise EvalSchedError(200, f"the server answered {path} with something that is not JSON") from None
+        except http.client.HTTPException as e:  # something that is not an HTTP server answered
+            said = " ".join(str(e).split())[:80]  # (what it said may be anything: one short line of it)
+            error = ServerNotFound(
+                f"no HTTP server answers at {self.base_url} ({type(e).__name__}: {said}): {HOW_TO_FIX}"
+            )
+            error.maybe_received = True
+            raise error from None
 
     def _http_error(self, e: urllib.error.HTTPError, path: str) -> EvalSchedError:
         try:
@@ -244,10 +280,41 @@ class EvalSchedClient:
         return self.request("POST", f"runs/{_quote_id(run_id)}/resume", body={})
 
     def logs(self, run_id: str, stream: str = "stdout", tail: int | None = None) -> str:
+        """The run's log as text (its last ``tail`` lines); :class:`LogReader` follows one."""
         return self.request("GET", f"runs/{_quote_id(run_id)}/logs", query={"stream": stream, "tail": tail}, raw=True)
 
+    def log_part(
+        self, run_id: str, stream: str = "stdout", *, offset: int | None = None, tail: int | None = None
+    ) -> LogPart:
+        """The bytes of the run's log from byte ``offset`` (or its last ``tail`` lines), where
+        they end and the log's size: what :class:`LogReader` reads."""
+        path = f"runs/{_quote_id(run_id)}/logs"
+        query = {"stream": stream, "offset": offset, "tail": tail}
+        data, headers = self._retrying_starting("GET", lambda: self._exchange("GET", path, query=query))
+        return LogPart(data, _header_int(headers, LOG_OFFSET_HEADER), _header_int(headers, LOG_SIZE_HEADER))
+
+    def log_reader(self, run_id: str, stream: str = "stdout", tail: int | None = None) -> LogReader:
+        """A :class:`LogReader` of the run's log: each ``read()`` gives what is new since the last."""
+        return LogReader(self, _id_of(run_id), stream, tail)
+
     def episodes(self, run_id: str) -> builtins.list[dict]:
-        return self.request("GET", f"runs/{_quote_id(run_id)}/episodes")["episodes"]
+        """Every episode of the run so far (the lines of ``episodes.jsonl``), page by page."""
+        out: builtins.list[dict] = []
+        offset: int | None = 0
+        while offset is not None:
+            page = self.episodes_page(run_id, offset=offset, limit=MAX_EPISODES_PAGE)
+            out.extend(page["episodes"])
+            following = page.get("next_offset")  # (a server before pages answers all, without it)
+            offset = following if isinstance(following, int) and following > offset else None
+        return out
+
+    def episodes_page(self, run_id: str, offset: int = 0, limit: int | None = None) -> dict:
+        """``{"episodes": [...], "next_offset": n or None, "total": n}``: the episodes of the
+        complete lines ``offset`` on of ``episodes.jsonl`` (at most ``limit`` lines; the server's
+        default is 1000, but with neither ``offset`` nor ``limit`` it answers every episode, or a
+        413 when they are over 16 MiB of lines)."""
+        query = {"offset": offset or None, "limit": limit}
+        return self.request("GET", f"runs/{_quote_id(run_id)}/episodes", query=query)
 
     def queue(self, limit: int | None = None) -> dict:
         """``{"queued": [...] in admission order, "queued_total": n, "running": [...], "ledger": {...}}``;
@@ -307,6 +374,15 @@ class EvalSchedClient:
         if not feed.run(timeout):
             raise WaitTimeout(tracker.run_id, timeout or 0.0, tracker.record)
         return tracker.record
+
+
+def _header_int(headers: Message, name: str) -> int | None:
+    """A whole number the server put in a header; None when absent or not one."""
+    try:
+        value = int(headers.get(name) or "")
+    except ValueError:
+        return None
+    return value if value >= 0 else None
 
 
 def _starting(exc: EvalSchedError) -> bool:

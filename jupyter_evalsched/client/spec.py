@@ -257,15 +257,37 @@ def load_spec_file(path: str) -> dict:
             import yaml
 
             spec = yaml.safe_load(text)
-    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError: both carry a position
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SpecError(f"cannot parse spec file {path}: {first}") from None
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
+        raise SpecError(f"cannot parse spec file {path}: {parse_error_text(e, text)}") from None
     if not isinstance(spec, dict):
         raise SpecError(f"spec file {path} must contain a mapping, not {type(spec).__name__}")
     cwd = spec.get("cwd")
     if isinstance(cwd, str) and cwd and not os.path.isabs(cwd):
         spec["cwd"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), cwd))
     return spec
+
+
+def parse_error_text(error: Exception, text: str) -> str:
+    """A JSON or YAML parse error on one line, where it is first: ``line 3, column 5: expected
+    ',' or ']', but got ':' (while parsing a flow sequence, at line 2, column 11)``; lines and
+    columns count from 1, as editors do."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"line {error.lineno}, column {error.colno}: {error.msg}"
+    problem = getattr(error, "problem", None)
+    mark = getattr(error, "problem_mark", None)  # yaml.MarkedYAMLError (0-based marks)
+    if problem and mark is not None:
+        out = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+        context, at = getattr(error, "context", None), getattr(error, "context_mark", None)
+        if context:
+            out += f" ({context}" + (f", at line {at.line + 1}, column {at.column + 1})" if at is not None else ")")
+        return " ".join(out.splitlines())
+    position = getattr(error, "position", None)  # yaml.ReaderError: a character's index
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(position, int) and 0 <= position <= len(text):
+        line = text.count("\n", 0, position) + 1
+        column = position - (text.rfind("\n", 0, position) + 1) + 1
+        return f"line {line}, column {column}: {first}"
+    return first
 
 
 # Flag (argparse dest) -> spec key, at the spec's top level and in its ``scheduling``.

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import sys
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
-    from logging import Logger
     from typing import Any
 
     from jupyter_evalsched.shared_models.client import ModelClient
+
+    from .eval_log import EvalLogger
 
     # The eval's ``episode(ctx, index)``: returns its metrics (validated by validate_metrics).
     EpisodeFunction = Callable[["EpisodeContext", int], object]
@@ -60,26 +60,20 @@ class ModelRegistry:
         return client
 
 
-_eval_logger: Logger | None = None
+_eval_logger: EvalLogger | None = None
 
 
-def eval_logger() -> Logger:
-    """The logger behind ``ctx.log``: INFO and up to stderr (the run's ``stderr.log``).
+def eval_logger() -> EvalLogger:
+    """The logger behind ``ctx.log``: INFO and up to stderr (the run's ``stderr.log``); calling it
+    logs at INFO (``ctx.log("x %s", 1)`` is ``ctx.log.info("x %s", 1)``).
 
     Built on first use so that evals that never log do not import ``logging``.
     """
     global _eval_logger
     if _eval_logger is None:
-        import logging
+        from .eval_log import make_eval_logger
 
-        logger = logging.getLogger("jupyter_evalsched.eval")
-        if not logger.handlers:
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [pid %(process)d] %(message)s"))
-            logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-        _eval_logger = logger
+        _eval_logger = make_eval_logger()
     return _eval_logger
 
 
@@ -110,7 +104,8 @@ class EpisodeContext:
     ``params`` (the spec's params; shared by all episodes of a process, so treat it as
     read-only), ``index``, ``seed`` (the spec's seed + index), ``devices`` (GPU indices, maybe
     empty), ``run_dir`` (str), ``run_id``, ``episodes`` (the total), ``attempt`` (1, or more for
-    a resumed run), ``log`` (a ``logging.Logger`` writing to stderr) and ``model(name)`` (a client
+    a resumed run), ``log`` (a ``logging.Logger`` writing to stderr: ``ctx.log.info(...)``,
+    ``ctx.log.warning(...)``; ``ctx.log(...)`` logs at INFO) and ``model(name)`` (a client
     of a shared model).
     """
 
@@ -140,7 +135,7 @@ class EpisodeContext:
         self._models = models
 
     @property
-    def log(self) -> Logger:
+    def log(self) -> EvalLogger:
         return eval_logger()
 
     def model(self, name: str) -> ModelClient:

@@ -13,7 +13,7 @@ import math
 import os
 import time
 
-from ..contract import DONE_FILE, EPISODES_FILE, MAX_METRIC_NAMES, SUMMARY_FILE
+from ..contract import DONE_FILE, EPISODES_FILE, MAX_METRIC_NAME_CHARS, MAX_METRIC_NAMES, SUMMARY_FILE
 from .fastjson import dumps
 from .replace import replace
 
@@ -134,11 +134,12 @@ class MetricAggregator:
     """Running mean, population std, min, max and count per metric, in O(1) per value
     (Welford's algorithm), so a run of any length never re-reads its episodes.
 
-    At most ``max_names`` distinct metric names (the first seen) are kept: the others are dropped
-    and counted (distinct names, up to ``MAX_DROPPED_COUNTED``), so that what an eval returns
-    never makes the summary, the run's record or a comparison grow without bound."""
+    At most ``max_names`` distinct metric names (the first seen) are kept, and no name longer than
+    ``MAX_METRIC_NAME_CHARS``: the others are dropped and counted (distinct names, up to
+    ``MAX_DROPPED_COUNTED``), so that what an eval returns never makes the summary, the run's
+    record or a comparison grow without bound."""
 
-    __slots__ = ("_dropped", "_stats", "max_names")
+    __slots__ = ("_dropped", "_stats", "_too_long", "max_names")
 
     MAX_DROPPED_COUNTED = 65536
 
@@ -146,12 +147,26 @@ class MetricAggregator:
         # name -> [count, mean, m2, min, max, skipped] (count and skipped are ints)
         self._stats: dict[str, list[float]] = {}
         self._dropped: set[str] = set()
+        # The names dropped as too long, by hash: the names themselves may be megabytes each.
+        self._too_long: set[int] = set()
         self.max_names = max_names
 
     @property
     def dropped(self) -> int:
-        """Distinct metric names dropped so far (at most MAX_DROPPED_COUNTED)."""
-        return len(self._dropped)
+        """Distinct metric names dropped so far, for either reason (at most MAX_DROPPED_COUNTED)."""
+        return len(self._dropped) + len(self._too_long)
+
+    @property
+    def too_long(self) -> int:
+        """Of those, the names dropped as longer than MAX_METRIC_NAME_CHARS."""
+        return len(self._too_long)
+
+    def _drop(self, name: str) -> None:
+        if len(self._dropped) + len(self._too_long) < self.MAX_DROPPED_COUNTED:
+            if len(name) > MAX_METRIC_NAME_CHARS:
+                self._too_long.add(hash(name))
+            else:
+                self._dropped.add(name)
 
     def keep(self, metrics: Metrics) -> Metrics:
         """``metrics`` without the names beyond the cap (the same dict when none is dropped); the
@@ -160,9 +175,8 @@ class MetricAggregator:
         out: Metrics = {}
         for name, value in metrics.items():
             if name not in stats:
-                if len(stats) >= self.max_names:
-                    if len(self._dropped) < self.MAX_DROPPED_COUNTED:
-                        self._dropped.add(name)
+                if len(stats) >= self.max_names or len(name) > MAX_METRIC_NAME_CHARS:
+                    self._drop(name)
                     continue
                 stats[name] = [0, 0.0, 0.0, math.inf, -math.inf, 0]
             out[name] = value
@@ -172,9 +186,8 @@ class MetricAggregator:
         for name, value in metrics.items():
             stats = self._stats.get(name)
             if stats is None:
-                if len(self._stats) >= self.max_names:
-                    if len(self._dropped) < self.MAX_DROPPED_COUNTED:
-                        self._dropped.add(name)
+                if len(self._stats) >= self.max_names or len(name) > MAX_METRIC_NAME_CHARS:
+                    self._drop(name)
                     continue
                 stats = self._stats[name] = [0, 0.0, 0.0, math.inf, -math.inf, 0]
             number = _as_finite_float(value)
@@ -211,6 +224,20 @@ class MetricAggregator:
             else:
                 out[name] = {"mean": None, "std": None, "min": None, "max": None, "count": 0, "skipped": skipped}
         return out
+
+
+def _say_name_too_long(index: int) -> None:
+    """The line in the run's stderr log for the first metric name dropped as too long: straight
+    to descriptor 2 (the log), whatever the eval made of ``sys.stderr``."""
+    text = (
+        f"evalsched runner: episode {index} returned a metric name longer than {MAX_METRIC_NAME_CHARS} "
+        f"characters; a metric name may have at most {MAX_METRIC_NAME_CHARS} characters: such metrics "
+        "are dropped (not aggregated, not written; counted in summary.json's metrics_dropped)\n"
+    )
+    try:
+        os.write(2, text.encode())
+    except OSError:
+        pass  # closed by the eval: nowhere left to say it
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -290,6 +317,7 @@ class RunFiles:
         # Indices an earlier attempt of this run finished (a resumed run skips them).
         self.done_indices: set[int] = set()
         self.aggregator = MetricAggregator()
+        self._said_too_long = False  # the stderr line on a metric name too long, once an attempt
         self.started_at = utc_now_iso()
         self._summary_path = os.path.join(run_dir, SUMMARY_FILE)
         # The first fsync'd intermediate summary comes an interval after the start: the initial
@@ -344,7 +372,12 @@ class RunFiles:
 
     def record_episode(self, index: int, metrics: Metrics, started_at: str, finished_at: str, worker: int) -> None:
         """Append the episode's line, fold its metrics in and rewrite the summary. Metric names
-        beyond the cap are neither written nor aggregated (the summary counts them)."""
+        beyond the cap, or too long, are neither written nor aggregated (the summary counts them;
+        the first name too long is also named in the run's stderr log)."""
+        if not self._said_too_long and any(len(name) > MAX_METRIC_NAME_CHARS for name in metrics):
+            # (this attempt's first: an earlier attempt's lines may have held such a name already)
+            self._said_too_long = True
+            _say_name_too_long(index)
         metrics = self.aggregator.keep(metrics)
         line = dumps(
             {

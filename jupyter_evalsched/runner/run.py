@@ -390,7 +390,11 @@ def _run_episodes(spec: RunSpec, run_dir: str, files: RunFiles) -> ErrorInfo | _
     )
 
     def load_episode() -> EpisodeFunction:
-        return load_episode_function(spec.entrypoint, run_dir, cwd)
+        # (Imported here, once the eval is: not on the runner's start-up path.)
+        from .async_episodes import episode_caller
+
+        # An ``async def episode`` is run on the process's own event loop (docs/runs.md).
+        return episode_caller(load_episode_function(spec.entrypoint, run_dir, cwd))
 
     done = files.done_indices
     indices = [i for i in range(spec.episodes) if i not in done] if done else list(range(spec.episodes))

@@ -109,6 +109,7 @@ RUNNER_MODULES = (
     "jupyter_evalsched.runner.entrypoint",
     "jupyter_evalsched.runner.errors",
     "jupyter_evalsched.runner.workers",
+    "jupyter_evalsched.runner.async_episodes",
 )
 
 # Processes forked ahead of their runs, each waiting for one.

@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..contract import MAX_METRIC_NAMES
+from ..contract import MAX_METRIC_NAME_CHARS, MAX_METRIC_NAMES
 
 # A whole sweep can be compared (sweeps.MAX_SWEEP_RUNS): what bounds a comparison is the time and
 # the values it reads (below), not how many runs hold them.
@@ -29,36 +29,71 @@ COMPARE_TIMEOUT_S = 60.0
 MAX_COMPARE_VALUES = 4_000_000
 
 
-def episode_metrics(
-    lines: Iterable[Mapping[str, Any]], max_names: int = MAX_METRIC_NAMES, dropped: list[str] | None = None
-) -> dict[int, dict[str, float]]:
-    """``{index: {metric: value}}`` from ``episodes.jsonl`` lines; a later line for an index (a
-    later attempt ran it again) replaces an earlier one; non-finite values and non-numbers are
-    left out. At most ``max_names`` distinct metric names are kept (the first seen); the names
-    beyond them are left out and, when ``dropped`` is given, appended to it (each once)."""
-    out: dict[int, dict[str, float]] = {}
-    kept: dict[str, None] = {}
-    left_out: dict[str, None] = {}
-    for line in lines:
+class EpisodeMetrics:
+    """``{index: {metric: value}}`` of ``episodes.jsonl`` lines, taken one at a time (so that a
+    run's file is read as a stream, never held whole), in ``by_index``; ``values`` counts the
+    values held. A later line for an index (a later attempt ran it again) replaces an earlier
+    one; non-finite values, non-numbers and names longer than MAX_METRIC_NAME_CHARS are left out
+    (an index whose latest line holds no value is not in ``by_index``). At most ``max_names`` distinct metric names are kept (the first seen); the names beyond them
+    are left out and listed in ``dropped`` (each once, up to MAX_DROPPED_LISTED)."""
+
+    MAX_DROPPED_LISTED = 65536
+
+    def __init__(self, max_names: int = MAX_METRIC_NAMES) -> None:
+        self.by_index: dict[int, dict[str, float]] = {}
+        self.values = 0
+        self.max_names = max_names
+        # Each name kept, mapped to its one copy: the lines' own copies are not held per episode.
+        self._kept: dict[str, str] = {}
+        self._left_out: dict[str, None] = {}
+
+    @property
+    def dropped(self) -> list[str]:
+        return list(self._left_out)
+
+    def add(self, line: Mapping[str, Any]) -> None:
         index = line.get("index")
         metrics = line.get("metrics")
         if type(index) is not int or not isinstance(metrics, Mapping):
-            continue
+            return
+        kept = self._kept
         values = {}
         for name, value in metrics.items():
             value = _finite_float(value)
-            if value is not None:
+            if value is None:
+                continue
+            key = kept.get(name) if type(name) is str else None
+            if key is None:
                 key = str(name)
-                if key not in kept:
-                    if len(kept) >= max_names:
-                        left_out[key] = None
-                        continue
-                    kept[key] = None
-                values[key] = value
-        out[index] = values
+                if len(key) > MAX_METRIC_NAME_CHARS:
+                    continue
+                if len(kept) >= self.max_names:
+                    if len(self._left_out) < self.MAX_DROPPED_LISTED:
+                        self._left_out[key] = None
+                    continue
+                kept[key] = key
+            values[key] = value
+        # A line without a value replaces an earlier one as no entry at all (what the answer makes
+        # of an empty one): what is held is bounded by the values, not by the lines.
+        earlier = self.by_index.pop(index, None) if not values else self.by_index.get(index)
+        if earlier is not None:
+            self.values -= len(earlier)
+        if values:
+            self.by_index[index] = values
+            self.values += len(values)
+
+
+def episode_metrics(
+    lines: Iterable[Mapping[str, Any]], max_names: int = MAX_METRIC_NAMES, dropped: list[str] | None = None
+) -> dict[int, dict[str, float]]:
+    """``{index: {metric: value}}`` from ``episodes.jsonl`` lines (see :class:`EpisodeMetrics`);
+    the names left out beyond ``max_names`` are appended to ``dropped`` when it is given."""
+    metrics = EpisodeMetrics(max_names)
+    for line in lines:
+        metrics.add(line)
     if dropped is not None:
-        dropped.extend(left_out)
-    return out
+        dropped.extend(metrics.dropped)
+    return metrics.by_index
 
 
 def _finite_float(value: object) -> float | None:

@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from typing import Any
 
 from ..store import RunFileError, RunStore
@@ -18,6 +19,10 @@ from .runs import Run, RunTable
 
 
 class Comparisons:
+    # A comparison looks at the clock every this many lines of a file (a line is at most
+    # store.MAX_EPISODE_LINE_BYTES, read as JSON: a look costs next to nothing beside 256 of them).
+    DEADLINE_EVERY = 256
+
     def __init__(self, table: RunTable, store: RunStore) -> None:
         self.table = table
         self.store = store
@@ -68,35 +73,58 @@ class Comparisons:
     def compare_runs(self, runs: list[Run], baseline: str | None, deadline: float | None = None) -> dict[str, Any]:
         """The comparison (blocking: it reads every run's spec and episodes; a thread's work).
         Past ``deadline`` (time.monotonic()), Unavailable; more than MAX_COMPARE_VALUES episode
-        values in all, TooLarge."""
+        values in all, TooLarge. Each run's ``episodes.jsonl`` is read as a stream, its values
+        taken as they come: what a comparison holds is bounded by MAX_COMPARE_VALUES, not by the
+        files' sizes. While a run's file is read, what is held may pass the limit up to twice (a
+        later line for an index replaces the earlier one's values, maybe with fewer): the reading
+        stops at the line past that; the limit itself is checked against each run's final count,
+        so that the answer is the one of the whole files. The deadline is checked every
+        DEADLINE_EVERY lines, episodes or not."""
         data = []
         problems: dict[str, str] = {}
         values = 0
         for run in runs:
-            if deadline is not None and time.monotonic() > deadline:
-                raise Unavailable(
-                    f"the comparison took more than {compare.COMPARE_TIMEOUT_S:g} s "
-                    "(COMPARE_TIMEOUT_S, waiting for a thread included); compare fewer runs, or retry"
-                )
+            self._check_deadline(deadline)
             record = dict(run.record)
             try:
                 record["params"] = self.table.full_spec(run).get("params") or {}
             except RunFileError as exc:
                 record["params"] = {}
                 problems[run.id] = str(exc)
+            metrics = compare.EpisodeMetrics()
             try:
-                episodes = compare.episode_metrics(self.store.episodes(run.id))
+                with closing(self.store.iter_episode_lines(run.id)) as lines:
+                    for n, line in enumerate(lines, 1):
+                        if line is not None:
+                            metrics.add(line)
+                            if values + metrics.values > 2 * compare.MAX_COMPARE_VALUES:
+                                raise self._too_large()
+                        if not n % self.DEADLINE_EVERY:
+                            self._check_deadline(deadline)
+                episodes = metrics.by_index
             except RunFileError as exc:
                 episodes = {}
                 problems[run.id] = str(exc)
             values += sum(len(v) for v in episodes.values())
             if values > compare.MAX_COMPARE_VALUES:
-                raise TooLarge(
-                    f"the runs hold more than {compare.MAX_COMPARE_VALUES} episode metric values "
-                    "(MAX_COMPARE_VALUES); compare fewer runs"
-                )
+                raise self._too_large()
             data.append((record, episodes))
         result = compare.compare(data, baseline)
         for row in result["rows"]:
             row["error"] = problems.get(row["id"])
         return result
+
+    @staticmethod
+    def _too_large() -> TooLarge:
+        return TooLarge(
+            f"the runs hold more than {compare.MAX_COMPARE_VALUES} episode metric values "
+            "(MAX_COMPARE_VALUES); compare fewer runs"
+        )
+
+    @staticmethod
+    def _check_deadline(deadline: float | None) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise Unavailable(
+                f"the comparison took more than {compare.COMPARE_TIMEOUT_S:g} s "
+                "(COMPARE_TIMEOUT_S, waiting for a thread included); compare fewer runs, or retry"
+            )

@@ -26,6 +26,7 @@ import asyncio
 import functools
 import hashlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -285,6 +286,73 @@ def _int(value: Any, default: int = 0) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
+# The figures of a metric in summary.json, as the runner writes them (MetricAggregator.summary).
+METRIC_FIGURES = ("mean", "std", "min", "max")
+METRIC_COUNTS = ("count", "skipped")
+# The longest ``started_at`` a record takes from a summary (an ISO timestamp is 32 characters).
+MAX_TIMESTAMP_CHARS = 64
+
+MetricFigures = dict[str, float | int | None]
+
+
+def record_metrics(metrics: Any) -> tuple[dict[str, MetricFigures | float | None], int]:
+    """What a run's record keeps of a summary's ``metrics`` and how many names it left out: the
+    first MAX_METRIC_NAMES names of at most MAX_METRIC_NAME_CHARS characters, each with the
+    figures the runner writes (numbers or null; anything else ignored; a value that is not an
+    object: a finite number, else null). The eval can rewrite
+    summary.json (an ``atexit`` handler, after the runner's final one): whatever it holds, the
+    record, and so job.json, stays small enough to be read back."""
+    if not isinstance(metrics, dict):
+        return {}, 0
+    kept: dict[str, MetricFigures | float | None] = {}
+    left_out = 0
+    for name, value in metrics.items():
+        if (
+            not isinstance(name, str)
+            or len(name) > contract.MAX_METRIC_NAME_CHARS
+            or len(kept) >= contract.MAX_METRIC_NAMES
+        ):
+            left_out += 1
+            continue
+        if not isinstance(value, dict):  # (a plain number stays one: a summary written by hand)
+            kept[name] = _finite_float(value)
+            continue
+        figures: MetricFigures = {}
+        for key in METRIC_FIGURES:
+            if key in value:
+                figures[key] = _finite_float(value[key])
+        for key in METRIC_COUNTS:
+            if key in value:
+                figures[key] = _count(value[key])
+        kept[name] = figures
+    return kept, left_out
+
+
+def _finite_float(value: Any) -> float | None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and 0 <= value < 2**63 else None
+
+
+def summary_timestamp(value: Any) -> str | None:
+    """A summary's ``started_at`` as a record takes it: an ISO timestamp, else None."""
+    if not isinstance(value, str) or len(value) > MAX_TIMESTAMP_CHARS:
+        return None
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return value
+
+
 class RunTable:
     def __init__(self, store: RunStore, writer: RunWriter | None = None) -> None:
         self.store = store
@@ -513,20 +581,17 @@ class RunTable:
             "done": _int(summary.get("episodes_done")),
             "total": _int(summary.get("episodes_total"), rec["progress"]["total"]),
         }
-        metrics = summary.get("metrics")
-        if not isinstance(metrics, dict):
-            metrics = {}
-        dropped = _int(summary.get("metrics_dropped"))
-        if len(metrics) > contract.MAX_METRIC_NAMES:  # a runner that does not cap: the record does
-            dropped += len(metrics) - contract.MAX_METRIC_NAMES
-            metrics = dict(list(metrics.items())[: contract.MAX_METRIC_NAMES])
+        # (the runner caps and drops too; whatever else wrote summary.json, the record does)
+        metrics, left_out = record_metrics(summary.get("metrics"))
+        dropped = max(_int(summary.get("metrics_dropped")), 0) + left_out
         if dropped > 0:
             self.note_warning(
                 run,
                 contract.reason(
                     contract.METRICS_CAPPED,
-                    f"the episodes returned more than {contract.MAX_METRIC_NAMES} metric names; "
-                    f"{dropped} more were dropped (not aggregated, not written)",
+                    f"{dropped} metric names the episodes returned were dropped (not aggregated, not "
+                    f"written): those beyond the first {contract.MAX_METRIC_NAMES}, or longer than "
+                    f"{contract.MAX_METRIC_NAME_CHARS} characters",
                 ),
             )
         if progress == rec["progress"] and metrics == rec["metrics"]:
@@ -743,7 +808,7 @@ class RunTable:
         self.apply_summary(run, summary)
         if run.record.get("started_at") is None and isinstance(summary, dict):
             # A short run can start and end between two looks: its own summary knows when.
-            run.record["started_at"] = summary.get("started_at")
+            run.record["started_at"] = summary_timestamp(summary.get("started_at"))
         if not done:
             return None
         return runner_verdict(summary)

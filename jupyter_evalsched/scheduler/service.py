@@ -404,6 +404,7 @@ class Scheduler:
             try:
                 await self._require_loop().run_in_executor(self._io, self.store.write_cancelled_sweeps, cancelled)
             except StoreError as exc:
+                self.submissions.cancel_not_written(sweep_id)
                 raise store_failure(exc) from exc
             self.submissions.sweep_cancelled(sweep_id)
         await self._cancel_all(runs, by)

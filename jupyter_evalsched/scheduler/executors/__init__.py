@@ -63,6 +63,11 @@ class Executor:
     _ctx: ExecutorContext | None = None
 
     @property
+    def interpreter(self) -> str | None:
+        """The Python its runs start with (a path or a command name), None where unknown."""
+        return None
+
+    @property
     def ctx(self) -> ExecutorContext:
         if self._ctx is None:
             raise RuntimeError(f"the {self.name} executor is not bound to a scheduler")

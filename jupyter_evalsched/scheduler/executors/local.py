@@ -92,6 +92,10 @@ class LocalExecutor(Executor):
         self._escapes_to_search: dict[str, float] = {}
         self._stopping = False
 
+    @property
+    def interpreter(self) -> str:
+        return self.python
+
     def bind(self, ctx: ExecutorContext) -> None:
         super().bind(ctx)
         self.launcher.bind(ctx.loop)

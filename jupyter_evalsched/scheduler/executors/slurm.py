@@ -56,6 +56,10 @@ class SlurmExecutor(Executor):
         self._interval = poll_interval_s
         self._next_poll = 0.0
 
+    @property
+    def interpreter(self) -> str:
+        return self.cli.config.python  # (on the compute nodes, at this path)
+
     def bind(self, ctx: ExecutorContext) -> None:
         super().bind(ctx)
         ctx.table.on_end(self._on_end)

@@ -167,7 +167,12 @@ export interface IEmbeddingRequest {
 }
 
 export interface IEpisodeList {
+  /** the episodes of this page's lines, in file order (lines that are not episodes skipped) */
   episodes: { [key: string]: unknown }[];
+  /** the offset of the next page; null when this page reached the end of the file */
+  next_offset: number | null;
+  /** the complete lines of episodes.jsonl when it was read (the run may append) */
+  total: number;
 }
 
 export interface IErrorBody {
