@@ -1578,7 +1578,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id", metavar="ID")
     p.add_argument("--stream", choices=["stdout", "stderr"], default="stdout")
     p.add_argument("--tail", type=int, metavar="N", help="only the last N lines")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
+    p.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing until the run ends; exit 1 unless it succeeded",
+    )
 
     p = add("queue", cmd_queue, "show the queue and the VRAM ledger")
     p.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
