@@ -180,3 +180,30 @@ def ledger(users, ledger_config):
     served.start()
     yield served
     served.stop()
+
+
+# --------------------------------------------------------------------------- leases in this process
+
+
+def _forget_leases_held() -> None:
+    """Forget every lease ``jupyter_evalsched.client.lease`` counts as held by this process, and
+    what CUDA_VISIBLE_DEVICES was before the first (a test that left one would otherwise shape
+    the next test's variable, or have its own variable put back over the next test's)."""
+    from jupyter_evalsched.client import lease
+
+    with lease._held_lock:
+        lease._held.clear()
+        lease._saved_env = None
+
+
+@pytest.fixture
+def cuda_env(monkeypatch):
+    """For tests of ``lease()``, which sets CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER in this
+    process: both unset and no lease counted as held, before and after (setenv first, so that the
+    undo restores what was there, absence included)."""
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    _forget_leases_held()
+    yield
+    _forget_leases_held()  # before monkeypatch puts the variables back

@@ -8,9 +8,12 @@ one server (about 4 s to start) and leave it idle after each test (``clean_queue
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from waiting import reached_state, wait_until  # the one wait_until; re-exported for the modules that use this one
@@ -18,7 +21,22 @@ from waiting import reached_state, wait_until  # the one wait_until; re-exported
 from jupyter_evalsched.client import TERMINAL_STATES, EvalSchedClient, LocalServer
 from jupyter_evalsched.scheduler.gpus import write_process_table
 
-__all__ = ["CRASH", "SLEEPY", "clean_queue", "cli", "client", "ip", "live_server", "wait_state", "wait_until"]
+__all__ = [
+    "CRASH",
+    "SLEEPY",
+    "clean_queue",
+    "cli",
+    "cli_env",
+    "client",
+    "ip",
+    "live_server",
+    "runtime_dir",
+    "server_file",
+    "wait_state",
+    "wait_until",
+]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 CRASH = "jupyter_evalsched.examples.basic:crash"
@@ -120,6 +138,18 @@ def interruptible_cli(*args: str) -> list[str]:
     return [sys.executable, "-c", _INTERRUPTIBLE_CLI, *args]
 
 
+def cli_env(live_server: LocalServer | None, **extra: str) -> dict[str, str]:
+    """The environment of a CLI subprocess: this session's, less what names another server (or the
+    kernel's parent), plus ``live_server``'s (None: none) and ``extra``, the repository first on
+    the path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID")}
+    if live_server is not None:
+        env.update(live_server.env)
+    env.update(extra)
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
 def cli(
     live_server,
     *args: str,
@@ -129,21 +159,32 @@ def cli(
     with_server: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run ``jupyter-evalsched`` (``python -m jupyter_evalsched.cli``) as a real subprocess."""
-    full_env = dict(os.environ)
-    for var in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID"):
-        full_env.pop(var, None)
-    if with_server:
-        full_env.update(live_server.env)
-    full_env.update(env or {})
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        [repo] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    )
     return subprocess.run(
         [sys.executable, "-m", "jupyter_evalsched.cli", *args],
-        env=full_env,
+        env=cli_env(live_server if with_server else None, **(env or {})),
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+# --------------------------------------------------------------------------- runtime files
+
+
+def server_file(server: LocalServer) -> dict:
+    """What ``server``'s runtime file (``jpserver-PID.json``) says."""
+    (path,) = glob.glob(os.path.join(server._tmp, "runtime", "jpserver-*.json"))
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def runtime_dir(path: Path, *infos: dict, newest_first: bool) -> Path:
+    """``path`` made a runtime directory listing ``infos`` as ``jpserver-PID.json`` files, 100 s
+    apart: the first the newest (``newest_first``) or the oldest."""
+    path.mkdir(parents=True, exist_ok=True)
+    for age, info in enumerate(infos if newest_first else reversed(infos)):
+        file = path / f"jpserver-{info['pid']}.json"
+        file.write_text(json.dumps(info))
+        os.utime(file, (1_700_000_000 - age * 100, 1_700_000_000 - age * 100))
+    return path

@@ -5,9 +5,7 @@ or failed run. Each through the real CLI against a real server."""
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import queue
 import subprocess
 import sys
@@ -19,15 +17,30 @@ from jupyter_evalsched.client import LocalServer
 from jupyter_evalsched.client.discovery import same_local_server
 
 try:
-    from .live_server import CRASH, SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until
+    from .live_server import (
+        CRASH,
+        SLEEPY,
+        clean_queue,
+        cli,
+        cli_env,
+        client,
+        live_server,
+        runtime_dir,
+        server_file,
+        wait_state,
+        wait_until,
+    )
 except ImportError:
     from live_server import (  # noqa: F401
         CRASH,
         SLEEPY,
         clean_queue,
         cli,
+        cli_env,
         client,
         live_server,
+        runtime_dir,
+        server_file,
         wait_state,
         wait_until,
     )
@@ -51,23 +64,6 @@ def _blocking(spec: dict) -> dict:
     return {**spec, "scheduling": {"exclusive_gpu": True, "gpus": 2}}
 
 
-def _server_file(server: LocalServer) -> dict:
-    (path,) = glob.glob(os.path.join(server._tmp, "runtime", "jpserver-*.json"))
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _runtime_dir(tmp_path, *infos: dict):
-    """A runtime directory listing ``infos`` (the later, the newer file)."""
-    runtime = tmp_path / "runtime"
-    runtime.mkdir(exist_ok=True)
-    for age, info in enumerate(reversed(infos)):
-        path = runtime / f"jpserver-{info['pid']}.json"
-        path.write_text(json.dumps(info))
-        os.utime(path, (1_700_000_000 - age * 100, 1_700_000_000 - age * 100))
-    return runtime
-
-
 # --------------------------------------------------------------------------- 1: 127.0.0.1 or localhost
 
 
@@ -75,10 +71,10 @@ def _runtime_dir(tmp_path, *infos: dict):
 def test_the_token_is_found_whichever_loopback_name_the_url_says(live_server, tmp_path, listed_host, given_host):
     """Jupyter prints both http://localhost:PORT/ and http://127.0.0.1:PORT/; its runtime file
     holds one of them. Either URL finds the token there."""
-    info = _server_file(live_server)
+    info = server_file(live_server)
     port = live_server.url.rsplit(":", 1)[1].strip("/")
     info["url"] = f"http://{listed_host}:{port}/"
-    runtime = _runtime_dir(tmp_path, info)
+    runtime = runtime_dir(tmp_path / "runtime", info, newest_first=False)
     env = {"JUPYTER_RUNTIME_DIR": str(runtime), "EVALSCHED_URL": f"http://{given_host}:{port}/"}
     proc = cli(live_server, "list", env=env, with_server=False)
     assert proc.returncode == 0, proc.stderr
@@ -127,7 +123,8 @@ def second_server():
 
 
 def test_with_two_servers_the_cli_says_which_it_uses(live_server, second_server, tmp_path):
-    runtime = _runtime_dir(tmp_path, _server_file(live_server), _server_file(second_server))  # the second newer
+    infos = server_file(live_server), server_file(second_server)
+    runtime = runtime_dir(tmp_path / "runtime", *infos, newest_first=False)  # the second newer
     env = {"JUPYTER_RUNTIME_DIR": str(runtime)}
     proc = cli(live_server, "list", env=env, with_server=False)
     assert proc.returncode == 0, proc.stderr
@@ -142,8 +139,7 @@ def test_with_two_servers_the_cli_says_which_it_uses(live_server, second_server,
     proc = cli(live_server, "list", env=named, with_server=False)
     assert proc.returncode == 0 and proc.stderr == ""
     # One server found: no note.
-    (tmp_path / "alone").mkdir()
-    alone = _runtime_dir(tmp_path / "alone", _server_file(second_server))
+    alone = runtime_dir(tmp_path / "alone", server_file(second_server), newest_first=False)
     proc = cli(live_server, "list", env={"JUPYTER_RUNTIME_DIR": str(alone)}, with_server=False)
     assert proc.returncode == 0 and proc.stderr == ""
 
@@ -236,13 +232,9 @@ def test_logs_follow_says_why_a_run_is_queued_and_exits_with_its_verdict(live_se
     blocker = client.submit(_blocking(_spec("the-blocker", episodes=1, sleep_s=60)))
     wait_state(client, blocker["id"], states={"running"}, timeout=60)
     waiting = client.submit(_spec("waits", vram=1000))
-    env = {k: v for k, v in os.environ.items() if k not in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID")}
-    env.update(live_server.env)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
     follower = subprocess.Popen(
         [sys.executable, "-m", "jupyter_evalsched.cli", "logs", waiting["id"], "-f"],
-        env=env,
+        env=cli_env(live_server),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -24,19 +24,19 @@ import pytest
 from jupyter_evalsched.client import EvalSchedClient, LocalServer
 
 try:
-    from .live_server import FAST_SERVER_ARGS, clean_queue, cli, client, live_server, wait_state, wait_until
+    from .live_server import FAST_SERVER_ARGS, clean_queue, cli, cli_env, client, live_server, wait_state, wait_until
 except ImportError:
     from live_server import (  # noqa: F401
         FAST_SERVER_ARGS,
         clean_queue,
         cli,
+        cli_env,
         client,
         live_server,
         wait_state,
         wait_until,
     )
 
-REPO = Path(__file__).resolve().parent.parent
 
 # --------------------------------------------------------------------------- 1: logs -f from an offset
 
@@ -101,12 +101,9 @@ class _Output:
 
 
 def _cli_process(live_server, *args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID")}
-    env.update(live_server.env)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return subprocess.Popen(
         [sys.executable, "-m", "jupyter_evalsched.cli", *args],
-        env=env,
+        env=cli_env(live_server),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -251,7 +248,7 @@ def test_a_secondary_server_relays_the_logs_route_headers(tmp_path):
         _check_the_logs_route(secondary.url, secondary.token, rec["id"], steps[0])
         proc = subprocess.run(
             [sys.executable, "-m", "jupyter_evalsched.cli", "logs", "-f", rec["id"]],
-            env={**os.environ, **secondary.env, "PYTHONPATH": str(REPO)},
+            env=cli_env(secondary),
             capture_output=True,
             timeout=60,
         )

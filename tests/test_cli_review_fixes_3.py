@@ -24,7 +24,18 @@ import pytest
 from jupyter_evalsched.client.socket_table import Listener, listening_uids, read_listeners
 
 try:
-    from .live_server import CRASH, SLEEPY, clean_queue, cli, client, live_server, wait_state, wait_until
+    from .live_server import (
+        CRASH,
+        SLEEPY,
+        clean_queue,
+        cli,
+        client,
+        live_server,
+        runtime_dir,
+        server_file,
+        wait_state,
+        wait_until,
+    )
 except ImportError:
     from live_server import (  # noqa: F401
         CRASH,
@@ -33,6 +44,8 @@ except ImportError:
         cli,
         client,
         live_server,
+        runtime_dir,
+        server_file,
         wait_state,
         wait_until,
     )
@@ -42,24 +55,6 @@ NOBODY = 65534
 
 def _port(server) -> int:
     return int(server.url.rsplit(":", 1)[1].strip("/"))
-
-
-def _server_file(server) -> dict:
-    import glob
-
-    (path,) = glob.glob(os.path.join(server._tmp, "runtime", "jpserver-*.json"))
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _runtime_dir(path, *infos: dict):
-    """A runtime directory listing ``infos`` (the later, the older file)."""
-    path.mkdir(exist_ok=True)
-    for age, info in enumerate(infos):
-        file = path / f"jpserver-{info['pid']}.json"
-        file.write_text(json.dumps(info))
-        os.utime(file, (1_700_000_000 - age * 100, 1_700_000_000 - age * 100))
-    return path
 
 
 @pytest.fixture
@@ -127,9 +122,9 @@ def test_a_runtime_files_token_goes_to_no_listener_of_another_user_at_another_lo
     port = _port(live_server)
     other = _listener_of_another_user(other_host, port)
     try:
-        info = _server_file(live_server)
+        info = server_file(live_server)
         assert info["url"].startswith("http://127.0.0.1:") or info["url"].startswith("http://localhost:")
-        runtime = _runtime_dir(tmp_path / "runtime", info)
+        runtime = runtime_dir(tmp_path / "runtime", info, newest_first=True)
         given = f"http://[{other_host}]:{port}/" if ":" in other_host else f"http://{other_host}:{port}/"
         env = {"JUPYTER_RUNTIME_DIR": str(runtime), "EVALSCHED_URL": given}
         proc = cli(live_server, "list", env=env, with_server=False)
@@ -215,7 +210,7 @@ def test_the_servers_not_picked_are_sent_nothing_and_delay_nothing(live_server, 
     """The server picked is the newest that answers (with its token); the others listed are
     counted from their runtime files, never asked: ten that never answer delay nothing (they
     added 20 s, one after another), and none is sent a request, let alone a token."""
-    alone = _runtime_dir(tmp_path / "alone", _server_file(live_server))
+    alone = runtime_dir(tmp_path / "alone", server_file(live_server), newest_first=True)
     started = time.monotonic()
     proc = cli(live_server, "list", env={"JUPYTER_RUNTIME_DIR": str(alone)}, with_server=False)
     baseline = time.monotonic() - started
@@ -225,13 +220,13 @@ def test_the_servers_not_picked_are_sent_nothing_and_delay_nothing(live_server, 
     hung = socket.create_server(("127.0.0.1", 0), backlog=64)  # connections queue; none is answered
     with hung, _recording_server(seen) as refusing:
         hung_port = hung.getsockname()[1]
-        infos = [_server_file(live_server)]
+        infos = [server_file(live_server)]
         infos += [
             {"url": f"http://127.0.0.1:{hung_port}/h{i}/", "token": f"HUNG{i}", "pid": live_pids.new()}
             for i in range(HUNG)
         ]
         infos.append({"url": f"http://127.0.0.1:{refusing}/", "token": "NOT-PICKED-TOKEN", "pid": live_pids.new()})
-        runtime = _runtime_dir(tmp_path / "runtime", *infos)
+        runtime = runtime_dir(tmp_path / "runtime", *infos, newest_first=True)
         started = time.monotonic()
         proc = cli(live_server, "list", env={"JUPYTER_RUNTIME_DIR": str(runtime)}, with_server=False)
         elapsed = time.monotonic() - started
@@ -257,7 +252,8 @@ def test_a_runtime_file_whose_port_another_user_listens_on_is_sent_no_token(live
     other = _listener_of_another_user("127.0.0.1", port)
     try:
         stale = {"url": f"http://127.0.0.1:{port}/", "token": "STALE-TOKEN", "pid": live_pids.new()}
-        runtime = _runtime_dir(tmp_path / "runtime", stale, _server_file(live_server))  # the stale one newest
+        # The stale one newest.
+        runtime = runtime_dir(tmp_path / "runtime", stale, server_file(live_server), newest_first=True)
         proc = cli(live_server, "list", env={"JUPYTER_RUNTIME_DIR": str(runtime)}, with_server=False)
         assert proc.returncode == 0 and proc.stdout.startswith("ID "), proc.stderr  # (the user's server's list)
         assert proc.stderr == "", proc.stderr  # (the file passed over is not counted either)

@@ -27,6 +27,7 @@ try:
         SLEEPY,
         clean_queue,
         cli,
+        cli_env,
         client,
         interruptible_cli,
         live_server,
@@ -39,6 +40,7 @@ except ImportError:
         SLEEPY,
         clean_queue,
         cli,
+        cli_env,
         client,
         interruptible_cli,
         live_server,
@@ -787,13 +789,9 @@ def test_cli_wait_ctrl_c_leaves_the_run_running(live_server, client, clean_queue
     import subprocess
 
     rec = client.submit(_sleepy("ctrl-c", sleep_s=30, episodes=1))
-    env = dict(os.environ, **live_server.env)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
-    )
     proc = subprocess.Popen(
         interruptible_cli("wait", rec["id"]),
-        env=env,
+        env=cli_env(live_server),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -25,15 +25,6 @@ except ImportError:
     from live_server import SLEEPY, clean_queue, cli, client, ip, live_server, wait_state, wait_until  # noqa: F401
 
 
-@pytest.fixture
-def cuda_env(monkeypatch):
-    """lease() sets CUDA_VISIBLE_DEVICES in this process: put it back afterwards (setenv first, so
-    that the undo restores what was there, absence included)."""
-    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-
 def test_lease_as_a_context_manager_points_cuda_at_the_leased_gpu(client, clean_queue, cuda_env):
     with jupyter_evalsched.lease(14000, label="ctx", client=client) as held:
         assert held.state == "granted" and held.devices in ([0], [1])

@@ -27,19 +27,9 @@ from jupyter_evalsched.magics import cell_problem
 from jupyter_evalsched.scheduler.leases import KEEP_ENDED
 
 try:
-    from .live_server import clean_queue, client, interruptible_cli, ip, live_server, wait_until
+    from .live_server import clean_queue, cli_env, client, interruptible_cli, ip, live_server, wait_until
 except ImportError:
-    from live_server import clean_queue, client, interruptible_cli, ip, live_server, wait_until  # noqa: F401
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def cuda_env(monkeypatch):
-    """lease() sets CUDA_VISIBLE_DEVICES in this process: put it back afterwards."""
-    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
+    from live_server import clean_queue, cli_env, client, interruptible_cli, ip, live_server, wait_until  # noqa: F401
 
 
 # --------------------------------------------------------------------------- the kernel's cell check
@@ -122,22 +112,18 @@ def _drain(master: int, pid: int, until: float) -> tuple[bytes, int | None]:
     return shown, None
 
 
-def _env(live_server=None) -> dict:
-    env = {**os.environ, **(live_server.env if live_server else {})}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
-    return env
-
-
 def test_the_terminal_is_told_from_dev_tty_not_from_stdin():
     probe = [sys.executable, "-c", "from jupyter_evalsched.cli import _terminal_signals_it_too as t; print(t())"]
-    pid, master = _in_a_terminal(probe, _env())
+    pid, master = _in_a_terminal(probe, cli_env(None))
     try:
         shown, status = _drain(master, pid, time.monotonic() + 60)
     finally:
         os.close(master)
     assert status == 0 and shown.split() == [b"True"], shown
     # No controlling terminal (a service, setsid): no Ctrl-C comes from one.
-    alone = subprocess.run(probe, env=_env(), stdin=subprocess.DEVNULL, capture_output=True, start_new_session=True)
+    alone = subprocess.run(
+        probe, env=cli_env(None), stdin=subprocess.DEVNULL, capture_output=True, start_new_session=True
+    )
     assert alone.stdout.split() == [b"False"], alone
 
 
@@ -170,7 +156,7 @@ def test_a_ctrl_c_at_the_terminal_reaches_the_command_once_with_stdin_redirected
     log, script = tmp_path / "log", tmp_path / "counter.py"
     script.write_text(COUNTER)
     argv = interruptible_cli("lease", "1000", "--label", "ctrl-c", "--", sys.executable, str(script), str(log))
-    pid, master = _in_a_terminal(argv, _env(live_server))
+    pid, master = _in_a_terminal(argv, cli_env(live_server))
     try:
         wait_until(lambda: log.exists() and "ready" in log.read_text(), timeout=60, message="the command to start")
         os.write(master, b"\x03")  # Ctrl-C at the terminal: SIGINT to its foreground job, CLI and command

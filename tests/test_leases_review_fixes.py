@@ -20,11 +20,22 @@ from jupyter_evalsched.client.lease import Lease, lease_path, looks_like_lease_i
 from jupyter_evalsched.magics import cell_problem
 
 try:
-    from .live_server import clean_queue, cli, client, interruptible_cli, ip, live_server, wait_state, wait_until
+    from .live_server import (
+        clean_queue,
+        cli,
+        cli_env,
+        client,
+        interruptible_cli,
+        ip,
+        live_server,
+        wait_state,
+        wait_until,
+    )
 except ImportError:
     from live_server import (  # noqa: F401
         clean_queue,
         cli,
+        cli_env,
         client,
         interruptible_cli,
         ip,
@@ -34,15 +45,6 @@ except ImportError:
     )
 
 NOOP = "jupyter_evalsched.examples.basic:noop"
-
-
-@pytest.fixture
-def cuda_env(monkeypatch):
-    """lease() sets CUDA_VISIBLE_DEVICES in this process: put it back afterwards (setenv first, so
-    that the undo restores what was there, absence included)."""
-    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
 
 
 def _finished_run(client) -> str:
@@ -142,15 +144,12 @@ def _lease_cli(live_server, tmp_path, signum: int) -> tuple[subprocess.Popen, in
         f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(120)\n"
     )
-    env = {**os.environ, **live_server.env}
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
     argv = interruptible_cli("lease", "1000", "--label", f"sig{signum}", "--", sys.executable, "-c", script)
     # No controlling terminal (a session of its own, whatever runs pytest): no Ctrl-C reaches the
     # command from one, the CLI passes SIGINT on.
     proc = subprocess.Popen(
         argv,
-        env=env,
+        env=cli_env(live_server),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
