@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_evalsched.shared_models.detokenize import REPLACEMENT, IncrementalText
+from jupyter_evalsched.shared_models.stops import StopStrings
 from jupyter_evalsched.shared_models.tiny_lm import build_tiny_gpt2
 
 TEXT = "café ж 🎉 naïve 日本語 hello world, résumé € the quick brown fox jumps over the lazy dog. "
@@ -31,12 +32,12 @@ STOPS = ["<|stop|>", "\n\n\n"]
 
 
 def a_token_at_a_time(decode, ids: list[int]) -> int:
-    text = IncrementalText(decode, keep=max(map(len, STOPS)) - 1)
+    text, stops = IncrementalText(decode), StopStrings(STOPS)
     starts = []
     for token in ids:
         starts.append(text.reach)
         text.add(token)
-        if any(stop in text.fresh for stop in STOPS):
+        if stops.feed(text.pieces[-1]) or stops.ends_in(text.pending.rstrip(REPLACEMENT)):  # (as causal.py)
             break
     return len(text.pieces) + len(starts)
 

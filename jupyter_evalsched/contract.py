@@ -271,6 +271,13 @@ DEFAULT_SOURCE_ENTRYPOINT = EVAL_SOURCE_FILE + ":episode"
 
 # The largest ``limit`` of a list (``GET /evalsched/runs``, ``/sweeps``) or queue view.
 MAX_LIST_LIMIT = 100_000
+# The largest offset a route takes (a log's bytes, ``episodes.jsonl``'s lines): one that JSON and
+# JavaScript clients hold exactly.
+MAX_JSON_SAFE_INT = 2**53
+# The logs route's headers: the offset just past the body (where the next read starts), and the
+# log's size when it was read.
+LOG_OFFSET_HEADER = "X-Evalsched-Log-Offset"
+LOG_SIZE_HEADER = "X-Evalsched-Log-Size"
 
 _RUN_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 MAX_RUN_ID_LENGTH = 128

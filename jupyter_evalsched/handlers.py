@@ -49,10 +49,6 @@ RETRY_AFTER_S = 1  # a 429's Retry-After
 FORWARD_TIMEOUT_S = 60  # a secondary's wait for the primary's whole answer (REST: answers in ms)
 RELAY_MAX_BODY_BYTES = 1 << 40  # a relayed answer may be of any size (tornado's default cuts at 100 MB)
 RELAY_CONNECT_TIMEOUT_S = 20  # a relay's connection to the primary (on loopback: tornado's fetch default)
-# The logs route's: where its next read starts, and the size of the log it read.
-LOG_OFFSET_HEADER = "X-Evalsched-Log-Offset"
-LOG_SIZE_HEADER = "X-Evalsched-Log-Size"
-LOG_OFFSET_MAX = 2**53  # a byte offset (one JSON and JavaScript clients hold exactly)
 # What a delegated answer keeps of the primary's headers (besides the status).
 RELAYED_HEADERS = (
     "Content-Type",
@@ -60,8 +56,8 @@ RELAYED_HEADERS = (
     "Retry-After",
     "Cache-Control",
     "X-Evalsched-Cache",
-    LOG_OFFSET_HEADER,
-    LOG_SIZE_HEADER,
+    contract.LOG_OFFSET_HEADER,
+    contract.LOG_SIZE_HEADER,
 )
 MAX_LIST_LIMIT = contract.MAX_LIST_LIMIT
 RUN_ID = r"(?P<run_id>[^/]+)"
@@ -549,14 +545,14 @@ class LogsHandler(EvalSchedHandler):
         if stream not in ("stdout", "stderr"):
             raise ApiError(400, f"stream must be 'stdout' or 'stderr', got {stream!r}")
         tail = self.int_arg("tail", None, 0, 1_000_000)
-        offset = self.int_arg("offset", None, 0, LOG_OFFSET_MAX)
+        offset = self.int_arg("offset", None, 0, contract.MAX_JSON_SAFE_INT)
         if tail is not None and offset is not None:
             raise ApiError(400, "give 'tail' or 'offset', not both")
         part = await self.in_thread(self.scheduler.store.log_part, run.id, stream, tail, offset)
         # Where the next read starts (``?offset=``), and the size read: a size under the offset
         # asked for says the log was rewritten, to be read again from 0.
-        self.set_header(LOG_OFFSET_HEADER, str(part.end))
-        self.set_header(LOG_SIZE_HEADER, str(part.size))
+        self.set_header(contract.LOG_OFFSET_HEADER, str(part.end))
+        self.set_header(contract.LOG_SIZE_HEADER, str(part.size))
         # The bytes as they are on disk. APIHandler.finish sets application/json unless told otherwise.
         self.finish(part.data, set_content_type="text/plain; charset=utf-8")
 
@@ -571,13 +567,12 @@ class EpisodesHandler(EvalSchedHandler):
 
     _track_activity = False
     DEFAULT_LIMIT = 1000
-    MAX_OFFSET = 2**53  # (an offset JSON clients hold exactly)
 
     @web.authenticated
     @authorized
     async def get(self, run_id: str) -> None:
         paged = self.get_argument("offset", None) is not None or self.get_argument("limit", None) is not None
-        offset = self.int_arg("offset", 0, 0, self.MAX_OFFSET) or 0
+        offset = self.int_arg("offset", 0, 0, contract.MAX_JSON_SAFE_INT) or 0
         limit = self.int_arg("limit", self.DEFAULT_LIMIT, 1, MAX_LIST_LIMIT) or self.DEFAULT_LIMIT
         run = self.scheduler.get(run_id)
         page = await self.in_thread(self.scheduler.store.episodes_page, run.id, offset, limit if paged else None)

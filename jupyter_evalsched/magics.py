@@ -33,7 +33,7 @@ from .client import (
     sweep_from_options,
 )
 from .client.spec import did_you_mean
-from .contract import LEASE_ENDED
+from .contract import EVAL_SOURCE_FILE, LEASE_ENDED
 
 __all__ = ["EvalSchedMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -64,18 +64,18 @@ def cell_problem(cell: str, function: str = "episode") -> str | None:
     that may bind names in ways not told here (``globals()[...] = ``, ``exec``, ``setattr``, a
     module ``__getattr__``) passes."""
     try:
-        tree = ast.parse(cell, "eval.py")
-        compile(tree, "eval.py", "exec", dont_inherit=True)  # what only the compiler says (return outside a def)
+        tree = ast.parse(cell, EVAL_SOURCE_FILE)
+        compile(tree, EVAL_SOURCE_FILE, "exec", dont_inherit=True)  # what only the compiler says (return outside a def)
     except SyntaxError as e:
-        return f"the cell does not compile: eval.py{f' line {e.lineno}' if e.lineno else ''}: {e.msg}"
+        return f"the cell does not compile: {EVAL_SOURCE_FILE}{f' line {e.lineno}' if e.lineno else ''}: {e.msg}"
     except ValueError as e:  # a lone surrogate, or a NUL byte before Python 3.12
         return f"the cell does not compile: {e}"
     except (RecursionError, MemoryError):  # the compiler's limits: `1+1+...`, `- - - 1` thousands deep
-        return "the cell does not compile: eval.py: too deeply nested to compile"
+        return f"the cell does not compile: {EVAL_SOURCE_FILE}: too deeply nested to compile"
     names = _top_level_names(tree)
     if names is None or function in names or "__getattr__" in names:  # (PEP 562: getattr(module, name))
         return None
-    return f"the cell defines no {function}(ctx, index) at its top level: the run's entrypoint is eval.py:{function}"
+    return f"the cell defines no {function}(ctx, index) at its top level: the run's entrypoint is {EVAL_SOURCE_FILE}:{function}"
 
 
 # Calls that may bind any name in the module's namespace: ``globals()["episode"] = f``,

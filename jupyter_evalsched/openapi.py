@@ -8,7 +8,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from ._version import __version__
-from .contract import CANCELLED_BY
+from .contract import CANCELLED_BY, LOG_OFFSET_HEADER, LOG_SIZE_HEADER, MAX_JSON_SAFE_INT
 from .schemas import (
     STATES,
     Comparison,
@@ -619,7 +619,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                         "required": False,
                         "description": "the bytes from this byte offset on, at most 8 MiB (not with tail); "
                         "none when the log is shorter",
-                        "schema": {"type": "integer", "minimum": 0, "maximum": 2**53},
+                        "schema": {"type": "integer", "minimum": 0, "maximum": MAX_JSON_SAFE_INT},
                     },
                 ],
                 "responses": {
@@ -628,11 +628,11 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                         "character); X-Evalsched-Log-Offset: where the next read starts, X-Evalsched-Log-Size: "
                         "the log's size",
                         "headers": {
-                            "X-Evalsched-Log-Offset": {
+                            LOG_OFFSET_HEADER: {
                                 "description": "the byte offset just past the body: where the next read starts",
                                 "schema": {"type": "integer", "minimum": 0},
                             },
-                            "X-Evalsched-Log-Size": {
+                            LOG_SIZE_HEADER: {
                                 "description": "the log's size in bytes when read; under the offset asked for, "
                                 "the log was rewritten: read it again from 0",
                                 "schema": {"type": "integer", "minimum": 0},
@@ -658,7 +658,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                         "required": False,
                         "description": "the complete lines of episodes.jsonl to pass over (default 0): "
                         "a page's next_offset",
-                        "schema": {"type": "integer", "minimum": 0, "maximum": 2**53},
+                        "schema": {"type": "integer", "minimum": 0, "maximum": MAX_JSON_SAFE_INT},
                     },
                     {
                         "name": "limit",

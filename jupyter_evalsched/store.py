@@ -421,17 +421,6 @@ class FoundRun:
     spec_problem: str | None = None
 
 
-def episode_lines(data: bytes) -> list[dict[str, Any]]:
-    """The episodes of ``episodes.jsonl``: one JSON object per line. A torn last line (the run is
-    appending) and lines that are not bounded JSON objects (garbage the eval wrote) are skipped."""
-    out: list[dict[str, Any]] = []
-    for line in data.splitlines():
-        item = parse_episode(line)
-        if item is not None:
-            out.append(item)
-    return out
-
-
 def parse_episode(line: bytes) -> dict[str, Any] | None:
     """One line of ``episodes.jsonl`` as an episode; None when it is not a bounded JSON object."""
     if not line.strip():
@@ -535,13 +524,6 @@ class EpisodeLines:
             else:
                 return
             yield None
-
-    def episodes(self) -> Iterator[dict[str, Any]]:
-        """The episodes of the lines from here (lines that are not episodes skipped)."""
-        for raw in self.lines():
-            item = None if raw is None else parse_episode(raw)
-            if item is not None:
-                yield item
 
 
 # --------------------------------------------------------------------------- the runs directory
@@ -936,23 +918,11 @@ class RunStore:
         """The spec as written at submission (server-owned; None when it is gone)."""
         return read_json_file(self.file(run_id, contract.SPEC_FILE), max_depth=SPEC_JSON_DEPTH)
 
-    def episodes(self, run_id: str) -> list[dict[str, Any]]:
-        """The episodes of ``episodes.jsonl`` (see :class:`EpisodeLines`); [] when there are none."""
-        return list(self.iter_episodes(run_id))
-
-    def iter_episodes(self, run_id: str) -> Generator[dict[str, Any], None, None]:
-        """The episodes of ``episodes.jsonl`` (see :class:`EpisodeLines`), read as they are
-        iterated, in bounded memory; none when there is no file. RunFileError when it cannot be
-        read (on the first ``next``)."""
-        lines = self.iter_episode_lines(run_id)
-        try:
-            yield from (item for item in lines if item is not None)
-        finally:
-            lines.close()  # (the file closed as this one is: not left to the collector)
-
     def iter_episode_lines(self, run_id: str) -> Generator[dict[str, Any] | None, None, None]:
-        """As :meth:`iter_episodes`, one item per complete line: None for a line that is not an
-        episode (so that a reader sees its progress through garbage too)."""
+        """The episodes of ``episodes.jsonl`` (see :class:`EpisodeLines`), read as they are
+        iterated, in bounded memory, one item per complete line: None for a line that is not an
+        episode (so that a reader sees its progress through garbage too). None at all when there
+        is no file; RunFileError when it cannot be read (on the first ``next``)."""
         try:
             lines = self._episode_lines(run_id)
         except FileNotFoundError:
@@ -1003,11 +973,6 @@ class RunStore:
             raise
         except OSError as exc:
             raise RunFileError(f"{contract.EPISODES_FILE} cannot be read: {exc.strerror or exc}") from None
-
-    def log_tail(self, run_id: str, stream: str, lines: int | None) -> str:
-        """The last ``lines`` lines of the run's ``stdout``/``stderr``; RunFileError when the log
-        is a link, not a file or unreadable."""
-        return self.log_part(run_id, stream, lines).data.decode("utf-8", "replace")
 
     def log_part(self, run_id: str, stream: str, lines: int | None = None, offset: int | None = None) -> LogPart:
         """The run's ``stdout``/``stderr`` as bytes: from byte ``offset`` when given, else its

@@ -551,7 +551,7 @@ class QueueWidget(widgets.VBox):
         self._running_title = widgets.HTML()
         self._queued_title = widgets.HTML()
         self._finished_title = widgets.HTML()
-        self._more = widgets.HTML()
+        self._more_queued = widgets.HTML()
         self._more_running = widgets.HTML()
         self._rows_box = widgets.VBox(layout=widgets.Layout(width="100%"))
         super().__init__(
@@ -772,8 +772,8 @@ class QueueWidget(widgets.VBox):
             row.update(rec, "")
             children.append(row)
         if queued_total > len(listed):
-            self._more.value = f"<i>… and {queued_total - len(listed)} more queued</i>"
-            children.append(self._more)
+            self._more_queued.value = f"<i>… and {queued_total - len(listed)} more queued</i>"
+            children.append(self._more_queued)
         if finished:
             self._finished_title.value = "<b>Recently finished</b>"
             children.append(self._finished_title)
@@ -825,7 +825,7 @@ class QueueWidget(widgets.VBox):
             self._running_title,
             self._queued_title,
             self._finished_title,
-            self._more,
+            self._more_queued,
             self._more_running,
             self._rows_box,
         ):

@@ -39,6 +39,14 @@ def independent_interval(run: list[float], base: list[float], t: float) -> list[
     return [mean - half, mean + half]
 
 
+def metrics_of(lines: list[dict]) -> dict[int, dict[str, float]]:
+    """``{index: {metric: value}}`` of episode lines, as the server's comparison takes them."""
+    metrics = compare.EpisodeMetrics()
+    for line in lines:
+        metrics.add(line)
+    return metrics.by_index
+
+
 def test_the_paired_interval_matches_an_independent_computation_on_data_with_spread():
     run = {0: 1.0, 1: 2.5, 2: 0.7, 3: 3.1, 4: 1.9}
     base = {0: 0.5, 1: 1.0, 2: 1.2, 3: 2.0, 4: 0.4}
@@ -60,7 +68,7 @@ def test_values_near_the_floats_limits_compare_to_null_never_to_an_error_or_infi
         "top": [{"index": i, "metrics": {"m": 1e308, "big": 10**400, "ok": 1.0}} for i in range(2)],
         "bottom": [{"index": i, "metrics": {"m": -1e308, "ok": 2.0}} for i in range(2)],
     }
-    runs = [({"id": rid, "params": {}}, compare.episode_metrics(episodes)) for rid, episodes in lines.items()]
+    runs = [({"id": rid, "params": {}}, metrics_of(episodes)) for rid, episodes in lines.items()]
     assert "big" not in runs[1][1][0], "an int no float can hold is not a number to compare"
     for baseline in lines:
         answer = compare.compare(runs, baseline)
@@ -83,10 +91,11 @@ def test_values_near_the_floats_limits_compare_to_null_never_to_an_error_or_infi
 def test_compare_is_capped_in_metric_names_and_counts_the_rest():
     names = [f"m{i}" for i in range(compare.MAX_METRIC_NAMES + 44)]
     lines = [{"index": i, "metrics": {n: float(i) for n in names}} for i in range(3)]
-    dropped: list[str] = []
-    episodes = compare.episode_metrics(lines, dropped=dropped)
-    assert all(list(v) == names[: compare.MAX_METRIC_NAMES] for v in episodes.values())
-    assert dropped == names[compare.MAX_METRIC_NAMES :]
+    metrics = compare.EpisodeMetrics()
+    for line in lines:
+        metrics.add(line)
+    assert all(list(v) == names[: compare.MAX_METRIC_NAMES] for v in metrics.by_index.values())
+    assert metrics.dropped == names[compare.MAX_METRIC_NAMES :]
     # Two runs that share no names: the union is capped too.
     other = {i: {f"x{n}": 1.0 for n in range(200)} for i in range(3)}
     mine = {i: {f"y{n}": 1.0 for n in range(200)} for i in range(3)}

@@ -141,24 +141,6 @@ def test_pieces_and_offsets_read_as_decoding_every_prefix_whole(tokenizer, skip_
     assert split > 0  # the cases that matter were there: tokens that end inside a character
 
 
-def test_the_text_a_stop_string_could_be_new_in_covers_every_first_occurrence(gpt2_tokenizer):
-    """``fresh`` after each token holds every stop string that first appears with that token."""
-    ids = gpt2_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
-    stops = ["é ж", "🎉", "ld, r", "e", "€ 𝔘 d", "stop here"]
-
-    def decode(ids):
-        return gpt2_tokenizer.decode(ids, skip_special_tokens=True)
-
-    text = IncrementalText(decode, keep=max(map(len, stops)) - 1)
-    for count, token in enumerate(ids, 1):
-        text.add(token)
-        before, now = decode(ids[: count - 1]), decode(ids[:count])
-        for stop in stops:
-            if stop in now and stop not in before:
-                assert stop in text.fresh, (stop, count)
-        assert text.tail == "".join(text.pieces)[-(max(map(len, stops)) - 1) :]
-
-
 def test_decoding_a_long_generation_costs_time_linear_in_its_tokens(gpt2_tokenizer):
     """Counted, not timed: how many tokens the decoder is handed for 4,000 tokens (decoding every
     prefix whole hands it 8 million)."""
@@ -170,7 +152,7 @@ def test_decoding_a_long_generation_costs_time_linear_in_its_tokens(gpt2_tokeniz
         handed += len(part)
         return gpt2_tokenizer.decode(part, skip_special_tokens=True)
 
-    text = IncrementalText(decode, keep=8)
+    text = IncrementalText(decode)
     for token in ids:
         text.add(token)
     assert handed < 10 * len(ids), handed

@@ -361,7 +361,7 @@ def test_the_deployment_examples_parse(tmp_path):
     from jupyter_evalsched.host_ledger.config import load_config
 
     examples = REPO / "jupyter-config" / "host-ledger"
-    assert load_config(str(examples / "host-ledger.json")).quota("alice").gpus == 2
+    assert load_config(str(examples / "host-ledger.json")).quota_of(["alice"]).gpus == 2
     unit = (examples / "evalsched-host-ledger.service").read_text()
     for line in (
         "RuntimeDirectory=evalsched",

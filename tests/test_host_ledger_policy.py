@@ -181,7 +181,7 @@ def test_config_parses_and_names_every_mistake():
         }
     )
     assert config.usable(0, 24000) == 22000 and config.usable(1, 24000) == 24000
-    assert config.quota("alice") == Quota(gpus=1, leases=2) and config.quota("bob") == Quota(vram_mb=40000)
+    assert config.quota_of(["alice"]) == Quota(gpus=1, leases=2) and config.quota_of(["bob"]) == Quota(vram_mb=40000)
     assert config.socket_mode == 0o660 and config.reclaim_window_s == 5
     assert parse_config({"usable_vram_mb": 30000}).usable(0, 24000) == 24000
     for bad, words in (

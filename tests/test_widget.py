@@ -107,7 +107,7 @@ def test_queue_widget_reads_only_the_queued_runs_it_shows_and_counts_the_rest(cl
         )
         # A read (not events alone) placed the head of the queue: the first two in admission order.
         wait_until(lambda: [r["id"] for r in widget.queue_view["queued"]] == ids[2:4], timeout=5)
-        wait_until(lambda: "… and 3 more queued" in widget._more.value, timeout=5)
+        wait_until(lambda: "… and 3 more queued" in widget._more_queued.value, timeout=5)
         assert "5 queued" in widget._header.value and "Queued (5)" in widget._queued_title.value
         # The feed's thread sets the rows last in a render: waited for, not read half-way.
         # (The recently finished runs of earlier tests have rows too.)

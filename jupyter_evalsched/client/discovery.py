@@ -233,19 +233,12 @@ def _answering_base(given: str, candidates: list[str], token: str, timeout: floa
     return candidates[-1]
 
 
-def answers_api(base: str, token: str, timeout: float = PROBE_TIMEOUT_S) -> bool | None:
+def _api_answer(base: str, token: str, timeout: float) -> bool | None:
     """Whether this extension's API answers at ``base``: its JSON to ``/evalsched/queue``, a
     refusal of the token included, or its 503 (starting, no primary); not a page that a UI
     serves at any path under it (JupyterLab's ``/lab/tree/...``), nor a redirect (to a login
-    page: not followed, so the token goes nowhere else). None when nothing (HTTP) answers there."""
-    try:
-        return _api_answer(base, token, timeout)
-    except TimeoutError:
-        return None
-
-
-def _api_answer(base: str, token: str, timeout: float) -> bool | None:
-    """:func:`answers_api`, that raises TimeoutError when nothing answered in ``timeout``."""
+    page: not followed, so the token goes nowhere else). None when nothing (HTTP) answers there;
+    TimeoutError when nothing answered in ``timeout``."""
     req = urllib.request.Request(urllib.parse.urljoin(base, "evalsched/queue?limit=0"))
     if token:
         req.add_header("Authorization", f"token {token}")

@@ -11,10 +11,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .rest_client import EvalSchedClient
 
-# The logs route's headers (jupyter_evalsched.handlers names them the same).
-LOG_OFFSET_HEADER = "X-Evalsched-Log-Offset"  # the offset just past the body: where the next read starts
-LOG_SIZE_HEADER = "X-Evalsched-Log-Size"  # the log's size when it was read
-
 # Parts of a log read by one LogReader.read() that is not the last: the follower's tick returns
 # (to see the run's events) even under a run that writes faster than it reads.
 PARTS_PER_READ = 4

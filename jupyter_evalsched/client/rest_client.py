@@ -18,13 +18,13 @@ from collections.abc import Callable
 from email.message import Message
 from typing import Any, TypeVar
 
-from ..contract import MAX_LIST_LIMIT
+from ..contract import LOG_OFFSET_HEADER, LOG_SIZE_HEADER, MAX_LIST_LIMIT
 from .discovery import discover_server
 from .errors import HOW_TO_FIX, TOKEN_HINT, EvalSchedError, ServerNotFound, WaitTimeout
 from .events import EventStream
 from .handle import RunHandle, run_id_of
 from .live_feed import LiveFeed, RunTracker, outage_notes
-from .log_reader import LOG_OFFSET_HEADER, LOG_SIZE_HEADER, LogPart, LogReader
+from .log_reader import LogPart, LogReader
 from .redirects import OPENER
 from .sweep import SweepHandle
 

@@ -1,6 +1,7 @@
 """The host's listening TCP sockets and their owners, from the kernel's tables (``/proc/net/tcp``
 and ``/proc/net/tcp6``, Linux): whose socket a connection to an address and port reaches, told
-before anything is sent there. Standard library only: the client and the server both read it."""
+before anything is sent there. Standard library only: the client reads it (the server's
+``internal.peer_uid`` has its own reader of ``/proc/net/tcp``)."""
 
 from __future__ import annotations
 

@@ -62,9 +62,6 @@ class LedgerConfig:
     virtual_gpus: tuple[int, ...] = ()
     virtual_gpu_processes: str | None = None
 
-    def quota(self, user: str) -> Quota:
-        return self.quotas.get(user, self.default_quota)
-
     def quota_of(self, names: Iterable[str]) -> Quota:
         """The quota of a user known by ``names`` (a uid's names): of each limit, the strictest set
         under any of them (a quota set under one name holds, whichever the host tells), or the

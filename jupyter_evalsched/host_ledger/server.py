@@ -347,8 +347,8 @@ class HostLedger:
         # taking a 0 MB grant now and then, would hold the others back for ever).
         self.forfeited: dict[int, Ask] = {}
         # Each uid's name and quota (see _name_of, _quota_of): the policy counts users by name.
-        self._names: dict[int, str] = {}
-        self._named: dict[str, int] = {}
+        self._name_by_uid: dict[int, str] = {}
+        self._uid_by_name: dict[str, int] = {}
         self._quota_names: dict[int, frozenset[str]] = {}  # the quotas' names each uid is known by
         self._quotas: dict[int, Quota] = {}  # each uid's quota, as last worked out (see _learn_quota_names)
         self._admins: dict[int, tuple[float, bool]] = {}  # uid -> (when looked up, in the admin group)
@@ -873,12 +873,12 @@ class HostLedger:
         is one user's however the host's names change meanwhile (renamed, a lookup the directory
         service failed: each new name would be a new user, with a quota of its own), and a name
         taken over by another uid is told apart by its uid (else one charged with the other's)."""
-        name = self._names.get(uid)
+        name = self._name_by_uid.get(uid)
         if name is None:
             name = procs.user_name(uid)
-            if name in self._named:
+            if name in self._uid_by_name:
                 name = f"{name} (uid {uid})"
-            self._names[uid], self._named[name] = name, uid
+            self._name_by_uid[uid], self._uid_by_name[name] = name, uid
         return name
 
     async def _learn_quota_names(self) -> None:

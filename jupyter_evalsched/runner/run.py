@@ -393,7 +393,8 @@ def _run_episodes(spec: RunSpec, run_dir: str, files: RunFiles) -> ErrorInfo | _
         # (Imported here, once the eval is: not on the runner's start-up path.)
         from .async_episodes import episode_caller
 
-        # An ``async def episode`` is run on the process's own event loop (docs/runs.md).
+        # An ``async def episode`` is run on the process's own event loop (docs/reference.md,
+        # "The run process"; docs/first-run.md).
         return episode_caller(load_episode_function(spec.entrypoint, run_dir, cwd))
 
     done = files.done_indices

@@ -12,7 +12,7 @@ here (regularised incomplete beta, bisection): no scipy.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..contract import MAX_METRIC_NAME_CHARS, MAX_METRIC_NAMES
@@ -81,19 +81,6 @@ class EpisodeMetrics:
         if values:
             self.by_index[index] = values
             self.values += len(values)
-
-
-def episode_metrics(
-    lines: Iterable[Mapping[str, Any]], max_names: int = MAX_METRIC_NAMES, dropped: list[str] | None = None
-) -> dict[int, dict[str, float]]:
-    """``{index: {metric: value}}`` from ``episodes.jsonl`` lines (see :class:`EpisodeMetrics`);
-    the names left out beyond ``max_names`` are appended to ``dropped`` when it is given."""
-    metrics = EpisodeMetrics(max_names)
-    for line in lines:
-        metrics.add(line)
-    if dropped is not None:
-        dropped.extend(metrics.dropped)
-    return metrics.by_index
 
 
 def _finite_float(value: object) -> float | None:

@@ -734,14 +734,6 @@ class Scheduler:
             return None, f"{contract.SUMMARY_FILE} does not hold a JSON object"
         return value, None
 
-    def episodes(self, run_id: str) -> list[dict]:
-        """The run's ``episodes.jsonl`` lines; RunFileError when it cannot be read."""
-        return self.store.episodes(self.get(run_id).id)
-
-    def logs(self, run_id: str, stream: str, tail: int | None) -> str:
-        """The end of the run's log; RunFileError when it cannot be read."""
-        return self.store.log_tail(self.get(run_id).id, stream, tail)
-
     def status_view(self) -> StatusView:
         """What the scheduler has in force (``GET /evalsched/status``, the doctor)."""
         local = self.executors.get("local")

@@ -26,20 +26,16 @@ REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a w
 class IncrementalText:
     """The pieces of a token sequence's text, one per token, as the tokens are added.
 
-    ``decode(ids)`` is the tokenizer's decode with its options bound. ``keep``: how many settled
-    characters to keep at hand before the newest (the longest stop string less one), for ``tail``
-    and ``fresh``.
+    ``decode(ids)`` is the tokenizer's decode with its options bound. (Stop strings are looked
+    for in the pieces by ``stops.StopStrings``.)
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], keep: int = 0):
+    def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
-        self._keep = max(0, keep)
         self.ids: list[int] = []
         self.pieces: list[str] = []  # one per token, adding up to the settled text
         self.length = 0  # characters in the pieces
         self.pending = ""  # the text of the tokens after the last settled one; may end inside a character
-        self.tail = ""  # the last ``keep`` characters of the settled text
-        self.fresh = ""  # text a string found for the first time after the newest token must overlap
         self._start = 0  # the window: ids[_start:], of which ids[_start:_settled] is settled
         self._settled = 0
         self._settled_text = ""  # decode(ids[_start:_settled])
@@ -73,10 +69,7 @@ class IncrementalText:
             else:
                 self._settled_text = window
             self._settled = len(self.ids)
-        self.fresh = self.tail + piece + self.pending
-        if piece:
-            self.tail = (self.tail + piece)[-self._keep :] if self._keep else ""
-            self.length += len(piece)
+        self.length += len(piece)
         self.pieces.append(piece)
         return piece
 
