@@ -208,4 +208,7 @@ async def test_a_plain_read_of_a_run_never_waits_on_compares(api, wait_for):
     answers = [c.result() for c in compares]
     codes = sorted(code for code, _ in answers)
     assert set(codes) <= {200, 429, 503} and 200 in codes, codes
-    assert waits and max(waits) < 1.0, waits  # a liveness bound, generous
+    # A liveness bound, generous: a read queued behind the compares would wait for them. The
+    # streaming compare (2026-12-07) made the worst wait about twice the whole-file read's (0.6 to
+    # 1.0 s against 0.4 to 0.5 s here, 1.8 s once in CI): 1.0 s was at the line.
+    assert waits and max(waits) < 3.0, waits
