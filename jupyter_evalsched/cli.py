@@ -894,22 +894,33 @@ def cmd_wait(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     if args.run_id.startswith(SWEEP_PREFIX):  # a sweep: its unfinished runs
         view = _client(args).cancel_sweep(args.run_id, by="cli")
+        view = {**view, "runs": [with_cancel_requested(rec) for rec in view["runs"]]}
         if args.json:
             _print_json(view)
         else:
             for rec in view["runs"]:
                 print(cancel_line(rec))
         return 0
-    rec = _client(args).cancel(args.run_id, by="cli")
+    rec = with_cancel_requested(_client(args).cancel(args.run_id, by="cli"))
     _print_json(rec) if args.json else print(cancel_line(rec))
     return 0
 
 
+def with_cancel_requested(rec: dict) -> dict:
+    """A cancel's answer with ``cancel_requested`` (the run still ends: signalled, not ended yet)
+    where the server did not say it: a sweep's cancel answers bare records, and so does a server
+    older than the field; a run's state then tells it (a cancel never leaves a run unended
+    otherwise)."""
+    if "cancel_requested" in rec:
+        return rec
+    return {**rec, "cancel_requested": rec.get("state") not in TERMINAL_STATES}
+
+
 def cancel_line(rec: dict) -> str:
-    """What a cancel did to a run, from the record it answered: ended (``cancelled`` and the
-    reason: a queued or not yet started run), else signalled and ending (a running one is
-    answered as it is, ``running``, until its process exits)."""
-    if rec.get("state") in TERMINAL_STATES:
+    """What a cancel did to a run, from the answer's ``cancel_requested``: ended (``cancelled``
+    and the reason: a queued or not yet started run), else signalled and ending (a running one
+    is answered as it is, ``running``, until its process exits)."""
+    if not with_cancel_requested(rec)["cancel_requested"]:
         return _record_line(rec)
     head = "  ".join(str(p) for p in (rec.get("id", "?"), rec.get("name") or "") if p)
     how = (
@@ -1058,7 +1069,7 @@ class _LogFollower:
     def _rewritten(self) -> None:
         sys.stdout.flush()
         print(
-            f"({self.stream}.log of run {self.run_id} got shorter: printing it again from its start)", file=sys.stderr
+            f"({self.stream}.log of run {self.run_id} was rewritten: printing it again from its start)", file=sys.stderr
         )
 
 

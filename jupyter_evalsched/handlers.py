@@ -520,11 +520,18 @@ def cancelled_by(handler: EvalSchedHandler) -> str | None:
     return by
 
 
+def cancel_answer(record: dict[str, Any]) -> dict[str, Any]:
+    """A cancel's answer: the run's record and ``cancel_requested``, true when the run still ends
+    (it was signalled; a cancel never leaves a run unended otherwise), so that a client tells a
+    run cancelled from one still stopping without knowing the states."""
+    return {**record, "cancel_requested": record["state"] not in contract.TERMINAL_STATES}
+
+
 class CancelHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def post(self, run_id: str) -> None:
-        self.send_json(await self.scheduler.cancel(run_id, cancelled_by(self)))
+        self.send_json(cancel_answer(await self.scheduler.cancel(run_id, cancelled_by(self))))
 
 
 class ResumeHandler(EvalSchedHandler):
@@ -560,7 +567,8 @@ class LogsHandler(EvalSchedHandler):
 class EpisodesHandler(EvalSchedHandler):
     """A page of the run's episodes: ``?offset=`` (complete lines of ``episodes.jsonl`` to pass
     over, default 0) and ``?limit=`` (lines, default DEFAULT_LIMIT, at most MAX_LIST_LIMIT; a page
-    also ends before store.MAX_EPISODES_PAGE_BYTES of the file's lines). ``next_offset`` is where
+    also ends before store.MAX_EPISODES_PAGE_BYTES of the file's lines, or
+    store.MAX_EPISODES_ANSWER_BYTES of its answer's episodes). ``next_offset`` is where
     the next page starts, null at the end; ``total`` counts the complete lines as the file was read.
     With neither argument (a client from before pages): every episode, or a 413 that says how to
     page when they are more than one page's bytes, never a part of them."""
@@ -580,11 +588,15 @@ class EpisodesHandler(EvalSchedHandler):
             raise ApiError(
                 413,
                 f"the episodes of run {run.id} are more than one answer holds "
-                f"({store.MAX_EPISODES_PAGE_BYTES / 2**20:g} MiB of episodes.jsonl's lines): ask for them page "
+                f"({store.MAX_EPISODES_PAGE_BYTES / 2**20:g} MiB of episodes.jsonl's lines, or "
+                f"{store.MAX_EPISODES_ANSWER_BYTES / 2**20:g} MiB of their JSON): ask for them page "
                 f"by page, ?offset=0&limit={self.DEFAULT_LIMIT}, then ?offset=<next_offset> until next_offset "
                 "is null (the Python client's episodes() does)",
             )
-        self.send_json({"episodes": page.episodes, "next_offset": page.next_offset, "total": page.total})
+        # The episodes come as their JSON text (the page never held them parsed): what
+        # json.dumps of the whole answer would write.
+        following = b"null" if page.next_offset is None else b"%d" % page.next_offset
+        self.send_json(b'{"episodes":%b,"next_offset":%b,"total":%d}' % (page.episodes_json, following, page.total))
 
 
 class SweepsHandler(EvalSchedHandler):

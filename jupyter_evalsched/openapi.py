@@ -23,6 +23,7 @@ from .schemas import (
     ModelConnection,
     ModelList,
     QueueView,
+    RunCancelAnswer,
     RunDetail,
     RunList,
     RunRecord,
@@ -37,6 +38,7 @@ _MODELS = (
     EvalSpec,
     RunRecord,
     RunDetail,
+    RunCancelAnswer,
     RunList,
     QueueView,
     Ledger,
@@ -515,7 +517,10 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "summary": "Cancel a queued or running run",
                 "operationId": "cancelRun",
                 "parameters": [CANCELLED_BY_PARAM],
-                "responses": {"200": _json("RunRecord", "the run"), **_errors(400, 404, 409)},
+                "responses": {
+                    "200": _json("RunCancelAnswer", "the run, and whether its cancel is still under way"),
+                    **_errors(400, 404, 409),
+                },
             },
         },
         "/runs/{run_id}/resume": {
@@ -649,7 +654,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
             "get": {
                 "summary": "A page of the run's finished episodes (the lines of episodes.jsonl)",
                 "description": "With offset or limit, a page; with neither, every episode (a 413 when "
-                "they are over one page's 16 MiB of lines: then ask page by page)",
+                "they are over one page's 16 MiB of lines or 32 MiB of JSON: then ask page by page)",
                 "operationId": "getEpisodes",
                 "parameters": [
                     {
@@ -665,7 +670,7 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                         "in": "query",
                         "required": False,
                         "description": "the lines this page reads at most (default 1000); a page also ends "
-                        "before 16 MiB of the file's lines (bytes as on disk: the answer's JSON may be larger)",
+                        "before 16 MiB of the file's lines (bytes as on disk) or 32 MiB of its episodes' JSON",
                         "schema": {"type": "integer", "minimum": 1, "maximum": 100000},
                     },
                 ],
@@ -674,7 +679,8 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                     **_errors(400, 404, 409),
                     "413": _json(
                         "ErrorBody",
-                        "without offset and limit: the episodes are over 16 MiB of lines; the message says how "
+                        "without offset and limit: the episodes are over 16 MiB of lines or 32 MiB of JSON; the "
+                        "message says how "
                         "to ask for them page by page",
                     ),
                 },

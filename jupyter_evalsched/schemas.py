@@ -633,6 +633,15 @@ class RunDetail(RunRecord):
     summary_error: str | None = Field(None, description="why summary.json could not be read, when it exists but cannot")
 
 
+class RunCancelAnswer(RunRecord):
+    """A run's cancel answered: its record, and whether the run still ends."""
+
+    cancel_requested: bool = Field(
+        description="the cancel is under way: the run was signalled (or scancel'd) and ends cancelled when its "
+        "process does; false when it ended already (cancelled at once, or before the cancel)"
+    )
+
+
 class RunList(BaseModel):
     runs: list[RunRecord]
     total: int

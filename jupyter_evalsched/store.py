@@ -19,7 +19,10 @@ exception that escapes the lifecycle.
 
 from __future__ import annotations
 
+import bisect
 import errno
+import hashlib
+import io
 import itertools
 import json
 import logging
@@ -31,6 +34,7 @@ import stat
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,10 +62,24 @@ MAX_EPISODES_BYTES = 256 * 1024 * 1024
 # One line of episodes.jsonl (a longer one is skipped unread: the runner's lines are far shorter,
 # at most MAX_METRIC_NAMES names of at most MAX_METRIC_NAME_CHARS characters), and the bytes of the
 # file's lines one page of GET /runs/{id}/episodes holds in all (it ends early rather than pass
-# it): bytes as on disk, not of the answer, whose JSON may be a few times larger (it escapes
-# characters beyond ASCII), nor of the memory the parsed lines take.
+# it): bytes as on disk. A page keeps each episode as its answer's JSON text, not parsed, and
+# also ends before that text passes MAX_EPISODES_ANSWER_BYTES (the runner's lines are as long in
+# the answer as on disk; a line not of the runner's may be 4 times longer, "1e15" as
+# "1000000000000000.0"): a page takes about its answer's size in memory, and one line parsed at a
+# time (parsed, 16 MiB of "[]," took 416 MiB; one line of 4 MiB of it takes 180 MiB).
 MAX_EPISODE_LINE_BYTES = 4 * 1024 * 1024
 MAX_EPISODES_PAGE_BYTES = 16 * 1024 * 1024
+MAX_EPISODES_ANSWER_BYTES = 32 * 1024 * 1024
+# Where episodes.jsonl's lines start, kept per run (EpisodeIndexes) so that a page reads its own
+# lines, not the whole file before and after them: a mark at most every EPISODE_MARK_BYTES (1,024
+# for the largest file read), for the EPISODE_INDEXES runs paged last.
+EPISODE_MARK_BYTES = 256 * 1024
+EPISODE_INDEXES = 32
+# The last bytes an index read, read again by each page to tell that the file still holds them: a
+# resumed run cuts off the torn line its last attempt left and writes its own lines there; a file
+# may be rewritten in place. A torn line shorter than that is all in them, with the newline before
+# it (the runner's lines are, but for hundreds of long metric names): its cut is always seen.
+EPISODE_CHECK_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 64
 # A spec's params may be nested schemas.MAX_PARAMS_DEPTH (64) levels deep, and they sit a few levels
 # down in spec.json and in job.json (a sweep run's sweep_point): what validation accepts, reads back.
@@ -432,15 +450,130 @@ def parse_episode(line: bytes) -> dict[str, Any] | None:
     return item if isinstance(item, dict) else None
 
 
+# An episode as the answer writes it (what json.dumps of the whole answer would write of it).
+_ANSWER_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 @dataclass(frozen=True, slots=True)
 class EpisodesPage:
     """A page of ``GET /evalsched/runs/{id}/episodes``: the episodes of the file's complete lines
-    ``offset`` to ``next_offset`` (lines that are not episodes skipped, counted), ``next_offset``
-    None when the page reached the end; ``total``: the complete lines in the file as it was read."""
+    ``offset`` to ``next_offset`` (lines that are not episodes skipped, counted) as a JSON array's
+    text, ``next_offset`` None when the page reached the end; ``total``: the complete lines in the
+    file as it was read."""
 
-    episodes: list[dict[str, Any]]
+    episodes_json: bytes
     next_offset: int | None
     total: int
+
+
+@dataclass(frozen=True, slots=True)
+class LineIndex:
+    """The complete lines of one file (``identity``: its ``(st_dev, st_ino)``) in its first
+    ``scanned`` bytes: ``lines`` of them, the last one's newline just before ``end`` (the bytes from
+    there to ``scanned`` are the start of a line not yet complete), and ``marks``, (line number,
+    byte offset where that line starts), ascending from (0, 0), one at most every
+    EPISODE_MARK_BYTES. It says nothing of the bytes from ``scanned`` on: the run appends.
+    ``seen``: the digest of the last bytes it read (:func:`last_read_digest`)."""
+
+    identity: tuple[int, int]
+    lines: int = 0
+    end: int = 0
+    scanned: int = 0
+    marks: tuple[tuple[int, int], ...] = ((0, 0),)
+    seen: bytes = b""
+
+    def mark_at_or_before(self, line: int) -> tuple[int, int]:
+        """The last mark of a line at or before ``line``: where reading up to that line starts."""
+        return self.marks[bisect.bisect_right(self.marks, line, key=lambda mark: mark[0]) - 1]
+
+
+def last_read_digest(fd: int, scanned: int) -> bytes:
+    """The digest of the file's EPISODE_CHECK_BYTES before byte ``scanned``."""
+    start = max(0, scanned - EPISODE_CHECK_BYTES)
+    return hashlib.blake2b(os.pread(fd, scanned - start, start), digest_size=16).digest()
+
+
+def extend_line_index(fd: int, index: LineIndex, size: int) -> LineIndex:
+    """``index`` over the file's bytes up to ``size``: read from ``index.scanned`` (never the
+    bytes it already read), ``EPISODE_MARK_BYTES`` at a time."""
+    lines, end, marks = index.lines, index.end, list(index.marks)
+    at = index.scanned
+    while at < size:
+        chunk = os.pread(fd, min(EPISODE_MARK_BYTES, size - at), at)
+        if not chunk:
+            break  # (it shrank under us: the next page indexes it again)
+        last = chunk.rfind(b"\n")
+        if last >= 0:
+            lines += chunk.count(b"\n")
+            end = at + last + 1
+            if end - marks[-1][1] >= EPISODE_MARK_BYTES:
+                marks.append((lines, end))
+        at += len(chunk)
+    return LineIndex(index.identity, lines, end, at, tuple(marks), last_read_digest(fd, at))
+
+
+def line_index_holds(
+    index: LineIndex, identity: tuple[int, int], size: int, byte_before_end: bytes, seen: bytes
+) -> bool:
+    """Whether ``index`` still describes the file: the same one, not shorter, the byte its last
+    line ended with still a newline, and the last bytes it read still there (``seen``: their
+    digest now). A file cut short and written again, or rewritten in place, rarely keeps them."""
+    return (
+        index.identity == identity
+        and size >= index.scanned
+        and (index.end == 0 or byte_before_end == b"\n")
+        and seen == index.seen
+    )
+
+
+class EpisodeIndexes:
+    """The :class:`LineIndex` of ``episodes.jsonl`` of the EPISODE_INDEXES runs paged last (a
+    page's thread reads and extends its run's; the least recently used is dropped)."""
+
+    def __init__(self, size: int = EPISODE_INDEXES) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._by_run: OrderedDict[str, LineIndex] = OrderedDict()
+
+    def get(self, run_id: str) -> LineIndex | None:
+        with self._lock:
+            index = self._by_run.get(run_id)
+            if index is not None:
+                self._by_run.move_to_end(run_id)
+            return index
+
+    def put(self, run_id: str, index: LineIndex) -> None:
+        with self._lock:
+            self._by_run[run_id] = index
+            self._by_run.move_to_end(run_id)
+            while len(self._by_run) > self._size:
+                self._by_run.popitem(last=False)
+
+    def forget(self, run_id: str) -> None:
+        with self._lock:
+            self._by_run.pop(run_id, None)
+
+    def current(self, run_id: str, lines: EpisodeLines) -> LineIndex:
+        """The run's index over ``lines``'s file as it was opened: the one kept, extended over
+        what the run appended since, or a new one when the file was replaced or shrank."""
+        fd = lines.fileno()
+        index = self.get(run_id)
+        if index is not None and index.identity == lines.identity and index.scanned > lines.size:
+            # Another page indexed what the run appended since this one opened the file: read
+            # the file as it is now, rather than index it all again for the older snapshot.
+            lines.catch_up()
+        if index is None or not line_index_holds(
+            index,
+            lines.identity,
+            lines.size,
+            os.pread(fd, 1, index.end - 1) if index.end else b"",
+            last_read_digest(fd, index.scanned),
+        ):
+            index = LineIndex(lines.identity)
+        if index.scanned < lines.size:
+            index = extend_line_index(fd, index, lines.size)
+            self.put(run_id, index)
+        return index
 
 
 class EpisodeLines:
@@ -450,15 +583,20 @@ class EpisodeLines:
     unread (None where the line would be)."""
 
     CHUNK = 1 << 20
+    SKIP_CHUNK = 1 << 16  # (a page's skip starts at the mark before its line: most often < 512 KiB)
 
     def __init__(self, path: Path, max_bytes: int = MAX_EPISODES_BYTES) -> None:
         fd = open_run_file(path)
         self._file = os.fdopen(fd, "rb")
         try:
-            self._left = os.fstat(fd).st_size  # the bytes still to read of the snapshot
+            st = os.fstat(fd)
         except BaseException:
             self._file.close()
             raise
+        self.size = st.st_size  # the snapshot: the file's size when it was opened
+        self.identity = (st.st_dev, st.st_ino)
+        self._left = self.size  # the bytes still to read of the snapshot
+        self._max_bytes = max_bytes
         if self._left > max_bytes:
             self._file.close()
             raise RunFileError(f"{Path(path).name} is {self._left} bytes; at most {max_bytes} are read")
@@ -468,6 +606,22 @@ class EpisodeLines:
 
     def __exit__(self, *exc: object) -> None:
         self._file.close()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def catch_up(self) -> None:
+        """Before any read: the file's size now as the snapshot (the run appended since it was
+        opened), while it is within the bound."""
+        size = os.fstat(self.fileno()).st_size
+        if self.size < size <= self._max_bytes:
+            self.size = self._left = size
+
+    def seek(self, start: int, end: int) -> None:
+        """Read on from byte ``start`` (the start of a line) up to byte ``end`` of the snapshot
+        (where its complete lines end, when they are known: not into a long line being written)."""
+        self._file.seek(start)
+        self._left = max(0, min(end, self.size) - start)
 
     def _read(self, n: int) -> bytes:
         data = self._file.read(min(n, self._left))
@@ -483,7 +637,7 @@ class EpisodeLines:
         """Pass over up to ``n`` complete lines without reading them as JSON; how many there were."""
         skipped = 0
         while skipped < n and self._left:
-            chunk = self._read(self.CHUNK)
+            chunk = self._read(self.SKIP_CHUNK)
             if not chunk:
                 break  # (it shrank: the run directory was rewritten under us)
             found = chunk.count(b"\n")
@@ -498,13 +652,6 @@ class EpisodeLines:
             self._left += back
             skipped = n
         return skipped
-
-    def count(self) -> int:
-        """The complete lines from here to the end (read past, not as JSON)."""
-        lines = 0
-        while self._left and (chunk := self._read(self.CHUNK)):
-            lines += chunk.count(b"\n")
-        return lines
 
     def lines(self) -> Iterator[bytes | None]:
         """The complete lines from here, without their newline; None for one too long to read."""
@@ -526,6 +673,35 @@ class EpisodeLines:
             yield None
 
 
+def _page_answer(lines: Iterator[bytes | None], position: int, offset: int, limit: int | None) -> tuple[bytes, int]:
+    """The JSON array of the episodes of ``lines`` (line ``position`` first) that make the page
+    from ``offset`` (see ``RunStore.episodes_page``), and the line after the page. Each line is
+    parsed alone and kept as its answer's text: the page never holds more than one parsed."""
+    out = io.BytesIO()
+    out.write(b"[")
+    size = answer = 0  # the page's bytes on disk, and of its answer
+    for raw in lines:
+        if limit is not None and position - offset >= limit:
+            break
+        if raw is not None:
+            if size and size + len(raw) > MAX_EPISODES_PAGE_BYTES:
+                break
+            item = parse_episode(raw)
+            if item is not None:
+                text = _ANSWER_ENCODER.encode(item).encode()
+                if answer and answer + 1 + len(text) > MAX_EPISODES_ANSWER_BYTES:
+                    break
+                if answer:
+                    out.write(b",")
+                    answer += 1
+                out.write(text)
+                answer += len(text)
+            size += len(raw)
+        position += 1
+    out.write(b"]")
+    return out.getvalue(), position
+
+
 # --------------------------------------------------------------------------- the runs directory
 
 
@@ -536,6 +712,7 @@ class RunStore:
         self.root = Path(runs_dir)
         self.fsync = fsync
         self.cache = FileCache()
+        self.episode_indexes = EpisodeIndexes()
         self._pool: ThreadPoolExecutor | None = None  # a batch's directories, with fsync or a slow disk
         self._pool_lock = threading.Lock()
         self.refused: str | None = None  # why every write is refused (the directory was moved)
@@ -808,6 +985,7 @@ class RunStore:
         # Rename first so the directory vanishes from listings atomically, then remove it.
         trash = self.root / f"{STAGING_PREFIX}deleted-{run_id}-{time.monotonic_ns()}"
         os.rename(path, trash)
+        self.episode_indexes.forget(run_id)
         discard_run_entry(trash)
 
     # ---- leases (``<runs_dir>/.leases/<id>.json``)
@@ -936,34 +1114,24 @@ class RunStore:
 
     def episodes_page(self, run_id: str, offset: int, limit: int | None) -> EpisodesPage:
         """The episodes of the complete lines ``offset`` on of ``episodes.jsonl``: at most
-        ``limit`` lines (None: no count), and no more than MAX_EPISODES_PAGE_BYTES of them as they
-        are in the file (at least one line). The lines before ``offset`` are passed over, not read
-        as JSON."""
+        ``limit`` lines (None: no count), no more than MAX_EPISODES_PAGE_BYTES of them as they are
+        in the file, nor MAX_EPISODES_ANSWER_BYTES of their answer (at least one line). What it
+        reads is about the page's own lines: the run's :class:`LineIndex` says where they start
+        and how many there are (the lines before ``offset`` are passed over, not read as JSON)."""
         try:
             lines = self._episode_lines(run_id)
         except FileNotFoundError:
-            return EpisodesPage([], None, 0)
-        out: list[dict[str, Any]] = []
+            return EpisodesPage(b"[]", None, 0)
         with lines:
             try:
-                position = lines.skip(offset)
-                size = 0
-                held = 0  # the line after the page, once read: one of the rest
-                for raw in lines.lines():
-                    full = size and raw is not None and size + len(raw) > MAX_EPISODES_PAGE_BYTES
-                    if (limit is not None and position - offset >= limit) or full:
-                        held = 1
-                        break
-                    if raw is not None:
-                        size += len(raw)
-                        item = parse_episode(raw)
-                        if item is not None:
-                            out.append(item)
-                    position += 1
-                rest = held + lines.count()
+                index = self.episode_indexes.current(run_id, lines)
+                line, byte = index.mark_at_or_before(min(offset, index.lines))
+                lines.seek(byte, index.end)
+                position = line + lines.skip(offset - line)
+                out, position = _page_answer(lines.lines(), position, offset, limit)
             except OSError as exc:
                 raise RunFileError(f"{contract.EPISODES_FILE} cannot be read: {exc.strerror or exc}") from None
-        return EpisodesPage(out, position if rest else None, position + rest)
+        return EpisodesPage(out, position if position < index.lines else None, index.lines)
 
     def _episode_lines(self, run_id: str) -> EpisodeLines:
         """``episodes.jsonl`` opened (FileNotFoundError when there is none)."""

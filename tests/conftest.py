@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from slurm_jobs import log_messages, scancel_left  # noqa: F401 (the SLURM tests' fixtures)
 from waiting import async_wait_until, reached_state
 
 from jupyter_evalsched.scheduler.gpus import write_process_table
@@ -180,6 +181,27 @@ def ledger(users, ledger_config):
     served.start()
     yield served
     served.stop()
+
+
+@pytest.fixture
+def agents(users, ledger):
+    """``agents("alice")`` (a role of ``users``, or a ``pwd`` entry): a client of ``ledger`` run
+    as that user, connected; all stopped at the test's end."""
+    from host_ledger_users import Agent
+
+    made = []
+
+    def make(role):
+        user = users[role] if isinstance(role, str) else role
+        agent = Agent(user, ledger.socket)
+        made.append(agent)
+        hello = agent.ok("connect")
+        assert hello["user"] == user.pw_name and hello["uid"] == user.pw_uid
+        return agent
+
+    yield make
+    for agent in made:
+        agent.stop()
 
 
 # --------------------------------------------------------------------------- leases in this process

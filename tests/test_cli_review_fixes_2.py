@@ -177,7 +177,7 @@ def test_logs_follow_starts_over_when_the_log_got_shorter(live_server, client, c
             proc.kill()
             proc.wait()
     assert out.done() == steps[0] + b"new\n"
-    assert b"stdout.log of run " + rec["id"].encode() + b" got shorter" in err.done()
+    assert b"stdout.log of run " + rec["id"].encode() + b" was rewritten" in err.done()
 
 
 def _get(url: str, token: str) -> tuple[int, dict[str, str], bytes]:

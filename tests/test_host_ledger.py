@@ -42,22 +42,6 @@ pytestmark = pytest.mark.timeout(120)
 ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
 
 
-@pytest.fixture
-def agents(users, ledger):
-    made: list[Agent] = []
-
-    def make(role: str) -> Agent:
-        agent = Agent(users[role], ledger.socket)
-        made.append(agent)
-        hello = agent.ok("connect")
-        assert hello["user"] == users[role].pw_name and hello["uid"] == users[role].pw_uid
-        return agent
-
-    yield make
-    for agent in made:
-        agent.stop()
-
-
 def test_the_ledger_runs_as_its_own_unprivileged_user(users, ledger):
     assert os.stat(f"/proc/{ledger.proc.pid}").st_uid == users["ledger"].pw_uid
     assert os.stat(ledger.socket).st_mode & 0o777 == 0o666

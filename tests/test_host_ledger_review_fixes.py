@@ -13,28 +13,13 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from host_ledger_users import PREFIX, Agent, Ledger, grant_ids, wait_for_view
+from host_ledger_users import PREFIX, Ledger, grant_ids, wait_for_view
 
 pytestmark = pytest.mark.timeout(120)
 ALICE, BOB = PREFIX + "alice", PREFIX + "bob"
 ALIAS = PREFIX + "alice2"  # a second name for alice's uid
 CAROL, CAROL_RENAMED = PREFIX + "carol", PREFIX + "carol9"  # a user this module renames
 LOST_STATE = {"virtual_gpus": [24000, 24000], "reclaim_window_s": 60}
-
-
-@pytest.fixture
-def agents(users, ledger):
-    made: list[Agent] = []
-
-    def make(role: str | pwd.struct_passwd) -> Agent:
-        agent = Agent(users[role] if isinstance(role, str) else role, ledger.socket)
-        made.append(agent)
-        agent.ok("connect")
-        return agent
-
-    yield make
-    for agent in made:
-        agent.stop()
 
 
 def _lose_state(ledger: Ledger) -> None:

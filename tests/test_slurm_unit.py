@@ -364,10 +364,11 @@ def test_dependencies_partition_account_and_extra_args(fakes, run_dir):
     assert "--dependency=afterok:11:12" in argv
     assert "--kill-on-invalid-dep=yes" in argv
     assert "--partition=gpu" in argv and "--account=lab" in argv
-    assert argv[-4:-1] == ["--qos=short", "-C", "a100 80gb"]  # as given, in order, last
+    # As given, in order, last but for the server's comment (sbatch keeps the last --comment).
+    assert argv[-5:-1] == ["--qos=short", "-C", "a100 80gb", "--comment=evalsched:r:1"]
     script = (run_dir / "slurm.sbatch").read_text()
     assert "#SBATCH --dependency=afterok:11:12\n" in script
-    assert '#SBATCH --qos=short -C "a100 80gb"\n' in script  # extra args: one line, kept together
+    assert '#SBATCH --qos=short -C "a100 80gb"\n#SBATCH --comment=evalsched:r:1\n' in script  # extra args: one line
 
 
 def test_paths_with_blanks_and_percent_are_quoted_and_escaped(tmp_path):

@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ..contract import LEASE_ENDED, LEASE_GRANTED, LEASE_QUEUED
-from .errors import EvalSchedClientError, EvalSchedError
+from .errors import EvalSchedClientError, EvalSchedError, ServerNotFound
 from .live_feed import LiveFeed
 from .rest_client import EvalSchedClient
 
@@ -87,6 +87,8 @@ class Lease:
             self.client.request("DELETE", lease_path(self.id))
             self.record = {**self.record, "state": LEASE_ENDED}
         _forget(self.id)
+        with _held_lock:
+            _answered.discard(self.id)
 
     def __enter__(self) -> Lease:
         return self
@@ -143,7 +145,8 @@ def lease(
     host's ledger, for this process (``pid``, default: this one); wait until it is granted.
 
     While it waits, the reason is shown (a line that updates in a notebook, stderr elsewhere);
-    interrupting the kernel (or Ctrl-C) stops waiting and withdraws the request. After ``timeout``
+    interrupting the kernel (or Ctrl-C) stops waiting and withdraws the request, also one that
+    comes while the request is sent (the lease its lost answer named is found and withdrawn). After ``timeout``
     seconds without a grant the request is withdrawn and :class:`LeaseTimeout` raised. Granted
     before CUDA is initialised in this process, ``CUDA_VISIBLE_DEVICES`` is set to the GPUs of this
     process's live leases, this one's added at the end (the first lease's GPU is ``cuda:0``);
@@ -159,19 +162,70 @@ def lease(
         "ttl_s": ttl_s,
         "label": label if label is not None else default_label(),
     }
-    held = Lease(client, client.request("POST", "leases", body=body))
-    if held.state == LEASE_QUEUED:
-        try:
+    # The request and its withdrawal in one try: a Ctrl-C (a kernel's interrupt) at any point
+    # leaves nothing on the server; the caller never got the lease to release it.
+    held: Lease | None = None
+    try:
+        # (a Ctrl-C while another thread's request holds the lock: nothing was sent)
+        with _requesting:
+            try:
+                held = Lease(client, client.request("POST", "leases", body=body))
+                with _held_lock:
+                    _answered.add(held.id)
+            except BaseException as exc:
+                if held is None and _may_be_recorded(exc):
+                    _withdraw_unanswered(client, body)  # still under the lock: see _requesting
+                raise
+        if held.state == LEASE_QUEUED:
             _wait_for_grant(held, timeout, progress)
-        except BaseException:
+        if held.state != LEASE_GRANTED:
+            raise EvalSchedClientError(f"lease {held.id} ended before it was granted: {held.record.get('reason')}")
+        if pid is None or pid == os.getpid():
+            _forget_ended(held)
+            _point_cuda_at(held, set_cuda_visible_devices)
+        return held
+    except BaseException:
+        if held is not None:
             _withdraw(held)
-            raise
-    if held.state != LEASE_GRANTED:
-        raise EvalSchedClientError(f"lease {held.id} ended before it was granted: {held.record.get('reason')}")
-    if pid is None or pid == os.getpid():
-        _forget_ended(held)
-        _point_cuda_at(held, set_cuda_visible_devices)
-    return held
+        raise
+
+
+def _may_be_recorded(exc: BaseException) -> bool:
+    """Whether a lease request that raised ``exc`` may be on the server all the same: its answer
+    was lost (a Ctrl-C while it was read, a timeout, a dropped connection), not refused."""
+    if isinstance(exc, EvalSchedError):
+        # A 4xx: refused, nothing made. A 5xx may come from a proxy in front of the server
+        # (JupyterHub's: 502, 504) after the server took the request; a 200 that is not JSON
+        # made the lease.
+        return not 400 <= exc.status < 500
+    if isinstance(exc, ServerNotFound):
+        return exc.maybe_received
+    return True
+
+
+def _withdraw_unanswered(client: EvalSchedClient, body: dict[str, Any]) -> None:
+    """Withdraw the lease a request whose answer was lost may have made: a live lease for the same
+    pid, with the same figures and label, that no ``lease()`` of this process was answered with
+    (another thread's, one held). Best effort: a server gone or slow, the lease ends with its
+    process."""
+    try:
+        live = client.request("GET", "leases", timeout=_FORGET_TIMEOUT_S)["leases"]
+    except (EvalSchedClientError, KeyError, TypeError):
+        return
+    with _held_lock:
+        known = set(_answered)
+    # As the server records the request: it strips the label.
+    wanted = {**body, "label": str(body["label"]).strip()}
+    for record in live:
+        if record.get("id") not in known and all(record.get(k) == wanted[k] for k in _REQUEST_FIGURES):
+            try:
+                client.request("DELETE", lease_path(record["id"]), timeout=_FORGET_TIMEOUT_S)
+            except EvalSchedClientError:
+                pass
+
+
+# What a lease record repeats of its request (``ttl_s`` not: the server may fill it in).
+_REQUEST_FIGURES = ("vram_mb", "gpus", "exclusive_gpu", "priority", "pid", "label")
 
 
 # How long a refresh of another held lease may take in lease(): one whose server is gone must not
@@ -312,6 +366,14 @@ class _WaitDisplay:
 # CUDA_DEVICE_ORDER were before the first of them set them: several leases share the one variable.
 _held: dict[str, Lease] = {}
 _held_lock = threading.RLock()
+# The ids lease() was answered with in this process, until released here: a lease request whose
+# answer was lost is any other (_withdraw_unanswered).
+_answered: set[str] = set()
+# Held by lease() while its request is in flight, and while it looks for the lease of a request
+# whose answer was lost: another thread's request with the same figures, recorded but not yet
+# answered, would be taken for it. One request of this process at a time (a POST, not the wait
+# for the grant).
+_requesting = threading.Lock()
 _CUDA_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 _saved_env: dict[str, str | None] | None = None  # None: the variables are not ours
 

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 # Parts of a log read by one LogReader.read() that is not the last: the follower's tick returns
 # (to see the run's events) even under a run that writes faster than it reads.
 PARTS_PER_READ = 4
+# Bytes before its offset that each read asks for again and compares with those it had: a log
+# rewritten in place (reopened with "w": the same inode, its times changed as by any append) and
+# grown past the offset between two reads has the size of one that grew, and only its bytes tell.
+OVERLAP_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,9 @@ class LogReader:
     Works in bytes: the first read asks for the log's last 8 MiB (all of a shorter one; its last
     ``tail`` lines when given), each later one for the bytes past the last, and decodes them
     with an incremental UTF-8 decoder, so that a character split between two reads comes out
-    whole. A log shorter than what was read (rewritten or truncated) is read again from its
-    start, after ``on_rewritten()``.
+    whole. A log shorter than what was read (rewritten or truncated), or one whose last
+    ``OVERLAP_BYTES`` bytes before the offset are no longer those read (rewritten and grown past
+    it), is read again from its start, after ``on_rewritten()``.
 
     A server, or a server relaying to its host's primary, from before ``?offset=`` answers
     without the offset headers: from then on the reader is in legacy mode (:attr:`legacy`), for
@@ -65,6 +70,7 @@ class LogReader:
         self._given = 0  # characters the decoder gave out since
         self._chars: int | None = 0  # legacy: the characters of the server's answer given out (None: to place)
         self._pending = ""
+        self._overlap = b""  # the log's bytes just before ``offset``, as read (at most OVERLAP_BYTES)
 
     def read(self, final: bool = False) -> str:
         """The text written since the last read. ``final``: the log is complete (the run
@@ -88,25 +94,28 @@ class LogReader:
         parts = 0
         while True:
             first = self.offset is None
-            if first:  # (no offset: a server from before offsets answers this request alike)
+            sent = b"" if first else self._overlap  # asked for again, before the offset
+            if self.offset is None:  # (no offset: a server from before offsets answers this request alike)
                 part = self.client.log_part(self.run_id, self.stream, tail=self.tail)
             else:
-                part = self.client.log_part(self.run_id, self.stream, offset=self.offset)
+                part = self.client.log_part(self.run_id, self.stream, offset=self.offset - len(sent))
             if part.end is None or part.size is None:
                 self.legacy = True
                 # Past the first read, the answer may be a part from an offset (an older server
                 # relaying to a newer primary) or the whole log: where to go on is asked again.
                 self._chars = 0 if first else None
                 return part.data if first and self.tail is None else None
-            if self.offset is not None and part.size < self.offset:
+            if self.offset is not None and (part.size < self.offset or not part.data.startswith(sent)):
                 self.offset = 0  # rewritten: all of it again, from a fresh decoder
+                self._overlap = b""
                 self.tail = None
                 self._decoder.reset()
                 self._origin = self._given = 0
                 if self.on_rewritten is not None:
                     self.on_rewritten()
                 continue
-            data = part.data
+            self._overlap = part.data[-OVERLAP_BYTES:]
+            data = part.data[len(sent) :]
             if first:
                 self._origin = part.end - len(data)
                 if self._origin > 0 and self.tail is None:  # the last 8 MiB: from a character's start
@@ -115,7 +124,7 @@ class LogReader:
             self._give(out, self._decoder.decode(data))
             self.offset = part.end
             parts += 1
-            if not part.data or part.end >= part.size or (not final and parts >= PARTS_PER_READ):
+            if not data or part.end >= part.size or (not final and parts >= PARTS_PER_READ):
                 break
         if final:
             self._give(out, self._decoder.decode(b"", final=True))

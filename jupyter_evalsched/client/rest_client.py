@@ -312,7 +312,7 @@ class EvalSchedClient:
         """``{"episodes": [...], "next_offset": n or None, "total": n}``: the episodes of the
         complete lines ``offset`` on of ``episodes.jsonl`` (at most ``limit`` lines; the server's
         default is 1000, but with neither ``offset`` nor ``limit`` it answers every episode, or a
-        413 when they are over 16 MiB of lines)."""
+        413 when they are over 16 MiB of lines or 32 MiB of JSON)."""
         query = {"offset": offset or None, "limit": limit}
         return self.request("GET", f"runs/{_quote_id(run_id)}/episodes", query=query)
 

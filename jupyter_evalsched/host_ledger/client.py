@@ -2,8 +2,8 @@
 blocking ``status`` for the CLI.
 
 The client remembers the grants it holds; :meth:`HostLedgerClient.connect` on a new connection
-(the ledger restarted, or this process did and rebuilt ``grants``) re-tells them (``reclaim``), so
-the ledger never grants their VRAM to anyone else; one it refuses is held no more (said in the log,
+(the ledger restarted, or this process did and rebuilt ``grants``) re-tells them (``reclaim``, in
+batches that each fit a frame: one reclaim), so the ledger never grants their VRAM to anyone else; one it refuses is held no more (said in the log,
 and listed in ``refused``). A request that waits is answered when granted
 (``request`` returns then); a lost connection fails every pending call with
 :class:`HostLedgerUnavailable`, and the caller connects again and asks again: a request the ledger
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 from collections.abc import Callable
 from typing import Any
 
-from .protocol import MAX_ANSWER_BYTES, ProtocolError, encode, read_frame, recv_sync, send_sync
+from .protocol import MAX_ANSWER_BYTES, MAX_FRAME_BYTES, ProtocolError, encode, read_frame, recv_sync, send_sync
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,30 @@ class HostLedgerUnavailable(HostLedgerError):
 
 class NeverFits(HostLedgerError):
     """The request can never be granted on this host under this user's quota (a 422)."""
+
+
+# Room a reclaim's frame keeps for what is around its grants ({"op", "id", "more", "grants": []}).
+RECLAIM_ENVELOPE_BYTES = 256
+
+
+def reclaim_batches(grants: list[dict[str, Any]], limit: int = MAX_FRAME_BYTES) -> list[list[dict[str, Any]]]:
+    """The grants to re-tell, in order, in batches that each fit in one frame of ``limit`` bytes
+    with the reclaim around them (none for no grants). One frame holds about 400 grants as a
+    user's server names them, and a user may hold 1,024: told in one, they could never be told."""
+    room = limit - RECLAIM_ENVELOPE_BYTES
+    batches: list[list[dict[str, Any]]] = []
+    batch: list[dict[str, Any]] = []
+    size = 0
+    for grant in grants:
+        told = len(json.dumps(grant, separators=(",", ":"))) + 1  # (as encode writes it; its comma)
+        if batch and size + told > room:
+            batches.append(batch)
+            batch, size = [], 0
+        batch.append(grant)
+        size += told
+    if batch:
+        batches.append(batch)
+    return batches
 
 
 class HostLedgerClient:
@@ -85,9 +110,17 @@ class HostLedgerClient:
         self.refused = []
         try:
             self.hello = await self._call("hello", tenant=self.tenant)
-            if self.grants:
-                answer = await self._call("reclaim", grants=[self._retell(g) for g in self.grants.values()])
-                self._retold(answer)
+            batches = reclaim_batches([self._retell(g) for g in self.grants.values()])
+            kept: list[dict[str, Any]] = []
+            refused: list[dict[str, Any]] = []
+            for n, batch in enumerate(batches):
+                # All but the last say more follow: one reclaim, which the ledger waits for whole.
+                more = {"more": True} if n < len(batches) - 1 else {}
+                answer = await self._call("reclaim", grants=batch, **more)
+                kept += answer["kept"]
+                refused += answer.get("refused", [])
+            if batches:
+                self._retold({"kept": kept, "refused": refused})
         except HostLedgerError:
             # Connected means re-told: a connection left open after a reclaim refused whole (the
             # ledger could not save it: ``internal``) would look connected and never re-tell the

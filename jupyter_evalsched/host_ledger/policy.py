@@ -4,13 +4,15 @@ users' quotas; no I/O.
 A grant holds ``vram_mb`` on each of its devices, or a whole device when ``exclusive`` (it is
 then charged the device's usable VRAM). A user's quota caps the VRAM they hold over all devices,
 the GPUs they hold grants on, and their leases. Fair share: among the requests that could be
-granted now, the next grant goes to the user holding least VRAM (then the earliest request).
+granted now, the next grant goes to the user holding least VRAM (then the earliest request), and
+the turns rotate (see turned_since), for waiting requests and between users' servers alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +103,10 @@ class _Load:
     def user(self, name: str) -> _UserLoad:
         return self.users.get(name) or _UserLoad()
 
-
-def _load(devices: Mapping[int, HostDevice], holdings: Iterable[Holding]) -> _Load:
-    load = _Load()
-    for h in holdings:
-        mine = load.users.get(h.user)
+    def add(self, h: Holding, devices: Mapping[int, HostDevice]) -> None:
+        mine = self.users.get(h.user)
         if mine is None:
-            mine = load.users[h.user] = _UserLoad()
+            mine = self.users[h.user] = _UserLoad()
         mine.gpus.update(h.devices)
         if h.kind == "lease":
             mine.leases += 1
@@ -117,12 +116,31 @@ def _load(devices: Mapping[int, HostDevice], holdings: Iterable[Holding]) -> _Lo
                 continue
             mb = charge(h, dev)
             mine.mb += mb
-            load.allocated[index] = load.allocated.get(index, 0) + mb
-            load.held.add(index)
-            per = load.by_user.setdefault(index, {})
+            self.allocated[index] = self.allocated.get(index, 0) + mb
+            self.held.add(index)
+            per = self.by_user.setdefault(index, {})
             per[h.user] = per.get(h.user, 0) + mb
             if h.exclusive:
-                load.exclusive.add(index)
+                self.exclusive.add(index)
+
+    def plus(self, h: Holding, devices: Mapping[int, HostDevice]) -> _Load:
+        """This load with ``h`` added, this one unchanged: a copy of the sums, not a walk of the
+        grants (weighing one more grant costs no pass over every grant held)."""
+        out = _Load(
+            dict(self.allocated),
+            set(self.exclusive),
+            set(self.held),
+            {index: dict(per) for index, per in self.by_user.items()},
+            {name: _UserLoad(u.mb, set(u.gpus), u.leases) for name, u in self.users.items()},
+        )
+        out.add(h, devices)
+        return out
+
+
+def _load(devices: Mapping[int, HostDevice], holdings: Iterable[Holding]) -> _Load:
+    load = _Load()
+    for h in holdings:
+        load.add(h, devices)
     return load
 
 
@@ -250,17 +268,25 @@ def decide(
     return Decision("granted", devices=tuple(sorted(d.index for d in chosen)))
 
 
-def retold_reason(ask: Ask, devices: Mapping[int, HostDevice], holdings: Sequence[Holding], quota: Quota) -> str:
+def retold_reason(
+    ask: Ask,
+    devices: Mapping[int, HostDevice],
+    holdings: Sequence[Holding],
+    quota: Quota,
+    load: _Load | None = None,
+) -> str:
     """Why a grant re-told to a ledger that lost its state cannot be learnt beside ``holdings``
     (the grants it knows), or "". ``ask`` is the grant as told, on the GPUs it names. It is
     learnt as it is held, not placed anew: its GPUs' usable VRAM (a whole GPU charged all of it)
     and the user's quota must hold it, whoever else holds 0 MB there (a ledger of an earlier
-    version granted a whole GPU beside 0 MB shares of it, which ``decide`` no longer does)."""
+    version granted a whole GPU beside 0 MB shares of it, which ``decide`` no longer does).
+    ``load``: ``holdings``' own (see Retold)."""
     assert ask.devices is not None
     never = never_reason(ask, devices, quota)
     if never:
         return never
-    load = _load(devices, holdings)
+    if load is None:
+        load = _load(devices, holdings)
     mine = load.user(ask.user)
     why = _quota_reason(ask, mine, quota)
     if why:
@@ -273,6 +299,24 @@ def retold_reason(ask: Ask, devices: Mapping[int, HostDevice], holdings: Sequenc
         if load.allocated.get(device.index, 0) + charged > device.usable_mb:
             return _capacity_reason(ask, [device], load)
     return ""
+
+
+class Retold:
+    """Grants re-told in one reclaim, learnt one at a time (see retold_reason), each beside the
+    grants known and those learnt before it: their load is made once, and each grant learnt is
+    added to it. Made anew for each, 1,024 grants re-told walked half a million grants (a second
+    on the loop that serves every user)."""
+
+    def __init__(self, devices: Mapping[int, HostDevice], holdings: Iterable[Holding]) -> None:
+        self.devices = devices
+        self._load = _load(devices, holdings)
+
+    def reason(self, ask: Ask, quota: Quota) -> str:
+        """Why ``ask`` cannot be learnt now, or "" (then ``learn`` it, or not: nothing changes)."""
+        return retold_reason(ask, self.devices, (), quota, self._load)
+
+    def learn(self, holding: Holding) -> None:
+        self._load.add(holding, self.devices)
 
 
 def key_mismatch(held: Holding, ask: Ask) -> str:
@@ -294,24 +338,74 @@ def key_mismatch(held: Holding, ask: Ask) -> str:
     return "; ".join(diffs)
 
 
+class Pick(NamedTuple):
+    """The waiting ask to grant next: its position, its decision, and whether it takes a turn."""
+
+    position: int
+    decision: Decision
+    turn: bool  # it takes the room of another user's ask that fits now (see turned_since)
+
+
 def next_grant(
     waiting: Sequence[Ask],
     devices: Mapping[int, HostDevice],
     holdings: Sequence[Holding],
     quotas: Mapping[str, Quota],
-) -> tuple[int, Decision] | None:
+    turns: Mapping[str, int] | None = None,
+    granted: Mapping[str, int] | None = None,
+    demand: Sequence[Ask] = (),
+) -> Pick | None:
     """Fair share: of the waiting asks (in arrival order) that could be granted now, the one of
-    the user holding least VRAM, earliest first. ``(its position, its decision)``, or None."""
-    best: tuple[int, int, Decision] | None = None
+    the user holding least VRAM, earliest first; but the turns rotate, as between servers: a user
+    who took a turn since another user whose ask fits now was last granted goes behind that user
+    (see turned_since; ``turns`` and ``granted`` as there). Holdings alone would let a user queue
+    the next ask and give back what they hold: holding least whenever room is freed, they would
+    hold it all along, and another's waiting ask would never be granted. The pick is a turn when
+    it takes the room of another user's ask that fits now (each user's earliest that fits), or
+    of another user's told ``demand`` that fits now (as deferred_to weighs it: a user's server
+    that asks again as soon as its run ends holds least then, and would otherwise hold the room
+    all along without ever taking a turn). A waiting ask that gives_way to a told ``demand`` is
+    no pick, as an ask that does not wait is refused (one rule for both: else a client that
+    queues its next ask and then gives the room back would beat the servers' fair share); a later
+    ask of its user that leaves room for that demand may be the pick."""
+    turns, granted = turns or {}, granted or {}
     load = _load(devices, holdings)
+    fitting: dict[str, tuple[int, Decision]] = {}  # each user's earliest ask that fits now
     for position, ask in enumerate(waiting):
-        held = load.user(ask.user).mb
-        if best is not None and held >= best[0]:
+        if ask.user in fitting:
             continue
         decision = decide(ask, devices, holdings, quotas.get(ask.user, Quota()), load)
-        if decision.state == "granted":
-            best = (held, position, decision)
-    return None if best is None else (best[1], best[2])
+        if decision.state != "granted":
+            continue
+        if demand and gives_way(ask, demand, devices, holdings, quotas, turns, granted, load) is not None:
+            continue
+        fitting[ask.user] = (position, decision)
+    if not fitting:
+        return None
+
+    def rank(user: str) -> tuple[bool, int, int]:
+        # (behind another user here: a turn of its own since that user was last granted; what it
+        # holds; its ask's position). A turn comes after its user's last grant, so "behind" only
+        # points at users granted earlier: never round in a circle, someone is always first.
+        others = [granted.get(other, 0) for other in fitting if other != user]
+        behind = bool(others) and turns.get(user, 0) > min(others)
+        return behind, load.user(user).mb, fitting[user][0]
+
+    user = min(fitting, key=rank)
+    position, decision = fitting[user]
+    theirs = {waiting[p] for other, (p, _) in fitting.items() if other != user}
+    theirs |= {a for a in demand if a.user != user and takes_room(a)}  # (a set: a queue repeats its asks)
+    if not theirs:
+        return Pick(position, decision, False)
+    ask = waiting[position]
+    after = [*holdings, Holding(user, decision.devices, ask.vram_mb, ask.exclusive, ask.kind)]
+    then = _load(devices, after)
+    turn = any(
+        decide(other, devices, holdings, quotas.get(other.user, Quota()), load).state == "granted"
+        and decide(other, devices, after, quotas.get(other.user, Quota()), then).state != "granted"
+        for other in theirs
+    )
+    return Pick(position, decision, turn)
 
 
 def why_waiting(
@@ -342,32 +436,95 @@ def deferred_to(
     devices: Mapping[int, HostDevice],
     holdings: Sequence[Holding],
     quotas: Mapping[str, Quota],
+    behind: Collection[str] = frozenset(),
+    ahead: Collection[str] = frozenset(),
+    load: _Load | None = None,
 ) -> int | None:
     """Fair share for an ask that does not wait: the position in ``demand`` (the other users'
     told asks) of the ask it must give way to, or None. It gives way only when granting it now
     would take the room of a demanded ask that fits now (that ask would no longer fit), of a user
-    holding less VRAM than the asker; of several, the one of the user holding least, earliest
-    first. An ask that leaves room for every such demanded ask is never held back, whatever the
-    others tell."""
-    now = _load(devices, holdings)
+    holding less VRAM than the asker and not ``behind`` it (see turned_since), or of a user
+    ``ahead`` of it, whatever either holds (see owed_turns); of several, a user ahead first, then
+    the one holding least, earliest first. An ask that leaves room for every such demanded ask is
+    never held back, whatever the others tell. ``load``: ``holdings``' own (see decide)."""
+    now = _load(devices, holdings) if load is None else load
     mine = decide(ask, devices, holdings, quotas.get(ask.user, Quota()), now)
     if mine.state != "granted":
         return None
-    after = [*holdings, Holding(ask.user, mine.devices, ask.vram_mb, ask.exclusive, ask.kind)]
-    then = _load(devices, after)
+    grant = Holding(ask.user, mine.devices, ask.vram_mb, ask.exclusive, ask.kind)
+    after = [*holdings, grant]
+    then = now.plus(grant, devices)
     asker = now.user(ask.user).mb
-    best: tuple[int, int] | None = None  # (what its user holds, position)
+    best: tuple[bool, int, int] | None = None  # (not ahead, what its user holds, position)
     for position, other in enumerate(demand):
-        if other.user == ask.user or not takes_room(other):
+        if other.user == ask.user or other.user in behind or not takes_room(other):
             continue
-        theirs = now.user(other.user).mb
-        if theirs >= asker or (best is not None and theirs >= best[0]):
+        owed = other.user in ahead
+        rank = (not owed, now.user(other.user).mb, position)
+        if (not owed and rank[1] >= asker) or (best is not None and rank >= best):
             continue
         quota = quotas.get(other.user, Quota())
         fits_now = decide(other, devices, holdings, quota, now).state == "granted"
         if fits_now and decide(other, devices, after, quota, then).state != "granted":
-            best = (theirs, position)
-    return None if best is None else best[1]
+            best = rank
+    return None if best is None else best[2]
+
+
+def gives_way(
+    ask: Ask,
+    demand: Sequence[Ask],
+    devices: Mapping[int, HostDevice],
+    holdings: Sequence[Holding],
+    quotas: Mapping[str, Quota],
+    turns: Mapping[str, int],
+    granted: Mapping[str, int],
+    load: _Load | None = None,
+) -> int | None:
+    """Fair share against the other users' told ``demand``, for an ask that waits (next_grant)
+    and for one that does not alike: deferred_to, with the users behind and ahead of ``ask``'s
+    as the turns rotate (turned_since, owed_turns; ``turns`` and ``granted`` as there). The
+    position in ``demand`` of the ask it gives way to, or None. Never both ways round: a user
+    gives way to another holding less that took no turn since the asker's last grant, or to one
+    whose last grant came before a turn of the asker's; a turn comes at its user's grant, so no
+    two users can each give way to the other, and room given way for waits at most for a turn."""
+    behind = turned_since(ask.user, turns, granted)
+    ahead = owed_turns(ask.user, {a.user for a in demand}, turns, granted)
+    return deferred_to(ask, demand, devices, holdings, quotas, behind, ahead, load)
+
+
+def given_way_to(
+    asks: Sequence[Ask],
+    demand: Sequence[Ask],
+    devices: Mapping[int, HostDevice],
+    holdings: Sequence[Holding],
+    quotas: Mapping[str, Quota],
+    turns: Mapping[str, int],
+    granted: Mapping[str, int],
+) -> list[int | None]:
+    """gives_way for each of ``asks``, over one walk of the grants."""
+    load = _load(devices, holdings)
+    return [gives_way(ask, demand, devices, holdings, quotas, turns, granted, load) for ask in asks]
+
+
+def turned_since(asker: str, turns: Mapping[str, int], granted: Mapping[str, int]) -> frozenset[str]:
+    """The users who go behind ``asker`` in fair share, between servers (deferred_to) and for
+    waiting asks (next_grant): each took a turn (was granted room another user gave way for, or
+    that another user's waiting ask fit in) after ``asker`` was last granted. ``turns`` and
+    ``granted``: when each user last did, on one count of the grants made. A rotation: holdings
+    alone would let a user holding little take each turn, give it back at once and be the one
+    holding least again, holding the others back for ever while holding almost nothing."""
+    since = granted.get(asker, 0)
+    return frozenset(user for user, turn in turns.items() if turn > since)
+
+
+def owed_turns(
+    asker: str, users: Iterable[str], turns: Mapping[str, int], granted: Mapping[str, int]
+) -> frozenset[str]:
+    """Of ``users``, those ``asker`` goes behind (deferred_to's ``ahead``): it took a turn after
+    each was last granted (turned_since, the other way round). Holding less is not all: a user's
+    server that asks again as soon as its run ends holds least whenever room is freed."""
+    mine = turns.get(asker, 0)
+    return frozenset(user for user in users if user != asker and mine > granted.get(user, 0))
 
 
 def covers(grant: Holding, ask: Ask) -> bool:

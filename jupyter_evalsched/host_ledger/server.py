@@ -31,7 +31,7 @@ import stat
 import struct
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,15 +44,15 @@ from .policy import (
     Holding,
     HostDevice,
     Quota,
+    Retold,
     covers,
     decide,
-    deferred_to,
+    given_way_to,
     held_mb,
     key_mismatch,
     met_by,
     next_grant,
     quota_names_learnt,
-    retold_reason,
     takes_room,
     why_waiting,
 )
@@ -107,10 +107,17 @@ class Conn:
     # when (then it is told ``retry`` and that demand is set aside; the user's demand holds nobody
     # back until it asks again).
     demand: list[Ask] = field(default_factory=list)
-    # (until when, the tenant deferred to, the demanded ask it was deferred for)
+    # (until when, the tenant deferred to, the demanded ask it was deferred for): a waiting
+    # request of its own held back for another user's turn is deferred too (see _schedule)
     deferred_for: list[tuple[float, Conn, Ask]] = field(default_factory=list)
+    # An ask of its own was refused (busy) for another user's turn: told ``retry`` once its
+    # deferrals are over. A request held back while it waits is granted then, and told nothing.
+    owes_retry: bool = False
 
     largest: int = 0  # the largest frame sent to it (a busy host's view may be a few MB)
+    # A reclaim told in batches (``more``), one reclaim: the ids told and how many, so far.
+    reclaim_seen: set[str] = field(default_factory=set)
+    reclaim_told: int = 0
 
     def send(self, message: dict[str, Any]) -> None:
         if self.closed:
@@ -170,6 +177,8 @@ class Waiter:
     replied: bool = False
     reason: str = ""
     grant: Grant | None = None
+    made: int = 0  # its grant's place on the count of grants made (the turns' rotation)
+    gave_way: bool = False  # it fits now but waits for another user's turn (see _schedule)
 
 
 @dataclass
@@ -346,6 +355,11 @@ class HostLedger:
         # back until they are granted that much (else re-telling it each time it is set aside, or
         # taking a 0 MB grant now and then, would hold the others back for ever).
         self.forfeited: dict[int, Ask] = {}
+        # The turns rotate (policy.turned_since): when each user (by name, as the policy counts
+        # them) was last granted, and last took a turn, on one count of the grants made.
+        self._grants_made = 0
+        self._last_granted: dict[str, int] = {}
+        self._last_turn: dict[str, int] = {}
         # Each uid's name and quota (see _name_of, _quota_of): the policy counts users by name.
         self._name_by_uid: dict[int, str] = {}
         self._uid_by_name: dict[str, int] = {}
@@ -812,19 +826,32 @@ class HostLedger:
             return
         before = list(self.waiting)
         granted: list[Waiter] = []
+        # The rotation's counts as these grants make them: kept once they are saved.
+        made, last_granted, last_turn = self._grants_made, dict(self._last_granted), dict(self._last_turn)
+        # The others' told demand: a grant that takes its room is a turn, as one that takes a
+        # waiting request's, and a request that would take it from a user whose turn it is waits
+        # (the same as _turn_of_another weighs: policy.gives_way).
+        tellers = self._demand_tellers()
+        demand = [a for c in tellers for a in c.demand]
         while self.waiting:
             devices = self.devices()
             pick = next_grant(
                 [w.ask for w in self.waiting],
                 devices,
                 self.holdings(),
-                {w.ask.user: self._quota(w) for w in self.waiting},
+                {c.user: self._quota_of(c.uid) for c in [*tellers, *(w.conn for w in self.waiting)]},
+                last_turn,
+                last_granted,
+                demand,
             )
             if pick is None:
                 break
-            position, decision = pick
-            waiter = self.waiting.pop(position)
-            self._grant(waiter, decision)
+            waiter = self.waiting.pop(pick.position)
+            self._grant(waiter, pick.decision)
+            made += 1
+            waiter.made = last_granted[waiter.ask.user] = made
+            if pick.turn:
+                last_turn[waiter.ask.user] = made
             granted.append(waiter)
         if granted:
             try:
@@ -841,16 +868,26 @@ class HostLedger:
                 for w in self.waiting:
                     self._tell_waiting(w, why)
                 return
+            self._grants_made, self._last_granted, self._last_turn = made, last_granted, last_turn
         for waiter in granted:
             try:  # each is told, whatever telling another met
                 self._told_granted(waiter)
             except Exception:
                 log.exception("host ledger: telling %s of grant %s failed", waiter.conn.user, waiter.key)
-        # What is left cannot be granted now: each is told why (a quota, or who holds the GPUs).
-        reasons = why_waiting(
-            [w.ask for w in self.waiting], self.devices(), self.holdings(), [self._quota(w) for w in self.waiting]
-        )
+        # What is left cannot be granted now: each is told why (a quota, or who holds the GPUs),
+        # or, fitting now, gives way to another user's turn: that user is told, as for an ask
+        # that does not wait, and the request is granted once the turn is taken or has expired.
+        devices, holdings = self.devices(), self.holdings()
+        reasons = why_waiting([w.ask for w in self.waiting], devices, holdings, [self._quota(w) for w in self.waiting])
+        fitting = [w for w, why in zip(self.waiting, reasons, strict=True) if not why]
+        held_for = dict(zip(fitting, self._given_way_to([(w.conn, w.ask) for w in fitting]), strict=True))
         for w, why in zip(self.waiting, reasons, strict=True):
+            w.gave_way = False
+            if not why:  # it fits now: next_grant held it back for another user's turn
+                turn = held_for[w]
+                if turn is None:  # (the grants told above changed the turns: the next sweep's pass)
+                    continue
+                why, w.gave_way = self._give_way(w.conn, *turn, devices, holdings), True
             self._tell_waiting(w, why)
 
     def _reclaim_reason(self) -> str:
@@ -939,7 +976,7 @@ class HostLedger:
         if w.replied:
             w.conn.send({"event": "granted", "request": w.request, "key": w.key, "grant": grant.as_json()})
         self._demand_met(w.conn, grant)
-        self._turn_taken(w.conn, grant)
+        self._turn_taken(w.conn, grant, w.made)
 
     # ------------------------------------------------------------------ connections
 
@@ -1123,6 +1160,8 @@ class HostLedger:
             return {"state": "granted", "grant": waiter.grant.as_json()}
         if message.get("wait", True) is False:
             self.waiting.remove(waiter)
+            if waiter.gave_way:  # (to a turn that a grant made before it in that pass gave)
+                conn.owes_retry = True
             return {"state": "busy", "reason": waiter.reason}
         waiter.replied = True
         return {"state": "waiting", "reason": waiter.reason}
@@ -1130,24 +1169,46 @@ class HostLedger:
     def _turn_of_another(self, conn: Conn, ask: Ask) -> str:
         """Fair share for an ask that does not wait (a user's server admits its own runs and asks
         without waiting): when granting it now would take the room of an ask that another user
-        holding less has told as demand, and that fits now (policy.deferred_to), that user goes
-        first. The ask is refused with the reason; the other user is told (``turn``) and its
-        server asks; the refused one is told ``retry`` once that user has been granted that room,
-        or TURN_S has passed."""
-        others = [
-            (c, a)
-            for c in self.conns
-            if c.uid != conn.uid and not c.closed and c.uid not in self.forfeited
-            for a in c.demand
-        ]
-        if not others:
+        has told as demand, and that fits now, of a user it must give way to (_given_way_to),
+        the ask is refused with the reason (_give_way: that user is told ``turn`` and its server
+        asks); the refused one is told ``retry`` once that user has been granted that room, or
+        TURN_S has passed. A waiting request is held back by the same rule (see _schedule)."""
+        (turn,) = self._given_way_to([(conn, ask)])
+        if turn is None:
             return ""
-        devices, holdings = self.devices(), self.holdings()
-        quotas = {c.user: self._quota_of(c.uid) for c in [conn, *(c for c, _ in others)]}
-        position = deferred_to(ask, [a for _, a in others], devices, holdings, quotas)
-        if position is None:
-            return ""
-        first, kept_for = others[position]
+        conn.owes_retry = True
+        return self._give_way(conn, *turn, self.devices(), self.holdings())
+
+    def _demand_tellers(self) -> list[Conn]:
+        """The connections whose told demand counts: open, and not of a user who let a turn pass."""
+        return [c for c in self.conns if c.demand and not c.closed and c.uid not in self.forfeited]
+
+    def _given_way_to(self, asks: Sequence[tuple[Conn, Ask]]) -> list[tuple[Conn, Ask] | None]:
+        """For each ask (of its connection's user, waiting or not), whether it gives way to another
+        user's told demand (policy.gives_way: it would take the room of a demanded ask that fits
+        now, of a user holding less that took no turn since this one was last granted, or of one
+        this one took a turn after): that user's connection and the ask it gives way to, or None."""
+        others = [(c, a) for c in self._demand_tellers() for a in c.demand]  # (a user's own: passed over)
+        if not others or not asks:
+            return [None] * len(asks)
+        quotas = {c.user: self._quota_of(c.uid) for c in [*(c for c, _ in asks), *(c for c, _ in others)]}
+        positions = given_way_to(
+            [a for _, a in asks],
+            [a for _, a in others],
+            self.devices(),
+            self.holdings(),
+            quotas,
+            self._last_turn,
+            self._last_granted,
+        )
+        return [None if p is None else others[p] for p in positions]
+
+    def _give_way(
+        self, conn: Conn, first: Conn, kept_for: Ask, devices: Mapping[int, HostDevice], holdings: list[Holding]
+    ) -> str:
+        """``conn`` gives way to ``first``'s told ``kept_for``: deferred to it until that user has
+        been granted that room or TURN_S has passed (see _expire_turns, _turn_taken), and that
+        user told its ``turn``. The fair-share reason (``devices``, ``holdings``: as now)."""
         # Told once while its turn lasts: a user's server asking again and again (each ask refused
         # for it) must not flood the other's with turns, each a pass of its admission.
         told = any(c is first for other in self.conns for _, c, _ in other.deferred_for)
@@ -1156,7 +1217,16 @@ class HostLedger:
         if not told:
             first.send({"event": "turn"})
         held = held_mb(first.user, devices, holdings)
+        if held >= held_mb(conn.user, devices, holdings):  # (given way for its turn, not its holding)
+            return f"fair share: user {first.user} waits for this room and has the next turn (user {conn.user} had the last)"
         return f"fair share: user {first.user} holds less ({held} MB) and waits for this room"
+
+    def _deferrals_over(self, conn: Conn) -> None:
+        """``conn`` gives way to nobody now: told to ``retry`` an ask refused for it. A request of
+        its that waited is granted by the next pass of _schedule, and told so."""
+        if conn.owes_retry:
+            conn.owes_retry = False
+            conn.send({"event": "retry"})
 
     def _expire_turns(self) -> None:
         """Tell each deferred tenant to ask again once the user it was deferred to has been
@@ -1178,7 +1248,7 @@ class HostLedger:
             done = len(keep) < len(conn.deferred_for)
             conn.deferred_for = keep
             if done and not keep:
-                conn.send({"event": "retry"})
+                self._deferrals_over(conn)
 
     def _demand_met(self, conn: Conn, grant: Grant) -> None:
         """A grant serves the user's told demand: the demanded ask it covers (the largest) is
@@ -1190,9 +1260,9 @@ class HostLedger:
                 tenant.demand = [a for i, a in enumerate(tenant.demand) if i != position]
                 return
 
-    def _turn_taken(self, first: Conn, grant: Grant) -> None:
-        """``first`` was granted ``grant``: the tenants deferred to it for no more room than that
-        may ask again. A smaller grant (0 MB, say, to stay the user holding least) takes no turn:
+    def _turn_taken(self, first: Conn, grant: Grant, made: int) -> None:
+        """``first`` was granted ``grant`` (the ``made``-th grant): the tenants deferred to it for
+        no more room than that may ask again. A smaller grant (0 MB, say, to stay the user holding least) takes no turn:
         they wait for TURN_S, and then ``first`` forfeits it."""
 
         def taken(kept_for: Ask) -> bool:
@@ -1204,11 +1274,12 @@ class HostLedger:
         for conn in list(self.conns):
             # (by user: its server may ask on another connection than the one that told demand)
             if any(c.uid == first.uid and taken(a) for _, c, a in conn.deferred_for):
+                self._last_turn[grant.user] = max(self._last_turn.get(grant.user, 0), made)
                 conn.deferred_for = [
                     (d, c, a) for d, c, a in conn.deferred_for if not (c.uid == first.uid and taken(a))
                 ]
                 if not conn.deferred_for:
-                    conn.send({"event": "retry"})
+                    self._deferrals_over(conn)
 
     def _op_demand(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
         """The GPU work this tenant has queued, as asks (``vram_mb``, ``gpus``, ``exclusive``,
@@ -1258,16 +1329,29 @@ class HostLedger:
 
     def _op_reclaim(self, conn: Conn, message: dict[str, Any]) -> dict[str, Any]:
         """A tenant re-tells its live grants (after a restart of either side). Each is kept when
-        its processes are the caller's and alive; one the ledger knows is the same grant."""
+        its processes are the caller's and alive; one the ledger knows is the same grant. More
+        grants than one frame holds are told in batches (``more``: one follows), one reclaim:
+        a restarted ledger waits for the tenant until its last batch, and an id told in an
+        earlier batch is told twice."""
         items = message.get("grants", [])
+        more = message.get("more", False)
         if not isinstance(items, list) or len(items) > MAX_GRANTS_PER_UID:
             raise BadRequest("bad_request", f"grants must be a list of at most {MAX_GRANTS_PER_UID}")
+        if not isinstance(more, bool):
+            raise BadRequest("bad_request", "more must be true or false")
+        told_in_all = conn.reclaim_told + len(items)
+        if told_in_all > MAX_GRANTS_PER_UID:  # (what a user may hold: the ids kept stay bounded)
+            conn.reclaim_seen, conn.reclaim_told = set(), 0  # that reclaim ends: the next is a new one
+            raise BadRequest(
+                "bad_request", f"grants must be at most {MAX_GRANTS_PER_UID} in one reclaim, over all its batches"
+            )
         conn.tenant = True
         kept, refused = [], []
         # The grants as they will be: saved first, then made (nothing of it when it cannot be saved).
         after = dict(self.grants)
-        seen: set[str] = set()  # the ids told so far: one told twice is kept as first told
+        seen = set(conn.reclaim_seen)  # the ids told so far: one told twice is kept as first told
         keys: dict[str, str] | None = None  # the user's keys held -> grant id (one grant a key)
+        learnt: Retold | None = None  # the grants held and learnt so far, as the policy weighs them
         for item in items:
             try:
                 if not isinstance(item, dict) or not isinstance(item.get("id"), str) or len(item["id"]) > 64:
@@ -1296,19 +1380,20 @@ class HostLedger:
                         raise BadRequest(
                             "key_in_use", f"user {conn.user} holds grant {keys[key]} under key {key!r}: one grant a key"
                         )
-                    devices = self.devices()
-                    if ask.devices is None or any(i not in devices for i in ask.devices):
+                    if learnt is None:
+                        # Its processes' VRAM may still show as unmanaged: grants alone are compared.
+                        bare = {i: HostDevice(i, d.usable_mb) for i, d in self.devices().items()}
+                        learnt = Retold(bare, [g.holding() for g in after.values()])
+                    if ask.devices is None or any(i not in learnt.devices for i in ask.devices):
                         raise BadRequest("bad_request", "a re-told grant names the GPUs it holds")
-                    # Its processes' VRAM may still show as unmanaged: grants alone are compared.
-                    bare = {i: HostDevice(i, d.usable_mb) for i, d in devices.items()}
-                    held = [g.holding() for g in after.values()]
-                    why = retold_reason(ask, bare, held, self._quota_of(conn.uid))
+                    why = learnt.reason(ask, self._quota_of(conn.uid))
                     if why:
                         raise BadRequest("does_not_fit", f"re-told grant does not fit: {why}")
                     known = Grant(
                         item["id"], conn.uid, conn.user, key, ask.kind, ask.devices, ask.vram_mb, ask.exclusive, live
                     )
                     keys[key] = known.id
+                    learnt.learn(known.holding())
                 after[known.id] = dataclasses.replace(known, procs=live, conn=conn)
                 kept.append(after[known.id].as_json())
             except BadRequest as exc:
@@ -1321,7 +1406,11 @@ class HostLedger:
                 self.grants[grant_id].procs, self.grants[grant_id].conn = told.procs, told.conn
             else:
                 self.grants[grant_id] = told
-        self.pending_tenants = {t for t in self.pending_tenants if t != (conn.uid, conn.proc)}
+        if more:
+            conn.reclaim_seen, conn.reclaim_told = seen, told_in_all
+        else:
+            conn.reclaim_seen, conn.reclaim_told = set(), 0
+            self.pending_tenants = {t for t in self.pending_tenants if t != (conn.uid, conn.proc)}
         self._schedule()
         return {"kept": kept, "refused": refused, "reclaiming": self.reclaim_open()}
 

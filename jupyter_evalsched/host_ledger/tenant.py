@@ -75,10 +75,16 @@ class TenantLink:
         return self.client.connected
 
     def status(self) -> dict[str, Any]:
-        # Connected once the hello is answered (the socket alone, a moment earlier, has no user yet).
-        connected = self.connected and self.error is None
-        # Lost between two of the keeper's passes: not connected, and says so before it notices.
-        error = None if connected else (self.error or "the connection to the host ledger was lost")
+        # Connected once the hello is answered and the first view read: the socket alone, a moment
+        # earlier, has no user yet, and until the view GPU work waits and quotas are unknown (a
+        # request that can never fit was taken as one that could).
+        connected = self.connected and self.error is None and self.view is not None
+        if connected:
+            error = None
+        elif self.error is None and self.connected:
+            error = "connected; reading the host ledger's first view"
+        else:  # lost between two of the keeper's passes: not connected, and says so before it notices
+            error = self.error or "the connection to the host ledger was lost"
         return {"socket": self.socket_path, "connected": connected, "user": self.user, "error": error}
 
     async def start(self) -> None:
@@ -106,7 +112,8 @@ class TenantLink:
                     backoff = min(self.max_backoff_s, backoff * 2)
                     continue
                 backoff = 0.1
-                self.user, self.error = hello["user"], None
+                # (the last connection's view is no view of this one: GPU work waits for its own)
+                self.user, self.error, self.view = hello["user"], None, None
                 self._demand_told = None  # a new connection knows nothing of it
                 self._refused_when_retold()
             if self._to_release:  # (after a connect, or a release the ledger could not make)
@@ -209,7 +216,8 @@ class TenantLink:
             # again, now and then, so that a queue that does not change keeps its fair share.
             self._demand_told = None
         if view != self.view:
-            self.view = view
+            # (an error lost the last view, the connection kept: read again, the link is back)
+            self.view, self.error = view, None
             self._changed()
 
     def _changed(self) -> None:

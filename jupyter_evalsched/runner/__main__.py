@@ -12,14 +12,18 @@ def _exit(code: int) -> None:
     once.
 
     Skips the interpreter's final wait for non-daemon threads: a thread an eval left running
-    must not keep a finished run's process (and its CPU slot) alive after ``_DONE``.
+    must not keep a finished run's process (and its CPU slot) alive after ``_DONE``. Nor may a
+    ``multiprocessing`` child it left running, which ``multiprocessing``'s own ``atexit`` handler
+    joins: it gets a grace, then is terminated (``leftover_children``).
     """
     import atexit
     import os
 
+    from ._proc import end_leftover_children
     from .run import finish
 
     try:
+        end_leftover_children()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):

@@ -1,4 +1,5 @@
-"""Process plumbing: the parent-death signal and the parent check that closes its race."""
+"""Process plumbing: the parent-death signal and the parent check that closes its race, the run's
+cgroup, its log lines, and what its process's exit must not wait for without end."""
 
 from __future__ import annotations
 
@@ -121,6 +122,60 @@ def flush_stdio() -> None:
                 stream.flush()
         except Exception:  # nothing to save there
             pass
+
+
+def say(message: str) -> None:
+    """A line for the run's stderr log. Never raises: the eval may have replaced ``sys.stderr``
+    with anything, or None; then the line goes to descriptor 2 itself."""
+    text = f"evalsched runner: {message}\n"
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return
+    except Exception:
+        pass
+    data = text.encode("utf-8", "backslashreplace")
+    try:
+        while data:
+            data = data[os.write(2, data) :]
+    except OSError:
+        pass  # closed by the eval: nowhere left to say it
+
+
+def end_leftover_children(whose: str = "the run's process") -> None:
+    """At the start of a run's process's exit (or a worker's): bound what ``multiprocessing``'s
+    exit handler joins, the children the eval left running and its queues' feeder threads
+    (``leftover_children``), from when that handler begins: after the eval's ``atexit`` handlers
+    registered after ``multiprocessing`` was imported, which may take as long as they need (to
+    stop and join those children, say). Nothing is imported where nothing is left to bound.
+    Never raises: the exit must go on."""
+    util = sys.modules.get("multiprocessing.util")
+    if util is None:
+        return  # no multiprocessing exit handler: nothing joins at this exit
+    try:
+        # Run by that handler first among its finalizers of priority 0 (after a Pool's and a
+        # queue's closing ones, before a Manager's shutdown and the joins).
+        util.Finalize(None, _bound_multiprocessing_joins, args=(whose,), exitpriority=0)
+    except Exception as exc:  # the exit waits as Python's does
+        say(f"cannot bound the exit's wait for multiprocessing: {type(exc).__name__}: {exc}")
+
+
+def _bound_multiprocessing_joins(whose: str) -> None:
+    try:
+        process = sys.modules["multiprocessing.process"]
+        util = sys.modules["multiprocessing.util"]
+        queues = sys.modules.get("multiprocessing.queues")
+        feeder_join = None if queues is None else queues.Queue._finalize_join
+        if not process.active_children() and not (
+            feeder_join is not None
+            and any(getattr(f, "_callback", None) is feeder_join for f in list(util._finalizer_registry.values()))
+        ):
+            return
+        from .leftover_children import bound_joins
+
+        bound_joins(whose, say)
+    except Exception as exc:  # (a thread that cannot start, say): the exit waits as Python's does
+        say(f"cannot bound the exit's wait for multiprocessing: {type(exc).__name__}: {exc}")
 
 
 def leave_if_forked(owner: int, exc: BaseException | None = None) -> None:

@@ -9,7 +9,10 @@ Failure semantics (see also the package docstring for exit codes):
   ``KeyboardInterrupt`` raised by the eval's code.
 * ``_DONE`` is the process's last act (``finish``, from the entry point's exit): after the
   ``atexit`` handlers and the flush of its output, right before it leaves, so that nothing of the
-  run happens after it and what the run holds is released moments after it appears.
+  run happens after it and what the run holds is released moments after it appears. Nothing the
+  eval left running holds it back for long: not a non-daemon thread (not waited for), nor a
+  ``multiprocessing`` child (``multiprocessing`` joins it at the exit: ``leftover_children``
+  gives it a few seconds, then terminates it and says so in the log).
 * Signals are not exceptions here. SIGINT is reset to its default action, like SIGTERM, so an
   interrupt from outside ends the process like a cancel, and the server records it. No handler
   finalizes on a signal: on cancel the server signals the process group and finalizes itself.
@@ -55,6 +58,7 @@ from ._proc import (
     parent_is_gone,
     set_parent_death_signal,
 )
+from ._proc import say as _say
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost); mypy knows this name
 if TYPE_CHECKING:
@@ -70,24 +74,6 @@ EXIT_IO_ERROR = 74  # the run files could not be written (EX_IOERR): the server 
 
 
 _USAGE = "usage: python -m jupyter_evalsched.runner --run-dir DIR"
-
-
-def _say(message: str) -> None:
-    """A line for the run's stderr log. Never raises: the eval may have replaced ``sys.stderr``
-    with anything, or None; then the line goes to descriptor 2 itself."""
-    text = f"evalsched runner: {message}\n"
-    try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        return
-    except Exception:
-        pass
-    data = text.encode("utf-8", "backslashreplace")
-    try:
-        while data:
-            data = data[os.write(2, data) :]
-    except OSError:
-        pass  # closed by the eval: nowhere left to say it
 
 
 def parse_args(argv: list[str]) -> str | None:

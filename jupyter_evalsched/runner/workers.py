@@ -19,6 +19,9 @@ Mechanism: ``multiprocessing`` with the "fork" start method, one duplex pipe per
 * A worker that raises, or dies (signal, ``os._exit``), fails the run: no more episodes are
   handed out, the other workers are terminated (SIGTERM, then SIGKILL after a grace period)
   and the run process finalizes the run as failed.
+* A worker ends as ``multiprocessing`` ends its children, but bounded like the run's own process:
+  no wait for the non-daemon threads the eval left, and the ``multiprocessing`` children it left
+  get a grace, then are terminated (``leftover_children``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import os
 import signal
 
-from ._proc import EXIT_PARENT_GONE, flush_stdio, leave_if_forked, set_parent_death_signal
+from ._proc import EXIT_PARENT_GONE, end_leftover_children, flush_stdio, leave_if_forked, set_parent_death_signal
 from .errors import describe_exception
 from .results import utc_now_iso, validate_metrics
 
@@ -54,6 +57,24 @@ FINISH_GRACE_S = 10.0
 
 class WorkerDied(RuntimeError):
     """A worker process ended without reporting its episode (a signal, ``os._exit``...)."""
+
+
+def _worker_process(
+    conn: Connection[_Report, _Order],
+    run_pid: int,
+    load_episode: Callable[[], EpisodeFunction],
+    make_ctx: Callable[[int], EpisodeContext],
+) -> None:
+    """A worker's whole life: its episodes, then its exit as ``multiprocessing`` would end it
+    (its finalizers, the join of its children), less the wait for non-daemon threads: a thread
+    the eval left running must not keep the worker, and so the run, alive (as in the run's own
+    process: ``__main__._exit``)."""
+    _worker_main(conn, run_pid, load_episode, make_ctx)
+    from multiprocessing import util
+
+    util._exit_function()  # type: ignore[attr-defined]
+    flush_stdio()
+    os._exit(0)
 
 
 def _worker_main(
@@ -99,6 +120,9 @@ def _worker_main(
         return  # the run process is gone or has given up on us
     finally:
         flush_stdio()
+        # multiprocessing joins this worker's children as it leaves (Process._bootstrap), without
+        # a limit: those the eval left running get the run process's grace.
+        end_leftover_children(f"worker process {me}")
 
 
 class _Worker:
@@ -214,7 +238,7 @@ def run_in_workers(
             # Not daemonic: a daemonic process may not start processes of its own, and evals
             # are allowed to. This function always reaps its workers itself (finally below).
             process = fork.Process(
-                target=_worker_main,
+                target=_worker_process,
                 args=(child_end, run_pid, load_episode, make_ctx),
                 name=f"evalsched-worker-{len(workers)}",
             )

@@ -12,7 +12,9 @@ here (regularised incomplete beta, bisection): no scipy.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from ..contract import MAX_METRIC_NAME_CHARS, MAX_METRIC_NAMES
@@ -20,10 +22,10 @@ from ..contract import MAX_METRIC_NAME_CHARS, MAX_METRIC_NAMES
 # A whole sweep can be compared (sweeps.MAX_SWEEP_RUNS): what bounds a comparison is the time and
 # the values it reads (below), not how many runs hold them.
 MAX_COMPARE_RUNS = 1000
-# The comparison pool's threads, how many comparisons are admitted at once (a 429 beyond), how long
-# one may take from its admission (a 503 after), and how many episode metric values it may read
-# in all (a 413 beyond).
-COMPARE_THREADS = 2
+# The comparisons' worker processes (comparisons.py), how many comparisons are admitted at once (a
+# 429 beyond), how long one may take from its admission (a 503 after), and how many episode metric
+# values it may read in all (a 413 beyond).
+COMPARE_WORKERS = 2
 MAX_CONCURRENT_COMPARES = 4
 COMPARE_TIMEOUT_S = 60.0
 MAX_COMPARE_VALUES = 4_000_000
@@ -201,12 +203,21 @@ def _by_metric(episodes: Mapping[int, Mapping[str, float]]) -> dict[str, dict[in
 
 
 def wall_seconds(record: Mapping[str, Any]) -> float | None:
-    from .runs import parse_timestamp
-
     started, finished = record.get("started_at"), record.get("finished_at")
     if not started or not finished:
         return None
-    return round(parse_timestamp(finished) - parse_timestamp(started), 3)
+    return round(_timestamp(finished) - _timestamp(started), 3)
+
+
+def _timestamp(text: Any) -> float:
+    """A record's ISO timestamp as ``runs.parse_timestamp`` reads it (now when it cannot be read),
+    without importing :mod:`.runs`: its schemas import pydantic, about 0.2 s of a comparison
+    worker's first comparison (the worker imports nothing but the standard library and this
+    package's light modules: compare_worker.BOOTSTRAP)."""
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except (TypeError, ValueError):
+        return time.time()
 
 
 def peak_vram_mb(record: Mapping[str, Any]) -> int | None:

@@ -100,8 +100,8 @@ class Scheduler:
         self.context: ExecutorContext | None = None  # what executors get; set by start()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
         self._cancelled_sweeps_write = asyncio.Lock()  # (cancel_sweep: its list written one at a time)
-        # Comparisons read whole episode logs: on their own small pool, never the default one that
-        # serves the plain reads of run files (GET /runs/{id}), and a bounded number at once.
+        # Comparisons read whole episode logs: in worker processes of their own (their parsing
+        # would hold this interpreter's GIL against the event loop), a bounded number at once.
         self.comparisons = Comparisons(self.table, self.store)
         self._tasks: list[asyncio.Future[None]] = []
         self._budgets: list[DeviceBudget] = []
@@ -586,10 +586,11 @@ class Scheduler:
         else:
             await executor.cancel(run)
 
-    async def compare(self, run_ids: list[str] | None, sweep_id: str | None, baseline: str | None) -> dict[str, Any]:
-        """``GET /evalsched/compare`` (``Comparisons.compare``)."""
+    async def compare(self, run_ids: list[str] | None, sweep_id: str | None, baseline: str | None) -> bytes:
+        """``GET /evalsched/compare``, its answer as JSON (``Comparisons.compare``)."""
         runs = self.comparisons.inputs(run_ids, sweep_id, baseline, self.sweep_runs, self.get)
-        return await self.comparisons.compare(runs, baseline, self._require_loop())
+        self._require_loop()
+        return await self.comparisons.compare(runs, baseline)
 
     def delete(self, run_id: str) -> None:
         if run_id in self.broken and run_id not in self.table:

@@ -36,6 +36,8 @@ What the job sees:
   at a time (unless the site configures shards or MPS), so every SLURM GPU run is exclusive, and
   ``marginal_vram_mb`` only decides whether the run asks for GPUs at all.
 * ``--no-requeue``: a requeued run would start again over its own half-written files.
+* ``--comment=evalsched:<run id>:<attempt>``: with the script's path, how a restarted server finds
+  the job of a run whose ``sbatch`` answered after its record was last written (``find_jobs``).
 * ``--open-mode=append``: the logs are never truncated (the server may have written to them).
 * With dependencies, ``--kill-on-invalid-dep=yes``: a job whose ``afterok`` dependency failed is
   cancelled (reason ``DependencyNeverSatisfied``) rather than left pending forever, even where the
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import re
 import shlex
 import shutil
@@ -53,7 +56,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +71,9 @@ __all__ = [
     "SlurmCli",
     "SlurmJobState",
     "parse_scontrol_job",
+    "is_job_id",
+    "job_comment",
+    "parse_found_jobs",
     "parse_squeue",
     "pending_reason",
     "pending_why",
@@ -83,6 +89,8 @@ SCRIPT_NAME = "slurm.sbatch"
 # starts; Dependency reads e.g. "afterok:11(failed)" or "(null)".
 SQUEUE_FIELDS = ("JobID", "State", "Reason", "exit_code", "BatchHost", "Dependency")
 SQUEUE_FORMAT = ",".join(f"{name}:|" for name in SQUEUE_FIELDS)
+# What find_jobs asks: a line is "<id>|<script path>|<comment>|", matched whole (either may hold "|").
+FIND_FORMAT = "JobID:|,Command:|,Comment:|"
 
 # SLURM's base job states in which the job is over and will not change. COMPLETING is not one:
 # SLURM shows it while the job's processes are still being killed, and the run may still write
@@ -237,11 +245,17 @@ def _log_path(path: Path) -> str:
     return text.replace("%", "%%")
 
 
+def job_comment(run_id: str, attempt: int) -> str:
+    """The ``--comment`` of a run's job: which run and attempt it is, for ``find_jobs``."""
+    return f"evalsched:{run_id}:{attempt}"
+
+
 def sbatch_options(
     run_dir: Path,
     spec: Mapping,
     dependency_job_ids: Sequence[str] = (),
     config: SlurmConfig | None = None,
+    comment: str | None = None,
 ) -> list[str]:
     """The sbatch options for a run, as ``--name=value`` arguments."""
     config = config or SlurmConfig()
@@ -284,6 +298,10 @@ def sbatch_options(
     if config.account:
         opts.append(f"--account={config.account}")
     opts.extend(config.extra_sbatch_args)
+    if comment is not None:
+        # After extra_sbatch_args: the last --comment wins, and one of theirs (or an abbreviation,
+        # "--com=") would hide the job from find_jobs (the run handed over again after a restart).
+        opts.append(f"--comment={comment}")
     return opts
 
 
@@ -330,6 +348,7 @@ def render_sbatch_script(
     env: Mapping[str, str],
     dependency_job_ids: Sequence[str] = (),
     config: SlurmConfig | None = None,
+    comment: str | None = None,
 ) -> str:
     config = config or SlurmConfig()
     run_dir = Path(run_dir)
@@ -337,6 +356,7 @@ def render_sbatch_script(
     lines = [
         "#!/bin/bash",
         *_sbatch_directives(sbatch_options(run_dir, spec, dependency_job_ids, config), len(config.extra_sbatch_args)),
+        *([f"#SBATCH {_directive_token(f'--comment={comment}')}"] if comment is not None else []),
         f"# jupyter_evalsched run {run_id}: written by the server, submitted with sbatch --parsable.",
         # Exit 66 (EX_NOINPUT) when cwd is missing on the node: the run then ends "exit_code:66".
         f"cd -- {shlex.quote(cwd)} || {{ echo 'evalsched: cannot enter the run cwd' {shlex.quote(cwd)} >&2; exit 66; }}",
@@ -373,8 +393,13 @@ exit "$rc"
 # --------------------------------------------------------------------------- parsing
 
 
+def is_job_id(text: object) -> bool:
+    """``text`` is a SLURM job id ("12", or an array task's "12_3"), and nothing more."""
+    return isinstance(text, str) and _JOB_ID.fullmatch(text) is not None
+
+
 def _check_job_id(job_id: str) -> str:
-    if not _JOB_ID.match(job_id):
+    if not is_job_id(job_id):
         raise SlurmError(f"not a SLURM job id: {job_id!r}")
     return job_id
 
@@ -421,6 +446,27 @@ def parse_squeue(text: str) -> dict[str, SlurmJobState]:
             dependency=_none_if_null(dependency),
         )
     return jobs
+
+
+def parse_found_jobs(text: str, wanted: Mapping[str, str], job_ids: Iterable[str]) -> dict[str, list[str]]:
+    """The jobs of ``find_jobs``' squeue (``FIND_FORMAT``) that are wanted: ``wanted`` maps each
+    line's tail after the job id ("|<script path>|<comment>|") to a run id. Run id -> job ids.
+
+    A comment (or a script's path) may hold line breaks: another job of the user can print lines
+    that read as a wanted job's. A line counts only when its job id is one of the user's jobs
+    (``job_ids``, squeue's list of ids alone) and begins no other line: every job's record begins
+    with its own id, so a forged line repeats a real id or names none of the user's."""
+    lines = text.splitlines()
+    starts = collections.Counter(line.partition("|")[0].strip() for line in lines)
+    known = set(job_ids)
+    found: dict[str, list[str]] = {}
+    for line in lines:
+        job_id, bar, _ = line.partition("|")
+        run_id = wanted.get(line.rstrip()[len(job_id) :]) if bar else None
+        job_id = job_id.strip()
+        if run_id is not None and _JOB_ID.match(job_id) and job_id in known and starts[job_id] == 1:
+            found.setdefault(run_id, []).append(job_id)
+    return found
 
 
 def _field(text: str, name: str, pattern: str = r"\S*") -> str | None:
@@ -596,11 +642,13 @@ class SlurmCli:
         spec: dict,
         env: dict[str, str],
         dependency_job_ids: list[str],
+        attempt: int = 1,
     ) -> str:
         """Write ``run_dir/slurm.sbatch``, submit it and return the SLURM job id."""
         run_dir = Path(run_dir)
         deps = [str(j) for j in dependency_job_ids or ()]
-        script = render_sbatch_script(run_id, run_dir, spec, env, deps, self.config)
+        comment = job_comment(run_id, attempt)
+        script = render_sbatch_script(run_id, run_dir, spec, env, deps, self.config, comment)
         path = run_dir / SCRIPT_NAME
         try:
             # Owner-only from its creation: it holds the run's environment.
@@ -617,7 +665,7 @@ class SlurmCli:
         }
         # The options again on the command line: they outrank SBATCH_* variables of the
         # environment, which would otherwise override the script's #SBATCH lines.
-        args = ["--parsable", *sbatch_options(run_dir, spec, deps, self.config), str(path)]
+        args = ["--parsable", *sbatch_options(run_dir, spec, deps, self.config, comment), str(path)]
         proc = self._run("sbatch", args, env=sbatch_env)
         if proc.returncode != 0:
             raise self._failure("sbatch", proc)
@@ -662,11 +710,45 @@ class SlurmCli:
         state = parse_scontrol_job(proc.stdout)
         return state if state is not None and state.job_id == job_id else _unknown(job_id)
 
+    # ---- find
+
+    def find_jobs(self, runs: Mapping[str, tuple[Path, int]]) -> dict[str, list[str]]:
+        """The jobs SLURM has (this user's, in any state it still lists) of ``runs`` (run id ->
+        (run directory, attempt)): those whose script is the run's and whose comment names the run
+        and attempt (``job_comment``). Two ``squeue``s (``parse_found_jobs``: a job's text cannot
+        pass for another's); raises SlurmError when SLURM cannot be asked."""
+        if not runs:
+            return {}
+        wanted = {
+            f"|{Path(run_dir) / SCRIPT_NAME}|{job_comment(run_id, attempt)}|": run_id
+            for run_id, (run_dir, attempt) in runs.items()
+        }
+        mine = ["--noheader", "--states=all", f"--user={os.getuid()}"]
+        proc = self._run("squeue", [*mine, f"--Format={FIND_FORMAT}"])
+        if proc.returncode != 0:
+            raise self._failure("squeue", proc)
+        # Then the ids alone (no text a job chooses): what parse_found_jobs checks the lines against.
+        ids = self._run("squeue", [*mine, "--Format=JobID:|"])
+        if ids.returncode != 0:
+            raise self._failure("squeue", ids)
+        return parse_found_jobs(
+            proc.stdout, wanted, (line.partition("|")[0].strip() for line in ids.stdout.splitlines())
+        )
+
     # ---- cancel
 
-    def cancel(self, job_id: str) -> None:
-        """``scancel``: SIGTERM to every process of the job, SIGKILL after SLURM's KillWait. A job
-        that has already ended is not an error (scancel itself ignores it)."""
-        proc = self._run("scancel", [_check_job_id(str(job_id))])
-        if proc.returncode != 0 and _INVALID_JOB_ID not in proc.stderr:
+    def cancel(self, *job_ids: str) -> None:
+        """``scancel``, one command for all of them: SIGTERM to every process of each job, SIGKILL
+        after SLURM's KillWait. A job that has already ended is not an error (scancel itself
+        ignores it; one SLURM no longer knows is skipped)."""
+        if not job_ids:
+            return
+        proc = self._run("scancel", [_check_job_id(str(j)) for j in job_ids])
+        if proc.returncode != 0 and not _only_invalid_ids(proc.stderr):
             raise self._failure("scancel", proc)
+
+
+def _only_invalid_ids(stderr: str) -> bool:
+    """scancel's complaints are all about job ids SLURM no longer knows (it still cancels the rest)."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return bool(lines) and all(_INVALID_JOB_ID in line for line in lines)

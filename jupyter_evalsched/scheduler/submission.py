@@ -10,6 +10,7 @@ All of it runs on the event-loop thread (the directory is written by the writer'
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import dataclasses
 import functools
@@ -871,15 +872,39 @@ class _SweepBase:
 # GIL: a thread would stall the loop as much): 16 KiB, several times a notebook cell, takes about
 # 6 ms; 1 MB took 0.55 s. A longer one is the run's to compile.
 MAX_CHECKED_SOURCE_CHARS = 16 * 1024
+# The compiler's time grows with the square of how deeply lambdas nest (each a code object in the
+# one around it): 16 KiB of `lambda: lambda: ...`, 2,000 deep, took 0.64 s of the loop; 100 deep,
+# 2 ms (a def nests at most 100 deep, by indentation; a comprehension 200, by brackets). A source
+# whose lambdas nest deeper is left to the run to compile, as a longer one is (Python accepts it:
+# refusing it would refuse working code). Fewer `lambda`s than this in the text cannot nest deeper.
+MAX_NESTED_LAMBDAS = 100
+# Nested scopes (lambdas, comprehensions, defs, classes) cost the compiler more: each name used in
+# one is passed on by every scope around it (a free variable of each), each level a few µs. 16 KiB
+# of generator expressions 190 deep that use 1,300 names of the function around them took 1 s of
+# the loop (no lambda in it). Measured as a name's (or a scope's) levels of nesting below its
+# function's, summed: a source that costs more is parsed only, and left to the run to compile.
+# Notebook code stays far below it (a method's comprehension costs 1 a name); the limit costs at
+# most some 50 ms.
+MAX_NESTED_SCOPE_COST = 10_000
+# Parsed first only when longer: the parse and walk cost 3 to 4 times the compile (a typical
+# 16 KiB source: 7.6 ms against 2.1 ms), and the worst a source this short can cost the compiler
+# is some 50 ms (a quarter of the length, a sixteenth of the time).
+MIN_PARSED_SOURCE_CHARS = 4096
 
 
 def source_syntax_error(source: str) -> str | None:
     """Where and why a spec's inline ``source`` does not compile (as the run would find out once
     admitted, maybe hours later), or None. Compiled only, never run; by this server's Python, and
-    only up to ``MAX_CHECKED_SOURCE_CHARS`` (None for a longer one)."""
+    only up to ``MAX_CHECKED_SOURCE_CHARS`` (None for a longer one). Lambdas nested more than
+    ``MAX_NESTED_LAMBDAS`` deep, or scopes nested at a cost over ``MAX_NESTED_SCOPE_COST``, are
+    not compiled (None, unless the parse fails)."""
     if len(source) > MAX_CHECKED_SOURCE_CHARS:
         return None
     try:
+        if len(source) > MIN_PARSED_SOURCE_CHARS or source.count("lambda") > MAX_NESTED_LAMBDAS:
+            tree = compile(source, contract.EVAL_SOURCE_FILE, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+            if _nesting_too_costly(tree):
+                return None
         compile(source, contract.EVAL_SOURCE_FILE, "exec", dont_inherit=True)
     except SyntaxError as e:  # IndentationError included; a NUL byte has no line
         where = f" line {e.lineno}" if e.lineno else ""
@@ -889,6 +914,42 @@ def source_syntax_error(source: str) -> str | None:
     except (RecursionError, MemoryError):  # the compiler's limits: `1+1+...`, `- - - 1` thousands deep
         return f"{contract.EVAL_SOURCE_FILE}: too deeply nested to compile"
     return None
+
+
+# What opens a scope of its own (a comprehension too, before Python 3.12).
+_SCOPES = (
+    ast.Lambda,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.GeneratorExp,
+    ast.ListComp,
+    ast.SetComp,
+    ast.DictComp,
+)
+
+
+def _nesting_too_costly(tree: ast.AST) -> bool:
+    """Whether lambdas nest more than ``MAX_NESTED_LAMBDAS`` deep, or the nested scopes' cost
+    (each name's and each scope's depth below the outermost function, summed) is over
+    ``MAX_NESTED_SCOPE_COST``. A walk with a stack of its own: the tree may be thousands deep."""
+    cost = 0
+    stack: list[tuple[ast.AST, int, int]] = [(tree, -1, 0)]  # (node, scopes around it less one, lambdas)
+    while stack:
+        node, depth, lambdas = stack.pop()
+        if isinstance(node, _SCOPES):
+            depth += 1
+            cost += depth
+            if isinstance(node, ast.Lambda):
+                lambdas += 1
+                if lambdas > MAX_NESTED_LAMBDAS:
+                    return True
+        elif isinstance(node, ast.Name):
+            cost += max(depth, 0)
+        if cost > MAX_NESTED_SCOPE_COST:
+            return True
+        stack.extend((child, depth, lambdas) for child in ast.iter_child_nodes(node))
+    return False
 
 
 def _entrypoint_problem(spec: EvalSpec, cwd: str) -> tuple[str, str] | None:

@@ -507,6 +507,86 @@ export interface IQueueView {
   leases?: ILeaseRecord[];
 }
 
+/** A run's cancel answered: its record, and whether the run still ends. */
+export interface IRunCancelAnswer {
+  id: string;
+  name: string;
+  state: 'queued' | 'running' | 'succeeded' | 'failed' | 'cancelled' | 'aborted';
+  /** a reason code, then an optional sentence after ': ' */
+  reason: string | null;
+  /** what it waits for, as data (its reason is derived from it); null when nothing is pending */
+  why: IWhy | null;
+  priority: 'high' | 'normal' | 'low';
+  submitted_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+  pid: number | null;
+  /** GPU indices (NVML order) */
+  devices?: number[];
+  /** as Popen's returncode: negative for a signal */
+  exit_code: number | null;
+  progress?: IProgress;
+  marginal_vram_mb: number;
+  depends_on?: string[];
+  gpus: number;
+  cpus: number;
+  exclusive_gpu: boolean;
+  models?: string[];
+  timeout_s: number | null;
+  executor: 'local' | 'slurm';
+  /** submission counter: the queue's order, also after a restart */
+  seq: number;
+  /** the run process's start time (psutil create_time) */
+  pid_create_time: number | null;
+  run_dir: string;
+  /** the latest aggregates of summary.json */
+  metrics?: { [key: string]: unknown };
+  slurm_job_id: string | null;
+  slurm_state: string | null;
+  /** the Idempotency-Key header of the submission; for a sweep's run '<key>#<i> <n>:<digest>' (its point, the sweep's number of points and their digest) */
+  idempotency_key: string | null;
+  /** the eval's entrypoint (eval.py:... for a cell's source) */
+  entrypoint: string | null;
+  /** sha256 of the spec's source, when it carries one */
+  source_digest: string | null;
+  /** where marginal_vram_mb came from: 'declared', or 'auto: ...' with the figures */
+  marginal_vram_source: string;
+  /** the host memory limit asked for (scheduling.memory_mb) */
+  memory_mb: number | null;
+  /** what the run was seen to use (null before anything was) */
+  observed: IObserved | null;
+  /** problems seen while it ran, each starting with a code (over_vram: ...) */
+  warnings?: string[];
+  /** 1 for the first attempt; resumes, retries and preemptions add one */
+  attempt: number;
+  /** times the run was preempted (stopped for a higher lane, resumed later) */
+  preemptions: number;
+  /** scheduling.preemptible, defaults filled in */
+  preemptible: boolean;
+  /** automatic retries allowed (the spec's retries) */
+  retries: number;
+  /** automatic retries made (a resume through the API starts again at 0) */
+  retries_used: number;
+  /** when a retry waiting out its back-off is admitted again */
+  retry_at: string | null;
+  /** the run does not die with the server */
+  detach: boolean;
+  /** how its current attempt started: forked from a zygote ('warm') or a fresh interpreter */
+  start: 'warm' | 'cold' | null;
+  /** which zygote forked it, or why it started cold */
+  start_detail: string | null;
+  /** the sweep the run belongs to (POST /evalsched/sweeps) */
+  sweep_id: string | null;
+  /** its sweep's name: the base of its runs' names '<base> [<point>]' (null outside a sweep) */
+  sweep_name: string | null;
+  /** the parameters its sweep set for it (its params are the spec's updated with them) */
+  sweep_point: { [key: string]: unknown } | null;
+  /** how each earlier attempt ended */
+  history?: IAttemptEnd[];
+  /** the cancel is under way: the run was signalled (or scancel'd) and ends cancelled when its process does; false when it ended already (cancelled at once, or before the cancel) */
+  cancel_requested: boolean;
+}
+
 export interface IRunDetail {
   id: string;
   name: string;

@@ -1,0 +1,92 @@
+"""A cancel's answer says whether the run still ends: ``cancel_requested`` is true for a running
+run that was signalled and has not stopped yet, false for one the cancel ended at once; the CLI's
+``cancel`` line and ``--json`` read it (and derive it from the state where a server does not send
+it). A real in-process server, a run that outlives SIGTERM until the test lets it go (no timing),
+and the real CLI as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from rest import submit
+from waiting import async_wait_until
+
+from jupyter_evalsched.cli import with_cancel_requested
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Outlives the cancel's SIGTERM (the grace is long) until the test writes the release file, then
+# dies of it, as a run slow to stop would.
+STUBBORN = """\
+import os, signal, time
+
+def episode(ctx, index):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(ctx.params["ready"], "w").close()
+    while not os.path.exists(ctx.params["release"]):
+        time.sleep(0.02)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+@pytest.fixture
+def evalsched_config():
+    return {"cancel_grace_s": 3600.0}
+
+
+async def _cli(server, *args: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID")}
+    env.update(
+        EVALSCHED_URL=server.connection_url,
+        EVALSCHED_TOKEN=server.identity_provider.token,
+        PYTHONPATH=str(REPO),
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "jupyter_evalsched.cli", *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_the_cancel_answer_and_the_cli_tell_stopping_from_ended(api, wait_for, jp_serverapp, tmp_path):
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    body = {"source": STUBBORN, "episodes": 1, "params": {"ready": str(ready), "release": str(release)}}
+    running = await submit(api, body)
+    behind = await submit(api, {**body, "depends_on": [running["id"]]})  # queued until it ends
+    await async_wait_until(ready.exists, timeout=60)
+    await wait_for(running["id"], states=("running",))
+
+    # Queued: the cancel ends it, and says so.
+    code, out, err = await _cli(jp_serverapp, "cancel", behind["id"], "--json")
+    assert code == 0, err
+    answer = json.loads(out)
+    assert (answer["state"], answer["cancel_requested"]) == ("cancelled", False), answer
+
+    # Running: signalled, still running (it ignores SIGTERM, and the grace is an hour).
+    code, out, err = await _cli(jp_serverapp, "cancel", running["id"], "--json")
+    assert code == 0, err
+    answer = json.loads(out)
+    assert (answer["state"], answer["cancel_requested"]) == ("running", True), answer
+    code, rest_answer = await api("POST", f"runs/{running['id']}/cancel")  # the REST answer itself
+    assert code == 200 and (rest_answer["state"], rest_answer["cancel_requested"]) == ("running", True)
+    code, out, err = await _cli(jp_serverapp, "cancel", running["id"])
+    assert code == 0 and f"{running['id']}" in out and "cancelling: signalled to stop" in out, (out, err)
+
+    release.touch()
+    assert (await wait_for(running["id"]))["state"] == "cancelled"
+    code, answer = await api("POST", f"runs/{running['id']}/cancel")  # nothing to cancel any more
+    assert code == 409, answer
+
+
+@pytest.mark.parametrize(("state", "stopping"), [("running", True), ("queued", True), ("cancelled", False)])
+def test_an_answer_without_the_field_is_read_by_its_state(state, stopping):
+    # A sweep's cancel, or a server older than the field: the CLI derives it.
+    assert with_cancel_requested({"id": "r", "state": state})["cancel_requested"] is stopping
+    assert with_cancel_requested({"id": "r", "state": state, "cancel_requested": False})["cancel_requested"] is False
