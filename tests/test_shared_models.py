@@ -464,7 +464,11 @@ async def test_four_processes_share_one_load_with_correct_batched_outputs(manage
     assert described["state"] == "loaded" and described["error"] is None
     assert described["requests"] == 1 + 4 * (len(SENTENCES) + 1)
     assert described["mean_batch_size"] > 1, described
-    assert lag["max"] < 0.5, lag
+    # A liveness bound, generous: the loop only waits on sockets here, while six processes (the
+    # model host, four clients, the reference) share the machine's cores: 0.59 s once in CI on 2
+    # cores (2026-12-07). It catches a loop held for seconds (a blocking wait on the model host), not a
+    # short stall.
+    assert lag["max"] < 1.5, lag
     assert described["pid"] in manager.pids()
 
 
