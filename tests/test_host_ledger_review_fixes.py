@@ -102,14 +102,14 @@ def _passwd_whole() -> bool:
 
 @pytest.fixture
 def carol(users) -> Iterator[pwd.struct_passwd]:
-    """A user of this module's own, whose name the test changes and changes back. Skipped where
-    /etc/passwd cannot be written (a read-only mount). Its content is kept in /tmp first, written
-    back should a rewrite have left it broken."""
+    """A user of this module's own, whose name the test changes and changes back (a failure where
+    /etc/passwd cannot be written: this project's machines and CI can, and a skip would prove
+    nothing). Its content is kept in /tmp first, written back should a rewrite have left it broken."""
     try:
         with open(PASSWD, "r+", encoding="utf-8"), _passwd_locked():
             pass
     except OSError as exc:
-        pytest.skip(f"{PASSWD} cannot be written here: {exc}")
+        pytest.fail(f"{PASSWD} cannot be written here: {exc}")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f"{PASSWD}.evhl-rename")  # (left by an earlier version of this test)
     fd, backup = tempfile.mkstemp(prefix="evhl-passwd-", dir="/tmp")

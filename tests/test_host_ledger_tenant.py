@@ -185,69 +185,69 @@ def test_a_link_whose_re_telling_the_ledger_cannot_save_connects_again_and_re_te
     asyncio.run(go())
 
 
-def test_the_link_is_connected_in_its_status_only_once_it_has_read_the_hosts_view(tmp_path):
-    # Until the first view, the link knows no quota: a request that can never fit is taken as one
-    # that could. Its status said connected from the hello on (a test's submission in that gap
-    # was a 201 where the quota made it a 422).
+def _with_view_wrapped(tmp_path, wrap, check) -> None:
+    """A link to a real ledger (in this loop) whose views are read through ``wrap(view)``;
+    ``await check(link, path)`` while it runs."""
     path = str(tmp_path / "ledger.sock")
-    config = parse_config({"virtual_gpus": [24000]})
 
     async def go() -> None:
-        ledger = HostLedger(config, path)
+        ledger = HostLedger(parse_config({"virtual_gpus": [24000]}), path)
         await ledger.start()
         link = TenantLink(path, tenant="test", refresh_s=0.2)
-        first_view = asyncio.Event()
-        view = link.client.view
-
-        async def held_view():
-            await first_view.wait()
-            return await view()
-
-        link.client.view = held_view
+        link.client.view = wrap(link.client.view)
         await link.start()
         try:
-            await until(lambda: link.connected and link.user)
-            status = link.status()
-            assert status["connected"] is False, status
-            assert status["error"] == "connected; reading the host ledger's first view"
-            first_view.set()
-            await until(lambda: link.view is not None)
-            assert link.status() == {"socket": path, "connected": True, "user": "root", "error": None}
+            await check(link, path)
         finally:
             await link.stop()
             await ledger.stop()
 
     asyncio.run(go())
+
+
+def test_the_link_is_connected_in_its_status_only_once_it_has_read_the_hosts_view(tmp_path):
+    # Until the first view, the link knows no quota: a request that can never fit is taken as one
+    # that could. Its status said connected from the hello on (a test's submission in that gap
+    # was a 201 where the quota made it a 422).
+    first_view = asyncio.Event()
+
+    def held(view):
+        async def held_view():
+            await first_view.wait()
+            return await view()
+
+        return held_view
+
+    async def check(link, path):
+        await until(lambda: link.connected and link.user)
+        status = link.status()
+        assert status["connected"] is False, status
+        assert status["error"] == "connected; reading the host ledger's first view"
+        first_view.set()
+        await until(lambda: link.view is not None)
+        assert link.status() == {"socket": path, "connected": True, "user": "root", "error": None}
+
+    _with_view_wrapped(tmp_path, held, check)
 
 
 def test_a_view_that_failed_once_on_a_kept_connection_is_connected_again_once_read(tmp_path):
     # An error of the ledger's own (``internal``) on a view keeps the connection: the next view
     # read is the link back. Its error was cleared only by a new connection: the status said
     # "not connected" for good while GPU work went on.
-    path = str(tmp_path / "ledger.sock")
-    config = parse_config({"virtual_gpus": [24000]})
+    failures = []
 
-    async def go() -> None:
-        ledger = HostLedger(config, path)
-        await ledger.start()
-        link = TenantLink(path, tenant="test", refresh_s=0.2)
-        view = link.client.view
-        failures = []
-
-        async def fails_once():
+    def fails_once(view):
+        async def failing_view():
             if not failures:
                 failures.append(1)
                 raise tenant.HostLedgerError("internal", "the view could not be made")
             return await view()
 
-        link.client.view = fails_once
-        await link.start()
-        try:
-            await until(lambda: failures and link.view is not None)
-            assert link.client.connected
-            assert link.status() == {"socket": path, "connected": True, "user": "root", "error": None}
-        finally:
-            await link.stop()
-            await ledger.stop()
+        return failing_view
 
-    asyncio.run(go())
+    async def check(link, path):
+        await until(lambda: failures and link.view is not None)
+        assert link.client.connected
+        assert link.status() == {"socket": path, "connected": True, "user": "root", "error": None}
+
+    _with_view_wrapped(tmp_path, fails_once, check)

@@ -484,7 +484,7 @@ def listener_of_another_user(held_lock):
     another user listens there between a secondary's check of the advertisement and its connect.
     It answers nothing; for each connection it prints how many bytes it was sent."""
     if os.getuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
-        pytest.skip("needs root and /usr/bin/python3, to listen as another user")
+        pytest.fail("needs root and /usr/bin/python3, to listen as another user (as this project's CI has)")
     from jupyter_evalsched.primary import _start_ticks
 
     code = (
@@ -1031,7 +1031,7 @@ def test_the_lock_of_an_advertisement_without_a_start_is_the_runs_directorys_own
     number) locked by the pid is not the runs directory's lock. In a mount namespace of its own,
     which goes with the process."""
     if os.getuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
-        pytest.skip("needs root, unshare and mount, to mount two file systems")
+        pytest.fail("needs root, unshare and mount, to mount two file systems (as this project's CI has)")
     code = (
         "import fcntl, json, os, subprocess, sys\n"
         "from jupyter_evalsched.primary import _holds_flock\n"
@@ -1053,11 +1053,13 @@ def test_the_lock_of_an_advertisement_without_a_start_is_the_runs_directorys_own
         text=True,
     )
     if done.returncode != 0 and "unshare failed" in done.stderr:
-        pytest.skip(f"no mount namespace here: {done.stderr.strip()}")
+        pytest.fail(f"no mount namespace here: {done.stderr.strip()}")
     assert done.returncode == 0, done.stderr
     same_inode, other_locked, runs_locked = json.loads(done.stdout)
     if not same_inode:
-        pytest.skip("this kernel numbers tmpfs inodes across mounts: no two directories share one")
+        pytest.fail(
+            "this kernel numbers tmpfs inodes across mounts: no two directories share one (the case is not made)"
+        )
     assert not other_locked, (
         "a lock on another file system's directory of the same inode number was taken for the runs directory's"
     )
