@@ -142,9 +142,9 @@ async def test_the_exit_reads_its_cgroups_figures_off_the_event_loop_before_its_
 
 
 async def test_an_idle_server_reclaims_its_namespace_after_enough_runs(api, wait_for, monkeypatch):
-    """Every ``NAMESPACE_RECLAIM_AFTER`` ended runs, once none of the server's runs lives, the
-    namespace's memory is reclaimed (off the loop): never while a run lives, whose page cache it
-    would take too."""
+    """Every ``NAMESPACE_RECLAIM_AFTER`` ended runs, once none of the server's runs lives and none
+    has ended for ``QUIET_BEFORE_RECLAIM_S``, the namespace's memory is reclaimed (off the loop):
+    never while a run lives, whose page cache it would take too."""
     from jupyter_evalsched.scheduler.executors import local
 
     calls: list[bool] = []
@@ -164,6 +164,10 @@ async def test_an_idle_server_reclaims_its_namespace_after_enough_runs(api, wait
     code, now = await api("GET", f"runs/{long['id']}")
     assert calls == [] and now["state"] == "running", (calls, now["state"])
     assert (await wait_for(long["id"]))["state"] == "succeeded"
+    # Nor within QUIET_BEFORE_RECLAIM_S of a run's end: runs of a few milliseconds leave the
+    # server without a live run most of the time, and a reclaim mid-churn held up their clean-ups.
+    await asyncio.sleep(local.QUIET_BEFORE_RECLAIM_S / 2)
+    assert calls == [], "reclaimed right after a run ended"
     await async_wait_until(lambda: calls, timeout=10, message="no reclaim once the server was idle")
     assert calls == [False]  # (in the pool's thread)
     await asyncio.sleep(1.0)

@@ -25,6 +25,7 @@ is not our child, so its exit status cannot be known: its own files say how it e
 from __future__ import annotations
 
 import asyncio
+import collections
 import fcntl
 import functools
 import logging
@@ -192,7 +193,7 @@ class Launcher:
         # for it, or it could remove the new attempt's cgroup. Completed in the thread, without a
         # wake-up of the loop (nothing waits for it but a next attempt, which is rare); the done
         # ones are dropped at the next run's end.
-        self.cleaning: dict[str, Future[None]] = {}
+        self.cleaning: collections.OrderedDict[str, Future[None]] = collections.OrderedDict()
         # Where ended runs' clean-up (cgroup removal) runs: one thread for all of it (None: the
         # loop's default executor).
         self.janitor: Executor | None = None
@@ -527,10 +528,14 @@ class Launcher:
             _killpg(proc.pid, signal.SIGKILL)
         # Registered before the exit handler runs: it may start the run's next attempt at once,
         # which must wait for this clean-up (it would remove the new attempt's cgroup).
-        for run_id in [run_id for run_id, work in self.cleaning.items() if work.done()]:
-            del self.cleaning[run_id]
+        # (Mostly the oldest are the done ones: clean-ups run in one thread, in the order they
+        # were queued, though a run's may wait for its exit's figures first. Looking at all of
+        # them made each end cost the loop as much as the clean-up's backlog was long.)
+        while self.cleaning and next(iter(self.cleaning.values())).done():
+            self.cleaning.popitem(last=False)
         cleaned: Future[None] = Future()
         cleaned.set_running_or_notify_cancel()  # (a waiter's cancel must not make it look done)
+        self.cleaning.pop(proc.run_id, None)  # (a next attempt's goes last)
         self.cleaning[proc.run_id] = cleaned
         after = None
         try:

@@ -57,6 +57,9 @@ log = logging.getLogger("jupyter_evalsched")
 # Runs (with a cgroup) ended before an idle server reclaims its namespace's memory: ~3 % of runs
 # leave a removed cgroup held by a page (see Cgroups.reclaim_namespace); one reclaim frees all.
 NAMESPACE_RECLAIM_AFTER = 32
+# How long no run may have ended before the server counts as idle for that reclaim
+# (``LocalExecutor._idle``).
+QUIET_BEFORE_RECLAIM_S = 2.0
 
 
 class LocalExecutor(Executor):
@@ -89,6 +92,7 @@ class LocalExecutor(Executor):
         self._stale_groups: dict[str, tuple[int, float | None]] = {}  # run id: its leader (pid, start)
         self._stale_cgroups: list[RunCgroup] = []
         self._ended_since_reclaim = 0  # runs with a cgroup ended since the namespace's last reclaim
+        self._last_cgroup_end = 0.0  # (monotonic) when a run with a cgroup last ended
         self._escapes_to_search: dict[str, float] = {}
         self._stopping = False
 
@@ -385,6 +389,7 @@ class LocalExecutor(Executor):
         cgroup = self._cgroups.pop(run_id, None)
         if cgroup is not None:
             self._ended_since_reclaim += 1
+            self._last_cgroup_end = time.monotonic()
         if run is None or run.terminal:
             return None
         table.exited(run)  # its resources go to the next run first: the verdict reads files
@@ -665,13 +670,20 @@ class LocalExecutor(Executor):
             self.zygotes.reconcile()
         self._reclaim_namespace_when_idle()
 
-    def _reclaim_namespace_when_idle(self) -> None:
-        """Once ``NAMESPACE_RECLAIM_AFTER`` runs with a cgroup have ended and none of this
-        server's runs lives: the namespace's memory reclaimed in the pool's thread, which frees the
-        removed cgroups still held by a page (``Cgroups.reclaim_namespace``)."""
-        if self._ended_since_reclaim < NAMESPACE_RECLAIM_AFTER or self.pool is None:
-            return
+    def _idle(self) -> bool:
+        """None of this server's runs lives, and none has ended for ``QUIET_BEFORE_RECLAIM_S``:
+        runs of a few milliseconds each leave the server without a live run most of the time,
+        and a reclaim there, which can sleep in the kernel for a second, made every later run's
+        clean-up wait for it."""
         if self.launcher.running or self._concluding or self._starting:
+            return False
+        return time.monotonic() - self._last_cgroup_end >= QUIET_BEFORE_RECLAIM_S
+
+    def _reclaim_namespace_when_idle(self) -> None:
+        """Once ``NAMESPACE_RECLAIM_AFTER`` runs with a cgroup have ended and the server is idle
+        (``_idle``): the namespace's memory reclaimed in the pool's thread, which frees the
+        removed cgroups still held by a page (``Cgroups.reclaim_namespace``)."""
+        if self._ended_since_reclaim < NAMESPACE_RECLAIM_AFTER or self.pool is None or not self._idle():
             return
         self._ended_since_reclaim = 0
         try:
