@@ -19,7 +19,7 @@ import pytest
 from live_server import wait_until
 from proc_status import StaleGroup, alive
 from run_dirs import write_run_dir
-from waiting import async_wait_until
+from waiting import async_wait_until, loop_ticker
 
 from jupyter_evalsched.client import LocalServer
 
@@ -222,14 +222,7 @@ async def test_a_restart_waits_for_what_runs_left_off_the_event_loop(
     events = stuck_restart(monkeypatch, stuck_s)
     left, queued, retried = (f"20260101T000000.000000-00000{c}" for c in "abc")
     group = StaleGroup()
-    ticks: list[float] = []
-
-    async def ticking() -> None:
-        while True:
-            ticks.append(time.monotonic())
-            await asyncio.sleep(0.01)
-
-    ticker = asyncio.ensure_future(ticking())
+    ticks, ticker = loop_ticker()
     try:
         write_run_dir(runs_dir / left, left, group.leader.pid, group.created, seq=1)
         write_run_dir(runs_dir / queued, queued, None, None, seq=2, state="queued", started_at=None, entrypoint=NOOP)

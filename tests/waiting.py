@@ -77,3 +77,16 @@ def reached_state(rec: dict, states) -> bool:
     if rec["state"] not in states:
         return False
     return rec["state"] != "running" or rec.get("pid") is not None or bool(rec.get("models"))
+
+
+def loop_ticker(every_s: float = 0.01) -> tuple[list[float], asyncio.Future[None]]:
+    """A task on the running loop that notes the time every ``every_s``: the times it noted
+    (while the loop turned) and the task (cancel it when done)."""
+    ticks: list[float] = []
+
+    async def ticking() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(every_s)
+
+    return ticks, asyncio.ensure_future(ticking())

@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,10 @@ log = logging.getLogger("jupyter_evalsched")
 # way (64 directories at most) is written, then cancels the runs it made, their records one batch
 # of the writer's thread.
 SWEEPS_END_WAIT_S = 10.0
+# How long a stop waits, off the event loop, for the I/O threads' calls under way (an sbatch or
+# scancel on a slurmctld that does not answer, a write to a stalled disk): the server's loop keeps
+# turning meanwhile, and a stop's callers' own caps can fire. Past it, the stop goes on.
+IO_END_WAIT_S = 10.0
 
 # Serialised queue views kept (one per limit asked), and their bytes at most (the latest is kept
 # whatever its size).
@@ -80,6 +84,33 @@ class StatusView:
     host_ledger: dict[str, Any] | None  # the host ledger link's status, when host_ledger is set
 
 
+class _IoPool(ThreadPoolExecutor):
+    """The I/O threads, each call under way known by name: the stop waits for them off the loop,
+    with a bound, and names those it stopped waiting for."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=8, thread_name_prefix="evalsched-io")
+        self.under_way: dict[Future[Any], str] = {}  # call -> its name (a done callback removes it)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future = super().submit(fn, *args, **kwargs)
+        inner = getattr(fn, "func", fn)  # (a functools.partial)
+        self.under_way[future] = getattr(inner, "__qualname__", None) or repr(inner)
+        future.add_done_callback(lambda f: self.under_way.pop(f, None))
+        return future
+
+    async def ended(self, timeout: float) -> list[str]:
+        """No new call; those under way (queued ones included) waited for, ``timeout`` at most,
+        without holding the loop. The names of those still under way, if any."""
+        self.shutdown(wait=False)
+        futures = [asyncio.wrap_future(f) for f in list(self.under_way)]
+        for future in futures:  # (their callers read their errors: these copies' are no news)
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if futures:
+            await asyncio.wait(futures, timeout=timeout)
+        return sorted(f"{name} ({'running' if f.running() else 'queued'})" for f, name in list(self.under_way.items()))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -98,7 +129,7 @@ class Scheduler:
         self.executors: dict[str, Executor] = {e.name: e for e in (executors or [LocalExecutor(self.models)])}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.context: ExecutorContext | None = None  # what executors get; set by start()
-        self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="evalsched-io")
+        self._io = _IoPool()
         self._cancelled_sweeps_write = asyncio.Lock()  # (cancel_sweep: its list written one at a time)
         # Comparisons read whole episode logs: in worker processes of their own (their parsing
         # would hold this interpreter's GIL against the event loop), a bounded number at once.
@@ -244,7 +275,17 @@ class Scheduler:
         self.table.flush_writes()  # the terminal records still waiting (a large cascade's)
         self.writer.close()
         self._started = False
-        self._io.shutdown(wait=True)
+        left = await self._io.ended(IO_END_WAIT_S)
+        if left:
+            # Those calls end on their own later: what they would write is refused, never written
+            # after the runs directory is released (another server may hold it by then).
+            self.store.refuse_writes("the scheduler stopped; this write came too late")
+            log.warning(
+                "evalsched: I/O calls under way did not end within %g s of the stop: %s; stopping all the "
+                "same (anything they would write is refused)",
+                IO_END_WAIT_S,
+                ", ".join(left),
+            )
         self.comparisons.close()
         self.store.close()
 

@@ -1,0 +1,64 @@
+"""The scheduler's stop waits for its I/O threads off the event loop, and for a bounded time: a
+call stuck in one (an ``sbatch`` or ``scancel`` on a slurmctld that does not answer, a write to a
+stalled disk) neither stands the whole Jupyter server still nor holds the stop past its cap."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import pytest
+from waiting import loop_ticker
+
+from jupyter_evalsched.scheduler import service
+from jupyter_evalsched.store import CANCELLED_SWEEPS_FILE, RunsDirMoved
+
+
+async def test_a_call_stuck_in_an_io_thread_holds_neither_the_loop_nor_the_stop(
+    jp_serverapp, evalsched, runs_dir, monkeypatch, caplog
+):
+    """The stop shut the I/O pool down with ``wait=True`` on the event loop: a call stuck in one
+    of its threads held the loop (kernels, other extensions, any cap the stop's callers set) for
+    as long as it took. The loop now keeps turning while the stop waits, the stop ends at its cap
+    with a warning that names the call, and what the call writes once it ends is refused (the runs
+    directory is released by then)."""
+    monkeypatch.setattr(service, "IO_END_WAIT_S", 0.5)
+    ext = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+    scheduler = evalsched
+    held = threading.Event()
+    release = threading.Event()
+
+    def stuck_scancel() -> None:
+        held.set()
+        release.wait(60)
+        scheduler.store.write_cancelled_sweeps([("late-sweep", None)])
+
+    stuck = scheduler._io.submit(stuck_scancel)
+    assert held.wait(30)
+    # (Released well after the cap, so that a stop that holds the loop ends at all.)
+    releaser = threading.Timer(20.0, release.set)
+    releaser.start()
+    ticks, ticker = loop_ticker()
+    try:
+        await asyncio.sleep(0.05)
+        caplog.set_level(logging.WARNING, logger="jupyter_evalsched")
+        began = time.monotonic()
+        await ext.stop_extension()
+        ended = time.monotonic()
+        still_held = not release.is_set()
+        during = [t for t in ticks if began < t < ended]
+        assert still_held, f"the stop waited for the stuck call ({ended - began:.1f} s)"
+        assert len(during) >= 5, f"the event loop stood still during the stop: {len(during)} turns"
+        warnings = [r.getMessage() for r in caplog.records if "did not end within" in r.getMessage()]
+        assert len(warnings) == 1 and "stuck_scancel (running)" in warnings[0], warnings
+    finally:
+        ticker.cancel()
+        releaser.cancel()
+        release.set()
+    with pytest.raises(RunsDirMoved):
+        await asyncio.wrap_future(stuck)
+    path = runs_dir / CANCELLED_SWEEPS_FILE
+    assert not path.exists() or "late-sweep" not in json.dumps(json.loads(path.read_text()))
