@@ -894,12 +894,17 @@ def cmd_wait(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     if args.run_id.startswith(SWEEP_PREFIX):  # a sweep: its unfinished runs
         view = _client(args).cancel_sweep(args.run_id, by="cli")
-        view = {**view, "runs": [with_cancel_requested(rec) for rec in view["runs"]]}
+        runs = [with_cancel_requested(rec) for rec in view["runs"]]
+        # The count as the server says it; a server older than the field: from the runs.
+        ending = view.get("still_ending", sum(rec["cancel_requested"] for rec in runs))
+        view = {**view, "runs": runs, "still_ending": ending}
         if args.json:
             _print_json(view)
         else:
             for rec in view["runs"]:
                 print(cancel_line(rec))
+            # On stderr: stdout stays one line per run.
+            print(sweep_cancel_note(args.run_id, ending), file=sys.stderr)
         return 0
     rec = with_cancel_requested(_client(args).cancel(args.run_id, by="cli"))
     _print_json(rec) if args.json else print(cancel_line(rec))
@@ -908,12 +913,21 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def with_cancel_requested(rec: dict) -> dict:
     """A cancel's answer with ``cancel_requested`` (the run still ends: signalled, not ended yet)
-    where the server did not say it: a sweep's cancel answers bare records, and so does a server
-    older than the field; a run's state then tells it (a cancel never leaves a run unended
-    otherwise)."""
+    where the server did not say it (a server older than the field, for a run's or a sweep's
+    cancel); a run's state then tells it (a cancel never leaves a run unended otherwise)."""
     if "cancel_requested" in rec:
         return rec
     return {**rec, "cancel_requested": rec.get("state") not in TERMINAL_STATES}
+
+
+def sweep_cancel_note(sweep_id: str, ending: int) -> str:
+    """How many runs of a cancelled sweep are still ending (signalled, not ended yet)."""
+    if not ending:
+        return f"sweep {sweep_id}: no run still ending (each is cancelled, or had ended before)"
+    runs = "1 run is" if ending == 1 else f"{ending} runs are"
+    return (
+        f"sweep {sweep_id}: {runs} still ending; each ends cancelled when its process exits (`{PROG} wait {sweep_id}`)"
+    )
 
 
 def cancel_line(rec: dict) -> str:

@@ -630,11 +630,19 @@ class SweepHandler(EvalSchedHandler):
         self.send_json(self.scheduler.sweep_view(sweep_id))
 
 
+def sweep_cancel_answer(view: dict[str, Any]) -> dict[str, Any]:
+    """A sweep cancel's answer: the sweep's view, each run as a run's cancel answers it (with
+    ``cancel_requested``), and ``still_ending``, the number of its runs still ending: the view
+    alone shows a signalled run as ``running``, like one never cancelled."""
+    runs = [cancel_answer(record) for record in view["runs"]]
+    return {**view, "runs": runs, "still_ending": sum(run["cancel_requested"] for run in runs)}
+
+
 class SweepCancelHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def post(self, sweep_id: str) -> None:
-        self.send_json(await self.scheduler.cancel_sweep(sweep_id, cancelled_by(self)))
+        self.send_json(sweep_cancel_answer(await self.scheduler.cancel_sweep(sweep_id, cancelled_by(self))))
 
 
 class CompareHandler(EvalSchedHandler):

@@ -28,6 +28,7 @@ from .schemas import (
     RunList,
     RunRecord,
     ServerStatus,
+    SweepCancelAnswer,
     SweepCreated,
     SweepList,
     SweepRequest,
@@ -51,6 +52,7 @@ _MODELS = (
     SweepRequest,
     SweepCreated,
     SweepView,
+    SweepCancelAnswer,
     SweepList,
     Comparison,
     ModelConnection,
@@ -572,7 +574,10 @@ def openapi_document(base_url: str = "/") -> dict[str, Any]:
                 "summary": "Cancel a sweep's unfinished runs (finished ones stay)",
                 "operationId": "cancelSweep",
                 "parameters": [CANCELLED_BY_PARAM],
-                "responses": {"200": _json("SweepView", "the sweep"), **_errors(400, 404)},
+                "responses": {
+                    "200": _json("SweepCancelAnswer", "the sweep, and which of its runs are still ending"),
+                    **_errors(400, 404),
+                },
             },
         },
         "/compare": {

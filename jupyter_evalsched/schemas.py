@@ -642,6 +642,19 @@ class RunCancelAnswer(RunRecord):
     )
 
 
+class SweepCancelAnswer(BaseModel):
+    """A sweep's cancel answered: its view (``SweepView``), each run with ``cancel_requested``, and
+    how many still end."""
+
+    id: str
+    runs: list[RunCancelAnswer]
+    counts: dict[str, int] = Field(default_factory=dict, description="runs per state")
+    still_ending: int = Field(
+        description="how many of its runs were signalled (or scancel'd) and have not ended yet: each ends "
+        "cancelled when its process does (they show as running until then); 0 when every run ended"
+    )
+
+
 class RunList(BaseModel):
     runs: list[RunRecord]
     total: int

@@ -6,13 +6,11 @@ and the real CLI as a subprocess."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
+from cli_subprocess import run_cli
 from rest import submit
 from waiting import async_wait_until
 
@@ -40,21 +38,6 @@ def evalsched_config():
     return {"cancel_grace_s": 3600.0}
 
 
-async def _cli(server, *args: str) -> tuple[int, str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("EVALSCHED_URL", "EVALSCHED_TOKEN", "JPY_PARENT_PID")}
-    env.update(
-        EVALSCHED_URL=server.connection_url,
-        EVALSCHED_TOKEN=server.identity_provider.token,
-        PYTHONPATH=str(REPO),
-    )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jupyter_evalsched.cli", *args, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await proc.communicate()
-    return proc.returncode or 0, out.decode(), err.decode()
-
-
 async def test_the_cancel_answer_and_the_cli_tell_stopping_from_ended(api, wait_for, jp_serverapp, tmp_path):
     ready, release = tmp_path / "ready", tmp_path / "release"
     body = {"source": STUBBORN, "episodes": 1, "params": {"ready": str(ready), "release": str(release)}}
@@ -64,19 +47,19 @@ async def test_the_cancel_answer_and_the_cli_tell_stopping_from_ended(api, wait_
     await wait_for(running["id"], states=("running",))
 
     # Queued: the cancel ends it, and says so.
-    code, out, err = await _cli(jp_serverapp, "cancel", behind["id"], "--json")
+    code, out, err = await run_cli(jp_serverapp, "cancel", behind["id"], "--json")
     assert code == 0, err
     answer = json.loads(out)
     assert (answer["state"], answer["cancel_requested"]) == ("cancelled", False), answer
 
     # Running: signalled, still running (it ignores SIGTERM, and the grace is an hour).
-    code, out, err = await _cli(jp_serverapp, "cancel", running["id"], "--json")
+    code, out, err = await run_cli(jp_serverapp, "cancel", running["id"], "--json")
     assert code == 0, err
     answer = json.loads(out)
     assert (answer["state"], answer["cancel_requested"]) == ("running", True), answer
     code, rest_answer = await api("POST", f"runs/{running['id']}/cancel")  # the REST answer itself
     assert code == 200 and (rest_answer["state"], rest_answer["cancel_requested"]) == ("running", True)
-    code, out, err = await _cli(jp_serverapp, "cancel", running["id"])
+    code, out, err = await run_cli(jp_serverapp, "cancel", running["id"])
     assert code == 0 and f"{running['id']}" in out and "cancelling: signalled to stop" in out, (out, err)
 
     release.touch()

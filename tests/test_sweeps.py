@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import threading
 from pathlib import Path
 
 import pytest
+from cli_subprocess import run_cli
 from rest import SLEEPY, spec, submit
 from waiting import async_wait_until
 
@@ -129,6 +131,61 @@ async def test_cancel_of_a_sweep_cancels_only_its_unfinished_runs(api, wait_for)
     assert view["counts"] == {"succeeded": 1, "cancelled": 1}
     assert (await api("GET", "sweeps/sweep-nope"))[0] == 404
     assert (await api("POST", "sweeps/sweep-nope/cancel"))[0] == 404
+
+
+# Outlives the cancel's SIGTERM (the grace is long) until the test writes the release file, then
+# dies of it, as a run slow to stop would. Says it ignores SIGTERM with a file named by its point.
+STUBBORN = """\
+import os, signal, time
+
+def episode(ctx, index):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(os.path.join(ctx.params["ready"], str(ctx.params["point"])), "w").close()
+    while not os.path.exists(ctx.params["release"]):
+        time.sleep(0.02)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+# One CPU slot: one run of the sweep runs, the others wait queued.
+@pytest.mark.parametrize("evalsched_config", [{"cpu_slots": 1, "cancel_grace_s": 3600.0}])
+async def test_a_sweeps_cancel_answer_says_which_runs_are_still_ending(api, wait_for, jp_serverapp, tmp_path):
+    """The sweep cancel's answer says which runs were signalled and still end (the view alone shows
+    them ``running``, as if never cancelled): each run with ``cancel_requested`` as a run's cancel
+    answers it, and their count; the CLI says how many."""
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    ready.mkdir()
+    body = {"source": STUBBORN, "episodes": 1, "params": {"ready": str(ready), "release": str(release)}}
+    body["sweep"] = {"point": [0, 1, 2]}
+    made = await sweep(api, body)
+    ids = [r["id"] for r in made["runs"]]
+    (point,) = await async_wait_until(lambda: os.listdir(ready), timeout=60, message="no run of the sweep started")
+    running = made["runs"][int(point)]["id"]
+    await wait_for(running, states=("running",))
+
+    code, answer = await api("POST", f"sweeps/{made['id']}/cancel")
+    assert code == 200, answer
+    assert [r["id"] for r in answer["runs"]] == ids and answer["id"] == made["id"]
+    assert answer["still_ending"] == 1 and answer["counts"] == {"running": 1, "cancelled": 2}, answer
+    for run in answer["runs"]:
+        if run["id"] == running:  # signalled, still running: it ignores SIGTERM, the grace is an hour
+            assert (run["state"], run["cancel_requested"]) == ("running", True), run
+        else:  # queued: ended at once
+            assert (run["state"], run["cancel_requested"]) == ("cancelled", False), run
+    code, out, err = await run_cli(jp_serverapp, "cancel", made["id"], "--json")
+    assert code == 0 and json.loads(out)["still_ending"] == 1, (out, err)
+    code, out, err = await run_cli(jp_serverapp, "cancel", made["id"])
+    assert code == 0 and f"sweep {made['id']}: 1 run is still ending" in err, (out, err)
+    assert len(out.splitlines()) == 3, out  # stdout: a line per run
+
+    release.touch()
+    assert (await wait_for(running))["state"] == "cancelled"
+    code, answer = await api("POST", f"sweeps/{made['id']}/cancel")
+    assert code == 200 and answer["still_ending"] == 0 and answer["counts"] == {"cancelled": 3}, answer
+    assert [r["cancel_requested"] for r in answer["runs"]] == [False, False, False], answer
+    code, out, err = await run_cli(jp_serverapp, "cancel", made["id"])
+    assert code == 0 and f"sweep {made['id']}: no run still ending" in err, (out, err)
 
 
 async def test_a_retried_sweep_submission_answers_with_the_same_runs(api, jp_fetch):

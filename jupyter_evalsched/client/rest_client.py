@@ -227,7 +227,9 @@ class EvalSchedClient:
         return self.request("GET", "sweeps", query={"limit": limit})["sweeps"]
 
     def cancel_sweep(self, sweep_id: str, by: str | None = None) -> dict:
-        """Cancel a sweep's unfinished runs; ``by`` as for :meth:`cancel`."""
+        """Cancel a sweep's unfinished runs; ``by`` as for :meth:`cancel`. Answers the sweep's
+        view, each run with ``cancel_requested`` (as :meth:`cancel` answers it), and
+        ``cancel_requested``: how many runs were signalled and are still ending (0 once all ended)."""
         path = f"sweeps/{urllib.parse.quote(str(sweep_id), safe='')}/cancel"
         return self.request("POST", path, body={}, query={"by": by} if by else None)
 

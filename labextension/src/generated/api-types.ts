@@ -800,6 +800,19 @@ export interface IServerStatus {
   broken_runs?: IBrokenRun[];
 }
 
+/**
+ * A sweep's cancel answered: its view (``SweepView``), each run with ``cancel_requested``, and
+ * how many still end.
+ */
+export interface ISweepCancelAnswer {
+  id: string;
+  runs: IRunCancelAnswer[];
+  /** runs per state */
+  counts?: { [key: string]: number };
+  /** how many of its runs were signalled (or scancel'd) and have not ended yet: each ends cancelled when its process does (they show as running until then); 0 when every run ended */
+  still_ending: number;
+}
+
 export interface ISweepCreated {
   id: string;
   runs: IRunRecord[];
