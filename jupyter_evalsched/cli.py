@@ -894,10 +894,8 @@ def cmd_wait(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     if args.run_id.startswith(SWEEP_PREFIX):  # a sweep: its unfinished runs
         view = _client(args).cancel_sweep(args.run_id, by="cli")
-        runs = [with_cancel_requested(rec) for rec in view["runs"]]
-        # The count as the server says it; a server older than the field: from the runs.
-        ending = view.get("still_ending", sum(rec["cancel_requested"] for rec in runs))
-        view = {**view, "runs": runs, "still_ending": ending}
+        view = sweep_cancel_view(view)
+        ending = view["still_ending"]
         if args.json:
             _print_json(view)
         else:
@@ -920,14 +918,20 @@ def with_cancel_requested(rec: dict) -> dict:
     return {**rec, "cancel_requested": rec.get("state") not in TERMINAL_STATES}
 
 
+def sweep_cancel_view(view: dict) -> dict:
+    """A sweep cancel's answer with ``cancel_requested`` on each run and ``still_ending``, where a
+    server older than these fields did not say them: each run's state then tells it."""
+    runs = [with_cancel_requested(rec) for rec in view["runs"]]
+    ending = view.get("still_ending", sum(rec["cancel_requested"] for rec in runs))
+    return {**view, "runs": runs, "still_ending": ending}
+
+
 def sweep_cancel_note(sweep_id: str, ending: int) -> str:
     """How many runs of a cancelled sweep are still ending (signalled, not ended yet)."""
     if not ending:
         return f"sweep {sweep_id}: no run still ending (each is cancelled, or had ended before)"
     runs = "1 run is" if ending == 1 else f"{ending} runs are"
-    return (
-        f"sweep {sweep_id}: {runs} still ending; each ends cancelled when its process exits (`{PROG} wait {sweep_id}`)"
-    )
+    return f"sweep {sweep_id}: {runs} still ending; each ends cancelled once it has stopped (`{PROG} wait {sweep_id}`)"
 
 
 def cancel_line(rec: dict) -> str:

@@ -213,6 +213,8 @@ class EvalSchedHandler(ExtensionHandlerMixin, APIHandler):
             if self.app.start_error:  # (a primary whose runs directory was moved)
                 raise ApiError(503, no_primary_message(self.app))
             if not self.scheduler.started:
+                if self.scheduler.stopping:
+                    raise ApiError(503, "the scheduler is stopping; retry once the server is back")
                 # Until recovery has read the runs directory, "no such run" would be a lie.
                 raise ApiError(503, "the scheduler is starting (reading the runs directory); retry in a moment")
             return
@@ -630,19 +632,11 @@ class SweepHandler(EvalSchedHandler):
         self.send_json(self.scheduler.sweep_view(sweep_id))
 
 
-def sweep_cancel_answer(view: dict[str, Any]) -> dict[str, Any]:
-    """A sweep cancel's answer: the sweep's view, each run as a run's cancel answers it (with
-    ``cancel_requested``), and ``still_ending``, the number of its runs still ending: the view
-    alone shows a signalled run as ``running``, like one never cancelled."""
-    runs = [cancel_answer(record) for record in view["runs"]]
-    return {**view, "runs": runs, "still_ending": sum(run["cancel_requested"] for run in runs)}
-
-
 class SweepCancelHandler(EvalSchedHandler):
     @web.authenticated
     @authorized
     async def post(self, sweep_id: str) -> None:
-        self.send_json(sweep_cancel_answer(await self.scheduler.cancel_sweep(sweep_id, cancelled_by(self))))
+        self.send_json(await self.scheduler.cancel_sweep(sweep_id, cancelled_by(self)))
 
 
 class CompareHandler(EvalSchedHandler):

@@ -14,7 +14,7 @@ from cli_subprocess import run_cli
 from rest import submit
 from waiting import async_wait_until
 
-from jupyter_evalsched.cli import with_cancel_requested
+from jupyter_evalsched.cli import sweep_cancel_note, sweep_cancel_view, with_cancel_requested
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,6 +70,19 @@ async def test_the_cancel_answer_and_the_cli_tell_stopping_from_ended(api, wait_
 
 @pytest.mark.parametrize(("state", "stopping"), [("running", True), ("queued", True), ("cancelled", False)])
 def test_an_answer_without_the_field_is_read_by_its_state(state, stopping):
-    # A sweep's cancel, or a server older than the field: the CLI derives it.
+    # A server older than the field: the CLI derives it.
     assert with_cancel_requested({"id": "r", "state": state})["cancel_requested"] is stopping
     assert with_cancel_requested({"id": "r", "state": state, "cancel_requested": False})["cancel_requested"] is False
+
+
+def test_a_sweep_cancel_answer_of_an_older_server_is_read_by_the_runs_states():
+    """A server older than ``still_ending`` and the runs' ``cancel_requested`` answered the bare
+    sweep view: the CLI counts the runs still ending from their states; a newer one's count
+    stands as it says it."""
+    old = {"id": "sweep-x", "runs": [{"id": "a", "state": "running"}, {"id": "b", "state": "cancelled"}]}
+    view = sweep_cancel_view(old)
+    assert view["still_ending"] == 1 and [r["cancel_requested"] for r in view["runs"]] == [True, False]
+    assert "1 run is still ending" in sweep_cancel_note("sweep-x", view["still_ending"])
+    new = {**old, "runs": [{**r, "cancel_requested": False} for r in old["runs"]], "still_ending": 0}
+    assert sweep_cancel_view(new)["still_ending"] == 0
+    assert "no run still ending" in sweep_cancel_note("sweep-x", 0)

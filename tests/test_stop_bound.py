@@ -11,21 +11,22 @@ import threading
 import time
 
 import pytest
-from waiting import loop_ticker
+from waiting import async_wait_until, loop_ticker
 
 from jupyter_evalsched.scheduler import service
+from jupyter_evalsched.scheduler.errors import Unavailable
 from jupyter_evalsched.store import CANCELLED_SWEEPS_FILE, RunsDirMoved
 
 
 async def test_a_call_stuck_in_an_io_thread_holds_neither_the_loop_nor_the_stop(
-    jp_serverapp, evalsched, runs_dir, monkeypatch, caplog
+    jp_serverapp, evalsched, runs_dir, monkeypatch, caplog, api
 ):
     """The stop shut the I/O pool down with ``wait=True`` on the event loop: a call stuck in one
     of its threads held the loop (kernels, other extensions, any cap the stop's callers set) for
     as long as it took. The loop now keeps turning while the stop waits, the stop ends at its cap
     with a warning that names the call, and what the call writes once it ends is refused (the runs
     directory is released by then)."""
-    monkeypatch.setattr(service, "IO_END_WAIT_S", 0.5)
+    monkeypatch.setattr(service, "IO_END_WAIT_S", 3.0)
     ext = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
     scheduler = evalsched
     held = threading.Event()
@@ -46,7 +47,15 @@ async def test_a_call_stuck_in_an_io_thread_holds_neither_the_loop_nor_the_stop(
         await asyncio.sleep(0.05)
         caplog.set_level(logging.WARNING, logger="jupyter_evalsched")
         began = time.monotonic()
-        await ext.stop_extension()
+        stopping = asyncio.ensure_future(ext.stop_extension())
+        # While the stop waits for the call: a request is told the server stops (it was told
+        # "starting"), and one that reaches the closed I/O threads gets a 503, not a 500.
+        await async_wait_until(lambda: not scheduler.started or stopping.done(), timeout=30)
+        code, answer = await api("GET", "runs")
+        assert code == 503 and "stopping" in answer["message"], answer
+        with pytest.raises(Unavailable, match="stopping"):
+            scheduler._io.submit(time.sleep, 0)
+        await stopping
         ended = time.monotonic()
         still_held = not release.is_set()
         during = [t for t in ticks if began < t < ended]

@@ -558,3 +558,46 @@ async def test_a_finished_sweep_cancelled_still_answers_a_retry_of_its_submissio
     assert (await api("POST", f"sweeps/{made['id']}/cancel"))[0] == 200
     code, again = await post()
     assert code == 200 and [r["id"] for r in again["runs"]] == [r["id"] for r in made["runs"]], again
+
+
+async def test_a_cancel_also_ends_the_runs_its_submission_made_while_the_cancel_was_written(
+    api, evalsched, monkeypatch
+):
+    """A sweep cancelled while its submission was under way: the cancel's list goes to disk
+    first, and the runs the submission made meanwhile (its next chunk) were never cancelled:
+    they ran. Here the submission's second chunk is made while the cancel's write is held."""
+    cancel_writing, release = threading.Event(), threading.Event()
+    real_write, real_create = evalsched.store.write_cancelled_sweeps, evalsched.store.create_many
+    creates = []
+
+    def held_write(cancelled):
+        cancel_writing.set()
+        release.wait(60)
+        real_write(cancelled)
+
+    def create_after_the_cancel(runs):
+        creates.append(len(runs))
+        if len(creates) == 2:  # (the second chunk: once the cancel is being written)
+            cancel_writing.wait(60)
+        return real_create(runs)
+
+    monkeypatch.setattr(evalsched.store, "create_many", create_after_the_cancel)
+    monkeypatch.setattr(evalsched.store, "write_cancelled_sweeps", held_write)
+    body = {**spec(sleep_s=600), "sweep": {"k": list(range(sweeps.SWEEP_CHUNK_POINTS + 8))}}
+    posting = asyncio.ensure_future(api("POST", "sweeps", body))
+    cancel = None
+    try:
+        made = await async_wait_until(
+            lambda: [r for r in evalsched.table if r.record.get("sweep_id")], timeout=60, message="no chunk made"
+        )
+        sweep_id = made[0].record["sweep_id"]
+        cancel = asyncio.ensure_future(api("POST", f"sweeps/{sweep_id}/cancel"))
+        assert await asyncio.to_thread(cancel_writing.wait, 60)
+        code, answer = await posting  # (every point made: the cancel is not on disk yet)
+        assert code == 201 and len(answer["runs"]) == len(body["sweep"]["k"]), answer
+    finally:
+        release.set()
+    code, answer = await cancel
+    assert code == 200, answer
+    left = [(r["id"], r["state"]) for r in answer["runs"] if r["state"] != "cancelled" and not r["cancel_requested"]]
+    assert left == [], f"runs of the cancelled sweep left to run: {left}"

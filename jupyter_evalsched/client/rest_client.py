@@ -228,8 +228,8 @@ class EvalSchedClient:
 
     def cancel_sweep(self, sweep_id: str, by: str | None = None) -> dict:
         """Cancel a sweep's unfinished runs; ``by`` as for :meth:`cancel`. Answers the sweep's
-        view, each run with ``cancel_requested`` (as :meth:`cancel` answers it), and
-        ``cancel_requested``: how many runs were signalled and are still ending (0 once all ended)."""
+        view, each run with ``cancel_requested`` (signalled by the cancel and still ending), and
+        ``still_ending``: how many runs are (0 once all ended)."""
         path = f"sweeps/{urllib.parse.quote(str(sweep_id), safe='')}/cancel"
         return self.request("POST", path, body={}, query={"by": by} if by else None)
 

@@ -87,9 +87,15 @@ class SweepHandle:
     # ---- acting
 
     def cancel(self) -> dict:
-        """Cancel the sweep's unfinished runs; finished runs keep their results."""
-        self._view = self.client.cancel_sweep(self.id, by="python")
-        return self._view
+        """Cancel the sweep's unfinished runs; finished runs keep their results. Answers the
+        sweep's view, each run with ``cancel_requested`` (signalled by the cancel and still
+        ending: it shows ``running`` until it has stopped) and ``still_ending``, how many are
+        (a server older than these fields: absent)."""
+        answer = self.client.cancel_sweep(self.id, by="python")
+        # (The view kept is a plain view: those two fields say how the cancel went, then.)
+        runs = [{k: v for k, v in r.items() if k != "cancel_requested"} for r in answer.get("runs") or []]
+        self._view = {**{k: v for k, v in answer.items() if k != "still_ending"}, "runs": runs}
+        return answer
 
     def wait(self, timeout: float | None = None, progress: Any = True) -> dict:
         """Wait until every run of the sweep has ended; returns the sweep's view. One progress

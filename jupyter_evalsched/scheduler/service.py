@@ -93,7 +93,10 @@ class _IoPool(ThreadPoolExecutor):
         self.under_way: dict[Future[Any], str] = {}  # call -> its name (a done callback removes it)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        future = super().submit(fn, *args, **kwargs)
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except RuntimeError:  # (shut down: a request still served on a kept connection, say)
+            raise Unavailable("the scheduler is stopping; retry once the server is back") from None
         inner = getattr(fn, "func", fn)  # (a functools.partial)
         self.under_way[future] = getattr(inner, "__qualname__", None) or repr(inner)
         future.add_done_callback(lambda f: self.under_way.pop(f, None))
@@ -129,6 +132,7 @@ class Scheduler:
         self.executors: dict[str, Executor] = {e.name: e for e in (executors or [LocalExecutor(self.models)])}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.context: ExecutorContext | None = None  # what executors get; set by start()
+        self._stopping = False  # (stop() or halt() has begun)
         self._io = _IoPool()
         self._cancelled_sweeps_write = asyncio.Lock()  # (cancel_sweep: its list written one at a time)
         # Comparisons read whole episode logs: in worker processes of their own (their parsing
@@ -242,6 +246,7 @@ class Scheduler:
     def halt(self) -> None:
         """Admit nothing from now on: the first step of a stop, taken at once where the stop waits
         for a start under way (that start then ends unstarted, ``started`` False)."""
+        self._stopping = True
         self.admission.stop()
 
     async def stop(self) -> None:
@@ -249,6 +254,7 @@ class Scheduler:
         waiting out its grace period); queued jobs stay queued, and so do runs admitted but not
         started yet. Admission stops first; then the sweep submissions under way are waited for
         (``SWEEPS_END_WAIT_S`` at most): each cancels the runs it made."""
+        self._stopping = True
         self.admission.stop()
         # A sweep submission under way ends at its next chunk and cancels the runs it made: that
         # is written now, through the writer, not after it closes (on the loop, by path) or after
@@ -435,8 +441,10 @@ class Scheduler:
 
     async def cancel_sweep(self, sweep_id: str, by: str | None = None) -> dict[str, Any]:
         """Cancel the sweep's unfinished runs; finished ones stay as they are. Answers once the
-        records of the runs it ended are on disk (the writer's thread writes them meanwhile)."""
-        runs = self.sweep_runs(sweep_id)
+        records of the runs it ended are on disk (the writer's thread writes them meanwhile):
+        the sweep's view, each run with ``cancel_requested`` (signalled by a cancel, not ended
+        yet: it shows ``running`` until it has stopped) and ``still_ending``, how many are."""
+        self.sweep_runs(sweep_id)  # (an unknown sweep: a 404 before anything is written)
         # On disk first (a retry of its submission after a restart makes no more runs), one write
         # at a time, each of the list as it is then: two cancels' writes on two threads could
         # land the older list last. A disk that refuses it: a 503, and nothing is cancelled.
@@ -448,8 +456,15 @@ class Scheduler:
                 self.submissions.cancel_not_written(sweep_id)
                 raise store_failure(exc) from exc
             self.submissions.sweep_cancelled(sweep_id)
+        # Read now: a run its submission registered while the list was being written is one of
+        # them (none can be registered from here on).
+        runs = self.sweep_runs(sweep_id)
         await self._cancel_all(runs, by)
-        return self.sweep_view(sweep_id)
+        view = self.sweep_view(sweep_id)
+        ending = {run.id for run in self.sweep_runs(sweep_id) if not run.terminal and run.cancel_requested}
+        view["runs"] = [{**record, "cancel_requested": record["id"] in ending} for record in view["runs"]]
+        view["still_ending"] = len(ending)
+        return view
 
     async def _cancel_all(self, runs: list[Run], by: str | None = None) -> None:
         """Cancel the unfinished ones of ``runs``, then wait for the records of those that ended
@@ -800,6 +815,11 @@ class Scheduler:
     def started(self) -> bool:
         """True once recovery has read the runs directory (and until stop())."""
         return self._started
+
+    @property
+    def stopping(self) -> bool:
+        """``stop()`` (or ``halt()``, its first step) has begun."""
+        return self._stopping
 
     @property
     def has_live_runs(self) -> bool:
