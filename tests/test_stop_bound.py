@@ -32,12 +32,12 @@ async def test_a_call_stuck_in_an_io_thread_holds_neither_the_loop_nor_the_stop(
     held = threading.Event()
     release = threading.Event()
 
-    def stuck_scancel() -> None:
+    def stuck_scancel(job_id: str) -> None:
         held.set()
         release.wait(60)
         scheduler.store.write_cancelled_sweeps([("late-sweep", None)])
 
-    stuck = scheduler._io.submit(stuck_scancel)
+    stuck = scheduler._io.submit(stuck_scancel, "4242")
     assert held.wait(30)
     # (Released well after the cap, so that a stop that holds the loop ends at all.)
     releaser = threading.Timer(20.0, release.set)
@@ -62,7 +62,7 @@ async def test_a_call_stuck_in_an_io_thread_holds_neither_the_loop_nor_the_stop(
         assert still_held, f"the stop waited for the stuck call ({ended - began:.1f} s)"
         assert len(during) >= 5, f"the event loop stood still during the stop: {len(during)} turns"
         warnings = [r.getMessage() for r in caplog.records if "did not end within" in r.getMessage()]
-        assert len(warnings) == 1 and "stuck_scancel (running)" in warnings[0], warnings
+        assert len(warnings) == 1 and "stuck_scancel(4242) (running)" in warnings[0], warnings
     finally:
         ticker.cancel()
         releaser.cancel()

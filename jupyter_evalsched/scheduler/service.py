@@ -84,6 +84,22 @@ class StatusView:
     host_ledger: dict[str, Any] | None  # the host ledger link's status, when host_ledger is set
 
 
+def _call_name(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    """What a stop's warning calls a call: its function and what it was for (a run's id, a job
+    id, a few words of a string argument), e.g. ``SlurmExecutor._hand_over(<run id>)``."""
+    inner = getattr(fn, "func", fn)  # (a functools.partial)
+    name = getattr(inner, "__qualname__", None) or repr(inner)
+    said = []
+    for arg in args[:3]:
+        if isinstance(getattr(arg, "id", None), str):
+            arg = arg.id  # (a run)
+        if isinstance(arg, (str, int)) and not isinstance(arg, bool):
+            said.append(str(arg)[:40])
+        elif isinstance(arg, (list, tuple, set, dict)):
+            said.append(f"{len(arg)} item(s)")
+    return f"{name}({', '.join(said)})"
+
+
 class _IoPool(ThreadPoolExecutor):
     """The I/O threads, each call under way known by name: the stop waits for them off the loop,
     with a bound, and names those it stopped waiting for."""
@@ -97,8 +113,7 @@ class _IoPool(ThreadPoolExecutor):
             future = super().submit(fn, *args, **kwargs)
         except RuntimeError:  # (shut down: a request still served on a kept connection, say)
             raise Unavailable("the scheduler is stopping; retry once the server is back") from None
-        inner = getattr(fn, "func", fn)  # (a functools.partial)
-        self.under_way[future] = getattr(inner, "__qualname__", None) or repr(inner)
+        self.under_way[future] = _call_name(fn, args)
         future.add_done_callback(lambda f: self.under_way.pop(f, None))
         return future
 
