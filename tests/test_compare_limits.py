@@ -322,6 +322,20 @@ async def test_a_worker_that_died_idle_costs_no_compare(api, wait_for, evalsched
     assert pid not in evalsched.comparisons.workers()["idle"]
 
 
+async def test_a_worker_that_died_as_it_was_taken_costs_no_compare(api, wait_for, evalsched, monkeypatch):
+    """An idle worker killed just before it is taken could still look alive: its main thread has
+    ended, but its process cannot be reaped until its watching thread has too (CI saw a 503 in
+    that window). Here the dead worker cannot be reaped at all: its main thread is a zombie."""
+    rid, first, pid = await compared_once(api, wait_for, evalsched)
+    (worker,) = [w for w in evalsched.comparisons._idle if w.proc.pid == pid]
+    monkeypatch.setattr(worker.proc, "poll", lambda: None)  # (not reaped)
+    os.kill(pid, signal.SIGKILL)
+    await async_wait_until(lambda: ended(pid), timeout=30)
+    code, again = await api("GET", "compare", params={"runs": rid})
+    assert code == 200 and again == first, again
+    assert pid not in evalsched.comparisons.workers()["idle"]
+
+
 async def test_the_workers_end_when_the_scheduler_stops(api, wait_for, evalsched):
     rid, _, pid = await compared_once(api, wait_for, evalsched)
     evalsched.comparisons.close()  # (what the scheduler's stop calls)

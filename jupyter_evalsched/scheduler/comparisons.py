@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..runner._proc import stat_fields
 from ..store import RunStore
 from . import compare
 from .compare_worker import BOOTSTRAP, timed_out
@@ -60,7 +61,13 @@ class Worker:
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        """Not ended: not reaped, and its main thread not a zombie. A worker killed just before it
+        is taken cannot be reaped until its watching thread has ended too, and meanwhile took the
+        next comparison and answered it with a 503 (CI saw it once)."""
+        if self.proc.poll() is not None:
+            return False
+        fields = stat_fields(self.proc.pid)
+        return fields is not None and fields[0] not in (b"Z", b"X")
 
     def exchange(self, request: bytes) -> tuple[dict[str, Any], bytes]:
         """Send one request, read its answer: the header and the body (WorkerEnded when the
