@@ -476,7 +476,7 @@ class Scheduler:
         runs = self.sweep_runs(sweep_id)
         await self._cancel_all(runs, by)
         view = self.sweep_view(sweep_id)
-        ending = {run.id for run in self.sweep_runs(sweep_id) if not run.terminal and run.cancel_requested}
+        ending = {run.id for run in runs if not run.terminal and run.cancel_requested}
         view["runs"] = [{**record, "cancel_requested": record["id"] in ending} for record in view["runs"]]
         view["still_ending"] = len(ending)
         return view
