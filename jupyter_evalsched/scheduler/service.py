@@ -106,14 +106,16 @@ class _IoPool(ThreadPoolExecutor):
 
     def __init__(self) -> None:
         super().__init__(max_workers=8, thread_name_prefix="evalsched-io")
-        self.under_way: dict[Future[Any], str] = {}  # call -> its name (a done callback removes it)
+        # call -> its function and arguments, named only if a stop stops waiting for it (a done
+        # callback removes it)
+        self.under_way: dict[Future[Any], tuple[Callable[..., Any], tuple[Any, ...]]] = {}
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         try:
             future = super().submit(fn, *args, **kwargs)
         except RuntimeError:  # (shut down: a request still served on a kept connection, say)
             raise Unavailable("the scheduler is stopping; retry once the server is back") from None
-        self.under_way[future] = _call_name(fn, args)
+        self.under_way[future] = (fn, args)
         future.add_done_callback(lambda f: self.under_way.pop(f, None))
         return future
 
@@ -126,7 +128,10 @@ class _IoPool(ThreadPoolExecutor):
             future.add_done_callback(lambda f: f.cancelled() or f.exception())
         if futures:
             await asyncio.wait(futures, timeout=timeout)
-        return sorted(f"{name} ({'running' if f.running() else 'queued'})" for f, name in list(self.under_way.items()))
+        return sorted(
+            f"{_call_name(*call)} ({'running' if f.running() else 'queued'})"
+            for f, call in list(self.under_way.items())
+        )
 
 
 class Scheduler:
