@@ -28,6 +28,7 @@ from waiting import async_wait_until, wait_until
 from jupyter_evalsched.client import EvalSchedClient, EvalSchedError, LocalServer
 
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
+GATE = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:gate"  # runs until the test opens it
 FAST = [
     "--EvalSchedApp.cancel_grace_s=2.0",
     "--EvalSchedApp.reconcile_interval_s=0.3",
@@ -322,8 +323,10 @@ async def test_a_moved_runs_directory_suspends_its_primary_which_writes_nothing_
     (it writes by path too), and nothing is ever written at the old path: neither a new runs
     directory nor, once someone copies it back there, anything in the copy (not the ended run's
     record)."""
-    code, rec = await api("POST", "runs", run(8000, episodes=80, sleep_s=0.1))
-    assert code == 201
+    gate = runs_dir.with_name("gate")
+    spec = {"entrypoint": GATE, "episodes": 1, "params": {"gate": str(gate)}, "cwd": "/"}
+    code, rec = await api("POST", "runs", {**spec, "scheduling": {"marginal_vram_mb": 8000}})
+    assert code == 201, rec
     started = await async_wait_until(lambda: _then(_record(api, rec["id"]), lambda r: r["pid"] and r), timeout=5)
     old = runs_dir.with_name("runs-old")
     os.rename(runs_dir, old)
@@ -344,6 +347,7 @@ async def test_a_moved_runs_directory_suspends_its_primary_which_writes_nothing_
     job = runs_dir / rec["id"] / "job.json"
     record_copied = job.read_bytes()
     # The run ends (its terminal record is a write the server would make) and role checks go by.
+    gate.touch()
     await async_wait_until(lambda: not psutil_alive(started["pid"]), timeout=30)
     app = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
     checks = app._watch.callback_time / 1000

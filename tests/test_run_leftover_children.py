@@ -182,7 +182,7 @@ async def test_a_subprocess_left_running_ends_with_the_run(api, wait_for, tmp_pa
         await async_wait_until(gone, timeout=30, message=f"the subprocess {pid} outlived its run")
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.slow), 2])  # (6 s each: the graces)
 def test_a_child_that_ignores_sigterm_is_killed_and_the_run_finalizes(tmp_path, workers):
     """The runner alone, cold: the deaf child gets SIGKILL after the SIGTERM's grace, and the run
     finalizes itself, succeeded."""

@@ -27,9 +27,18 @@ def episode(ctx, index):
 """
 
 
-@pytest.mark.parametrize("pidfd", [True, False])
-@pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+# Each case waits out the whole grace (5 s): two cover every value of each parameter in the
+# default suite, the other six run with the slow ones.
+_DEFAULT_CASES = {("forkserver", 2, True), ("spawn", 1, False)}
+
+
+@pytest.mark.parametrize(
+    ("method", "workers", "pidfd"),
+    [
+        pytest.param(*case, marks=() if case in _DEFAULT_CASES else pytest.mark.slow)
+        for case in [(m, w, p) for m in ("forkserver", "spawn") for w in (1, 2) for p in (True, False)]
+    ],
+)
 def test_a_child_of_another_start_method_is_terminated_too(tmp_path, method, workers, pidfd):
     """A forkserver's children are the forkserver's, not the run's: ``waitid`` on them fails,
     and they were taken for ended, left running, and joined without end (the run sat as running
@@ -90,7 +99,7 @@ def episode(ctx, index):
 """
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.slow), 2])  # (5 s each: the grace)
 def test_a_queue_nobody_reads_does_not_keep_a_finished_run_alive(tmp_path, workers):
     """``multiprocessing`` joins each queue's feeder thread at the exit, and one blocked on a
     full pipe never ends: the run sat as running until its timeout."""

@@ -21,8 +21,9 @@ NEVER_COMPILES = EPISODE + "def broken(:\n    pass\n"
 @pytest.fixture
 def evalsched_config():
     # SLURM enabled, with another interpreter on the nodes: its runs are handed to an sbatch that
-    # is not there and fail; their submission is what is tested.
-    return {"slurm_enabled": True, "slurm": {"python": OTHER_PYTHON}}
+    # has no controller to reach and fail; their submission is what is tested. (The stop waits for
+    # an sbatch under way: a short timeout spares that wait, 9 s where sbatch is installed.)
+    return {"slurm_enabled": True, "slurm": {"python": OTHER_PYTHON, "command_timeout_s": 1.0}}
 
 
 def _source_errors(body: dict) -> list[dict]:
