@@ -57,6 +57,8 @@ OVER_VRAM = "over_vram"  # over_vram: used 20000 MB on GPU 0, declared 8000 MB
 OOM = "oom"  # the run's cgroup hit its memory_mb limit and the kernel killed it
 PREEMPTED_BY = "preempted_by"  # preempted_by:<id>: queued again, resumes when there is room
 PREEMPTING = "preempting"  # preempting:<id>: running, told to stop at its next episode boundary
+# running: a cancel signalled it (or asked SLURM to end its job); it ends cancelled once it stopped
+CANCELLING = "cancelling"
 RETRYING = "retrying"  # queued, waiting out the back-off before an automatic retry
 # queued: admitted (its resources held), its process not started yet (a model host, a cgroup, a zygote)
 STARTING = "starting"
@@ -106,6 +108,13 @@ def cancelled_reason(by: str | None, when: str = "") -> str:
     ``CANCELLED_BY``) and when (``while queued``, ``before it started``, ...)."""
     who = CANCELLED_BY.get(by or "", "through the API")
     return reason(CANCELLED_REASON, f"cancelled {who}" + (f" {when}" if when else ""))
+
+
+def cancelling_why(by: str | None, how: str) -> Why:
+    """``cancelling: cancelled from the Lab panel; SIGTERM sent ...``: a running run a cancel has
+    signalled, who asked (as in ``cancelled_reason``) and what was done (``how``)."""
+    who = CANCELLED_BY.get(by or "", "through the API")
+    return Why(CANCELLING, f"cancelled {who}; {how}")
 
 
 def reason_code(text: str | None) -> str | None:

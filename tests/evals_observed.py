@@ -107,3 +107,16 @@ def leave(ctx, index):
     os.replace(ctx.params["pid_file"] + ".tmp", ctx.params["pid_file"])
     time.sleep(300)
     return {}
+
+
+def stubborn(ctx, index):
+    """A run slow to stop: it ignores SIGTERM (a cancel's) from the moment it writes
+    ``params["ready"]`` until the test writes ``params["release"]``, then dies of SIGTERM."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(ctx.params["ready"], "w").close()
+    while not os.path.exists(ctx.params["release"]):
+        time.sleep(0.02)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)

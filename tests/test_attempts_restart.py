@@ -151,13 +151,20 @@ def test_a_detached_run_survives_sigkill_of_the_server_and_is_reattached(tmp_pat
     finally:
         kill_server(server)
     assert alive(pid)  # it goes on without any server
+    # A cancel the dead server had signalled, its reason carried to disk by a later write of the
+    # record (its observed peaks, say): the cancel died with that server, and so does the reason.
+    job = runs / rec["id"] / "job.json"
+    record = json.loads(job.read_text())
+    why = {"code": "cancelling", "arg": None, "detail": "cancelled through the API; SIGTERM sent", "holders": []}
+    job.write_text(json.dumps({**record, "reason": f"cancelling: {why['detail']}", "why": why}))
 
     restarted = LocalServer(virtual_gpus="24000", runs_dir=str(runs), extra_args=FAST)
     try:
         c = restarted.client()
         rec2 = c.get(rec["id"])
-        # Re-attached: running, its pid followed, its VRAM held in the ledger.
+        # Re-attached: running, its pid followed, its VRAM held in the ledger; nothing ending it.
         assert rec2["state"] == "running" and rec2["pid"] == pid and rec2["attempt"] == 1, rec2
+        assert (rec2["reason"], rec2["why"]) == (None, None), rec2
         assert alive(pid)
         ledger = c.ledger()
         assert {"id": rec["id"], "marginal_vram_mb": 8000} in ledger["devices"][0]["runs"], ledger

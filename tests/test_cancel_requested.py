@@ -18,19 +18,8 @@ from jupyter_evalsched.cli import sweep_cancel_note, sweep_cancel_view, with_can
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Outlives the cancel's SIGTERM (the grace is long) until the test writes the release file, then
-# dies of it, as a run slow to stop would.
-STUBBORN = """\
-import os, signal, time
-
-def episode(ctx, index):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    open(ctx.params["ready"], "w").close()
-    while not os.path.exists(ctx.params["release"]):
-        time.sleep(0.02)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-"""
+# Outlives a cancel's SIGTERM until the test writes its release file, then dies of it.
+STUBBORN = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:stubborn"
 
 
 @pytest.fixture
@@ -40,7 +29,7 @@ def evalsched_config():
 
 async def test_the_cancel_answer_and_the_cli_tell_stopping_from_ended(api, wait_for, jp_serverapp, tmp_path):
     ready, release = tmp_path / "ready", tmp_path / "release"
-    body = {"source": STUBBORN, "episodes": 1, "params": {"ready": str(ready), "release": str(release)}}
+    body = {"entrypoint": STUBBORN, "episodes": 1, "params": {"ready": str(ready), "release": str(release)}}
     running = await submit(api, body)
     behind = await submit(api, {**body, "depends_on": [running["id"]]})  # queued until it ends
     await async_wait_until(ready.exists, timeout=60)
@@ -57,13 +46,24 @@ async def test_the_cancel_answer_and_the_cli_tell_stopping_from_ended(api, wait_
     assert code == 0, err
     answer = json.loads(out)
     assert (answer["state"], answer["cancel_requested"]) == ("running", True), answer
+    # Its record says it is ending, who asked and what comes next, to every reader (the list, the
+    # panel and widgets through their events); the first cancel's asker stays.
+    ending = (
+        "cancelling: cancelled with jupyter evalsched cancel; SIGTERM sent to its process group;"
+        " SIGKILL if it still runs 3600 s later"
+    )
+    assert answer["reason"] == ending and answer["why"]["code"] == "cancelling", answer
+    code, listed = await api("GET", "runs")
+    assert [r["reason"] for r in listed["runs"] if r["id"] == running["id"]] == [ending], listed
     code, rest_answer = await api("POST", f"runs/{running['id']}/cancel")  # the REST answer itself
     assert code == 200 and (rest_answer["state"], rest_answer["cancel_requested"]) == ("running", True)
+    assert rest_answer["reason"] == ending, rest_answer
     code, out, err = await run_cli(jp_serverapp, "cancel", running["id"])
     assert code == 0 and f"{running['id']}" in out and "cancelling: signalled to stop" in out, (out, err)
 
     release.touch()
-    assert (await wait_for(running["id"]))["state"] == "cancelled"
+    ended = await wait_for(running["id"])
+    assert ended["state"] == "cancelled" and ended["reason"].startswith("cancelled: cancelled with jupyter"), ended
     code, answer = await api("POST", f"runs/{running['id']}/cancel")  # nothing to cancel any more
     assert code == 409, answer
 

@@ -58,6 +58,8 @@ PANEL_TAB = '.lm-TabBar-tab[data-id="jupyter-evalsched-panel"]'
 VRAM = 24000
 SLEEPY = "jupyter_evalsched.examples.basic:sleepy"
 CRASH = "jupyter_evalsched.examples.basic:crash"
+# Outlives a cancel's SIGTERM until the test writes its release file, then dies of it.
+STUBBORN = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:stubborn"
 # Generous: runs are real subprocesses and CI machines have two cores.
 UI_TIMEOUT_MS = 30_000
 
@@ -546,6 +548,29 @@ def test_panel_live(lab: LabServer, browser: Any) -> None:
             record = lab.run(c)
             assert record["state"] == "cancelled" and record["reason"].startswith("cancelled")
             assert 2 <= record["progress"]["done"] < 400
+
+            # -- a run slow to stop says it is ending until its process has gone ---------------
+            ready, release = lab.root / "stubborn-ready", lab.root / "stubborn-release"
+            params = {"ready": str(ready), "release": str(release)}
+            e = lab.submit({"name": "stubborn", "entrypoint": STUBBORN, "episodes": 1, "params": params})["id"]
+            wait_until(ready.exists, timeout=60)
+            _wait_run(page, e, "running", "running").locator('[data-testid="evalsched-cancel"]').click()
+            _confirm_dialog(page, accept=True)
+            ending = _wait_reason(page, e, "cancelling", "running")
+            badge = ending.locator(".jp-EvalSched-state")
+            assert (badge.inner_text(), badge.get_attribute("data-state")) == ("cancelling", "cancelling")
+            reason = ending.locator('[data-testid="evalsched-reason"]')
+            assert reason.locator(".jp-EvalSched-reasonCode").inner_text() == "cancelling"
+            assert (
+                reason.locator(".jp-EvalSched-reasonText")
+                .inner_text()
+                .startswith("cancelled from the Lab panel; SIGTERM sent to its process group; SIGKILL if it still runs")
+            ), _reason_text(ending)
+            assert ending.locator('[data-testid="evalsched-cancel"]').is_hidden()  # (asked already)
+            release.touch()
+            ended = _wait_run(page, e, "cancelled", "finished")
+            assert ended.locator(".jp-EvalSched-state").inner_text() == "cancelled"
+            assert _reason_text(ended).startswith("cancelled")
 
             assert page.locator(f'{PANEL} .jp-EvalSched-conn[data-mode="live"]').is_visible()
             assert errors.errors == []

@@ -96,9 +96,16 @@ async def test_a_failed_scancel_is_sent_again(
     run_id, job_id = await submitted(api, evalsched)
     code, answer = await api("POST", f"runs/{run_id}/cancel")
     assert code == 200, answer
+    ending = f"scancel of SLURM job {job_id} asked; it ends once SLURM says the job ended"
+    assert answer["why"]["code"] == "cancelling" and answer["reason"].endswith(ending), answer
     await async_wait_until(
         lambda: any("scancel" in m and job_id in m and "failed" in m for m in log_messages.messages), timeout=60
     )
+    # Polls came and went (the job pending or running all along): the record still says it is ending.
+    await async_wait_until(lambda: evalsched.get(run_id).record["slurm_state"] == "RUNNING", timeout=60)
+    await asyncio.sleep(1.0)  # (two polls at least)
+    record = evalsched.get(run_id).record
+    assert record["state"] == "running" and record["why"]["code"] == "cancelling", record
     (flaky_scancel / "down").unlink()
     await async_wait_until(lambda: evalsched.get(run_id).state == "cancelled", timeout=60)
     assert len(scancels(flaky_scancel)) >= 2

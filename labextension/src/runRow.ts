@@ -249,9 +249,15 @@ export class RunRow {
         )
       );
     }
-    this._state.textContent = record.state;
-    this._state.dataset.state = record.state;
-    this._cancel.hidden = isTerminal(record.state);
+    // A running run a cancel has signalled is ending: said on its badge, and not cancelled again
+    // from here (its reason line says when it is killed).
+    const cancelling =
+      record.state === 'running' && reason?.code === 'cancelling';
+    this._state.textContent = cancelling
+      ? trans.__('cancelling')
+      : record.state;
+    this._state.dataset.state = cancelling ? 'cancelling' : record.state;
+    this._cancel.hidden = isTerminal(record.state) || cancelling;
     this._resume.hidden = !isResumable(record.state);
 
     // Warnings (over_vram, …): a badge with the first code; the full texts as its tooltip.
@@ -354,12 +360,14 @@ export class RunRow {
     this._meta.replaceChildren(...parts);
 
     // Reason: the pending reason of a queued run, the end reason of a finished one; of a running
-    // run only that it is being preempted (or, without `why`, whatever reason it carries).
+    // run only that it is being preempted or cancelled (or, without `why`, whatever reason it
+    // carries).
     this._reason.hidden =
       !reason ||
       (section === 'running' &&
         reason.structured &&
-        reason.code !== 'preempting');
+        reason.code !== 'preempting' &&
+        reason.code !== 'cancelling');
     this._retry = null;
     if (reason) {
       // A run in back-off counts down to its `retry_at`.

@@ -584,7 +584,16 @@ class LocalExecutor(Executor):
                 contract.cancelled_reason(run.cancelled_by, "before it started"),
             )
             return
-        self.launcher.terminate(run.id, self.ctx.config.cancel_grace_s)
+        grace = self.ctx.config.cancel_grace_s
+        if self.launcher.terminate(run.id, grace):
+            # Running until its process has stopped: the record says it is ending, and how.
+            self.ctx.table.set_reason(
+                run,
+                contract.cancelling_why(
+                    run.cancelled_by,
+                    f"SIGTERM sent to its process group; SIGKILL if it still runs {grace:g} s later",
+                ),
+            )
 
     def _job_holder(self, job_id: str) -> contract.Holder:
         """The waiting job a run is preempted for, as a holder: a run (named), else a lease."""
@@ -651,6 +660,10 @@ class LocalExecutor(Executor):
         held, its timeout counted from its start."""
         cgroup = self.cgroups.existing(run.id, pid) if self.cgroups is not None else None
         self._clear_stop(run)  # a preemption the dead server asked for is no one's any more
+        if (run.record["why"] or {}).get("code") in (contract.PREEMPTING, contract.CANCELLING):
+            # Nor is its cancel (kept in memory only), though a write of its record carried the
+            # reason to disk: the run goes on, and its record says nothing is ending it.
+            self.ctx.table.set_reason(run, None)
         self.launcher.adopt(run.id, pid, create_time, cgroup)
         if cgroup is not None:
             self._cgroups[run.id] = cgroup

@@ -375,9 +375,14 @@ class SlurmExecutor(Executor):
                 self._conclude(run, st)
                 changed = True
             elif st.state in ("RUNNING", "COMPLETING") and run.state == QUEUED:
-                table.update(run, state=RUNNING, reason=None, started_at=utcnow_iso())
+                if run.cancel_requested:  # (its reason stays: it is ending)
+                    table.update(run, state=RUNNING, started_at=utcnow_iso())
+                else:
+                    table.update(run, state=RUNNING, reason=None, started_at=utcnow_iso())
             elif run.state == QUEUED:
-                if not table.set_reason(run, pending_why(st, uses_gpu=run.scheduling.uses_gpu)) and moved:
+                # (A cancelled run's reason says it is ending, not what its job waits for.)
+                why = None if run.cancel_requested else pending_why(st, uses_gpu=run.scheduling.uses_gpu)
+                if (why is None or not table.set_reason(run, why)) and moved:
                     table.changed(run)  # the reason stands, the state it names moved
         return changed
 
@@ -443,6 +448,14 @@ class SlurmExecutor(Executor):
             return  # _sbatch cancels it once sbatch answers; _learn once SLURM says whether it has its job
         self._cancel_tries.pop(run.record["slurm_job_id"], None)  # (asked again: as many tries again)
         self._cancel_job(run)
+        if not run.terminal:  # (until SLURM says its job ended, the record says it is ending)
+            self.ctx.table.set_reason(
+                run,
+                contract.cancelling_why(
+                    run.cancelled_by,
+                    f"scancel of SLURM job {run.record['slurm_job_id']} asked; it ends once SLURM says the job ended",
+                ),
+            )
 
     def _cancel_job(self, run: Run, job_id: str | None = None) -> None:
         """Queue the scancel of the run's job (or of ``job_id``, another job of it)."""
