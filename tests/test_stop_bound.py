@@ -39,7 +39,66 @@ async def test_a_call_stuck_in_an_io_thread_holds_neither_the_loop_nor_the_stop(
 
     stuck = scheduler._io.submit(stuck_scancel, "4242")
     assert held.wait(30)
-    # (Released well after the cap, so that a stop that holds the loop ends at all.)
+
+    async def meanwhile(stopping: asyncio.Future) -> None:
+        # While the stop waits for the call: a request is told the server stops (it was told
+        # "starting"), and one that reaches the closed I/O threads gets a 503, not a 500.
+        await async_wait_until(lambda: not scheduler.started or stopping.done(), timeout=30)
+        code, answer = await api("GET", "runs")
+        assert code == 503 and "stopping" in answer["message"], answer
+        with pytest.raises(Unavailable, match="stopping"):
+            scheduler._io.submit(time.sleep, 0)
+
+    warnings = await _stop_while_held(ext, release, caplog, meanwhile)
+    assert len(warnings) == 1 and "stuck_scancel(4242) (running)" in warnings[0], warnings
+    with pytest.raises(RunsDirMoved):
+        await asyncio.wrap_future(stuck)
+    path = runs_dir / CANCELLED_SWEEPS_FILE
+    assert not path.exists() or "late-sweep" not in json.dumps(json.loads(path.read_text()))
+
+
+async def test_a_writer_stuck_on_the_disk_holds_neither_the_loop_nor_the_stop(
+    jp_serverapp, evalsched, runs_dir, monkeypatch, caplog, api
+):
+    """The stop wrote the terminal records still waiting and joined the writer's thread on the
+    event loop: a write stuck on the disk (a stalled NFS server) held the loop and the stop for as
+    long as it took. The loop now keeps turning while the writer ends, the stop ends at its cap
+    with a warning that names the writer, and the directory it was making when the disk came
+    back is refused, not made after the stop."""
+    monkeypatch.setattr(service, "IO_END_WAIT_S", 2.0)
+    ext = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+    scheduler = evalsched
+    held, release = threading.Event(), threading.Event()
+    create_many = scheduler.store.create_many
+
+    def stuck_create_many(runs):
+        if threading.current_thread().name == "evalsched-writer":
+            held.set()
+            release.wait(60)
+        return create_many(runs)
+
+    monkeypatch.setattr(scheduler.store, "create_many", stuck_create_many)
+    before = _run_dirs(runs_dir)
+    submitting = asyncio.ensure_future(api("POST", "runs", {"entrypoint": "jupyter_evalsched.examples.basic:noop"}))
+    await async_wait_until(held.is_set, timeout=30)
+    warnings = await _stop_while_held(ext, release, caplog)
+    assert len(warnings) == 1 and "the run writer's thread" in warnings[0], warnings
+    # The disk is back (released above): the writer goes on, and its directory is refused.
+    code, answer = await asyncio.wait_for(submitting, 30)
+    assert code == 503 and "came too late" in answer["message"], (code, answer)
+    await async_wait_until(lambda: not any(t.name == "evalsched-writer" for t in threading.enumerate()), timeout=30)
+    assert _run_dirs(runs_dir) == before
+
+
+def _run_dirs(runs_dir):
+    return sorted(p.name for p in runs_dir.iterdir() if not p.name.startswith("."))
+
+
+async def _stop_while_held(ext, release: threading.Event, caplog, meanwhile=None) -> list[str]:
+    """The extension stopped while ``release`` is not set (it is, 20 s later at most: well after
+    the cap, so that a stop that waits for it ends at all; and on return): the stop did not wait
+    for it and the event loop turned meanwhile. ``meanwhile(stopping)`` runs during the stop.
+    The stop's warnings of what it stopped waiting for."""
     releaser = threading.Timer(20.0, release.set)
     releaser.start()
     ticks, ticker = loop_ticker()
@@ -48,26 +107,15 @@ async def test_a_call_stuck_in_an_io_thread_holds_neither_the_loop_nor_the_stop(
         caplog.set_level(logging.WARNING, logger="jupyter_evalsched")
         began = time.monotonic()
         stopping = asyncio.ensure_future(ext.stop_extension())
-        # While the stop waits for the call: a request is told the server stops (it was told
-        # "starting"), and one that reaches the closed I/O threads gets a 503, not a 500.
-        await async_wait_until(lambda: not scheduler.started or stopping.done(), timeout=30)
-        code, answer = await api("GET", "runs")
-        assert code == 503 and "stopping" in answer["message"], answer
-        with pytest.raises(Unavailable, match="stopping"):
-            scheduler._io.submit(time.sleep, 0)
+        if meanwhile is not None:
+            await meanwhile(stopping)
         await stopping
         ended = time.monotonic()
-        still_held = not release.is_set()
+        assert not release.is_set(), f"the stop waited for what was held ({ended - began:.1f} s)"
         during = [t for t in ticks if began < t < ended]
-        assert still_held, f"the stop waited for the stuck call ({ended - began:.1f} s)"
         assert len(during) >= 5, f"the event loop stood still during the stop: {len(during)} turns"
-        warnings = [r.getMessage() for r in caplog.records if "did not end within" in r.getMessage()]
-        assert len(warnings) == 1 and "stuck_scancel(4242) (running)" in warnings[0], warnings
+        return [r.getMessage() for r in caplog.records if "did not end within" in r.getMessage()]
     finally:
         ticker.cancel()
         releaser.cancel()
         release.set()
-    with pytest.raises(RunsDirMoved):
-        await asyncio.wrap_future(stuck)
-    path = runs_dir / CANCELLED_SWEEPS_FILE
-    assert not path.exists() or "late-sweep" not in json.dumps(json.loads(path.read_text()))

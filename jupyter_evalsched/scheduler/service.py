@@ -298,10 +298,20 @@ class Scheduler:
                 await executor.stop()
         if self.host is not None:
             await self.host.stop()
-        self.table.flush_writes()  # the terminal records still waiting (a large cascade's)
-        self.writer.close()
+        # The terminal records still waiting (a large cascade's) are written by the writer's
+        # thread as it ends, while the loop goes on; a disk that hangs holds the stop (with the
+        # I/O threads below) ``IO_END_WAIT_S`` at most.
+        # No request makes a run, nor starts an I/O call, while the loop turns below.
         self._started = False
-        left = await self._io.ended(IO_END_WAIT_S)
+        self._io.shutdown(wait=False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + IO_END_WAIT_S
+        written = await self.writer.close_within(IO_END_WAIT_S)
+        if written:
+            self.table.flush_writes()  # (what was never queued: none where the writer ran)
+        left = await self._io.ended(max(0.0, deadline - loop.time()))
+        if not written:
+            left.insert(0, "the run writer's thread (new run directories, terminal records)")
         if left:
             # Those calls end on their own later: what they would write is refused, never written
             # after the runs directory is released (another server may hold it by then).

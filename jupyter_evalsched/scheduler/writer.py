@@ -177,6 +177,27 @@ class RunWriter:
         thread.join()
         self._thread = None
 
+    async def close_within(self, timeout_s: float) -> bool:
+        """``close`` without holding the loop: what is queued is written (each outcome applied on
+        the loop as usual) and the thread ends. False when it is still writing after
+        ``timeout_s`` (a disk that hangs): it goes on by itself (a daemon thread); the caller
+        refuses what it would write from then on (``RunStore.refuse_writes``)."""
+        thread = self._thread
+        if thread is None:
+            return True
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while thread.is_alive():
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        self._thread = None
+        await asyncio.sleep(0)  # (its last batch's outcomes, handed over as it ended, applied)
+        return True
+
     # ----------------------------------------------------------------- the loop's side
 
     def create(self, run_id: str, files: dict[str, bytes]) -> asyncio.Future[None]:
