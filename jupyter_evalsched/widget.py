@@ -47,6 +47,7 @@ from .client.formatting import (
     other_users,
     outside_text,
     pending_text,
+    running_reason_code,
 )
 from .contract import (
     ABORTED,
@@ -388,6 +389,8 @@ def run_row_html(rec: dict, metrics: str = "", run_id: str | None = None) -> str
         details.append(f"{done}/{total} · {format_duration(elapsed_s(rec))}")
         if rec.get("devices") and not slurm:
             details.append("GPU\u00a0" + ",".join(str(d) for d in rec["devices"]))
+        if running_reason_code(rec):  # (it is ending: a cancel signalled it, or a preemption)
+            details.append(rec.get("reason") or "")
         if metrics:
             details.append(metrics)
     elif state == QUEUED:

@@ -6,7 +6,10 @@ and the real CLI as a subprocess."""
 
 from __future__ import annotations
 
+import html
+import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,8 @@ from rest import submit
 from waiting import async_wait_until
 
 from jupyter_evalsched.cli import sweep_cancel_note, sweep_cancel_view, with_cancel_requested
+from jupyter_evalsched.client.progress import TextProgress
+from jupyter_evalsched.widget import run_row_html
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,13 +53,18 @@ async def test_the_cancel_answer_and_the_cli_tell_stopping_from_ended(api, wait_
     assert (answer["state"], answer["cancel_requested"]) == ("running", True), answer
     # Its record says it is ending, who asked and what comes next, to every reader (the list, the
     # panel and widgets through their events); the first cancel's asker stays.
-    ending = (
-        "cancelling: cancelled with jupyter evalsched cancel; SIGTERM sent to its process group;"
-        " SIGKILL if it still runs 3600 s later"
-    )
-    assert answer["reason"] == ending and answer["why"]["code"] == "cancelling", answer
+    ending = answer["reason"]
+    assert re.fullmatch(
+        r"cancelling: cancelled with jupyter evalsched cancel; SIGTERM sent to its process group;"
+        r" SIGKILL if it still runs in 3\d{3}(\.\d)? s, at \d\d:\d\d:\d\d UTC",
+        ending,
+    ), answer
+    assert answer["why"]["code"] == "cancelling", answer
     code, listed = await api("GET", "runs")
     assert [r["reason"] for r in listed["runs"] if r["id"] == running["id"]] == [ending], listed
+    # The readers that show a running run's line say it is ending.
+    assert "running (cancelling)" in TextProgress(stream=io.StringIO()).line(answer)
+    assert html.escape(ending) in run_row_html(answer)
     code, rest_answer = await api("POST", f"runs/{running['id']}/cancel")  # the REST answer itself
     assert code == 200 and (rest_answer["state"], rest_answer["cancel_requested"]) == ("running", True)
     assert rest_answer["reason"] == ending, rest_answer
@@ -64,6 +74,18 @@ async def test_the_cancel_answer_and_the_cli_tell_stopping_from_ended(api, wait_
     release.touch()
     ended = await wait_for(running["id"])
     assert ended["state"] == "cancelled" and ended["reason"].startswith("cancelled: cancelled with jupyter"), ended
+    # Resumed, then cancelled by someone else: the reasons name who asked this time.
+    ready.unlink()
+    release.unlink()
+    code, resumed = await api("POST", f"runs/{running['id']}/resume")
+    assert code == 200 and resumed["state"] == "queued", resumed
+    await async_wait_until(ready.exists, timeout=60)
+    await wait_for(running["id"], states=("running",))
+    code, again = await api("POST", f"runs/{running['id']}/cancel", params={"by": "panel"})
+    assert code == 200 and again["reason"].startswith("cancelling: cancelled from the Lab panel;"), again
+    release.touch()
+    again = await wait_for(running["id"])
+    assert again["state"] == "cancelled" and again["reason"].startswith("cancelled: cancelled from the Lab panel")
     code, answer = await api("POST", f"runs/{running['id']}/cancel")  # nothing to cancel any more
     assert code == 409, answer
 

@@ -124,10 +124,13 @@ async def test_a_scancel_that_keeps_failing_is_given_up_and_said(
     said = await async_wait_until(lambda: [m for m in log_messages.messages if "gave up" in m], timeout=120)
     assert run_id in said[0] and job_id in said[0], said
     assert len(scancels(flaky_scancel)) == CANCEL_TRIES
-    assert evalsched.get(run_id).state in ("queued", "running")
+    record = evalsched.get(run_id).record
+    assert record["state"] in ("queued", "running")
+    # Its job may run on: the record no longer says it ends (the panel offers Cancel again).
+    assert (record["why"] or {}).get("code") != "cancelling", record
     (flaky_scancel / "down").unlink()
     code, answer = await api("POST", f"runs/{run_id}/cancel")
-    assert code == 200, answer
+    assert code == 200 and answer["why"]["code"] == "cancelling", answer
     await async_wait_until(lambda: evalsched.get(run_id).state == "cancelled", timeout=60)
     assert len(scancels(flaky_scancel)) == CANCEL_TRIES + 1
 
@@ -249,3 +252,22 @@ async def test_the_stop_waits_for_a_cancel_queued_while_it_waits(
     assert executor._closed
     assert json.loads((runs_dir / run_id / "job.json").read_text())["slurm_job_id"] == job_id
     assert not live(runs_dir, run_id)
+
+
+def test_a_stale_cancelling_reason_is_dropped_when_a_server_recovers_the_run(tmp_path, scancel_left):
+    """A cancelled run's job started while its scancel failed, and that write of its record
+    carried ``cancelling`` to disk; then the server went. The cancel is kept in memory only, so
+    the next server does not end the job: its record must not say it does (the panel would hide
+    Cancel for a job that runs on)."""
+    runs = tmp_path / "runs"
+    run_id, job_id = submitted_then_stopped(runs, running=True)
+    why = {"code": "cancelling", "arg": None, "detail": f"scancel of SLURM job {job_id} asked", "holders": []}
+    edit_record(runs, run_id, reason=f"cancelling: {why['detail']}", why=why)
+    with server(runs) as again:
+        c = again.client()
+        record = c.get(run_id)
+        assert record["slurm_job_id"] == job_id and record["state"] == "running", record
+        assert (record["reason"], record["why"]) == (None, None), record
+        c.cancel(run_id)
+        assert final(c, run_id)["state"] == "cancelled"
+    assert not live(runs, run_id)

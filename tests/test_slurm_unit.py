@@ -722,6 +722,21 @@ async def test_a_job_gets_only_what_a_run_needs_of_the_server_environment(jp_ser
 
 # ----------------------------------------------------------------------------- at a stop
 
+
+async def _run_in_a_gated_sbatch(api, fakes, monkeypatch) -> dict:
+    """A no-op SLURM run submitted through the API, its ``sbatch`` (``GATED_SBATCH``) under way."""
+    from waiting import async_wait_until
+
+    (fakes.root / "sbatch").write_text(GATED_SBATCH.format(python=sys.executable, here=str(fakes.root)))
+    monkeypatch.setenv("PATH", f"{fakes.root}{os.pathsep}{os.environ['PATH']}")
+    code, rec = await api(
+        "POST", "runs", {"entrypoint": "jupyter_evalsched.examples.basic:noop", "executor": "slurm", "cwd": "/tmp"}
+    )
+    assert code == 201, rec
+    await async_wait_until(lambda: (fakes.root / "sbatch.called").exists(), timeout=20)
+    return rec
+
+
 GATED_SBATCH = """#!{python}
 # sbatch that says it was called, then answers job 77 once the test opens the gate.
 import os, sys, time
@@ -744,15 +759,7 @@ async def test_a_stop_waits_for_the_sbatch_under_way_and_sends_a_cancel_asked_me
     jobs of one run), and a cancel asked meanwhile, which waits for that id, was never sent."""
     import threading
 
-    from waiting import async_wait_until
-
-    (fakes.root / "sbatch").write_text(GATED_SBATCH.format(python=sys.executable, here=str(fakes.root)))
-    monkeypatch.setenv("PATH", f"{fakes.root}{os.pathsep}{os.environ['PATH']}")
-    code, rec = await api(
-        "POST", "runs", {"entrypoint": "jupyter_evalsched.examples.basic:noop", "executor": "slurm", "cwd": "/tmp"}
-    )
-    assert code == 201, rec
-    await async_wait_until(lambda: (fakes.root / "sbatch.called").exists(), timeout=20)
+    rec = await _run_in_a_gated_sbatch(api, fakes, monkeypatch)
     if cancel:
         code, answer = await api("POST", f"runs/{rec['id']}/cancel")
         assert code == 200, answer
@@ -769,3 +776,23 @@ async def test_a_stop_waits_for_the_sbatch_under_way_and_sends_a_cancel_asked_me
     assert record["state"] == "queued", record  # SLURM has the job: the next server tracks it
     scancels = [c["argv"] for c in fakes.calls("scancel")]
     assert scancels == ([["77"]] if cancel else []), scancels
+
+
+@pytest.mark.parametrize("evalsched_config", [{"slurm_enabled": True}])
+async def test_a_run_cancelled_while_its_sbatch_ran_says_it_is_ending_once_it_has_a_job(
+    api, evalsched, fakes, monkeypatch
+):
+    """Cancelled while ``sbatch`` ran: once the job id is known, the job is scancel'd and the
+    record says the run is ending (it said ``waiting_cpu: SLURM job 77 submitted, not yet
+    scheduled``, a job nobody would wait for)."""
+    from waiting import async_wait_until
+
+    rec = await _run_in_a_gated_sbatch(api, fakes, monkeypatch)
+    code, answer = await api("POST", f"runs/{rec['id']}/cancel")
+    assert code == 200 and answer["state"] == "queued" and answer["cancel_requested"], answer
+    (fakes.root / "gate").touch()
+    run = evalsched.get(rec["id"])
+    await async_wait_until(lambda: run.record["slurm_job_id"] == "77", timeout=20)
+    assert run.record["why"]["code"] == "cancelling", run.record
+    assert run.record["reason"].endswith("scancel of SLURM job 77 asked; it ends once SLURM says the job ended")
+    await async_wait_until(lambda: [c["argv"] for c in fakes.calls("scancel")] == [["77"]], timeout=20)

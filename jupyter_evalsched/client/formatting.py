@@ -195,6 +195,14 @@ def pending_text(record: dict, holders: int = 3) -> str:
     return text + (f"; {why['detail']}" if why.get("detail") else "")
 
 
+def running_reason_code(record: dict) -> str | None:
+    """What is ending a running run, from its ``why``: ``cancelling`` (a cancel signalled it) or
+    ``preempting``; None for any other run (a running run's reason says nothing else)."""
+    why = record.get("why")
+    code = why.get("code") if isinstance(why, dict) else None
+    return code if record.get("state") == "running" and code in ("cancelling", "preempting") else None
+
+
 def pending_head(record: dict) -> str:
     """The short form, for a progress line: ``waiting_vram, behind run train``; the code alone
     without a why (a record of an older server)."""

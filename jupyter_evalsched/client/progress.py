@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..contract import QUEUED, RUNNING, SUCCEEDED
-from .formatting import elapsed_s, format_duration, format_metrics, pending_head
+from .formatting import elapsed_s, format_duration, format_metrics, pending_head, running_reason_code
 
 if TYPE_CHECKING:
     from .handle import RunHandle
@@ -54,6 +54,8 @@ class TextProgress:
         state = rec.get("state", "?")
         if state == QUEUED and rec.get("reason"):
             state = f"queued ({pending_head(rec)})"  # the code and who holds it, without the sentence
+        elif running_reason_code(rec):
+            state = f"running ({running_reason_code(rec)})"  # it is ending: cancelled, or preempted
         elif state not in (RUNNING, SUCCEEDED) and rec.get("reason"):
             state = f"{state} ({rec['reason']})"
         metrics = format_metrics(rec, limit=3)

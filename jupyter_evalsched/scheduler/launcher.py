@@ -585,6 +585,14 @@ class Launcher:
             proc.kill_timer = self.loop.call_later(grace_s, self._kill_hard, proc)
         return True
 
+    def kill_due_in(self, run_id: str) -> float | None:
+        """Seconds until the SIGKILL of the run's group that a ``terminate`` set (the first one's:
+        a later one keeps it); None when none is set."""
+        proc = self._procs.get(run_id)
+        if proc is None or proc.kill_timer is None:
+            return None
+        return max(0.0, proc.kill_timer.when() - self.loop.time())
+
     def kill_now(self, run_id: str) -> bool:
         """SIGKILL to everything of the run at once (a run that must stop before it hurts its
         neighbours). False when it is not ours."""

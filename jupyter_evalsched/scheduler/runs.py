@@ -744,7 +744,8 @@ class RunTable:
         run.record.update(queued)
         run.done_on_disk = False
         run.cancel_requested = run.timed_out = False
-        run.kill_reason = run.preempted_by = run.started_ts = run.exited_at = None
+        # (A later cancel of this attempt names its own asker.)
+        run.kill_reason = run.preempted_by = run.started_ts = run.exited_at = run.cancelled_by = None
         run.summary_stamp = None
         self._active[run.id] = run
         self._unwritten.discard(run.id)

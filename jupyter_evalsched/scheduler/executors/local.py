@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 from ... import contract
@@ -586,12 +587,16 @@ class LocalExecutor(Executor):
             return
         grace = self.ctx.config.cancel_grace_s
         if self.launcher.terminate(run.id, grace):
-            # Running until its process has stopped: the record says it is ending, and how.
+            # Running until its process has stopped: the record says it is ending, and how. (The
+            # SIGKILL may come sooner: a timeout's or a preemption's signal set it first.)
+            due = self.launcher.kill_due_in(run.id)
+            left = round(grace if due is None else due, 1)
+            at = datetime.now(UTC) + timedelta(seconds=left)
             self.ctx.table.set_reason(
                 run,
                 contract.cancelling_why(
                     run.cancelled_by,
-                    f"SIGTERM sent to its process group; SIGKILL if it still runs {grace:g} s later",
+                    f"SIGTERM sent to its process group; SIGKILL if it still runs in {left:g} s, at {at:%H:%M:%S} UTC",
                 ),
             )
 

@@ -111,6 +111,10 @@ class SlurmExecutor(Executor):
 
     def recover(self, run: Run, done: bool) -> None:
         self._tracked[run.id] = run  # SLURM jobs outlive the server: track them again
+        if _ending(run):
+            # The cancel died with the server that took it (it is kept in memory only), though a
+            # write of the record carried its reason to disk: its job goes on.
+            self.ctx.table.set_reason(run, None)
         self._learnt = False
         if not run.record["slurm_job_id"] and run.state == QUEUED:
             self._unverified.add(run.id)
@@ -285,8 +289,10 @@ class SlurmExecutor(Executor):
             why=contract.Why(contract.WAITING_CPU, f"SLURM job {job_id} submitted, not yet scheduled"),
         )
         self._poll_soon()
-        if run.cancel_requested and not cancelled:
-            self._cancel_job(run)
+        if run.cancel_requested:  # (cancelled while sbatch ran: scancel'd there, or now)
+            if not cancelled:
+                self._cancel_job(run)
+            self._say_ending(run)
 
     def _hand_over(
         self, run: Run, run_dir: Path, spec: dict, env: dict[str, str], dep_ids: list[str]
@@ -375,13 +381,13 @@ class SlurmExecutor(Executor):
                 self._conclude(run, st)
                 changed = True
             elif st.state in ("RUNNING", "COMPLETING") and run.state == QUEUED:
-                if run.cancel_requested:  # (its reason stays: it is ending)
+                if _ending(run):  # (its reason stays: it is ending)
                     table.update(run, state=RUNNING, started_at=utcnow_iso())
                 else:
                     table.update(run, state=RUNNING, reason=None, started_at=utcnow_iso())
             elif run.state == QUEUED:
                 # (A cancelled run's reason says it is ending, not what its job waits for.)
-                why = None if run.cancel_requested else pending_why(st, uses_gpu=run.scheduling.uses_gpu)
+                why = None if _ending(run) else pending_why(st, uses_gpu=run.scheduling.uses_gpu)
                 if (why is None or not table.set_reason(run, why)) and moved:
                     table.changed(run)  # the reason stands, the state it names moved
         return changed
@@ -448,14 +454,13 @@ class SlurmExecutor(Executor):
             return  # _sbatch cancels it once sbatch answers; _learn once SLURM says whether it has its job
         self._cancel_tries.pop(run.record["slurm_job_id"], None)  # (asked again: as many tries again)
         self._cancel_job(run)
-        if not run.terminal:  # (until SLURM says its job ended, the record says it is ending)
-            self.ctx.table.set_reason(
-                run,
-                contract.cancelling_why(
-                    run.cancelled_by,
-                    f"scancel of SLURM job {run.record['slurm_job_id']} asked; it ends once SLURM says the job ended",
-                ),
-            )
+        self._say_ending(run)
+
+    def _say_ending(self, run: Run) -> None:
+        """Until SLURM says the job of a cancelled run ended, its record says it is ending (the
+        poll keeps that reason: ``_ending``)."""
+        if not run.terminal:
+            self.ctx.table.set_reason(run, _ending_why(run))
 
     def _cancel_job(self, run: Run, job_id: str | None = None) -> None:
         """Queue the scancel of the run's job (or of ``job_id``, another job of it)."""
@@ -514,8 +519,12 @@ class SlurmExecutor(Executor):
                 "named at the stop's end" if self._stopping else "sent again with the next poll",
             )
         if given_up:
-            for _, job_id in given_up:
+            for run, job_id in given_up:
                 del self._cancel_tries[job_id]
+                if _ending(run) and not run.terminal:
+                    # Its job may run on: the record no longer says it ends (the panel offers
+                    # Cancel again); a queued one's next poll says what its job waits for.
+                    self.ctx.table.set_reason(run, None)
             log.error(
                 "evalsched: scancel failed %d times (%s): gave up on the cancel of %s; those jobs may still run: "
                 "cancel the runs again, or scancel the jobs",
@@ -588,3 +597,15 @@ class SlurmExecutor(Executor):
     @property
     def tracked(self) -> int:
         return len(self._tracked)
+
+
+def _ending_why(run: Run) -> contract.Why:
+    return contract.cancelling_why(
+        run.cancelled_by,
+        f"scancel of SLURM job {run.record['slurm_job_id']} asked; it ends once SLURM says the job ended",
+    )
+
+
+def _ending(run: Run) -> bool:
+    """Whether the run's record says a cancel is ending it (``cancelling``)."""
+    return (run.record["why"] or {}).get("code") == contract.CANCELLING
