@@ -175,10 +175,18 @@ def discard_run_entry(path: Path) -> None:
 # --------------------------------------------------------------------------- writing
 
 
-def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False, mode: int = 0o600) -> None:
+def atomic_write_bytes(
+    path: Path,
+    data: bytes,
+    fsync: bool = False,
+    mode: int = 0o600,
+    before_replace: Callable[[], None] | None = None,
+) -> None:
     """Write ``path`` by a rename over it: the old entry, whatever it is (a FIFO or a link a run
     planted), is replaced, never opened. Relative to its directory, opened without following a
-    link, so a directory swapped for a link cannot redirect the write."""
+    link, so a directory swapped for a link cannot redirect the write. ``before_replace`` may
+    raise to leave ``path`` as it was, once the new content is written (``RunStore._writable``:
+    writes refused while this one waited for the disk)."""
     path = Path(path)
     # The temp name is unique per process and thread so concurrent writers never share one.
     tmp = f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_tmp_counter)}.tmp"
@@ -194,6 +202,8 @@ def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False, mode: int =
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if before_replace is not None:
+                before_replace()
             os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             try:
@@ -212,8 +222,10 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def atomic_write_json(path: Path, obj: Any, fsync: bool = False) -> None:
-    atomic_write_bytes(path, dumps(obj), fsync=fsync)
+def atomic_write_json(
+    path: Path, obj: Any, fsync: bool = False, before_replace: Callable[[], None] | None = None
+) -> None:
+    atomic_write_bytes(path, dumps(obj), fsync=fsync, before_replace=before_replace)
 
 
 def fsync_dir(path: Path) -> None:
@@ -855,6 +867,7 @@ class RunStore:
             raise StoreError(_disk_message(exc, self.root)) from exc
         try:
             self._fill(staging, files, root)
+            self._writable()  # (refused while its files waited for the disk: not put in place)
             try:
                 os.rename(staging, run_id if root is not None else final, src_dir_fd=root, dst_dir_fd=root)
             except OSError as exc:
@@ -863,7 +876,7 @@ class RunStore:
                 raise
         except BaseException as exc:
             shutil.rmtree(staging, ignore_errors=True, dir_fd=root)
-            if isinstance(exc, OSError):
+            if isinstance(exc, OSError) and not isinstance(exc, RunsDirMoved):
                 raise StoreError(_disk_message(exc, self.root)) from exc
             raise
         return final
@@ -893,13 +906,22 @@ class RunStore:
         self._writable()
         data = record if isinstance(record, bytes) else dumps(record)
         try:
-            atomic_write_bytes(self.file(run_id, contract.JOB_FILE), data, fsync=self.fsync)
+            atomic_write_bytes(
+                self.file(run_id, contract.JOB_FILE), data, fsync=self.fsync, before_replace=self._writable
+            )
+        except RunsDirMoved:
+            raise
         except OSError as exc:
             raise StoreError(_disk_message(exc, self.root)) from exc
 
     def write_shared_urls(self, run_id: str, urls: dict[str, str]) -> None:
         self._writable()
-        atomic_write_json(self.file(run_id, contract.SHARED_URLS_FILE), {"models": urls}, fsync=self.fsync)
+        atomic_write_json(
+            self.file(run_id, contract.SHARED_URLS_FILE),
+            {"models": urls},
+            fsync=self.fsync,
+            before_replace=self._writable,
+        )
 
     def mark_done(self, run_id: str) -> None:
         """``_DONE`` as the server writes it for a run it finalizes; OSError when it cannot."""
@@ -1000,7 +1022,9 @@ class RunStore:
         path = self._lease_path(lease_id)
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            atomic_write_json(path, record, fsync=self.fsync)
+            atomic_write_json(path, record, fsync=self.fsync, before_replace=self._writable)
+        except RunsDirMoved:
+            raise
         except OSError as exc:
             raise StoreError(_disk_message(exc, self.root)) from exc
 
@@ -1019,7 +1043,11 @@ class RunStore:
         self._writable()
         entries = [{"sweep_id": sweep_id, "idempotency_key": key} for sweep_id, key in sweeps]
         try:
-            atomic_write_json(self.root / CANCELLED_SWEEPS_FILE, entries, fsync=self.fsync)
+            atomic_write_json(
+                self.root / CANCELLED_SWEEPS_FILE, entries, fsync=self.fsync, before_replace=self._writable
+            )
+        except RunsDirMoved:
+            raise
         except OSError as exc:
             raise StoreError(_disk_message(exc, self.root)) from exc
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 
@@ -15,7 +16,7 @@ from waiting import async_wait_until, loop_ticker
 
 from jupyter_evalsched.scheduler import service
 from jupyter_evalsched.scheduler.errors import Unavailable
-from jupyter_evalsched.store import CANCELLED_SWEEPS_FILE, RunsDirMoved
+from jupyter_evalsched.store import CANCELLED_SWEEPS_FILE, RunsDirMoved, RunStore
 
 
 async def test_a_call_stuck_in_an_io_thread_holds_neither_the_loop_nor_the_stop(
@@ -119,3 +120,32 @@ async def _stop_while_held(ext, release: threading.Event, caplog, meanwhile=None
         ticker.cancel()
         releaser.cancel()
         release.set()
+
+
+@pytest.mark.parametrize("write", ["job.json", "run directory", "cancelled sweeps"])
+def test_a_write_refused_while_it_waited_for_the_disk_leaves_nothing(tmp_path, monkeypatch, write):
+    """Writes are refused once the stop stops waiting for them (or the runs directory moved); a
+    write already past that check, stuck in its ``fsync`` (a stalled disk) when the refusal came,
+    used to land once the disk came back, after the runs directory was released. It now checks
+    again before its rename puts anything in place: what was there stays, and nothing is left."""
+    store = RunStore(tmp_path / "runs", fsync=True)
+    store.ensure()
+    store.create("20261207T000000.000000-aaaaaa", {"job.json": b'{"state": "queued"}'})
+    before = {p.relative_to(store.root): p.read_bytes() for p in store.root.rglob("*") if p.is_file()}
+    fsync = os.fsync
+
+    def fsync_while_the_stop_refuses(fd: int) -> None:
+        store.refuse_writes("the scheduler stopped; this write came too late")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_while_the_stop_refuses)
+    with pytest.raises(RunsDirMoved, match="came too late"):
+        if write == "job.json":
+            store.write_job("20261207T000000.000000-aaaaaa", {"state": "aborted"})
+        elif write == "run directory":
+            store.assemble("20261207T000000.000000-bbbbbb", {"job.json": b"{}", "spec.json": b"{}"})
+        else:
+            store.write_cancelled_sweeps([("late-sweep", None)])
+    after = {p.relative_to(store.root): p.read_bytes() for p in store.root.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in store.root.iterdir()) == ["20261207T000000.000000-aaaaaa"]
