@@ -149,3 +149,34 @@ def test_a_write_refused_while_it_waited_for_the_disk_leaves_nothing(tmp_path, m
     after = {p.relative_to(store.root): p.read_bytes() for p in store.root.rglob("*") if p.is_file()}
     assert after == before
     assert sorted(p.name for p in store.root.iterdir()) == ["20261207T000000.000000-aaaaaa"]
+
+
+async def test_the_cgroups_removed_at_the_stop_hold_no_loop(jp_serverapp, evalsched, monkeypatch):
+    """The stop removed the runs' cgroups (the removals still queued after a churn of short runs,
+    each a reclaim that can sleep in the kernel, then the namespace) on the event loop: the whole
+    server stood still meanwhile. They are removed in a thread now, and the stop waits for them."""
+    ext = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+    local = evalsched.executors["local"]
+    release = threading.Event()
+    released: list[bool] = []
+    release_cgroups = local._release_cgroups
+
+    def slow_release(*args):
+        release.wait(20)
+        released.append(release.is_set())
+        release_cgroups(*args)
+
+    monkeypatch.setattr(local, "_release_cgroups", slow_release)
+    ticks, ticker = loop_ticker()
+    opener = asyncio.get_running_loop().call_later(1.0, release.set)
+    try:
+        began = time.monotonic()
+        await ext.stop_extension()
+        ended = time.monotonic()
+    finally:
+        ticker.cancel()
+        opener.cancel()
+        release.set()
+    # Released by a timer on the loop: only a loop that turned while the cgroups went could.
+    assert released == [True], f"the loop stood still while the cgroups were removed ({ended - began:.1f} s)"
+    assert len([t for t in ticks if began < t < ended]) >= 5
