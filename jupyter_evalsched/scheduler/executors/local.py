@@ -749,8 +749,8 @@ class LocalExecutor(Executor):
             self.zygotes.close()  # after the runs: a zygote's end is its runs' end (and its spares')
         if self._concluding:  # exits whose figures are being read: concluded before we stop
             await asyncio.gather(*list(self._concluding.values()), return_exceptions=True)
-        # In a thread: the removals still queued (hundreds, after a churn of short runs, each
-        # a reclaim that can sleep in the kernel) held the event loop, so the whole server.
+        # In a thread: the removals still queued (tens after a churn of short runs, each a
+        # reclaim that can sleep 100 ms in the kernel) held the event loop, so the whole server.
         await self.ctx.loop.run_in_executor(None, self._release_cgroups, pending, detached)
 
     def _release_cgroups(self, pending: list[RunCgroup], detached: set[str]) -> None:
