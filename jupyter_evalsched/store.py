@@ -728,6 +728,9 @@ class RunStore:
         self._pool: ThreadPoolExecutor | None = None  # a batch's directories, with fsync or a slow disk
         self._pool_lock = threading.Lock()
         self.refused: str | None = None  # why every write is refused (the directory was moved)
+        # Run directories and records put in place so far, by any thread: a stop waits for a
+        # slow disk while this moves (``RunWriter.close_within``). (Unlocked: any change says it.)
+        self.writes_done = 0
         # The runs directory as ensure() found it (the one this server locked just before): run
         # directories are made and renamed into place relative to it, so that a submission is
         # acknowledged only for a directory in it, whatever the path names meanwhile (a link).
@@ -879,6 +882,7 @@ class RunStore:
             if isinstance(exc, OSError) and not isinstance(exc, RunsDirMoved):
                 raise StoreError(_disk_message(exc, self.root)) from exc
             raise
+        self.writes_done += 1
         return final
 
     def _fill(self, staging: str | Path, files: dict[str, bytes], root: int | None) -> None:
@@ -913,6 +917,7 @@ class RunStore:
             raise
         except OSError as exc:
             raise StoreError(_disk_message(exc, self.root)) from exc
+        self.writes_done += 1
 
     def write_shared_urls(self, run_id: str, urls: dict[str, str]) -> None:
         self._writable()
@@ -939,6 +944,7 @@ class RunStore:
                 raise OSError(errno.EEXIST, str(exc)) from None
         if self.fsync:
             fsync_dir(self.run_dir(run_id))
+        self.writes_done += 1
 
     def unmark_done(self, run_id: str) -> None:
         """Remove ``_DONE`` (a run queued again: resumed or retried), durably before the record

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from waiting import async_wait_until, loop_ticker
@@ -180,3 +181,40 @@ async def test_the_cgroups_removed_at_the_stop_hold_no_loop(jp_serverapp, evalsc
     # Released by a timer on the loop: only a loop that turned while the cgroups went could.
     assert released == [True], f"the loop stood still while the cgroups were removed ({ended - began:.1f} s)"
     assert len([t for t in ticks if began < t < ended]) >= 5
+
+
+GATE = f"{Path(__file__).resolve().parent / 'evals_observed.py'}:gate"  # runs until its gate opens
+
+
+async def test_a_slow_disk_that_still_writes_is_waited_for_whole(
+    jp_serverapp, evalsched, runs_dir, tmp_path, monkeypatch, api
+):
+    """The stop's bound is for a disk that hangs, not one that is slow: each of these runs'
+    terminal records takes longer to write than a tenth of the bound, and all of them together
+    longer than the bound, yet every record is on disk when the stop returns (with a bound on the
+    whole wait, the last ones were given up on, and the next server found those runs running)."""
+    monkeypatch.setattr(service, "IO_END_WAIT_S", 1.0)
+    ext = jp_serverapp.extension_manager.extension_points["jupyter_evalsched"].app
+    ids = []
+    for _ in range(6):
+        code, rec = await api("POST", "runs", {"entrypoint": GATE, "params": {"gate": str(tmp_path / "never")}})
+        assert code == 201, rec
+        ids.append(rec["id"])
+    await async_wait_until(lambda: all(evalsched.get(i).state == "running" for i in ids), timeout=60)
+    write_job = evalsched.store.write_job
+
+    def slow_write_job(run_id, record):
+        if threading.current_thread().name == "evalsched-writer":
+            time.sleep(0.3)
+        write_job(run_id, record)
+
+    monkeypatch.setattr(evalsched.store, "write_job", slow_write_job)
+    began = time.monotonic()
+    await ext.stop_extension()
+    took = time.monotonic() - began
+    states = [json.loads((runs_dir / i / "job.json").read_bytes())["state"] for i in ids]
+    assert states == ["aborted"] * 6, (states, f"the stop took {took:.1f} s")
+    assert all((runs_dir / i / "_DONE").exists() for i in ids)
+    # Nothing is written for a stopped scheduler (a start the stop stopped waiting for goes on).
+    with pytest.raises(RunsDirMoved, match="came too late"):
+        write_job(ids[0], {"state": "queued"})

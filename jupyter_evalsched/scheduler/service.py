@@ -299,17 +299,15 @@ class Scheduler:
         if self.host is not None:
             await self.host.stop()
         # The terminal records still waiting (a large cascade's) are written by the writer's
-        # thread as it ends, while the loop goes on; a disk that hangs holds the stop (with the
-        # I/O threads below) ``IO_END_WAIT_S`` at most.
-        # No request makes a run, nor starts an I/O call, while the loop turns below.
+        # thread as it ends, while the loop goes on: as long as the disk completes writes, but a
+        # disk that hangs holds the stop ``IO_END_WAIT_S`` (then as long again for the I/O
+        # threads below) at most. No request makes a run, nor starts an I/O call, meanwhile.
         self._started = False
         self._io.shutdown(wait=False)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + IO_END_WAIT_S
         written = await self.writer.close_within(IO_END_WAIT_S)
         if written:
             self.table.flush_writes()  # (what was never queued: none where the writer ran)
-        left = await self._io.ended(max(0.0, deadline - loop.time()))
+        left = await self._io.ended(IO_END_WAIT_S)
         if not written:
             left.insert(0, "the run writer's thread (new run directories, terminal records)")
         if left:
@@ -323,7 +321,13 @@ class Scheduler:
                 ", ".join(left),
             )
         self.comparisons.close()
-        self.store.close()
+        if not left:
+            # (Left open where a thread was given up on: a write of it relative to a descriptor
+            # number that a later open reused would land in another directory.)
+            self.store.close()
+        # Nothing is written for this scheduler once it has stopped: not by a start that a stop
+        # stopped waiting for (its recovery writes by path), nor by a thread given up on.
+        self.store.refuse_writes("the scheduler stopped; this write came too late")
 
     def _compute_budgets(self) -> list[DeviceBudget]:
         if self.host is not None:

@@ -152,7 +152,8 @@ class RunWriter:
         self._queue: deque[_Create | TerminalWrite] = deque()
         self._sleeping = False
         self._kick_pending = False  # a wake of the thread is scheduled on the loop
-        self._closing = False
+        self._closing = False  # the thread ends once its queue is empty
+        self._exited = False  # it has (or was given up on): callers write on their own thread
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -162,7 +163,7 @@ class RunWriter:
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._closing = False
+        self._closing = self._exited = False
         self._thread = threading.Thread(target=self._run, name="evalsched-writer", daemon=True)
         self._thread.start()
 
@@ -177,11 +178,13 @@ class RunWriter:
         thread.join()
         self._thread = None
 
-    async def close_within(self, timeout_s: float) -> bool:
-        """``close`` without holding the loop: what is queued is written (each outcome applied on
-        the loop as usual) and the thread ends. False when it is still writing after
-        ``timeout_s`` (a disk that hangs): it goes on by itself (a daemon thread); the caller
-        refuses what it would write from then on (``RunStore.refuse_writes``)."""
+    async def close_within(self, stall_s: float) -> bool:
+        """``close`` without holding the loop: what is queued, and what is queued meanwhile, is
+        written (each outcome applied on the loop as usual) and the thread ends. A slow disk is
+        waited for as long as writes complete; False once none has for ``stall_s`` (a disk that
+        hangs): the thread is given up on (a daemon thread, it goes on by itself; later writes
+        are made by their callers), and the caller refuses what it would still write
+        (``RunStore.refuse_writes``)."""
         thread = self._thread
         if thread is None:
             return True
@@ -189,9 +192,13 @@ class RunWriter:
             self._closing = True
             self._wake.notify()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        done, deadline = self.store.writes_done, loop.time() + stall_s
         while thread.is_alive():
-            if loop.time() >= deadline:
+            if self.store.writes_done != done:
+                done, deadline = self.store.writes_done, loop.time() + stall_s
+            elif loop.time() >= deadline:
+                with self._lock:
+                    self._exited = True
                 return False
             await asyncio.sleep(0.005)
         self._thread = None
@@ -251,7 +258,8 @@ class RunWriter:
 
     def _put(self, items: tuple[_Create, ...] | list[TerminalWrite]) -> bool:
         with self._lock:
-            if self._thread is None or self._closing or self._loop is None or not self._thread.is_alive():
+            # (Queued while it closes too: it ends once its queue is empty, not before.)
+            if self._thread is None or self._exited or self._loop is None or not self._thread.is_alive():
                 return False  # (written by the caller)
             self._queue.extend(items)
             if self._sleeping and not self._kick_pending:
@@ -278,6 +286,7 @@ class RunWriter:
                     self._wake.wait()
                 self._sleeping = False
                 if not self._queue:
+                    self._exited = True  # (under the lock: nothing is queued after this look)
                     return  # closing, and nothing left
                 batch = list(self._queue)
                 self._queue.clear()
