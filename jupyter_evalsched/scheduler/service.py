@@ -304,16 +304,21 @@ class Scheduler:
         # threads below) at most. No request makes a run, nor starts an I/O call, meanwhile.
         self._started = False
         self._io.shutdown(wait=False)
+        late = "the scheduler stopped; this write came too late"
         written = await self.writer.close_within(IO_END_WAIT_S)
         if written:
             self.table.flush_writes()  # (what was never queued: none where the writer ran)
+        else:
+            # The disk hangs: from now on nothing more is written, by the writer's thread when
+            # it gets past its write, nor by a caller on the loop (it would hang there too).
+            self.store.refuse_writes(late)
         left = await self._io.ended(IO_END_WAIT_S)
         if not written:
-            left.insert(0, "the run writer's thread (new run directories, terminal records)")
+            left.insert(0, f"the run writer's thread (no write done for {IO_END_WAIT_S:g} s)")
         if left:
             # Those calls end on their own later: what they would write is refused, never written
             # after the runs directory is released (another server may hold it by then).
-            self.store.refuse_writes("the scheduler stopped; this write came too late")
+            self.store.refuse_writes(late)
             log.warning(
                 "evalsched: I/O calls under way did not end within %g s of the stop: %s; stopping all the "
                 "same (anything they would write is refused)",
@@ -326,8 +331,10 @@ class Scheduler:
             # number that a later open reused would land in another directory.)
             self.store.close()
         # Nothing is written for this scheduler once it has stopped: not by a start that a stop
-        # stopped waiting for (its recovery writes by path), nor by a thread given up on.
-        self.store.refuse_writes("the scheduler stopped; this write came too late")
+        # stopped waiting for (its recovery writes by path), nor by a thread given up on. (A
+        # moved runs directory keeps its own reason.)
+        if self.store.refused is None:
+            self.store.refuse_writes(late)
 
     def _compute_budgets(self) -> list[DeviceBudget]:
         if self.host is not None:

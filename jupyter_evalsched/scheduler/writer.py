@@ -152,6 +152,7 @@ class RunWriter:
         self._queue: deque[_Create | TerminalWrite] = deque()
         self._sleeping = False
         self._kick_pending = False  # a wake of the thread is scheduled on the loop
+        self._items_done = 0  # written or failed, by the thread (with the store's count: progress)
         self._closing = False  # the thread ends once its queue is empty
         self._exited = False  # it has (or was given up on): callers write on their own thread
         self._thread: threading.Thread | None = None
@@ -192,10 +193,10 @@ class RunWriter:
             self._closing = True
             self._wake.notify()
         loop = asyncio.get_running_loop()
-        done, deadline = self.store.writes_done, loop.time() + stall_s
+        done, deadline = self._progress(), loop.time() + stall_s
         while thread.is_alive():
-            if self.store.writes_done != done:
-                done, deadline = self.store.writes_done, loop.time() + stall_s
+            if self._progress() != done:
+                done, deadline = self._progress(), loop.time() + stall_s
             elif loop.time() >= deadline:
                 with self._lock:
                     self._exited = True
@@ -204,6 +205,11 @@ class RunWriter:
         self._thread = None
         await asyncio.sleep(0)  # (its last batch's outcomes, handed over as it ended, applied)
         return True
+
+    def _progress(self) -> tuple[int, int]:
+        """Moves while the writer gets anywhere: a write done (one directory of a batch too), or
+        an item ended, written or failed (a disk that answers each write with an error slowly)."""
+        return self.store.writes_done, self._items_done
 
     # ----------------------------------------------------------------- the loop's side
 
@@ -314,9 +320,11 @@ class RunWriter:
                 errors = [StoreBug() for _ in creates]
             for create, error in zip(creates, errors, strict=True):
                 create.error = error
+            self._items_done += len(creates)
         for item in batch:
             if isinstance(item, TerminalWrite):
                 item.make(self.store)
+                self._items_done += 1
 
 
 def _complete_all(batch: list[_Create | TerminalWrite]) -> None:
