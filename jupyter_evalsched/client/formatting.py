@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from ..contract import CANCELLING, PREEMPTING, RUNNING
+
 
 def parse_time(value: str | None) -> datetime | None:
     """An ISO 8601 time of a record (UTC assumed when it has no offset), or None."""
@@ -200,7 +202,7 @@ def running_reason_code(record: dict) -> str | None:
     ``preempting``; None for any other run (a running run's reason says nothing else)."""
     why = record.get("why")
     code = why.get("code") if isinstance(why, dict) else None
-    return code if record.get("state") == "running" and code in ("cancelling", "preempting") else None
+    return code if record.get("state") == RUNNING and code in (CANCELLING, PREEMPTING) else None
 
 
 def pending_head(record: dict) -> str:

@@ -54,8 +54,8 @@ class TextProgress:
         state = rec.get("state", "?")
         if state == QUEUED and rec.get("reason"):
             state = f"queued ({pending_head(rec)})"  # the code and who holds it, without the sentence
-        elif running_reason_code(rec):
-            state = f"running ({running_reason_code(rec)})"  # it is ending: cancelled, or preempted
+        elif ending := running_reason_code(rec):
+            state = f"running ({ending})"  # it is ending: cancelled, or preempted
         elif state not in (RUNNING, SUCCEEDED) and rec.get("reason"):
             state = f"{state} ({rec['reason']})"
         metrics = format_metrics(rec, limit=3)

@@ -319,8 +319,7 @@ class Admission:
         # What it waited for, from the record's data: a preemption stays ahead of admission's
         # reasons, a restart's reason stays until admission's; anything else is decided again.
         run.requeued_why = attempts.preemption_of(run.record)
-        code = (run.record["why"] or {}).get("code")
-        if run.requeued_why is None and code != contract.SERVER_RESTART:
+        if run.requeued_why is None and run.why_code != contract.SERVER_RESTART:
             self.table.update(run, save=False, notify=False, reason=None)
         if run.record["devices"]:  # admitted, not started, by the server that died: starts anew
             self.table.update(run, save=False, notify=False, devices=[])

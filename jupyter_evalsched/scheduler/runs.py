@@ -173,11 +173,15 @@ class Run:
         return self.record["state"] in TERMINAL_STATES
 
     @property
+    def why_code(self) -> str | None:
+        """The code of its reason as data (``why``); None without one."""
+        return (self.record["why"] or {}).get("code")
+
+    @property
     def starting(self) -> bool:
         """Admitted (its resources held) and still ``queued``, reason ``starting``: its process
         does not exist yet (``RunTable.started`` makes it ``running``)."""
-        rec = self.record
-        return rec["state"] == contract.QUEUED and (rec["why"] or {}).get("code") == contract.STARTING
+        return self.record["state"] == contract.QUEUED and self.why_code == contract.STARTING
 
 
 def new_record(

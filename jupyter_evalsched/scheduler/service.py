@@ -440,6 +440,11 @@ class Scheduler:
         if state not in (QUEUED, RUNNING):
             log.warning("evalsched: run %s has unknown state %r; left as it is", run.id, state)
             return
+        if run.why_code in (contract.PREEMPTING, contract.CANCELLING):
+            # A preemption or cancel the dead server was carrying out is no one's any more (they
+            # are kept in memory only), though a write of the record carried its reason to disk:
+            # nothing is ending the run now (a re-attached detached run, a SLURM job).
+            self.table.set_reason(run, None)
         executor = self.executors.get(run.executor)
         if executor is None:
             why = f"the {run.executor} executor is not enabled on this server any more"

@@ -665,10 +665,6 @@ class LocalExecutor(Executor):
         held, its timeout counted from its start."""
         cgroup = self.cgroups.existing(run.id, pid) if self.cgroups is not None else None
         self._clear_stop(run)  # a preemption the dead server asked for is no one's any more
-        if (run.record["why"] or {}).get("code") in (contract.PREEMPTING, contract.CANCELLING):
-            # Nor is its cancel (kept in memory only), though a write of its record carried the
-            # reason to disk: the run goes on, and its record says nothing is ending it.
-            self.ctx.table.set_reason(run, None)
         self.launcher.adopt(run.id, pid, create_time, cgroup)
         if cgroup is not None:
             self._cgroups[run.id] = cgroup

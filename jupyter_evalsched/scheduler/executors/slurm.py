@@ -111,10 +111,6 @@ class SlurmExecutor(Executor):
 
     def recover(self, run: Run, done: bool) -> None:
         self._tracked[run.id] = run  # SLURM jobs outlive the server: track them again
-        if _ending(run):
-            # The cancel died with the server that took it (it is kept in memory only), though a
-            # write of the record carried its reason to disk: its job goes on.
-            self.ctx.table.set_reason(run, None)
         self._learnt = False
         if not run.record["slurm_job_id"] and run.state == QUEUED:
             self._unverified.add(run.id)
@@ -608,4 +604,4 @@ def _ending_why(run: Run) -> contract.Why:
 
 def _ending(run: Run) -> bool:
     """Whether the run's record says a cancel is ending it (``cancelling``)."""
-    return (run.record["why"] or {}).get("code") == contract.CANCELLING
+    return run.why_code == contract.CANCELLING
